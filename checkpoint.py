@@ -1,0 +1,108 @@
+"""
+Checkpoints that survive crashes, preemption and mistakes.
+
+- save_checkpoint writes to a temp file in the same folder, fsyncs it and renames it over the
+  target, so a crash mid-save leaves the previous checkpoint intact.
+- load_checkpoint uses torch.load(weights_only=True): a checkpoint can hold tensors, numbers,
+  strings, lists and dicts, never arbitrary pickled objects. Everything we store is of that kind.
+- rng_state/set_rng_state capture every random stream a training step touches, so a resumed run
+  continues bit-for-bit where the old one stopped.
+"""
+
+import os
+import random
+import signal
+import tempfile
+
+import numpy as np
+import torch
+
+from configurator import UserError
+
+
+def save_checkpoint(path, state):
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp_path = tempfile.mkstemp(dir=folder, prefix=os.path.basename(path) + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp_path, path)
+    except BaseException:
+        if os.path.exists(tmp_path):
+            os.remove(tmp_path)
+        raise
+    # make the rename itself durable
+    dir_fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def load_checkpoint(path):
+    if not os.path.isfile(path):
+        raise UserError(f"checkpoint {path} does not exist. Check the path, or start from scratch with --init_from=scratch.")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise UserError(f"checkpoint {path} could not be read ({type(e).__name__}: {str(e).splitlines()[0][:200]}). "
+                        f"The file is corrupt or was not written by nanotrain; restore it from a backup, "
+                        f"point --init_from at another checkpoint, or start from scratch with --init_from=scratch.") from None
+
+
+def rng_state():
+    """Random streams of this process, stored as tensors/lists (loadable with weights_only=True)."""
+    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    state = {
+        "python": list(random.getstate()[1]),
+        "python_version": random.getstate()[0],
+        "python_gauss": random.getstate()[2],
+        "numpy": {"keys": torch.from_numpy(np_keys.astype(np.int64)), "pos": int(np_pos),
+                  "has_gauss": int(np_has_gauss), "gauss": float(np_gauss)},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    if torch.backends.mps.is_available():
+        state["mps"] = torch.mps.get_rng_state()
+    return state
+
+
+def set_rng_state(state):
+    random.setstate((state["python_version"], tuple(state["python"]), state["python_gauss"]))
+    n = state["numpy"]
+    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    if "mps" in state and torch.backends.mps.is_available():
+        torch.mps.set_rng_state(state["mps"])
+
+
+def check_compatible(saved, wanted, what, path):
+    """Raise a UserError listing every field where a checkpoint disagrees with the current config."""
+    diffs = [f"{k}: checkpoint has {saved.get(k)!r}, config has {wanted.get(k)!r}"
+             for k in sorted(set(saved) | set(wanted)) if saved.get(k) != wanted.get(k)]
+    if diffs:
+        raise UserError(f"the {what} of checkpoint {path} does not match the current config ("
+                        + "; ".join(diffs) + "). Set these keys to the checkpoint's values, "
+                        f"or use a different out_dir / --init_from=scratch to train a new model.")
+
+
+class StopSignal:
+    """SIGTERM/SIGINT set a flag; the training loop finishes its step, saves, and exits 143/130."""
+
+    def __init__(self):
+        self.requested = None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.requested = signum
+
+    @property
+    def exit_code(self):
+        return 128 + self.requested

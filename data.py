@@ -1,0 +1,377 @@
+"""
+Corpus preparation, tokenizers and batch sampling.
+
+Prepare a dataset once; training then reads random windows of the token files:
+
+    python data.py                  # default corpus: the Python standard library's own sources,
+                                    # BPE tokenizer (4096 tokens), cached in data/stdlib
+    python data.py --input=../shared/data/tinyshakespeare.txt --out_dir=data/shakespeare_char --tokenizer=char
+    python data.py --input=https://example.com/book.txt --out_dir=data/book --tokenizer=bpe --vocab_size=2048
+
+A prepared dataset folder holds train.bin and val.bin (token ids, uint16 when the vocabulary fits,
+else uint32, read with np.memmap), meta.json (tokenizer kind, vocab size, dtype, token counts,
+tokenizer hash) and, for bpe, tokenizer.model (sentencepiece).
+"""
+
+import argparse
+import hashlib
+import io
+import itertools
+import json
+import os
+import random
+import sysconfig
+import time
+import urllib.request
+
+import numpy as np
+import sentencepiece as spm
+import torch
+
+from configurator import UserError, install_excepthook
+
+DEFAULT_DATA_DIR = os.path.join('data', 'stdlib')
+# folders of the standard library that are not library code (test suites, installed packages)
+STDLIB_SKIP = {'test', 'tests', 'idle_test', 'site-packages', 'dist-packages', '__pycache__'}
+BPE_SEED = 1337
+BPE_MAX_LINES = 200_000  # lines of text the BPE tokenizer trains on
+
+
+def token_dtype(vocab_size):
+    return np.uint16 if vocab_size <= 2**16 else np.uint32
+
+
+# -----------------------------------------------------------------------------
+# reading the corpus
+
+def read_text(path):
+    with open(path, 'rb') as f:
+        raw = f.read()
+    try:
+        return raw.decode('utf-8')
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path} is not UTF-8 text (bad byte at offset {e.start}). "
+                        f"Convert it to UTF-8, e.g. iconv -f latin1 -t utf-8 {path}.") from None
+
+
+def text_files(folder):
+    """Every non-empty UTF-8 text file under folder (recursively, skipping hidden names), sorted by path."""
+    paths = []
+    for dirpath, dirnames, filenames in os.walk(folder):
+        dirnames[:] = [d for d in dirnames if not d.startswith('.')]
+        paths += [os.path.join(dirpath, f) for f in filenames if not f.startswith('.')]
+    texts = []
+    for path in sorted(paths):
+        with open(path, 'rb') as f:
+            raw = f.read()
+        if not raw or b'\0' in raw:  # empty or binary
+            continue
+        try:
+            texts.append(raw.decode('utf-8'))
+        except UnicodeDecodeError:
+            continue
+    return texts
+
+
+def download(url):
+    try:
+        with urllib.request.urlopen(url, timeout=60) as response:
+            return response.read().decode('utf-8')
+    except (OSError, UnicodeDecodeError) as e:  # URLError and timeouts are OSErrors
+        raise UserError(f"could not download {url}: {e}. Check the address and the connection, or "
+                        f"download the file yourself and pass its path with --input=FILE.") from None
+
+
+def read_documents(input):
+    """The corpus as a list of documents (one per file): a text file, a folder of text files, or a URL."""
+    if input.startswith(('http://', 'https://')):
+        docs = [download(input)]
+    elif os.path.isfile(input):
+        docs = [read_text(input)]
+    elif os.path.isdir(input):
+        docs = text_files(input)
+    else:
+        raise UserError(f"input {input!r} does not exist (looked relative to {os.getcwd()}). Pass a "
+                        f"text file, a folder of text files or an http(s) URL with --input=...")
+    if not any(docs):
+        raise UserError(f"input {input!r} holds no text (a folder is searched for non-empty UTF-8 "
+                        f"text files). Pass a corpus with some text in it.")
+    return docs
+
+
+def stdlib_documents():
+    """The .py sources of the running Python's standard library, without test suites, sorted by path."""
+    root = sysconfig.get_paths()['stdlib']
+    paths = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in STDLIB_SKIP]
+        paths += [os.path.join(dirpath, f) for f in filenames if f.endswith('.py')]
+    docs = []
+    for path in sorted(paths, key=lambda p: os.path.relpath(p, root)):
+        with open(path, encoding='utf-8', errors='replace') as f:
+            text = f.read()
+        if text:  # many __init__.py are empty
+            docs.append(text)
+    return docs
+
+
+def split_documents(docs, val_fraction):
+    """Cut the concatenated text at (1 - val_fraction) of its characters: the first part is train,
+    the rest val (nanoGPT's shakespeare_char split). The document spanning the cut is split in two."""
+    cut = int(sum(map(len, docs)) * (1 - val_fraction))
+    train, val, pos = [], [], 0
+    for doc in docs:
+        if pos + len(doc) <= cut:
+            train.append(doc)
+        elif pos >= cut:
+            val.append(doc)
+        else:
+            train.append(doc[:cut - pos])
+            val.append(doc[cut - pos:])
+        pos += len(doc)
+    return train, val
+
+
+# -----------------------------------------------------------------------------
+# tokenizers
+
+class CharTokenizer:
+    """One token per character; the vocabulary is the sorted set of the corpus's characters."""
+
+    def __init__(self, chars):
+        self.chars = chars
+        self.stoi = {c: i for i, c in enumerate(chars)}
+        self.vocab_size = len(chars)
+        self.eos_id = None
+
+    def encode(self, text):
+        missing = sorted(set(text) - self.stoi.keys())
+        if missing:
+            raise UserError(f"characters {''.join(missing)!r} are not in this character vocabulary "
+                            f"({self.vocab_size} characters of the training corpus). "
+                            f"Remove them from the text.")
+        return [self.stoi[c] for c in text]
+
+    def encode_documents(self, docs):
+        # vectorized: map each character's code point to its index in the sorted vocabulary
+        codes = np.frombuffer(''.join(docs).encode('utf-32-le'), dtype=np.uint32)
+        chars = np.array([ord(c) for c in self.chars], dtype=np.uint32)
+        return np.searchsorted(chars, codes)
+
+    def decode(self, ids):
+        return ''.join(self.chars[i] for i in ids)
+
+    def identity(self):
+        digest = hashlib.sha256(''.join(self.chars).encode()).hexdigest()
+        return {'vocab_size': self.vocab_size, 'hash': digest}
+
+
+class BPETokenizer:
+    """sentencepiece BPE; byte fallback makes any text encodable and decoding exact."""
+
+    def __init__(self, model_bytes):
+        self.model_bytes = model_bytes
+        self.sp = spm.SentencePieceProcessor(model_proto=model_bytes)
+        self.vocab_size = self.sp.get_piece_size()
+        self.eos_id = self.sp.eos_id()
+
+    def encode(self, text):
+        return self.sp.encode(text)
+
+    def encode_documents(self, docs):
+        """All documents as one id array with eos_id between documents, encoded on all cores."""
+        ids = self.sp.encode(docs, num_threads=os.cpu_count())
+        separated = itertools.chain.from_iterable([self.eos_id] * (i > 0) + d for i, d in enumerate(ids))
+        return np.fromiter(separated, dtype=np.int64)
+
+    def decode(self, ids):
+        return self.sp.decode(list(ids))
+
+    def identity(self):
+        return {'vocab_size': self.vocab_size, 'hash': hashlib.sha256(self.model_bytes).hexdigest()}
+
+
+def train_bpe(docs, vocab_size):
+    """Train a sentencepiece BPE model on the lines of docs; returns the model file's bytes."""
+    lines = [line for doc in docs for line in doc.split('\n') if line]
+    if len(lines) > BPE_MAX_LINES:  # a seeded sample: fast, and sentencepiece's own sample isn't reproducible
+        lines = random.Random(BPE_SEED).sample(lines, BPE_MAX_LINES)
+    model = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(lines), model_writer=model, model_type='bpe', vocab_size=vocab_size,
+            byte_fallback=True,  # unseen characters become byte tokens instead of <unk>
+            # keep text exactly as written (code: indentation, newlines, no unicode normalization)
+            normalization_rule_name='identity', remove_extra_whitespaces=False, add_dummy_prefix=False,
+            allow_whitespace_only_pieces=True, split_digits=True,
+            unk_id=0, bos_id=-1, eos_id=1, pad_id=-1,
+            num_threads=4, minloglevel=2)  # fixed: the model file records it, and its hash must not vary
+    except RuntimeError as e:  # e.g. "Vocabulary size is too high (4096). Please set it to a value <= 1234."
+        raise UserError(f"could not train a {vocab_size}-token BPE tokenizer: {e} "
+                        f"Pick another --vocab_size (byte fallback alone needs 258 tokens).") from None
+    return model.getvalue()
+
+
+# -----------------------------------------------------------------------------
+# preparing a dataset folder
+
+def read_meta(data_dir):
+    path = os.path.join(data_dir, 'meta.json')
+    if not os.path.exists(path):
+        raise UserError(f"{data_dir} is not a prepared dataset (no meta.json in it). Prepare it first: "
+                        f"python data.py --input=<text file, folder or URL> --out_dir={data_dir} "
+                        f"--tokenizer=char (or bpe), or plain `python data.py` for the default corpus "
+                        f"in {DEFAULT_DATA_DIR}.")
+    with open(path) as f:
+        return json.load(f)
+
+
+def write_dataset(docs, out_dir, tokenizer='char', vocab_size=4096, val_fraction=0.1, source=''):
+    if not 0 < val_fraction < 1:
+        raise UserError(f"val_fraction must be between 0 and 1 (got {val_fraction}), e.g. 0.1.")
+    if tokenizer not in ('char', 'bpe'):
+        raise UserError(f"unknown tokenizer {tokenizer!r}: use 'char' or 'bpe'.")
+    t0 = time.time()
+    os.makedirs(out_dir, exist_ok=True)
+    meta_path = os.path.join(out_dir, 'meta.json')
+    if os.path.exists(meta_path):
+        os.remove(meta_path)  # meta.json is written last and marks a complete dataset
+    train_docs, val_docs = split_documents(docs, val_fraction)
+    meta = {'tokenizer': tokenizer, 'source': source, 'documents': len(docs),
+            'characters': sum(map(len, docs)), 'val_fraction': val_fraction}
+    if tokenizer == 'char':
+        tok = CharTokenizer(sorted(set(''.join(docs))))  # whole text, like nanoGPT
+        meta['chars'] = tok.chars
+    else:
+        model_bytes = train_bpe(train_docs, vocab_size)  # train split only: val stays unseen
+        with open(os.path.join(out_dir, 'tokenizer.model'), 'wb') as f:
+            f.write(model_bytes)
+        tok = BPETokenizer(model_bytes)
+    dtype = token_dtype(tok.vocab_size)
+    for split, split_docs in (('train', train_docs), ('val', val_docs)):
+        ids = tok.encode_documents(split_docs).astype(dtype)
+        ids.tofile(os.path.join(out_dir, f'{split}.bin'))
+        meta[f'{split}_tokens'] = len(ids)
+    meta.update(vocab_size=tok.vocab_size, dtype=np.dtype(dtype).name, eos_id=tok.eos_id,
+                hash=tok.identity()['hash'])
+    with open(meta_path + '.tmp', 'w') as f:
+        json.dump(meta, f, indent=1, ensure_ascii=False)
+    os.replace(meta_path + '.tmp', meta_path)
+    print(f"prepared {out_dir} in {time.time() - t0:.1f}s: {meta['characters']:,} characters, "
+          f"{tokenizer} vocab {tok.vocab_size}, train {meta['train_tokens']:,} tokens, "
+          f"val {meta['val_tokens']:,} tokens")
+    return out_dir
+
+
+def prepare(input, out_dir, tokenizer='char', vocab_size=4096, val_fraction=0.1):
+    """Tokenize a text file, a folder of text files or an http(s) URL into out_dir."""
+    input = str(input)
+    return write_dataset(read_documents(input), out_dir, tokenizer, vocab_size, val_fraction, source=input)
+
+
+def prepare_default(data_dir=DEFAULT_DATA_DIR, vocab_size=4096):
+    """The default corpus (stdlib sources, BPE), prepared once; reused while the stdlib is unchanged."""
+    docs = stdlib_documents()
+    digest = hashlib.sha256('\0'.join(docs).encode()).hexdigest()
+    source = f"Python {sysconfig.get_python_version()} standard library, {len(docs)} files, sha256 {digest}"
+    if os.path.exists(os.path.join(data_dir, 'meta.json')):
+        meta = read_meta(data_dir)
+        if (meta.get('source'), meta.get('tokenizer'), meta.get('vocab_size')) == (source, 'bpe', vocab_size):
+            return data_dir
+    print(f"preparing the default corpus (the Python standard library's sources) in {data_dir}, once")
+    return write_dataset(docs, data_dir, 'bpe', vocab_size, 0.1, source)
+
+
+def load_tokenizer(data_dir):
+    meta = read_meta(data_dir)
+    if meta['tokenizer'] == 'char':
+        return CharTokenizer(meta['chars'])
+    with open(os.path.join(data_dir, 'tokenizer.model'), 'rb') as f:
+        return BPETokenizer(f.read())
+
+
+# -----------------------------------------------------------------------------
+# batch sampling
+
+class TokenBatches:
+    """Random block_size windows of a token .bin file, drawn from a seeded generator.
+
+    DDP: every rank builds this with the same seed and calls sample_offsets for the whole global
+    batch (world_size * grad_accum * micro_batch offsets), so all ranks draw the same offsets and
+    the generator state is the same everywhere (any rank's state_dict resumes all). Rank r takes
+    the contiguous slice offsets.tensor_split(world_size)[r] and splits it into grad_accum
+    micro-batches: its micro-step k is global micro-batch r * grad_accum + k, so 2 ranks x
+    grad_accum A train on exactly the samples of 1 process x grad_accum 2A."""
+
+    def __init__(self, bin_path, block_size, seed):
+        self.bin_path = bin_path
+        self.block_size = block_size
+        self.dtype = np.dtype(read_meta(os.path.dirname(bin_path) or '.')['dtype'])
+        self.n_tokens = os.path.getsize(bin_path) // self.dtype.itemsize
+        if self.n_tokens < block_size + 1:
+            raise UserError(f"{bin_path} has {self.n_tokens} tokens, fewer than block_size + 1 = "
+                            f"{block_size + 1}. Use a smaller --block_size or a bigger corpus.")
+        self.generator = torch.Generator().manual_seed(seed)
+        self.batches_drawn = 0
+
+    def sample_offsets(self, n):
+        self.batches_drawn += 1
+        return torch.randint(self.n_tokens - self.block_size, (n,), generator=self.generator)
+
+    def get(self, offsets, device='cpu'):
+        """(x, y) int64 (len(offsets), block_size); y[:, t] is the token after x[:, t]."""
+        # a fresh memmap per call: a long-lived one keeps growing in memory (nanoGPT's note)
+        data = np.memmap(self.bin_path, dtype=self.dtype, mode='r')
+        windows = np.stack([data[i:i + self.block_size + 1] for i in offsets.tolist()])
+        windows = torch.from_numpy(windows.astype(np.int64))
+        x, y = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+        if torch.device(device).type == 'cuda':  # pinned memory lets the copy overlap compute
+            x, y = x.pin_memory(), y.pin_memory()
+            return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        return x.to(device), y.to(device)
+
+    def state_dict(self):
+        return {'generator': self.generator.get_state(), 'batches_drawn': self.batches_drawn}
+
+    def load_state_dict(self, state):
+        self.generator.set_state(state['generator'])
+        self.batches_drawn = state['batches_drawn']
+
+
+def eval_offsets(n_tokens, block_size, n, seed=1234):
+    """The same n window starts at every evaluation, so successive val losses compare."""
+    if n_tokens < block_size + 1:
+        raise UserError(f"the eval split has {n_tokens} tokens, fewer than block_size + 1 = "
+                        f"{block_size + 1}. Use a smaller --block_size or a bigger corpus.")
+    return torch.randint(n_tokens - block_size, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+# -----------------------------------------------------------------------------
+
+def main(argv=None):
+    install_excepthook()
+    parser = argparse.ArgumentParser(
+        description="Tokenize a corpus into OUT_DIR/{train,val}.bin + meta.json. Without --input, "
+                    "prepares the default corpus (Python stdlib sources, BPE) in data/stdlib.",
+        allow_abbrev=False)
+    parser.add_argument('--input', help="text file, folder of text files (recursive, sorted) or http(s) URL")
+    parser.add_argument('--out_dir', help=f"dataset folder to write (without --input: {DEFAULT_DATA_DIR})")
+    parser.add_argument('--tokenizer', choices=['char', 'bpe'],
+                        help="char: one token per character (the default); bpe: sentencepiece BPE "
+                             "(the default corpus's)")
+    parser.add_argument('--vocab_size', type=int, default=4096, help="bpe vocabulary size (default: 4096)")
+    parser.add_argument('--val_fraction', type=float, default=0.1,
+                        help="last fraction of the characters kept for validation (default: 0.1)")
+    args = parser.parse_args(argv)
+    if args.input is None:
+        if args.tokenizer == 'char':
+            parser.error("the default corpus uses --tokenizer=bpe; pass --input=... for another corpus")
+        prepare_default(args.out_dir or DEFAULT_DATA_DIR, args.vocab_size)
+    elif args.out_dir is None:
+        parser.error("--out_dir is required with --input, e.g. --out_dir=data/mycorpus")
+    else:
+        prepare(args.input, args.out_dir, args.tokenizer or 'char', args.vocab_size, args.val_fraction)
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,317 @@
+"""
+Everything about the device a training step runs on: which device and precision, autocast,
+fp16 loss scaling, memory pressure, out-of-memory recovery, fault injection and step timing.
+
+Works the same on CUDA, Apple MPS and CPU, so the training scripts need no device branches.
+"""
+
+import gc
+import math
+import os
+import sys
+import time
+from collections import defaultdict
+from contextlib import contextmanager, nullcontext
+
+import torch
+
+from configurator import UserError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def pick_device(device="auto"):
+    """'auto' -> cuda if present, else mps, else cpu. An explicit device must exist here."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    kind, _, index = device.partition(":")
+    available = {"cpu": True, "cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
+    if kind not in available:
+        raise UserError(f"device={device!r} is not a device nanotrain knows; use 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'.")
+    if not available[kind] or (kind == "cuda" and index and int(index) >= torch.cuda.device_count()):
+        raise UserError(f"device={device!r} was requested but is not available on this machine "
+                        f"(auto would pick {pick_device()!r}); set --device=auto or a device that exists.")
+    return device
+
+
+def bf16_supported(device):
+    kind = device.split(":")[0]
+    if kind == "cuda":  # without emulation: pre-Ampere GPUs emulate bf16 slowly, fp16 + scaling is faster there
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    if kind == "mps":
+        return torch.backends.mps.is_macos_or_newer(14, 0)
+    return True
+
+
+def pick_dtype(device, dtype="auto"):
+    """'auto' -> on GPUs bfloat16 where supported, else float16 (which needs GradScaler); on CPU
+    float32, because CPU autocast to bf16 is many times slower without AMX/AVX512-BF16 units."""
+    if dtype == "auto":
+        if device.split(":")[0] == "cpu":
+            return torch.float32
+        return torch.bfloat16 if bf16_supported(device) else torch.float16
+    if dtype not in DTYPES:
+        raise UserError(f"dtype={dtype!r} is not supported; use 'auto', {', '.join(map(repr, DTYPES))}.")
+    if dtype == "bfloat16" and not bf16_supported(device):
+        raise UserError(f"dtype='bfloat16' is not supported on {device} here; use --dtype=float16 "
+                        f"(loss scaling is automatic) or --dtype=float32.")
+    return DTYPES[dtype]
+
+
+def autocast_context(device, dtype):
+    """A reusable context manager: `with ctx:` may be entered any number of times."""
+    if dtype == torch.float32:
+        return nullcontext()
+    return torch.autocast(device_type=device.split(":")[0], dtype=dtype)
+
+
+def _f32(x):
+    """Round to float32, as torch's GradScaler keeps its scale in a float32 tensor."""
+    return torch.tensor(x, dtype=torch.float32).item()
+
+
+class GradScaler:
+    """Dynamic loss scaling for float16, with torch.amp.GradScaler's API and arithmetic, on any
+    device (MPS included). The loss is multiplied by `scale` so small fp16 gradients do not flush to
+    zero; before the optimizer step the gradients are divided back (once per step: after an explicit
+    unscale_, step does not unscale again). If any gradient is inf/nan the step is skipped and the
+    scale multiplied by backoff_factor; after growth_interval clean steps in a row it is multiplied
+    by growth_factor. Disabled (bf16/fp32), every method passes straight through."""
+
+    def __init__(self, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000, enabled=True):
+        self.enabled = enabled
+        self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
+        self._scale = _f32(init_scale)
+        self._growth_tracker = 0  # clean steps since the last growth or backoff
+        self._found_inf = {}  # id(optimizer) -> whether its grads had inf/nan, for optimizers unscaled this step
+        self._stepped = set()
+        self.skipped = False  # did the last update() see inf/nan gradients (that step was skipped)
+
+    def is_enabled(self):
+        return self.enabled
+
+    def get_scale(self):
+        return self._scale if self.enabled else 1.0
+
+    def scale(self, loss):
+        # float32 so that a float16 loss times 65536 does not overflow before backward
+        return loss.float() * self._scale if self.enabled else loss
+
+    def unscale_(self, optimizer):
+        if not self.enabled:
+            return
+        if id(optimizer) in self._stepped:
+            raise RuntimeError("unscale_() is being called after step().")
+        if id(optimizer) in self._found_inf:
+            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        self._found_inf[id(optimizer)] = False
+        if grads:  # check before dividing, like torch; one device sync for all gradients
+            self._found_inf[id(optimizer)] = not torch.stack([g.isfinite().all() for g in grads]).all().item()
+            torch._foreach_mul_(grads, _f32(1.0 / self._scale))
+
+    def step(self, optimizer):
+        if not self.enabled:
+            return optimizer.step()
+        if id(optimizer) in self._stepped:
+            raise RuntimeError("step() has already been called since the last update().")
+        if id(optimizer) not in self._found_inf:
+            self.unscale_(optimizer)
+        self._stepped.add(id(optimizer))
+        if not self._found_inf[id(optimizer)]:
+            return optimizer.step()
+
+    def update(self):
+        if not self.enabled:
+            return
+        if not self._found_inf:
+            raise RuntimeError("GradScaler.update() was called without unscale_()/step() in this iteration.")
+        self.skipped = any(self._found_inf.values())
+        if self.skipped:
+            self._scale, self._growth_tracker = _f32(self._scale * self.backoff_factor), 0
+        else:
+            self._growth_tracker += 1
+            if self._growth_tracker == self.growth_interval:
+                grown = _f32(self._scale * self.growth_factor)
+                if math.isfinite(grown):  # float32 overflow: keep the old scale
+                    self._scale = grown
+                self._growth_tracker = 0
+        self._found_inf, self._stepped = {}, set()
+
+    def state_dict(self):
+        """Same keys as torch.amp.GradScaler.state_dict(), so checkpoints load into either."""
+        if not self.enabled:
+            return {}
+        return {"scale": self._scale, "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
+                "growth_interval": self.growth_interval, "_growth_tracker": self._growth_tracker}
+
+    def load_state_dict(self, state):
+        # an empty state comes from a run without fp16 (e.g. bf16 on another machine): keep the
+        # initial scale, it finds its level within a few steps (torch raises here instead)
+        if not self.enabled or not state:
+            return
+        self._scale, self._growth_tracker = _f32(state["scale"]), state["_growth_tracker"]
+        self.growth_factor, self.backoff_factor = state["growth_factor"], state["backoff_factor"]
+        self.growth_interval = state["growth_interval"]
+
+
+# ---------------------------------------------------------------------------- memory
+
+
+def synchronize(device):
+    kind = device.split(":")[0]
+    if kind == "cuda":
+        torch.cuda.synchronize(device)
+    elif kind == "mps":
+        torch.mps.synchronize()
+
+
+def free_memory(device):
+    """Collect unreachable tensors (reference cycles) and return cached blocks to the driver."""
+    gc.collect()
+    kind = device.split(":")[0]
+    if kind == "cuda":
+        torch.cuda.empty_cache()
+    elif kind == "mps":
+        torch.mps.empty_cache()
+
+
+def emergency_free_memory(device):
+    """free_memory after waiting for queued kernels, so the temporaries they hold are freed too."""
+    synchronize(device)
+    free_memory(device)
+
+
+def _max_rss_bytes():
+    import resource  # not on Windows; only needed for cpu
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024  # macOS reports bytes, Linux KiB
+
+
+def memory_usage(device):
+    """Fraction of the device's memory in use, 0..1."""
+    kind = device.split(":")[0]
+    if kind == "cuda":  # whole-device view: other processes' memory also pushes us towards OOM
+        free, total = torch.cuda.mem_get_info(device)
+        return 1.0 - free / total
+    if kind == "mps":
+        return torch.mps.current_allocated_memory() / torch.mps.recommended_max_memory()
+    if os.path.exists("/proc/meminfo"):  # cpu on Linux: system-wide, what the OOM killer looks at
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) for line in f}
+        return 1.0 - info["MemAvailable"] / info["MemTotal"]
+    return _max_rss_bytes() / (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+PRESSURE_LEVELS = ((0.60, "low"), (0.75, "moderate"), (0.85, "high"), (math.inf, "critical"))
+
+
+def pressure_level(fraction):
+    """low < 60% <= moderate < 75% <= high < 85% <= critical"""
+    return next(name for limit, name in PRESSURE_LEVELS if fraction < limit)
+
+
+class MemoryMonitor:
+    """check() reads memory pressure and frees memory before it becomes an OOM: cached blocks at
+    'high', an emergency cleanup at 'critical'. Time spent in check() is added to overhead_s so the
+    cost of monitoring is visible. usage_fn/cleanup/emergency_cleanup are injectable for tests."""
+
+    def __init__(self, device, usage_fn=None, cleanup=None, emergency_cleanup=None):
+        self.usage_fn = usage_fn or (lambda: memory_usage(device))
+        self.cleanup = cleanup or (lambda: free_memory(device))
+        self.emergency_cleanup = emergency_cleanup or (lambda: emergency_free_memory(device))
+        self.level, self.usage = "low", 0.0
+        self.checks, self.overhead_s = 0, 0.0
+
+    def check(self):
+        t0 = time.perf_counter()
+        self.usage = self.usage_fn()
+        self.level = pressure_level(self.usage)
+        if self.level == "high":
+            self.cleanup()
+        elif self.level == "critical":
+            self.emergency_cleanup()
+        self.checks += 1
+        self.overhead_s += time.perf_counter() - t0
+        return self.level
+
+
+def peak_memory_bytes(device):
+    """cuda: peak allocated by tensors; mps: current driver allocation (MPS has no peak counter);
+    cpu: peak resident set size of this process."""
+    kind = device.split(":")[0]
+    if kind == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    if kind == "mps":
+        return torch.mps.driver_allocated_memory()
+    return _max_rss_bytes()
+
+
+# ---------------------------------------------------------------------------- OOM recovery and faults
+
+
+def is_oom(exc):
+    # MPS raises a plain RuntimeError("MPS backend out of memory ...")
+    return isinstance(exc, torch.OutOfMemoryError) or (isinstance(exc, RuntimeError) and "out of memory" in str(exc))
+
+
+def halve_micro_batch(batch_size, grad_accum):
+    """After an OOM: half the micro-batch, twice the accumulation, the same global batch."""
+    if batch_size == 1:
+        raise UserError("out of memory with micro-batch size 1, so it cannot shrink further. Lower block_size, "
+                        "use a smaller model, set activation_checkpointing=True, or use a device with more memory.")
+    if batch_size % 2:
+        raise UserError(f"out of memory with micro-batch size {batch_size}; halving an odd size would change the "
+                        f"global batch ({batch_size} x {grad_accum} accumulation steps). Set batch_size to a power "
+                        f"of two (and raise gradient_accumulation_steps to keep the global batch), or lower it yourself.")
+    return batch_size // 2, grad_accum * 2
+
+
+_fired_faults = set()
+
+
+def fault_at(name, step):
+    """Test hook: True once per process when env NANOTRAIN_FAULT (e.g. "oom@3,nan@5") names
+    f"{name}@{step}". Once, so that a retried step (after an injected OOM) can succeed."""
+    fault = f"{name}@{step}"
+    if fault in _fired_faults or fault not in os.environ.get("NANOTRAIN_FAULT", "").replace(" ", "").split(","):
+        return False
+    _fired_faults.add(fault)
+    return True
+
+
+# ---------------------------------------------------------------------------- profiling
+
+
+class StepProfiler:
+    """Wall time of the parts of a training step: `with prof.section('forward'): ...`.
+    On GPUs the device is synchronized at both ends of a section, otherwise asynchronous kernels
+    would be billed to whichever section waits for them; that costs some overlap, so profile only
+    when asked (enabled=False makes sections free no-ops)."""
+
+    def __init__(self, device, enabled=True):
+        self.device, self.enabled = device, enabled
+        self.seconds, self.calls = defaultdict(float), defaultdict(int)
+
+    def section(self, name):
+        return self._timed(name) if self.enabled else nullcontext()
+
+    @contextmanager
+    def _timed(self, name):
+        synchronize(self.device)
+        t0 = time.perf_counter()
+        yield
+        synchronize(self.device)
+        self.seconds[name] += time.perf_counter() - t0
+        self.calls[name] += 1
+
+    def throughput(self, tokens):
+        """tokens per second of profiled time in the current window (call before summary())."""
+        total = sum(self.seconds.values())
+        return tokens / total if total else 0.0
+
+    def summary(self):
+        """{section: mean ms per call} since the last summary(); starts a new window (one per log line)."""
+        result = {name: 1000 * self.seconds[name] / self.calls[name] for name in self.seconds}
+        self.seconds, self.calls = defaultdict(float), defaultdict(int)
+        return result

@@ -1,0 +1,376 @@
+"""
+A GPT language model in plain PyTorch, nanoGPT style, with the common modern options:
+RoPE or learned positions, RMSNorm or LayerNorm, GELU / SwiGLU / ReLU^2 MLP, QK-norm,
+logit soft-capping, tied embeddings, activation checkpointing and KV-cache generation.
+"""
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from configurator import UserError
+
+CHOICES = dict(pos_emb=('rope', 'learned'), norm=('rmsnorm', 'layernorm'), mlp=('gelu', 'swiglu', 'relu2'))
+
+
+@dataclass
+class GPTConfig:
+    block_size: int = 256
+    vocab_size: int = 4096
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 256
+    dropout: float = 0.0
+    bias: bool = False             # biases in Linear layers and LayerNorm
+    pos_emb: str = 'rope'          # 'rope' | 'learned'
+    norm: str = 'rmsnorm'          # 'rmsnorm' | 'layernorm'
+    mlp: str = 'gelu'              # 'gelu' | 'swiglu' | 'relu2' (ReLU squared)
+    tie_embeddings: bool = True    # lm_head shares the token embedding matrix
+    qk_norm: bool = False          # normalize queries and keys per head before attention
+    logit_softcap: float = 0.0     # logits = cap * tanh(logits / cap); 0 turns it off
+    rope_theta: float = 10000.0
+    zero_init_proj: bool = False   # residual output projections start at zero
+
+    def __post_init__(self):
+        for key, valid in CHOICES.items():
+            if getattr(self, key) not in valid:
+                raise UserError(f"model config: {key}={getattr(self, key)!r} is not supported; "
+                                 f"set {key} to one of {', '.join(map(repr, valid))}.")
+        if self.n_embd % self.n_head:
+            raise UserError(f"model config: n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
+                             f"choose n_embd as a multiple of n_head.")
+        if self.pos_emb == 'rope' and (self.n_embd // self.n_head) % 2:
+            raise UserError(f"model config: RoPE needs an even head size but n_embd/n_head = "
+                             f"{self.n_embd // self.n_head}; change n_embd or n_head, or use pos_emb='learned'.")
+        if self.logit_softcap < 0:
+            raise UserError(f"model config: logit_softcap={self.logit_softcap} must be >= 0 (0 turns it off).")
+
+
+def make_norm(config, dim):
+    if config.norm == 'rmsnorm':
+        return nn.RMSNorm(dim, eps=1e-6)
+    return nn.LayerNorm(dim, bias=config.bias)
+
+
+def rope_cos_sin(block_size, head_dim, theta):
+    """cos/sin of the rotation angles, (block_size, head_dim // 2); frequency i is theta**(-2i/head_dim)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(block_size, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x, cos, sin):
+    """Rotate (x[..., i], x[..., i + D/2]) pairs of x (B, H, T, D) by position-dependent angles."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
+
+
+def attend(q, k, v, dropout_p=0.0, causal=True):
+    """(B, H, Tq, D) queries over (B, H, Tk, D) keys/values. The one place attention is computed,
+    so masks (e.g. document ids for packed sequences) can be added here."""
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal)
+
+
+class KVCache:
+    """One layer's keys and values of the tokens seen so far, preallocated to max_len positions."""
+
+    def __init__(self, max_len):
+        self.max_len = max_len
+        self.k = self.v = None
+        self.len = 0
+
+    def update(self, k, v):
+        """Append (B, H, T, D) keys/values; return all cached ones (views, no copy)."""
+        if self.k is None:
+            B, H, _, D = k.shape
+            self.k = k.new_empty(B, H, self.max_len, D)
+            self.v = v.new_empty(B, H, self.max_len, D)
+        T = k.size(2)
+        self.k[:, :, self.len:self.len + T] = k
+        self.v[:, :, self.len:self.len + T] = v
+        self.len += T
+        return self.k[:, :, :self.len], self.v[:, :, :self.len]
+
+
+class CausalSelfAttention(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.n_head = config.n_head
+        self.head_dim = config.n_embd // config.n_head
+        self.dropout = config.dropout
+        # separate q/k/v projections so each can be targeted (e.g. by LoRA) by name
+        self.q = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.k = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.v = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.q_norm = make_norm(config, self.head_dim) if config.qk_norm else None
+        self.k_norm = make_norm(config, self.head_dim) if config.qk_norm else None
+        self.resid_drop = nn.Dropout(config.dropout)
+
+    def forward(self, x, rope=None, cache=None):
+        B, T, C = x.shape
+        q, k, v = (proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        causal = True
+        if cache is not None:
+            # generate() only prefills an empty cache or appends a single token; that token attends to
+            # every cached key (is_causal would align the mask top-left and hide all but the first)
+            causal = cache.len == 0
+            k, v = cache.update(k, v)
+        y = attend(q, k, v, self.dropout if self.training else 0.0, causal)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_drop(self.proj(y))
+
+
+def mlp_hidden_size(config):
+    if config.mlp == 'swiglu':
+        # 2/3 of 4*n_embd keeps the parameter count of a 4x MLP with its extra gate; round up to 64
+        return 64 * math.ceil(8 * config.n_embd / 3 / 64)
+    return 4 * config.n_embd
+
+
+class MLP(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.kind = config.mlp
+        hidden = mlp_hidden_size(config)
+        self.fc = nn.Linear(config.n_embd, hidden, bias=config.bias)
+        self.gate = nn.Linear(config.n_embd, hidden, bias=config.bias) if config.mlp == 'swiglu' else None
+        self.proj = nn.Linear(hidden, config.n_embd, bias=config.bias)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.kind == 'swiglu':
+            h = F.silu(self.gate(x)) * h
+        elif self.kind == 'relu2':
+            h = F.relu(h).square()
+        else:
+            h = F.gelu(h)
+        return self.drop(self.proj(h))
+
+
+class Block(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.ln_1 = make_norm(config, config.n_embd)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = make_norm(config, config.n_embd)
+        self.mlp = MLP(config)
+
+    def forward(self, x, rope=None, cache=None):
+        x = x + self.attn(self.ln_1(x), rope, cache)
+        return x + self.mlp(self.ln_2(x))
+
+
+# Dense (no sparsity) bf16/fp16 tensor-core peak FLOP/s per GPU, from NVIDIA datasheets. Matched
+# case-insensitively as a substring of torch.cuda.get_device_name(); first match wins, so more
+# specific names come before their prefixes (H100 NVL/PCIe before H100, A100/A10G before A10,
+# L40S/L40 before L4). GeForce cards are listed at their fp32-accumulate rate, which PyTorch uses.
+PEAK_FLOPS = [
+    ('GH200', 989e12),
+    ('H200', 989e12),
+    ('H100 NVL', 835e12),
+    ('H100 PCIe', 756e12),
+    ('H100', 989e12),        # SXM, reported as e.g. "NVIDIA H100 80GB HBM3"
+    ('A100', 312e12),
+    ('A10G', 125e12),        # AWS publishes none; the A10 datasheet figure
+    ('A10', 125e12),
+    ('L40S', 362e12),
+    ('L40', 181e12),
+    ('L4', 121e12),
+    ('A6000', 154.8e12),
+    ('RTX 4090', 165.2e12),
+    ('RTX 3090', 71e12),
+    ('V100S', 130e12),
+    ('V100-PCIE', 112e12),
+    ('V100', 125e12),        # SXM2
+    ('T4', 65e12),
+]
+
+
+def peak_flops(device_name):
+    """Peak dense bf16/fp16 FLOP/s of the named GPU, or None when unknown (CPU, MPS, unlisted GPUs)."""
+    name = device_name.lower()
+    return next((flops for key, flops in PEAK_FLOPS if key.lower() in name), None)
+
+
+def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
+    """Pick the next token (B, 1) from last-position logits (B, V). temperature 0 is greedy;
+    top_k keeps the k most likely tokens, top_p the smallest set whose probability reaches top_p."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+        logits = logits.masked_fill(logits < kth, float('-inf'))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = F.softmax(sorted_logits, dim=-1)
+        drop = probs.cumsum(dim=-1) - probs >= top_p  # the mass before this token already reaches top_p
+        drop[:, 0] = False
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float('-inf')))
+    return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1, generator=generator)
+
+
+class GPT(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.activation_checkpointing = False  # runtime switch, not part of the config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            drop=nn.Dropout(config.dropout),
+            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            ln_f=make_norm(config, config.n_embd),
+        ))
+        if config.pos_emb == 'learned':
+            self.transformer.wpe = nn.Embedding(config.block_size, config.n_embd)
+        else:
+            # derived from the config, so not saved: the state dict holds only trained weights
+            cos, sin = rope_cos_sin(config.block_size, config.n_embd // config.n_head, config.rope_theta)
+            self.register_buffer('rope_cos', cos, persistent=False)
+            self.register_buffer('rope_sin', sin, persistent=False)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.transformer.wte.weight = self.lm_head.weight
+
+        self.apply(self._init_weights)
+        # each layer adds two residual projections into the stream: scale their init by 1/sqrt(2*n_layer) (GPT-2)
+        for name, p in self.named_parameters():
+            if name.endswith('.proj.weight'):
+                if config.zero_init_proj:
+                    nn.init.zeros_(p)
+                else:
+                    nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def model_args(self):
+        return dataclasses.asdict(self.config)
+
+    def get_num_params(self, non_embedding=True):
+        """Parameter count. non_embedding=True leaves out pure lookup tables (position embeddings,
+        and the token embeddings unless they are tied to lm_head, whose matmul is real work)."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            if self.config.pos_emb == 'learned':
+                n -= self.transformer.wpe.weight.numel()
+            if not self.config.tie_embeddings:
+                n -= self.transformer.wte.weight.numel()
+        return n
+
+    def hidden_states(self, idx, caches=None):
+        """Final normalized hidden states (B, T, n_embd). With caches (one KVCache per layer) the
+        tokens continue the cached sequence and their keys/values are appended."""
+        B, T = idx.shape
+        start = caches[0].len if caches else 0
+        if start + T > self.config.block_size:
+            raise ValueError(f"model.py: got {start + T} tokens but block_size is {self.config.block_size}; "
+                             f"crop the input to its last {self.config.block_size} tokens.")
+        x = self.transformer.wte(idx)
+        rope = None
+        if self.config.pos_emb == 'learned':
+            x = x + self.transformer.wpe(torch.arange(start, start + T, device=idx.device))
+        else:
+            rope = (self.rope_cos[start:start + T], self.rope_sin[start:start + T])
+        x = self.transformer.drop(x)
+        recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
+        for i, block in enumerate(self.transformer.h):
+            if recompute:
+                # keep only block inputs; rerun the block in backward (RNG state is replayed for dropout)
+                x = checkpoint(block, x, rope, use_reentrant=False)
+            else:
+                x = block(x, rope, caches[i] if caches else None)
+        return self.transformer.ln_f(x)
+
+    def logits(self, h):
+        logits = self.lm_head(h)
+        cap = self.config.logit_softcap
+        if cap > 0:
+            logits = cap * torch.tanh(logits / cap)
+        return logits
+
+    def forward(self, idx, targets=None):
+        """idx (B, T) with T <= block_size -> (logits (B, T, V), mean cross-entropy over targets != -100
+        or None). Logits are returned for every position either way."""
+        logits = self.logits(self.hidden_states(idx))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-100)
+        return logits, loss
+
+    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
+        """AdamW with weight decay on the matmul weights only: norms, biases and embeddings
+        (including a tied lm_head, which is the token embedding) are not decayed."""
+        embeddings = {id(m.weight) for m in self.modules() if isinstance(m, nn.Embedding)}
+        params = [p for p in self.parameters() if p.requires_grad]
+        decay = [p for p in params if p.dim() >= 2 and id(p) not in embeddings]
+        no_decay = [p for p in params if p.dim() < 2 or id(p) in embeddings]
+        print(f"num decayed parameter tensors: {len(decay)}, with {sum(p.numel() for p in decay):,} parameters")
+        print(f"num non-decayed parameter tensors: {len(no_decay)}, with {sum(p.numel() for p in no_decay):,} parameters")
+        fused = device_type == 'cuda'
+        print(f"using fused AdamW: {fused}")
+        groups = [dict(params=decay, weight_decay=weight_decay), dict(params=no_decay, weight_decay=0.0)]
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
+
+    def flops_per_token(self):
+        """Training FLOPs per token (forward + backward): 6N for the matmuls plus attention over block_size."""
+        c = self.config
+        return 6 * self.get_num_params() + 12 * c.n_layer * c.n_head * (c.n_embd // c.n_head) * c.block_size
+
+    def estimate_mfu(self, tokens_per_sec, device_name=None):
+        """Model FLOPs utilization: achieved FLOP/s per device over the device's peak bf16 FLOP/s.
+        tokens_per_sec is per device. device_name is torch.cuda.get_device_name() of the training GPU
+        or 'cpu'/'mps' (None: the current CUDA device, if any). Returns None for unknown devices."""
+        if device_name is None:
+            device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'
+        peak = peak_flops(device_name)
+        if peak is None:
+            return None
+        return self.flops_per_token() * tokens_per_sec / peak
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, use_kv_cache=True,
+                 eos_id=None, generator=None):
+        """Extend idx (B, T) by up to max_new_tokens tokens; call model.eval() first. Each step sees at most
+        the last block_size tokens. With eos_id, finished rows are padded with eos_id and generation
+        stops once every row has produced it. The KV cache gives the same tokens as use_kv_cache=False."""
+        block_size = self.config.block_size
+        done = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
+        caches = None
+        for _ in range(max_new_tokens):
+            if not use_kv_cache:
+                h = self.hidden_states(idx[:, -block_size:])
+            elif caches is None or idx.size(1) > block_size:
+                # (re)prefill: at the start, and at every step once the window slides, because every
+                # cached position then shifts by one and cached keys/values no longer apply
+                caches = [KVCache(block_size) for _ in self.transformer.h]
+                h = self.hidden_states(idx[:, -block_size:], caches)
+            else:
+                h = self.hidden_states(idx[:, -1:], caches)
+            next_token = sample_next(self.logits(h[:, -1]), temperature, top_k, top_p, generator)
+            if eos_id is not None:
+                next_token = next_token.masked_fill(done[:, None], eos_id)
+                done |= next_token[:, 0] == eos_id
+            idx = torch.cat([idx, next_token], dim=1)
+            if eos_id is not None and done.all():
+                break
+        return idx

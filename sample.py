@@ -1,0 +1,54 @@
+"""
+Generate from a trained checkpoint: `python sample.py --out_dir=out --start="def main("`.
+"""
+
+import os
+
+import torch
+
+from checkpoint import load_checkpoint
+from configurator import UserError, configure
+from data import load_tokenizer
+from memory import autocast_context, pick_device, pick_dtype
+from model import GPT, GPTConfig
+
+# -----------------------------------------------------------------------------
+out_dir = 'out'              # folder of the run to sample from
+ckpt_name = 'ckpt.pt'        # 'ckpt.pt' (latest) or 'best.pt'
+data_dir = ''                # tokenizer folder; '' = the one recorded in the checkpoint
+start = '\n'                 # prompt text, or 'FILE:path.txt' to read it from a file
+num_samples = 1
+max_new_tokens = 300
+temperature = 0.8            # 0 = greedy
+top_k = 50                   # 0 = off
+top_p = 0.0                  # nucleus sampling; 0 = off
+use_kv_cache = True
+seed = 1337
+device = 'auto'
+dtype = 'auto'
+# -----------------------------------------------------------------------------
+configure(globals())
+
+device = pick_device(device)
+autocast = autocast_context(device, pick_dtype(device, dtype))
+ckpt_path = os.path.join(out_dir, ckpt_name)
+ckpt = load_checkpoint(ckpt_path)
+model = GPT(GPTConfig(**ckpt['model_args']))
+model.load_state_dict(ckpt['model'])
+model.eval().to(device)
+tokenizer = load_tokenizer(data_dir or ckpt['data_dir'])
+if tokenizer.identity() != ckpt['tokenizer']:
+    raise UserError(f"the tokenizer in {data_dir or ckpt['data_dir']} is not the one {ckpt_path} was trained with. "
+                    f"Pass --data_dir=<the dataset folder used for training>.")
+
+if start.startswith('FILE:'):
+    with open(start[5:], encoding='utf-8') as f:
+        start = f.read()
+prompt = torch.tensor([tokenizer.encode(start)], dtype=torch.long, device=device)
+generator = torch.Generator(device=device).manual_seed(seed)
+with torch.no_grad(), autocast:
+    for _ in range(num_samples):
+        out = model.generate(prompt, max_new_tokens, temperature=temperature, top_k=top_k or None,
+                             top_p=top_p or None, use_kv_cache=use_kv_cache, generator=generator)
+        print(tokenizer.decode(out[0].tolist()))
+        print('---------------')

@@ -1,0 +1,89 @@
+import os
+import random
+import signal
+
+import numpy as np
+import pytest
+import torch
+
+from checkpoint import StopSignal, check_compatible, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from configurator import UserError
+
+
+def test_save_load_round_trip(tmp_path):
+    path = tmp_path / 'ckpt.pt'
+    state = {'model': {'w': torch.randn(3, 4)}, 'iter_num': 7, 'config': {'lr': 1e-3, 'name': 'x', 'none': None}}
+    save_checkpoint(path, state)
+    loaded = load_checkpoint(path)
+    assert torch.equal(loaded['model']['w'], state['model']['w'])
+    assert loaded['iter_num'] == 7 and loaded['config'] == state['config']
+    assert os.listdir(tmp_path) == ['ckpt.pt']  # no temp files left behind
+
+
+@pytest.mark.parametrize('fail_in', ['torch.save', 'os.replace'])
+def test_crash_during_save_keeps_previous_checkpoint(tmp_path, monkeypatch, fail_in):
+    path = tmp_path / 'ckpt.pt'
+    save_checkpoint(path, {'iter_num': 1, 'w': torch.ones(1000)})
+
+    def crash(obj, f, *args, **kwargs):  # write half a file, then die
+        f.write(b'partial garbage' * 100)
+        raise KeyboardInterrupt('killed mid-save')
+
+    if fail_in == 'torch.save':
+        monkeypatch.setattr(torch, 'save', crash)
+    else:
+        monkeypatch.setattr(os, 'replace', lambda *a: (_ for _ in ()).throw(OSError('disk gone')))
+    with pytest.raises((KeyboardInterrupt, OSError)):
+        save_checkpoint(path, {'iter_num': 2, 'w': torch.zeros(1000)})
+    monkeypatch.undo()
+    assert load_checkpoint(path)['iter_num'] == 1
+    assert os.listdir(tmp_path) == ['ckpt.pt']
+
+
+def test_load_errors_are_user_errors(tmp_path):
+    with pytest.raises(UserError, match='does not exist'):
+        load_checkpoint(tmp_path / 'nope.pt')
+    bad = tmp_path / 'bad.pt'
+    bad.write_bytes(b'\x00garbage')
+    with pytest.raises(UserError, match='corrupt'):
+        load_checkpoint(bad)
+
+
+def test_weights_only_refuses_arbitrary_objects(tmp_path):
+    path = tmp_path / 'evil.pt'
+    torch.save({'obj': object()}, path)
+    with pytest.raises(UserError):
+        load_checkpoint(path)
+
+
+def test_rng_state_round_trip_through_checkpoint(tmp_path):
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    np.random.randn()  # leaves a cached gaussian in numpy's state
+    save_checkpoint(tmp_path / 'rng.pt', {'rng': rng_state()})
+    expected = (random.random(), np.random.randn(3).tolist(), torch.rand(3))
+    random.seed(9), np.random.seed(9), torch.manual_seed(9)
+    set_rng_state(load_checkpoint(tmp_path / 'rng.pt')['rng'])
+    got = (random.random(), np.random.randn(3).tolist(), torch.rand(3))
+    assert got[0] == expected[0] and got[1] == expected[1] and torch.equal(got[2], expected[2])
+
+
+def test_check_compatible_lists_every_difference():
+    check_compatible({'a': 1, 'b': 2}, {'a': 1, 'b': 2}, 'model shape', 'x.pt')
+    with pytest.raises(UserError) as e:
+        check_compatible({'a': 1, 'b': 2, 'c': 3}, {'a': 1, 'b': 5, 'c': 4}, 'model shape', 'x.pt')
+    msg = str(e.value)
+    assert 'b: checkpoint has 2, config has 5' in msg and 'c: checkpoint has 3, config has 4' in msg and 'x.pt' in msg
+
+
+def test_stop_signal_sets_flag_and_exit_code():
+    old = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    try:
+        stop = StopSignal()
+        assert stop.requested is None
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.requested == signal.SIGTERM and stop.exit_code == 143
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.exit_code == 130
+    finally:
+        signal.signal(signal.SIGTERM, old[0])
+        signal.signal(signal.SIGINT, old[1])

@@ -1,0 +1,231 @@
+import time
+
+import pytest
+import torch
+
+import memory
+from configurator import UserError
+from memory import (GradScaler, MemoryMonitor, StepProfiler, autocast_context, fault_at, halve_micro_batch, is_oom,
+                    memory_usage, peak_memory_bytes, pick_device, pick_dtype, pressure_level)
+
+
+# ---------------------------------------------------------------------------- device, dtype, autocast
+
+def test_pick_device_and_dtype_on_cpu():
+    auto = pick_device("auto")
+    assert auto in ("cuda", "mps", "cpu")
+    assert pick_device("cpu") == "cpu"
+    with pytest.raises(UserError, match="'auto', 'cpu', 'cuda'"):
+        pick_device("gpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(UserError, match="not available"):
+            pick_device("cuda")
+    assert pick_dtype("cpu") == torch.float32
+    assert pick_dtype("cpu", "float32") == torch.float32
+    assert pick_dtype("cpu", "float16") == torch.float16
+    with pytest.raises(UserError, match="'float32', 'bfloat16', 'float16'"):
+        pick_dtype("cpu", "fp8")
+
+
+def test_autocast_context_is_reusable_and_null_for_fp32():
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    ctx = autocast_context("cpu", torch.bfloat16)
+    for _ in range(2):  # training scripts enter the same context every micro-step
+        with ctx:
+            assert (a @ b).dtype == torch.bfloat16
+    with autocast_context("cpu", torch.float32):
+        assert (a @ b).dtype == torch.float32
+        assert not torch.is_autocast_enabled("cpu")
+
+
+# ---------------------------------------------------------------------------- GradScaler vs torch.amp.GradScaler
+
+def run_scaled_training(scaler, bad_steps, clip=None, steps=14):
+    """Tiny regression trained with loss scaling; inf/nan written into a gradient at bad_steps.
+    Returns (scale after each update, steps whose optimizer step was skipped, final params)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scales, skipped = [], []
+    for step in range(steps):
+        x = torch.randn(16, 4)
+        loss = ((model(x) - x.sum(1, keepdim=True)) ** 2).mean()
+        scaler.scale(loss).backward()
+        if step in bad_steps:
+            model[step % 2 * 2].weight.grad[0, 0] = bad_steps[step]
+        before = [p.detach().clone() for p in model.parameters()]
+        if clip is not None:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        if all(torch.equal(a, b) for a, b in zip(before, model.parameters())):
+            skipped.append(step)
+        scales.append(scaler.get_scale())
+    return scales, skipped, [p.detach() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_grad_scaler_matches_torch(clip):
+    bad = {3: float("inf"), 4: float("nan"), 9: float("-inf")}
+    kw = dict(init_scale=2.0**10, growth_interval=2)  # small interval: growth happens between the overflows
+    ours = run_scaled_training(GradScaler(**kw), bad, clip)
+    theirs = run_scaled_training(torch.amp.GradScaler("cpu", **kw), bad, clip)
+    assert ours[0] == theirs[0]
+    assert ours[1] == theirs[1] == [3, 4, 9]
+    assert max(ours[0]) > 2.0**10  # growth did happen
+    for a, b in zip(ours[2], theirs[2]):
+        assert torch.equal(a, b)
+
+
+def test_grad_scaler_unscales_once_per_step():
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = torch.optim.SGD([p], lr=1.0)
+    scaler = GradScaler(init_scale=8.0)
+    scaler.scale(p.sum()).backward()
+    assert torch.equal(p.grad, torch.full((3,), 8.0))
+    scaler.unscale_(opt)
+    assert torch.equal(p.grad, torch.ones(3))
+    with pytest.raises(RuntimeError, match="already been called"):
+        scaler.unscale_(opt)
+    scaler.step(opt)  # must not divide by the scale again
+    assert torch.equal(p, -torch.ones(3))
+    with pytest.raises(RuntimeError, match="step"):
+        scaler.step(opt)
+    scaler.update()
+    assert not scaler.skipped
+
+
+def test_grad_scaler_step_without_grads_is_a_clean_step():
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
+    scaler = GradScaler(init_scale=4.0, growth_interval=1)
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() == 8.0 and not scaler.skipped
+
+
+def test_grad_scaler_does_not_grow_past_float32():
+    kw = dict(init_scale=2.0**127, growth_interval=1)
+    ours = run_scaled_training(GradScaler(**kw), {}, steps=3)
+    theirs = run_scaled_training(torch.amp.GradScaler("cpu", **kw), {}, steps=3)
+    assert ours[0] == theirs[0] == [2.0**127] * 3
+
+
+def test_grad_scaler_state_dict_interchangeable_with_torch():
+    ours = GradScaler(init_scale=2.0**10, growth_interval=3)
+    run_scaled_training(ours, {1: float("inf")}, steps=3)  # scale halved, one clean step since
+    theirs = torch.amp.GradScaler("cpu")
+    theirs.load_state_dict(ours.state_dict())
+    assert theirs.state_dict() == ours.state_dict() == dict(
+        scale=2.0**9, growth_factor=2.0, backoff_factor=0.5, growth_interval=3, _growth_tracker=1)
+    resumed = GradScaler()
+    resumed.load_state_dict(theirs.state_dict())
+    assert resumed.state_dict() == ours.state_dict()
+    resumed.load_state_dict({})  # checkpoint from a bf16 run: keep going with the current scale
+    assert resumed.get_scale() == 2.0**9
+
+
+def test_grad_scaler_disabled_passes_through():
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=1.0)
+    scaler = GradScaler(enabled=False)
+    loss = (p * 3).sum()
+    assert scaler.scale(loss) is loss
+    loss.backward()
+    scaler.unscale_(opt)
+    scaler.step(opt)
+    scaler.update()
+    assert torch.equal(p, torch.full((2,), -2.0))
+    assert scaler.get_scale() == 1.0 and scaler.state_dict() == {} and not scaler.is_enabled()
+
+
+# ---------------------------------------------------------------------------- memory monitor
+
+def test_pressure_levels():
+    assert [pressure_level(f) for f in (0.0, 0.5999, 0.60, 0.7499, 0.75, 0.8499, 0.85, 1.0)] == [
+        "low", "low", "moderate", "moderate", "high", "high", "critical", "critical"]
+
+
+def test_monitor_cleans_at_high_and_critical():
+    usage = iter([0.3, 0.65, 0.8, 0.9, 0.5])
+    calls = []
+    monitor = MemoryMonitor("cpu", usage_fn=lambda: next(usage), cleanup=lambda: calls.append("cleanup"),
+                            emergency_cleanup=lambda: calls.append("emergency"))
+    levels = [monitor.check() for _ in range(5)]
+    assert levels == ["low", "moderate", "high", "critical", "low"]
+    assert calls == ["cleanup", "emergency"]
+    assert monitor.checks == 5 and monitor.usage == 0.5
+
+
+def test_monitor_measures_its_overhead():
+    monitor = MemoryMonitor("cpu", usage_fn=lambda: time.sleep(0.01) or 0.1)
+    monitor.check()
+    monitor.check()
+    assert 0.02 <= monitor.overhead_s < 1.0
+
+
+def test_real_usage_and_peak_on_cpu():
+    assert 0.0 < memory_usage("cpu") < 1.0
+    assert MemoryMonitor("cpu").check() in ("low", "moderate", "high", "critical")
+    # this process holds at least torch's libraries: well over 10 MiB, and under a TiB
+    assert 10 * 2**20 < peak_memory_bytes("cpu") < 2**40
+
+
+def test_default_cleanup_hooks_run_on_cpu(monkeypatch):
+    collected = []
+    monkeypatch.setattr(memory.gc, "collect", lambda *a: collected.append(1))
+    MemoryMonitor("cpu", usage_fn=lambda: 0.8).check()
+    MemoryMonitor("cpu", usage_fn=lambda: 0.95).check()
+    assert len(collected) == 2
+
+
+# ---------------------------------------------------------------------------- OOM helpers and faults
+
+def test_is_oom():
+    assert is_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert is_oom(RuntimeError("MPS backend out of memory (MPS allocated: 17.00 GB)"))
+    assert not is_oom(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not is_oom(ValueError("out of memory"))
+
+
+def test_halve_micro_batch_keeps_global_batch():
+    assert halve_micro_batch(16, 1) == (8, 2)
+    assert halve_micro_batch(2, 5) == (1, 10)
+    with pytest.raises(UserError, match="micro-batch size 1"):
+        halve_micro_batch(1, 8)
+    with pytest.raises(UserError, match="odd"):
+        halve_micro_batch(3, 4)
+
+
+def test_fault_at(monkeypatch):
+    monkeypatch.setattr(memory, "_fired_faults", set())
+    monkeypatch.setenv("NANOTRAIN_FAULT", "oom@3, nan@5")
+    assert [step for step in range(8) if fault_at("oom", step)] == [3]
+    assert not fault_at("oom", 3)  # fires once, so the retried step goes through
+    assert fault_at("nan", 5) and not fault_at("nan", 15) and not fault_at("crash", 3)
+    monkeypatch.delenv("NANOTRAIN_FAULT")
+    assert not fault_at("oom", 4)
+
+
+# ---------------------------------------------------------------------------- profiler
+
+def test_step_profiler_records_sections():
+    prof = StepProfiler("cpu")
+    for _ in range(2):
+        with prof.section("data"):
+            pass
+        with prof.section("forward"):
+            time.sleep(0.02)
+    assert prof.throughput(1000) == pytest.approx(1000 / 0.04, rel=0.5)
+    summary = prof.summary()
+    assert set(summary) == {"data", "forward"}
+    assert summary["forward"] >= 19 and summary["data"] < summary["forward"]
+    assert prof.summary() == {}  # a new window starts after each summary
+
+
+def test_step_profiler_disabled_records_nothing():
+    prof = StepProfiler("cpu", enabled=False)
+    with prof.section("forward"):
+        pass
+    assert prof.summary() == {}

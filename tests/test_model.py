@@ -1,0 +1,329 @@
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import model as model_module
+from model import GPT, GPTConfig, apply_rope, peak_flops, rope_cos_sin, sample_next
+from configurator import UserError
+
+TINY = dict(block_size=8, vocab_size=32, n_layer=2, n_head=2, n_embd=16)
+
+
+def tiny(**kw):
+    torch.manual_seed(0)
+    return GPT(GPTConfig(**{**TINY, **kw}))
+
+
+def batch(B=3, T=8, V=32, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, V, (B, T), generator=g), torch.randint(0, V, (B, T), generator=g)
+
+
+def test_forward_shapes_and_loss_is_cross_entropy():
+    m = tiny()
+    x, y = batch(T=5)  # shorter than block_size
+    y[0, :2] = -100
+    logits, loss = m(x, y)
+    assert logits.shape == (3, 5, 32)
+    # independent CE: mean negative log-likelihood over the non-ignored targets
+    logp = torch.log_softmax(logits.double(), dim=-1)
+    keep = y != -100
+    nll = -logp.gather(-1, y.clamp(min=0)[..., None])[..., 0][keep]
+    assert loss.item() == pytest.approx(nll.mean().item(), rel=1e-5)
+    logits_only, no_loss = m(x)
+    assert no_loss is None and torch.equal(logits_only, logits)
+
+
+def test_too_long_input_is_a_clear_error():
+    m = tiny()
+    with pytest.raises(ValueError, match="block_size is 8"):
+        m(torch.zeros(1, 9, dtype=torch.long))
+
+
+def test_backward_reaches_every_parameter():
+    m = tiny(bias=True, qk_norm=True, mlp='swiglu', tie_embeddings=False, pos_emb='learned', norm='layernorm')
+    x, y = batch()
+    m(x, y)[1].backward()
+    for name, p in m.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+@pytest.mark.parametrize("opts", [
+    dict(),
+    dict(pos_emb='learned', norm='layernorm', mlp='gelu', bias=True),
+    dict(mlp='swiglu', qk_norm=True, logit_softcap=5.0),
+    dict(mlp='relu2', tie_embeddings=False, zero_init_proj=True, dropout=0.1),
+    dict(pos_emb='learned', mlp='swiglu', norm='layernorm', qk_norm=True, bias=True, tie_embeddings=False),
+])
+def test_option_combinations_train(opts):
+    m = tiny(**opts)
+    x, y = batch()
+    opt = m.configure_optimizers(0.1, 1e-2, (0.9, 0.95), 'cpu')
+    losses = []
+    for _ in range(5):
+        _, loss = m(x, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
+
+
+def test_layer_names():
+    names = {n for n, _ in tiny(mlp='swiglu', qk_norm=True).named_modules()}
+    for layer in ('q', 'k', 'v', 'proj', 'q_norm', 'k_norm'):
+        assert f'transformer.h.0.attn.{layer}' in names
+    for layer in ('fc', 'gate', 'proj'):
+        assert f'transformer.h.1.mlp.{layer}' in names
+    assert 'transformer.h.0.mlp.gate' not in {n for n, _ in tiny().named_modules()}
+
+
+def test_mlp_variants_compute_their_activation():
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 16)
+    for kind, act in [('gelu', lambda m, x: F.gelu(m.fc(x))),
+                      ('relu2', lambda m, x: F.relu(m.fc(x)) ** 2),
+                      ('swiglu', lambda m, x: F.silu(m.gate(x)) * m.fc(x))]:
+        mlp = tiny(mlp=kind).transformer.h[0].mlp
+        torch.testing.assert_close(mlp(x), mlp.proj(act(mlp, x)))
+
+
+def test_logit_softcap_is_cap_tanh():
+    m = tiny(logit_softcap=0.05)
+    x, _ = batch()
+    capped, _ = m(x)
+    m.config.logit_softcap = 0.0
+    raw, _ = m(x)
+    torch.testing.assert_close(capped, 0.05 * torch.tanh(raw / 0.05))
+    assert capped.abs().max() <= 0.05
+
+
+def test_init_scales_residual_projections():
+    m = GPT(GPTConfig(**{**TINY, 'n_embd': 64, 'n_layer': 8}))
+    std = m.transformer.h[0].attn.proj.weight.std().item()
+    assert std == pytest.approx(0.02 / math.sqrt(16), rel=0.1)
+    assert m.transformer.h[0].mlp.fc.weight.std().item() == pytest.approx(0.02, rel=0.1)
+    z = tiny(zero_init_proj=True)
+    assert all(not b.attn.proj.weight.any() and not b.mlp.proj.weight.any() for b in z.transformer.h)
+
+
+def test_rope_matches_complex_rotation():
+    T, D, theta = 6, 8, 10000.0
+    cos, sin = rope_cos_sin(T, D, theta)
+    x = torch.randn(2, 3, T, D, dtype=torch.float64)
+    out = apply_rope(x, cos.double(), sin.double())
+    # pair i is (x[i], x[i + D/2]) as a complex number, rotated by position * theta**(-2i/D)
+    z = torch.complex(x[..., :D // 2], x[..., D // 2:])
+    freqs = theta ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
+    rotated = z * torch.polar(torch.ones(T, D // 2, dtype=torch.float64), torch.arange(T)[:, None] * freqs)
+    torch.testing.assert_close(out, torch.cat([rotated.real, rotated.imag], dim=-1), rtol=1e-6, atol=1e-6)
+
+
+def test_tied_embeddings_are_shared():
+    m = tiny()
+    assert m.lm_head.weight is m.transformer.wte.weight
+    with torch.no_grad():
+        m.lm_head.weight[0, 0] = 123.0
+    assert m.transformer.wte.weight[0, 0] == 123.0
+    untied = tiny(tie_embeddings=False)
+    assert untied.lm_head.weight.data_ptr() != untied.transformer.wte.weight.data_ptr()
+    assert untied.get_num_params(non_embedding=False) - m.get_num_params(non_embedding=False) == 32 * 16
+
+
+def test_num_params_leaves_out_lookup_tables():
+    m = tiny(pos_emb='learned', tie_embeddings=False)
+    total = sum(p.numel() for p in m.parameters())
+    assert m.get_num_params(non_embedding=False) == total
+    assert m.get_num_params() == total - 8 * 16 - 32 * 16
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_no_decay_on_norms_biases_embeddings(tie, capsys):
+    m = tiny(pos_emb='learned', bias=True, qk_norm=True, tie_embeddings=tie)
+    opt = m.configure_optimizers(0.1, 1e-3, (0.9, 0.95), 'cpu')
+    by_id = {id(p): n for n, p in m.named_parameters()}
+    decayed = {by_id[id(p)] for p in opt.param_groups[0]['params']}
+    assert opt.param_groups[0]['weight_decay'] == 0.1 and opt.param_groups[1]['weight_decay'] == 0.0
+    expected = {n for n, p in m.named_parameters()
+                if n.endswith('.weight') and 'wte' not in n and 'wpe' not in n and 'norm' not in n
+                and 'ln_' not in n}
+    assert decayed == expected
+    assert ('lm_head.weight' in decayed) == (not tie)
+    n_all = len(list(m.parameters()))
+    assert len(opt.param_groups[0]['params']) + len(opt.param_groups[1]['params']) == n_all
+    out = capsys.readouterr().out
+    assert f"num decayed parameter tensors: {len(decayed)}," in out
+    assert f"num non-decayed parameter tensors: {n_all - len(decayed)}," in out
+
+
+def test_frozen_params_are_left_out_of_the_optimizer():
+    m = tiny()
+    m.transformer.h[0].attn.q.weight.requires_grad_(False)
+    opt = m.configure_optimizers(0.1, 1e-3, (0.9, 0.95), 'cpu')
+    assert all(p is not m.transformer.h[0].attn.q.weight for g in opt.param_groups for p in g['params'])
+
+
+@pytest.mark.parametrize("pos_emb", ['rope', 'learned'])
+def test_activation_checkpointing_recomputes_and_gives_identical_grads(pos_emb):
+    x, y = batch()
+    grads, calls = [], []
+    for ckpt in (False, True):
+        m = tiny(pos_emb=pos_emb, dropout=0.1, qk_norm=True)
+        m.activation_checkpointing = ckpt
+        count = [0]
+        m.transformer.h[0].mlp.register_forward_pre_hook(lambda *_: count.__setitem__(0, count[0] + 1))
+        torch.manual_seed(5)  # same dropout masks; checkpoint replays the RNG state on recompute
+        m(x, y)[1].backward()
+        grads.append({n: p.grad for n, p in m.named_parameters()})
+        calls.append(count[0])
+    assert calls == [1, 2]  # the checkpointed block really ran again during backward
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], rtol=0, atol=0, msg=n)
+
+
+def sharp(m):
+    """float64 eval copy with 20x the init weights: sharp, input-dependent predictions (at init a tiny
+    model repeats one token whatever the context), and float64 so kernel rounding cannot flip a choice."""
+    m = m.double().eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(20 if p.dim() == 2 else 1)
+    return m
+
+
+def reference_greedy(m, idx, n):
+    """Greedy decoding written out plainly: crop to the last block_size tokens, take the argmax."""
+    for _ in range(n):
+        logits, _ = m(idx[:, -m.config.block_size:])
+        idx = torch.cat([idx, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return idx
+
+
+@pytest.mark.parametrize("pos_emb", ['rope', 'learned'])
+def test_greedy_generation_crops_to_block_size(pos_emb):
+    m = sharp(tiny(pos_emb=pos_emb, qk_norm=True, mlp='swiglu', logit_softcap=3.0))
+    prompt = batch(B=2, T=3)[0]
+    want = reference_greedy(m, prompt, 14)  # runs well past block_size = 8
+    assert torch.equal(m.generate(prompt, 14, temperature=0, use_kv_cache=False), want)
+    assert torch.equal(m.generate(prompt, 14, temperature=0, use_kv_cache=True), want)
+    assert len(set(want[:, 3:].flatten().tolist())) > 3  # non-trivial output
+
+
+@pytest.mark.parametrize("pos_emb", ['rope', 'learned'])
+@pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=1.5), dict(temperature=0.9, top_k=10, top_p=0.9)])
+def test_kv_cache_equals_no_cache(pos_emb, sampling):
+    m = sharp(tiny(pos_emb=pos_emb, qk_norm=True, mlp='swiglu', logit_softcap=3.0))
+    prompt = batch(B=2, T=3)[0]
+    out = [m.generate(prompt, 14, use_kv_cache=c, generator=torch.Generator().manual_seed(7), **sampling)
+           for c in (False, True)]
+    assert out[0].shape == (2, 17)
+    assert torch.equal(out[0], out[1])
+    assert len(set(out[0][:, 3:].flatten().tolist())) > 3  # non-trivial output
+
+
+def test_kv_cache_decodes_one_token_per_step():
+    m = tiny().eval()
+    seen = []
+    m.transformer.wte.register_forward_hook(lambda mod, inp, out: seen.append(inp[0].size(1)))
+    m.generate(batch(B=1, T=3)[0], 8, temperature=0)  # 3 + 8 tokens: slides past block_size 8 at the end
+    # prefill 3, five single-token steps fill the cache to 8, then each step re-prefills the last 8
+    assert seen == [3, 1, 1, 1, 1, 1, 8, 8]
+
+
+def test_top_k_one_is_greedy():
+    m = tiny().eval()
+    prompt = batch(B=2, T=3)[0]
+    greedy = m.generate(prompt, 10, temperature=0)
+    assert torch.equal(m.generate(prompt, 10, temperature=1.0, top_k=1, generator=torch.Generator().manual_seed(3)), greedy)
+    assert torch.equal(m.generate(prompt, 10, top_p=1e-9, generator=torch.Generator().manual_seed(3)), greedy)
+
+
+def test_top_k_and_top_p_restrict_support_and_renormalize():
+    probs = torch.tensor([0.05, 0.5, 0.15, 0.3])  # sorted: 1 (0.5), 3 (0.3), 2 (0.15), 0 (0.05)
+    logits = probs.log().expand(20000, 4)
+    g = torch.Generator().manual_seed(0)
+    for kw, support in [(dict(top_k=2), [1, 3]), (dict(top_p=0.7), [1, 3]), (dict(top_p=0.85), [1, 3, 2]),
+                        (dict(top_k=3, top_p=0.7), [1, 3]), (dict(), [0, 1, 2, 3])]:
+        picks = sample_next(logits, 1.0, generator=g, **kw)[:, 0]
+        freq = torch.bincount(picks, minlength=4).double() / len(picks)
+        want = torch.zeros(4, dtype=torch.float64)
+        want[support] = probs[support].double() / probs[support].sum()
+        torch.testing.assert_close(freq, want, atol=0.015, rtol=0, msg=str(kw))
+
+
+def test_temperature_sharpens():
+    logits = torch.tensor([[0.0, 1.0]]).expand(20000, 2)
+    g = torch.Generator().manual_seed(0)
+    frac = sample_next(logits, 0.5, generator=g).float().mean().item()
+    assert frac == pytest.approx(1 / (1 + math.exp(-2.0)), abs=0.015)
+
+
+def test_eos_stops_generation():
+    m = tiny().eval()
+    prompt = batch(B=1, T=3)[0]
+    free = m.generate(prompt, 10, temperature=0)
+    eos = free[0, 5].item()  # the third generated token
+    first = (free[0, 3:] == eos).nonzero()[0].item() + 3
+    out = m.generate(prompt, 10, temperature=0, eos_id=eos)
+    assert torch.equal(out, free[:, :first + 1])
+    # with a batch, finished rows are padded with eos until every row is done
+    two = m.generate(torch.cat([prompt, batch(B=1, T=3, seed=9)[0]]), 10, temperature=0, eos_id=eos)
+    for row in two:
+        hits = (row[3:] == eos).nonzero()
+        if len(hits):
+            assert (row[3 + hits[0].item():] == eos).all()
+
+
+def test_estimate_mfu(monkeypatch):
+    m = tiny()
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: False)
+    assert m.estimate_mfu(1e6) is None
+    assert m.estimate_mfu(1e6, 'cpu') is None and m.estimate_mfu(1e6, 'mps') is None
+    assert m.estimate_mfu(1e6, 'Some Future GPU') is None
+    # flops/token = 6N + 12 * n_layer * n_head * head_dim * block_size
+    n = sum(p.numel() for p in m.parameters())  # tied, rope: every parameter does matmul work
+    flops = 6 * n + 12 * 2 * 2 * 8 * 8
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
+    monkeypatch.setattr(torch.cuda, 'get_device_name', lambda *a: 'NVIDIA H100 80GB HBM3')
+    assert m.estimate_mfu(1e9) == pytest.approx(flops * 1e9 / 989e12)
+    assert m.estimate_mfu(1e9, 'NVIDIA A100-SXM4-80GB') == pytest.approx(flops * 1e9 / 312e12)
+
+
+@pytest.mark.parametrize("name, peak", [
+    ('NVIDIA H100 80GB HBM3', 989e12), ('NVIDIA H100 PCIe', 756e12), ('NVIDIA H100 NVL', 835e12),
+    ('NVIDIA H200', 989e12), ('NVIDIA GH200 480GB', 989e12), ('NVIDIA A100-SXM4-40GB', 312e12),
+    ('NVIDIA A100 80GB PCIe', 312e12), ('NVIDIA A10G', 125e12), ('NVIDIA A10', 125e12),
+    ('NVIDIA L40S', 362e12), ('NVIDIA L4', 121e12), ('NVIDIA GeForce RTX 4090', 165.2e12),
+    ('Tesla V100-SXM2-16GB', 125e12), ('Tesla V100-PCIE-32GB', 112e12), ('Tesla T4', 65e12),
+    ('NVIDIA GeForce GTX 1080', None), ('cpu', None),
+])
+def test_peak_flops_table_matching(name, peak):
+    assert peak_flops(name) == peak
+
+
+@pytest.mark.parametrize("opts", [dict(), dict(pos_emb='learned', tie_embeddings=False, qk_norm=True)])
+def test_state_dict_round_trip(opts):
+    m = tiny(**opts)
+    sd = m.state_dict()
+    assert not any('rope' in k for k in sd)
+    assert set(sd) == {n for n, _ in m.named_parameters(remove_duplicate=False)}
+    m2 = GPT(GPTConfig(**m.model_args()))
+    m2.load_state_dict(sd)
+    assert m.model_args() == dataclasses.asdict(m.config)
+    x, _ = batch()
+    torch.testing.assert_close(m2(x)[0], m(x)[0], rtol=0, atol=0)
+    if m.config.tie_embeddings:
+        assert m2.lm_head.weight is m2.transformer.wte.weight
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(pos_emb='alibi'), "pos_emb='alibi'"), (dict(mlp='geglu'), "mlp='geglu'"),
+    (dict(norm='batchnorm'), "norm='batchnorm'"), (dict(n_embd=15, n_head=2), "not divisible"),
+    (dict(n_embd=6, n_head=2), "even head size"), (dict(logit_softcap=-1.0), "logit_softcap"),
+])
+def test_bad_config_is_a_clear_error(bad, match):
+    with pytest.raises(UserError, match=match):
+        GPTConfig(**{**TINY, **bad})

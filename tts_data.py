@@ -1,0 +1,321 @@
+"""
+TTS data: LJSpeech-layout corpora, WAV I/O with the standard library, log-mel features,
+character front end, held-out split and a length-bucketed frame-budget batch sampler.
+(Staged here; meant to be appended to data.py.)
+"""
+import hashlib
+import math
+import os
+import random
+import re
+import shutil
+import subprocess
+import wave
+
+import numpy as np
+import torch
+import torchaudio
+
+from configurator import UserError
+
+# -----------------------------------------------------------------------------
+# WAV I/O (torchaudio.load/save need FFmpeg, the `wave` module needs nothing)
+
+def read_wav(path, sample_rate=None):
+    """16-bit PCM WAV -> (float32 mono tensor in [-1, 1], sample_rate). Stereo is averaged;
+    with sample_rate given, other rates are resampled to it."""
+    try:
+        with wave.open(os.fspath(path), 'rb') as w:
+            channels, width, rate = w.getnchannels(), w.getsampwidth(), w.getframerate()
+            frames = w.readframes(w.getnframes())
+    except FileNotFoundError:
+        raise UserError(f"{path}: file not found")
+    except (wave.Error, EOFError) as e:
+        raise UserError(f"{path}: unreadable WAV ({e}); convert it to 16-bit PCM, e.g. "
+                        f"`ffmpeg -i in.wav -acodec pcm_s16le out.wav`")
+    if width != 2:
+        raise UserError(f"{path}: {8 * width}-bit samples; only 16-bit PCM is supported, convert "
+                        f"with `ffmpeg -i in.wav -acodec pcm_s16le out.wav`")
+    audio = torch.from_numpy(np.frombuffer(frames, dtype='<i2').astype(np.float32) / 32768.0)
+    audio = audio.view(-1, channels).mean(dim=1)
+    if sample_rate is not None and rate != sample_rate:
+        audio = torchaudio.functional.resample(audio, rate, sample_rate)
+        rate = sample_rate
+    return audio, rate
+
+
+def write_wav(path, audio, sample_rate):
+    """float waveform in [-1, 1] (clipped) -> 16-bit PCM mono WAV; read_wav inverts it to 1/65536."""
+    pcm = (audio.detach().float().cpu() * 32768).round().clamp(-32768, 32767).to(torch.int16).numpy()
+    with wave.open(os.fspath(path), 'wb') as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(sample_rate)
+        w.writeframes(pcm.astype('<i2').tobytes())
+
+# -----------------------------------------------------------------------------
+# log-mel features
+
+MEL_SETTINGS = dict(sample_rate=22050, n_fft=1024, win_length=1024, hop_length=256, n_mels=80,
+                    f_min=0.0, f_max=8000.0)
+
+
+class MelExtractor:
+    """waveform <-> log-mel (80, T) with the HiFi-GAN/Matcha settings; power=1 magnitudes,
+    slaney mel scale and norm, natural log of clamp(1e-5). The inverse uses least squares
+    (InverseMelScale) and Griffin-Lim phase reconstruction: intelligible, not vocoder quality."""
+
+    def __init__(self, sample_rate=22050, n_fft=1024, win_length=1024, hop_length=256, n_mels=80,
+                 f_min=0.0, f_max=8000.0, griffin_lim_iters=32):
+        self.sample_rate, self.hop_length = sample_rate, hop_length
+        self.mel = torchaudio.transforms.MelSpectrogram(
+            sample_rate=sample_rate, n_fft=n_fft, win_length=win_length, hop_length=hop_length,
+            f_min=f_min, f_max=f_max, n_mels=n_mels, power=1.0, norm='slaney', mel_scale='slaney')
+        self.inverse_mel = torchaudio.transforms.InverseMelScale(
+            n_stft=n_fft // 2 + 1, n_mels=n_mels, sample_rate=sample_rate, f_min=f_min,
+            f_max=f_max, norm='slaney', mel_scale='slaney')
+        self.griffin_lim = torchaudio.transforms.GriffinLim(
+            n_fft=n_fft, win_length=win_length, hop_length=hop_length, power=1.0,
+            n_iter=griffin_lim_iters)
+
+    def __call__(self, audio):
+        return torch.log(self.mel(audio).clamp(min=1e-5))
+
+    def to_waveform(self, log_mel):
+        # a fixed seed for Griffin-Lim's random initial phase: same mel -> same audio
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            magnitude = self.inverse_mel(log_mel.float().cpu().exp()).clamp(min=0)
+            return self.griffin_lim(magnitude)
+
+# -----------------------------------------------------------------------------
+# text front end: characters of the normalised text; ids 0 = padding, 1 = blank
+
+PAD_ID, BLANK_ID = 0, 1
+
+
+def normalize_text(text):
+    # lowercase and collapse whitespace; numbers and abbreviations are left as they are
+    return re.sub(r'\s+', ' ', text.lower()).strip()
+
+
+def build_symbols(texts):
+    return ''.join(sorted(set(''.join(normalize_text(t) for t in texts))))
+
+
+def encode_text(text, symbols, add_blank=True):
+    """text -> list of ids. Characters not in `symbols` are dropped (returned second) so that
+    inference on new text works; with add_blank a blank id is put between and around characters
+    (Glow-TTS), which gives the aligner a place for pauses and transitions."""
+    index = {c: i + 2 for i, c in enumerate(symbols)}
+    chars = normalize_text(text)
+    ids = [index[c] for c in chars if c in index]
+    unknown = sorted(set(c for c in chars if c not in index))
+    if add_blank:
+        with_blanks = [BLANK_ID] * (2 * len(ids) + 1)
+        with_blanks[1::2] = ids
+        ids = with_blanks
+    return ids, unknown
+
+# -----------------------------------------------------------------------------
+# LJSpeech layout: metadata.csv (id|raw text|normalized text) and wavs/<id>.wav
+
+def read_metadata(data_dir):
+    """-> list of (id, text) using the normalized column (the raw one if there are two)."""
+    path = os.path.join(data_dir, 'metadata.csv')
+    if not os.path.isfile(path):
+        raise UserError(f"{path}: not found; data_dir must be an LJSpeech-layout folder with "
+                        f"metadata.csv (id|raw text|normalized text) and wavs/<id>.wav")
+    rows = []
+    with open(path, encoding='utf-8') as f:
+        for line_no, line in enumerate(f, 1):
+            line = line.rstrip('\n')
+            if not line.strip():
+                continue
+            fields = line.split('|')
+            if len(fields) < 2:
+                raise UserError(f"{path}:{line_no}: expected 'id|raw text|normalized text', got "
+                                f"{line[:60]!r}; fix or remove this row")
+            utt_id, text = fields[0].strip(), fields[-1]
+            if not normalize_text(text):
+                raise UserError(f"{path}:{line_no}: utterance {utt_id!r} has an empty transcript; "
+                                f"add its text or remove the row")
+            wav_path = os.path.join(data_dir, 'wavs', utt_id + '.wav')
+            if not os.path.isfile(wav_path):
+                raise UserError(f"{path}:{line_no}: utterance {utt_id!r} has no audio file "
+                                f"{wav_path}; add it or remove the row")
+            rows.append((utt_id, text))
+    if len(rows) < 2:
+        raise UserError(f"{path}: {len(rows)} usable rows; need at least 2 (train and held-out)")
+    return rows
+
+
+def split_ids(ids, val_fraction):
+    """Deterministic held-out split by id: utterances ordered by a hash of their id, the first
+    max(1, round(n * val_fraction)) are held out. Adding utterances moves few others."""
+    ranked = sorted(ids, key=lambda i: hashlib.md5(i.encode()).hexdigest())
+    n_val = max(1, round(len(ids) * val_fraction))
+    held = set(ranked[:n_val])
+    return [i for i in ids if i not in held], [i for i in ids if i in held]
+
+
+class LJSpeechDataset:
+    """Text ids and log-mels of one split. Features are computed once per utterance and cached
+    as .pt files in cache_dir (keyed by the feature settings), then kept in memory."""
+
+    def __init__(self, data_dir, ids, texts, symbols, cache_dir, add_blank=True, progress=False):
+        self.ids = ids
+        extractor = MelExtractor(**MEL_SETTINGS)
+        settings_key = hashlib.md5(repr(sorted(MEL_SETTINGS.items())).encode()).hexdigest()[:8]
+        cache_dir = os.path.join(cache_dir, settings_key)
+        os.makedirs(cache_dir, exist_ok=True)
+        self.text_ids, self.mels = [], []
+        iterator = ids
+        if progress:
+            from tqdm import tqdm
+            iterator = tqdm(ids, desc='mel features', dynamic_ncols=True)
+        for utt_id in iterator:
+            cached = os.path.join(cache_dir, utt_id + '.pt')
+            if os.path.exists(cached):
+                mel = torch.load(cached, weights_only=True)
+            else:
+                audio, _ = read_wav(os.path.join(data_dir, 'wavs', utt_id + '.wav'),
+                                    MEL_SETTINGS['sample_rate'])
+                mel = extractor(audio)
+                torch.save(mel, cached + '.tmp')
+                os.replace(cached + '.tmp', cached)  # a killed run never leaves half a file
+            self.mels.append(mel)
+            self.text_ids.append(torch.tensor(encode_text(texts[utt_id], symbols, add_blank)[0]))
+        self.lengths = [m.shape[1] for m in self.mels]
+
+    def __len__(self):
+        return len(self.ids)
+
+    def mel_stats(self):
+        """mean and std of all log-mel values (scalars, as Matcha-TTS)."""
+        frames = torch.cat(self.mels, dim=1)
+        return frames.mean().item(), frames.std().item()
+
+    def mean_mel(self):
+        """(80,) average log-mel frame: the trivial baseline's 'spectrum'."""
+        return torch.cat(self.mels, dim=1).mean(dim=1)
+
+    def collate(self, indices, mel_mean, mel_std):
+        """-> text ids (B, Tx), text lengths, normalised mels (B, 80, Ty), mel lengths."""
+        texts = [self.text_ids[i] for i in indices]
+        mels = [(self.mels[i] - mel_mean) / mel_std for i in indices]
+        x_lengths = torch.tensor([len(t) for t in texts])
+        y_lengths = torch.tensor([m.shape[1] for m in mels])
+        x = torch.full((len(indices), int(x_lengths.max())), PAD_ID, dtype=torch.long)
+        y = torch.zeros(len(indices), mels[0].shape[0], int(y_lengths.max()))
+        for b, (t, m) in enumerate(zip(texts, mels)):
+            x[b, :len(t)] = t
+            y[b, :, :m.shape[1]] = m
+        return x, x_lengths, y, y_lengths
+
+
+class FrameBudgetSampler:
+    """Length-bucketed batches whose padded size (batch size x longest mel) stays within
+    frame_budget frames. Every epoch: lengths jittered by a few percent (so batches differ),
+    sorted, cut greedily into batches, batches shuffled; then trimmed to a multiple of
+    world_size and dealt round-robin, so every rank gets the same number of batches (an
+    uneven count would hang DDP at the last all-reduce). Deterministic in (seed, epoch);
+    state_dict() is the position, for bit-exact resume."""
+
+    def __init__(self, lengths, frame_budget, seed=0, rank=0, world_size=1):
+        too_long = max(lengths)
+        if too_long > frame_budget:
+            raise UserError(f"an utterance has {too_long} mel frames, more than frame_budget="
+                            f"{frame_budget}; raise --frame_budget (or drop long utterances)")
+        self.lengths, self.frame_budget, self.seed = lengths, frame_budget, seed
+        self.rank, self.world_size = rank, world_size
+        self.epoch, self.position = 0, 0
+        self.batches = self.epoch_batches(0)
+
+    def epoch_batches(self, epoch):
+        rng = random.Random(self.seed * 100003 + epoch)
+        jittered = [n * rng.uniform(0.95, 1.05) for n in self.lengths]
+        order = sorted(range(len(self.lengths)), key=lambda i: jittered[i])
+        batches, batch, longest = [], [], 0
+        for i in order:
+            longest_if_added = max(longest, self.lengths[i])
+            if batch and longest_if_added * (len(batch) + 1) > self.frame_budget:
+                batches.append(batch)
+                batch, longest_if_added = [], self.lengths[i]
+            batch.append(i)
+            longest = longest_if_added
+        batches.append(batch)
+        rng.shuffle(batches)
+        usable = len(batches) // self.world_size * self.world_size
+        if usable == 0:
+            raise UserError(f"only {len(batches)} batches per epoch for {self.world_size} ranks; "
+                            f"lower --frame_budget or use fewer processes")
+        return batches[:usable][self.rank::self.world_size]
+
+    def __len__(self):
+        return len(self.batches)
+
+    def next_batch(self):
+        if self.position == len(self.batches):
+            self.epoch, self.position = self.epoch + 1, 0
+            self.batches = self.epoch_batches(self.epoch)
+        batch = self.batches[self.position]
+        self.position += 1
+        return batch
+
+    def state_dict(self):
+        return {'epoch': self.epoch, 'position': self.position}
+
+    def load_state_dict(self, state):
+        self.epoch, self.position = state['epoch'], state['position']
+        self.batches = self.epoch_batches(self.epoch)
+
+
+def eval_batches(lengths, frame_budget):
+    """Fixed held-out batches: sorted by length, cut greedily under the frame budget."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    batches, batch = [], []
+    for i in order:
+        if batch and lengths[i] * (len(batch) + 1) > frame_budget:
+            batches.append(batch)
+            batch = []
+        batch.append(i)
+    return batches + [batch]
+
+# -----------------------------------------------------------------------------
+# optional: make an LJSpeech-layout corpus with espeak-ng (no 2.6 GB download)
+
+def make_espeak_corpus(text_file, out_dir, voice='en-us', speed=160, max_utterances=None):
+    """Speak each non-empty line of text_file with espeak-ng into out_dir/wavs/ESnnnn.wav
+    (resampled to 22050 Hz) and write out_dir/metadata.csv."""
+    if shutil.which('espeak-ng') is None:
+        raise UserError("espeak-ng is not installed (e.g. `apt-get install espeak-ng`)")
+    with open(text_file, encoding='utf-8') as f:
+        lines = [normalize_text(line).capitalize() for line in f if line.strip()]
+    lines = lines[:max_utterances]
+    os.makedirs(os.path.join(out_dir, 'wavs'), exist_ok=True)
+    rows = []
+    for n, line in enumerate(lines):
+        utt_id = f'ES{n:04d}'
+        wav_path = os.path.join(out_dir, 'wavs', utt_id + '.wav')
+        subprocess.run(['espeak-ng', '-v', voice, '-s', str(speed), '-w', wav_path, line],
+                       check=True)
+        audio, _ = read_wav(wav_path, MEL_SETTINGS['sample_rate'])
+        write_wav(wav_path, audio, MEL_SETTINGS['sample_rate'])
+        rows.append(f'{utt_id}|{line}|{line}')
+    with open(os.path.join(out_dir, 'metadata.csv'), 'w', encoding='utf-8') as f:
+        f.write('\n'.join(rows) + '\n')
+    return out_dir
+
+
+if __name__ == '__main__':
+    import argparse
+    parser = argparse.ArgumentParser(description='speak a text file into an LJSpeech-layout '
+                                                 'corpus with espeak-ng')
+    parser.add_argument('--text_file', required=True)
+    parser.add_argument('--out_dir', required=True)
+    parser.add_argument('--voice', default='en-us')
+    parser.add_argument('--max_utterances', type=int, default=None)
+    args = parser.parse_args()
+    print(make_espeak_corpus(args.text_file, args.out_dir, args.voice,
+                             max_utterances=args.max_utterances))

@@ -1,0 +1,421 @@
+"""
+Flow-matching text-to-speech (Matcha-TTS in miniature): a transformer text encoder with RoPE
+predicts per-token mel means mu and log durations; Monotonic Alignment Search aligns tokens to
+mel frames during training; a 1D U-Net learns the flow-matching velocity that carries Gaussian
+noise to the mel, conditioned on the aligned mu. (Staged here; meant to be appended to model.py.)
+"""
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from losses import duration_loss, flow_matching_loss, flow_matching_path, prior_loss
+from tts_data import MelExtractor, MEL_SETTINGS, encode_text
+
+
+@dataclass
+class TTSConfig:
+    symbols: str = ''              # character vocabulary (ids 0 = pad, 1 = blank, then these)
+    add_blank: bool = True         # blank token between characters
+    n_mels: int = 80
+    enc_channels: int = 192
+    enc_layers: int = 4
+    enc_heads: int = 2
+    enc_ff_channels: int = 768
+    enc_kernel: int = 3            # kernel of the encoder's convolutional feed-forward
+    dp_channels: int = 256         # duration predictor width
+    dropout: float = 0.1           # encoder and duration predictor
+    dec_channels: int = 256        # U-Net width (full resolution; the half resolution uses the same)
+    dec_blocks: int = 2            # residual blocks per U-Net level
+    dec_heads: int = 4             # attention heads in the U-Net bottleneck; 0 = none
+    sigma_min: float = 1e-4
+    cfg_drop: float = 0.0          # fraction of utterances trained without condition (classifier-free guidance)
+
+
+def sequence_mask(lengths, max_length=None):
+    max_length = max_length or int(lengths.max())
+    return torch.arange(max_length, device=lengths.device)[None, :] < lengths[:, None]
+
+# -----------------------------------------------------------------------------
+# Monotonic Alignment Search (Glow-TTS): the most likely monotonic, surjective path of text
+# tokens through mel frames. Dynamic programming over frames, vectorised over batch and tokens.
+
+
+@torch.no_grad()
+def monotonic_alignment_search(log_likelihood, mask):
+    """log_likelihood (B, Tx, Ty) of frame j under token i; mask (B, Tx, Ty) bool of real pairs.
+    Returns the 0/1 path (B, Tx, Ty): every frame has one token, tokens advance by at most one
+    per frame, the path runs from (0, 0) to (Tx_b - 1, Ty_b - 1). The forward pass is one tensor
+    step per frame over all utterances and tokens; the backtrack only follows the stored choices."""
+    B, Tx, Ty = log_likelihood.shape
+    neg = -1e9
+    device = log_likelihood.device
+    token, frame = torch.arange(Tx, device=device), torch.arange(Ty, device=device)
+    # (Ty, B, Tx): one frame's scores are contiguous; token i cannot be reached before frame i
+    value = log_likelihood.permute(2, 0, 1).masked_fill((token[None, :] > frame[:, None])[:, None, :], neg)
+    advanced = torch.empty(Ty, B, Tx, dtype=torch.bool, device=device)
+    best = torch.full((B, Tx), neg, dtype=value.dtype, device=device)
+    best[:, 0] = 0.0  # before frame 0 only token 0 is reachable
+    for j in range(Ty):
+        # best score ending at (i, j): stay on token i, or advance from token i - 1
+        from_previous = F.pad(best[:, :-1], (1, 0), value=neg)
+        torch.gt(from_previous, best, out=advanced[j])
+        best = value[j] + torch.maximum(best, from_previous)
+    # backtrack from the last token at the last frame of every utterance
+    advanced = advanced.cpu().numpy()
+    x_lengths, y_lengths = mask[:, :, 0].sum(1).tolist(), mask[:, 0, :].sum(1).tolist()
+    path = np.zeros((B, Tx, Ty), dtype=np.float32)
+    for b in range(B):
+        index = x_lengths[b] - 1
+        for j in range(y_lengths[b] - 1, -1, -1):
+            path[b, index, j] = 1.0
+            if index != 0 and (index == j or advanced[j, b, index]):
+                index -= 1
+    return torch.from_numpy(path).to(device=device, dtype=log_likelihood.dtype)
+
+
+def maximum_path_reference(log_likelihood, mask):
+    """Plain-loop MAS for one batch, a transcription of Glow-TTS's Cython maximum_path_c.
+    The reference the vectorised version is tested and benchmarked against."""
+    B = log_likelihood.shape[0]
+    path = torch.zeros_like(log_likelihood)
+    for b in range(B):
+        t_x, t_y = int(mask[b, :, 0].sum()), int(mask[b, 0, :].sum())
+        value = log_likelihood[b, :t_x, :t_y].tolist()
+        for y in range(t_y):
+            for x in range(max(0, t_x + y - t_y), min(t_x, y + 1)):
+                v_cur = -1e9 if x == y else value[x][y - 1]
+                if x == 0:
+                    v_prev = 0.0 if y == 0 else -1e9
+                else:
+                    v_prev = value[x - 1][y - 1]
+                value[x][y] += max(v_prev, v_cur)
+        index = t_x - 1
+        for y in range(t_y - 1, -1, -1):
+            path[b, index, y] = 1
+            if index != 0 and (index == y or value[index][y - 1] < value[index - 1][y - 1]):
+                index -= 1
+    return path
+
+
+def durations_to_path(durations, mask):
+    """Integer durations (B, Tx) -> 0/1 alignment (B, Tx, Ty): token i covers the frames
+    [sum(d[:i]), sum(d[:i+1])). mask (B, Tx, Ty)."""
+    ends = torch.cumsum(durations, dim=1)
+    frame = torch.arange(mask.shape[2], device=durations.device)[None, None, :]
+    starts = ends - durations
+    return ((frame >= starts[:, :, None]) & (frame < ends[:, :, None])).to(mask.dtype) * mask
+
+# -----------------------------------------------------------------------------
+# text encoder: embedding, conv prenet, transformer layers with RoPE, mu projection
+
+
+class ChannelLayerNorm(nn.Module):
+    """LayerNorm over channels of a (B, C, T) tensor."""
+
+    def __init__(self, channels):
+        super().__init__()
+        self.norm = nn.LayerNorm(channels)
+
+    def forward(self, x):
+        return self.norm(x.transpose(1, 2)).transpose(1, 2)
+
+
+def text_rope(x):
+    """Rotary position embedding over the time axis of (B, H, T, D) queries or keys."""
+    T, D = x.shape[2], x.shape[3]
+    freqs = 10000.0 ** (-torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D)
+    angles = torch.arange(T, device=x.device, dtype=torch.float32)[:, None] * freqs[None, :]
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
+
+
+class SequenceSelfAttention(nn.Module):
+    """Bidirectional multi-head self-attention over (B, C, T) with a key padding mask."""
+
+    def __init__(self, channels, n_heads, dropout):
+        super().__init__()
+        self.n_heads, self.dropout = n_heads, dropout
+        self.qkv = nn.Conv1d(channels, 3 * channels, 1)
+        self.proj = nn.Conv1d(channels, channels, 1)
+
+    def forward(self, x, mask):
+        B, C, T = x.shape
+        q, k, v = self.qkv(x).view(B, 3, self.n_heads, C // self.n_heads, T).transpose(3, 4).unbind(1)
+        q, k = text_rope(q), text_rope(k)
+        keep = mask.bool()[:, None, :, :]  # (B, 1, 1, T): padded keys get no attention
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=keep,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.proj(y.transpose(2, 3).reshape(B, C, T))
+
+
+class TextEncoderLayer(nn.Module):
+    """Post-norm transformer layer (as Glow-TTS/Matcha) with a convolutional feed-forward."""
+
+    def __init__(self, channels, n_heads, ff_channels, kernel, dropout):
+        super().__init__()
+        self.attn = SequenceSelfAttention(channels, n_heads, dropout)
+        self.norm1, self.norm2 = ChannelLayerNorm(channels), ChannelLayerNorm(channels)
+        self.ff1 = nn.Conv1d(channels, ff_channels, kernel, padding=kernel // 2)
+        self.ff2 = nn.Conv1d(ff_channels, channels, kernel, padding=kernel // 2)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x, mask):
+        x = self.norm1(x + self.drop(self.attn(x, mask)))
+        h = self.drop(torch.relu(self.ff1(x * mask)))
+        return self.norm2(x + self.drop(self.ff2(h * mask))) * mask
+
+
+class TextEncoder(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        C = config.enc_channels
+        self.embed = nn.Embedding(len(config.symbols) + 2, C)
+        nn.init.normal_(self.embed.weight, 0.0, C ** -0.5)
+        # conv prenet: local character context before attention
+        self.prenet = nn.ModuleList(nn.Conv1d(C, C, 5, padding=2) for _ in range(3))
+        self.prenet_norms = nn.ModuleList(ChannelLayerNorm(C) for _ in range(3))
+        self.layers = nn.ModuleList(
+            TextEncoderLayer(C, config.enc_heads, config.enc_ff_channels, config.enc_kernel, config.dropout)
+            for _ in range(config.enc_layers))
+        self.proj_mu = nn.Conv1d(C, config.n_mels, 1)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x, x_mask):
+        """ids (B, Tx), mask (B, 1, Tx) -> hidden (B, C, Tx), mu (B, n_mels, Tx)."""
+        h = self.embed(x).transpose(1, 2) * math.sqrt(self.embed.embedding_dim) * x_mask
+        for conv, norm in zip(self.prenet, self.prenet_norms):
+            h = h + self.drop(torch.relu(norm(conv(h * x_mask))))
+        for layer in self.layers:
+            h = layer(h, x_mask)
+        return h, self.proj_mu(h) * x_mask
+
+
+class DurationPredictor(nn.Module):
+    """Log frames per token from the (detached) encoder output: two conv layers."""
+
+    def __init__(self, in_channels, channels, dropout, kernel=3):
+        super().__init__()
+        self.conv1 = nn.Conv1d(in_channels, channels, kernel, padding=kernel // 2)
+        self.conv2 = nn.Conv1d(channels, channels, kernel, padding=kernel // 2)
+        self.norm1, self.norm2 = ChannelLayerNorm(channels), ChannelLayerNorm(channels)
+        self.proj = nn.Conv1d(channels, 1, 1)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, h, x_mask):
+        h = self.drop(self.norm1(torch.relu(self.conv1(h * x_mask))))
+        h = self.drop(self.norm2(torch.relu(self.conv2(h * x_mask))))
+        return self.proj(h * x_mask) * x_mask
+
+# -----------------------------------------------------------------------------
+# flow-matching decoder: a 1D U-Net (two resolutions) over [x_t, mu], time-conditioned
+
+
+def timestep_embedding(t, dim):
+    """Sinusoidal embedding of flow time t in [0, 1] (scaled by 1000 as in diffusion models)."""
+    freqs = torch.exp(-math.log(10000) * torch.arange(dim // 2, device=t.device) / (dim // 2 - 1))
+    angles = 1000.0 * t[:, None].float() * freqs[None, :]
+    return torch.cat([angles.sin(), angles.cos()], dim=1)
+
+
+class UNetResBlock(nn.Module):
+    """conv-GroupNorm-Mish twice, the time embedding added in between, residual 1x1."""
+
+    def __init__(self, in_channels, channels, time_channels):
+        super().__init__()
+        self.conv1 = nn.Conv1d(in_channels, channels, 3, padding=1)
+        self.conv2 = nn.Conv1d(channels, channels, 3, padding=1)
+        self.norm1, self.norm2 = nn.GroupNorm(8, channels), nn.GroupNorm(8, channels)
+        self.time = nn.Linear(time_channels, channels)
+        self.skip = nn.Conv1d(in_channels, channels, 1) if in_channels != channels else nn.Identity()
+
+    def forward(self, x, mask, t_emb):
+        h = F.mish(self.norm1(self.conv1(x * mask)))
+        h = h + self.time(t_emb)[:, :, None]
+        h = F.mish(self.norm2(self.conv2(h * mask)))
+        return (h + self.skip(x)) * mask
+
+
+class UNetAttention(nn.Module):
+    """Pre-norm self-attention + MLP over the bottleneck frames: long-range context (phrase
+    level) that the convolutions' receptive field does not reach."""
+
+    def __init__(self, channels, n_heads):
+        super().__init__()
+        self.norm1, self.norm2 = ChannelLayerNorm(channels), ChannelLayerNorm(channels)
+        self.attn = SequenceSelfAttention(channels, n_heads, 0.0)
+        self.mlp = nn.Sequential(nn.Conv1d(channels, 4 * channels, 1), nn.GELU(),
+                                 nn.Conv1d(4 * channels, channels, 1))
+
+    def forward(self, x, mask):
+        x = x + self.attn(self.norm1(x), mask)
+        return (x + self.mlp(self.norm2(x))) * mask
+
+
+class FlowMatchingDecoder(nn.Module):
+    """Predicts the velocity v(x_t, t | mu) of the flow from noise to mel. Lengths must be even
+    (one 2x downsampling); TTSModel pads to that."""
+
+    def __init__(self, config):
+        super().__init__()
+        C, n_mels, n_blocks = config.dec_channels, config.n_mels, config.dec_blocks
+        time_channels = 4 * C
+        self.time_mlp = nn.Sequential(nn.Linear(C, time_channels), nn.Mish(),
+                                      nn.Linear(time_channels, time_channels))
+        self.down = nn.ModuleList(UNetResBlock(2 * n_mels if i == 0 else C, C, time_channels)
+                                  for i in range(n_blocks))
+        self.downsample = nn.Conv1d(C, C, 3, stride=2, padding=1)
+        self.mid = nn.ModuleList(UNetResBlock(C, C, time_channels) for _ in range(n_blocks))
+        self.mid_attn = UNetAttention(C, config.dec_heads) if config.dec_heads else None
+        self.upsample = nn.ConvTranspose1d(C, C, 4, stride=2, padding=1)
+        self.up = nn.ModuleList(UNetResBlock(2 * C if i == 0 else C, C, time_channels)
+                                for i in range(n_blocks))
+        self.out = nn.Conv1d(C, n_mels, 1)
+        nn.init.zeros_(self.out.weight)  # start by predicting zero velocity
+        nn.init.zeros_(self.out.bias)
+        self.embed_dim = C
+
+    def forward(self, x_t, mask, mu, t):
+        t_emb = self.time_mlp(timestep_embedding(t, self.embed_dim))
+        h = torch.cat([x_t, mu], dim=1)
+        for block in self.down:
+            h = block(h, mask, t_emb)
+        skip = h
+        half_mask = mask[:, :, ::2]
+        h = self.downsample(h * mask) * half_mask
+        for block in self.mid:
+            h = block(h, half_mask, t_emb)
+        if self.mid_attn is not None:
+            h = self.mid_attn(h, half_mask)
+        h = self.upsample(h * half_mask) * mask
+        h = torch.cat([h, skip], dim=1)
+        for block in self.up:
+            h = block(h, mask, t_emb)
+        return self.out(h) * mask
+
+
+class TTSModel(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.encoder = TextEncoder(config)
+        self.duration_predictor = DurationPredictor(config.enc_channels, config.dp_channels, config.dropout)
+        self.decoder = FlowMatchingDecoder(config)
+        # log-mel normalisation of the training data; travels with the weights
+        self.register_buffer('mel_mean', torch.tensor(0.0))
+        self.register_buffer('mel_std', torch.tensor(1.0))
+
+    def get_num_params(self):
+        return sum(p.numel() for p in self.parameters())
+
+    def encode(self, x, x_lengths):
+        x_mask = sequence_mask(x_lengths, x.shape[1])[:, None, :].float()
+        h, mu_x = self.encoder(x, x_mask)
+        # durations are predicted from the detached encoder output: their loss does not shape the encoder
+        log_durations = self.duration_predictor(h.detach(), x_mask)
+        return mu_x, log_durations, x_mask
+
+    def align(self, mu_x, x_mask, y, y_mask):
+        """MAS path (B, Tx, Ty) maximising the likelihood of y under N(mu_x[token], I)."""
+        with torch.no_grad():
+            mu, target = mu_x.float(), y.float()
+            # -0.5 |y_j - mu_i|^2 up to a constant, expanded into matrix products
+            log_likelihood = (-0.5 * (mu ** 2).sum(1)[:, :, None] + mu.transpose(1, 2) @ target
+                              - 0.5 * (target ** 2).sum(1)[:, None, :])
+            mask = (x_mask.transpose(1, 2) * y_mask).bool()
+            return monotonic_alignment_search(log_likelihood, mask)
+
+    def forward(self, x, x_lengths, y, y_lengths):
+        """Training losses for a batch: ids (B, Tx), normalised mels (B, n_mels, Ty).
+        Returns dict(prior, duration, flow) of per-batch means."""
+        y = pad_to_even(y)
+        mu_x, log_durations, x_mask = self.encode(x, x_lengths)
+        y_mask = sequence_mask(y_lengths, y.shape[2])[:, None, :].float()
+        path = self.align(mu_x, x_mask, y, y_mask)
+        durations = path.sum(2)[:, None, :]
+        mu_y = (mu_x.float() @ path).to(mu_x.dtype)  # (B, n_mels, Ty): each frame gets its token's mu
+        # flow matching from noise to mel conditioned on mu_y (dropped for some utterances: CFG)
+        t = torch.rand(y.shape[0], device=y.device)
+        x0 = torch.randn_like(y)
+        x_t, target = flow_matching_path(x0, y, t, self.config.sigma_min)
+        cond = mu_y
+        if self.config.cfg_drop > 0:
+            keep = (torch.rand(y.shape[0], device=y.device) >= self.config.cfg_drop).to(mu_y.dtype)
+            cond = mu_y * keep[:, None, None]
+        velocity = self.decoder(x_t, y_mask, cond, t)
+        return dict(prior=prior_loss(y, mu_y.float(), y_mask),
+                    duration=duration_loss(log_durations.float(), durations, x_mask),
+                    flow=flow_matching_loss(velocity.float(), target, y_mask))
+
+    @torch.no_grad()
+    def decode(self, mu_y, y_mask, n_timesteps=10, temperature=1.0, guidance=0.0, generator=None):
+        """Euler ODE from noise (scaled by temperature) at t=0 to a normalised mel at t=1. With
+        guidance w > 0: v = v(mu) + w (v(mu) - v(no condition))."""
+        x = torch.randn(mu_y.shape, generator=generator, device=mu_y.device, dtype=mu_y.dtype) * temperature
+        dt = 1.0 / n_timesteps
+        for i in range(n_timesteps):
+            t = torch.full((x.shape[0],), i * dt, device=x.device, dtype=x.dtype)
+            v = self.decoder(x, y_mask, mu_y, t)
+            if guidance:
+                v = v + guidance * (v - self.decoder(x, y_mask, torch.zeros_like(mu_y), t))
+            x = x + dt * v
+        return x * y_mask
+
+    @torch.no_grad()
+    def teacher_forced(self, x, x_lengths, y, y_lengths, **decode_args):
+        """Decode with the ground-truth durations (MAS against the target mel)."""
+        y = pad_to_even(y)
+        mu_x, _, x_mask = self.encode(x, x_lengths)
+        y_mask = sequence_mask(y_lengths, y.shape[2])[:, None, :].float()
+        mu_y = mu_x @ self.align(mu_x, x_mask, y, y_mask).to(mu_x.dtype)
+        return self.decode(mu_y, y_mask, **decode_args), y_mask
+
+    @torch.no_grad()
+    def infer(self, x, x_lengths, length_scale=1.0, **decode_args):
+        """ids -> (normalised mel (B, n_mels, Ty), mel lengths) with predicted durations;
+        length_scale > 1 speaks slower."""
+        mu_x, log_durations, x_mask = self.encode(x, x_lengths)
+        durations = torch.ceil(torch.exp(log_durations) * x_mask * length_scale)[:, 0].long()
+        y_lengths = durations.sum(1).clamp(min=1)
+        y_max = int(y_lengths.max()) + int(y_lengths.max()) % 2
+        y_mask = sequence_mask(y_lengths, y_max)[:, None, :].float()
+        path = durations_to_path(durations, (x_mask.transpose(1, 2) * y_mask)).to(mu_x.dtype)
+        mu_y = mu_x @ path
+        return self.decode(mu_y, y_mask, **decode_args), y_lengths
+
+    def denormalize(self, mel):
+        return mel * self.mel_std + self.mel_mean
+
+
+def pad_to_even(y):
+    # the U-Net halves the time axis once
+    return F.pad(y, (0, y.shape[2] % 2))
+
+
+@torch.no_grad()
+def synthesize(model, text, n_timesteps=10, temperature=0.667, length_scale=1.0, guidance=0.0,
+               seed=0):
+    """text -> (waveform (float32, 1D, in [-1, 1] roughly), log-mel (n_mels, T)) at
+    MEL_SETTINGS['sample_rate'] Hz. Characters outside the model's vocabulary are dropped."""
+    ids, _ = encode_text(text, model.config.symbols, model.config.add_blank)
+    if not any(ids):
+        raise ValueError(f"no speakable characters in {text!r} (vocabulary: {model.config.symbols!r})")
+    device = model.mel_mean.device
+    x = torch.tensor([ids], device=device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    mel, lengths = model.infer(x, torch.tensor([len(ids)], device=device), length_scale=length_scale,
+                               n_timesteps=n_timesteps, temperature=temperature, guidance=guidance,
+                               generator=generator)
+    log_mel = model.denormalize(mel[0, :, :lengths[0]]).float().cpu()
+    return MelExtractor(**MEL_SETTINGS).to_waveform(log_mel), log_mel
+
+
+def load_tts(ckpt, device='cpu'):
+    """A TTSModel in eval mode from a train_tts.py checkpoint dict (ckpt['kind'] == 'tts')."""
+    model = TTSModel(TTSConfig(**ckpt['model_args']))
+    model.load_state_dict(ckpt['model'])
+    return model.eval().to(device)

@@ -347,6 +347,288 @@ def eval_offsets(n_tokens, block_size, n, seed=1234):
 
 
 # -----------------------------------------------------------------------------
+# supervised fine-tuning (train.py training_type='sft' | 'lora'): chat examples from JSONL
+#
+# Chat template. Every example becomes a conversation of turns, each written as
+#     <|role|> content <|end|>        role: system | user | assistant
+# with the special tokens <|system|> <|user|> <|assistant|> <|end|> added after the base vocabulary
+# (an existing model's embedding grows to fit). The loss is on the assistant turns only: their
+# content and the <|end|> that closes them (the end-of-sequence token, so the model learns to stop).
+# Content is always encoded as plain text, so a message containing "<|user|>" cannot forge a turn.
+# The three JSONL formats map to turns as:
+#     {"prompt": P, "response": R}                   -> user P, assistant R
+#     {"instruction": I, "input": X, "output": O}     -> user I + "\n\n" + X (just I if X is empty), assistant O
+#     {"messages": [{"role": ..., "content": ...}]}   -> as given (at least one assistant turn)
+
+CHAT_ROLES = ('system', 'user', 'assistant')
+CHAT_SPECIAL_TOKENS = ('<|system|>', '<|user|>', '<|assistant|>', '<|end|>')
+ARITHMETIC_DIR = os.path.join('data', 'arithmetic')
+
+
+class ChatTokenizer:
+    """A base tokenizer plus the chat template's special tokens, numbered after its vocabulary."""
+
+    def __init__(self, base):
+        self.base = base
+        self.special = {token: base.vocab_size + i for i, token in enumerate(CHAT_SPECIAL_TOKENS)}
+        self.vocab_size = base.vocab_size + len(CHAT_SPECIAL_TOKENS)
+        self.eos_id = self.special['<|end|>']
+
+    def encode(self, text):
+        return self.base.encode(text)
+
+    def decode(self, ids):
+        names = {i: token for token, i in self.special.items()}
+        pieces, run = [], []
+        for i in ids:
+            if i in names:
+                pieces += [self.base.decode(run), names[i]]
+                run = []
+            else:
+                run.append(i)
+        return ''.join(pieces) + self.base.decode(run)
+
+    def identity(self):
+        base = self.base.identity()
+        digest = hashlib.sha256((base['hash'] + ''.join(CHAT_SPECIAL_TOKENS)).encode()).hexdigest()
+        return {'vocab_size': self.vocab_size, 'hash': digest}
+
+    def encode_chat(self, messages):
+        """Token ids and labels of a conversation: labels are the ids of the assistant turns' content
+        and closing <|end|>, -100 everywhere else."""
+        ids, labels = [], []
+        for m in messages:
+            content = self.encode(m['content'])
+            ids += [self.special[f"<|{m['role']}|>"], *content, self.eos_id]
+            labels += [-100] + (content + [self.eos_id] if m['role'] == 'assistant' else [-100] * (len(content) + 1))
+        return ids, labels
+
+    def encode_prompt(self, messages):
+        """The conversation so far, then <|assistant|>: the prompt that generates the next assistant turn."""
+        return self.encode_chat(messages)[0] + [self.special['<|assistant|>']]
+
+    def prompt_and_answer(self, messages):
+        """(prompt ids, reference text) of a conversation's last assistant turn, for exact-match evaluation."""
+        last = max(i for i, m in enumerate(messages) if m['role'] == 'assistant')
+        return self.encode_prompt(messages[:last]), messages[last]['content']
+
+
+def chat_messages(record):
+    """A JSONL record in any of the three formats as a list of {'role', 'content'}; ValueError if malformed."""
+    def text(value, key):
+        if not isinstance(value, str):
+            raise ValueError(f'"{key}" must be a string, got {type(value).__name__}')
+        return value
+    if not isinstance(record, dict):
+        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+    if 'messages' in record:
+        messages = record['messages']
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise ValueError('"messages" must be a list of {"role": ..., "content": ...} objects')
+        for m in messages:
+            if m.get('role') not in CHAT_ROLES:
+                raise ValueError(f"message role {m.get('role')!r} is not one of {', '.join(CHAT_ROLES)}")
+            text(m.get('content'), 'content')
+        if not any(m['role'] == 'assistant' for m in messages):
+            raise ValueError('"messages" has no assistant turn, so there is nothing to learn')
+        return [{'role': m['role'], 'content': m['content']} for m in messages]
+    if 'prompt' in record and 'response' in record:
+        return [{'role': 'user', 'content': text(record['prompt'], 'prompt')},
+                {'role': 'assistant', 'content': text(record['response'], 'response')}]
+    if 'instruction' in record and 'output' in record:
+        user = text(record['instruction'], 'instruction')
+        if text(record.get('input', ''), 'input'):
+            user += '\n\n' + record['input']
+        return [{'role': 'user', 'content': user}, {'role': 'assistant', 'content': text(record['output'], 'output')}]
+    raise ValueError(f"unknown format (keys {sorted(record)}); use {{\"prompt\", \"response\"}}, Alpaca "
+                     f"{{\"instruction\", \"input\", \"output\"}} or {{\"messages\": [{{\"role\", \"content\"}}, ...]}}")
+
+
+def load_sft_split(path, tokenizer, max_length, overlong='truncate', skip_malformed=False):
+    """Read and tokenize one JSONL split (one example per line, blank lines ignored): returns
+    (conversations, examples), examples as (ids, labels). A malformed line is an error naming
+    path:line, or with skip_malformed skipped and counted. An example longer than max_length tokens
+    is cut to its first max_length tokens (overlong='truncate'; dropped if no response token is
+    left) or dropped (overlong='drop'). The counts are printed; no examples left is an error."""
+    if overlong not in ('truncate', 'drop'):
+        raise UserError(f"overlong={overlong!r} is not supported; use 'truncate' or 'drop'.")
+    if not os.path.isfile(path):
+        raise UserError(f"SFT data file {path} does not exist. Point sft_data at a folder holding train.jsonl "
+                        f"and val.jsonl (test.jsonl optional), or leave it '' for the embedded arithmetic task.")
+    conversations, examples, skipped, truncated, dropped = [], [], 0, 0, 0
+    with open(path, 'rb') as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                messages = chat_messages(json.loads(line.decode('utf-8')))
+                ids, labels = tokenizer.encode_chat(messages)  # a char tokenizer rejects unknown characters
+            except (ValueError, UserError) as e:  # JSON and UTF-8 decode errors are ValueErrors
+                if not skip_malformed:
+                    raise UserError(f"{path}:{line_no}: {e}. Fix the line, or set skip_malformed=True to skip "
+                                    f"malformed lines (they are counted).") from None
+                skipped += 1
+                continue
+            conversations.append(messages)
+            if len(ids) > max_length:
+                ids, labels = ids[:max_length], labels[:max_length]
+                if overlong == 'drop' or all(label == -100 for label in labels[1:]):
+                    dropped += 1
+                    continue
+                truncated += 1
+            examples.append((ids, labels))
+    print(f"{path}: {len(examples):,} examples ({truncated} truncated and {dropped} dropped at max_length="
+          f"{max_length} by overlong={overlong!r}, {skipped} malformed lines skipped)")
+    if not examples:
+        raise UserError(f"{path} holds no usable examples ({skipped} malformed lines skipped, {dropped} longer "
+                        f"than max_length={max_length} dropped). Each line must be one JSON example, e.g. "
+                        f"{{\"prompt\": \"What is 2+2?\", \"response\": \"4\"}}; raise max_length if they are too long.")
+    return conversations, examples
+
+
+class SFTBatches:
+    """Batches of tokenized chat examples: (ids, labels) pairs.
+
+    Like TokenBatches, every rank draws the indices of the whole global batch (same seed, same draws)
+    and takes its own contiguous slice. Examples come in a shuffled order, reshuffled every epoch.
+    Length bucketing: bucket_batches global batches' worth of examples at a time are sorted by length
+    and cut into global batches of similar lengths, served in random order, so a micro-batch (padded
+    to its longest example) carries little padding. With pack=True several examples share a row of up
+    to max_length tokens, and doc_ids keep attention inside each example."""
+
+    def __init__(self, examples, seed, pad_id, max_length, pack=False, bucket_batches=1):
+        self.inputs = [torch.tensor(ids[:-1]) for ids, _ in examples]  # position t predicts labels[t + 1]
+        self.targets = [torch.tensor(labels[1:]) for _, labels in examples]
+        self.lengths = torch.tensor([len(ids) - 1 for ids, _ in examples])
+        self.pad_id, self.max_length, self.pack, self.bucket_batches = pad_id, max_length, pack, bucket_batches
+        self.generator = torch.Generator().manual_seed(seed)
+        self.order = torch.randperm(len(examples), generator=self.generator)
+        self.position = 0       # next place in order
+        self.pending = []       # global batches of the current bucket, not yet served
+        self.batches_drawn = 0
+
+    def _take(self, n, max_len):
+        """The next n indices of the shuffled order that are at most max_len long; a new shuffle each epoch."""
+        taken = []
+        while n:
+            if self.position == len(self.order):
+                self.order = torch.randperm(len(self.lengths), generator=self.generator)
+                self.position = 0
+            rest = self.order[self.position:]
+            fits = (self.lengths[rest] <= max_len).nonzero().flatten()[:n]
+            self.position += int(fits[-1]) + 1 if len(fits) == n else len(rest)
+            taken.append(rest[fits])
+            n -= len(fits)
+        return torch.cat(taken)
+
+    def sample(self, n, max_len=None):
+        """Indices of the next global batch of n examples; max_len (a length curriculum) skips longer ones."""
+        if not self.pending or len(self.pending[-1]) != n:  # (a resumed run may use another global batch)
+            pool = self._take(n * self.bucket_batches, self.max_length if max_len is None else max_len)
+            batches = pool[self.lengths[pool].argsort(stable=True)].split(n)
+            self.pending = [batches[i] for i in torch.randperm(len(batches), generator=self.generator)]
+        self.batches_drawn += 1
+        return self.pending.pop()
+
+    def count_tokens(self, indices):
+        return int(self.lengths[indices].sum())
+
+    def _rows(self, indices):
+        """Example indices per row: one each, or packed first-fit, longest first, into max_length."""
+        if not self.pack:
+            return [[i] for i in indices]
+        rows, room = [], []
+        for i in sorted(indices, key=lambda i: -self.lengths[i]):
+            r = next((r for r, free in enumerate(room) if free >= self.lengths[i]), None)
+            if r is None:
+                rows.append([i])
+                room.append(self.max_length - self.lengths[i])
+            else:
+                rows[r].append(i)
+                room[r] -= self.lengths[i]
+        return rows
+
+    def get(self, indices, device='cpu'):
+        """(x, y, doc_ids) for the examples at indices, right-padded to the longest row (y is -100 on
+        padding and prompts). doc_ids (B, T) numbers the examples of each packed row (-1 on padding);
+        None without packing, where no mask is needed: causal attention never sees the padding after a token."""
+        rows = self._rows(indices.tolist())
+        T = max(sum(int(self.lengths[i]) for i in row) for row in rows)
+        x = torch.full((len(rows), T), self.pad_id)
+        y = torch.full((len(rows), T), -100)
+        doc_ids = torch.full((len(rows), T), -1)
+        for r, row in enumerate(rows):
+            t = 0
+            for d, i in enumerate(row):
+                n = int(self.lengths[i])
+                x[r, t:t + n], y[r, t:t + n], doc_ids[r, t:t + n] = self.inputs[i], self.targets[i], d
+                t += n
+        tensors = (x, y, doc_ids) if self.pack else (x, y)
+        if torch.device(device).type == 'cuda':  # pinned memory lets the copy overlap compute
+            tensors = [t.pin_memory().to(device, non_blocking=True) for t in tensors]
+        else:
+            tensors = [t.to(device) for t in tensors]
+        return tensors[0], tensors[1], tensors[2] if self.pack else None
+
+    def state_dict(self):
+        return {'generator': self.generator.get_state(), 'order': self.order, 'position': self.position,
+                'pending': list(self.pending), 'batches_drawn': self.batches_drawn}
+
+    def load_state_dict(self, state):
+        self.generator.set_state(state['generator'])
+        self.order, self.position = state['order'], state['position']
+        self.pending, self.batches_drawn = list(state['pending']), state['batches_drawn']
+
+
+def arithmetic_problem(rng, max_digits):
+    """'What is a+b?' or 'What is a-b?' (a >= b) with operands of 1 to max_digits digits, and its answer."""
+    a, b = (rng.randrange(10 ** rng.randint(1, max_digits)) for _ in range(2))
+    if rng.random() < 0.5:
+        return f"What is {a}+{b}?", str(a + b)
+    a, b = max(a, b), min(a, b)
+    return f"What is {a}-{b}?", str(a - b)
+
+
+def arithmetic_split(question):
+    """'test' for a tenth of all questions, 'val' for another tenth, else 'train', by a hash of the
+    text: a question lies in one split only, whatever the seed or the sizes."""
+    h = int(hashlib.sha256(question.encode()).hexdigest()[:8], 16) % 10
+    return 'test' if h == 0 else 'val' if h == 1 else 'train'
+
+
+def prepare_arithmetic(out_dir=ARITHMETIC_DIR, n_train=20_000, n_eval=500, max_digits=3, seed=0):
+    """The embedded SFT task, a verifiable instruction set: arithmetic questions and their answers
+    as {"prompt", "response"} JSONL in out_dir/train.jsonl, val.jsonl, test.jsonl (disjoint splits).
+    Written once; reused while the parameters are unchanged."""
+    sizes = {'train': n_train, 'val': n_eval, 'test': n_eval}
+    meta = {'task': 'arithmetic', 'sizes': sizes, 'max_digits': max_digits, 'seed': seed}
+    meta_path = os.path.join(out_dir, 'meta.json')
+    if os.path.exists(meta_path):
+        with open(meta_path) as f:
+            if json.load(f) == meta:
+                return out_dir
+    rng = random.Random(seed)
+    splits = {split: {} for split in sizes}  # question -> answer: no duplicates within a split either
+    for _ in range(100 * sum(sizes.values())):
+        question, answer = arithmetic_problem(rng, max_digits)
+        split = arithmetic_split(question)
+        if len(splits[split]) < sizes[split]:
+            splits[split][question] = answer
+        if all(len(splits[s]) == sizes[s] for s in sizes):
+            break
+    else:
+        raise UserError(f"there are too few distinct {max_digits}-digit questions for splits of {sizes}; "
+                        f"lower the sizes or raise max_digits.")
+    os.makedirs(out_dir, exist_ok=True)
+    for split, pairs in splits.items():
+        with open(os.path.join(out_dir, f'{split}.jsonl'), 'w') as f:
+            f.writelines(json.dumps({'prompt': q, 'response': a}) + '\n' for q, a in pairs.items())
+    with open(meta_path, 'w') as f:  # written last: marks a complete task folder
+        json.dump(meta, f)
+    return out_dir
+
+
+# -----------------------------------------------------------------------------
 
 def main(argv=None):
     install_excepthook()

@@ -4,7 +4,10 @@ Loss functions, as plain functions of tensors.
 import math
 
 import torch
+import torch.nn.functional as F
 import torchaudio
+
+from configurator import UserError
 
 # -----------------------------------------------------------------------------
 # text-to-speech (train_tts.py). Mels are (B, n_mels, T), masks (B, 1, T) with 1 on real frames.
@@ -73,3 +76,70 @@ def mel_cepstral_distortion(log_mel, reference_log_mel, n_cepstra=13):
     b = (reference_log_mel.double().T @ dct)[:, 1:]
     distances = 10 / math.log(10) * math.sqrt(2) * torch.cdist(a, b, compute_mode='donot_use_mm_for_euclid_dist')
     return dtw_mean_cost(distances)
+
+
+# -----------------------------------------------------------------------------
+# language modelling (train.py): token-weighted cross-entropy and multi-objective weighting
+
+
+def token_weight_table(vocab_size, groups, tokenizer):
+    """Loss weight of every token id, (vocab_size,): 1 unless a group names the token. groups is
+    {name: (weight, [token, ...])} where a token is an id or a text that encodes to exactly one token,
+    e.g. {'reasoning': (1.5, ['because', 'therefore']), 'tool': (1.3, ['<tool>'])}."""
+    table = torch.ones(vocab_size)
+    owner = {}
+    for name, group in groups.items():
+        if not (isinstance(group, (tuple, list)) and len(group) == 2 and isinstance(group[0], (int, float))
+                and isinstance(group[1], (tuple, list))):
+            raise UserError(f"token_weights[{name!r}] = {group!r}: each group must be (weight, [token, ...]), "
+                            f"e.g. {{'reasoning': (1.5, ['because', 'therefore'])}}.")
+        weight, tokens = group
+        for token in tokens:
+            ids = [token] if isinstance(token, int) else tokenizer.encode(token)
+            if len(ids) != 1 or not 0 <= ids[0] < vocab_size:
+                raise UserError(f"token_weights[{name!r}]: {token!r} is not one token of this tokenizer (it encodes "
+                                f"to {ids}); list a token id or a text that is a single token, e.g. each piece.")
+            if ids[0] in owner and owner[ids[0]] != name:
+                raise UserError(f"token_weights: token {token!r} (id {ids[0]}) is in both {owner[ids[0]]!r} and "
+                                f"{name!r}; give each token one weight.")
+            owner[ids[0]] = name
+            table[ids[0]] = weight
+    return table
+
+
+def target_weights(targets, weight_table=None, ignore_index=-100):
+    """Per-position loss weights (B, T): weight_table[target], 1 without a table, 0 where ignored."""
+    keep = targets != ignore_index
+    if weight_table is None:
+        return keep.float()
+    return torch.where(keep, weight_table[targets.clamp(min=0)], 0.0)
+
+
+def weighted_cross_entropy(logits, targets, weight_table=None, normalizer=None, ignore_index=-100):
+    """sum(w * CE) / normalizer with w = target_weights(targets, weight_table). normalizer defaults to
+    sum(w), the weighted mean; without a table that is exactly F.cross_entropy's mean. For gradient
+    accumulation and DDP pass the total weight of the whole global batch (all micro-batches, all
+    ranks): the micro-batch losses then add up to the global batch's weighted mean, however it is split."""
+    w = target_weights(targets, weight_table, ignore_index)
+    per_token = F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), ignore_index=ignore_index,
+                                reduction='none')
+    return (per_token * w.flatten()).sum() / (w.sum() if normalizer is None else normalizer)
+
+
+def z_loss(logits, targets, weight_table=None, normalizer=None, ignore_index=-100):
+    """PaLM's auxiliary loss log(Z)^2 (Z = sum of exp(logits)) per token, weighted and normalized
+    like weighted_cross_entropy: keeps the softmax normalizer near 1 and the logits from drifting."""
+    w = target_weights(targets, weight_table, ignore_index)
+    squared = torch.logsumexp(logits.float(), dim=-1).square()
+    return (squared * w).sum() / (w.sum() if normalizer is None else normalizer)
+
+
+def combine_losses(terms, weights):
+    """Multi-objective loss: sum of weights[name] * terms[name] over the named loss terms (tensors).
+    Every term needs a weight, so a misspelt name is an error instead of a silently dropped term.
+    The caller logs the terms separately."""
+    missing = sorted(set(terms) - set(weights))
+    if missing:
+        raise UserError(f"loss terms {', '.join(missing)} have no weight in {weights}; add them, e.g. "
+                        f"{{{', '.join(f'{t!r}: 1.0' for t in terms)}}}.")
+    return sum(weights[name] * value for name, value in terms.items())

@@ -5,6 +5,7 @@ logit soft-capping, tied embeddings, activation checkpointing and KV-cache gener
 """
 import dataclasses
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -69,10 +70,29 @@ def apply_rope(x, cos, sin):
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
 
 
-def attend(q, k, v, dropout_p=0.0, causal=True):
-    """(B, H, Tq, D) queries over (B, H, Tk, D) keys/values. The one place attention is computed,
-    so masks (e.g. document ids for packed sequences) can be added here."""
+def attend(q, k, v, dropout_p=0.0, causal=True, mask=None):
+    """(B, H, Tq, D) queries over (B, H, Tk, D) keys/values. The one place attention is computed.
+    mask (B, 1, Tq, Tk), True where attention is allowed, replaces the causal mask (packed rows)."""
+    if mask is not None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
     return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal)
+
+
+def document_mask(doc_ids):
+    """Attention mask (B, 1, T, T) for rows packed with several documents: causal, and each token
+    sees only earlier tokens of its own document. doc_ids (B, T) numbers the documents of a row."""
+    T = doc_ids.size(1)
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
+    return ((doc_ids[:, :, None] == doc_ids[:, None, :]) & causal)[:, None]
+
+
+def document_positions(doc_ids):
+    """Position of every token within its own document, (B, T); documents are contiguous runs of
+    equal doc ids, so each starts again at position 0 as it would alone."""
+    idx = torch.arange(doc_ids.size(1), device=doc_ids.device).expand_as(doc_ids)
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    return idx - torch.where(starts, idx, 0).cummax(dim=1).values
 
 
 class KVCache:
@@ -112,7 +132,7 @@ class CausalSelfAttention(nn.Module):
         self.k_norm = make_norm(config, self.head_dim) if config.qk_norm else None
         self.resid_drop = nn.Dropout(config.dropout)
 
-    def forward(self, x, rope=None, cache=None):
+    def forward(self, x, rope=None, cache=None, mask=None):
         B, T, C = x.shape
         q, k, v = (proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
         if self.q_norm is not None:
@@ -125,7 +145,7 @@ class CausalSelfAttention(nn.Module):
             # every cached key (is_causal would align the mask top-left and hide all but the first)
             causal = cache.len == 0
             k, v = cache.update(k, v)
-        y = attend(q, k, v, self.dropout if self.training else 0.0, causal)
+        y = attend(q, k, v, self.dropout if self.training else 0.0, causal, mask)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_drop(self.proj(y))
 
@@ -168,8 +188,8 @@ class Block(nn.Module):
         self.ln_2 = make_norm(config, config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x, rope=None, cache=None):
-        x = x + self.attn(self.ln_1(x), rope, cache)
+    def forward(self, x, rope=None, cache=None, mask=None):
+        x = x + self.attn(self.ln_1(x), rope, cache, mask)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -266,6 +286,21 @@ class GPT(nn.Module):
     def model_args(self):
         return dataclasses.asdict(self.config)
 
+    @torch.no_grad()
+    def resize_vocab(self, vocab_size):
+        """Grow the token embedding (and an untied lm_head) to vocab_size rows, for added special
+        tokens. A new row is the mean of the old rows plus noise with their per-dimension spread:
+        a typical token, so its logit starts ordinary, yet each new token is distinct. The noise has a
+        fixed seed: the same base model always grows the same rows (a LoRA run rebuilds them on resume)."""
+        def grown(old):
+            noise = torch.randn(vocab_size - len(old), old.size(1), generator=torch.Generator().manual_seed(0))
+            return nn.Parameter(torch.cat([old, old.mean(0) + noise.to(old) * old.std(0)]))
+        self.transformer.wte.weight = grown(self.transformer.wte.weight)
+        self.transformer.wte.num_embeddings = vocab_size
+        self.lm_head.weight = self.transformer.wte.weight if self.config.tie_embeddings else grown(self.lm_head.weight)
+        self.lm_head.out_features = vocab_size
+        self.config = dataclasses.replace(self.config, vocab_size=vocab_size)
+
     def get_num_params(self, non_embedding=True):
         """Parameter count. non_embedding=True leaves out pure lookup tables (position embeddings,
         and the token embeddings unless they are tied to lm_head, whose matmul is real work)."""
@@ -277,28 +312,33 @@ class GPT(nn.Module):
                 n -= self.transformer.wte.weight.numel()
         return n
 
-    def hidden_states(self, idx, caches=None):
+    def hidden_states(self, idx, caches=None, doc_ids=None):
         """Final normalized hidden states (B, T, n_embd). With caches (one KVCache per layer) the
-        tokens continue the cached sequence and their keys/values are appended."""
+        tokens continue the cached sequence and their keys/values are appended. doc_ids (B, T) marks
+        rows packed with several documents: each is attended to and positioned as if it were alone."""
         B, T = idx.shape
         start = caches[0].len if caches else 0
         if start + T > self.config.block_size:
             raise ValueError(f"model.py: got {start + T} tokens but block_size is {self.config.block_size}; "
                              f"crop the input to its last {self.config.block_size} tokens.")
         x = self.transformer.wte(idx)
+        pos = torch.arange(start, start + T, device=idx.device) if doc_ids is None else document_positions(doc_ids)
+        mask = None if doc_ids is None else document_mask(doc_ids)
         rope = None
         if self.config.pos_emb == 'learned':
-            x = x + self.transformer.wpe(torch.arange(start, start + T, device=idx.device))
+            x = x + self.transformer.wpe(pos)
         else:
-            rope = (self.rope_cos[start:start + T], self.rope_sin[start:start + T])
+            rope = (self.rope_cos[pos], self.rope_sin[pos])
+            if doc_ids is not None:  # per-row positions: (B, T, D/2) -> (B, 1, T, D/2) to broadcast over heads
+                rope = (rope[0][:, None], rope[1][:, None])
         x = self.transformer.drop(x)
         recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         for i, block in enumerate(self.transformer.h):
             if recompute:
                 # keep only block inputs; rerun the block in backward (RNG state is replayed for dropout)
-                x = checkpoint(block, x, rope, use_reentrant=False)
+                x = checkpoint(block, x, rope, None, mask, use_reentrant=False)
             else:
-                x = block(x, rope, caches[i] if caches else None)
+                x = block(x, rope, caches[i] if caches else None, mask)
         return self.transformer.ln_f(x)
 
     def logits(self, h):
@@ -308,10 +348,10 @@ class GPT(nn.Module):
             logits = cap * torch.tanh(logits / cap)
         return logits
 
-    def forward(self, idx, targets=None):
+    def forward(self, idx, targets=None, doc_ids=None):
         """idx (B, T) with T <= block_size -> (logits (B, T, V), mean cross-entropy over targets != -100
-        or None). Logits are returned for every position either way."""
-        logits = self.logits(self.hidden_states(idx))
+        or None). Logits are returned for every position either way. doc_ids: see hidden_states."""
+        logits = self.logits(self.hidden_states(idx, doc_ids=doc_ids))
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-100)
@@ -326,7 +366,8 @@ class GPT(nn.Module):
         no_decay = [p for p in params if p.dim() < 2 or id(p) in embeddings]
         print(f"num decayed parameter tensors: {len(decay)}, with {sum(p.numel() for p in decay):,} parameters")
         print(f"num non-decayed parameter tensors: {len(no_decay)}, with {sum(p.numel() for p in no_decay):,} parameters")
-        fused = device_type == 'cuda'
+        # one kernel for all parameters instead of ~10 small ops per tensor; on CPU too (bench/README.md)
+        fused = device_type in ('cuda', 'cpu')
         print(f"using fused AdamW: {fused}")
         groups = [dict(params=decay, weight_decay=weight_decay), dict(params=no_decay, weight_decay=0.0)]
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
@@ -374,3 +415,143 @@ class GPT(nn.Module):
             if eos_id is not None and done.all():
                 break
         return idx
+
+
+# -----------------------------------------------------------------------------
+# LoRA (Hu et al. 2021): a frozen layer W plus a trainable low-rank update, y = W x + s B A x with
+# A (r, in), B (out, r), s = lora_alpha / r (or lora_alpha / sqrt(r) with rsLoRA, Kalajdzievski 2023,
+# whose update keeps its size as r grows). Written here by hand; no peft.
+
+LORA_TARGETS = ('attn.q', 'attn.k', 'attn.v', 'attn.proj', 'mlp.fc', 'mlp.gate', 'mlp.proj')
+LORA_BIAS = ('none', 'all', 'lora_only')
+
+
+class LoRALinear(nn.Linear):
+    """An nn.Linear with a low-rank adapter. It takes over the wrapped layer's weight and bias (the
+    same parameters under the same state-dict names), so a base checkpoint loads into it unchanged."""
+
+    def __init__(self, base, r, lora_alpha, lora_dropout=0.0, use_rslora=False):
+        super().__init__(base.in_features, base.out_features, bias=base.bias is not None, device='meta')
+        self.weight, self.bias = base.weight, base.bias
+        like = dict(device=base.weight.device, dtype=base.weight.dtype)
+        self.lora_A = nn.Parameter(torch.empty(r, base.in_features, **like))
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, r, **like))  # zero: the model starts unchanged
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # nn.Linear's own init
+        self.scaling = lora_alpha / math.sqrt(r) if use_rslora else lora_alpha / r
+        self.lora_dropout = nn.Dropout(lora_dropout)
+        self.merged = False  # the update is folded into weight
+        self.enabled = True  # False: the exact base layer (disable_adapters)
+
+    def forward(self, x):
+        y = F.linear(x, self.weight, self.bias)
+        if self.merged or not self.enabled:
+            return y
+        return y + F.linear(F.linear(self.lora_dropout(x), self.lora_A), self.lora_B) * self.scaling
+
+    def delta_weight(self):
+        return (self.lora_B @ self.lora_A) * self.scaling
+
+    @torch.no_grad()
+    def merge(self):
+        if not self.merged:
+            self.weight += self.delta_weight()
+            self.merged = True
+
+    @torch.no_grad()
+    def unmerge(self):
+        if self.merged:
+            self.weight -= self.delta_weight()
+            self.merged = False
+
+
+def apply_lora(model, r=8, lora_alpha=16, lora_dropout=0.0, target_modules='attn.q,attn.k,attn.v,attn.proj',
+               use_rslora=False, bias='none'):
+    """Wrap the targeted Linear layers of model's blocks in LoRALinear and freeze everything else by
+    requires_grad=False. target_modules: comma-separated names from LORA_TARGETS, or 'all-linear' (every
+    Linear in the blocks; lm_head stays frozen, it is the tied embedding). bias: which biases train too,
+    'none' | 'all' | 'lora_only' (those of the wrapped layers). Returns the wrapped layers' names."""
+    targets = LORA_TARGETS if target_modules == 'all-linear' else [t.strip() for t in target_modules.split(',') if t.strip()]
+    unknown = [t for t in targets if t not in LORA_TARGETS]
+    if unknown or not targets:
+        raise UserError(f"lora_target_modules={target_modules!r}: {', '.join(map(repr, unknown)) or 'no name'} is not a "
+                        f"LoRA target; use comma-separated names from {', '.join(LORA_TARGETS)}, or 'all-linear'.")
+    if bias not in LORA_BIAS:
+        raise UserError(f"lora_bias={bias!r} is not supported; use one of {', '.join(map(repr, LORA_BIAS))}.")
+    model.requires_grad_(False)
+    wrapped = []
+    for name, module in list(model.transformer.h.named_modules(prefix='transformer.h')):
+        if isinstance(module, nn.Linear) and name.split('.', 3)[-1] in targets:
+            parent, _, child = name.rpartition('.')
+            setattr(model.get_submodule(parent), child, LoRALinear(module, r, lora_alpha, lora_dropout, use_rslora))
+            wrapped.append(name)
+    missing = [t for t in targets if not any(n.endswith('.' + t) for n in wrapped)]
+    if missing and target_modules != 'all-linear':
+        raise UserError(f"lora_target_modules names {', '.join(missing)}, which this model does not have "
+                        f"(mlp.gate exists only with mlp='swiglu'); remove it from lora_target_modules.")
+    for name, p in model.named_parameters():
+        trained_bias = name.endswith('.bias') and (bias == 'all' or bias == 'lora_only' and name[:-5] in wrapped)
+        p.requires_grad_(name.endswith(('lora_A', 'lora_B')) or trained_bias)
+    return wrapped
+
+
+def lora_layers(model):
+    return [m for m in model.modules() if isinstance(m, LoRALinear)]
+
+
+def merge_lora(model):
+    """Fold every adapter into its weight: the forward pass then costs what the base model's does."""
+    for m in lora_layers(model):
+        m.merge()
+
+
+def unmerge_lora(model):
+    """Undo merge_lora (up to float rounding: W + dW - dW is not always W)."""
+    for m in lora_layers(model):
+        m.unmerge()
+
+
+@contextmanager
+def disable_adapters(model):
+    """Inside the block the model is exactly the base model, bit for bit (DPO's reference model):
+    the adapters are skipped, not subtracted."""
+    layers = lora_layers(model)
+    if any(m.merged for m in layers):
+        raise RuntimeError("disable_adapters needs unmerged adapters (merged ones cannot be removed exactly); "
+                           "call unmerge_lora(model) first.")
+    for m in layers:
+        m.enabled = False
+    try:
+        yield model
+    finally:
+        for m in layers:
+            m.enabled = True
+
+
+def lora_state_dict(model):
+    """The trained parameters only (adapters and trained biases): an adapter checkpoint's weights."""
+    trained = {name for name, p in model.named_parameters() if p.requires_grad}
+    return {k: v for k, v in model.state_dict().items() if k in trained}
+
+
+@torch.no_grad()
+def merged_state_dict(model):
+    """A plain GPT state dict with every adapter folded into its weight; the model is left as it is."""
+    state = model.state_dict()
+    for name, m in model.named_modules():
+        if isinstance(m, LoRALinear):
+            del state[name + '.lora_A'], state[name + '.lora_B']
+            if not m.merged:
+                state[name + '.weight'] = m.weight + m.delta_weight()
+    return state
+
+
+def lora_param_groups(model, weight_decay, loraplus_lr_ratio=1.0):
+    """Optimizer groups of the trainable parameters only: the A matrices; the B matrices at
+    loraplus_lr_ratio times the learning rate (LoRA+, Hayou et al. 2024: B learns best with a larger
+    step); trained biases without weight decay. The training loop reads 'lr_scale'."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = [dict(params=[p for n, p in named if n.endswith('lora_A')], weight_decay=weight_decay),
+              dict(params=[p for n, p in named if n.endswith('lora_B')], weight_decay=weight_decay,
+                   lr_scale=loraplus_lr_ratio),
+              dict(params=[p for n, p in named if not n.endswith(('lora_A', 'lora_B'))], weight_decay=0.0)]
+    return [g for g in groups if g['params']]

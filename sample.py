@@ -1,5 +1,7 @@
 """
 Generate from a trained checkpoint: `python sample.py --out_dir=out --start="def main("`.
+A fine-tuned (sft/lora) model takes start as a user turn of its chat template and answers it:
+`python sample.py --out_dir=out-sft --start="What is 48+275?"` (for LoRA runs, --ckpt_name=merged.pt).
 """
 
 import os
@@ -8,13 +10,13 @@ import torch
 
 from checkpoint import load_checkpoint
 from configurator import UserError, configure
-from data import load_tokenizer
+from data import ChatTokenizer, load_tokenizer
 from memory import autocast_context, pick_device, pick_dtype
 from model import GPT, GPTConfig
 
 # -----------------------------------------------------------------------------
 out_dir = 'out'              # folder of the run to sample from
-ckpt_name = 'ckpt.pt'        # 'ckpt.pt' (latest) or 'best.pt'
+ckpt_name = 'ckpt.pt'        # 'ckpt.pt' (latest) or 'best.pt'; LoRA runs: 'merged.pt'
 data_dir = ''                # tokenizer folder; '' = the one recorded in the checkpoint
 start = '\n'                 # prompt text, or 'FILE:path.txt' to read it from a file
 num_samples = 1
@@ -33,10 +35,16 @@ device = pick_device(device)
 autocast = autocast_context(device, pick_dtype(device, dtype))
 ckpt_path = os.path.join(out_dir, ckpt_name)
 ckpt = load_checkpoint(ckpt_path)
+if ckpt['kind'] == 'lora':
+    raise UserError(f"{ckpt_path} holds LoRA adapters only; sample from the run's merged model: --ckpt_name=merged.pt "
+                    f"(written at the end of training).")
 model = GPT(GPTConfig(**ckpt['model_args']))
 model.load_state_dict(ckpt['model'])
 model.eval().to(device)
 tokenizer = load_tokenizer(data_dir or ckpt['data_dir'])
+chat = ckpt['config'].get('training_type', 'from_scratch') != 'from_scratch'
+if chat:
+    tokenizer = ChatTokenizer(tokenizer)
 if tokenizer.identity() != ckpt['tokenizer']:
     raise UserError(f"the tokenizer in {data_dir or ckpt['data_dir']} is not the one {ckpt_path} was trained with. "
                     f"Pass --data_dir=<the dataset folder used for training>.")
@@ -44,11 +52,13 @@ if tokenizer.identity() != ckpt['tokenizer']:
 if start.startswith('FILE:'):
     with open(start[5:], encoding='utf-8') as f:
         start = f.read()
-prompt = torch.tensor([tokenizer.encode(start)], dtype=torch.long, device=device)
+ids = tokenizer.encode_prompt([{'role': 'user', 'content': start}]) if chat else tokenizer.encode(start)
+prompt = torch.tensor([ids], dtype=torch.long, device=device)
 generator = torch.Generator(device=device).manual_seed(seed)
 with torch.no_grad(), autocast:
     for _ in range(num_samples):
         out = model.generate(prompt, max_new_tokens, temperature=temperature, top_k=top_k or None,
-                             top_p=top_p or None, use_kv_cache=use_kv_cache, generator=generator)
+                             top_p=top_p or None, use_kv_cache=use_kv_cache, generator=generator,
+                             eos_id=tokenizer.eos_id if chat else None)  # a chat answer ends at <|end|>
         print(tokenizer.decode(out[0].tolist()))
         print('---------------')

@@ -2,9 +2,12 @@
 Train a GPT. `python train.py` trains a small model on the Python standard library's own
 sources (prepared once under data/stdlib); `python train.py config/shakespeare_char.py` trains on
 another prepared corpus; `torchrun --nproc_per_node=8 train.py ...` runs data-parallel.
+`python train.py config/sft.py` fine-tunes a trained model on chat examples (training_type='sft'),
+`python train.py config/lora.py` trains low-rank adapters on it instead (training_type='lora').
 Every config key below can be overridden by a config file or --key=value (`--help` lists them).
 """
 
+import hashlib
 import json
 import math
 import os
@@ -19,17 +22,20 @@ from tqdm import tqdm
 
 from checkpoint import StopSignal, check_compatible, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from configurator import UserError, configure
-from data import TokenBatches, eval_offsets, load_tokenizer, prepare_default
+from data import (ARITHMETIC_DIR, ChatTokenizer, SFTBatches, TokenBatches, eval_offsets, load_sft_split, load_tokenizer,
+                  prepare_arithmetic, prepare_default)
+from losses import combine_losses, target_weights, token_weight_table, weighted_cross_entropy, z_loss
 from memory import (GradScaler, MemoryMonitor, StepProfiler, autocast_context, fault_at, free_memory,
                     halve_micro_batch, is_oom, peak_memory_bytes, pick_device, pick_dtype)
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, apply_lora, lora_param_groups, lora_state_dict, merged_state_dict
 from muon import Muon, muon_param_groups
 from scheduler import get_lr
 
 # -----------------------------------------------------------------------------
 # I/O
+training_type = 'from_scratch'  # 'from_scratch' (token windows of data_dir) | 'sft' (chat examples from sft_data, all weights) | 'lora' (sft_data, low-rank adapters on a frozen model)
 out_dir = 'out'              # checkpoints (ckpt.pt latest, best.pt best val), log.jsonl, tensorboard
-data_dir = ''                # a folder made by data.py; '' = the embedded default (stdlib sources, data/stdlib)
+data_dir = ''                # a folder made by data.py (sft/lora: its tokenizer); '' = the embedded default (stdlib sources, data/stdlib)
 init_from = 'auto'           # 'scratch' | 'resume' (out_dir/ckpt.pt must exist) | 'auto' (resume if it exists) | path to a checkpoint whose weights start a new run
 eval_interval = 100          # steps between evals (and checkpoint saves)
 eval_iters = 20              # val batches per eval
@@ -46,6 +52,26 @@ seed = 1337
 batch_size = 16              # micro-batch size per process
 block_size = 128             # context length
 gradient_accumulation_steps = 1  # micro-batches per optimizer step per process
+# fine-tuning data (training_type 'sft' | 'lora'; chat template and JSONL formats: see data.py)
+sft_data = ''                # folder with train.jsonl, val.jsonl (and test.jsonl for exact match); '' = the embedded arithmetic task
+max_length = 128             # longest example in tokens (<= block_size); longer ones follow overlong
+overlong = 'truncate'        # examples over max_length: 'truncate' (keep the first max_length tokens) | 'drop'
+skip_malformed = False       # skip and count malformed JSONL lines instead of stopping at the first
+pack = False                 # pack several examples per row (attention stays inside each example)
+bucket_batches = 16          # length bucketing: sort this many global batches' worth of examples by length; 1 = off
+curriculum_iters = 0         # length curriculum: the longest example allowed grows from the shortest to max_length over these steps; 0 = off
+exact_match_examples = 200   # held-out examples (test.jsonl, else val.jsonl) answered greedily and scored at start and end; 0 = skip
+# LoRA (training_type 'lora')
+lora_r = 8
+lora_alpha = 16.0
+lora_dropout = 0.05          # dropout on the adapters' input
+use_rslora = False           # scale updates by lora_alpha/sqrt(r) instead of lora_alpha/r
+lora_target_modules = 'attn.q,attn.k,attn.v,attn.proj'  # comma-separated from attn.q/k/v/proj and mlp.fc/gate/proj, or 'all-linear'
+lora_bias = 'none'           # biases trained too: 'none' | 'all' | 'lora_only' (those of adapted layers)
+loraplus_lr_ratio = 1.0      # LoRA+: the B matrices learn at this times the learning rate (the paper suggests 16)
+# loss
+token_weights = {}           # token-weighted CE: {'group': (weight, [token id or single-token text, ...])}; {} = plain CE
+loss_weights = {'ce': 1.0, 'z_loss': 0.0}  # multi-objective: weight of each loss term (z_loss: PaLM's log(Z)^2, e.g. 1e-4)
 # model
 n_layer = 4
 n_head = 4
@@ -75,6 +101,7 @@ lr_schedule = 'cosine'       # 'cosine' | 'cosine_restarts' | 'noam' | 'constant
 warmup_iters = 50
 lr_decay_iters = 600         # where the decay ends (usually = max_iters)
 min_lr = 3e-4
+decay_frac = 0.2             # 'wsd': the last fraction of lr_decay_iters, decaying linearly to min_lr
 # system
 device = 'auto'              # 'auto' | 'cpu' | 'cuda' | 'cuda:1' | 'mps'
 dtype = 'auto'               # 'auto' (bf16 where supported, else fp16 + loss scaling) | 'bfloat16' | 'float16' | 'float32'
@@ -82,6 +109,9 @@ compile = False              # torch.compile the model
 num_threads = 0              # CPU threads for torch ops (torch.set_num_threads); 0 = torch's default
 # -----------------------------------------------------------------------------
 config = configure(globals())
+if training_type not in ('from_scratch', 'sft', 'lora'):
+    raise UserError(f"training_type={training_type!r} is not supported; use 'from_scratch', 'sft' or 'lora'.")
+fine_tuning = training_type != 'from_scratch'
 
 # DDP: torchrun sets RANK/LOCAL_RANK/WORLD_SIZE; nccl on CUDA, gloo elsewhere
 ddp = int(os.environ.get('RANK', -1)) != -1
@@ -111,6 +141,14 @@ def log(msg):
         tqdm.write(msg)
 
 
+def file_sha256(path):
+    digest = hashlib.sha256()
+    with open(path, 'rb') as f:
+        for chunk in iter(lambda: f.read(1 << 20), b''):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 # data: rank 0 prepares the default corpus once, the others wait for it
 if not data_dir:
     if master:
@@ -119,9 +157,33 @@ if not data_dir:
         dist.barrier()
     data_dir = os.path.join('data', 'stdlib')
 tokenizer = load_tokenizer(data_dir)
-train_batches = TokenBatches(os.path.join(data_dir, 'train.bin'), block_size, seed)
-val_batches = TokenBatches(os.path.join(data_dir, 'val.bin'), block_size, seed)
-val_offsets = eval_offsets(val_batches.n_tokens, block_size, eval_iters * batch_size)
+if not fine_tuning:
+    train_batches = TokenBatches(os.path.join(data_dir, 'train.bin'), block_size, seed)
+    val_batches = TokenBatches(os.path.join(data_dir, 'val.bin'), block_size, seed)
+    val_indices = eval_offsets(val_batches.n_tokens, block_size, eval_iters * batch_size)
+    sample_prompt = tokenizer.encode('\n')
+else:
+    # chat examples; the tokenizer gains the chat template's special tokens (data.py)
+    base_tokenizer, tokenizer = tokenizer, ChatTokenizer(tokenizer)
+    if max_length > block_size:
+        raise UserError(f"max_length={max_length} is longer than block_size={block_size}; lower max_length.")
+    if not sft_data:
+        if master:
+            prepare_arithmetic()
+        if ddp:
+            dist.barrier()
+        sft_data = ARITHMETIC_DIR
+    split = lambda name: load_sft_split(os.path.join(sft_data, f'{name}.jsonl'), tokenizer, max_length, overlong,
+                                        skip_malformed)
+    _, train_examples = split('train')
+    val_conversations, val_examples = split('val')
+    held_out = split('test')[0] if os.path.exists(os.path.join(sft_data, 'test.jsonl')) else val_conversations
+    exact_match_prompts = [tokenizer.prompt_and_answer(messages) for messages in held_out[:exact_match_examples]]
+    sample_prompt = tokenizer.prompt_and_answer(held_out[0])[0]
+    train_batches = SFTBatches(train_examples, seed, tokenizer.eos_id, max_length, pack, bucket_batches)
+    val_batches = SFTBatches(val_examples, seed, tokenizer.eos_id, max_length, pack)
+    val_indices = torch.arange(min(len(val_examples), eval_iters * batch_size))
+    shortest = int(train_batches.lengths.min())
 
 # model, from scratch or from a checkpoint (shape and tokenizer must match the config)
 model_args = dict(block_size=block_size, vocab_size=tokenizer.vocab_size, n_layer=n_layer, n_head=n_head,
@@ -134,21 +196,57 @@ if init_from == 'auto':
 if init_from == 'resume' and not os.path.exists(ckpt_path):
     raise UserError(f"init_from='resume' but {ckpt_path} does not exist. Use --init_from=auto to start fresh "
                     f"when there is no checkpoint, or point --out_dir at the run to resume.")
-ckpt = None
+if training_type == 'lora' and init_from == 'scratch':
+    raise UserError(f"training_type='lora' adapts a trained model, but there is none: set init_from to its checkpoint "
+                    f"(e.g. --init_from=out/ckpt.pt), or init_from='resume' to continue the run in {out_dir}.")
+ckpt = weights = None  # weights: the checkpoint holding the full model (for a LoRA run, its base model's)
+vocab_size = tokenizer.vocab_size
 if init_from != 'scratch':
-    ckpt_source = ckpt_path if init_from == 'resume' else init_from
-    ckpt = load_checkpoint(ckpt_source)
+    ckpt_source = weights_source = ckpt_path if init_from == 'resume' else init_from
+    ckpt = weights = load_checkpoint(ckpt_source)
+    if ckpt['kind'] == 'lora':
+        if init_from != 'resume':
+            raise UserError(f"{ckpt_source} holds LoRA adapters only; start from the merged model of that run "
+                            f"(merged.pt next to it) instead.")
+        weights_source = ckpt['base_checkpoint']
+        weights = load_checkpoint(weights_source)
+        if file_sha256(weights_source) != ckpt['base_hash']:
+            raise UserError(f"{weights_source}, the base model of the LoRA run in {out_dir}, has changed since the run "
+                            f"began, so its adapters no longer fit. Restore that file, or start a new run "
+                            f"(another out_dir) from it.")
+    expected_tokenizer = tokenizer.identity()
+    if fine_tuning and weights['config'].get('training_type', 'from_scratch') == 'from_scratch':
+        expected_tokenizer = base_tokenizer.identity()  # a pretrained model: the chat tokens are added below
+    vocab_size = expected_tokenizer['vocab_size']
+    check_compatible(weights['tokenizer'], expected_tokenizer, 'tokenizer', weights_source)
     shape = lambda args: {k: v for k, v in args.items() if k != 'dropout'}  # dropout may change between runs
-    check_compatible(shape(ckpt['model_args']), shape(model_args), 'model shape', ckpt_source)
-    check_compatible(ckpt['tokenizer'], tokenizer.identity(), 'tokenizer', ckpt_source)
-model = GPT(GPTConfig(**model_args))
-if ckpt is not None:
-    model.load_state_dict(ckpt['model'])
+    check_compatible(shape(weights['model_args']), shape(dict(model_args, vocab_size=vocab_size)), 'model shape',
+                     weights_source)
+model = GPT(GPTConfig(**dict(model_args, vocab_size=vocab_size)))
+if weights is not None:
+    model.load_state_dict(weights['model'])
+if vocab_size < tokenizer.vocab_size:
+    model.resize_vocab(tokenizer.vocab_size)
+if training_type == 'lora':
+    wrapped = apply_lora(model, lora_r, lora_alpha, lora_dropout, lora_target_modules, use_rslora, lora_bias)
+    if ckpt['kind'] == 'lora':
+        model.load_state_dict({**model.state_dict(), **ckpt['model']})  # strict: every adapter must fit
+        lora_base = ckpt['base_checkpoint'], ckpt['base_hash']
+    else:
+        lora_base = os.path.abspath(init_from), file_sha256(init_from)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    log(f"LoRA r={lora_r} on {len(wrapped)} layers: {trainable:,} trainable parameters "
+        f"({100 * trainable / sum(p.numel() for p in model.parameters()):.2f}% of all)")
 model.activation_checkpointing = activation_checkpointing
 model.to(device)
 raw_model = model  # what we save and sample from: never compiled or DDP-wrapped
 
-if optimizer_type == 'muon':
+if training_type == 'lora':
+    if optimizer_type != 'adamw':
+        raise UserError(f"training_type='lora' trains its adapters with AdamW; set optimizer_type='adamw'.")
+    optimizer = torch.optim.AdamW(lora_param_groups(raw_model, weight_decay, loraplus_lr_ratio), lr=learning_rate,
+                                  betas=(beta1, beta2), fused=device_type == 'cuda')
+elif optimizer_type == 'muon':
     optimizer = Muon(muon_param_groups(raw_model, learning_rate, weight_decay, (beta1, beta2), muon_lr, muon_momentum))
 elif optimizer_type == 'adamw':
     optimizer = raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
@@ -157,8 +255,9 @@ else:
 scaler = GradScaler(enabled=ptdtype == torch.float16)
 iter_num, best_val_loss, evals_without_improvement = 0, float('inf'), 0
 if init_from == 'resume':
-    check_compatible({'optimizer_type': ckpt['config'].get('optimizer_type', 'adamw')},
-                     {'optimizer_type': optimizer_type}, 'optimizer', ckpt_path)
+    check_compatible({'optimizer_type': ckpt['config'].get('optimizer_type', 'adamw'),
+                      'training_type': ckpt['config'].get('training_type', 'from_scratch')},
+                     {'optimizer_type': optimizer_type, 'training_type': training_type}, 'optimizer', ckpt_path)
     optimizer.load_state_dict(ckpt['optimizer'])
     scaler.load_state_dict(ckpt['scaler'])
     train_batches.load_state_dict(ckpt['train_batches'])
@@ -172,7 +271,7 @@ if init_from == 'resume':
     else:
         log(f"note: checkpoint was written by {len(ckpt['rng'])} processes, now {world_size}: random streams restart")
     log(f"resuming from {ckpt_path} at step {iter_num}")
-ckpt = None  # free memory
+ckpt = weights = None  # free memory
 
 if compile:
     model = torch.compile(model)
@@ -180,25 +279,56 @@ if ddp:
     model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None)
 
 device_name = torch.cuda.get_device_name(device) if device_type == 'cuda' else device_type
-tokens_per_step = batch_size * block_size * gradient_accumulation_steps * world_size
+global_batch_size = batch_size * gradient_accumulation_steps * world_size  # windows, or examples when fine-tuning
 log(f"device {device}, dtype {ptdtype}, {world_size} process(es), {raw_model.get_num_params() / 1e6:.2f}M params, "
-    f"{tokens_per_step:,} tokens per step")
+    + (f"{global_batch_size} examples per step" if fine_tuning else f"{global_batch_size * block_size:,} tokens per step"))
+
+# loss: token-weighted cross-entropy (losses.py), plus the other terms given a weight in loss_weights
+if set(loss_weights) - {'ce', 'z_loss'}:
+    raise UserError(f"loss_weights has unknown terms {sorted(set(loss_weights) - {'ce', 'z_loss'})}; the loss terms "
+                    f"are 'ce' (cross-entropy) and 'z_loss', e.g. loss_weights={{'ce': 1.0, 'z_loss': 1e-4}}.")
+token_weight = token_weight_table(tokenizer.vocab_size, token_weights, tokenizer).to(device) if token_weights else None
+
+
+def get_batch(batches, indices):
+    """(x, y, doc_ids) on the device; doc_ids only for packed fine-tuning rows, else None."""
+    if fine_tuning:
+        return batches.get(indices, device)
+    return (*batches.get(indices, device), None)
 
 
 @torch.no_grad()
 def evaluate():
-    """Mean val loss over a fixed set of windows, split across ranks."""
+    """Mean val loss per token (plain cross-entropy) over fixed val windows or examples, split across ranks."""
     model.eval()
-    mine = val_offsets.tensor_split(world_size)[rank].split(batch_size)
-    total = torch.zeros(2, device=device)  # loss sum, count
-    for offsets in mine:
-        x, y = val_batches.get(offsets, device)
+    mine = val_indices.tensor_split(world_size)[rank].split(batch_size)
+    total = torch.zeros(2, device=device)  # loss sum, token count
+    for indices in mine:
+        x, y, doc_ids = get_batch(val_batches, indices)
         with autocast:
-            _, loss = model(x, y)
-        total += torch.stack([loss.float() * len(offsets), torch.tensor(float(len(offsets)), device=device)])
+            logits, _ = model(x, doc_ids=doc_ids)
+        total += torch.stack([weighted_cross_entropy(logits, y, normalizer=1.0), (y != -100).sum().float()])
     if ddp:
         dist.all_reduce(total)
     model.train()
+    return (total[0] / total[1]).item()
+
+
+@torch.no_grad()
+def exact_match():
+    """Fraction of held-out prompts whose greedy answer is exactly the reference, then <|end|>; split across ranks."""
+    raw_model.eval()
+    total = torch.zeros(2, device=device)  # hits, prompts
+    for prompt, reference in exact_match_prompts[rank::world_size]:
+        # one token more than the reference: a right answer must stop there
+        with autocast:
+            out = raw_model.generate(torch.tensor([prompt], device=device), len(tokenizer.encode(reference)) + 1,
+                                     temperature=0, eos_id=tokenizer.eos_id)[0, len(prompt):].tolist()
+        hit = tokenizer.eos_id in out and tokenizer.decode(out[:out.index(tokenizer.eos_id)]).strip() == reference.strip()
+        total += torch.tensor([float(hit), 1.0], device=device)
+    if ddp:
+        dist.all_reduce(total)
+    raw_model.train()
     return (total[0] / total[1]).item()
 
 
@@ -208,12 +338,15 @@ def checkpoint_state():
         dist.all_gather_object(rngs, rng_state())
     else:
         rngs = [rng_state()]
-    return dict(kind='gpt', model=raw_model.state_dict(), model_args=model_args, optimizer=optimizer.state_dict(),
-                scaler=scaler.state_dict(), iter_num=iter_num, best_val_loss=best_val_loss,
-                evals_without_improvement=evals_without_improvement, config=config,
-                tokenizer=tokenizer.identity(), data_dir=os.path.abspath(data_dir), rng=rngs,
-                train_batches=train_batches.state_dict(), batch_size=batch_size,
-                gradient_accumulation_steps=gradient_accumulation_steps)
+    state = dict(kind='gpt', model=raw_model.state_dict(), model_args=model_args, optimizer=optimizer.state_dict(),
+                 scaler=scaler.state_dict(), iter_num=iter_num, best_val_loss=best_val_loss,
+                 evals_without_improvement=evals_without_improvement, config=config,
+                 tokenizer=tokenizer.identity(), data_dir=os.path.abspath(data_dir), rng=rngs,
+                 train_batches=train_batches.state_dict(), batch_size=batch_size,
+                 gradient_accumulation_steps=gradient_accumulation_steps)
+    if training_type == 'lora':  # adapters only: the frozen base stays in its own checkpoint, named by path and hash
+        state.update(kind='lora', model=lora_state_dict(raw_model), base_checkpoint=lora_base[0], base_hash=lora_base[1])
+    return state
 
 
 def save(path):
@@ -222,26 +355,36 @@ def save(path):
         save_checkpoint(path, state)
 
 
-def train_step(offsets):
-    """Forward/backward over this rank's share of the global batch; returns the mean micro-batch loss."""
-    micro_batches = offsets.view(gradient_accumulation_steps, batch_size)
-    loss_sum = torch.zeros((), device=device)
-    for micro_step, micro_offsets in enumerate(micro_batches):
-        with profiler.section('data'):
-            x, y = train_batches.get(micro_offsets, device)
+def train_step(indices):
+    """Forward/backward over this rank's share of the global batch. Every token's loss is divided by
+    the total token weight of the whole global batch (all micro-batches, all ranks), known before the
+    first backward, so the gradient is the same however the batch is split (1 x 4 accumulation =
+    4 x 1). Returns this rank's share of the total loss and of each term (shares add up over ranks)."""
+    with profiler.section('data'):
+        micro_batches = [get_batch(train_batches, part) for part in indices.view(gradient_accumulation_steps, batch_size)]
+        weight_sum = sum(target_weights(y, token_weight).sum() for _, y, _ in micro_batches)
+        if ddp:
+            dist.all_reduce(weight_sum)
+    totals = {}
+    for micro_step, (x, y, doc_ids) in enumerate(micro_batches):
         last = micro_step == gradient_accumulation_steps - 1
         # only the last micro-batch all-reduces gradients
         with model.no_sync() if ddp and not last else nullcontext():
             with profiler.section('forward'), autocast:
-                _, loss = model(x, y)
+                logits, _ = model(x, doc_ids=doc_ids)
+                terms = {'ce': weighted_cross_entropy(logits, y, token_weight, weight_sum)}
+                if loss_weights.get('z_loss'):
+                    terms['z_loss'] = z_loss(logits, y, token_weight, weight_sum)
+                loss = combine_losses(terms, loss_weights)
             if fault_at('oom', iter_num):
                 raise torch.OutOfMemoryError('injected OOM (NANOTRAIN_FAULT)')
             if fault_at('nan', iter_num):
                 loss = loss * float('nan')
             with profiler.section('backward'):
-                scaler.scale(loss / gradient_accumulation_steps).backward()
-        loss_sum += loss.detach().float()
-    return loss_sum / gradient_accumulation_steps
+                scaler.scale(loss * world_size).backward()  # DDP averages gradients over ranks: undo its 1/world_size
+        for name, value in {'loss': loss, **terms}.items():
+            totals[name] = totals.get(name, 0.0) + value.detach().float()
+    return totals
 
 
 os.makedirs(out_dir, exist_ok=True)
@@ -264,10 +407,18 @@ def record(event):
                 writer.add_scalar(k, v, event['step'])
 
 
+def report_exact_match():
+    if fine_tuning and exact_match_prompts:
+        accuracy = exact_match()
+        log(f"step {iter_num}: exact match {accuracy:.1%} on {len(exact_match_prompts)} held-out prompts")
+        record(dict(step=iter_num, exact_match=accuracy))
+
+
 if eval_only:
     val_loss = evaluate()
     log(f"step {iter_num}: val loss {val_loss:.4f}, perplexity {math.exp(val_loss):.2f}")
     record(dict(step=iter_num, val_loss=val_loss, val_ppl=math.exp(val_loss)))
+    report_exact_match()
     sys.exit(0)
 
 stop = StopSignal()
@@ -277,20 +428,28 @@ if iter_num == 0:
     val_loss = evaluate()
     log(f"step 0: val loss {val_loss:.4f}")
     record(dict(step=0, val_loss=val_loss, val_ppl=math.exp(val_loss), lr=0.0))
+    report_exact_match()
 bad_steps = 0
 window_start, window_tokens = time.time(), 0
 progress = tqdm(total=max_iters, initial=iter_num, disable=not master, dynamic_ncols=True, desc='train')
 while iter_num < max_iters:
-    lr = get_lr(iter_num, lr_schedule, learning_rate, min_lr, warmup_iters, lr_decay_iters, d_model=n_embd)
+    lr = get_lr(iter_num, lr_schedule, learning_rate, min_lr, warmup_iters, lr_decay_iters, d_model=n_embd,
+                decay_frac=decay_frac)
     for group in optimizer.param_groups:
         group['lr'] = lr * group.get('lr_scale', 1.0)  # Muon's groups run at muon_lr / learning_rate times lr
 
     # the whole global batch is drawn on every rank; each rank trains on its slice
-    global_offsets = train_batches.sample_offsets(batch_size * gradient_accumulation_steps * world_size)
+    if fine_tuning:
+        # length curriculum: the longest example allowed grows linearly from the shortest to max_length
+        limit = max_length if iter_num >= curriculum_iters else shortest + (max_length - shortest) * iter_num // curriculum_iters
+        global_batch = train_batches.sample(global_batch_size, limit)
+        step_tokens = train_batches.count_tokens(global_batch)
+    else:
+        global_batch = train_batches.sample_offsets(global_batch_size)
+        step_tokens = global_batch_size * block_size
     while True:
         try:
-            offsets = global_offsets.tensor_split(world_size)[rank]
-            loss = train_step(offsets)
+            losses = train_step(global_batch.tensor_split(world_size)[rank])
             break
         except RuntimeError as e:  # CUDA raises torch.OutOfMemoryError, MPS a plain RuntimeError
             if not is_oom(e) or ddp:  # ranks would disagree on the new split; let torchrun restart us
@@ -303,11 +462,13 @@ while iter_num < max_iters:
     with profiler.section('optimizer'):
         scaler.unscale_(optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip if grad_clip > 0 else float('inf'))
-        # one all-reduce: global mean loss, and whether any rank was asked to stop
-        stats = torch.stack([loss, torch.tensor(float(stop.requested is not None), device=device)])
+        # one all-reduce: the global batch's loss terms (sums of the ranks' shares), and whether any rank was asked to stop
+        stats = torch.stack([*losses.values(), torch.tensor(float(stop.requested is not None), device=device)])
         if ddp:
             dist.all_reduce(stats)
-        loss, stop_requested = stats[0].item() / world_size, stats[1].item() > 0
+        *values, stop_requested = stats.tolist()
+        losses, stop_requested = dict(zip(losses, values)), stop_requested > 0
+        loss = losses['loss']
         grad_norm = grad_norm.item()
         # fp16 overflow is the scaler's business (it skips and backs off); anything else non-finite is ours
         if math.isfinite(loss) and (math.isfinite(grad_norm) or scaler.is_enabled()):
@@ -324,7 +485,7 @@ while iter_num < max_iters:
                          f"dtype='float32'. The last good checkpoint in {out_dir} was left untouched.")
     iter_num += 1
     progress.update(1)
-    window_tokens += tokens_per_step
+    window_tokens += step_tokens
 
     if iter_num % log_interval == 0 or iter_num == max_iters:
         elapsed = time.time() - window_start
@@ -332,8 +493,10 @@ while iter_num < max_iters:
         mfu = raw_model.estimate_mfu(tokens_per_sec / world_size, device_name)
         level = monitor.check()
         event = dict(step=iter_num, train_loss=loss, lr=lr, grad_norm=grad_norm, tokens_per_sec=tokens_per_sec,
-                     mfu=mfu, memory_level=level, peak_memory_mb=(peak_memory_bytes(device) or 0) / 2**20,
+                     mfu=mfu, memory_level=level, memory_usage=monitor.usage, memory_check_s=monitor.overhead_s,
+                     peak_memory_mb=(peak_memory_bytes(device) or 0) / 2**20,
                      loss_scale=scaler.get_scale())
+        event.update({f'train_{k}': v for k, v in losses.items() if k != 'loss'})  # each loss term separately
         event.update({f'time_ms/{k}': v for k, v in profiler.summary().items()})
         record(event)
         progress.set_postfix(loss=f'{loss:.4f}', tok_s=f'{tokens_per_sec:,.0f}')
@@ -368,11 +531,19 @@ while iter_num < max_iters:
         sys.exit(stop.exit_code if stop.requested else 143)
 progress.close()
 save(ckpt_path)
+report_exact_match()
+if training_type == 'lora' and master:
+    # the adapters folded into the weights: a plain checkpoint for sample.py or a later init_from
+    save_checkpoint(os.path.join(out_dir, 'merged.pt'),
+                    dict(kind='gpt', model=merged_state_dict(raw_model), model_args=model_args, config=config,
+                         iter_num=iter_num, tokenizer=tokenizer.identity(), data_dir=os.path.abspath(data_dir)))
+    log(f"saved {os.path.join(out_dir, 'merged.pt')} (adapters merged into the weights)")
 
 if master and sample_tokens > 0:
     raw_model.eval()
-    prompt = torch.tensor([tokenizer.encode('\n')], device=device)
-    sample = raw_model.generate(prompt, sample_tokens, temperature=0.8, top_k=50,
+    # a fine-tuned model answers the first held-out prompt and stops at <|end|>
+    sample = raw_model.generate(torch.tensor([sample_prompt], device=device), sample_tokens, temperature=0.8,
+                                top_k=50, eos_id=tokenizer.eos_id if fine_tuning else None,
                                 generator=torch.Generator(device=device).manual_seed(seed))
     print(f"--- sample (step {iter_num}, best val loss {best_val_loss:.4f}) ---")
     print(tokenizer.decode(sample[0].tolist()))

@@ -24,8 +24,9 @@ from losses import mel_cepstral_distortion
 from memory import (GradScaler, MemoryMonitor, StepProfiler, autocast_context, fault_at, free_memory, is_oom,
                     peak_memory_bytes, pick_device, pick_dtype)
 from scheduler import get_lr
-from tts_data import (MEL_SETTINGS, FrameBudgetSampler, LJSpeechDataset, MelExtractor, build_symbols,
-                      eval_batches, read_metadata, split_ids, write_wav)
+import tts_data
+from tts_data import (FrameBudgetSampler, LJSpeechDataset, MelExtractor, build_symbols, eval_batches, read_metadata,
+                      split_ids, write_wav)
 from tts_model import TTSConfig, TTSModel, synthesize
 
 _start_time = time.time()
@@ -94,6 +95,8 @@ dtype = 'auto'               # 'auto' (bf16 where supported, else fp16 + loss sc
 compile = False              # torch.compile the encoder and decoder
 # -----------------------------------------------------------------------------
 config = configure(globals())
+mel_settings = tts_data.MEL_SETTINGS  # fixed feature settings (not config keys: set after configure)
+sample_rate = mel_settings['sample_rate']
 
 # DDP: torchrun sets RANK/LOCAL_RANK/WORLD_SIZE; nccl on CUDA, gloo elsewhere
 ddp = int(os.environ.get('RANK', -1)) != -1
@@ -143,7 +146,7 @@ log(f"{len(train_set)} train / {len(val_set)} held-out utterances, {sum(train_se
     f"of training audio, {len(symbols)} symbols, {len(sampler)} batches per epoch per process")
 
 # model, from scratch or from a checkpoint (shape and vocabulary must match the config)
-model_args = dict(symbols=symbols, add_blank=add_blank, n_mels=MEL_SETTINGS['n_mels'], enc_channels=enc_channels,
+model_args = dict(symbols=symbols, add_blank=add_blank, n_mels=mel_settings['n_mels'], enc_channels=enc_channels,
                   enc_layers=enc_layers, enc_heads=enc_heads, enc_ff_channels=enc_ff_channels, enc_kernel=enc_kernel,
                   dp_channels=dp_channels, dropout=dropout, dec_channels=dec_channels, dec_blocks=dec_blocks,
                   dec_heads=dec_heads, sigma_min=sigma_min, cfg_drop=cfg_drop)
@@ -251,7 +254,7 @@ def checkpoint_state():
                 scaler=scaler.state_dict(), iter_num=iter_num, best_val_loss=best_val_loss,
                 evals_without_improvement=evals_without_improvement, config=config,
                 data_dir=os.path.abspath(data_dir), rng=rngs, sampler=sampler.state_dict(),
-                batch_splits=batch_splits, mel_settings=MEL_SETTINGS)
+                batch_splits=batch_splits, mel_settings=mel_settings)
 
 
 def save(path):
@@ -331,7 +334,7 @@ def record_media(step):
     writer.add_image('mel/teacher_forced_over_target', torch.cat([mel_image(pred), mel_image(target)], dim=1), step)
     for utt_id in val_ids[:audio_samples]:
         audio, log_mel = synthesize(raw_model, texts[utt_id], n_timesteps, temperature, length_scale, guidance, seed)
-        writer.add_audio(f'audio/{utt_id}', audio.clamp(-1, 1)[None], step, sample_rate=MEL_SETTINGS['sample_rate'])
+        writer.add_audio(f'audio/{utt_id}', audio.clamp(-1, 1)[None], step, sample_rate=sample_rate)
         writer.add_image(f'mel/synthesized_{utt_id}', mel_image(log_mel), step)
     raw_model.train()
 
@@ -342,7 +345,7 @@ def evaluate_synthesis():
     vocoder's floor) and of a trivial baseline (the training set's mean mel frame repeated for the
     reference's length); real-time factor. Writes audio_samples WAVs to out_dir/samples."""
     raw_model.eval()
-    extractor = MelExtractor(**MEL_SETTINGS)
+    extractor = MelExtractor(**mel_settings)
     mean_frame = train_set.mean_mel()
     ids = val_ids[:eval_utterances or len(val_ids)]
     os.makedirs(os.path.join(out_dir, 'samples'), exist_ok=True)
@@ -353,14 +356,14 @@ def evaluate_synthesis():
         t0 = time.perf_counter()
         audio, log_mel = synthesize(raw_model, texts[utt_id], n_timesteps, temperature, length_scale, guidance, seed)
         model_seconds += time.perf_counter() - t0
-        audio_seconds += len(audio) / MEL_SETTINGS['sample_rate']
+        audio_seconds += len(audio) / sample_rate
         duration_ratio += log_mel.shape[1] / reference.shape[1] / len(ids)
         scores['model'].append(mel_cepstral_distortion(log_mel, reference))
         scores['model_audio'].append(mel_cepstral_distortion(extractor(audio), reference))
         scores['reference_audio'].append(mel_cepstral_distortion(extractor(extractor.to_waveform(reference)), reference))
         scores['baseline'].append(mel_cepstral_distortion(mean_frame[:, None].expand_as(reference), reference))
         if n < audio_samples:
-            write_wav(os.path.join(out_dir, 'samples', f'{utt_id}.wav'), audio, MEL_SETTINGS['sample_rate'])
+            write_wav(os.path.join(out_dir, 'samples', f'{utt_id}.wav'), audio, sample_rate)
     raw_model.train()
     result = {f'mcd_{k}': sum(v) / len(v) for k, v in scores.items()}
     result.update(rtf=model_seconds / audio_seconds, duration_ratio=duration_ratio, eval_utterances=len(ids))

@@ -1,0 +1,208 @@
+"""LoRA (model.py) against independent computations, and train.py with training_type='lora' through
+subprocesses: adapter checkpoints, bit-exact resume, merged checkpoints for sample.py, DDP."""
+
+import copy
+import math
+import shutil
+
+import pytest
+import torch
+import torch.nn as nn
+
+from configurator import UserError
+from model import (GPT, GPTConfig, LoRALinear, apply_lora, disable_adapters, lora_param_groups, lora_state_dict,
+                   merge_lora, merged_state_dict, unmerge_lora)
+from test_sft import SFT, TINY, load, read_log, run, sft, sft_env, train_losses  # noqa: F401 (sft_env is a fixture)
+
+
+def tiny_gpt(**kw):
+    torch.manual_seed(0)
+    return GPT(GPTConfig(**dict(dict(block_size=8, vocab_size=16, n_layer=2, n_head=2, n_embd=16), **kw)))
+
+
+def nudge_adapters(model, seed=1):
+    """Random nonzero B matrices: what training would leave behind."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith('lora_B'):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+
+
+def test_wrapped_model_starts_identical_with_b_zero():
+    model = tiny_gpt()
+    x = torch.randint(16, (2, 8))
+    before, _ = model(x)
+    wrapped = apply_lora(model, r=4, lora_alpha=8)
+    assert len(wrapped) == 2 * 4 and all(isinstance(model.get_submodule(n), LoRALinear) for n in wrapped)
+    assert all((m.lora_B == 0).all() for m in model.modules() if isinstance(m, LoRALinear))
+    after, _ = model(x)
+    assert torch.equal(before, after)
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == \
+        {f'{n}.lora_{ab}' for n in wrapped for ab in 'AB'}
+
+
+@pytest.mark.parametrize('use_rslora, scale', [(False, 8 / 4), (True, 8 / math.sqrt(4))])
+def test_scaling_and_update(use_rslora, scale):
+    base = nn.Linear(6, 5)
+    layer = LoRALinear(base, r=4, lora_alpha=8, use_rslora=use_rslora)
+    assert layer.weight is base.weight and layer.scaling == scale
+    with torch.no_grad():
+        layer.lora_B.normal_()
+    x = torch.randn(3, 6)
+    expected = x @ base.weight.T + base.bias + scale * (x @ layer.lora_A.T @ layer.lora_B.T)
+    torch.testing.assert_close(layer(x), expected)
+    bound = 1 / math.sqrt(6)  # Kaiming uniform with a=sqrt(5), as nn.Linear
+    assert layer.lora_A.abs().max() <= bound and layer.lora_A.std() > bound / 4
+
+
+def test_merged_equals_unmerged_and_merged_state_dict_is_a_plain_gpt():
+    model = tiny_gpt()
+    apply_lora(model, r=4, lora_alpha=8, target_modules='all-linear')
+    nudge_adapters(model)
+    x = torch.randint(16, (2, 8))
+    unmerged, _ = model(x)
+    plain = tiny_gpt()
+    plain.load_state_dict(merged_state_dict(model))  # strict: no lora_ keys left
+    torch.testing.assert_close(plain(x)[0], unmerged, rtol=1e-5, atol=1e-5)
+    merge_lora(model)
+    torch.testing.assert_close(model(x)[0], unmerged, rtol=1e-5, atol=1e-5)
+    unmerge_lora(model)
+    torch.testing.assert_close(model(x)[0], unmerged, rtol=1e-5, atol=1e-5)
+
+
+def test_disabled_adapters_are_the_base_model_bit_for_bit():
+    base = tiny_gpt()
+    model = copy.deepcopy(base)
+    apply_lora(model, r=4, lora_alpha=8, lora_dropout=0.1, target_modules='all-linear')
+    nudge_adapters(model)
+    x = torch.randint(16, (2, 8))
+    with disable_adapters(model):
+        assert torch.equal(model(x)[0], base(x)[0])
+    assert not torch.equal(model(x)[0], base(x)[0])
+    merge_lora(model)
+    with pytest.raises(RuntimeError, match='unmerge'):
+        with disable_adapters(model):
+            pass
+
+
+@pytest.mark.parametrize('bias, trained_biases', [
+    ('none', set()),
+    ('lora_only', {'attn.q.bias', 'attn.v.bias'}),
+    ('all', {'attn.q.bias', 'attn.k.bias', 'attn.v.bias', 'attn.proj.bias', 'mlp.fc.bias', 'mlp.proj.bias',
+             'ln_1.bias', 'ln_2.bias'}),
+])
+def test_training_changes_only_adapters_and_chosen_biases(bias, trained_biases):
+    model = tiny_gpt(bias=True, norm='layernorm', dropout=0.1)
+    apply_lora(model, r=2, lora_alpha=4, lora_dropout=0.1, target_modules='attn.q,attn.v', bias=bias)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer = torch.optim.AdamW(lora_param_groups(model, 0.1), lr=1e-2)
+    for _ in range(3):
+        _, loss = model(torch.randint(16, (4, 8)), torch.randint(16, (4, 8)))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    changed = {k for k, v in model.state_dict().items() if not torch.equal(v, before[k])}
+    expected = {f'transformer.h.{i}.{name}' for i in range(2) for name in
+                {'attn.q.lora_A', 'attn.q.lora_B', 'attn.v.lora_A', 'attn.v.lora_B'} | trained_biases}
+    if bias == 'all':
+        expected.add('transformer.ln_f.bias')
+    assert changed == expected
+    assert set(lora_state_dict(model)) == expected  # the adapter checkpoint holds exactly what trains
+
+
+def test_adapter_state_dict_round_trip():
+    model = tiny_gpt()
+    apply_lora(model, r=4, lora_alpha=8)
+    nudge_adapters(model)
+    adapters = lora_state_dict(model)
+    assert all('lora_' in k for k in adapters)
+    fresh = tiny_gpt()
+    apply_lora(fresh, r=4, lora_alpha=8)
+    fresh.load_state_dict({**fresh.state_dict(), **adapters})
+    x = torch.randint(16, (2, 8))
+    assert torch.equal(fresh(x)[0], model(x)[0])
+
+
+def test_target_modules():
+    assert len(apply_lora(tiny_gpt(mlp='swiglu'), target_modules='all-linear')) == 2 * 7
+    assert len(apply_lora(tiny_gpt(), target_modules='all-linear')) == 2 * 6  # no mlp.gate with gelu
+    assert apply_lora(tiny_gpt(), target_modules='mlp.fc, attn.proj') == [
+        'transformer.h.0.attn.proj', 'transformer.h.0.mlp.fc', 'transformer.h.1.attn.proj', 'transformer.h.1.mlp.fc']
+    with pytest.raises(UserError, match="'attn.out' is not a LoRA target"):
+        apply_lora(tiny_gpt(), target_modules='attn.q,attn.out')
+    with pytest.raises(UserError, match='mlp.gate'):
+        apply_lora(tiny_gpt(), target_modules='mlp.gate')
+    with pytest.raises(UserError, match='lora_bias'):
+        apply_lora(tiny_gpt(), bias='some')
+
+
+def test_loraplus_groups_hold_only_trainable_parameters():
+    model = tiny_gpt(bias=True)
+    apply_lora(model, r=2, lora_alpha=4, bias='lora_only')
+    groups = lora_param_groups(model, weight_decay=0.1, loraplus_lr_ratio=16)
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    assert {id(p) for g in groups for p in g['params']} == trainable
+    a, b, biases = groups
+    assert all(p.shape[0] == 2 for p in a['params']) and all(p.shape[1] == 2 for p in b['params'])
+    assert b['lr_scale'] == 16 and a.get('lr_scale', 1.0) == 1.0 and biases['weight_decay'] == 0.0
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    grads = []
+    for recompute in (False, True):
+        model = tiny_gpt()
+        apply_lora(model, r=2, lora_alpha=4)
+        nudge_adapters(model)
+        model.activation_checkpointing = recompute
+        model(torch.arange(16).view(2, 8) % 16, torch.arange(16).view(2, 8).flip(1) % 16)[1].backward()
+        grads.append([p.grad for p in model.parameters() if p.requires_grad])
+    assert all(g is not None for g in grads[1])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
+
+
+# -- train.py ------------------------------------------------------------------------------------
+
+def test_lora_resumes_bit_exactly_and_merges_for_sample(tmp_path, sft_env):
+    base = tmp_path / 'base.pt'
+    shutil.copy(sft_env['base'], base)  # this test changes it at the end
+    env = dict(sft_env, base=str(base))
+    common = ['--lr_decay_iters=8', '--eval_interval=4', '--gradient_accumulation_steps=2', '--lora_dropout=0.1',
+              '--lora_r=4', '--lora_target_modules=all-linear', '--loraplus_lr_ratio=4']
+    straight, split = tmp_path / 'straight', tmp_path / 'split'
+    p = sft(env, straight, '--max_iters=8', *common, training_type='lora')
+    assert 'trainable parameters' in p.stdout and 'merged.pt' in p.stdout
+    sft(env, split, '--max_iters=4', *common, training_type='lora')
+    sft(env, split, '--max_iters=8', '--init_from=resume', *common, training_type='lora')
+    a, b = train_losses(straight), train_losses(split)
+    assert sorted(a) == sorted(b) == list(range(1, 9)) and all(a[s] == b[s] for s in a), (a, b)
+    ckpt = load(straight / 'ckpt.pt')
+    assert ckpt['kind'] == 'lora' and ckpt['base_checkpoint'] == str(base) and len(ckpt['base_hash']) == 64
+    assert set(ckpt['model']) == {k for k in ckpt['model'] if 'lora_' in k} and len(ckpt['model']) == 2 * 2 * 6
+    assert all(torch.equal(v, load(split / 'ckpt.pt')['model'][k]) for k, v in ckpt['model'].items())
+    assert [e['step'] for e in read_log(straight) if 'exact_match' in e] == [0, 8]
+
+    merged = load(straight / 'merged.pt')
+    assert merged['kind'] == 'gpt' and not any('lora_' in k for k in merged['model'])
+    GPT(GPTConfig(**merged['model_args'])).load_state_dict(merged['model'])
+    s = run(['sample.py', f'--out_dir={straight}', '--ckpt_name=merged.pt', '--device=cpu', '--start=What is 1+2?',
+             '--max_new_tokens=5'])
+    assert '<|user|>What is 1+2?<|end|><|assistant|>' in s.stdout
+
+    torch.save(dict(load(base), iter_num=99), base)  # a different base model: the adapters no longer fit
+    p = sft(env, split, '--max_iters=10', '--init_from=resume', *common, training_type='lora', check=False)
+    assert p.returncode == 2 and 'has changed' in p.stderr and 'Traceback' not in p.stderr
+
+
+def test_lora_ddp_with_activation_checkpointing_matches_single_process(tmp_path, sft_env):
+    common = ['--max_iters=3', '--eval_interval=3', '--lr_decay_iters=3', '--exact_match_examples=0',
+              '--lora_dropout=0', '--activation_checkpointing=True', '--batch_size=2']
+    single, ddp = tmp_path / 'single', tmp_path / 'ddp'
+    sft(sft_env, single, '--gradient_accumulation_steps=2', *common, training_type='lora')
+    run(['-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', 'train.py', '--training_type=lora',
+         f'--out_dir={ddp}', f'--data_dir={sft_env["data_dir"]}', f'--sft_data={sft_env["task"]}',
+         f'--init_from={sft_env["base"]}', *TINY, *SFT, *common, '--gradient_accumulation_steps=1'])
+    a, b = train_losses(single), train_losses(ddp)
+    assert sorted(a) == sorted(b) == [1, 2, 3]
+    assert all(abs(a[s] - b[s]) < 1e-6 for s in a), (a, b)

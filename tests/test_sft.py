@@ -1,0 +1,351 @@
+"""Supervised fine-tuning: chat template, JSONL parsing, the arithmetic task, SFT batching (bucketing,
+packing, curriculum), packed attention, vocabulary growth, and train.py with training_type='sft'
+through subprocesses (resume, accumulation/DDP parity, errors)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import data
+from configurator import UserError
+from data import ChatTokenizer, CharTokenizer, SFTBatches, load_sft_split, prepare, prepare_arithmetic
+from model import GPT, GPTConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHARS = sorted(set("What is 0123456789+-?<|>abcdefghijklmnopqrstuvwxyz \n:,.ABCDEFGHIJKLMNOPQRSTUVWXYZ"))
+TINY = ['--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=32', '--batch_size=4', '--eval_iters=2',
+        '--log_interval=1', '--tensorboard=False', '--sample_tokens=10', '--warmup_iters=2', '--device=cpu',
+        '--dtype=float32', '--learning_rate=1e-2', '--min_lr=1e-3']
+SFT = ['--max_length=32', '--exact_match_examples=4', '--bucket_batches=2']
+
+
+def char_tokenizer():
+    return ChatTokenizer(CharTokenizer(CHARS))
+
+
+def write_jsonl(path, lines):
+    path.write_text('\n'.join(line if isinstance(line, str) else json.dumps(line) for line in lines) + '\n')
+    return str(path)
+
+
+def run(args, env_extra=None, check=True, timeout=240):
+    env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONUNBUFFERED='1')
+    env.update(env_extra or {})
+    p = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if check and p.returncode != 0:
+        raise AssertionError(f"exit {p.returncode}\nSTDOUT:\n{p.stdout[-3000:]}\nSTDERR:\n{p.stderr[-3000:]}")
+    return p
+
+
+def read_log(out_dir):
+    with open(os.path.join(out_dir, 'log.jsonl')) as f:
+        return [json.loads(line) for line in f]
+
+
+def train_losses(out_dir):
+    return {e['step']: e['train_loss'] for e in read_log(out_dir) if 'train_loss' in e}
+
+
+def load(path):
+    return torch.load(path, map_location='cpu', weights_only=True)
+
+
+@pytest.fixture(scope='session')
+def sft_env(tmp_path_factory):
+    """A char corpus that covers the arithmetic task, the task's JSONL files, and a tiny model pretrained on it."""
+    root = tmp_path_factory.mktemp('sft')
+    task = prepare_arithmetic(str(root / 'task'), n_train=200, n_eval=12, max_digits=2)
+    with open(os.path.join(task, 'train.jsonl')) as f:
+        text = ''.join(f"{r['prompt']} {r['response']}\n" for r in map(json.loads, f)) * 3
+    (root / 'corpus.txt').write_text(text)
+    prepared = prepare(str(root / 'corpus.txt'), str(root / 'prepared'), tokenizer='char')
+    base = root / 'base'
+    run(['train.py', f'--out_dir={base}', f'--data_dir={prepared}', *TINY, '--max_iters=3', '--eval_interval=3',
+         '--lr_decay_iters=3'])
+    return dict(data_dir=prepared, task=task, base=str(base / 'ckpt.pt'))
+
+
+def sft(env, out_dir, *extra, training_type='sft', **kw):
+    return run(['train.py', f'--training_type={training_type}', f'--out_dir={out_dir}', f'--data_dir={env["data_dir"]}',
+                f'--sft_data={env["task"]}', f'--init_from={env["base"]}', *TINY, *SFT, *extra], **kw)
+
+
+# -- chat template -----------------------------------------------------------------------------
+
+def test_chat_template_ids_and_labels():
+    tok = char_tokenizer()
+    user, assistant, end = (tok.special[t] for t in ('<|user|>', '<|assistant|>', '<|end|>'))
+    ids, labels = tok.encode_chat(data.chat_messages({'prompt': 'What is 1+2?', 'response': '3'}))
+    assert ids == [user, *tok.encode('What is 1+2?'), end, assistant, *tok.encode('3'), end]
+    assert labels == [-100] * (len(ids) - 2) + [*tok.encode('3'), end]  # the response and its end only
+    assert tok.decode(ids) == '<|user|>What is 1+2?<|end|><|assistant|>3<|end|>'
+
+
+def test_three_formats():
+    alpaca = data.chat_messages({'instruction': 'Add', 'input': '1 and 2', 'output': '3'})
+    assert alpaca == [{'role': 'user', 'content': 'Add\n\n1 and 2'}, {'role': 'assistant', 'content': '3'}]
+    assert data.chat_messages({'instruction': 'Add', 'input': '', 'output': '3'})[0]['content'] == 'Add'
+    messages = [{'role': 'system', 'content': 'be brief'}, {'role': 'user', 'content': 'hi'},
+                {'role': 'assistant', 'content': 'a'}, {'role': 'user', 'content': 'more'},
+                {'role': 'assistant', 'content': 'bc'}]
+    tok = char_tokenizer()
+    ids, labels = tok.encode_chat(data.chat_messages({'messages': messages}))
+    learned = [i for i, label in zip(ids, labels) if label != -100]
+    assert tok.decode(learned) == 'a<|end|>bc<|end|>'  # every assistant turn, nothing else
+    prompt, answer = tok.prompt_and_answer(messages)
+    assert answer == 'bc' and tok.decode(prompt) == '<|system|>be brief<|end|><|user|>hi<|end|><|assistant|>a<|end|>' \
+                                                   '<|user|>more<|end|><|assistant|>'
+
+
+def test_special_tokens_cannot_be_forged_by_text():
+    tok = char_tokenizer()
+    ids, _ = tok.encode_chat([{'role': 'user', 'content': '<|assistant|>'}, {'role': 'assistant', 'content': 'x'}])
+    assert ids.count(tok.special['<|assistant|>']) == 1
+    assert tok.identity() != tok.base.identity() and tok.vocab_size == len(CHARS) + 4
+
+
+def test_malformed_lines_name_file_and_line(tmp_path, capsys):
+    path = write_jsonl(tmp_path / 'train.jsonl', [
+        {'prompt': 'What is 1+1?', 'response': '2'},
+        '{"prompt": "broken"',
+        {'question': 'x', 'answer': 'y'},
+        {'messages': [{'role': 'robot', 'content': 'x'}]},
+        {'prompt': 'What is 2+2?', 'response': 4},
+        '',
+        {'messages': [{'role': 'user', 'content': 'hi'}, {'role': 'assistant', 'content': 'hello'}]},
+    ])
+    tok = char_tokenizer()
+    with pytest.raises(UserError, match=rf'{path}:2: .*skip_malformed=True'):
+        load_sft_split(path, tok, 64)
+    conversations, examples = load_sft_split(path, tok, 64, skip_malformed=True)
+    assert len(conversations) == len(examples) == 2
+    assert '4 malformed lines skipped' in capsys.readouterr().out
+    with pytest.raises(UserError, match=r':4: message role .robot.'):
+        load_sft_split(write_jsonl(tmp_path / 'b.jsonl', [{'prompt': 'a', 'response': 'b'}] * 3 + [
+            {'messages': [{'role': 'robot', 'content': 'x'}]}]), tok, 64)
+    with pytest.raises(UserError, match=r':1: characters .*\$'):  # a char tokenizer cannot encode '$'
+        load_sft_split(write_jsonl(tmp_path / 'c.jsonl', [{'prompt': '$', 'response': 'b'}]), tok, 64)
+
+
+def test_empty_dataset_is_an_error(tmp_path):
+    with pytest.raises(UserError, match='no usable examples'):
+        load_sft_split(write_jsonl(tmp_path / 'e.jsonl', ['']), char_tokenizer(), 64)
+    with pytest.raises(UserError, match='does not exist'):
+        load_sft_split(str(tmp_path / 'missing.jsonl'), char_tokenizer(), 64)
+
+
+def test_overlong_examples_truncate_or_drop(tmp_path, capsys):
+    # 'What is 1+1?' + 2 = 18 tokens with the template; a long response; a long prompt with no room for a response
+    path = write_jsonl(tmp_path / 't.jsonl', [{'prompt': 'What is 1+1?', 'response': '2'},
+                                              {'prompt': 'hi', 'response': 'x' * 30},
+                                              {'prompt': 'y' * 30, 'response': 'z'}])
+    _, examples = load_sft_split(path, char_tokenizer(), 20, overlong='truncate')
+    assert len(examples) == 2 and all(len(ids) <= 20 for ids, _ in examples)
+    assert '1 truncated and 1 dropped' in capsys.readouterr().out
+    _, examples = load_sft_split(path, char_tokenizer(), 20, overlong='drop')
+    assert len(examples) == 1 and '0 truncated and 2 dropped' in capsys.readouterr().out
+
+
+# -- the embedded arithmetic task ----------------------------------------------------------------
+
+def test_arithmetic_task_is_correct_disjoint_and_cached(tmp_path):
+    out = prepare_arithmetic(str(tmp_path / 'a'), n_train=300, n_eval=30, max_digits=3)
+    splits = {}
+    for split in ('train', 'val', 'test'):
+        with open(os.path.join(out, f'{split}.jsonl')) as f:
+            rows = [json.loads(line) for line in f]
+        assert len(rows) == (300 if split == 'train' else 30)
+        for r in rows:
+            expression = r['prompt'].removeprefix('What is ').removesuffix('?')
+            assert r['response'] == str(eval(expression)) and int(r['response']) >= 0
+        splits[split] = {r['prompt'] for r in rows}
+        assert len(splits[split]) == len(rows)  # no duplicates
+    assert not splits['train'] & splits['val'] and not splits['train'] & splits['test'] and not splits['val'] & splits['test']
+    before = os.path.getmtime(os.path.join(out, 'train.jsonl'))
+    prepare_arithmetic(str(tmp_path / 'a'), n_train=300, n_eval=30, max_digits=3)
+    assert os.path.getmtime(os.path.join(out, 'train.jsonl')) == before  # reused
+    again = prepare_arithmetic(str(tmp_path / 'b'), n_train=300, n_eval=30, max_digits=3)
+    assert open(os.path.join(again, 'test.jsonl')).read() == open(os.path.join(out, 'test.jsonl')).read()
+
+
+# -- batching ------------------------------------------------------------------------------------
+
+def examples_of_lengths(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in lengths:
+        ids = torch.randint(10, (n,), generator=g).tolist()
+        labels = [-100] * (n // 2) + ids[n // 2:]
+        out.append((ids, labels))
+    return out
+
+
+def test_padding_and_labels():
+    examples = examples_of_lengths([5, 9, 3])
+    batches = SFTBatches(examples, seed=0, pad_id=99, max_length=16)
+    x, y, doc_ids = batches.get(torch.tensor([0, 1, 2]))
+    assert doc_ids is None and x.shape == y.shape == (3, 8)  # the longest example has 9 tokens: 8 positions
+    for row, (ids, labels) in enumerate(examples):
+        n = len(ids) - 1
+        assert x[row, :n].tolist() == ids[:-1] and y[row, :n].tolist() == labels[1:]
+        assert (x[row, n:] == 99).all() and (y[row, n:] == -100).all()
+
+
+def test_bucketing_cuts_padding_and_each_epoch_sees_every_example_once():
+    lengths = torch.randint(3, 40, (256,), generator=torch.Generator().manual_seed(1)).tolist()
+    examples = examples_of_lengths(lengths)
+
+    def padding(bucket_batches):
+        batches = SFTBatches(examples, seed=0, pad_id=0, max_length=40, bucket_batches=bucket_batches)
+        drawn = [batches.sample(16) for _ in range(16)]  # one epoch
+        assert sorted(torch.cat(drawn).tolist()) == list(range(256))
+        return sum(batches.get(b)[0].numel() - batches.count_tokens(b) for b in drawn)
+
+    assert padding(8) < 0.5 * padding(1)
+
+
+def test_sampling_resumes_exactly_from_state_dict():
+    examples = examples_of_lengths(torch.randint(3, 20, (50,), generator=torch.Generator().manual_seed(2)).tolist())
+    a = SFTBatches(examples, seed=3, pad_id=0, max_length=20, bucket_batches=3)
+    for _ in range(7):
+        a.sample(8)
+    state = a.state_dict()
+    expected = [a.sample(8).tolist() for _ in range(10)]
+    b = SFTBatches(examples, seed=99, pad_id=0, max_length=20, bucket_batches=3)
+    b.load_state_dict(torch.load(_saved(state), weights_only=True))
+    assert [b.sample(8).tolist() for _ in range(10)] == expected
+
+
+def _saved(state):
+    import io
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return buffer
+
+
+def test_curriculum_limit_skips_longer_examples():
+    lengths = list(range(3, 43))
+    batches = SFTBatches(examples_of_lengths(lengths), seed=0, pad_id=0, max_length=42)
+    for limit in (5, 12, 30):
+        drawn = batches.sample(8, limit)
+        assert (batches.lengths[drawn] <= limit).all()
+
+
+def test_packing_fills_rows_and_numbers_documents():
+    lengths = [10, 7, 5, 3, 3, 2]
+    batches = SFTBatches(examples_of_lengths(lengths), seed=0, pad_id=0, max_length=12, pack=True)
+    x, y, doc_ids = batches.get(torch.arange(6))
+    # positions (length - 1) 9, 6, 4, 2, 2, 1, first fit, longest first into 12: [9, 2, 1], [6, 4, 2]
+    assert batches._rows(list(range(6))) == [[0, 3, 5], [1, 2, 4]] and x.shape == (2, 12)
+    assert (y != -100).sum() == sum((torch.tensor(l[1:]) != -100).sum() for _, l in examples_of_lengths(lengths))
+    for row in doc_ids:
+        real = row[row >= 0].tolist()
+        assert real == sorted(real)  # documents are contiguous runs
+        assert (row[len(real):] == -1).all()
+
+
+@pytest.mark.parametrize('pos_emb', ['rope', 'learned'])
+def test_packed_rows_give_the_logits_of_separate_examples(pos_emb):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=10, n_layer=2, n_head=2, n_embd=16, pos_emb=pos_emb)).eval()
+    examples = examples_of_lengths([9, 5, 4, 3])
+    packed = SFTBatches(examples, seed=0, pad_id=0, max_length=16, pack=True)
+    x, _, doc_ids = packed.get(torch.arange(4))
+    logits, _ = model(x, doc_ids=doc_ids)
+    rows = packed._rows(list(range(4)))
+    for r, row in enumerate(rows):
+        t = 0
+        for i in row:
+            alone, _ = model(torch.tensor([examples[i][0][:-1]]))
+            n = alone.size(1)
+            torch.testing.assert_close(logits[r, t:t + n], alone[0], rtol=1e-5, atol=1e-5)
+            t += n
+    unmasked, _ = model(x)
+    assert not torch.allclose(unmasked, logits, atol=1e-3)  # the mask matters
+
+
+def test_resize_vocab_keeps_old_tokens_and_adds_distinct_rows():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=8, vocab_size=20, n_layer=1, n_head=2, n_embd=16))
+    x = torch.randint(20, (2, 8))
+    before, _ = model(x)
+    base_state = {k: v.clone() for k, v in model.state_dict().items()}
+    model.resize_vocab(24)
+    after, _ = model(x)
+    assert model.lm_head.weight is model.transformer.wte.weight and model.config.vocab_size == 24
+    assert torch.equal(after[..., :20], before)  # old tokens' logits unchanged
+    new = model.transformer.wte.weight[20:]
+    assert torch.cdist(new, new).fill_diagonal_(1).min() > 0.01  # distinct
+    twin = GPT(GPTConfig(block_size=8, vocab_size=20, n_layer=1, n_head=2, n_embd=16))
+    twin.load_state_dict(base_state)
+    twin.resize_vocab(24)
+    assert torch.equal(twin.transformer.wte.weight, model.transformer.wte.weight)  # the same base grows the same
+
+
+# -- train.py ------------------------------------------------------------------------------------
+
+FOUNDATION_FIELDS = {'kind', 'model', 'model_args', 'optimizer', 'scaler', 'iter_num', 'best_val_loss',
+                     'evals_without_improvement', 'config', 'tokenizer', 'data_dir', 'rng', 'train_batches',
+                     'batch_size', 'gradient_accumulation_steps'}
+
+
+def test_sft_trains_reports_exact_match_and_resumes_bit_exactly(tmp_path, sft_env):
+    """Packing, bucketing, a length curriculum, token weights, z-loss, dropout and accumulation, all resumed exactly."""
+    common = ['--dropout=0.1', '--lr_decay_iters=8', '--eval_interval=4', '--gradient_accumulation_steps=2',
+              '--pack=True', '--curriculum_iters=6', "--token_weights={'digits': (1.5, ['1', '2', '3'])}",
+              "--loss_weights={'ce': 1.0, 'z_loss': 1e-3}"]
+    straight, split = tmp_path / 'straight', tmp_path / 'split'
+    p = sft(sft_env, straight, '--max_iters=8', *common)
+    assert '200 examples' in p.stdout and 'exact match' in p.stdout
+    sft(sft_env, split, '--max_iters=4', *common)
+    p = sft(sft_env, split, '--max_iters=8', '--init_from=resume', *common)
+    assert 'resuming' in p.stdout + p.stderr
+    a, b = train_losses(straight), train_losses(split)
+    assert sorted(a) == sorted(b) == list(range(1, 9)) and all(a[s] == b[s] for s in a), (a, b)
+    wa, wb = load(straight / 'ckpt.pt')['model'], load(split / 'ckpt.pt')['model']
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+    events = read_log(straight)
+    assert [e['step'] for e in events if 'exact_match' in e] == [0, 8]
+    assert all('train_ce' in e and 'train_z_loss' in e for e in events if 'train_loss' in e)
+    ckpt = load(straight / 'ckpt.pt')
+    assert FOUNDATION_FIELDS <= set(ckpt) and ckpt['kind'] == 'gpt'
+    base = load(sft_env['base'])
+    assert ckpt['model_args']['vocab_size'] == base['model_args']['vocab_size'] + 4  # grown by the chat tokens
+    assert ckpt['tokenizer'] == ChatTokenizer(data.load_tokenizer(sft_env['data_dir'])).identity()
+
+
+def test_accumulation_and_ddp_match_one_big_batch(tmp_path, sft_env):
+    """The loss is normalized by the whole global batch's token weight: 4 x 1 = 1 x 4 = 2 ranks x (1 x 2)."""
+    common = ['--max_iters=3', '--eval_interval=3', '--lr_decay_iters=3', '--exact_match_examples=0',
+              "--token_weights={'digits': (2.0, ['1', '5', '9'])}"]
+    big, accumulated, ddp = tmp_path / 'big', tmp_path / 'accumulated', tmp_path / 'ddp'
+    sft(sft_env, big, '--batch_size=4', '--gradient_accumulation_steps=1', *common)
+    sft(sft_env, accumulated, '--batch_size=1', '--gradient_accumulation_steps=4', *common)
+    run(['-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', 'train.py', '--training_type=sft',
+         f'--out_dir={ddp}', f'--data_dir={sft_env["data_dir"]}', f'--sft_data={sft_env["task"]}',
+         f'--init_from={sft_env["base"]}', *TINY, *SFT, '--batch_size=1', '--gradient_accumulation_steps=2', *common])
+    a, b, c = train_losses(big), train_losses(accumulated), train_losses(ddp)
+    assert sorted(a) == sorted(b) == sorted(c) == [1, 2, 3]
+    assert all(abs(a[s] - b[s]) < 1e-6 and abs(a[s] - c[s]) < 1e-6 for s in a), (a, b, c)
+    wa, wb = load(big / 'ckpt.pt')['model'], load(accumulated / 'ckpt.pt')['model']
+    assert all(torch.allclose(wa[k], wb[k], atol=1e-5) for k in wa)
+
+
+def test_sft_bad_inputs_are_clear_errors(tmp_path, sft_env):
+    bad = tmp_path / 'bad'
+    bad.mkdir()
+    write_jsonl(bad / 'train.jsonl', [{'prompt': 'What is 1+1?', 'response': '2'}, '{"prompt": 1}'])
+    write_jsonl(bad / 'val.jsonl', [{'prompt': 'What is 1+1?', 'response': '2'}])
+    p = sft(sft_env, tmp_path / 'a', f'--sft_data={bad}', check=False)
+    assert p.returncode == 2 and 'Traceback' not in p.stderr and f'{bad / "train.jsonl"}:2:' in p.stderr
+    # a base model trained with another tokenizer
+    (tmp_path / 'other.txt').write_text(''.join(CHARS) * 40)  # covers the task, but a larger vocabulary
+    other = prepare(str(tmp_path / 'other.txt'), str(tmp_path / 'other'), 'char')
+    p = sft(sft_env, tmp_path / 'b', f'--data_dir={other}', check=False)
+    assert p.returncode == 2 and 'Traceback' not in p.stderr and 'tokenizer' in p.stderr and 'vocab_size' in p.stderr

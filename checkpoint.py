@@ -29,6 +29,7 @@ def save_checkpoint(path, state):
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp_path, 0o644)  # mkstemp creates 0600; a checkpoint is an ordinary readable file
         os.replace(tmp_path, path)
     except BaseException:
         if os.path.exists(tmp_path):

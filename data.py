@@ -362,7 +362,7 @@ def eval_offsets(n_tokens, block_size, n, seed=1234):
 
 CHAT_ROLES = ('system', 'user', 'assistant')
 CHAT_SPECIAL_TOKENS = ('<|system|>', '<|user|>', '<|assistant|>', '<|end|>')
-ARITHMETIC_DIR = os.path.join('data', 'arithmetic')
+NUMBER_TASKS_DIR = os.path.join('data', 'number_tasks')
 
 
 class ChatTokenizer:
@@ -441,7 +441,8 @@ def chat_messages(record):
             user += '\n\n' + record['input']
         return [{'role': 'user', 'content': user}, {'role': 'assistant', 'content': text(record['output'], 'output')}]
     raise ValueError(f"unknown format (keys {sorted(record)}); use {{\"prompt\", \"response\"}}, Alpaca "
-                     f"{{\"instruction\", \"input\", \"output\"}} or {{\"messages\": [{{\"role\", \"content\"}}, ...]}}")
+                     f"{{\"instruction\", \"input\", \"output\"}} or "
+                     f"{{\"messages\": [{{\"role\", \"content\"}}, ...]}}")
 
 
 def load_sft_split(path, tokenizer, max_length, overlong='truncate', skip_malformed=False):
@@ -454,7 +455,7 @@ def load_sft_split(path, tokenizer, max_length, overlong='truncate', skip_malfor
         raise UserError(f"overlong={overlong!r} is not supported; use 'truncate' or 'drop'.")
     if not os.path.isfile(path):
         raise UserError(f"SFT data file {path} does not exist. Point sft_data at a folder holding train.jsonl "
-                        f"and val.jsonl (test.jsonl optional), or leave it '' for the embedded arithmetic task.")
+                        f"and val.jsonl (test.jsonl optional), or leave it '' for the embedded number tasks.")
     conversations, examples, skipped, truncated, dropped = [], [], 0, 0, 0
     with open(path, 'rb') as f:
         for line_no, line in enumerate(f, 1):
@@ -482,7 +483,8 @@ def load_sft_split(path, tokenizer, max_length, overlong='truncate', skip_malfor
     if not examples:
         raise UserError(f"{path} holds no usable examples ({skipped} malformed lines skipped, {dropped} longer "
                         f"than max_length={max_length} dropped). Each line must be one JSON example, e.g. "
-                        f"{{\"prompt\": \"What is 2+2?\", \"response\": \"4\"}}; raise max_length if they are too long.")
+                        f"{{\"prompt\": \"What is 2+2?\", \"response\": \"4\"}}; raise max_length if they are "
+                        f"too long.")
     return conversations, examples
 
 
@@ -580,28 +582,36 @@ class SFTBatches:
         self.pending, self.batches_drawn = list(state['pending']), state['batches_drawn']
 
 
-def arithmetic_problem(rng, max_digits):
-    """'What is a+b?' or 'What is a-b?' (a >= b) with operands of 1 to max_digits digits, and its answer."""
-    a, b = (rng.randrange(10 ** rng.randint(1, max_digits)) for _ in range(2))
-    if rng.random() < 0.5:
-        return f"What is {a}+{b}?", str(a + b)
-    a, b = max(a, b), min(a, b)
-    return f"What is {a}-{b}?", str(a - b)
+def number_task(rng):
+    """A question of the embedded instruction set and its answer, one of six kinds: two-digit
+    addition and subtraction, reversing digits, the larger of two numbers, counting digits, and the
+    next number. Each checks a skill the pretrained model lacks: following the instruction."""
+    a, b = rng.randrange(100), rng.randrange(100)
+    x, y = (rng.randrange(10 ** rng.randint(1, 4)) for _ in range(2))
+    digits = str(rng.randrange(10 ** rng.randint(2, 6)))
+    return rng.choice([
+        (f"What is {a}+{b}?", str(a + b)),
+        (f"What is {max(a, b)}-{min(a, b)}?", str(abs(a - b))),
+        (f"Reverse the digits of {digits}.", digits[::-1]),
+        (f"Which is larger, {x} or {y}?", str(max(x, y))),
+        (f"How many digits does {digits} have?", str(len(digits))),
+        (f"What comes after {x}?", str(x + 1)),
+    ])
 
 
-def arithmetic_split(question):
+def task_split(question):
     """'test' for a tenth of all questions, 'val' for another tenth, else 'train', by a hash of the
     text: a question lies in one split only, whatever the seed or the sizes."""
     h = int(hashlib.sha256(question.encode()).hexdigest()[:8], 16) % 10
     return 'test' if h == 0 else 'val' if h == 1 else 'train'
 
 
-def prepare_arithmetic(out_dir=ARITHMETIC_DIR, n_train=20_000, n_eval=500, max_digits=3, seed=0):
-    """The embedded SFT task, a verifiable instruction set: arithmetic questions and their answers
-    as {"prompt", "response"} JSONL in out_dir/train.jsonl, val.jsonl, test.jsonl (disjoint splits).
+def prepare_number_tasks(out_dir=NUMBER_TASKS_DIR, n_train=10_000, n_eval=500, seed=0):
+    """The embedded SFT task, a verifiable instruction set (number_task): questions and answers as
+    {"prompt", "response"} JSONL in out_dir/train.jsonl, val.jsonl and test.jsonl, disjoint splits.
     Written once; reused while the parameters are unchanged."""
     sizes = {'train': n_train, 'val': n_eval, 'test': n_eval}
-    meta = {'task': 'arithmetic', 'sizes': sizes, 'max_digits': max_digits, 'seed': seed}
+    meta = {'task': 'number_tasks', 'sizes': sizes, 'seed': seed}
     meta_path = os.path.join(out_dir, 'meta.json')
     if os.path.exists(meta_path):
         with open(meta_path) as f:
@@ -609,16 +619,11 @@ def prepare_arithmetic(out_dir=ARITHMETIC_DIR, n_train=20_000, n_eval=500, max_d
                 return out_dir
     rng = random.Random(seed)
     splits = {split: {} for split in sizes}  # question -> answer: no duplicates within a split either
-    for _ in range(100 * sum(sizes.values())):
-        question, answer = arithmetic_problem(rng, max_digits)
-        split = arithmetic_split(question)
+    while any(len(splits[s]) < sizes[s] for s in sizes):
+        question, answer = number_task(rng)
+        split = task_split(question)
         if len(splits[split]) < sizes[split]:
             splits[split][question] = answer
-        if all(len(splits[s]) == sizes[s] for s in sizes):
-            break
-    else:
-        raise UserError(f"there are too few distinct {max_digits}-digit questions for splits of {sizes}; "
-                        f"lower the sizes or raise max_digits.")
     os.makedirs(out_dir, exist_ok=True)
     for split, pairs in splits.items():
         with open(os.path.join(out_dir, f'{split}.jsonl'), 'w') as f:

@@ -348,18 +348,23 @@ class GPT(nn.Module):
             logits = cap * torch.tanh(logits / cap)
         return logits
 
-    def forward(self, idx, targets=None, doc_ids=None):
+    def forward(self, idx, targets=None, doc_ids=None, keep=None):
         """idx (B, T) with T <= block_size -> (logits (B, T, V), mean cross-entropy over targets != -100
-        or None). Logits are returned for every position either way. doc_ids: see hidden_states."""
-        logits = self.logits(self.hidden_states(idx, doc_ids=doc_ids))
+        or None). Logits are returned for every position either way. doc_ids: see hidden_states.
+        keep (B, T) bool: logits (and loss) only at those positions, (N, V); fine-tuning keeps the
+        labelled ones and spares the output layer the work on prompts and padding."""
+        h = self.hidden_states(idx, doc_ids=doc_ids)
+        logits = self.logits(h if keep is None else h[keep])
         loss = None
         if targets is not None:
+            targets = targets if keep is None else targets[keep]
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-100)
         return logits, loss
 
-    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
+    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type, loraplus_lr_ratio=1.0):
         """AdamW with weight decay on the matmul weights only: norms, biases and embeddings
-        (including a tied lm_head, which is the token embedding) are not decayed."""
+        (including a tied lm_head, which is the token embedding) are not decayed. Frozen parameters
+        are left out; with LoRA adapters the groups are lora_param_groups' (LoRA+ ratio for B)."""
         embeddings = {id(m.weight) for m in self.modules() if isinstance(m, nn.Embedding)}
         params = [p for p in self.parameters() if p.requires_grad]
         decay = [p for p in params if p.dim() >= 2 and id(p) not in embeddings]
@@ -370,6 +375,8 @@ class GPT(nn.Module):
         fused = device_type in ('cuda', 'cpu')
         print(f"using fused AdamW: {fused}")
         groups = [dict(params=decay, weight_decay=weight_decay), dict(params=no_decay, weight_decay=0.0)]
+        if lora_layers(self):
+            groups = lora_param_groups(self, weight_decay, loraplus_lr_ratio)
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
 
     def flops_per_token(self):
@@ -470,11 +477,13 @@ def apply_lora(model, r=8, lora_alpha=16, lora_dropout=0.0, target_modules='attn
     requires_grad=False. target_modules: comma-separated names from LORA_TARGETS, or 'all-linear' (every
     Linear in the blocks; lm_head stays frozen, it is the tied embedding). bias: which biases train too,
     'none' | 'all' | 'lora_only' (those of the wrapped layers). Returns the wrapped layers' names."""
-    targets = LORA_TARGETS if target_modules == 'all-linear' else [t.strip() for t in target_modules.split(',') if t.strip()]
+    targets = [t.strip() for t in target_modules.split(',') if t.strip()]
+    if target_modules == 'all-linear':
+        targets = LORA_TARGETS
     unknown = [t for t in targets if t not in LORA_TARGETS]
     if unknown or not targets:
-        raise UserError(f"lora_target_modules={target_modules!r}: {', '.join(map(repr, unknown)) or 'no name'} is not a "
-                        f"LoRA target; use comma-separated names from {', '.join(LORA_TARGETS)}, or 'all-linear'.")
+        raise UserError(f"lora_target_modules={target_modules!r}: {', '.join(map(repr, unknown)) or 'no name'} is "
+                        f"not a LoRA target; use comma-separated names from {', '.join(LORA_TARGETS)}, or 'all-linear'.")
     if bias not in LORA_BIAS:
         raise UserError(f"lora_bias={bias!r} is not supported; use one of {', '.join(map(repr, LORA_BIAS))}.")
     model.requires_grad_(False)

@@ -2,9 +2,12 @@
 Generate from a trained checkpoint: `python sample.py --out_dir=out --start="def main("`.
 A fine-tuned (sft/lora) model takes start as a user turn of its chat template and answers it:
 `python sample.py --out_dir=out-sft --start="What is 48+275?"` (for LoRA runs, --ckpt_name=merged.pt).
+A train_tts.py checkpoint speaks instead: `python sample.py --out_dir=out-tts --text="Hello there." --wav=out.wav`.
 """
 
 import os
+import sys
+import time
 
 import torch
 
@@ -13,6 +16,8 @@ from configurator import UserError, configure
 from data import ChatTokenizer, load_tokenizer
 from memory import autocast_context, pick_device, pick_dtype
 from model import GPT, GPTConfig
+from tts_data import MEL_SETTINGS, write_wav
+from tts_model import load_tts, synthesize
 
 # -----------------------------------------------------------------------------
 out_dir = 'out'              # folder of the run to sample from
@@ -28,6 +33,13 @@ use_kv_cache = True
 seed = 1337
 device = 'auto'
 dtype = 'auto'
+# text-to-speech checkpoints (train_tts.py)
+text = 'I will unfold some causes of your deaths.'  # what to say
+wav = 'out.wav'              # where to write the waveform
+n_timesteps = 10             # Euler steps of the flow-matching ODE
+tts_temperature = 0.667      # scale of the starting noise
+length_scale = 1.0           # > 1 speaks slower
+guidance = 0.0               # classifier-free guidance weight (models trained with condition dropout)
 # -----------------------------------------------------------------------------
 configure(globals())
 
@@ -35,6 +47,15 @@ device = pick_device(device)
 autocast = autocast_context(device, pick_dtype(device, dtype))
 ckpt_path = os.path.join(out_dir, ckpt_name)
 ckpt = load_checkpoint(ckpt_path)
+if ckpt['kind'] == 'tts':
+    model = load_tts(ckpt, device)
+    t0 = time.time()
+    audio, _ = synthesize(model, text, n_timesteps=n_timesteps, temperature=tts_temperature,
+                          length_scale=length_scale, guidance=guidance, seed=seed)
+    write_wav(wav, audio, MEL_SETTINGS['sample_rate'])
+    seconds = len(audio) / MEL_SETTINGS['sample_rate']
+    print(f"wrote {wav}: {seconds:.2f} s of audio, real-time factor {(time.time() - t0) / seconds:.3f}")
+    sys.exit(0)
 if ckpt['kind'] == 'lora':
     raise UserError(f"{ckpt_path} holds LoRA adapters only; sample from the run's merged model: --ckpt_name=merged.pt "
                     f"(written at the end of training).")

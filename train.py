@@ -22,12 +22,12 @@ from tqdm import tqdm
 
 from checkpoint import StopSignal, check_compatible, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from configurator import UserError, configure
-from data import (ARITHMETIC_DIR, ChatTokenizer, SFTBatches, TokenBatches, eval_offsets, load_sft_split, load_tokenizer,
-                  prepare_arithmetic, prepare_default)
+from data import (NUMBER_TASKS_DIR, ChatTokenizer, SFTBatches, TokenBatches, eval_offsets, load_sft_split,
+                  load_tokenizer, prepare_default, prepare_number_tasks)
 from losses import combine_losses, target_weights, token_weight_table, weighted_cross_entropy, z_loss
 from memory import (GradScaler, MemoryMonitor, StepProfiler, autocast_context, fault_at, free_memory,
                     halve_micro_batch, is_oom, peak_memory_bytes, pick_device, pick_dtype)
-from model import GPT, GPTConfig, apply_lora, lora_param_groups, lora_state_dict, merged_state_dict
+from model import GPT, GPTConfig, apply_lora, lora_state_dict, merged_state_dict
 from muon import Muon, muon_param_groups
 from scheduler import get_lr
 
@@ -53,12 +53,12 @@ batch_size = 16              # micro-batch size per process
 block_size = 128             # context length
 gradient_accumulation_steps = 1  # micro-batches per optimizer step per process
 # fine-tuning data (training_type 'sft' | 'lora'; chat template and JSONL formats: see data.py)
-sft_data = ''                # folder with train.jsonl, val.jsonl (and test.jsonl for exact match); '' = the embedded arithmetic task
+sft_data = ''                # folder with train.jsonl, val.jsonl (and test.jsonl for exact match); '' = the embedded number tasks
 max_length = 128             # longest example in tokens (<= block_size); longer ones follow overlong
 overlong = 'truncate'        # examples over max_length: 'truncate' (keep the first max_length tokens) | 'drop'
 skip_malformed = False       # skip and count malformed JSONL lines instead of stopping at the first
 pack = False                 # pack several examples per row (attention stays inside each example)
-bucket_batches = 16          # length bucketing: sort this many global batches' worth of examples by length; 1 = off
+bucket_batches = 1           # length bucketing: batch similar lengths from this many global batches' worth (less padding, less random batches); 1 = off
 curriculum_iters = 0         # length curriculum: the longest example allowed grows from the shortest to max_length over these steps; 0 = off
 exact_match_examples = 200   # held-out examples (test.jsonl, else val.jsonl) answered greedily and scored at start and end; 0 = skip
 # LoRA (training_type 'lora')
@@ -169,10 +169,10 @@ else:
         raise UserError(f"max_length={max_length} is longer than block_size={block_size}; lower max_length.")
     if not sft_data:
         if master:
-            prepare_arithmetic()
+            prepare_number_tasks()
         if ddp:
             dist.barrier()
-        sft_data = ARITHMETIC_DIR
+        sft_data = NUMBER_TASKS_DIR
     split = lambda name: load_sft_split(os.path.join(sft_data, f'{name}.jsonl'), tokenizer, max_length, overlong,
                                         skip_malformed)
     _, train_examples = split('train')
@@ -241,15 +241,13 @@ model.activation_checkpointing = activation_checkpointing
 model.to(device)
 raw_model = model  # what we save and sample from: never compiled or DDP-wrapped
 
-if training_type == 'lora':
-    if optimizer_type != 'adamw':
-        raise UserError(f"training_type='lora' trains its adapters with AdamW; set optimizer_type='adamw'.")
-    optimizer = torch.optim.AdamW(lora_param_groups(raw_model, weight_decay, loraplus_lr_ratio), lr=learning_rate,
-                                  betas=(beta1, beta2), fused=device_type == 'cuda')
-elif optimizer_type == 'muon':
+if training_type == 'lora' and optimizer_type != 'adamw':
+    raise UserError(f"training_type='lora' trains its adapters with AdamW; set optimizer_type='adamw'.")
+if optimizer_type == 'muon':
     optimizer = Muon(muon_param_groups(raw_model, learning_rate, weight_decay, (beta1, beta2), muon_lr, muon_momentum))
-elif optimizer_type == 'adamw':
-    optimizer = raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
+elif optimizer_type == 'adamw':  # only trainable parameters: with LoRA, the adapters
+    optimizer = raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type,
+                                               loraplus_lr_ratio)
 else:
     raise UserError(f"optimizer_type={optimizer_type!r} is not supported; use 'adamw' or 'muon'.")
 scaler = GradScaler(enabled=ptdtype == torch.float16)
@@ -281,7 +279,7 @@ if ddp:
 device_name = torch.cuda.get_device_name(device) if device_type == 'cuda' else device_type
 global_batch_size = batch_size * gradient_accumulation_steps * world_size  # windows, or examples when fine-tuning
 log(f"device {device}, dtype {ptdtype}, {world_size} process(es), {raw_model.get_num_params() / 1e6:.2f}M params, "
-    + (f"{global_batch_size} examples per step" if fine_tuning else f"{global_batch_size * block_size:,} tokens per step"))
+    + (f"{global_batch_size} examples" if fine_tuning else f"{global_batch_size * block_size:,} tokens") + " per step")
 
 # loss: token-weighted cross-entropy (losses.py), plus the other terms given a weight in loss_weights
 if set(loss_weights) - {'ce', 'z_loss'}:
@@ -297,6 +295,14 @@ def get_batch(batches, indices):
     return (*batches.get(indices, device), None)
 
 
+def labelled(x, y, doc_ids):
+    """Logits and targets at the positions that have a label (fine-tuning: only the responses pass
+    through the output layer; pretraining: every position)."""
+    keep = y != -100 if fine_tuning else None
+    logits, _ = model(x, doc_ids=doc_ids, keep=keep)
+    return logits, y if keep is None else y[keep]
+
+
 @torch.no_grad()
 def evaluate():
     """Mean val loss per token (plain cross-entropy) over fixed val windows or examples, split across ranks."""
@@ -304,10 +310,10 @@ def evaluate():
     mine = val_indices.tensor_split(world_size)[rank].split(batch_size)
     total = torch.zeros(2, device=device)  # loss sum, token count
     for indices in mine:
-        x, y, doc_ids = get_batch(val_batches, indices)
         with autocast:
-            logits, _ = model(x, doc_ids=doc_ids)
-        total += torch.stack([weighted_cross_entropy(logits, y, normalizer=1.0), (y != -100).sum().float()])
+            logits, targets = labelled(*get_batch(val_batches, indices))
+        total += torch.stack([weighted_cross_entropy(logits, targets, normalizer=1.0),
+                              (targets != -100).sum().float()])
     if ddp:
         dist.all_reduce(total)
     model.train()
@@ -324,7 +330,8 @@ def exact_match():
         with autocast:
             out = raw_model.generate(torch.tensor([prompt], device=device), len(tokenizer.encode(reference)) + 1,
                                      temperature=0, eos_id=tokenizer.eos_id)[0, len(prompt):].tolist()
-        hit = tokenizer.eos_id in out and tokenizer.decode(out[:out.index(tokenizer.eos_id)]).strip() == reference.strip()
+        end = tokenizer.eos_id
+        hit = end in out and tokenizer.decode(out[:out.index(end)]).strip() == reference.strip()
         total += torch.tensor([float(hit), 1.0], device=device)
     if ddp:
         dist.all_reduce(total)
@@ -345,7 +352,8 @@ def checkpoint_state():
                  train_batches=train_batches.state_dict(), batch_size=batch_size,
                  gradient_accumulation_steps=gradient_accumulation_steps)
     if training_type == 'lora':  # adapters only: the frozen base stays in its own checkpoint, named by path and hash
-        state.update(kind='lora', model=lora_state_dict(raw_model), base_checkpoint=lora_base[0], base_hash=lora_base[1])
+        state.update(kind='lora', model=lora_state_dict(raw_model), base_checkpoint=lora_base[0],
+                     base_hash=lora_base[1])
     return state
 
 
@@ -361,7 +369,8 @@ def train_step(indices):
     first backward, so the gradient is the same however the batch is split (1 x 4 accumulation =
     4 x 1). Returns this rank's share of the total loss and of each term (shares add up over ranks)."""
     with profiler.section('data'):
-        micro_batches = [get_batch(train_batches, part) for part in indices.view(gradient_accumulation_steps, batch_size)]
+        parts = indices.view(gradient_accumulation_steps, batch_size)
+        micro_batches = [get_batch(train_batches, part) for part in parts]
         weight_sum = sum(target_weights(y, token_weight).sum() for _, y, _ in micro_batches)
         if ddp:
             dist.all_reduce(weight_sum)
@@ -371,10 +380,10 @@ def train_step(indices):
         # only the last micro-batch all-reduces gradients
         with model.no_sync() if ddp and not last else nullcontext():
             with profiler.section('forward'), autocast:
-                logits, _ = model(x, doc_ids=doc_ids)
-                terms = {'ce': weighted_cross_entropy(logits, y, token_weight, weight_sum)}
+                logits, targets = labelled(x, y, doc_ids)
+                terms = {'ce': weighted_cross_entropy(logits, targets, token_weight, weight_sum)}
                 if loss_weights.get('z_loss'):
-                    terms['z_loss'] = z_loss(logits, y, token_weight, weight_sum)
+                    terms['z_loss'] = z_loss(logits, targets, token_weight, weight_sum)
                 loss = combine_losses(terms, loss_weights)
             if fault_at('oom', iter_num):
                 raise torch.OutOfMemoryError('injected OOM (NANOTRAIN_FAULT)')
@@ -436,12 +445,14 @@ while iter_num < max_iters:
     lr = get_lr(iter_num, lr_schedule, learning_rate, min_lr, warmup_iters, lr_decay_iters, d_model=n_embd,
                 decay_frac=decay_frac)
     for group in optimizer.param_groups:
-        group['lr'] = lr * group.get('lr_scale', 1.0)  # Muon's groups run at muon_lr / learning_rate times lr
+        group['lr'] = lr * group.get('lr_scale', 1.0)  # Muon's groups (muon_lr / learning_rate), LoRA+'s B
 
     # the whole global batch is drawn on every rank; each rank trains on its slice
     if fine_tuning:
         # length curriculum: the longest example allowed grows linearly from the shortest to max_length
-        limit = max_length if iter_num >= curriculum_iters else shortest + (max_length - shortest) * iter_num // curriculum_iters
+        limit = max_length
+        if iter_num < curriculum_iters:
+            limit = shortest + (max_length - shortest) * iter_num // curriculum_iters
         global_batch = train_batches.sample(global_batch_size, limit)
         step_tokens = train_batches.count_tokens(global_batch)
     else:
@@ -462,7 +473,7 @@ while iter_num < max_iters:
     with profiler.section('optimizer'):
         scaler.unscale_(optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip if grad_clip > 0 else float('inf'))
-        # one all-reduce: the global batch's loss terms (sums of the ranks' shares), and whether any rank was asked to stop
+        # one all-reduce: the global batch's loss terms (the ranks' shares add up) and whether a rank must stop
         stats = torch.stack([*losses.values(), torch.tensor(float(stop.requested is not None), device=device)])
         if ddp:
             dist.all_reduce(stats)

@@ -142,8 +142,9 @@ if not master:  # read what rank 0 cached
     train_set = LJSpeechDataset(data_dir, train_ids, texts, symbols, cache_dir, add_blank)
     val_set = LJSpeechDataset(data_dir, val_ids, texts, symbols, cache_dir, add_blank)
 sampler = FrameBudgetSampler(train_set.lengths, frame_budget, seed, rank, world_size)
-log(f"{len(train_set)} train / {len(val_set)} held-out utterances, {sum(train_set.lengths) / 86.13 / 60:.1f} min "
-    f"of training audio, {len(symbols)} symbols, {len(sampler)} batches per epoch per process")
+train_minutes = sum(train_set.lengths) * mel_settings['hop_length'] / sample_rate / 60
+log(f"{len(train_set)} train / {len(val_set)} held-out utterances, {train_minutes:.1f} min of training audio, "
+    f"{len(symbols)} symbols, {len(sampler)} batches per epoch per process")
 
 # model, from scratch or from a checkpoint (shape and vocabulary must match the config)
 model_args = dict(symbols=symbols, add_blank=add_blank, n_mels=mel_settings['n_mels'], enc_channels=enc_channels,

@@ -1,10 +1,8 @@
 """
 TTS data: LJSpeech-layout corpora, WAV I/O with the standard library, log-mel features,
 character front end, held-out split and a length-bucketed frame-budget batch sampler.
-(Staged here; meant to be appended to data.py.)
 """
 import hashlib
-import math
 import os
 import random
 import re
@@ -15,6 +13,7 @@ import wave
 import numpy as np
 import torch
 import torchaudio
+from tqdm import tqdm
 
 from configurator import UserError
 
@@ -76,17 +75,14 @@ class MelExtractor:
             f_max=f_max, norm='slaney', mel_scale='slaney')
         self.griffin_lim = torchaudio.transforms.GriffinLim(
             n_fft=n_fft, win_length=win_length, hop_length=hop_length, power=1.0,
-            n_iter=griffin_lim_iters)
+            n_iter=griffin_lim_iters, rand_init=False)  # zero initial phase: deterministic, no RNG used
 
     def __call__(self, audio):
         return torch.log(self.mel(audio).clamp(min=1e-5))
 
     def to_waveform(self, log_mel):
-        # a fixed seed for Griffin-Lim's random initial phase: same mel -> same audio
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            magnitude = self.inverse_mel(log_mel.float().cpu().exp()).clamp(min=0)
-            return self.griffin_lim(magnitude)
+        magnitude = self.inverse_mel(log_mel.float().cpu().exp()).clamp(min=0)
+        return self.griffin_lim(magnitude)
 
 # -----------------------------------------------------------------------------
 # text front end: characters of the normalised text; ids 0 = padding, 1 = blank
@@ -161,20 +157,17 @@ def split_ids(ids, val_fraction):
 
 class LJSpeechDataset:
     """Text ids and log-mels of one split. Features are computed once per utterance and cached
-    as .pt files in cache_dir (keyed by the feature settings), then kept in memory."""
+    as .pt files in cache_dir (keyed by the corpus folder and the feature settings; delete the
+    cache if you change the audio files), then kept in memory."""
 
     def __init__(self, data_dir, ids, texts, symbols, cache_dir, add_blank=True, progress=False):
         self.ids = ids
         extractor = MelExtractor(**MEL_SETTINGS)
-        settings_key = hashlib.md5(repr(sorted(MEL_SETTINGS.items())).encode()).hexdigest()[:8]
-        cache_dir = os.path.join(cache_dir, settings_key)
+        key = repr((os.path.abspath(data_dir), sorted(MEL_SETTINGS.items())))
+        cache_dir = os.path.join(cache_dir, hashlib.md5(key.encode()).hexdigest()[:8])
         os.makedirs(cache_dir, exist_ok=True)
         self.text_ids, self.mels = [], []
-        iterator = ids
-        if progress:
-            from tqdm import tqdm
-            iterator = tqdm(ids, desc='mel features', dynamic_ncols=True)
-        for utt_id in iterator:
+        for utt_id in tqdm(ids, desc='mel features', dynamic_ncols=True, disable=not progress):
             cached = os.path.join(cache_dir, utt_id + '.pt')
             if os.path.exists(cached):
                 mel = torch.load(cached, weights_only=True)
@@ -285,13 +278,13 @@ def eval_batches(lengths, frame_budget):
 # -----------------------------------------------------------------------------
 # optional: make an LJSpeech-layout corpus with espeak-ng (no 2.6 GB download)
 
-def make_espeak_corpus(text_file, out_dir, voice='en-us', speed=160, max_utterances=None):
+def make_espeak_corpus(text_file, out_dir, voice='en-us', speed=175, max_utterances=None):
     """Speak each non-empty line of text_file with espeak-ng into out_dir/wavs/ESnnnn.wav
     (resampled to 22050 Hz) and write out_dir/metadata.csv."""
     if shutil.which('espeak-ng') is None:
         raise UserError("espeak-ng is not installed (e.g. `apt-get install espeak-ng`)")
     with open(text_file, encoding='utf-8') as f:
-        lines = [normalize_text(line).capitalize() for line in f if line.strip()]
+        lines = [re.sub(r'\s+', ' ', line).strip() for line in f if line.strip()]
     lines = lines[:max_utterances]
     os.makedirs(os.path.join(out_dir, 'wavs'), exist_ok=True)
     rows = []
@@ -310,12 +303,14 @@ def make_espeak_corpus(text_file, out_dir, voice='en-us', speed=160, max_utteran
 
 if __name__ == '__main__':
     import argparse
-    parser = argparse.ArgumentParser(description='speak a text file into an LJSpeech-layout '
+    from configurator import install_excepthook
+    install_excepthook()  # a UserError prints one line and exits 2
+    parser = argparse.ArgumentParser(description='speak each line of a text file into an LJSpeech-layout '
                                                  'corpus with espeak-ng')
     parser.add_argument('--text_file', required=True)
     parser.add_argument('--out_dir', required=True)
     parser.add_argument('--voice', default='en-us')
+    parser.add_argument('--speed', type=int, default=175, help='words per minute (espeak-ng default 175)')
     parser.add_argument('--max_utterances', type=int, default=None)
     args = parser.parse_args()
-    print(make_espeak_corpus(args.text_file, args.out_dir, args.voice,
-                             max_utterances=args.max_utterances))
+    print(make_espeak_corpus(args.text_file, args.out_dir, args.voice, args.speed, args.max_utterances))

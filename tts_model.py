@@ -2,9 +2,10 @@
 Flow-matching text-to-speech (Matcha-TTS in miniature): a transformer text encoder with RoPE
 predicts per-token mel means mu and log durations; Monotonic Alignment Search aligns tokens to
 mel frames during training; a 1D U-Net learns the flow-matching velocity that carries Gaussian
-noise to the mel, conditioned on the aligned mu. (Staged here; meant to be appended to model.py.)
+noise to the mel, conditioned on the aligned mu.
 """
 import math
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -12,8 +13,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from configurator import UserError
 from losses import duration_loss, flow_matching_loss, flow_matching_path, prior_loss
-from tts_data import MelExtractor, MEL_SETTINGS, encode_text
+from tts_data import BLANK_ID, MEL_SETTINGS, MelExtractor, encode_text
 
 
 @dataclass
@@ -38,6 +40,11 @@ class TTSConfig:
 def sequence_mask(lengths, max_length=None):
     max_length = max_length or int(lengths.max())
     return torch.arange(max_length, device=lengths.device)[None, :] < lengths[:, None]
+
+
+def pad_to_even(y):
+    # the U-Net halves the time axis once
+    return F.pad(y, (0, y.shape[2] % 2))
 
 # -----------------------------------------------------------------------------
 # Monotonic Alignment Search (Glow-TTS): the most likely monotonic, surjective path of text
@@ -321,7 +328,8 @@ class TTSModel(nn.Module):
 
     def align(self, mu_x, x_mask, y, y_mask):
         """MAS path (B, Tx, Ty) maximising the likelihood of y under N(mu_x[token], I)."""
-        with torch.no_grad():
+        # in float32 even under autocast: the path depends on small differences of large sums
+        with torch.no_grad(), torch.autocast(mu_x.device.type, enabled=False):
             mu, target = mu_x.float(), y.float()
             # -0.5 |y_j - mu_i|^2 up to a constant, expanded into matrix products
             log_likelihood = (-0.5 * (mu ** 2).sum(1)[:, :, None] + mu.transpose(1, 2) @ target
@@ -357,14 +365,15 @@ class TTSModel(nn.Module):
     @torch.no_grad()
     def decode(self, mu_y, y_mask, n_timesteps=10, temperature=1.0, guidance=0.0, generator=None):
         """Euler ODE from noise (scaled by temperature) at t=0 to a normalised mel at t=1. With
-        guidance w > 0: v = v(mu) + w (v(mu) - v(no condition))."""
-        x = torch.randn(mu_y.shape, generator=generator, device=mu_y.device, dtype=mu_y.dtype) * temperature
+        guidance w > 0: v = v(mu) + w (v(mu) - v(no condition)). The state stays float32 under
+        autocast."""
+        x = torch.randn(mu_y.shape, generator=generator, device=mu_y.device) * temperature
         dt = 1.0 / n_timesteps
         for i in range(n_timesteps):
-            t = torch.full((x.shape[0],), i * dt, device=x.device, dtype=x.dtype)
-            v = self.decoder(x, y_mask, mu_y, t)
+            t = torch.full((x.shape[0],), i * dt, device=x.device)
+            v = self.decoder(x, y_mask, mu_y, t).float()
             if guidance:
-                v = v + guidance * (v - self.decoder(x, y_mask, torch.zeros_like(mu_y), t))
+                v = v + guidance * (v - self.decoder(x, y_mask, torch.zeros_like(mu_y), t).float())
             x = x + dt * v
         return x * y_mask
 
@@ -394,19 +403,19 @@ class TTSModel(nn.Module):
         return mel * self.mel_std + self.mel_mean
 
 
-def pad_to_even(y):
-    # the U-Net halves the time axis once
-    return F.pad(y, (0, y.shape[2] % 2))
-
 
 @torch.no_grad()
 def synthesize(model, text, n_timesteps=10, temperature=0.667, length_scale=1.0, guidance=0.0,
                seed=0):
     """text -> (waveform (float32, 1D, in [-1, 1] roughly), log-mel (n_mels, T)) at
-    MEL_SETTINGS['sample_rate'] Hz. Characters outside the model's vocabulary are dropped."""
-    ids, _ = encode_text(text, model.config.symbols, model.config.add_blank)
-    if not any(ids):
-        raise ValueError(f"no speakable characters in {text!r} (vocabulary: {model.config.symbols!r})")
+    MEL_SETTINGS['sample_rate'] Hz, with a model in eval mode. Characters outside the model's
+    vocabulary are skipped (with a note on stderr)."""
+    ids, unknown = encode_text(text, model.config.symbols, model.config.add_blank)
+    if unknown:
+        print(f"note: skipped characters the model was not trained on: {''.join(unknown)!r}", file=sys.stderr)
+    if all(i == BLANK_ID for i in ids):
+        raise UserError(f"nothing to say in {text!r}: none of its characters are in the model's vocabulary "
+                        f"{model.config.symbols!r}")
     device = model.mel_mean.device
     x = torch.tensor([ids], device=device)
     generator = torch.Generator(device=device).manual_seed(seed)

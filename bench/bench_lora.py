@@ -18,7 +18,7 @@ import torch
 
 from configurator import configure
 from memory import autocast_context, peak_memory_bytes, pick_device, pick_dtype, synchronize
-from model import GPT, GPTConfig, apply_lora, lora_param_groups
+from model import GPT, GPTConfig, apply_lora
 
 # -----------------------------------------------------------------------------
 mode = 'all'                 # 'all' (each mode below in its own process, then a table) | 'full' | 'lora'
@@ -46,7 +46,8 @@ if mode == 'all':
         out = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, check=True).stdout
         rows.append(json.loads(out.strip().splitlines()[-1]))
     full = rows[0]
-    print(f"{full['device']}, {full['dtype']}, batch {batch_size} x {block_size}, LoRA r={lora_r} on {lora_target_modules}")
+    print(f"{full['device']}, {full['dtype']}, batch {batch_size} x {block_size}, "
+          f"LoRA r={lora_r} on {lora_target_modules}")
     print(f"| | trainable params | optimizer state | activations saved for backward | peak memory | step time |")
     print(f"|---|---|---|---|---|---|")
     for r in rows:
@@ -64,16 +65,17 @@ if mode == 'lora':
     apply_lora(model, lora_r, lora_alpha, target_modules=lora_target_modules)
 model.activation_checkpointing = activation_checkpointing
 model.to(device)
-if mode == 'lora':
-    optimizer = torch.optim.AdamW(lora_param_groups(model, 0.1), lr=1e-4, fused=device_type == 'cuda')
-else:
-    optimizer = model.configure_optimizers(0.1, 1e-4, (0.9, 0.95), device_type)
+optimizer = model.configure_optimizers(0.1, 1e-4, (0.9, 0.95), device_type)  # trainable parameters only
 x = torch.randint(vocab_size, (batch_size, block_size), device=device)
 y = torch.randint(vocab_size, (batch_size, block_size), device=device)
 
-saved = []  # bytes of every tensor autograd keeps for backward, in the last forward
+# bytes of the activations autograd keeps for backward in the last forward (parameters it keeps don't count)
+saved, param_storage = [], {p.data_ptr() for p in model.parameters()}
+
+
 def pack(t):
-    saved.append(t.numel() * t.element_size())
+    if t.data_ptr() not in param_storage:
+        saved.append(t.numel() * t.element_size())
     return t
 
 

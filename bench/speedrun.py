@@ -24,6 +24,7 @@ import struct
 import subprocess
 import sys
 import time
+import zipfile
 import zlib
 from contextlib import redirect_stdout
 
@@ -55,6 +56,8 @@ NANOGPT_CMD = ['train.py', 'config/train_shakespeare_char.py', '--device=cpu', '
                '--log_interval=1', '--block_size=64', '--batch_size=12', '--n_layer=4', '--n_head=4', '--n_embd=128',
                '--max_iters=2000', '--lr_decay_iters=2000', '--dropout=0.0']
 NANOGPT_SHAPE = ['--n_layer=4', '--n_head=4', '--n_embd=128', '--block_size=64', '--batch_size=12']
+NANOGPT_MODEL = ['--pos_emb=learned', '--norm=layernorm', '--mlp=gelu', '--bias=False', '--tie_embeddings=True',
+                 '--qk_norm=False', '--logit_softcap=0.0', '--zero_init_proj=False', '--optimizer_type=adamw']
 
 
 def prepare_data():
@@ -78,8 +81,9 @@ def prepare_data():
 
 
 def run_watched(cmd, cwd, ckpt_path, run_dir):
-    """Run cmd, copying each new version of ckpt_path aside once it has been stable for 0.3 s (nanoGPT
-    writes it in place). Returns (wall seconds, [(seconds after launch it was written, copy)])."""
+    """Run cmd, copying each new version of ckpt_path aside once it has been stable for 0.3 s and is a
+    complete file (nanoGPT writes it in place). Returns (wall seconds, [(seconds after launch it was
+    written, copy)])."""
     os.makedirs(run_dir)
     snapshots, seen = [], None
     with open(os.path.join(run_dir, 'stdout.log'), 'w') as log:
@@ -91,10 +95,11 @@ def run_watched(cmd, cwd, ckpt_path, run_dir):
             st = os.stat(ckpt_path) if os.path.exists(ckpt_path) else None
             version = st and (st.st_mtime_ns, st.st_size, st.st_ino)
             if st and version != seen and (done or time.time() - st.st_mtime > 0.3):
-                seen = version
                 copy = os.path.join(run_dir, f'ckpt{len(snapshots)}.pt')
                 shutil.copyfile(ckpt_path, copy)
-                snapshots.append((st.st_mtime - t0, copy))
+                if zipfile.is_zipfile(copy):  # complete: torch.save writes the zip directory last
+                    seen = version
+                    snapshots.append((st.st_mtime - t0, copy))
             if done:
                 break
             time.sleep(0.05)
@@ -281,13 +286,17 @@ def main():
               + (f"{hit:.1f}s, ratio {result['ratio']:.3f}" if hit is not None else "never reached it"), flush=True)
         runs.append(result)
 
-    # tokens/s at nanoGPT's exact model and batch shape
-    out = os.path.join(work_dir, 'shape', 'out')
-    cmd = [sys.executable, 'train.py', config_file, f'--out_dir={out}', f'--data_dir={nt_data}', '--init_from=scratch',
-           *NANOGPT_SHAPE, f'--max_iters={throughput_iters}', f'--lr_decay_iters={throughput_iters}',
-           '--eval_interval=100000', '--log_interval=25']
-    run_watched(cmd, ROOT, os.path.join(out, 'ckpt.pt'), os.path.join(work_dir, 'shape'))
-    shape_tps = nanotrain_tokens_per_sec(out)
+    # tokens/s at nanoGPT's exact model and batch shape: nanoGPT's architecture (so the same model, only
+    # the training code differs), and the speedrun config's architecture and optimizer at that shape
+    shape_tps = {}
+    for name, extra in (('nanogpt_model', NANOGPT_MODEL), ('speedrun_levers', [])):
+        out = os.path.join(work_dir, f'shape-{name}', 'out')
+        cmd = [sys.executable, 'train.py', config_file, f'--out_dir={out}', f'--data_dir={nt_data}',
+               '--init_from=scratch', *NANOGPT_SHAPE, *extra, f'--max_iters={throughput_iters}',
+               f'--lr_decay_iters={throughput_iters}', '--eval_interval=100000', '--log_interval=25']
+        run_watched(cmd, ROOT, os.path.join(out, 'ckpt.pt'), os.path.dirname(out))
+        shape_tps[name] = nanotrain_tokens_per_sec(out)
+        print(f"nanotrain at nanoGPT's shape ({name}): {shape_tps[name]:,.0f} tok/s", flush=True)
 
     med = lambda xs: statistics.median(xs) if xs and None not in xs else None
     summary = dict(
@@ -299,9 +308,11 @@ def main():
         ratio=med([r['ratio'] for r in runs]),
         nanogpt_tokens_per_sec=med([r['nanogpt']['tokens_per_sec'] for r in runs]),
         nanotrain_tokens_per_sec=med([r['nanotrain']['tokens_per_sec'] for r in runs]),
-        nanotrain_tokens_per_sec_nanogpt_shape=shape_tps, torch_threads=torch.get_num_threads(),
+        **{f'nanotrain_tokens_per_sec_nanogpt_shape_{k}': v for k, v in shape_tps.items()},
+        **{f'tokens_per_sec_ratio_nanogpt_shape_{k}': v / statistics.median([r['nanogpt']['tokens_per_sec'] for r in runs])
+           for k, v in shape_tps.items()},
+        torch_threads=torch.get_num_threads(), load_average=os.getloadavg(),
     )
-    summary['tokens_per_sec_ratio_nanogpt_shape'] = shape_tps / summary['nanogpt_tokens_per_sec']
     with open(os.path.join(work_dir, 'results.json'), 'w') as f:
         json.dump(dict(summary=summary, runs=runs), f, indent=1)
     curves = [(name, color, [(t, v) for t, _, v in r[side]['curve']])

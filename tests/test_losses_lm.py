@@ -39,7 +39,7 @@ def reference_weighted_ce(logits, targets, table):
 def test_unweighted_is_standard_cross_entropy():
     logits, targets = batch()
     expected = F.cross_entropy(logits.view(-1, 7), targets.view(-1), ignore_index=-100)
-    torch.testing.assert_close(weighted_cross_entropy(logits, targets), expected, rtol=2e-7, atol=0)  # to the last bit or so
+    torch.testing.assert_close(weighted_cross_entropy(logits, targets), expected, rtol=2e-7, atol=0)  # ~ the last bit
     torch.testing.assert_close(weighted_cross_entropy(logits, targets, torch.ones(7)), expected, rtol=2e-7, atol=0)
 
 

@@ -12,7 +12,7 @@ from model import GPT, GPTConfig
 from muon import Muon, muon_param_groups, orthogonalize
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_train import data_dir, load, train, train_losses  # noqa: E402,F401  (data_dir is a fixture)
+from test_train import TINY, data_dir, load, run, train, train_losses  # noqa: E402,F401  (data_dir is a fixture)
 
 
 def svd_factors(G):
@@ -159,3 +159,18 @@ def test_train_with_muon_learns_and_resumes_bit_exactly(tmp_path, data_dir):
     # the checkpoint's optimizer state does not fit AdamW: resuming with another optimizer is refused clearly
     p = train(split, data_dir, '--max_iters=9', '--lr_decay_iters=8', check=False)
     assert p.returncode != 0 and 'optimizer_type' in p.stderr and 'Traceback' not in p.stderr
+
+
+def test_muon_under_ddp_matches_single_process_with_double_accumulation(tmp_path, data_dir):
+    # DDP averages the gradients before step(), so every rank orthogonalizes the same momentum
+    single, ddp = tmp_path / 'single', tmp_path / 'ddp'
+    common = [f'--data_dir={data_dir}', *TINY, '--max_iters=5', '--eval_interval=5', '--lr_decay_iters=5',
+              '--optimizer_type=muon', '--muon_lr=0.05']
+    run(['train.py', f'--out_dir={single}', *common, '--gradient_accumulation_steps=2'])
+    run(['-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', 'train.py', f'--out_dir={ddp}',
+         *common, '--gradient_accumulation_steps=1'])
+    a, b = train_losses(single), train_losses(ddp)
+    assert sorted(a) == sorted(b) == list(range(1, 6))
+    assert all(abs(a[s] - b[s]) < 1e-5 for s in a), (a, b)
+    wa, wb = load(single / 'ckpt.pt')['model'], load(ddp / 'ckpt.pt')['model']
+    assert all(torch.allclose(wa[k], wb[k], atol=1e-5) for k in wa)

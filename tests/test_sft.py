@@ -1,9 +1,10 @@
-"""Supervised fine-tuning: chat template, JSONL parsing, the arithmetic task, SFT batching (bucketing,
+"""Supervised fine-tuning: chat template, JSONL parsing, the embedded number tasks, SFT batching (bucketing,
 packing, curriculum), packed attention, vocabulary growth, and train.py with training_type='sft'
 through subprocesses (resume, accumulation/DDP parity, errors)."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -12,15 +13,15 @@ import torch
 
 import data
 from configurator import UserError
-from data import ChatTokenizer, CharTokenizer, SFTBatches, load_sft_split, prepare, prepare_arithmetic
+from data import ChatTokenizer, CharTokenizer, SFTBatches, load_sft_split, prepare, prepare_number_tasks
 from model import GPT, GPTConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHARS = sorted(set("What is 0123456789+-?<|>abcdefghijklmnopqrstuvwxyz \n:,.ABCDEFGHIJKLMNOPQRSTUVWXYZ"))
-TINY = ['--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=32', '--batch_size=4', '--eval_iters=2',
+TINY = ['--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=48', '--batch_size=4', '--eval_iters=2',
         '--log_interval=1', '--tensorboard=False', '--sample_tokens=10', '--warmup_iters=2', '--device=cpu',
         '--dtype=float32', '--learning_rate=1e-2', '--min_lr=1e-3']
-SFT = ['--max_length=32', '--exact_match_examples=4', '--bucket_batches=2']
+SFT = ['--max_length=48', '--exact_match_examples=4', '--bucket_batches=2']
 
 
 def char_tokenizer():
@@ -56,9 +57,9 @@ def load(path):
 
 @pytest.fixture(scope='session')
 def sft_env(tmp_path_factory):
-    """A char corpus that covers the arithmetic task, the task's JSONL files, and a tiny model pretrained on it."""
+    """A char corpus that covers the number tasks, the tasks' JSONL files, and a tiny model pretrained on it."""
     root = tmp_path_factory.mktemp('sft')
-    task = prepare_arithmetic(str(root / 'task'), n_train=200, n_eval=12, max_digits=2)
+    task = prepare_number_tasks(str(root / 'task'), n_train=200, n_eval=12)
     with open(os.path.join(task, 'train.jsonl')) as f:
         text = ''.join(f"{r['prompt']} {r['response']}\n" for r in map(json.loads, f)) * 3
     (root / 'corpus.txt').write_text(text)
@@ -150,25 +151,39 @@ def test_overlong_examples_truncate_or_drop(tmp_path, capsys):
     assert len(examples) == 1 and '0 truncated and 2 dropped' in capsys.readouterr().out
 
 
-# -- the embedded arithmetic task ----------------------------------------------------------------
+# -- the embedded number tasks ------------------------------------------------------------------
 
-def test_arithmetic_task_is_correct_disjoint_and_cached(tmp_path):
-    out = prepare_arithmetic(str(tmp_path / 'a'), n_train=300, n_eval=30, max_digits=3)
-    splits = {}
+ANSWERS = [  # each kind of question, and how to answer it
+    (r'What is (\d+)\+(\d+)\?', lambda a, b: int(a) + int(b)),
+    (r'What is (\d+)-(\d+)\?', lambda a, b: int(a) - int(b)),
+    (r'Reverse the digits of (\d+)\.', lambda n: n[::-1]),
+    (r'Which is larger, (\d+) or (\d+)\?', lambda a, b: max(int(a), int(b))),
+    (r'How many digits does (\d+) have\?', len),
+    (r'What comes after (\d+)\?', lambda n: int(n) + 1),
+]
+
+
+def test_number_tasks_are_correct_disjoint_and_cached(tmp_path):
+    out = prepare_number_tasks(str(tmp_path / 'a'), n_train=300, n_eval=30)
+    splits, kinds = {}, set()
     for split in ('train', 'val', 'test'):
         with open(os.path.join(out, f'{split}.jsonl')) as f:
             rows = [json.loads(line) for line in f]
         assert len(rows) == (300 if split == 'train' else 30)
         for r in rows:
-            expression = r['prompt'].removeprefix('What is ').removesuffix('?')
-            assert r['response'] == str(eval(expression)) and int(r['response']) >= 0
+            matches = [(kind, re.fullmatch(pattern, r['prompt'])) for kind, (pattern, _) in enumerate(ANSWERS)]
+            kind, match = next((kind, match) for kind, match in matches if match)
+            assert r['response'] == str(ANSWERS[kind][1](*match.groups()))
+            kinds.add(kind)
         splits[split] = {r['prompt'] for r in rows}
         assert len(splits[split]) == len(rows)  # no duplicates
-    assert not splits['train'] & splits['val'] and not splits['train'] & splits['test'] and not splits['val'] & splits['test']
+    assert kinds == set(range(len(ANSWERS)))
+    assert not splits['train'] & splits['val'] and not splits['train'] & splits['test']
+    assert not splits['val'] & splits['test']
     before = os.path.getmtime(os.path.join(out, 'train.jsonl'))
-    prepare_arithmetic(str(tmp_path / 'a'), n_train=300, n_eval=30, max_digits=3)
+    prepare_number_tasks(str(tmp_path / 'a'), n_train=300, n_eval=30)
     assert os.path.getmtime(os.path.join(out, 'train.jsonl')) == before  # reused
-    again = prepare_arithmetic(str(tmp_path / 'b'), n_train=300, n_eval=30, max_digits=3)
+    again = prepare_number_tasks(str(tmp_path / 'b'), n_train=300, n_eval=30)
     assert open(os.path.join(again, 'test.jsonl')).read() == open(os.path.join(out, 'test.jsonl')).read()
 
 

@@ -320,8 +320,8 @@ def test_espeak_corpus_command_with_a_fake_espeak(tmp_path, monkeypatch):
     (tmp_path / 'lines.txt').write_text('Hello there.\n\nSecond   LINE\n')
     out = make_espeak_corpus(str(tmp_path / 'lines.txt'), str(tmp_path / 'corpus'))
     rows = read_metadata(out)
-    assert rows == [('ES0000', 'Hello there.'), ('ES0001', 'Second line')]
-    assert len(read_wav(os.path.join(out, 'wavs', 'ES0001.wav'))[0]) == 2205 * len('Second line')
+    assert rows == [('ES0000', 'Hello there.'), ('ES0001', 'Second LINE')]
+    assert len(read_wav(os.path.join(out, 'wavs', 'ES0001.wav'))[0]) == 2205 * len('Second LINE')
 
 # ----------------------------------------------------------------------------- training end to end
 
@@ -361,6 +361,8 @@ def test_train_smoke_faults_and_synthesis(tmp_path, straight_run):
     write_wav(tmp_path / 'spoken.wav', audio, SR)
     back, rate = read_wav(str(tmp_path / 'spoken.wav'))
     assert rate == SR and len(back) == len(audio) == (log_mel.shape[1] - 1) * 256 and back.abs().max() > 0
+    with pytest.raises(UserError, match='nothing to say'):
+        synthesize(model, '123')  # digits are not in this corpus' vocabulary
 
 
 def test_resume_is_bit_exact(tmp_path, corpus, straight_run):

@@ -1,0 +1,28 @@
+# LoRA fine-tuning of the default model on the embedded number tasks (the same data as config/sft.py):
+#   python train.py                  # pretrain the default model: out/ckpt.pt
+#   python train.py config/lora.py   # train adapters into out-lora/; exact match before and after
+# out-lora/ckpt.pt holds only the adapters (plus optimizer and sampler state to resume), naming the base
+# checkpoint by path and sha256; at the end, out-lora/merged.pt is a plain checkpoint with the adapters
+# folded in: python sample.py --out_dir=out-lora --ckpt_name=merged.pt --start="What is 48+27?"
+# An interrupted run continues with --init_from=resume.
+
+training_type = 'lora'
+init_from = 'out/ckpt.pt'
+out_dir = 'out-lora'
+
+lora_r = 8
+lora_alpha = 16.0
+lora_dropout = 0.0           # the task has plenty of data for the adapters' few parameters
+lora_target_modules = 'all-linear'
+
+batch_size = 32              # examples per micro-batch
+max_length = 64              # the tasks' examples are 12-23 tokens
+exact_match_examples = 200
+
+learning_rate = 5e-3         # adapters take a larger step than full fine-tuning
+min_lr = 5e-4
+warmup_iters = 50
+max_iters = 2000
+lr_decay_iters = 2000
+eval_interval = 500
+log_interval = 100

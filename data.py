@@ -540,14 +540,15 @@ class SFTBatches:
         if not self.pack:
             return [[i] for i in indices]
         rows, room = [], []
-        for i in sorted(indices, key=lambda i: -self.lengths[i]):
-            r = next((r for r, free in enumerate(room) if free >= self.lengths[i]), None)
+        for i in sorted(indices, key=lambda i: -len(self.inputs[i])):
+            n = len(self.inputs[i])
+            r = next((r for r, free in enumerate(room) if free >= n), None)
             if r is None:
                 rows.append([i])
-                room.append(self.max_length - self.lengths[i])
+                room.append(self.max_length - n)
             else:
                 rows[r].append(i)
-                room[r] -= self.lengths[i]
+                room[r] -= n
         return rows
 
     def get(self, indices, device='cpu'):
@@ -555,14 +556,14 @@ class SFTBatches:
         padding and prompts). doc_ids (B, T) numbers the examples of each packed row (-1 on padding);
         None without packing, where no mask is needed: causal attention never sees the padding after a token."""
         rows = self._rows(indices.tolist())
-        T = max(sum(int(self.lengths[i]) for i in row) for row in rows)
+        T = max(sum(len(self.inputs[i]) for i in row) for row in rows)
         x = torch.full((len(rows), T), self.pad_id)
         y = torch.full((len(rows), T), -100)
         doc_ids = torch.full((len(rows), T), -1)
         for r, row in enumerate(rows):
             t = 0
             for d, i in enumerate(row):
-                n = int(self.lengths[i])
+                n = len(self.inputs[i])
                 x[r, t:t + n], y[r, t:t + n], doc_ids[r, t:t + n] = self.inputs[i], self.targets[i], d
                 t += n
         tensors = (x, y, doc_ids) if self.pack else (x, y)

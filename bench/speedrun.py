@@ -232,7 +232,7 @@ def draw_plot(path, curves, target):
     c.line(left, top, left, H - bottom, (0, 0, 0))
     c.line(left, H - bottom, W - right, H - bottom, (0, 0, 0))
     c.line(left, sy(target), W - right, sy(target), (120, 120, 120), dash=6)
-    c.text(W - right - 150, sy(target) - 14, f'TARGET {target:.4f}', (120, 120, 120))
+    c.text(W - right - 150, sy(target) + 6, f'TARGET {target:.4f}', (120, 120, 120))
     c.text(left + 250, H - 22, 'WALL TIME (S)')
     c.text(left, 12, 'VAL LOSS (FULL SPLIT)')
     for i, (label, color, pts) in enumerate(curves):

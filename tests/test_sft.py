@@ -5,7 +5,6 @@ through subprocesses (resume, accumulation/DDP parity, errors)."""
 import json
 import os
 import re
-import subprocess
 import sys
 
 import pytest
@@ -16,7 +15,9 @@ from configurator import UserError
 from data import ChatTokenizer, CharTokenizer, SFTBatches, load_sft_split, prepare, prepare_number_tasks
 from model import GPT, GPTConfig
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(__file__))
+from test_train import load, read_log, run, train_losses  # noqa: E402  (the subprocess helpers)
+
 CHARS = sorted(set("What is 0123456789+-?<|>abcdefghijklmnopqrstuvwxyz \n:,.ABCDEFGHIJKLMNOPQRSTUVWXYZ"))
 TINY = ['--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=48', '--batch_size=4', '--eval_iters=2',
         '--log_interval=1', '--tensorboard=False', '--sample_tokens=10', '--warmup_iters=2', '--device=cpu',
@@ -31,28 +32,6 @@ def char_tokenizer():
 def write_jsonl(path, lines):
     path.write_text('\n'.join(line if isinstance(line, str) else json.dumps(line) for line in lines) + '\n')
     return str(path)
-
-
-def run(args, env_extra=None, check=True, timeout=240):
-    env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONUNBUFFERED='1')
-    env.update(env_extra or {})
-    p = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    if check and p.returncode != 0:
-        raise AssertionError(f"exit {p.returncode}\nSTDOUT:\n{p.stdout[-3000:]}\nSTDERR:\n{p.stderr[-3000:]}")
-    return p
-
-
-def read_log(out_dir):
-    with open(os.path.join(out_dir, 'log.jsonl')) as f:
-        return [json.loads(line) for line in f]
-
-
-def train_losses(out_dir):
-    return {e['step']: e['train_loss'] for e in read_log(out_dir) if 'train_loss' in e}
-
-
-def load(path):
-    return torch.load(path, map_location='cpu', weights_only=True)
 
 
 @pytest.fixture(scope='session')

@@ -413,33 +413,40 @@ class ChatTokenizer:
         return self.encode_prompt(messages[:last]), messages[last]['content']
 
 
+def string_field(value, key):
+    if not isinstance(value, str):
+        raise ValueError(f'"{key}" must be a string, got {type(value).__name__}')
+    return value
+
+
+def message_list(value, key):
+    """value checked to be a list of {"role", "content"} messages (roles of the template); ValueError if not."""
+    if not isinstance(value, list) or not all(isinstance(m, dict) for m in value):
+        raise ValueError(f'"{key}" must be a list of {{"role": ..., "content": ...}} objects')
+    for m in value:
+        if m.get('role') not in CHAT_ROLES:
+            raise ValueError(f"message role {m.get('role')!r} in \"{key}\" is not one of {', '.join(CHAT_ROLES)}")
+        string_field(m.get('content'), 'content')
+    return [{'role': m['role'], 'content': m['content']} for m in value]
+
+
 def chat_messages(record):
     """A JSONL record in any of the three formats as a list of {'role', 'content'}; ValueError if malformed."""
-    def text(value, key):
-        if not isinstance(value, str):
-            raise ValueError(f'"{key}" must be a string, got {type(value).__name__}')
-        return value
     if not isinstance(record, dict):
         raise ValueError(f"expected a JSON object, got {type(record).__name__}")
     if 'messages' in record:
-        messages = record['messages']
-        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-            raise ValueError('"messages" must be a list of {"role": ..., "content": ...} objects')
-        for m in messages:
-            if m.get('role') not in CHAT_ROLES:
-                raise ValueError(f"message role {m.get('role')!r} is not one of {', '.join(CHAT_ROLES)}")
-            text(m.get('content'), 'content')
+        messages = message_list(record['messages'], 'messages')
         if not any(m['role'] == 'assistant' for m in messages):
             raise ValueError('"messages" has no assistant turn, so there is nothing to learn')
-        return [{'role': m['role'], 'content': m['content']} for m in messages]
+        return messages
     if 'prompt' in record and 'response' in record:
-        return [{'role': 'user', 'content': text(record['prompt'], 'prompt')},
-                {'role': 'assistant', 'content': text(record['response'], 'response')}]
+        return [{'role': 'user', 'content': string_field(record['prompt'], 'prompt')},
+                {'role': 'assistant', 'content': string_field(record['response'], 'response')}]
     if 'instruction' in record and 'output' in record:
-        user = text(record['instruction'], 'instruction')
-        if text(record.get('input', ''), 'input'):
+        user = string_field(record['instruction'], 'instruction')
+        if string_field(record.get('input', ''), 'input'):
             user += '\n\n' + record['input']
-        return [{'role': 'user', 'content': user}, {'role': 'assistant', 'content': text(record['output'], 'output')}]
+        return [{'role': 'user', 'content': user}, {'role': 'assistant', 'content': string_field(record['output'], 'output')}]
     raise ValueError(f"unknown format (keys {sorted(record)}); use {{\"prompt\", \"response\"}}, Alpaca "
                      f"{{\"instruction\", \"input\", \"output\"}} or "
                      f"{{\"messages\": [{{\"role\", \"content\"}}, ...]}}")
@@ -486,6 +493,39 @@ def load_sft_split(path, tokenizer, max_length, overlong='truncate', skip_malfor
                         f"{{\"prompt\": \"What is 2+2?\", \"response\": \"4\"}}; raise max_length if they are "
                         f"too long.")
     return conversations, examples
+
+
+def pack_rows(items, lengths, capacity):
+    """Items grouped into rows of at most capacity tokens: first fit, longest first."""
+    rows, room = [], []
+    for n, i in sorted(zip(lengths, items), key=lambda pair: -pair[0]):
+        r = next((r for r, free in enumerate(room) if free >= n), None)
+        if r is None:
+            rows.append([i])
+            room.append(capacity - n)
+        else:
+            rows[r].append(i)
+            room[r] -= n
+    return rows
+
+
+def build_rows(rows, inputs, targets, pad_id, device='cpu'):
+    """Tensors (B, T) for rows of sequences (each row a list of indices into inputs/targets), right-
+    padded to the longest row: x (pad_id on padding), y (-100 on padding), doc_ids (the sequence's
+    place in its row, -1 on padding) and seq (the sequence's index, -1 on padding)."""
+    T = max(sum(len(inputs[i]) for i in row) for row in rows)
+    x = torch.full((len(rows), T), pad_id)
+    y, doc_ids, seq = (torch.full((len(rows), T), -1) for _ in range(3))
+    y.fill_(-100)
+    for r, row in enumerate(rows):
+        t = 0
+        for d, i in enumerate(row):
+            n = len(inputs[i])
+            x[r, t:t + n], y[r, t:t + n], doc_ids[r, t:t + n], seq[r, t:t + n] = inputs[i], targets[i], d, i
+            t += n
+    if torch.device(device).type == 'cuda':  # pinned memory lets the copy overlap compute
+        return [t.pin_memory().to(device, non_blocking=True) for t in (x, y, doc_ids, seq)]
+    return [t.to(device) for t in (x, y, doc_ids, seq)]
 
 
 class SFTBatches:
@@ -536,42 +576,16 @@ class SFTBatches:
         return int(self.lengths[indices].sum())
 
     def _rows(self, indices):
-        """Example indices per row: one each, or packed first-fit, longest first, into max_length."""
         if not self.pack:
             return [[i] for i in indices]
-        rows, room = [], []
-        for i in sorted(indices, key=lambda i: -len(self.inputs[i])):
-            n = len(self.inputs[i])
-            r = next((r for r, free in enumerate(room) if free >= n), None)
-            if r is None:
-                rows.append([i])
-                room.append(self.max_length - n)
-            else:
-                rows[r].append(i)
-                room[r] -= n
-        return rows
+        return pack_rows(indices, [len(self.inputs[i]) for i in indices], self.max_length)
 
     def get(self, indices, device='cpu'):
         """(x, y, doc_ids) for the examples at indices, right-padded to the longest row (y is -100 on
         padding and prompts). doc_ids (B, T) numbers the examples of each packed row (-1 on padding);
         None without packing, where no mask is needed: causal attention never sees the padding after a token."""
-        rows = self._rows(indices.tolist())
-        T = max(sum(len(self.inputs[i]) for i in row) for row in rows)
-        x = torch.full((len(rows), T), self.pad_id)
-        y = torch.full((len(rows), T), -100)
-        doc_ids = torch.full((len(rows), T), -1)
-        for r, row in enumerate(rows):
-            t = 0
-            for d, i in enumerate(row):
-                n = len(self.inputs[i])
-                x[r, t:t + n], y[r, t:t + n], doc_ids[r, t:t + n] = self.inputs[i], self.targets[i], d
-                t += n
-        tensors = (x, y, doc_ids) if self.pack else (x, y)
-        if torch.device(device).type == 'cuda':  # pinned memory lets the copy overlap compute
-            tensors = [t.pin_memory().to(device, non_blocking=True) for t in tensors]
-        else:
-            tensors = [t.to(device) for t in tensors]
-        return tensors[0], tensors[1], tensors[2] if self.pack else None
+        x, y, doc_ids, _ = build_rows(self._rows(indices.tolist()), self.inputs, self.targets, self.pad_id, device)
+        return x, y, doc_ids if self.pack else None
 
     def state_dict(self):
         return {'generator': self.generator.get_state(), 'order': self.order, 'position': self.position,
@@ -584,19 +598,23 @@ class SFTBatches:
 
 
 def number_task(rng):
-    """A question of the embedded instruction set and its answer, one of six kinds: two-digit
-    addition and subtraction, reversing digits, the larger of two numbers, counting digits, and the
-    next number. Each checks a skill the pretrained model lacks: following the instruction."""
+    """A question of the embedded instruction set, its answer, and typical wrong answers, one of six
+    kinds: two-digit addition and subtraction, reversing digits, the larger of two numbers, counting
+    digits, and the next number. Each checks a skill the pretrained model lacks: following the
+    instruction. The wrong answers (DPO's rejected completions) are the slips a model makes: off by
+    one or ten, the wrong operation or number, a digit lost or swapped."""
     a, b = rng.randrange(100), rng.randrange(100)
     x, y = (rng.randrange(10 ** rng.randint(1, 4)) for _ in range(2))
     digits = str(rng.randrange(10 ** rng.randint(2, 6)))
+    total, difference = a + b, abs(a - b)
     return rng.choice([
-        (f"What is {a}+{b}?", str(a + b)),
-        (f"What is {max(a, b)}-{min(a, b)}?", str(abs(a - b))),
-        (f"Reverse the digits of {digits}.", digits[::-1]),
-        (f"Which is larger, {x} or {y}?", str(max(x, y))),
-        (f"How many digits does {digits} have?", str(len(digits))),
-        (f"What comes after {x}?", str(x + 1)),
+        (f"What is {a}+{b}?", str(total), [total + 1, total - 1, total + 10, total - 10, difference]),
+        (f"What is {max(a, b)}-{min(a, b)}?", str(difference),
+         [difference + 1, difference - 1, difference + 10, difference - 10, total]),
+        (f"Reverse the digits of {digits}.", digits[::-1], [digits, digits[:0:-1], digits[::-1] + digits[0]]),
+        (f"Which is larger, {x} or {y}?", str(max(x, y)), [min(x, y), max(x, y) + 1, max(x, y) - 1]),
+        (f"How many digits does {digits} have?", str(len(digits)), [len(digits) + 1, len(digits) - 1]),
+        (f"What comes after {x}?", str(x + 1), [x, x + 2, x - 1, x + 11]),
     ])
 
 
@@ -607,31 +625,256 @@ def task_split(question):
     return 'test' if h == 0 else 'val' if h == 1 else 'train'
 
 
-def prepare_number_tasks(out_dir=NUMBER_TASKS_DIR, n_train=10_000, n_eval=500, seed=0):
+def plausible_wrong(answer, mistakes, rng):
+    """A wrong answer for DPO's rejected completion: one of the task's typical mistakes, or a digit of
+    the answer changed by one or two neighbouring digits swapped; never the answer, never negative."""
+    while True:
+        if rng.random() < 0.5:
+            wrong = str(rng.choice(mistakes))
+        else:
+            i = rng.randrange(len(answer))
+            if rng.random() < 0.5:
+                wrong = answer[:i] + str((int(answer[i]) + rng.choice((-1, 1))) % 10) + answer[i + 1:]
+            else:
+                i = min(i, len(answer) - 2)
+                wrong = answer[:i] + answer[i + 1:i + 2] + answer[i:i + 1] + answer[i + 2:]
+        if wrong != answer and wrong and not wrong.startswith('-'):
+            return wrong
+
+
+def prepare_number_tasks(out_dir=NUMBER_TASKS_DIR, n_train=10_000, n_eval=500, seed=0, preferences=False):
     """The embedded SFT task, a verifiable instruction set (number_task): questions and answers as
     {"prompt", "response"} JSONL in out_dir/train.jsonl, val.jsonl and test.jsonl, disjoint splits.
-    Written once; reused while the parameters are unchanged."""
+    With preferences=True, DPO's version: {"prompt", "chosen", "rejected"} pairs, chosen the answer and
+    rejected a plausible wrong answer. Written once; reused while the parameters are unchanged."""
     sizes = {'train': n_train, 'val': n_eval, 'test': n_eval}
-    meta = {'task': 'number_tasks', 'sizes': sizes, 'seed': seed}
+    meta = {'task': 'number_preferences' if preferences else 'number_tasks', 'sizes': sizes, 'seed': seed}
+    if preferences:
+        meta['version'] = 2  # the kinds of wrong answers
     meta_path = os.path.join(out_dir, 'meta.json')
     if os.path.exists(meta_path):
         with open(meta_path) as f:
             if json.load(f) == meta:
                 return out_dir
-    rng = random.Random(seed)
-    splits = {split: {} for split in sizes}  # question -> answer: no duplicates within a split either
+    rng, wrong_rng = random.Random(seed), random.Random(seed + 1)
+    splits = {split: {} for split in sizes}  # question -> (answer, mistakes): no duplicates within a split either
     while any(len(splits[s]) < sizes[s] for s in sizes):
-        question, answer = number_task(rng)
+        question, answer, mistakes = number_task(rng)
         split = task_split(question)
         if len(splits[split]) < sizes[split]:
-            splits[split][question] = answer
+            splits[split][question] = answer, mistakes
     os.makedirs(out_dir, exist_ok=True)
     for split, pairs in splits.items():
         with open(os.path.join(out_dir, f'{split}.jsonl'), 'w') as f:
-            f.writelines(json.dumps({'prompt': q, 'response': a}) + '\n' for q, a in pairs.items())
+            for q, (a, mistakes) in pairs.items():
+                record = {'prompt': q, 'chosen': a, 'rejected': plausible_wrong(a, mistakes, wrong_rng)} \
+                    if preferences else {'prompt': q, 'response': a}
+                f.write(json.dumps(record) + '\n')
     with open(meta_path, 'w') as f:  # written last: marks a complete task folder
         json.dump(meta, f)
     return out_dir
+
+
+# -----------------------------------------------------------------------------
+# preference pairs (train_dpo.py): a prompt with a chosen and a rejected completion
+#
+# JSONL formats, one pair per line:
+#     {"prompt": P, "chosen": C, "rejected": R}   P: a string (one user turn) or a list of messages;
+#                                                  C, R: strings, or [{"role": "assistant", "content": ...}]
+#     {"chosen": [messages], "rejected": [messages]}   implicit prompt: the leading turns both share
+# The prompt is rendered with the chat template up to its final <|assistant|> (as SFT's prompts are);
+# a completion is the reply's content and the <|end|> that closes it (the EOS token).
+
+PREFERENCES_DIR = os.path.join('data', 'number_preferences')
+
+
+def preference_pair(record):
+    """(prompt messages, chosen text, rejected text) of a JSONL record; ValueError if malformed."""
+    if not isinstance(record, dict):
+        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+    if 'chosen' not in record or 'rejected' not in record:
+        raise ValueError(f'a preference pair needs "chosen" and "rejected" (and usually "prompt"); got keys '
+                         f'{sorted(record)}')
+    chosen, rejected = record['chosen'], record['rejected']
+    if 'prompt' in record:
+        prompt = record['prompt']
+        prompt = [{'role': 'user', 'content': prompt}] if isinstance(prompt, str) else message_list(prompt, 'prompt')
+    else:  # implicit prompt: the turns chosen and rejected have in common
+        chosen, rejected = message_list(chosen, 'chosen'), message_list(rejected, 'rejected')
+        shared = 0
+        while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+            shared += 1
+        prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
+
+    def reply(value, key):
+        if isinstance(value, str):
+            return value
+        messages = message_list(value, key)
+        if len(messages) != 1 or messages[0]['role'] != 'assistant':
+            raise ValueError(f'"{key}" must be one assistant reply: a string or [{{"role": "assistant", '
+                             f'"content": ...}}], got {len(messages)} message(s) after the prompt')
+        return messages[0]['content']
+    return prompt, reply(chosen, 'chosen'), reply(rejected, 'rejected')
+
+
+def encode_pair(tokenizer, prompt, chosen, rejected):
+    """Token ids (prompt, chosen completion, rejected completion). Each completion is tokenized
+    together with its prompt and split at the prompt's length, after checking that the prompt's
+    tokens are unchanged by what follows them."""
+    prompt_ids = tokenizer.encode_prompt(prompt)
+    completions = []
+    for reply in (chosen, rejected):
+        ids = tokenizer.encode_chat(prompt + [{'role': 'assistant', 'content': reply}])[0]
+        if ids[:len(prompt_ids)] != prompt_ids:
+            raise ValueError("the prompt's tokens change when a completion follows it; the chat template must "
+                             "end the prompt on a special token")
+        completions.append(ids[len(prompt_ids):])
+    return prompt_ids, *completions
+
+
+def load_preference_split(path, tokenizer, max_length, max_prompt_length, skip_malformed=False):
+    """Read and tokenize one JSONL split of preference pairs: returns (references, pairs).
+    references: (full prompt ids, chosen text) per pair, for exact-match evaluation. pairs: (prompt,
+    chosen, rejected) token ids fitted to max_length: the prompt keeps its last max_prompt_length
+    tokens, each completion its first max_length - len(prompt); a pair with a completion left empty is
+    dropped. A malformed line is an error naming path:line, or with skip_malformed skipped and counted."""
+    if not os.path.isfile(path):
+        raise UserError(f"preference data file {path} does not exist. Point dpo_data at a folder holding "
+                        f"train.jsonl and val.jsonl (test.jsonl optional), or leave it '' for the embedded pairs.")
+    references, pairs, skipped, prompts_cut, completions_cut, dropped = [], [], 0, 0, 0, 0
+    with open(path, 'rb') as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                prompt, chosen, rejected = preference_pair(json.loads(line.decode('utf-8')))
+                prompt_ids, chosen_ids, rejected_ids = encode_pair(tokenizer, prompt, chosen, rejected)
+            except (ValueError, UserError) as e:  # JSON and UTF-8 decode errors are ValueErrors
+                if not skip_malformed:
+                    raise UserError(f"{path}:{line_no}: {e}. Fix the line, or set skip_malformed=True to skip "
+                                    f"malformed lines (they are counted).") from None
+                skipped += 1
+                continue
+            references.append((prompt_ids, chosen))
+            if len(prompt_ids) > max_prompt_length:
+                prompt_ids, prompts_cut = prompt_ids[-max_prompt_length:], prompts_cut + 1
+            room = max_length - len(prompt_ids)
+            if room < 1:
+                dropped += 1
+                continue
+            if max(len(chosen_ids), len(rejected_ids)) > room:
+                chosen_ids, rejected_ids, completions_cut = chosen_ids[:room], rejected_ids[:room], completions_cut + 1
+            pairs.append((prompt_ids, chosen_ids, rejected_ids))
+    print(f"{path}: {len(pairs):,} pairs ({prompts_cut} prompts cut to max_prompt_length={max_prompt_length}, "
+          f"{completions_cut} completions cut and {dropped} pairs dropped at max_length={max_length}, "
+          f"{skipped} malformed lines skipped)")
+    if not pairs:
+        raise UserError(f"{path} holds no usable preference pairs ({skipped} malformed lines skipped, {dropped} "
+                        f"dropped because max_prompt_length={max_prompt_length} leaves no room in max_length="
+                        f"{max_length}). Each line must be one JSON pair, e.g. {{\"prompt\": \"What is 2+2?\", "
+                        f"\"chosen\": \"4\", \"rejected\": \"5\"}}; raise max_length or lower max_prompt_length.")
+    return references, pairs
+
+
+class PreferenceBatches:
+    """Batches of preference pairs for DPO. Like SFTBatches, every rank draws the pair indices of the
+    whole global batch (same seed, same draws, a new shuffle each epoch) and takes its own slice.
+    get() serves chosen and rejected completions in one batch, so one forward pass scores both."""
+
+    def __init__(self, pairs, seed, pad_id, max_length, pack=False):
+        self.pairs = pairs
+        self.inputs, self.targets = [], []  # padded layout: chosen sequences of all pairs, then rejected ones
+        for completion in (1, 2):
+            for pair in pairs:
+                prompt, reply = pair[0], pair[completion]
+                self.inputs.append(torch.tensor((prompt + reply)[:-1]))  # position t predicts token t + 1
+                self.targets.append(torch.tensor(([-100] * len(prompt) + reply)[1:]))
+        self.n_pairs = len(pairs)
+        self.completion_tokens = torch.tensor([[len(c), len(r)] for _, c, r in pairs])  # (pairs, 2)
+        self.lengths = torch.tensor([len(x) for x in self.inputs]).view(2, -1).sum(0)  # input tokens per pair
+        self.pad_id, self.max_length, self.pack = pad_id, max_length, pack
+        self.generator = torch.Generator().manual_seed(seed)
+        self.order = torch.randperm(self.n_pairs, generator=self.generator)
+        self.position = 0
+        self.batches_drawn = 0
+
+    def sample(self, n):
+        """Pair indices of the next global batch of n pairs, in shuffled order; a new shuffle each epoch."""
+        taken = []
+        while n:
+            if self.position == self.n_pairs:
+                self.order, self.position = torch.randperm(self.n_pairs, generator=self.generator), 0
+            taken.append(self.order[self.position:self.position + n])
+            self.position += len(taken[-1])
+            n -= len(taken[-1])
+        self.batches_drawn += 1
+        return torch.cat(taken)
+
+    def count_tokens(self, indices):
+        return int(self.lengths[indices].sum())
+
+    def get(self, indices, device='cpu'):
+        """The n pairs at indices as a dict of tensors: x (B, T) tokens; positions (B, T) and mask
+        (B, 1, T, T) (None when padded: plain causal attention); rows, cols (N,) the positions whose
+        logits are scored, targets (N,) the completion tokens they predict, and owners (N,) the
+        sequence each belongs to: the k-th pair's chosen completion is k, its rejected one n + k.
+        Padded: the chosen sequences, then the rejected ones, one per row, right-padded.
+        Packed (pack=True, padding-free): each pair is laid out once as prompt, chosen, rejected. Both
+        completions attend to the prompt and to themselves only and continue its positions, and the
+        prompt's last position scores the first token of both, so the prompt is computed once and
+        every completion token sees exactly what it would see in its own row. Pairs fill rows of up
+        to 2 * max_length tokens, first fit."""
+        if not self.pack:
+            sequences = indices.tolist() + [i + self.n_pairs for i in indices.tolist()]
+            x, y, _, seq = build_rows([[s] for s in range(len(sequences))], [self.inputs[s] for s in sequences],
+                                      [self.targets[s] for s in sequences], self.pad_id, device)
+            rows, cols = (y != -100).nonzero(as_tuple=True)
+            return dict(x=x, positions=None, mask=None, rows=rows, cols=cols, targets=y[rows, cols],
+                        owners=seq[rows, cols])
+        n, units = len(indices), []
+        for k, i in enumerate(indices.tolist()):
+            prompt, chosen, rejected = self.pairs[i]
+            p, c = len(prompt), len(chosen) - 1  # a completion's last token is only a target
+            tokens = prompt + chosen[:-1] + rejected[:-1]
+            positions = list(range(p)) + list(range(p, p + c)) + list(range(p, p + len(rejected) - 1))
+            branch = [0] * p + [1] * c + [2] * (len(rejected) - 1)
+            scored = [(p - 1 + t, target, k) for t, target in enumerate(chosen)]
+            scored += [(p - 1, rejected[0], n + k)] + [(p + c + t, target, n + k) for t, target in enumerate(rejected[1:])]
+            units.append((tokens, positions, branch, scored))
+        packed = pack_rows(range(n), [len(u[0]) for u in units], 2 * self.max_length)
+        T = max(sum(len(units[u][0]) for u in row) for row in packed)
+        x = torch.full((len(packed), T), self.pad_id)
+        positions, unit, branch = (torch.zeros(len(packed), T, dtype=torch.long) for _ in range(3))
+        unit.fill_(-1)
+        scored = []
+        for r, row in enumerate(packed):
+            t = 0
+            for u in row:
+                tokens, pos, br, score = units[u]
+                x[r, t:t + len(tokens)] = torch.tensor(tokens)
+                positions[r, t:t + len(tokens)], branch[r, t:t + len(tokens)] = torch.tensor(pos), torch.tensor(br)
+                unit[r, t:t + len(tokens)] = u
+                scored += [(r, t + offset, target, owner) for offset, target, owner in score]
+                t += len(tokens)
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        same_branch = (branch[:, None, :] == 0) | (branch[:, None, :] == branch[:, :, None])
+        mask = ((unit[:, :, None] == unit[:, None, :]) & causal & same_branch)[:, None]
+        rows, cols, targets, owners = torch.tensor(scored).T
+        tensors = dict(x=x, positions=positions, mask=mask, rows=rows, cols=cols, targets=targets, owners=owners)
+        if torch.device(device).type == 'cuda':
+            return {k: v.pin_memory().to(device, non_blocking=True) for k, v in tensors.items()}
+        return {k: v.to(device) for k, v in tensors.items()}
+
+    def state_dict(self):
+        return {'generator': self.generator.get_state(), 'order': self.order, 'position': self.position,
+                'batches_drawn': self.batches_drawn}
+
+    def load_state_dict(self, state):
+        if len(state['order']) != self.n_pairs:
+            raise UserError(f"the checkpoint's sampler drew from {len(state['order'])} training pairs, the data now "
+                            f"has {self.n_pairs}: the training data changed. Restore it, or start a new run.")
+        self.generator.set_state(state['generator'])
+        self.order, self.position, self.batches_drawn = state['order'], state['position'], state['batches_drawn']
 
 
 # -----------------------------------------------------------------------------

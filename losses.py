@@ -143,3 +143,47 @@ def combine_losses(terms, weights):
         raise UserError(f"loss terms {', '.join(missing)} have no weight in {weights}; add them, e.g. "
                         f"{{{', '.join(f'{t!r}: 1.0' for t in terms)}}}.")
     return sum(weights[name] * value for name, value in terms.items())
+
+
+# -----------------------------------------------------------------------------
+# preference optimization (train_dpo.py)
+
+DPO_LOSS_TYPES = ('sigmoid', 'robust', 'ipo', 'hinge')
+
+
+def sequence_logps(logits, targets, seq, n_sequences):
+    """Per-sequence sums of log p(target token), in fp32. logits (N, V) and targets (N,) are the
+    completion positions only; seq (N,) says which of n_sequences sequences each belongs to.
+    Returns (sums (n_sequences,), per-token log-probs (N,))."""
+    token_logps = -F.cross_entropy(logits.float(), targets, reduction='none')
+    return torch.zeros(n_sequences, device=logits.device).index_add(0, seq, token_logps), token_logps
+
+
+def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta, loss_type='sigmoid',
+             label_smoothing=0.0):
+    """Per-pair preference losses and implicit rewards beta * (log pi - log pi_ref) of each completion.
+    With h = (log pi(chosen) - log pi(rejected)) - (log ref(chosen) - log ref(rejected)) and eps the
+    label smoothing (the probability that a label is flipped):
+      sigmoid  DPO (Rafailov et al. 2023): -(1-eps) log sigmoid(beta h) - eps log sigmoid(-beta h)
+               (eps > 0: conservative DPO)
+      robust   rDPO (Chowdhury et al. 2024), unbiased under flip noise eps:
+               (-(1-eps) log sigmoid(beta h) + eps log sigmoid(-beta h)) / (1 - 2 eps)
+      ipo      IPO (Azar et al. 2023): (h - 1/(2 beta))^2; pass per-token mean log-probs for the
+               length-normalised form
+      hinge    SLiC (Zhao et al. 2023): max(0, 1 - beta h)
+    Reference-free DPO passes zeros as the reference log-probs."""
+    h = (chosen_logps - rejected_logps) - (ref_chosen_logps - ref_rejected_logps)
+    if loss_type == 'sigmoid':
+        losses = -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
+    elif loss_type == 'robust':
+        losses = (-(1 - label_smoothing) * F.logsigmoid(beta * h) + label_smoothing * F.logsigmoid(-beta * h)) \
+            / (1 - 2 * label_smoothing)
+    elif loss_type == 'ipo':
+        losses = (h - 1 / (2 * beta)) ** 2
+    elif loss_type == 'hinge':
+        losses = torch.relu(1 - beta * h)
+    else:
+        raise UserError(f"loss_type={loss_type!r} is not supported; use one of {', '.join(DPO_LOSS_TYPES)}.")
+    chosen_rewards = beta * (chosen_logps - ref_chosen_logps).detach()
+    rejected_rewards = beta * (rejected_logps - ref_rejected_logps).detach()
+    return losses, chosen_rewards, rejected_rewards

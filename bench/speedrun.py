@@ -43,7 +43,8 @@ nanogpt_dir = '/tmp/nanoGPT'     # an unmodified nanoGPT checkout; its data/shak
 config_file = 'config/speedrun_cpu.py'  # nanotrain's side
 pairs = 3                        # nanoGPT/nanotrain runs, alternating which goes first
 context = 64                     # eval window = the quickstart's block_size
-throughput_iters = 300           # nanotrain steps at nanoGPT's exact shape, for the tokens/s comparison
+throughput_iters = 300           # steps of each side at nanoGPT's exact shape, for the tokens/s comparison
+throughput_only = False          # only the tokens/s comparison (skips the time-to-loss pairs and the plot)
 work_dir = 'bench/results/speedrun'  # run logs, checkpoints, results.json
 plot = 'bench/speedrun_cpu.png'  # loss against wall time
 # -----------------------------------------------------------------------------
@@ -160,6 +161,16 @@ def nanogpt_tokens_per_sec(run_dir):
     return 12 * 64 / (statistics.median(times) / 1000)
 
 
+def nanotrain_shape_tokens_per_sec(nt_data, architecture, run_dir):
+    """train.py for throughput_iters steps at nanoGPT's exact shape with the given architecture flags."""
+    out = os.path.join(run_dir, 'out')
+    cmd = [sys.executable, 'train.py', config_file, f'--out_dir={out}', f'--data_dir={nt_data}', '--init_from=scratch',
+           *NANOGPT_SHAPE, *architecture, f'--max_iters={throughput_iters}', f'--lr_decay_iters={throughput_iters}',
+           '--eval_interval=100000', '--log_interval=25']
+    run_watched(cmd, ROOT, os.path.join(out, 'ckpt.pt'), run_dir)
+    return nanotrain_tokens_per_sec(out)
+
+
 def nanotrain_tokens_per_sec(out_dir):
     """Median of train.py's own tokens/s windows (the first, with start-up, excluded)."""
     events = [json.loads(line) for line in open(os.path.join(out_dir, 'log.jsonl'))]
@@ -255,7 +266,7 @@ def main():
     nt_data, val = prepare_data()
     ng_out = os.path.join(nanogpt_dir, 'out-shakespeare-char')
     runs = []
-    for pair in range(pairs):
+    for pair in range(0 if throughput_only else pairs):
         order = ['nanogpt', 'nanotrain'] if pair % 2 == 0 else ['nanotrain', 'nanogpt']
         result = {}
         for side in order:
@@ -286,41 +297,57 @@ def main():
               + (f"{hit:.1f}s, ratio {result['ratio']:.3f}" if hit is not None else "never reached it"), flush=True)
         runs.append(result)
 
-    # tokens/s at nanoGPT's exact model and batch shape: nanoGPT's architecture (so the same model, only
-    # the training code differs), and the speedrun config's architecture and optimizer at that shape
-    shape_tps = {}
-    for name, extra in (('nanogpt_model', NANOGPT_MODEL), ('speedrun_levers', [])):
-        out = os.path.join(work_dir, f'shape-{name}', 'out')
-        cmd = [sys.executable, 'train.py', config_file, f'--out_dir={out}', f'--data_dir={nt_data}',
-               '--init_from=scratch', *NANOGPT_SHAPE, *extra, f'--max_iters={throughput_iters}',
-               f'--lr_decay_iters={throughput_iters}', '--eval_interval=100000', '--log_interval=25']
-        run_watched(cmd, ROOT, os.path.join(out, 'ckpt.pt'), os.path.dirname(out))
-        shape_tps[name] = nanotrain_tokens_per_sec(out)
-        print(f"nanotrain at nanoGPT's shape ({name}): {shape_tps[name]:,.0f} tok/s", flush=True)
+    # tokens/s at nanoGPT's exact model and batch shape, `pairs` rounds alternating which goes first:
+    # nanoGPT's quickstart cut to throughput_iters, and nanotrain with nanoGPT's architecture (so the same
+    # model: only the training code differs); then once the speedrun config's architecture and optimizer
+    shape_runs = []
+    for pair in range(pairs):
+        order = ['nanogpt', 'nanogpt_model'] if pair % 2 == 0 else ['nanogpt_model', 'nanogpt']
+        rates = {}
+        for side in order:
+            run_dir = os.path.join(work_dir, f'shape-{pair}-{side}')
+            if side == 'nanogpt':
+                shutil.rmtree(ng_out, ignore_errors=True)
+                cmd = [sys.executable, *NANOGPT_CMD, f'--max_iters={throughput_iters}',
+                       f'--lr_decay_iters={throughput_iters}']
+                run_watched(cmd, nanogpt_dir, os.path.join(ng_out, 'ckpt.pt'), run_dir)
+                rates[side] = nanogpt_tokens_per_sec(run_dir)
+            else:
+                rates[side] = nanotrain_shape_tokens_per_sec(nt_data, NANOGPT_MODEL, run_dir)
+        shape_runs.append(rates)
+        print(f"round {pair} at nanoGPT's shape: nanoGPT {rates['nanogpt']:,.0f} tok/s, nanotrain "
+              f"{rates['nanogpt_model']:,.0f} tok/s, ratio {rates['nanogpt_model'] / rates['nanogpt']:.3f}", flush=True)
+    levers = nanotrain_shape_tokens_per_sec(nt_data, [], os.path.join(work_dir, 'shape-speedrun_levers'))
+    print(f"nanotrain at nanoGPT's shape with the speedrun's architecture and optimizer: {levers:,.0f} tok/s",
+          flush=True)
 
     med = lambda xs: statistics.median(xs) if xs and None not in xs else None
+    shape = {k: med([r[k] for r in shape_runs]) for k in ('nanogpt', 'nanogpt_model')}
     summary = dict(
-        nanogpt_final_val_loss=med([r['nanogpt']['curve'][-1][2] for r in runs]),
-        nanogpt_time=med([r['nanogpt']['time'] for r in runs]), nanogpt_wall=med([r['nanogpt']['wall'] for r in runs]),
-        nanotrain_time_to_target=med([r['nanotrain']['time'] for r in runs]),
-        nanotrain_wall=med([r['nanotrain']['wall'] for r in runs]),
-        nanotrain_final_val_loss=med([r['nanotrain']['curve'][-1][2] for r in runs]),
-        ratio=med([r['ratio'] for r in runs]),
-        nanogpt_tokens_per_sec=med([r['nanogpt']['tokens_per_sec'] for r in runs]),
-        nanotrain_tokens_per_sec=med([r['nanotrain']['tokens_per_sec'] for r in runs]),
-        **{f'nanotrain_tokens_per_sec_nanogpt_shape_{k}': v for k, v in shape_tps.items()},
-        **{f'tokens_per_sec_ratio_nanogpt_shape_{k}': v / statistics.median([r['nanogpt']['tokens_per_sec'] for r in runs])
-           for k, v in shape_tps.items()},
+        shape_nanogpt_tokens_per_sec=shape['nanogpt'], shape_nanotrain_tokens_per_sec=shape['nanogpt_model'],
+        shape_ratio=med([r['nanogpt_model'] / r['nanogpt'] for r in shape_runs]),
+        shape_speedrun_levers_tokens_per_sec=levers, shape_speedrun_levers_ratio=levers / shape['nanogpt'],
         torch_threads=torch.get_num_threads(), load_average=os.getloadavg(),
     )
+    if runs:
+        summary.update(
+            nanogpt_final_val_loss=med([r['nanogpt']['curve'][-1][2] for r in runs]),
+            nanogpt_time=med([r['nanogpt']['time'] for r in runs]), nanogpt_wall=med([r['nanogpt']['wall'] for r in runs]),
+            nanotrain_time_to_target=med([r['nanotrain']['time'] for r in runs]),
+            nanotrain_wall=med([r['nanotrain']['wall'] for r in runs]),
+            nanotrain_final_val_loss=med([r['nanotrain']['curve'][-1][2] for r in runs]),
+            ratio=med([r['ratio'] for r in runs]),
+            nanogpt_tokens_per_sec=med([r['nanogpt']['tokens_per_sec'] for r in runs]),
+            nanotrain_tokens_per_sec=med([r['nanotrain']['tokens_per_sec'] for r in runs]))
     with open(os.path.join(work_dir, 'results.json'), 'w') as f:
-        json.dump(dict(summary=summary, runs=runs), f, indent=1)
-    curves = [(name, color, [(t, v) for t, _, v in r[side]['curve']])
-              for r in runs for side, name, color in (('nanogpt', 'nanoGPT', (70, 110, 200)),
-                                                      ('nanotrain', 'nanotrain', (230, 110, 30)))]
-    draw_plot(plot, curves, summary['nanogpt_final_val_loss'])
+        json.dump(dict(summary=summary, runs=runs, shape_runs=shape_runs), f, indent=1)
+    if runs:
+        curves = [(name, color, [(t, v) for t, _, v in r[side]['curve']])
+                  for r in runs for side, name, color in (('nanogpt', 'nanoGPT', (70, 110, 200)),
+                                                          ('nanotrain', 'nanotrain', (230, 110, 30)))]
+        draw_plot(plot, curves, summary['nanogpt_final_val_loss'])
+        print(f"plot: {plot}")
     print(json.dumps(summary, indent=1))
-    print(f"plot: {plot}")
 
 
 if __name__ == '__main__':

@@ -1,0 +1,489 @@
+"""Direct Preference Optimization: the loss formulas and sequence log-probs (losses.py), preference
+pairs from JSONL and their batching (data.py), the embedded number-task pairs, and train_dpo.py end
+to end through subprocesses (step-0 identities for every reference kind, accumulation invariance,
+bit-exact resume, RPO/IPO, clear errors)."""
+
+import glob
+import json
+import math
+import os
+import re
+import sys
+
+import pytest
+import torch
+
+from configurator import UserError
+from data import ChatTokenizer, PreferenceBatches, load_preference_split, load_tokenizer, \
+    prepare_number_tasks
+from losses import DPO_LOSS_TYPES, dpo_loss, sequence_logps
+from model import GPT, GPTConfig
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_sft import ANSWERS, _saved, char_tokenizer, sft, sft_env, write_jsonl  # noqa: E402,F401 (sft_env: fixture)
+from test_train import load, read_log, run  # noqa: E402  (the subprocess helpers)
+
+LN2 = math.log(2)
+DPO = ['--device=cpu', '--dtype=float32', '--tensorboard=False', '--max_length=40', '--max_prompt_length=32',
+       '--batch_size=4', '--eval_pairs=8', '--exact_match_examples=0', '--log_interval=1', '--warmup_iters=0',
+       '--learning_rate=1e-2', '--loss_type=sigmoid', '--beta=0.1', '--label_smoothing=0', '--rpo_alpha=0']  # plain DPO
+TRAIN_METRICS = ('loss', 'rewards/chosen', 'rewards/rejected', 'rewards/margins', 'rewards/accuracies',
+                 'logps/chosen', 'logps/rejected', 'nll/chosen', 'kl')
+
+
+@pytest.fixture(scope='module')
+def dpo_env(sft_env, tmp_path_factory):
+    """test_sft's char corpus and base model, a tiny SFT checkpoint trained from it, and number-task pairs."""
+    root = tmp_path_factory.mktemp('dpo')
+    sft(sft_env, root / 'sft', '--max_iters=3', '--eval_interval=3', '--lr_decay_iters=3', '--exact_match_examples=0')
+    pairs = prepare_number_tasks(str(root / 'pairs'), n_train=40, n_eval=8, seed=1, preferences=True)
+    return dict(sft_env, sft=str(root / 'sft' / 'ckpt.pt'), pairs=pairs)
+
+
+def dpo(env, out_dir, *extra, **kw):
+    return run(['train_dpo.py', f'--out_dir={out_dir}', f'--data_dir={env["data_dir"]}', f'--dpo_data={env["pairs"]}',
+                f'--init_from={env["sft"]}', *DPO, *extra], **kw)
+
+
+def evals(out_dir):
+    return [e for e in read_log(out_dir) if 'eval/loss' in e]
+
+
+def train_metrics(out_dir):
+    return {e['step']: e for e in read_log(out_dir) if 'lr' in e}
+
+
+def hand_completion_logps(model, prompt, completion):
+    """log p(completion | prompt) under model, summed, in float64: the sequence alone, no padding or packing."""
+    ids = prompt + completion
+    logits, _ = model(torch.tensor([ids[:-1]]))
+    logps = logits[0].double().log_softmax(-1)
+    return sum(logps[len(prompt) - 1 + j, token].item() for j, token in enumerate(completion))
+
+
+# -- losses --------------------------------------------------------------------------------------
+
+def log_sigmoid(z):
+    return -math.log1p(math.exp(-z))
+
+
+@pytest.mark.parametrize('loss_type,eps', [('sigmoid', 0.0), ('sigmoid', 0.2), ('robust', 0.2), ('robust', 0.0),
+                                           ('ipo', 0.0), ('hinge', 0.0)])
+def test_dpo_loss_matches_hand_formulas(loss_type, eps):
+    """Every loss type on hand-picked log-probs equals the paper's formula written out with math.log/exp."""
+    beta = 0.3
+    pc, pr, rc, rr = [-3.0, -10.0, -2.5], [-5.0, -4.0, -2.5], [-4.0, -8.0, -1.0], [-4.5, -7.0, -1.0]
+    losses, chosen_rewards, rejected_rewards = dpo_loss(*map(torch.tensor, (pc, pr, rc, rr)), beta, loss_type, eps)
+    for k in range(3):
+        h = (pc[k] - pr[k]) - (rc[k] - rr[k])
+        expected = {
+            'sigmoid': -(1 - eps) * log_sigmoid(beta * h) - eps * log_sigmoid(-beta * h),
+            'robust': (-(1 - eps) * log_sigmoid(beta * h) + eps * log_sigmoid(-beta * h)) / (1 - 2 * eps),
+            'ipo': (h - 1 / (2 * beta)) ** 2,
+            'hinge': max(0.0, 1 - beta * h),
+        }[loss_type]
+        assert losses[k].item() == pytest.approx(expected, rel=1e-6, abs=1e-6), (loss_type, eps, k)
+        assert chosen_rewards[k].item() == pytest.approx(beta * (pc[k] - rc[k]), abs=1e-6)
+        assert rejected_rewards[k].item() == pytest.approx(beta * (pr[k] - rr[k]), abs=1e-6)
+    assert loss_type in DPO_LOSS_TYPES
+
+
+def test_dpo_loss_special_points_and_reference_free():
+    """h = 0 gives ln 2 (sigmoid, and robust whatever the smoothing); rewards carry no gradient; reference-free
+    DPO (zeros as the reference) is DPO on the policy's own margin; an unknown type is a UserError."""
+    zero = torch.zeros(2)
+    for eps in (0.0, 0.1, 0.3):
+        for loss_type in ('sigmoid', 'robust'):
+            losses, _, _ = dpo_loss(zero - 1, zero - 1, zero - 2, zero - 2, 0.1, loss_type, eps)
+            assert torch.allclose(losses, torch.full((2,), LN2)), (loss_type, eps)
+    pc = torch.tensor([-1.0, -6.0], requires_grad=True)
+    pr = torch.tensor([-2.0, -3.0], requires_grad=True)
+    losses, chosen_rewards, rejected_rewards = dpo_loss(pc, pr, zero, zero, 0.5)
+    for k in range(2):
+        margin = pc[k].item() - pr[k].item()
+        assert losses[k].item() == pytest.approx(math.log1p(math.exp(-0.5 * margin)), rel=1e-6)
+    assert torch.equal(chosen_rewards, 0.5 * pc.detach()) and torch.equal(rejected_rewards, 0.5 * pr.detach())
+    assert not chosen_rewards.requires_grad and not rejected_rewards.requires_grad and losses.requires_grad
+    with pytest.raises(UserError, match='loss_type'):
+        dpo_loss(pc, pr, zero, zero, 0.1, 'kto')
+
+
+def test_sequence_logps_is_a_per_sequence_sum_in_fp32():
+    """Per-sequence sums of log-softmax gathers, against a hand loop in float64; bf16 logits are summed in fp32."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(11, 7, generator=g) * 3
+    targets = torch.randint(7, (11,), generator=g)
+    seq = torch.tensor([0, 0, 0, 2, 2, 1, 1, 1, 1, 3, 0])  # interleaved owners, as in packed rows
+    sums, token_logps = sequence_logps(logits, targets, seq, 5)
+    expected = [0.0] * 5
+    for i in range(11):
+        row = logits[i].double()
+        logp = row[targets[i]].item() - math.log(sum(math.exp(v) for v in row.tolist()))
+        assert token_logps[i].item() == pytest.approx(logp, abs=1e-5)
+        expected[seq[i]] += logp
+    assert sums.shape == (5,) and sums[4].item() == 0.0  # a sequence with no tokens sums to 0
+    assert sums.tolist() == pytest.approx(expected, abs=1e-5)
+
+    bf16 = (logits * 10).bfloat16()  # large logits: a bf16 log-softmax would be off by ~0.1
+    sums, token_logps = sequence_logps(bf16, targets, seq, 5)
+    assert sums.dtype == token_logps.dtype == torch.float32
+    exact = bf16.double().log_softmax(-1).gather(1, targets[:, None])[:, 0]
+    assert torch.allclose(token_logps.double(), exact, atol=1e-4)
+    assert torch.allclose(sums.double(), torch.zeros(5, dtype=torch.float64).index_add(0, seq, exact), atol=1e-4)
+
+
+# -- preference data -----------------------------------------------------------------------------
+
+def test_three_jsonl_forms_give_the_same_tokens(tmp_path):
+    """Prompt string, prompt messages with assistant-reply lists, and an implicit shared-prefix prompt: same ids;
+    each completion ends with <|end|> (the EOS); a system turn and multi-turn prefix go into the prompt."""
+    tok = char_tokenizer()
+    q, c, r = 'What is 1+2?', '3', '14'
+    user = [{'role': 'user', 'content': q}]
+    answer = lambda text: [{'role': 'assistant', 'content': text}]  # noqa: E731
+    path = write_jsonl(tmp_path / 'p.jsonl', [
+        {'prompt': q, 'chosen': c, 'rejected': r},
+        {'prompt': user, 'chosen': answer(c), 'rejected': answer(r)},
+        {'chosen': user + answer(c), 'rejected': user + answer(r)},
+        {'prompt': user, 'chosen': c, 'rejected': answer(r)},
+    ])
+    references, pairs = load_preference_split(path, tok, 64, 48)
+    special = tok.special
+    prompt = [special['<|user|>'], *tok.encode(q), tok.eos_id, special['<|assistant|>']]
+    assert tok.eos_id == special['<|end|>']
+    assert pairs == [(prompt, [*tok.encode(c), tok.eos_id], [*tok.encode(r), tok.eos_id])] * 4
+    assert references == [(prompt, c)] * 4
+
+    system = [{'role': 'system', 'content': 'be brief'}]
+    turns = system + user + answer('3') + [{'role': 'user', 'content': 'and 2+2?'}]
+    path = write_jsonl(tmp_path / 'multi.jsonl', [{'chosen': turns + answer('4'), 'rejected': turns + answer('5')},
+                                                  {'prompt': turns, 'chosen': '4', 'rejected': '5'}])
+    _, (implicit, explicit) = load_preference_split(path, tok, 64, 48)
+    assert implicit == explicit
+    assert tok.decode(implicit[0]) == ('<|system|>be brief<|end|><|user|>What is 1+2?<|end|><|assistant|>3<|end|>'
+                                       '<|user|>and 2+2?<|end|><|assistant|>')
+    assert tok.decode(implicit[1]) == '4<|end|>' and tok.decode(implicit[2]) == '5<|end|>'
+
+
+def test_malformed_lines_name_path_and_line(tmp_path, capsys):
+    """Bad JSON, a missing "rejected", a wrong role, non-strings: UserError at path:line; skip_malformed counts them."""
+    good = {'prompt': 'What is 1+1?', 'chosen': '2', 'rejected': '3'}
+    bad = [
+        '{"prompt": "What is 1+1?", "chosen": "2"',                                    # bad JSON
+        {'prompt': 'What is 1+1?', 'chosen': '2'},                                     # missing rejected
+        {'prompt': 'x', 'chosen': [{'role': 'user', 'content': '2'}], 'rejected': '3'},  # not an assistant reply
+        {'prompt': [{'role': 'robot', 'content': 'x'}], 'chosen': '2', 'rejected': '3'},  # unknown role
+        {'prompt': 'x', 'chosen': 2, 'rejected': '3'},                                 # not a string
+        {'prompt': 'x', 'chosen': '2', 'rejected': [{'role': 'assistant', 'content': 3}]},
+        [good],                                                                         # not an object
+    ]
+    tok = char_tokenizer()
+    for i, line in enumerate(bad):
+        path = write_jsonl(tmp_path / f'bad{i}.jsonl', [good, '', line, good])
+        with pytest.raises(UserError, match=rf'{path}:3: .*skip_malformed=True'):
+            load_preference_split(path, tok, 64, 48)
+    path = write_jsonl(tmp_path / 'mixed.jsonl', [good, *bad, good])
+    references, pairs = load_preference_split(path, tok, 64, 48, skip_malformed=True)
+    assert len(references) == len(pairs) == 2
+    assert f'{len(bad)} malformed lines skipped' in capsys.readouterr().out
+    with pytest.raises(UserError, match='no usable preference pairs'):
+        load_preference_split(write_jsonl(tmp_path / 'empty.jsonl', ['']), tok, 64, 48)
+    with pytest.raises(UserError, match='no usable preference pairs'):
+        load_preference_split(write_jsonl(tmp_path / 'all_bad.jsonl', bad), tok, 64, 48, skip_malformed=True)
+    with pytest.raises(UserError, match='does not exist'):
+        load_preference_split(str(tmp_path / 'missing.jsonl'), tok, 64, 48)
+
+
+def test_truncation_keeps_prompt_end_and_completion_start(tmp_path, capsys):
+    """A long prompt keeps its last max_prompt_length tokens, a long completion its first tokens; a pair left
+    with no room for a completion is dropped and counted; the exact-match reference keeps the whole prompt."""
+    tok = char_tokenizer()
+    long_prompt, long_reply = 'abcdefghijklmnopqrstuvwxyz', 'ABCDEFGHIJKLMNOPQRSTUVWXYZ'
+    path = write_jsonl(tmp_path / 't.jsonl', [{'prompt': long_prompt, 'chosen': long_reply, 'rejected': 'no'},
+                                              {'prompt': 'hi', 'chosen': 'yes', 'rejected': 'no'}])
+    references, pairs = load_preference_split(path, tok, 20, 12)
+    full_prompt = tok.encode_prompt([{'role': 'user', 'content': long_prompt}])
+    (prompt, chosen, rejected), short = pairs
+    assert prompt == full_prompt[-12:] and tok.decode(prompt).endswith('xyz<|end|><|assistant|>')
+    assert chosen == tok.encode(long_reply)[:8] and tok.eos_id not in chosen  # its first 20 - 12 tokens
+    assert rejected == [*tok.encode('no'), tok.eos_id]  # short enough: untouched
+    assert short == (tok.encode_prompt([{'role': 'user', 'content': 'hi'}]), [*tok.encode('yes'), tok.eos_id],
+                     [*tok.encode('no'), tok.eos_id])
+    assert references[0] == (full_prompt, long_reply)
+    out = capsys.readouterr().out
+    assert '1 prompts cut' in out and '1 completions cut' in out and '0 pairs dropped' in out
+    # max_prompt_length == max_length: the long prompt fills the row, nothing is left for its completions
+    _, pairs = load_preference_split(path, tok, 12, 12)
+    assert len(pairs) == 1 and pairs[0][0] == tok.encode_prompt([{'role': 'user', 'content': 'hi'}])
+    assert '1 pairs dropped' in capsys.readouterr().out
+
+
+# -- batching ------------------------------------------------------------------------------------
+
+def random_pairs(n, seed=0, vocab=10):
+    g = torch.Generator().manual_seed(seed)
+    draw = lambda lo, hi: torch.randint(vocab, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()  # noqa: E731
+    return [(draw(1, 8), draw(1, 6), draw(1, 6)) for _ in range(n)]
+
+
+def test_preference_batches_layout():
+    """Padded rows: the chosen sequences of the pairs, then their rejected ones, right-padded; exactly the
+    completion tokens are scored, chosen k owned by k and rejected k by n + k."""
+    pairs = random_pairs(5)
+    batches = PreferenceBatches(pairs, seed=0, pad_id=99, max_length=16)
+    indices = torch.tensor([3, 0, 4])
+    batch = batches.get(indices)
+    x = batch['x']
+    assert batch['positions'] is None and batch['mask'] is None and x.shape[0] == 6
+    for row, (k, completion) in enumerate([(k, 1) for k in range(3)] + [(k, 2) for k in range(3)]):
+        prompt, reply = pairs[indices[k]][0], pairs[indices[k]][completion]
+        n = len(prompt) + len(reply) - 1
+        assert x[row, :n].tolist() == (prompt + reply)[:-1] and (x[row, n:] == 99).all()
+        mine = batch['rows'] == row
+        assert batch['cols'][mine].tolist() == list(range(len(prompt) - 1, n))
+        assert batch['targets'][mine].tolist() == reply and (batch['owners'][mine] == row).all()
+    assert batches.completion_tokens[indices].tolist() == [[len(pairs[i][1]), len(pairs[i][2])] for i in indices]
+    assert batches.count_tokens(indices) == sum(len(p) + len(c) + len(p) + len(r) - 2 for p, c, r in
+                                                (pairs[i] for i in indices))
+
+
+def test_packed_pair_shares_its_prompt():
+    """Packed: a pair is prompt, chosen[:-1], rejected[:-1] once; both completions continue the prompt's
+    positions, see the prompt and themselves but not each other, and the prompt's last position scores
+    the first token of both."""
+    prompt, chosen, rejected = [1, 2, 3], [4, 5, 6], [7, 8]
+    batch = PreferenceBatches([(prompt, chosen, rejected)], seed=0, pad_id=0, max_length=8, pack=True).get(
+        torch.tensor([0]))
+    assert batch['x'].tolist() == [[1, 2, 3, 4, 5, 7]]
+    assert batch['positions'].tolist() == [[0, 1, 2, 3, 4, 3]]
+    allowed = batch['mask'][0, 0]
+    assert allowed[5].tolist() == [True, True, True, False, False, True]  # rejected: prompt and itself only
+    assert allowed[4].tolist() == [True, True, True, True, True, False]   # chosen: causal, prompt and itself
+    scored = list(zip(batch['cols'].tolist(), batch['targets'].tolist(), batch['owners'].tolist()))
+    assert scored == [(2, 4, 0), (3, 5, 0), (4, 6, 0), (2, 7, 1), (5, 8, 1)]
+
+
+def test_packed_and_padded_batches_give_the_same_sequence_logps():
+    """Through a tiny GPT (as train_dpo.completion_logps does it), packed rows (prompts shared, several
+    pairs per row) and padded rows give each sequence the log-prob it has alone, to ~1e-5."""
+    torch.manual_seed(0)
+    pairs = random_pairs(6, seed=1)
+    indices = torch.tensor([5, 1, 2, 0])
+    for pos_emb in ('rope', 'learned'):
+        model = GPT(GPTConfig(block_size=16, vocab_size=10, n_layer=2, n_head=2, n_embd=32, pos_emb=pos_emb)).eval()
+        results = {}
+        for pack in (False, True):
+            batch = PreferenceBatches(pairs, 0, 0, 16, pack).get(indices)
+            with torch.no_grad():
+                logits, _ = model(batch['x'], positions=batch['positions'], mask=batch['mask'],
+                                  keep=(batch['rows'], batch['cols']))
+            results[pack] = sequence_logps(logits, batch['targets'], batch['owners'], 8)[0]
+            assert (batch['x'].shape[0] < 4) == pack  # packing puts several pairs in a row
+        with torch.no_grad():
+            alone = [hand_completion_logps(model, pairs[i][0], pairs[i][c]) for c in (1, 2) for i in indices.tolist()]
+        assert torch.allclose(results[False], results[True], atol=1e-5)
+        assert results[True].tolist() == pytest.approx(alone, abs=1e-5)
+
+
+def test_preference_sampling_epochs_and_state_dict_round_trip():
+    """Each epoch draws every pair once; a state dict (saved and loaded) reproduces the following draws; a
+    state for another number of pairs is refused."""
+    pairs = random_pairs(10)
+    a = PreferenceBatches(pairs, seed=3, pad_id=0, max_length=16)
+    first_epoch = torch.cat([a.sample(5), a.sample(5)])
+    assert sorted(first_epoch.tolist()) == list(range(10))
+    a.sample(3)
+    state = a.state_dict()
+    expected = [a.sample(4).tolist() for _ in range(6)]  # crosses epoch boundaries
+    b = PreferenceBatches(pairs, seed=99, pad_id=0, max_length=16)
+    b.load_state_dict(torch.load(_saved(state), weights_only=True))
+    assert [b.sample(4).tolist() for _ in range(6)] == expected and b.batches_drawn == a.batches_drawn
+    with pytest.raises(UserError, match='training data changed'):
+        PreferenceBatches(pairs[:9], seed=3, pad_id=0, max_length=16).load_state_dict(state)
+
+
+# -- the embedded pairs ---------------------------------------------------------------------------
+
+def test_embedded_pairs_are_correct_disjoint_and_deterministic(tmp_path):
+    """Chosen is the right answer, rejected a different non-negative number; splits share no question; the same
+    arguments write the same files."""
+    out = prepare_number_tasks(str(tmp_path / 'a'), n_train=200, n_eval=20, preferences=True)
+    questions = {}
+    for split in ('train', 'val', 'test'):
+        with open(os.path.join(out, f'{split}.jsonl')) as f:
+            rows = [json.loads(line) for line in f]
+        assert len(rows) == (200 if split == 'train' else 20)
+        for r in rows:
+            assert set(r) == {'prompt', 'chosen', 'rejected'}
+            kind, match = next((k, m) for k, (p, _) in enumerate(ANSWERS) if (m := re.fullmatch(p, r['prompt'])))
+            assert r['chosen'] == str(ANSWERS[kind][1](*match.groups()))
+            assert r['rejected'] != r['chosen'] and r['rejected'].isdigit(), r
+        questions[split] = {r['prompt'] for r in rows}
+        assert len(questions[split]) == len(rows)
+    assert not (questions['train'] & questions['val'] or questions['train'] & questions['test']
+                or questions['val'] & questions['test'])
+    again = prepare_number_tasks(str(tmp_path / 'b'), n_train=200, n_eval=20, preferences=True)
+    for split in ('train', 'val', 'test'):
+        assert open(os.path.join(out, f'{split}.jsonl')).read() == open(os.path.join(again, f'{split}.jsonl')).read()
+
+
+# -- train_dpo.py --------------------------------------------------------------------------------
+
+@pytest.fixture(scope='module')
+def step0(dpo_env, tmp_path_factory):
+    """An eval-only run of the SFT model against its frozen copy: the step-0 metrics."""
+    out = tmp_path_factory.mktemp('step0')
+    p = dpo(dpo_env, out, '--eval_only=True')
+    return dict(out=out, stdout=p.stdout, eval=evals(out)[0])
+
+
+def assert_step0_identities(e, tol=1e-6, exact_ties=True):
+    """Policy == reference: every pair's margin is 0, so the loss is ln 2, the rewards 0 and a tie counts half
+    (exact_ties=False: the reference's log-probs are equal only up to float noise, which may break ties)."""
+    assert abs(e['eval/loss'] - LN2) < tol, e
+    assert abs(e['eval/rewards/chosen']) < tol and abs(e['eval/rewards/rejected']) < tol, e
+    assert abs(e['eval/rewards/margins']) < tol, e
+    assert e['eval/rewards/accuracies'] == 0.5 or not exact_ties, e
+
+
+def test_step0_frozen_reference_is_ln2_and_logs_hand_logps(step0, dpo_env):
+    """Frozen-copy reference at step 0: loss ln 2, rewards 0, accuracy 0.5, KL 0; the logged mean log-probs and NLL
+    of the chosen completions match the SFT model run on each pair alone."""
+    e = step0['eval']
+    assert e['step'] == 0 and 'a frozen copy' in step0['stdout']
+    assert_step0_identities(e)
+    assert abs(e['eval/kl']) < 1e-6
+    assert not (step0['out'] / 'ckpt.pt').exists()  # eval_only saves nothing
+    ckpt = load(dpo_env['sft'])
+    model = GPT(GPTConfig(**ckpt['model_args'])).eval()
+    model.load_state_dict(ckpt['model'])
+    tok = ChatTokenizer(load_tokenizer(dpo_env['data_dir']))
+    _, pairs = load_preference_split(os.path.join(dpo_env['pairs'], 'val.jsonl'), tok, 40, 32)
+    with torch.no_grad():
+        chosen = [hand_completion_logps(model, p, c) for p, c, _ in pairs]
+        rejected = [hand_completion_logps(model, p, r) for p, _, r in pairs]
+    assert e['eval/logps/chosen'] == pytest.approx(sum(chosen) / len(pairs), abs=1e-4)
+    assert e['eval/logps/rejected'] == pytest.approx(sum(rejected) / len(pairs), abs=1e-4)
+    assert e['eval/nll/chosen'] == pytest.approx(-sum(chosen) / sum(len(c) for _, c, _ in pairs), abs=1e-5)
+
+
+def test_step0_lora_reference_is_the_model_with_adapters_disabled(tmp_path, dpo_env):
+    """LoRA: B starts at zero, so policy == base == reference (adapters disabled) and the step-0 loss is ln 2;
+    after training, the adapters' checkpoint and a merged.pt are written."""
+    out = tmp_path / 'lora'
+    p = dpo(dpo_env, out, '--use_lora=True', '--lora_r=2', '--max_iters=1', '--eval_interval=1')
+    assert 'adapters disabled' in p.stdout
+    assert_step0_identities(evals(out)[0])
+    assert evals(out)[1]['eval/rewards/margins'] != 0, \
+        "after a step the policy (adapters on) must differ from the reference (adapters disabled)"
+    ckpt = load(out / 'ckpt.pt')
+    assert ckpt['kind'] == 'lora' and all('lora_' in k for k in ckpt['model']) and (out / 'merged.pt').exists()
+
+
+def test_step0_precomputed_reference_is_cached_and_reused(tmp_path, dpo_env):
+    """precompute_ref_logps: ln 2 at step 0 (to 1e-4: the cache was computed with other batches' padding), the
+    cache file is written in out_dir and a second run reads it instead of recomputing."""
+    out = tmp_path / 'pre'
+    p = dpo(dpo_env, out, '--precompute_ref_logps=True', '--eval_only=True')
+    assert 'precomputed log-probs' in p.stdout and 'reference log-probs from' not in p.stdout
+    assert_step0_identities(evals(out)[0], tol=1e-4, exact_ties=False)
+    caches = glob.glob(str(out / 'ref_logps_*.pt'))
+    assert len(caches) == 1
+    cache = load(caches[0])
+    assert cache['train'].shape == (40, 2) and cache['val'].shape == (8, 2) and (cache['val'] < 0).all()
+    p = dpo(dpo_env, out, '--precompute_ref_logps=True', '--eval_only=True')
+    assert f'reference log-probs from {caches[0]}' in p.stdout
+    assert_step0_identities(evals(out)[1], tol=1e-4, exact_ties=False)
+
+
+def test_gradient_accumulation_matches_one_big_batch(tmp_path, dpo_env):
+    """Sums are normalized by the whole batch: 4 pairs x 1 = 1 x 4 = 2 x 2 in every train metric (RPO's NLL
+    included) and the weights (a small learning rate: Adam magnifies float noise in tiny gradients by lr)."""
+    common = ['--max_iters=3', '--eval_interval=100', '--rpo_alpha=0.5', '--learning_rate=1e-3']
+    runs = {(4, 1): tmp_path / 'big', (1, 4): tmp_path / 'acc4', (2, 2): tmp_path / 'acc2'}
+    for (bs, accum), out in runs.items():
+        dpo(dpo_env, out, f'--batch_size={bs}', f'--gradient_accumulation_steps={accum}', *common)
+    big = train_metrics(runs[4, 1])
+    assert sorted(big) == [1, 2, 3] and big[3]['loss'] != big[1]['loss'] and big[3]['rewards/margins'] != 0
+    weights = load(runs[4, 1] / 'ckpt.pt')['model']
+    for shape, out in runs.items():
+        other = train_metrics(out)
+        assert sorted(other) == [1, 2, 3]
+        for step in big:
+            for k in TRAIN_METRICS:
+                assert abs(big[step][k] - other[step][k]) < 1e-5, (shape, step, k, big[step][k], other[step][k])
+        other_weights = load(out / 'ckpt.pt')['model']
+        assert all(torch.allclose(weights[k], other_weights[k], atol=1e-5) for k in weights), shape
+    start = load(dpo_env['sft'])['model']
+    assert max((weights[k] - start[k]).abs().max().item() for k in weights) > 1e-3  # it trained
+
+
+def assert_same_state(a, b, where='state'):
+    """Nested dicts/lists of tensors and numbers equal exactly."""
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            assert_same_state(a[k], b[k], f'{where}.{k}')
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_state(x, y, f'{where}[{i}]')
+    elif isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    else:
+        assert a == b, where
+
+
+def test_resume_is_bit_exact(tmp_path, dpo_env):
+    """4 steps straight = 2 steps, then resumed to 4 (dropout, packing, accumulation): train metrics, weights,
+    optimizer state and sampler state all equal exactly."""
+    common = ['--dropout=0.1', '--pack=True', '--gradient_accumulation_steps=2', '--batch_size=2',
+              '--eval_interval=2']
+    straight, split = tmp_path / 'straight', tmp_path / 'split'
+    dpo(dpo_env, straight, '--max_iters=4', *common)
+    dpo(dpo_env, split, '--max_iters=2', *common)
+    assert load(split / 'ckpt.pt')['iter_num'] == 2
+    p = dpo(dpo_env, split, '--max_iters=4', *common)
+    assert 'resuming' in p.stdout + p.stderr
+    a, b = train_metrics(straight), train_metrics(split)
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    assert all(a[s][k] == b[s][k] for s in a for k in TRAIN_METRICS), (a, b)
+    ca, cb = load(straight / 'ckpt.pt'), load(split / 'ckpt.pt')
+    assert ca['iter_num'] == cb['iter_num'] == 4
+    for key in ('model', 'optimizer', 'train_batches', 'best_val_loss', 'reference_hash'):
+        assert_same_state(ca[key], cb[key], key)
+
+
+def test_bad_inputs_are_clear_errors_and_keep_checkpoints(tmp_path, dpo_env):
+    """A missing init_from, a pretrained (not fine-tuned) init_from and a malformed pair: exit 2 with a message
+    naming the file (and line), no traceback, and the out_dir's checkpoint untouched, nothing new written."""
+    bad = tmp_path / 'bad'
+    bad.mkdir()
+    write_jsonl(bad / 'train.jsonl', [{'prompt': 'What is 1+1?', 'chosen': '2', 'rejected': '3'},
+                                      {'prompt': 'What is 1+1?', 'chosen': '2'}])
+    write_jsonl(bad / 'val.jsonl', [{'prompt': 'What is 1+1?', 'chosen': '2', 'rejected': '3'}])
+    missing = tmp_path / 'nowhere' / 'ckpt.pt'
+    cases = [([f'--init_from={missing}'], [str(missing), 'does not exist']),
+             ([f'--init_from={dpo_env["base"]}'], [dpo_env['base'], 'fine-tune it first']),
+             ([f'--dpo_data={bad}'], [f'{bad / "train.jsonl"}:2:', '"rejected"'])]
+    for i, (args, messages) in enumerate(cases):
+        out = tmp_path / f'out{i}'
+        out.mkdir()
+        (out / 'ckpt.pt').write_bytes(b'an earlier run')
+        p = dpo(dpo_env, out, '--resume=False', *args, check=False)
+        assert p.returncode == 2 and 'Traceback' not in p.stderr, (args, p.stderr)
+        assert all(m in p.stderr for m in messages), (messages, p.stderr)
+        assert os.listdir(out) == ['ckpt.pt'] and (out / 'ckpt.pt').read_bytes() == b'an earlier run', args
+
+
+def test_rpo_adds_alpha_times_chosen_nll_and_ipo_starts_at_its_target(step0, tmp_path, dpo_env):
+    """rpo_alpha: the step-0 loss is the plain loss plus alpha * the chosen completions' per-token NLL; length-
+    normalized IPO at step 0 (h = 0) is (1 / (2 beta))^2."""
+    dpo(dpo_env, tmp_path / 'rpo', '--rpo_alpha=0.7', '--eval_only=True')
+    plain, rpo = step0['eval'], evals(tmp_path / 'rpo')[0]
+    assert rpo['eval/nll/chosen'] == pytest.approx(plain['eval/nll/chosen'], abs=1e-6) and plain['eval/nll/chosen'] > 0
+    assert rpo['eval/loss'] == pytest.approx(plain['eval/loss'] + 0.7 * plain['eval/nll/chosen'], abs=1e-5)
+    dpo(dpo_env, tmp_path / 'ipo', '--loss_type=ipo', '--beta=0.25', '--ipo_length_normalize=True', '--eval_only=True')
+    ipo = evals(tmp_path / 'ipo')[0]
+    assert ipo['eval/loss'] == pytest.approx((1 / (2 * 0.25)) ** 2, abs=1e-5)
+    assert ipo['eval/rewards/margins'] == 0 and ipo['eval/rewards/accuracies'] == 0.5

@@ -1,0 +1,554 @@
+"""
+Direct Preference Optimization (Rafailov et al. 2023): train a chat model to prefer the chosen over
+the rejected completion of each preference pair, relative to a frozen reference (the starting model).
+`python train_dpo.py` trains the SFT model of config/sft.py (out-sft/ckpt.pt) on the embedded
+number-task pairs (a correct answer chosen, a near miss rejected) into out-dpo/;
+`python train_dpo.py config/dpo.py` does the same with the config's settings, and
+`torchrun --nproc_per_node=8 train_dpo.py ...` runs data-parallel. Every config key below can be
+overridden by a config file or --key=value (`--help` lists them).
+"""
+
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from tqdm import tqdm
+
+from checkpoint import StopSignal, check_compatible, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from configurator import UserError, configure
+from data import (PREFERENCES_DIR, ChatTokenizer, PreferenceBatches, load_preference_split, load_tokenizer,
+                  prepare_default, prepare_number_tasks)
+from losses import DPO_LOSS_TYPES, dpo_loss, sequence_logps
+from memory import GradScaler, autocast_context, peak_memory_bytes, pick_device, pick_dtype
+from model import GPT, GPTConfig, apply_lora, disable_adapters, lora_state_dict, merged_state_dict
+from scheduler import get_lr
+
+# -----------------------------------------------------------------------------
+# I/O
+out_dir = 'out-dpo'          # checkpoints (ckpt.pt latest, best.pt best eval loss), log.jsonl, tensorboard
+init_from = 'out-sft/ckpt.pt'  # the chat model (an SFT checkpoint, or a LoRA run's merged.pt) the policy and reference start as
+resume = True                # continue out_dir/ckpt.pt when it exists (the reference it names must be unchanged)
+data_dir = ''                # folder of the base tokenizer (made by data.py); '' = the embedded default (data/stdlib)
+dpo_data = ''                # folder with train.jsonl, val.jsonl (and test.jsonl for exact match); '' = the embedded number-task pairs
+eval_interval = 200          # steps between evals (and checkpoint saves)
+eval_pairs = 500             # held-out pairs per eval (val.jsonl)
+log_interval = 50            # steps between train log lines
+eval_only = False            # evaluate init_from (or the resumed checkpoint) and exit
+always_save_checkpoint = True  # save ckpt.pt at every eval, not only when eval loss improves
+early_stopping_patience = 0  # stop after this many evals without eval-loss improvement; 0 = never
+max_bad_steps = 5            # abort after this many consecutive steps with non-finite loss/grad norm
+tensorboard = True           # write TensorBoard logs to out_dir/tb
+exact_match_examples = 500   # held-out prompts (test.jsonl, else val.jsonl) answered greedily and compared with chosen; 0 = skip
+seed = 1337
+# data
+batch_size = 32              # preference pairs per micro-batch (each pair is two sequences)
+gradient_accumulation_steps = 1  # micro-batches per optimizer step per process
+max_length = 64              # longest prompt + completion in tokens (<= the model's block_size)
+max_prompt_length = 48       # longer prompts keep their last max_prompt_length tokens
+skip_malformed = False       # skip and count malformed JSONL lines instead of stopping at the first
+pack = True                  # padding-free: pairs packed into rows, each prompt computed once for both completions
+                             # (1.6x the steps/s of padded rows on CPU, bench/bench_dpo.py); False: one sequence per row
+# DPO
+beta = 0.1                   # strength of the pull towards the reference (the KL penalty's weight)
+loss_type = 'sigmoid'        # 'sigmoid' (DPO) | 'robust' (rDPO) | 'ipo' | 'hinge' (SLiC); formulas in losses.dpo_loss
+label_smoothing = 0.0        # probability that a pair's label is flipped: 'sigmoid' becomes conservative DPO, 'robust' corrects for it
+ipo_length_normalize = True  # 'ipo' on per-token mean log-probs (the IPO paper's); False: on summed log-probs
+reference_free = False       # no reference model: an implicit uniform reference (log-probs 0)
+rpo_alpha = 1.0              # RPO (Pang et al. 2024): add rpo_alpha * NLL of the chosen completions (per token), which keeps
+                             # them likely (plain DPO lowers chosen and rejected log-probs alike); 0 = plain DPO
+precompute_ref_logps = False  # compute the reference's log-probs once, cache them in out_dir, free the reference
+# LoRA: train adapters on the frozen model; the reference is the same model with adapters disabled
+use_lora = False
+lora_r = 8
+lora_alpha = 16.0
+lora_dropout = 0.0           # dropout on the adapters' input
+use_rslora = False           # scale updates by lora_alpha/sqrt(r) instead of lora_alpha/r
+lora_target_modules = 'all-linear'  # comma-separated from attn.q/k/v/proj and mlp.fc/gate/proj, or 'all-linear'
+lora_bias = 'none'           # 'none' | 'all' | 'lora_only'
+loraplus_lr_ratio = 1.0      # LoRA+: the B matrices learn at this times the learning rate
+# model (its shape comes from init_from)
+dropout = 0.0                # off by default: the policy's log-probs should not be noisier than the reference's
+activation_checkpointing = False  # recompute activations in backward to save memory
+# optimizer (AdamW)
+learning_rate = 1e-3
+max_iters = 800
+weight_decay = 0.0
+beta1 = 0.9
+beta2 = 0.95
+grad_clip = 1.0              # 0 = no clipping (grad norm is still logged)
+# learning-rate schedule (scheduler.py): linear warmup, then cosine decay
+lr_schedule = 'cosine'       # 'cosine' | 'cosine_restarts' | 'noam' | 'constant' | 'linear' | 'wsd'
+warmup_iters = 50
+lr_decay_iters = 800         # where the decay ends ('cosine', 'linear', 'wsd')
+min_lr = 1e-4
+decay_frac = 0.2             # 'wsd': the last fraction of lr_decay_iters, decaying linearly to min_lr
+# system
+device = 'auto'              # 'auto' | 'cpu' | 'cuda' | 'cuda:1' | 'mps'
+dtype = 'auto'               # 'auto' (float32 on CPU, bf16 on GPUs that have it, else fp16 + loss scaling) | 'bfloat16' | 'float16' | 'float32'
+compile = False              # torch.compile the policy
+num_threads = 0              # CPU threads for torch ops (torch.set_num_threads); 0 = torch's default
+# -----------------------------------------------------------------------------
+config = configure(globals())
+if loss_type not in DPO_LOSS_TYPES:
+    raise UserError(f"loss_type={loss_type!r} is not supported; use one of {', '.join(DPO_LOSS_TYPES)}.")
+if not 0 <= label_smoothing < 0.5:
+    raise UserError(f"label_smoothing={label_smoothing} must be in [0, 0.5): it is the probability that a label is "
+                    f"wrong, and at 0.5 the labels carry no information.")
+if beta <= 0:
+    raise UserError(f"beta={beta} must be positive, e.g. 0.1.")
+if reference_free and precompute_ref_logps:
+    raise UserError("reference_free=True has no reference to precompute; drop precompute_ref_logps.")
+
+# DDP: torchrun sets RANK/LOCAL_RANK/WORLD_SIZE; nccl on CUDA, gloo elsewhere
+ddp = int(os.environ.get('RANK', -1)) != -1
+device = pick_device(device)
+if ddp:
+    rank, local_rank, world_size = int(os.environ['RANK']), int(os.environ['LOCAL_RANK']), int(os.environ['WORLD_SIZE'])
+    if device.startswith('cuda'):
+        device = f'cuda:{local_rank}'
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend='nccl' if device.startswith('cuda') else 'gloo')
+else:
+    rank, local_rank, world_size = 0, 0, 1
+master = rank == 0
+device_type = device.split(':')[0]
+ptdtype = pick_dtype(device, dtype)
+if num_threads:
+    torch.set_num_threads(num_threads)
+autocast = autocast_context(device, ptdtype)
+torch.manual_seed(seed + rank)
+if device_type == 'cuda':
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+
+
+def log(msg):
+    if master:
+        tqdm.write(msg)
+
+
+def file_sha256(*paths):
+    digest = hashlib.sha256()
+    for path in paths:
+        with open(path, 'rb') as f:
+            for chunk in iter(lambda: f.read(1 << 20), b''):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+# the checkpoint to start from: a run to resume, else init_from; the reference is always the model the run began as
+ckpt_path = os.path.join(out_dir, 'ckpt.pt')
+ckpt = load_checkpoint(ckpt_path) if resume and os.path.exists(ckpt_path) else None
+if ckpt and 'reference_hash' not in ckpt:
+    raise UserError(f"{ckpt_path} is not a DPO run's checkpoint, so there is nothing to resume. Use another out_dir, "
+                    f"or --resume=False to start a new run there (its checkpoints are then overwritten).")
+reference_path = ckpt['reference_checkpoint'] if ckpt else init_from
+if not os.path.exists(reference_path):
+    how = ("make it with `python train.py` (pretraining, out/ckpt.pt) then `python train.py config/sft.py` "
+           "(SFT, out-sft/ckpt.pt)" if reference_path == 'out-sft/ckpt.pt' else "check the path")
+    raise UserError(f"init_from={reference_path!r} does not exist. DPO starts from a chat model: {how}, or point "
+                    f"--init_from at another SFT checkpoint (or a LoRA run's merged.pt).")
+weights = load_checkpoint(reference_path)
+if weights['kind'] != 'gpt':
+    raise UserError(f"{reference_path} is a {weights['kind']!r} checkpoint; DPO starts from a GPT chat model "
+                    + ("(for a LoRA run, its merged.pt)." if weights['kind'] == 'lora' else "."))
+if weights['config'].get('training_type', 'from_scratch') == 'from_scratch':
+    raise UserError(f"{reference_path} is a pretrained model without the chat template; fine-tune it first, e.g. "
+                    f"`python train.py config/sft.py --init_from={reference_path}`, and start DPO from that run's "
+                    f"checkpoint.")
+reference_hash = file_sha256(reference_path)
+if ckpt and reference_hash != ckpt['reference_hash']:
+    raise UserError(f"{reference_path}, the reference of the DPO run in {out_dir}, has changed since the run began. "
+                    f"Restore that file, or start a new run (another out_dir, or --resume=False to overwrite).")
+
+# data: rank 0 prepares the default tokenizer and pairs once, the others wait
+if master:
+    if not data_dir:
+        prepare_default()
+    if not dpo_data:
+        prepare_number_tasks(PREFERENCES_DIR, seed=1, preferences=True)
+if ddp:
+    dist.barrier()
+data_dir = data_dir or os.path.join('data', 'stdlib')
+dpo_data = dpo_data or PREFERENCES_DIR
+tokenizer = ChatTokenizer(load_tokenizer(data_dir))
+check_compatible(weights['tokenizer'], tokenizer.identity(), 'tokenizer', reference_path)
+model_args = dict(weights['model_args'], dropout=dropout)
+if max_length > model_args['block_size']:
+    raise UserError(f"max_length={max_length} is longer than the model's block_size={model_args['block_size']}; "
+                    f"lower max_length.")
+if not 1 <= max_prompt_length < max_length:
+    raise UserError(f"max_prompt_length={max_prompt_length} must be at least 1 and leave room for a completion "
+                    f"in max_length={max_length}.")
+split_path = lambda name: os.path.join(dpo_data, f'{name}.jsonl')
+split = lambda name: load_preference_split(split_path(name), tokenizer, max_length, max_prompt_length, skip_malformed)
+_, train_pairs = split('train')
+val_references, val_pairs = split('val')
+held_out = split('test')[0] if os.path.exists(split_path('test')) else val_references
+exact_match_prompts = held_out[:exact_match_examples]
+train_batches = PreferenceBatches(train_pairs, seed, tokenizer.eos_id, max_length, pack)
+val_batches = PreferenceBatches(val_pairs, seed, tokenizer.eos_id, max_length, pack)
+val_indices = torch.arange(min(len(val_pairs), eval_pairs))
+
+
+def frozen_copy(state):
+    net = GPT(GPTConfig(**model_args))
+    net.load_state_dict(state)
+    return net.requires_grad_(False).eval().to(device)
+
+
+# policy, and the reference: a frozen copy when training all weights, the policy itself with its
+# adapters disabled when training LoRA, or none in memory with precomputed log-probs
+model = GPT(GPTConfig(**model_args))
+model.load_state_dict(weights['model'])
+reference = frozen_copy(weights['model']) if not (use_lora or reference_free or precompute_ref_logps) else None
+if use_lora:
+    wrapped = apply_lora(model, lora_r, lora_alpha, lora_dropout, lora_target_modules, use_rslora, lora_bias)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    log(f"LoRA r={lora_r} on {len(wrapped)} layers: {trainable:,} trainable parameters "
+        f"({100 * trainable / sum(p.numel() for p in model.parameters()):.2f}% of all)")
+if ckpt:
+    fixed = ('use_lora', 'reference_free') + (('lora_r', 'lora_target_modules', 'lora_bias') if use_lora else ())
+    check_compatible({k: ckpt['config'].get(k) for k in fixed}, {k: config[k] for k in fixed}, 'setup', ckpt_path)
+    model.load_state_dict({**model.state_dict(), **ckpt['model']})  # strict: all weights, or every adapter
+model.activation_checkpointing = activation_checkpointing
+model.to(device)
+raw_model = model  # what we save and generate with: never compiled or DDP-wrapped
+weights = None
+
+optimizer = raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type,
+                                           loraplus_lr_ratio)
+scaler = GradScaler(enabled=ptdtype == torch.float16)
+iter_num, best_val_loss, evals_without_improvement = 0, float('inf'), 0
+if ckpt:
+    optimizer.load_state_dict(ckpt['optimizer'])
+    scaler.load_state_dict(ckpt['scaler'])
+    train_batches.load_state_dict(ckpt['train_batches'])
+    iter_num, best_val_loss = ckpt['iter_num'], ckpt['best_val_loss']
+    evals_without_improvement = ckpt['evals_without_improvement']
+    if len(ckpt['rng']) == world_size:
+        set_rng_state(ckpt['rng'][rank])
+    else:
+        log(f"note: checkpoint was written by {len(ckpt['rng'])} processes, now {world_size}: random streams restart")
+    log(f"resuming from {ckpt_path} at step {iter_num}")
+ckpt = None
+
+
+def completion_logps(net, batch, n):
+    """Log-probs of the completions of a batch of n pairs (PreferenceBatches.get) under net:
+    per-sequence sums (2n,), per-token (N,), and the logits (N, V) of the N scored positions (the
+    only ones whose logits are computed: prompts and padding never reach the output layer)."""
+    logits, _ = net(batch['x'], positions=batch['positions'], mask=batch['mask'], keep=(batch['rows'], batch['cols']))
+    sums, token_logps = sequence_logps(logits, batch['targets'], batch['owners'], 2 * n)
+    return sums, token_logps, logits
+
+
+@torch.no_grad()
+def reference_logps(batch, n):
+    """The reference's (per-sequence sums, logits at the completion positions) for a batch: the
+    frozen copy if there is one, else the policy (in eval mode, adapters disabled under LoRA)."""
+    training = raw_model.training
+    raw_model.eval()
+    with disable_adapters(raw_model) if use_lora else nullcontext(), autocast:
+        sums, _, logits = completion_logps(raw_model if reference is None else reference, batch, n)
+    raw_model.train(training)
+    return sums, logits
+
+
+# precomputed reference log-probs: one pass over the data before training, cached on disk under a key
+# that hashes everything they depend on; afterwards the reference leaves memory
+ref_cache = None
+if precompute_ref_logps:
+    key = hashlib.sha256(json.dumps([reference_hash, file_sha256(split_path('train'), split_path('val')),
+                                     tokenizer.identity(), max_length, max_prompt_length, str(ptdtype)]).encode())
+    cache_path = os.path.join(out_dir, f'ref_logps_{key.hexdigest()[:16]}.pt')
+    if os.path.exists(cache_path):
+        ref_cache = load_checkpoint(cache_path)
+        log(f"reference log-probs from {cache_path}")
+    else:
+        t0 = time.time()
+        if not use_lora and iter_num > 0:  # the policy has moved away from the reference: load it for this pass
+            reference = frozen_copy(load_checkpoint(reference_path)['model'])
+        ref_cache = {}
+        for name, batches in (('train', train_batches), ('val', val_batches)):
+            logps = torch.zeros(batches.n_pairs, 2, device=device)
+            for indices in torch.arange(batches.n_pairs).tensor_split(world_size)[rank].split(batch_size):
+                sums, _ = reference_logps(batches.get(indices, device), len(indices))
+                logps[indices] = sums.view(2, -1).T
+            if ddp:
+                dist.all_reduce(logps)  # each rank filled its share
+            ref_cache[name] = logps.cpu()
+        if master:
+            os.makedirs(out_dir, exist_ok=True)
+            save_checkpoint(cache_path, ref_cache)
+        log(f"reference log-probs of {train_batches.n_pairs + val_batches.n_pairs:,} pairs computed in "
+            f"{time.time() - t0:.1f} s, cached in {cache_path}")
+    reference = None  # training needs only the cache
+
+if compile:
+    model = torch.compile(model)
+if ddp:
+    model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None)
+global_batch_size = batch_size * gradient_accumulation_steps * world_size
+log(f"device {device}, dtype {ptdtype}, {world_size} process(es), {raw_model.get_num_params() / 1e6:.2f}M params, "
+    f"{global_batch_size} pairs per step, reference: "
+    + ('none (reference-free)' if reference_free else 'precomputed log-probs' if ref_cache else
+       'the model with adapters disabled' if use_lora else 'a frozen copy'))
+
+
+def pair_terms(net, batches, indices, cache, totals):
+    """Forward pass over the pairs at indices: (loss, metrics). Every sum is divided by the size of
+    the whole batch it belongs to (totals: pairs, chosen and rejected completion tokens, over all
+    micro-batches and ranks), so micro-batches and ranks add up to the batch mean however it is split."""
+    batch, n = batches.get(indices, device), len(indices)
+    ref_logits = None
+    if reference_free:
+        ref_sums = torch.zeros(2 * n, device=device)
+    elif cache is not None:
+        ref_sums = cache[indices].to(device).T.flatten()  # chosen of every pair, then rejected
+    else:
+        ref_sums, ref_logits = reference_logps(batch, n)
+    with autocast:
+        sums, token_logps, logits = completion_logps(net, batch, n)
+    chosen_pos, pairs, chosen_tokens, rejected_tokens = batch['owners'] < n, *totals
+    policy, ref = sums, ref_sums
+    if loss_type == 'ipo' and ipo_length_normalize:  # per-token means
+        lengths = torch.bincount(batch['owners'], minlength=2 * n)
+        policy, ref = sums / lengths, ref_sums / lengths
+    losses, chosen_rewards, rejected_rewards = dpo_loss(policy[:n], policy[n:], ref[:n], ref[n:], beta, loss_type,
+                                                        label_smoothing)
+    loss = losses.sum() / pairs
+    nll = -token_logps[chosen_pos].sum() / chosen_tokens
+    if rpo_alpha:
+        loss = loss + rpo_alpha * nll
+    with torch.no_grad():
+        mean_logits = logits.float().mean(-1)
+        metrics = {'loss': loss, 'rewards/chosen': chosen_rewards.sum() / pairs,
+                   'rewards/rejected': rejected_rewards.sum() / pairs,
+                   # a tie (at the start with a live reference, policy == reference) counts half: neither right nor wrong
+                   'rewards/accuracies': ((chosen_rewards > rejected_rewards).float()
+                                          + 0.5 * (chosen_rewards == rejected_rewards).float()).sum() / pairs,
+                   'rewards/margins': (chosen_rewards - rejected_rewards).sum() / pairs,
+                   'logps/chosen': sums[:n].sum() / pairs, 'logps/rejected': sums[n:].sum() / pairs,
+                   'logits/chosen': mean_logits[chosen_pos].sum() / chosen_tokens,
+                   'logits/rejected': mean_logits[~chosen_pos].sum() / rejected_tokens,
+                   'nll/chosen': nll}
+        if ref_logits is not None:
+            # KL(policy || reference) per chosen completion token, exact over the vocabulary
+            p, q = logits[chosen_pos].float().log_softmax(-1), ref_logits[chosen_pos].float().log_softmax(-1)
+            metrics['kl'] = (p.exp() * (p - q)).sum() / chosen_tokens
+    return loss, {k: v.detach().float() for k, v in metrics.items()}
+
+
+def batch_totals(batches, indices):
+    chosen, rejected = batches.completion_tokens[indices].sum(0).tolist()
+    return len(indices), chosen, rejected
+
+
+@torch.no_grad()
+def evaluate():
+    """The metrics of the fixed held-out pairs, split across ranks; policy in eval mode."""
+    model.eval()
+    totals, sums = batch_totals(val_batches, val_indices), {}
+    for indices in val_indices.tensor_split(world_size)[rank].split(batch_size):
+        _, metrics = pair_terms(model, val_batches, indices, ref_cache['val'] if ref_cache else None, totals)
+        for k, v in metrics.items():
+            sums[k] = sums.get(k, 0.0) + v
+    stats = torch.stack(list(sums.values()))
+    if ddp:
+        dist.all_reduce(stats)
+    model.train()
+    return dict(zip(sums, stats.tolist()))
+
+
+@torch.no_grad()
+def exact_match():
+    """Fraction of held-out prompts whose greedy answer is exactly the chosen one, then <|end|>; split across ranks."""
+    raw_model.eval()
+    total = torch.zeros(2, device=device)  # hits, prompts
+    for prompt, reference_text in exact_match_prompts[rank::world_size]:
+        with autocast:
+            out = raw_model.generate(torch.tensor([prompt], device=device), len(tokenizer.encode(reference_text)) + 1,
+                                     temperature=0, eos_id=tokenizer.eos_id)[0, len(prompt):].tolist()
+        end = tokenizer.eos_id
+        hit = end in out and tokenizer.decode(out[:out.index(end)]).strip() == reference_text.strip()
+        total += torch.tensor([float(hit), 1.0], device=device)
+    if ddp:
+        dist.all_reduce(total)
+    raw_model.train()
+    return (total[0] / total[1]).item()
+
+
+def checkpoint_state():
+    rngs = [None] * world_size
+    if ddp:
+        dist.all_gather_object(rngs, rng_state())
+    else:
+        rngs = [rng_state()]
+    state = dict(kind='gpt', model=raw_model.state_dict(), model_args=model_args, optimizer=optimizer.state_dict(),
+                 scaler=scaler.state_dict(), iter_num=iter_num, best_val_loss=best_val_loss,
+                 evals_without_improvement=evals_without_improvement, config=dict(config, training_type='dpo'),
+                 tokenizer=tokenizer.identity(), data_dir=os.path.abspath(data_dir), rng=rngs,
+                 train_batches=train_batches.state_dict(), reference_checkpoint=os.path.abspath(reference_path),
+                 reference_hash=reference_hash)
+    if use_lora:  # adapters only: the base is the reference checkpoint, named by path and hash
+        state.update(kind='lora', model=lora_state_dict(raw_model), base_checkpoint=state['reference_checkpoint'],
+                     base_hash=reference_hash)
+    return state
+
+
+def save(path):
+    state = checkpoint_state()  # collective under DDP: every rank must call it
+    if master:
+        save_checkpoint(path, state)
+
+
+def train_step(global_batch):
+    """Forward/backward over this rank's slice of the global batch (accumulating gradients);
+    returns this rank's shares of the metrics (shares add up over ranks)."""
+    totals, sums = batch_totals(train_batches, global_batch), {}
+    parts = global_batch.tensor_split(world_size)[rank].view(gradient_accumulation_steps, batch_size)
+    for micro_step, part in enumerate(parts):
+        last = micro_step == gradient_accumulation_steps - 1
+        with model.no_sync() if ddp and not last else nullcontext():  # only the last micro-batch all-reduces
+            loss, metrics = pair_terms(model, train_batches, part, ref_cache['train'] if ref_cache else None, totals)
+            scaler.scale(loss * world_size).backward()  # DDP averages gradients over ranks: undo its 1/world_size
+        for k, v in metrics.items():
+            sums[k] = sums.get(k, 0.0) + v
+    return sums
+
+
+os.makedirs(out_dir, exist_ok=True)
+log_file = open(os.path.join(out_dir, 'log.jsonl'), 'a') if master else None
+writer = None
+if master and tensorboard:
+    from torch.utils.tensorboard import SummaryWriter
+    writer = SummaryWriter(os.path.join(out_dir, 'tb'), purge_step=iter_num)
+
+
+def record(event):
+    """One log/eval event to log.jsonl and TensorBoard."""
+    if not master:
+        return
+    log_file.write(json.dumps(event) + '\n')
+    log_file.flush()
+    if writer:
+        for k, v in event.items():
+            if k != 'step' and isinstance(v, (int, float)):
+                writer.add_scalar(k, v, event['step'])
+
+
+def run_eval():
+    metrics = evaluate()
+    log(f"step {iter_num}: eval loss {metrics['loss']:.4f}, rewards/accuracies {metrics['rewards/accuracies']:.3f}, "
+        f"rewards/margins {metrics['rewards/margins']:.3f}" + (f", kl {metrics['kl']:.4f}" if 'kl' in metrics else ''))
+    record(dict(step=iter_num, **{f'eval/{k}': v for k, v in metrics.items()}))
+    return metrics['loss']
+
+
+def report_exact_match():
+    if exact_match_prompts:
+        accuracy = exact_match()
+        log(f"step {iter_num}: exact match {accuracy:.1%} on {len(exact_match_prompts)} held-out prompts")
+        record(dict(step=iter_num, exact_match=accuracy))
+
+
+if eval_only:
+    run_eval()
+    report_exact_match()
+    sys.exit(0)
+
+stop = StopSignal()
+if iter_num == 0:
+    run_eval()
+    report_exact_match()
+bad_steps = 0
+window_start, window_tokens, window_steps = time.time(), 0, 0
+progress = tqdm(total=max_iters, initial=iter_num, disable=not master, dynamic_ncols=True, desc='dpo')
+while iter_num < max_iters:
+    lr = get_lr(iter_num, lr_schedule, learning_rate, min_lr, warmup_iters, lr_decay_iters,
+                d_model=model_args['n_embd'], decay_frac=decay_frac)
+    for group in optimizer.param_groups:
+        group['lr'] = lr * group.get('lr_scale', 1.0)  # LoRA+'s B matrices
+
+    # the whole global batch is drawn on every rank; each rank trains on its slice
+    global_batch = train_batches.sample(global_batch_size)
+    metrics = train_step(global_batch)
+    scaler.unscale_(optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip if grad_clip > 0 else float('inf'))
+    # one all-reduce: the metrics (the ranks' shares add up) and whether a rank must stop
+    stats = torch.stack([*metrics.values(), torch.tensor(float(stop.requested is not None), device=device)])
+    if ddp:
+        dist.all_reduce(stats)
+    *values, stop_requested = stats.tolist()
+    metrics, stop_requested = dict(zip(metrics, values)), stop_requested > 0
+    loss, grad_norm = metrics['loss'], grad_norm.item()
+    # fp16 overflow is the scaler's business (it skips and backs off); anything else non-finite is ours
+    if math.isfinite(loss) and (math.isfinite(grad_norm) or scaler.is_enabled()):
+        scaler.step(optimizer)
+        bad_steps = 0
+    else:
+        bad_steps += 1
+        log(f"step {iter_num}: non-finite loss {loss} / grad norm {grad_norm}, step skipped ({bad_steps}/{max_bad_steps})")
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    if bad_steps >= max_bad_steps:
+        raise SystemExit(f"error: {bad_steps} consecutive steps had a non-finite loss or gradient norm (last at step "
+                         f"{iter_num}); training is diverging. Lower learning_rate or beta, or use dtype='float32'. "
+                         f"The last good checkpoint in {out_dir} was left untouched.")
+    iter_num += 1
+    progress.update(1)
+    window_tokens += train_batches.count_tokens(global_batch)
+    window_steps += 1
+
+    if iter_num % log_interval == 0 or iter_num == max_iters:
+        elapsed = time.time() - window_start
+        record(dict(step=iter_num, lr=lr, grad_norm=grad_norm, steps_per_sec=window_steps / elapsed,
+                    tokens_per_sec=window_tokens / elapsed, peak_memory_mb=(peak_memory_bytes(device) or 0) / 2**20,
+                    loss_scale=scaler.get_scale(), **metrics))
+        progress.set_postfix(loss=f'{loss:.4f}', acc=f"{metrics['rewards/accuracies']:.2f}")
+        log(f"step {iter_num}: loss {loss:.4f}, rewards/accuracies {metrics['rewards/accuracies']:.3f}, "
+            f"rewards/margins {metrics['rewards/margins']:.3f}, lr {lr:.2e}, grad norm {grad_norm:.3f}, "
+            f"{window_steps / elapsed:.2f} steps/s")
+        window_start, window_tokens, window_steps = time.time(), 0, 0
+
+    if iter_num % eval_interval == 0 or iter_num == max_iters:
+        val_loss = run_eval()
+        improved = val_loss < best_val_loss
+        if improved:
+            best_val_loss, evals_without_improvement = val_loss, 0
+            save(os.path.join(out_dir, 'best.pt'))
+        else:
+            evals_without_improvement += 1
+        if improved or always_save_checkpoint:
+            save(ckpt_path)
+        if early_stopping_patience and evals_without_improvement >= early_stopping_patience:
+            log(f"early stopping: eval loss has not improved for {evals_without_improvement} evals")
+            break
+
+    if stop_requested:
+        save(ckpt_path)
+        log(f"stop signal received: saved {ckpt_path} at step {iter_num}")
+        progress.close()
+        if ddp:
+            dist.destroy_process_group()
+        sys.exit(stop.exit_code if stop.requested else 143)
+progress.close()
+save(ckpt_path)
+report_exact_match()
+if use_lora and master:
+    # the adapters folded into the weights: a plain checkpoint for sample.py or a later init_from
+    save_checkpoint(os.path.join(out_dir, 'merged.pt'),
+                    dict(kind='gpt', model=merged_state_dict(raw_model), model_args=model_args,
+                         config=dict(config, training_type='dpo'), iter_num=iter_num,
+                         tokenizer=tokenizer.identity(), data_dir=os.path.abspath(data_dir)))
+    log(f"saved {os.path.join(out_dir, 'merged.pt')} (adapters merged into the weights)")
+if ddp:
+    dist.destroy_process_group()

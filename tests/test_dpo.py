@@ -8,7 +8,10 @@ import json
 import math
 import os
 import re
+import signal
+import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -21,7 +24,7 @@ from model import GPT, GPTConfig
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_sft import ANSWERS, _saved, char_tokenizer, sft, sft_env, write_jsonl  # noqa: E402,F401 (sft_env: fixture)
-from test_train import load, read_log, run  # noqa: E402  (the subprocess helpers)
+from test_train import ROOT, load, read_log, run  # noqa: E402  (the subprocess helpers)
 
 LN2 = math.log(2)
 DPO = ['--device=cpu', '--dtype=float32', '--tensorboard=False', '--max_length=40', '--max_prompt_length=32',
@@ -40,9 +43,10 @@ def dpo_env(sft_env, tmp_path_factory):
     return dict(sft_env, sft=str(root / 'sft' / 'ckpt.pt'), pairs=pairs)
 
 
-def dpo(env, out_dir, *extra, **kw):
-    return run(['train_dpo.py', f'--out_dir={out_dir}', f'--data_dir={env["data_dir"]}', f'--dpo_data={env["pairs"]}',
-                f'--init_from={env["sft"]}', *DPO, *extra], **kw)
+def dpo(env, out_dir, *extra, ranks=1, **kw):
+    launch = ['-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={ranks}'] if ranks > 1 else []
+    return run([*launch, 'train_dpo.py', f'--out_dir={out_dir}', f'--data_dir={env["data_dir"]}',
+                f'--dpo_data={env["pairs"]}', f'--init_from={env["sft"]}', *DPO, *extra], **kw)
 
 
 def evals(out_dir):
@@ -396,16 +400,18 @@ def test_step0_precomputed_reference_is_cached_and_reused(tmp_path, dpo_env):
     assert_step0_identities(evals(out)[1], tol=1e-4, exact_ties=False)
 
 
-def test_gradient_accumulation_matches_one_big_batch(tmp_path, dpo_env):
-    """Sums are normalized by the whole batch: 4 pairs x 1 = 1 x 4 = 2 x 2 in every train metric (RPO's NLL
-    included) and the weights (a small learning rate: Adam magnifies float noise in tiny gradients by lr)."""
+def test_gradient_accumulation_and_ddp_match_one_big_batch(tmp_path, dpo_env):
+    """Sums are normalized by the whole batch: 4 pairs x 1 = 1 x 4 = 2 x 2 = 2 ranks (torchrun, gloo) x 2 pairs
+    in every train metric (RPO's NLL included) and the weights (a small learning rate: Adam magnifies float
+    noise in tiny gradients by lr)."""
     common = ['--max_iters=3', '--eval_interval=100', '--rpo_alpha=0.5', '--learning_rate=1e-3']
-    runs = {(4, 1): tmp_path / 'big', (1, 4): tmp_path / 'acc4', (2, 2): tmp_path / 'acc2'}
-    for (bs, accum), out in runs.items():
-        dpo(dpo_env, out, f'--batch_size={bs}', f'--gradient_accumulation_steps={accum}', *common)
-    big = train_metrics(runs[4, 1])
+    runs = {(4, 1, 1): tmp_path / 'big', (1, 4, 1): tmp_path / 'acc4', (2, 2, 1): tmp_path / 'acc2',
+            (2, 1, 2): tmp_path / 'ddp'}
+    for (bs, accum, ranks), out in runs.items():
+        dpo(dpo_env, out, f'--batch_size={bs}', f'--gradient_accumulation_steps={accum}', *common, ranks=ranks)
+    big = train_metrics(runs[4, 1, 1])
     assert sorted(big) == [1, 2, 3] and big[3]['loss'] != big[1]['loss'] and big[3]['rewards/margins'] != 0
-    weights = load(runs[4, 1] / 'ckpt.pt')['model']
+    weights = load(runs[4, 1, 1] / 'ckpt.pt')['model']
     for shape, out in runs.items():
         other = train_metrics(out)
         assert sorted(other) == [1, 2, 3]
@@ -487,3 +493,23 @@ def test_rpo_adds_alpha_times_chosen_nll_and_ipo_starts_at_its_target(step0, tmp
     ipo = evals(tmp_path / 'ipo')[0]
     assert ipo['eval/loss'] == pytest.approx((1 / (2 * 0.25)) ** 2, abs=1e-5)
     assert ipo['eval/rewards/margins'] == 0 and ipo['eval/rewards/accuracies'] == 0.5
+
+
+def test_sigterm_saves_and_exits_143(tmp_path, dpo_env):
+    """SIGTERM mid-run: the step finishes, ckpt.pt is saved at that step, exit 143; the run then resumes."""
+    out = tmp_path / 'out'
+    env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONUNBUFFERED='1')
+    proc = subprocess.Popen([sys.executable, 'train_dpo.py', f'--out_dir={out}', f'--data_dir={dpo_env["data_dir"]}',
+                             f'--dpo_data={dpo_env["pairs"]}', f'--init_from={dpo_env["sft"]}', *DPO,
+                             '--max_iters=100000', '--eval_interval=100000'],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (os.path.exists(out / 'log.jsonl') and len(train_metrics(out)) >= 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 143, output
+    ckpt = load(out / 'ckpt.pt')
+    assert ckpt['iter_num'] >= 3 and ckpt['iter_num'] == max(train_metrics(out))
+    p = dpo(dpo_env, out, f'--max_iters={ckpt["iter_num"] + 1}', '--eval_interval=100000')
+    assert f'resuming from {out / "ckpt.pt"} at step {ckpt["iter_num"]}' in p.stdout + p.stderr

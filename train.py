@@ -538,6 +538,7 @@ while iter_num < max_iters:
         log(f"stop signal received: saved {ckpt_path} at step {iter_num}")
         progress.close()
         if ddp:
+            dist.barrier()
             dist.destroy_process_group()
         sys.exit(stop.exit_code if stop.requested else 143)
 progress.close()
@@ -559,4 +560,5 @@ if master and sample_tokens > 0:
     print(f"--- sample (step {iter_num}, best val loss {best_val_loss:.4f}) ---")
     print(tokenizer.decode(sample[0].tolist()))
 if ddp:
+    dist.barrier()  # leave together: a rank tearing down while another still works can abort gloo
     dist.destroy_process_group()

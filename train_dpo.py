@@ -103,6 +103,9 @@ if not 0 <= label_smoothing < 0.5:
                     f"wrong, and at 0.5 the labels carry no information.")
 if beta <= 0:
     raise UserError(f"beta={beta} must be positive, e.g. 0.1.")
+if min(batch_size, gradient_accumulation_steps, eval_pairs) < 1:
+    raise UserError(f"batch_size={batch_size}, gradient_accumulation_steps={gradient_accumulation_steps} and "
+                    f"eval_pairs={eval_pairs} must all be at least 1.")
 if reference_free and precompute_ref_logps:
     raise UserError("reference_free=True has no reference to precompute; drop precompute_ref_logps.")
 
@@ -538,6 +541,7 @@ while iter_num < max_iters:
         log(f"stop signal received: saved {ckpt_path} at step {iter_num}")
         progress.close()
         if ddp:
+            dist.barrier()
             dist.destroy_process_group()
         sys.exit(stop.exit_code if stop.requested else 143)
 progress.close()
@@ -551,4 +555,5 @@ if use_lora and master:
                          tokenizer=tokenizer.identity(), data_dir=os.path.abspath(data_dir)))
     log(f"saved {os.path.join(out_dir, 'merged.pt')} (adapters merged into the weights)")
 if ddp:
+    dist.barrier()  # leave together: a rank tearing down while another still works can abort gloo
     dist.destroy_process_group()

@@ -396,6 +396,7 @@ def log_eval(step, result, note=''):
 if eval_only:
     log_eval(iter_num, evaluate())
     if ddp:
+        dist.barrier()
         dist.destroy_process_group()
     final_report(iter_num)
     sys.exit(0)
@@ -501,11 +502,13 @@ while iter_num < max_iters:
         log(f"stop signal received: saved {ckpt_path} at step {iter_num}")
         progress.close()
         if ddp:
+            dist.barrier()
             dist.destroy_process_group()
         sys.exit(stop.exit_code if stop.requested else 143)
 progress.close()
 save(ckpt_path)
 log(f"training ended at step {iter_num} after {(time.time() - _start_time) / 60:.1f} min, best val loss {best_val_loss:.4f}")
 if ddp:
+    dist.barrier()  # leave together: a rank tearing down while another still works can abort gloo
     dist.destroy_process_group()
 final_report(iter_num)

@@ -461,8 +461,9 @@ def test_resume_is_bit_exact(tmp_path, dpo_env):
 
 
 def test_bad_inputs_are_clear_errors_and_keep_checkpoints(tmp_path, dpo_env):
-    """A missing init_from, a pretrained (not fine-tuned) init_from and a malformed pair: exit 2 with a message
-    naming the file (and line), no traceback, and the out_dir's checkpoint untouched, nothing new written."""
+    """A missing init_from, a pretrained (not fine-tuned) init_from, a malformed pair and out-of-range settings:
+    exit 2 with a message naming the file (and line) or key, no traceback, and the out_dir's checkpoint
+    untouched, nothing new written."""
     bad = tmp_path / 'bad'
     bad.mkdir()
     write_jsonl(bad / 'train.jsonl', [{'prompt': 'What is 1+1?', 'chosen': '2', 'rejected': '3'},
@@ -471,7 +472,9 @@ def test_bad_inputs_are_clear_errors_and_keep_checkpoints(tmp_path, dpo_env):
     missing = tmp_path / 'nowhere' / 'ckpt.pt'
     cases = [([f'--init_from={missing}'], [str(missing), 'does not exist']),
              ([f'--init_from={dpo_env["base"]}'], [dpo_env['base'], 'fine-tune it first']),
-             ([f'--dpo_data={bad}'], [f'{bad / "train.jsonl"}:2:', '"rejected"'])]
+             ([f'--dpo_data={bad}'], [f'{bad / "train.jsonl"}:2:', '"rejected"']),
+             (['--eval_pairs=0'], ['eval_pairs=0', 'at least 1']),
+             (['--max_prompt_length=0'], ['max_prompt_length=0', 'at least 1'])]
     for i, (args, messages) in enumerate(cases):
         out = tmp_path / f'out{i}'
         out.mkdir()

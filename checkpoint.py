@@ -50,8 +50,9 @@ def load_checkpoint(path):
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         raise UserError(f"checkpoint {path} could not be read ({type(e).__name__}: {str(e).splitlines()[0][:200]}). "
-                        f"The file is corrupt or was not written by nanotrain; restore it from a backup, "
-                        f"point --init_from at another checkpoint, or start from scratch with --init_from=scratch.") from None
+                        f"The file is corrupt or was not written by nanotrain; restore it from a backup, or start "
+                        f"without it: point --init_from at another checkpoint, or use a new out_dir (train.py: "
+                        f"--init_from=scratch; train_dpo.py: --resume=False).") from None
 
 
 def rng_state():

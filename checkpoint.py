@@ -6,9 +6,13 @@ Checkpoints that survive crashes, preemption and mistakes.
 - load_checkpoint uses torch.load(weights_only=True): a checkpoint can hold tensors, numbers,
   strings, lists and dicts, never arbitrary pickled objects. Everything we store is of that kind.
 - rng_state/set_rng_state capture every random stream a training step touches, so a resumed run
-  continues bit-for-bit where the old one stopped.
+  continues bit-for-bit where the old one stopped; all_rng_states gathers every rank's.
+- file_sha256 names the exact file a run depends on (a LoRA base, a DPO reference).
+- run_log is what every training script writes besides checkpoints: out_dir/log.jsonl and TensorBoard.
 """
 
+import hashlib
+import json
 import os
 import random
 import signal
@@ -16,6 +20,7 @@ import tempfile
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from configurator import UserError
 
@@ -73,6 +78,15 @@ def rng_state():
     return state
 
 
+def all_rng_states():
+    """Every process's rng_state(), in rank order. Collective under DDP: every rank must call it."""
+    if not dist.is_initialized():
+        return [rng_state()]
+    states = [None] * dist.get_world_size()
+    dist.all_gather_object(states, rng_state())
+    return states
+
+
 def set_rng_state(state):
     random.setstate((state["python_version"], tuple(state["python"]), state["python_gauss"]))
     n = state["numpy"]
@@ -82,6 +96,39 @@ def set_rng_state(state):
         torch.cuda.set_rng_state(state["cuda"])
     if "mps" in state and torch.backends.mps.is_available():
         torch.mps.set_rng_state(state["mps"])
+
+
+def file_sha256(*paths):
+    """sha256 of the files' bytes, one after the other."""
+    digest = hashlib.sha256()
+    for path in paths:
+        with open(path, 'rb') as f:
+            for chunk in iter(lambda: f.read(1 << 20), b''):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def run_log(out_dir, enabled, tensorboard, purge_step):
+    """(record, writer): record(event) appends a dict with a 'step' to out_dir/log.jsonl and writes its
+    numbers to TensorBoard (writer, None when tensorboard=False; purge_step drops events a resumed
+    run repeats). Not enabled (every rank but 0): record does nothing and writer is None."""
+    if not enabled:
+        return (lambda event: None), None
+    os.makedirs(out_dir, exist_ok=True)
+    log_file = open(os.path.join(out_dir, 'log.jsonl'), 'a')
+    writer = None
+    if tensorboard:
+        from torch.utils.tensorboard import SummaryWriter
+        writer = SummaryWriter(os.path.join(out_dir, 'tb'), purge_step=purge_step)
+
+    def record(event):
+        log_file.write(json.dumps(event) + '\n')
+        log_file.flush()
+        if writer:
+            for k, v in event.items():
+                if k != 'step' and isinstance(v, (int, float)):
+                    writer.add_scalar(k, v, event['step'])
+    return record, writer
 
 
 def check_compatible(saved, wanted, what, path):

@@ -7,8 +7,6 @@ another prepared corpus; `torchrun --nproc_per_node=8 train.py ...` runs data-pa
 Every config key below can be overridden by a config file or --key=value (`--help` lists them).
 """
 
-import hashlib
-import json
 import math
 import os
 import sys
@@ -20,7 +18,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from checkpoint import StopSignal, check_compatible, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from checkpoint import (StopSignal, all_rng_states, check_compatible, file_sha256, load_checkpoint, run_log,
+                        save_checkpoint, set_rng_state)
 from configurator import UserError, configure
 from data import (NUMBER_TASKS_DIR, ChatTokenizer, SFTBatches, TokenBatches, eval_offsets, load_sft_split,
                   load_tokenizer, prepare_default, prepare_number_tasks)
@@ -139,14 +138,6 @@ if device_type == 'cuda':
 def log(msg):
     if master:
         tqdm.write(msg)
-
-
-def file_sha256(path):
-    digest = hashlib.sha256()
-    with open(path, 'rb') as f:
-        for chunk in iter(lambda: f.read(1 << 20), b''):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 # data: rank 0 prepares the default corpus once, the others wait for it
@@ -340,11 +331,7 @@ def exact_match():
 
 
 def checkpoint_state():
-    rngs = [None] * world_size
-    if ddp:
-        dist.all_gather_object(rngs, rng_state())
-    else:
-        rngs = [rng_state()]
+    rngs = all_rng_states()  # collective under DDP
     state = dict(kind='gpt', model=raw_model.state_dict(), model_args=model_args, optimizer=optimizer.state_dict(),
                  scaler=scaler.state_dict(), iter_num=iter_num, best_val_loss=best_val_loss,
                  evals_without_improvement=evals_without_improvement, config=config,
@@ -396,24 +383,7 @@ def train_step(indices):
     return totals
 
 
-os.makedirs(out_dir, exist_ok=True)
-log_file = open(os.path.join(out_dir, 'log.jsonl'), 'a') if master else None
-writer = None
-if master and tensorboard:
-    from torch.utils.tensorboard import SummaryWriter
-    writer = SummaryWriter(os.path.join(out_dir, 'tb'), purge_step=iter_num)
-
-
-def record(event):
-    """One log/eval event to log.jsonl and TensorBoard."""
-    if not master:
-        return
-    log_file.write(json.dumps(event) + '\n')
-    log_file.flush()
-    if writer:
-        for k, v in event.items():
-            if k != 'step' and isinstance(v, (int, float)) and v is not None:
-                writer.add_scalar(k, v, event['step'])
+record, writer = run_log(out_dir, master, tensorboard, purge_step=iter_num)
 
 
 def report_exact_match():

@@ -21,7 +21,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from checkpoint import StopSignal, check_compatible, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from checkpoint import (StopSignal, all_rng_states, check_compatible, file_sha256, load_checkpoint, run_log,
+                        save_checkpoint, set_rng_state)
 from configurator import UserError, configure
 from data import (PREFERENCES_DIR, ChatTokenizer, PreferenceBatches, load_preference_split, load_tokenizer,
                   prepare_default, prepare_number_tasks)
@@ -135,15 +136,6 @@ if device_type == 'cuda':
 def log(msg):
     if master:
         tqdm.write(msg)
-
-
-def file_sha256(*paths):
-    digest = hashlib.sha256()
-    for path in paths:
-        with open(path, 'rb') as f:
-            for chunk in iter(lambda: f.read(1 << 20), b''):
-                digest.update(chunk)
-    return digest.hexdigest()
 
 
 # the checkpoint to start from: a run to resume, else init_from; the reference is always the model the run began as
@@ -390,11 +382,7 @@ def exact_match():
 
 
 def checkpoint_state():
-    rngs = [None] * world_size
-    if ddp:
-        dist.all_gather_object(rngs, rng_state())
-    else:
-        rngs = [rng_state()]
+    rngs = all_rng_states()  # collective under DDP
     state = dict(kind='gpt', model=raw_model.state_dict(), model_args=model_args, optimizer=optimizer.state_dict(),
                  scaler=scaler.state_dict(), iter_num=iter_num, best_val_loss=best_val_loss,
                  evals_without_improvement=evals_without_improvement, config=dict(config, training_type='dpo'),
@@ -428,24 +416,7 @@ def train_step(global_batch):
     return sums
 
 
-os.makedirs(out_dir, exist_ok=True)
-log_file = open(os.path.join(out_dir, 'log.jsonl'), 'a') if master else None
-writer = None
-if master and tensorboard:
-    from torch.utils.tensorboard import SummaryWriter
-    writer = SummaryWriter(os.path.join(out_dir, 'tb'), purge_step=iter_num)
-
-
-def record(event):
-    """One log/eval event to log.jsonl and TensorBoard."""
-    if not master:
-        return
-    log_file.write(json.dumps(event) + '\n')
-    log_file.flush()
-    if writer:
-        for k, v in event.items():
-            if k != 'step' and isinstance(v, (int, float)):
-                writer.add_scalar(k, v, event['step'])
+record, writer = run_log(out_dir, master, tensorboard, purge_step=iter_num)
 
 
 def run_eval():

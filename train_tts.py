@@ -6,7 +6,6 @@ command resumes; `--eval_only=True` evaluates the checkpoint (val losses, MCD-DT
 Every config key below can be overridden by a config file or --key=value (`--help` lists them).
 """
 
-import json
 import math
 import os
 import sys
@@ -18,7 +17,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from checkpoint import StopSignal, check_compatible, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from checkpoint import (StopSignal, all_rng_states, check_compatible, load_checkpoint, rng_state, run_log,
+                        save_checkpoint, set_rng_state)
 from configurator import UserError, configure
 from losses import mel_cepstral_distortion
 from memory import (GradScaler, MemoryMonitor, StepProfiler, autocast_context, fault_at, free_memory, is_oom,
@@ -246,11 +246,7 @@ def evaluate():
 
 
 def checkpoint_state():
-    rngs = [None] * world_size
-    if ddp:
-        dist.all_gather_object(rngs, rng_state())
-    else:
-        rngs = [rng_state()]
+    rngs = all_rng_states()  # collective under DDP
     return dict(kind='tts', model=raw_model.state_dict(), model_args=model_args, optimizer=optimizer.state_dict(),
                 scaler=scaler.state_dict(), iter_num=iter_num, best_val_loss=best_val_loss,
                 evals_without_improvement=evals_without_improvement, config=config,
@@ -297,24 +293,7 @@ def train_step(batches):
     return totals
 
 
-os.makedirs(out_dir, exist_ok=True)
-log_file = open(os.path.join(out_dir, 'log.jsonl'), 'a') if master else None
-writer = None
-if master and tensorboard:
-    from torch.utils.tensorboard import SummaryWriter
-    writer = SummaryWriter(os.path.join(out_dir, 'tb'), purge_step=iter_num)
-
-
-def record(event):
-    """One log/eval event to log.jsonl and TensorBoard."""
-    if not master:
-        return
-    log_file.write(json.dumps(event) + '\n')
-    log_file.flush()
-    if writer:
-        for k, v in event.items():
-            if k != 'step' and isinstance(v, (int, float)) and v is not None:
-                writer.add_scalar(k, v, event['step'])
+record, writer = run_log(out_dir, master, tensorboard, purge_step=iter_num)
 
 
 def mel_image(mel):

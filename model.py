@@ -436,6 +436,21 @@ class GPT(nn.Module):
         return idx
 
 
+@torch.no_grad()
+def exact_match_hits(model, tokenizer, prompts):
+    """How many of prompts, (prompt ids, reference text) pairs, the model answers greedily with exactly
+    the reference, then tokenizer.eos_id. It may generate one token more than the reference: a right
+    answer must stop there. Call model.eval() first."""
+    device = next(model.parameters()).device
+    hits = 0
+    for prompt, reference in prompts:
+        out = model.generate(torch.tensor([prompt], device=device), len(tokenizer.encode(reference)) + 1,
+                             temperature=0, eos_id=tokenizer.eos_id)[0, len(prompt):].tolist()
+        end = tokenizer.eos_id
+        hits += end in out and tokenizer.decode(out[:out.index(end)]).strip() == reference.strip()
+    return hits
+
+
 # -----------------------------------------------------------------------------
 # LoRA (Hu et al. 2021): a frozen layer W plus a trainable low-rank update, y = W x + s B A x with
 # A (r, in), B (out, r), s = lora_alpha / r (or lora_alpha / sqrt(r) with rsLoRA, Kalajdzievski 2023,

@@ -26,7 +26,7 @@ from data import (NUMBER_TASKS_DIR, ChatTokenizer, SFTBatches, TokenBatches, eva
 from losses import combine_losses, target_weights, token_weight_table, weighted_cross_entropy, z_loss
 from memory import (GradScaler, MemoryMonitor, StepProfiler, autocast_context, fault_at, free_memory,
                     halve_micro_batch, is_oom, peak_memory_bytes, pick_device, pick_dtype)
-from model import GPT, GPTConfig, apply_lora, lora_state_dict, merged_state_dict
+from model import GPT, GPTConfig, apply_lora, exact_match_hits, lora_state_dict, merged_state_dict
 from muon import Muon, muon_param_groups
 from scheduler import get_lr
 
@@ -314,16 +314,11 @@ def evaluate():
 @torch.no_grad()
 def exact_match():
     """Fraction of held-out prompts whose greedy answer is exactly the reference, then <|end|>; split across ranks."""
+    mine = exact_match_prompts[rank::world_size]
     raw_model.eval()
-    total = torch.zeros(2, device=device)  # hits, prompts
-    for prompt, reference in exact_match_prompts[rank::world_size]:
-        # one token more than the reference: a right answer must stop there
-        with autocast:
-            out = raw_model.generate(torch.tensor([prompt], device=device), len(tokenizer.encode(reference)) + 1,
-                                     temperature=0, eos_id=tokenizer.eos_id)[0, len(prompt):].tolist()
-        end = tokenizer.eos_id
-        hit = end in out and tokenizer.decode(out[:out.index(end)]).strip() == reference.strip()
-        total += torch.tensor([float(hit), 1.0], device=device)
+    with autocast:
+        hits = exact_match_hits(raw_model, tokenizer, mine)
+    total = torch.tensor([hits, len(mine)], device=device, dtype=torch.float)
     if ddp:
         dist.all_reduce(total)
     raw_model.train()

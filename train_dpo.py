@@ -28,7 +28,7 @@ from data import (PREFERENCES_DIR, ChatTokenizer, PreferenceBatches, load_prefer
                   prepare_default, prepare_number_tasks)
 from losses import DPO_LOSS_TYPES, dpo_loss, sequence_logps
 from memory import GradScaler, autocast_context, peak_memory_bytes, pick_device, pick_dtype
-from model import GPT, GPTConfig, apply_lora, disable_adapters, lora_state_dict, merged_state_dict
+from model import GPT, GPTConfig, apply_lora, exact_match_hits, disable_adapters, lora_state_dict, merged_state_dict
 from scheduler import get_lr
 
 # -----------------------------------------------------------------------------
@@ -366,15 +366,11 @@ def evaluate():
 @torch.no_grad()
 def exact_match():
     """Fraction of held-out prompts whose greedy answer is exactly the chosen one, then <|end|>; split across ranks."""
+    mine = exact_match_prompts[rank::world_size]
     raw_model.eval()
-    total = torch.zeros(2, device=device)  # hits, prompts
-    for prompt, reference_text in exact_match_prompts[rank::world_size]:
-        with autocast:
-            out = raw_model.generate(torch.tensor([prompt], device=device), len(tokenizer.encode(reference_text)) + 1,
-                                     temperature=0, eos_id=tokenizer.eos_id)[0, len(prompt):].tolist()
-        end = tokenizer.eos_id
-        hit = end in out and tokenizer.decode(out[:out.index(end)]).strip() == reference_text.strip()
-        total += torch.tensor([float(hit), 1.0], device=device)
+    with autocast:
+        hits = exact_match_hits(raw_model, tokenizer, mine)
+    total = torch.tensor([hits, len(mine)], device=device, dtype=torch.float)
     if ddp:
         dist.all_reduce(total)
     raw_model.train()

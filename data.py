@@ -324,11 +324,8 @@ class TokenBatches:
         data = np.memmap(self.bin_path, dtype=self.dtype, mode='r')
         windows = np.stack([data[i:i + self.block_size + 1] for i in offsets.tolist()])
         windows = torch.from_numpy(windows.astype(np.int64))
-        x, y = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
-        if torch.device(device).type == 'cuda':  # pinned memory lets the copy overlap compute
-            x, y = x.pin_memory(), y.pin_memory()
-            return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        return x.to(device), y.to(device)
+        x, y = to_device([windows[:, :-1].contiguous(), windows[:, 1:].contiguous()], device)
+        return x, y
 
     def state_dict(self):
         return {'generator': self.generator.get_state(), 'batches_drawn': self.batches_drawn}
@@ -446,10 +443,30 @@ def chat_messages(record):
         user = string_field(record['instruction'], 'instruction')
         if string_field(record.get('input', ''), 'input'):
             user += '\n\n' + record['input']
-        return [{'role': 'user', 'content': user}, {'role': 'assistant', 'content': string_field(record['output'], 'output')}]
+        return [{'role': 'user', 'content': user},
+                {'role': 'assistant', 'content': string_field(record['output'], 'output')}]
     raise ValueError(f"unknown format (keys {sorted(record)}); use {{\"prompt\", \"response\"}}, Alpaca "
                      f"{{\"instruction\", \"input\", \"output\"}} or "
                      f"{{\"messages\": [{{\"role\", \"content\"}}, ...]}}")
+
+
+def read_jsonl(path, parse, skip_malformed):
+    """(results, skipped): parse(record) of every non-blank line of a JSONL file. A line that is not
+    JSON, not UTF-8, or that parse rejects (ValueError, UserError) is an error naming path:line, or with
+    skip_malformed skipped and counted."""
+    results, skipped = [], 0
+    with open(path, 'rb') as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                results.append(parse(json.loads(line.decode('utf-8'))))
+            except (ValueError, UserError) as e:  # JSON and UTF-8 decode errors are ValueErrors
+                if not skip_malformed:
+                    raise UserError(f"{path}:{line_no}: {e}. Fix the line, or set skip_malformed=True to skip "
+                                    f"malformed lines (they are counted).") from None
+                skipped += 1
+    return results, skipped
 
 
 def load_sft_split(path, tokenizer, max_length, overlong='truncate', skip_malformed=False):
@@ -463,28 +480,21 @@ def load_sft_split(path, tokenizer, max_length, overlong='truncate', skip_malfor
     if not os.path.isfile(path):
         raise UserError(f"SFT data file {path} does not exist. Point sft_data at a folder holding train.jsonl "
                         f"and val.jsonl (test.jsonl optional), or leave it '' for the embedded number tasks.")
-    conversations, examples, skipped, truncated, dropped = [], [], 0, 0, 0
-    with open(path, 'rb') as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
+    conversations, examples, truncated, dropped = [], [], 0, 0
+
+    def parse(record):
+        messages = chat_messages(record)
+        return messages, *tokenizer.encode_chat(messages)  # a char tokenizer rejects unknown characters
+    parsed, skipped = read_jsonl(path, parse, skip_malformed)
+    for messages, ids, labels in parsed:
+        conversations.append(messages)
+        if len(ids) > max_length:
+            ids, labels = ids[:max_length], labels[:max_length]
+            if overlong == 'drop' or all(label == -100 for label in labels[1:]):
+                dropped += 1
                 continue
-            try:
-                messages = chat_messages(json.loads(line.decode('utf-8')))
-                ids, labels = tokenizer.encode_chat(messages)  # a char tokenizer rejects unknown characters
-            except (ValueError, UserError) as e:  # JSON and UTF-8 decode errors are ValueErrors
-                if not skip_malformed:
-                    raise UserError(f"{path}:{line_no}: {e}. Fix the line, or set skip_malformed=True to skip "
-                                    f"malformed lines (they are counted).") from None
-                skipped += 1
-                continue
-            conversations.append(messages)
-            if len(ids) > max_length:
-                ids, labels = ids[:max_length], labels[:max_length]
-                if overlong == 'drop' or all(label == -100 for label in labels[1:]):
-                    dropped += 1
-                    continue
-                truncated += 1
-            examples.append((ids, labels))
+            truncated += 1
+        examples.append((ids, labels))
     print(f"{path}: {len(examples):,} examples ({truncated} truncated and {dropped} dropped at max_length="
           f"{max_length} by overlong={overlong!r}, {skipped} malformed lines skipped)")
     if not examples:
@@ -493,6 +503,13 @@ def load_sft_split(path, tokenizer, max_length, overlong='truncate', skip_malfor
                         f"{{\"prompt\": \"What is 2+2?\", \"response\": \"4\"}}; raise max_length if they are "
                         f"too long.")
     return conversations, examples
+
+
+def to_device(tensors, device):
+    """CPU tensors moved to device; to CUDA through pinned memory, so the copy overlaps compute."""
+    if torch.device(device).type == 'cuda':
+        return [t.pin_memory().to(device, non_blocking=True) for t in tensors]
+    return [t.to(device) for t in tensors]
 
 
 def pack_rows(items, lengths, capacity):
@@ -514,18 +531,15 @@ def build_rows(rows, inputs, targets, pad_id, device='cpu'):
     padded to the longest row: x (pad_id on padding), y (-100 on padding), doc_ids (the sequence's
     place in its row, -1 on padding) and seq (the sequence's index, -1 on padding)."""
     T = max(sum(len(inputs[i]) for i in row) for row in rows)
-    x = torch.full((len(rows), T), pad_id)
-    y, doc_ids, seq = (torch.full((len(rows), T), -1) for _ in range(3))
-    y.fill_(-100)
+    x, y = torch.full((len(rows), T), pad_id), torch.full((len(rows), T), -100)
+    doc_ids, seq = torch.full((len(rows), T), -1), torch.full((len(rows), T), -1)
     for r, row in enumerate(rows):
         t = 0
         for d, i in enumerate(row):
             n = len(inputs[i])
             x[r, t:t + n], y[r, t:t + n], doc_ids[r, t:t + n], seq[r, t:t + n] = inputs[i], targets[i], d, i
             t += n
-    if torch.device(device).type == 'cuda':  # pinned memory lets the copy overlap compute
-        return [t.pin_memory().to(device, non_blocking=True) for t in (x, y, doc_ids, seq)]
-    return [t.to(device) for t in (x, y, doc_ids, seq)]
+    return to_device((x, y, doc_ids, seq), device)
 
 
 class SFTBatches:
@@ -741,30 +755,23 @@ def load_preference_split(path, tokenizer, max_length, max_prompt_length, skip_m
     if not os.path.isfile(path):
         raise UserError(f"preference data file {path} does not exist. Point dpo_data at a folder holding "
                         f"train.jsonl and val.jsonl (test.jsonl optional), or leave it '' for the embedded pairs.")
-    references, pairs, skipped, prompts_cut, completions_cut, dropped = [], [], 0, 0, 0, 0
-    with open(path, 'rb') as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                prompt, chosen, rejected = preference_pair(json.loads(line.decode('utf-8')))
-                prompt_ids, chosen_ids, rejected_ids = encode_pair(tokenizer, prompt, chosen, rejected)
-            except (ValueError, UserError) as e:  # JSON and UTF-8 decode errors are ValueErrors
-                if not skip_malformed:
-                    raise UserError(f"{path}:{line_no}: {e}. Fix the line, or set skip_malformed=True to skip "
-                                    f"malformed lines (they are counted).") from None
-                skipped += 1
-                continue
-            references.append((prompt_ids, chosen))
-            if len(prompt_ids) > max_prompt_length:
-                prompt_ids, prompts_cut = prompt_ids[-max_prompt_length:], prompts_cut + 1
-            room = max_length - len(prompt_ids)
-            if room < 1:
-                dropped += 1
-                continue
-            if max(len(chosen_ids), len(rejected_ids)) > room:
-                chosen_ids, rejected_ids, completions_cut = chosen_ids[:room], rejected_ids[:room], completions_cut + 1
-            pairs.append((prompt_ids, chosen_ids, rejected_ids))
+    references, pairs, prompts_cut, completions_cut, dropped = [], [], 0, 0, 0
+
+    def parse(record):
+        prompt, chosen, rejected = preference_pair(record)
+        return chosen, *encode_pair(tokenizer, prompt, chosen, rejected)
+    parsed, skipped = read_jsonl(path, parse, skip_malformed)
+    for chosen, prompt_ids, chosen_ids, rejected_ids in parsed:
+        references.append((prompt_ids, chosen))
+        if len(prompt_ids) > max_prompt_length:
+            prompt_ids, prompts_cut = prompt_ids[-max_prompt_length:], prompts_cut + 1
+        room = max_length - len(prompt_ids)
+        if room < 1:
+            dropped += 1
+            continue
+        if max(len(chosen_ids), len(rejected_ids)) > room:
+            chosen_ids, rejected_ids, completions_cut = chosen_ids[:room], rejected_ids[:room], completions_cut + 1
+        pairs.append((prompt_ids, chosen_ids, rejected_ids))
     print(f"{path}: {len(pairs):,} pairs ({prompts_cut} prompts cut to max_prompt_length={max_prompt_length}, "
           f"{completions_cut} completions cut and {dropped} pairs dropped at max_length={max_length}, "
           f"{skipped} malformed lines skipped)")
@@ -839,13 +846,14 @@ class PreferenceBatches:
             positions = list(range(p)) + list(range(p, p + c)) + list(range(p, p + len(rejected) - 1))
             branch = [0] * p + [1] * c + [2] * (len(rejected) - 1)
             scored = [(p - 1 + t, target, k) for t, target in enumerate(chosen)]
-            scored += [(p - 1, rejected[0], n + k)] + [(p + c + t, target, n + k) for t, target in enumerate(rejected[1:])]
+            scored += [(p - 1, rejected[0], n + k)]
+            scored += [(p + c + t, target, n + k) for t, target in enumerate(rejected[1:])]
             units.append((tokens, positions, branch, scored))
         packed = pack_rows(range(n), [len(u[0]) for u in units], 2 * self.max_length)
         T = max(sum(len(units[u][0]) for u in row) for row in packed)
         x = torch.full((len(packed), T), self.pad_id)
-        positions, unit, branch = (torch.zeros(len(packed), T, dtype=torch.long) for _ in range(3))
-        unit.fill_(-1)
+        positions, branch = (torch.zeros(len(packed), T, dtype=torch.long) for _ in range(2))
+        unit = torch.full((len(packed), T), -1)  # which pair a position holds; -1 on padding
         scored = []
         for r, row in enumerate(packed):
             t = 0
@@ -861,9 +869,7 @@ class PreferenceBatches:
         mask = ((unit[:, :, None] == unit[:, None, :]) & causal & same_branch)[:, None]
         rows, cols, targets, owners = torch.tensor(scored).T
         tensors = dict(x=x, positions=positions, mask=mask, rows=rows, cols=cols, targets=targets, owners=owners)
-        if torch.device(device).type == 'cuda':
-            return {k: v.pin_memory().to(device, non_blocking=True) for k, v in tensors.items()}
-        return {k: v.to(device) for k, v in tensors.items()}
+        return dict(zip(tensors, to_device(tensors.values(), device)))
 
     def state_dict(self):
         return {'generator': self.generator.get_state(), 'order': self.order, 'position': self.position,

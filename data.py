@@ -419,7 +419,8 @@ def string_field(value, key):
 def message_list(value, key):
     """value checked to be a list of {"role", "content"} messages (roles of the template); ValueError if not."""
     if not isinstance(value, list) or not all(isinstance(m, dict) for m in value):
-        raise ValueError(f'"{key}" must be a list of {{"role": ..., "content": ...}} objects')
+        raise ValueError(f'"{key}" must be a list of {{"role": ..., "content": ...}} objects, got '
+                         f'{json.dumps(value)[:80]}')
     for m in value:
         if m.get('role') not in CHAT_ROLES:
             raise ValueError(f"message role {m.get('role')!r} in \"{key}\" is not one of {', '.join(CHAT_ROLES)}")
@@ -712,6 +713,9 @@ def preference_pair(record):
     chosen, rejected = record['chosen'], record['rejected']
     if 'prompt' in record:
         prompt = record['prompt']
+        if not isinstance(prompt, (str, list)):
+            raise ValueError(f'"prompt" must be a string or a list of {{"role": ..., "content": ...}} messages, '
+                             f'got {json.dumps(prompt)[:80]}')
         prompt = [{'role': 'user', 'content': prompt}] if isinstance(prompt, str) else message_list(prompt, 'prompt')
     else:  # implicit prompt: the turns chosen and rejected have in common
         chosen, rejected = message_list(chosen, 'chosen'), message_list(rejected, 'rejected')

@@ -180,12 +180,15 @@ def test_malformed_lines_name_path_and_line(tmp_path, capsys):
         {'prompt': 'x', 'chosen': 2, 'rejected': '3'},                                 # not a string
         {'prompt': 'x', 'chosen': '2', 'rejected': [{'role': 'assistant', 'content': 3}]},
         [good],                                                                         # not an object
+        {'prompt': 5, 'chosen': '2', 'rejected': '3'},                                 # prompt neither text nor turns
     ]
     tok = char_tokenizer()
     for i, line in enumerate(bad):
         path = write_jsonl(tmp_path / f'bad{i}.jsonl', [good, '', line, good])
         with pytest.raises(UserError, match=rf'{path}:3: .*skip_malformed=True'):
             load_preference_split(path, tok, 64, 48)
+    with pytest.raises(UserError, match='"prompt" must be a string or a list of .* got 5'):
+        load_preference_split(path, tok, 64, 48)
     path = write_jsonl(tmp_path / 'mixed.jsonl', [good, *bad, good])
     references, pairs = load_preference_split(path, tok, 64, 48, skip_malformed=True)
     assert len(references) == len(pairs) == 2

@@ -50,11 +50,14 @@ def save_checkpoint(path, state):
 
 def load_checkpoint(path):
     if not os.path.isfile(path):
-        raise UserError(f"checkpoint {path} does not exist. Check the path, or start from scratch with --init_from=scratch.")
+        problem = "is a folder, not a checkpoint file" if os.path.isdir(path) else "does not exist"
+        raise UserError(f"checkpoint {path} {problem}. Check the path (train.py can also start from scratch: "
+                        f"--init_from=scratch).")
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise UserError(f"checkpoint {path} could not be read ({type(e).__name__}: {str(e).splitlines()[0][:200]}). "
+        reason = str(e).split('\n')[0][:200] or 'the file is empty or cut short'
+        raise UserError(f"checkpoint {path} could not be read ({type(e).__name__}: {reason}). "
                         f"The file is corrupt or was not written by nanotrain; restore it from a backup, or start "
                         f"without it: point --init_from at another checkpoint, or use a new out_dir (train.py: "
                         f"--init_from=scratch; train_dpo.py: --resume=False).") from None
@@ -131,14 +134,14 @@ def run_log(out_dir, enabled, tensorboard, purge_step):
     return record, writer
 
 
-def check_compatible(saved, wanted, what, path):
-    """Raise a UserError listing every field where a checkpoint disagrees with the current config."""
+def check_compatible(saved, wanted, what, path, fix="Set these keys to the checkpoint's values, or use a different "
+                     "out_dir / --init_from=scratch to train a new model."):
+    """Raise a UserError listing every field where a checkpoint disagrees with the current config, then fix."""
     diffs = [f"{k}: checkpoint has {saved.get(k)!r}, config has {wanted.get(k)!r}"
              for k in sorted(set(saved) | set(wanted)) if saved.get(k) != wanted.get(k)]
     if diffs:
-        raise UserError(f"the {what} of checkpoint {path} does not match the current config ("
-                        + "; ".join(diffs) + "). Set these keys to the checkpoint's values, "
-                        f"or use a different out_dir / --init_from=scratch to train a new model.")
+        raise UserError(f"the {what} of checkpoint {path} does not match the current config (" + "; ".join(diffs)
+                        + f"). {fix}")
 
 
 class StopSignal:

@@ -21,12 +21,32 @@ UserError is the exception every module raises for bad user input (missing file,
 import ast
 import difflib
 import io
+import math
 import os
 import sys
 import tokenize
 import types
 
+from scheduler import SCHEDULES
+
 CONFIG_TYPES = (int, float, bool, str, type(None), tuple, list, dict)
+
+# Values that mean nothing for keys the scripts share (a name means the same in every script): configure()
+# rejects them at start-up, before they fail deep inside a run. Every float must also be finite.
+VALUE_RULES = [
+    (('batch_size', 'gradient_accumulation_steps', 'max_iters', 'eval_interval', 'log_interval', 'eval_iters',
+      'eval_pairs', 'max_bad_steps', 'block_size', 'max_length', 'max_prompt_length', 'n_layer', 'n_head', 'n_embd',
+      'lora_r', 'bucket_batches', 'restart_iters', 'restart_mult', 'num_samples', 'max_new_tokens'),
+     lambda v: v >= 1, 'at least 1'),
+    (('early_stopping_patience', 'exact_match_examples', 'warmup_iters', 'lr_decay_iters', 'curriculum_iters',
+      'sample_tokens', 'num_threads', 'learning_rate', 'min_lr', 'muon_lr', 'weight_decay', 'grad_clip', 'rpo_alpha',
+      'logit_softcap', 'max_minutes', 'eval_utterances', 'audio_samples', 'top_k', 'temperature'),
+     lambda v: v >= 0, 'at least 0'),
+    (('dropout', 'lora_dropout', 'beta1', 'beta2', 'muon_momentum', 'cfg_drop'), lambda v: 0 <= v < 1, 'in [0, 1)'),
+    (('beta', 'lora_alpha', 'loraplus_lr_ratio'), lambda v: v > 0, 'positive'),
+    (('lr_schedule',), lambda v: v in SCHEDULES, f"one of {', '.join(SCHEDULES)}"),
+    (('out_dir',), lambda v: v and not os.path.isfile(v), 'a folder (not empty, not an existing file)'),
+]
 
 
 class UserError(Exception):
@@ -212,4 +232,16 @@ def configure(g, argv=None):
         value = parse_value(key, text, defaults[key])
         print(f"overriding {key} = {value!r}")
         g[key] = value
-    return {k: g[k] for k in defaults}
+    config = {k: g[k] for k in defaults}
+    check_values(config)
+    return config
+
+
+def check_values(config):
+    """Exit with a config error naming the first key whose value breaks VALUE_RULES or is not a finite float."""
+    for key, value in config.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            fail(f"{key}={value}: must be a finite number.")
+        for keys, ok, what in VALUE_RULES:
+            if key in keys and not ok(value):
+                fail(f"{key}={value!r} must be {what}.")

@@ -453,18 +453,20 @@ def chat_messages(record):
 
 def read_jsonl(path, parse, skip_malformed):
     """(results, skipped): parse(record) of every non-blank line of a JSONL file. A line that is not
-    JSON, not UTF-8, or that parse rejects (ValueError, UserError) is an error naming path:line, or with
-    skip_malformed skipped and counted."""
+    JSON, not UTF-8 (or holds a lone surrogate such as \\ud800), or that parse rejects (ValueError,
+    UserError) is an error naming path:line, or with skip_malformed skipped and counted."""
     results, skipped = [], 0
     with open(path, 'rb') as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                results.append(parse(json.loads(line.decode('utf-8'))))
-            except (ValueError, UserError) as e:  # JSON and UTF-8 decode errors are ValueErrors
+                record = json.loads(line.decode('utf-8'))
+                json.dumps(record, ensure_ascii=False).encode('utf-8')  # lone surrogates are not text
+                results.append(parse(record))
+            except (ValueError, RecursionError, UserError) as e:  # bad JSON or UTF-8 is a ValueError; deep nesting recurses
                 if not skip_malformed:
-                    raise UserError(f"{path}:{line_no}: {e}. Fix the line, or set skip_malformed=True to skip "
+                    raise UserError(f"{path}:{line_no}: {str(e).rstrip('.')}. Fix the line, or set skip_malformed=True to skip "
                                     f"malformed lines (they are counted).") from None
                 skipped += 1
     return results, skipped
@@ -723,6 +725,9 @@ def preference_pair(record):
         while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
             shared += 1
         prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
+    if prompt and prompt[-1]['role'] == 'assistant':
+        raise ValueError("the prompt ends with an assistant turn; chosen and rejected are the assistant's reply "
+                         "to the prompt's last user turn")
 
     def reply(value, key):
         if isinstance(value, str):
@@ -754,12 +759,12 @@ def load_preference_split(path, tokenizer, max_length, max_prompt_length, skip_m
     """Read and tokenize one JSONL split of preference pairs: returns (references, pairs).
     references: (full prompt ids, chosen text) per pair, for exact-match evaluation. pairs: (prompt,
     chosen, rejected) token ids fitted to max_length: the prompt keeps its last max_prompt_length
-    tokens, each completion its first max_length - len(prompt); a pair with a completion left empty is
-    dropped. A malformed line is an error naming path:line, or with skip_malformed skipped and counted."""
+    tokens, each completion its first max_length - len(prompt); a pair with a completion left empty, or
+    with chosen == rejected (as given, or once cut), is dropped. A malformed line is an error naming path:line, or with skip_malformed skipped and counted."""
     if not os.path.isfile(path):
         raise UserError(f"preference data file {path} does not exist. Point dpo_data at a folder holding "
                         f"train.jsonl and val.jsonl (test.jsonl optional), or leave it '' for the embedded pairs.")
-    references, pairs, prompts_cut, completions_cut, dropped = [], [], 0, 0, 0
+    references, pairs, prompts_cut, completions_cut, dropped, identical = [], [], 0, 0, 0, 0
 
     def parse(record):
         prompt, chosen, rejected = preference_pair(record)
@@ -775,15 +780,19 @@ def load_preference_split(path, tokenizer, max_length, max_prompt_length, skip_m
             continue
         if max(len(chosen_ids), len(rejected_ids)) > room:
             chosen_ids, rejected_ids, completions_cut = chosen_ids[:room], rejected_ids[:room], completions_cut + 1
+        if chosen_ids == rejected_ids:  # no preference to learn (identical, or alike up to where they were cut)
+            identical += 1
+            continue
         pairs.append((prompt_ids, chosen_ids, rejected_ids))
     print(f"{path}: {len(pairs):,} pairs ({prompts_cut} prompts cut to max_prompt_length={max_prompt_length}, "
           f"{completions_cut} completions cut and {dropped} pairs dropped at max_length={max_length}, "
-          f"{skipped} malformed lines skipped)")
+          f"{identical} pairs dropped with chosen == rejected, {skipped} malformed lines skipped)")
     if not pairs:
         raise UserError(f"{path} holds no usable preference pairs ({skipped} malformed lines skipped, {dropped} "
                         f"dropped because max_prompt_length={max_prompt_length} leaves no room in max_length="
-                        f"{max_length}). Each line must be one JSON pair, e.g. {{\"prompt\": \"What is 2+2?\", "
-                        f"\"chosen\": \"4\", \"rejected\": \"5\"}}; raise max_length or lower max_prompt_length.")
+                        f"{max_length}, {identical} with chosen == rejected). Each line must be one JSON pair, e.g. "
+                        f"{{\"prompt\": \"What is 2+2?\", \"chosen\": \"4\", \"rejected\": \"5\"}}; raise "
+                        f"max_length or lower max_prompt_length.")
     return references, pairs
 
 

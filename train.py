@@ -209,7 +209,9 @@ if init_from != 'scratch':
     if fine_tuning and weights['config'].get('training_type', 'from_scratch') == 'from_scratch':
         expected_tokenizer = base_tokenizer.identity()  # a pretrained model: the chat tokens are added below
     vocab_size = expected_tokenizer['vocab_size']
-    check_compatible(weights['tokenizer'], expected_tokenizer, 'tokenizer', weights_source)
+    check_compatible(weights['tokenizer'], expected_tokenizer, 'tokenizer', weights_source,
+                     fix="Point data_dir at the tokenizer folder it was trained with, or use a different out_dir / "
+                         "--init_from=scratch to train a new model.")
     shape = lambda args: {k: v for k, v in args.items() if k != 'dropout'}  # dropout may change between runs
     check_compatible(shape(weights['model_args']), shape(dict(model_args, vocab_size=vocab_size)), 'model shape',
                      weights_source)
@@ -233,7 +235,7 @@ model.to(device)
 raw_model = model  # what we save and sample from: never compiled or DDP-wrapped
 
 if training_type == 'lora' and optimizer_type != 'adamw':
-    raise UserError(f"training_type='lora' trains its adapters with AdamW; set optimizer_type='adamw'.")
+    raise UserError("training_type='lora' trains its adapters with AdamW; set optimizer_type='adamw'.")
 if optimizer_type == 'muon':
     optimizer = Muon(muon_param_groups(raw_model, learning_rate, weight_decay, (beta1, beta2), muon_lr, muon_momentum))
 elif optimizer_type == 'adamw':  # only trainable parameters: with LoRA, the adapters

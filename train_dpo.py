@@ -102,11 +102,9 @@ if loss_type not in DPO_LOSS_TYPES:
 if not 0 <= label_smoothing < 0.5:
     raise UserError(f"label_smoothing={label_smoothing} must be in [0, 0.5): it is the probability that a label is "
                     f"wrong, and at 0.5 the labels carry no information.")
-if beta <= 0:
-    raise UserError(f"beta={beta} must be positive, e.g. 0.1.")
-if min(batch_size, gradient_accumulation_steps, eval_pairs) < 1:
-    raise UserError(f"batch_size={batch_size}, gradient_accumulation_steps={gradient_accumulation_steps} and "
-                    f"eval_pairs={eval_pairs} must all be at least 1.")
+if label_smoothing and loss_type not in ('sigmoid', 'robust'):
+    raise UserError(f"label_smoothing applies to loss_type 'sigmoid' (conservative DPO) and 'robust' only; "
+                    f"drop it for loss_type={loss_type!r}.")
 if reference_free and precompute_ref_logps:
     raise UserError("reference_free=True has no reference to precompute; drop precompute_ref_logps.")
 
@@ -145,10 +143,13 @@ if ckpt and 'reference_hash' not in ckpt:
     raise UserError(f"{ckpt_path} is not a DPO run's checkpoint, so there is nothing to resume. Use another out_dir, "
                     f"or --resume=False to start a new run there (its checkpoints are then overwritten).")
 reference_path = ckpt['reference_checkpoint'] if ckpt else init_from
-if not os.path.exists(reference_path):
+if ckpt and not os.path.isfile(reference_path):
+    raise UserError(f"{reference_path}, the reference of the DPO run in {out_dir} (named in its ckpt.pt), no longer "
+                    f"exists. Put it back there, or start a new run (another out_dir, or --resume=False).")
+if not os.path.isfile(reference_path):
     how = ("make it with `python train.py` (pretraining, out/ckpt.pt) then `python train.py config/sft.py` "
            "(SFT, out-sft/ckpt.pt)" if reference_path == 'out-sft/ckpt.pt' else "check the path")
-    raise UserError(f"init_from={reference_path!r} does not exist. DPO starts from a chat model: {how}, or point "
+    raise UserError(f"init_from={reference_path!r} is not a checkpoint file. DPO starts from a chat model: {how}, or point "
                     f"--init_from at another SFT checkpoint (or a LoRA run's merged.pt).")
 weights = load_checkpoint(reference_path)
 if weights['kind'] != 'gpt':
@@ -174,23 +175,29 @@ if ddp:
 data_dir = data_dir or os.path.join('data', 'stdlib')
 dpo_data = dpo_data or PREFERENCES_DIR
 tokenizer = ChatTokenizer(load_tokenizer(data_dir))
-check_compatible(weights['tokenizer'], tokenizer.identity(), 'tokenizer', reference_path)
+check_compatible(weights['tokenizer'], tokenizer.identity(), 'tokenizer', reference_path,
+                 fix="Point data_dir at the tokenizer folder the model was trained with ('' for the default).")
 model_args = dict(weights['model_args'], dropout=dropout)
 if max_length > model_args['block_size']:
     raise UserError(f"max_length={max_length} is longer than the model's block_size={model_args['block_size']}; "
                     f"lower max_length.")
-if not 1 <= max_prompt_length < max_length:
-    raise UserError(f"max_prompt_length={max_prompt_length} must be at least 1 and leave room for a completion "
-                    f"in max_length={max_length}.")
+if max_prompt_length >= max_length:
+    raise UserError(f"max_prompt_length={max_prompt_length} must leave room for a completion in max_length={max_length}; "
+                    f"lower it.")
 split_path = lambda name: os.path.join(dpo_data, f'{name}.jsonl')
 split = lambda name: load_preference_split(split_path(name), tokenizer, max_length, max_prompt_length, skip_malformed)
 _, train_pairs = split('train')
 val_references, val_pairs = split('val')
-held_out = split('test')[0] if os.path.exists(split_path('test')) else val_references
+held_out = split('test')[0] if exact_match_examples and os.path.exists(split_path('test')) else val_references
 exact_match_prompts = held_out[:exact_match_examples]
 train_batches = PreferenceBatches(train_pairs, seed, tokenizer.eos_id, max_length, pack)
 val_batches = PreferenceBatches(val_pairs, seed, tokenizer.eos_id, max_length, pack)
 val_indices = torch.arange(min(len(val_pairs), eval_pairs))
+train_data_hash = file_sha256(split_path('train'))
+if ckpt and train_data_hash != ckpt['train_data_hash']:
+    raise UserError(f"{split_path('train')} has changed since the DPO run in {out_dir} began; resuming would go on "
+                    f"with other pairs. Restore the file (or dpo_data), or start a new run (another out_dir, or "
+                    f"--resume=False).")
 
 
 def frozen_copy(state):
@@ -211,7 +218,9 @@ if use_lora:
         f"({100 * trainable / sum(p.numel() for p in model.parameters()):.2f}% of all)")
 if ckpt:
     fixed = ('use_lora', 'reference_free') + (('lora_r', 'lora_target_modules', 'lora_bias') if use_lora else ())
-    check_compatible({k: ckpt['config'].get(k) for k in fixed}, {k: config[k] for k in fixed}, 'setup', ckpt_path)
+    check_compatible({k: ckpt['config'].get(k) for k in fixed}, {k: config[k] for k in fixed}, 'setup', ckpt_path,
+                     fix="Set these keys to the checkpoint's values, or start a new run (another out_dir, or "
+                         "--resume=False).")
     model.load_state_dict({**model.state_dict(), **ckpt['model']})  # strict: all weights, or every adapter
 model.activation_checkpointing = activation_checkpointing
 model.to(device)
@@ -265,7 +274,15 @@ if precompute_ref_logps:
                                      tokenizer.identity(), max_length, max_prompt_length, str(ptdtype)]).encode())
     cache_path = os.path.join(out_dir, f'ref_logps_{key.hexdigest()[:16]}.pt')
     if os.path.exists(cache_path):
-        ref_cache = load_checkpoint(cache_path)
+        try:
+            ref_cache = load_checkpoint(cache_path)
+            sizes_match = [ref_cache[name].shape for name in ('train', 'val')] == [(train_batches.n_pairs, 2),
+                                                                                   (val_batches.n_pairs, 2)]
+        except (UserError, KeyError, AttributeError, TypeError):
+            sizes_match = False
+        if not sizes_match:
+            raise UserError(f"{cache_path}, the cached reference log-probs, is unreadable or does not fit the data. "
+                            f"Delete it: it is computed again.")
         log(f"reference log-probs from {cache_path}")
     else:
         t0 = time.time()
@@ -384,7 +401,7 @@ def checkpoint_state():
                  evals_without_improvement=evals_without_improvement, config=dict(config, training_type='dpo'),
                  tokenizer=tokenizer.identity(), data_dir=os.path.abspath(data_dir), rng=rngs,
                  train_batches=train_batches.state_dict(), reference_checkpoint=os.path.abspath(reference_path),
-                 reference_hash=reference_hash)
+                 reference_hash=reference_hash, train_data_hash=train_data_hash)
     if use_lora:  # adapters only: the base is the reference checkpoint, named by path and hash
         state.update(kind='lora', model=lora_state_dict(raw_model), base_checkpoint=state['reference_checkpoint'],
                      base_hash=reference_hash)

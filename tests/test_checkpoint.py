@@ -47,6 +47,12 @@ def test_load_errors_are_user_errors(tmp_path):
     bad.write_bytes(b'\x00garbage')
     with pytest.raises(UserError, match='corrupt'):
         load_checkpoint(bad)
+    empty = tmp_path / 'empty.pt'
+    empty.write_bytes(b'')
+    with pytest.raises(UserError, match='empty or cut short'):
+        load_checkpoint(empty)
+    with pytest.raises(UserError, match='is a folder, not a checkpoint file'):
+        load_checkpoint(tmp_path)
 
 
 def test_weights_only_refuses_arbitrary_objects(tmp_path):

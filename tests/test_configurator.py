@@ -198,3 +198,18 @@ def test_other_exceptions_keep_their_traceback(tmp_path):
     r = run_script(tmp_path, '--out_dir=crash')
     assert r.returncode == 1 and 'Traceback' in r.stderr and 'ValueError: a bug' in r.stderr
 
+
+
+@pytest.mark.parametrize('arg, message', [('--batch_size=0', 'batch_size=0 must be at least 1'),
+                                          ('--learning_rate=-1', 'learning_rate=-1.0 must be at least 0'),
+                                          ('--learning_rate=1e400', 'learning_rate=inf: must be a finite number'),
+                                          ('--dropout=1.5', 'dropout=1.5 must be in [0, 1)'),
+                                          ('--lr_schedule=cosin', "lr_schedule='cosin' must be one of cosine"),
+                                          ('--out_dir=', "out_dir='' must be a folder"),
+                                          (f'--out_dir={__file__}', 'must be a folder (not empty, not an existing file)')])
+def test_meaningless_values_are_errors(arg, message, capsys):
+    """Shared keys are range-checked at start-up (config files too), whatever script they belong to."""
+    g = lambda: dict(defaults(), dropout=0.0, lr_schedule='cosine')
+    assert message in config_error([arg], capsys, g())
+    config = configure(g(), ['--batch_size=1', '--learning_rate=0', '--dropout=0.0', '--lr_schedule=wsd'])
+    assert config['batch_size'] == 1 and config['lr_schedule'] == 'wsd'

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -180,6 +181,10 @@ def test_malformed_lines_name_path_and_line(tmp_path, capsys):
         {'prompt': 'x', 'chosen': 2, 'rejected': '3'},                                 # not a string
         {'prompt': 'x', 'chosen': '2', 'rejected': [{'role': 'assistant', 'content': 3}]},
         [good],                                                                         # not an object
+        {'prompt': [{'role': 'user', 'content': 'x'}, {'role': 'assistant', 'content': 'y'}],  # ends with a reply
+         'chosen': '2', 'rejected': '3'},
+        '{"prompt": "What is 1+1?\\ud800", "chosen": "2", "rejected": "3"}',             # a lone surrogate
+        '[' * 100_000 + ']' * 100_000,                                                  # nesting beyond recursion
         {'prompt': 5, 'chosen': '2', 'rejected': '3'},                                 # prompt neither text nor turns
     ]
     tok = char_tokenizer()
@@ -219,6 +224,15 @@ def test_truncation_keeps_prompt_end_and_completion_start(tmp_path, capsys):
     assert references[0] == (full_prompt, long_reply)
     out = capsys.readouterr().out
     assert '1 prompts cut' in out and '1 completions cut' in out and '0 pairs dropped' in out
+    # chosen == rejected carries no preference: dropped and counted, also when they differ only past the cut
+    path = write_jsonl(tmp_path / 'same.jsonl', [{'prompt': 'hi', 'chosen': 'yes', 'rejected': 'yes'},
+                                                 {'prompt': 'hi', 'chosen': long_reply + 'A', 'rejected': long_reply},
+                                                 {'prompt': 'hi', 'chosen': 'yes', 'rejected': 'no'}])
+    _, pairs = load_preference_split(path, tok, 20, 12)
+    assert len(pairs) == 1 and '2 pairs dropped with chosen == rejected' in capsys.readouterr().out
+    only_same = write_jsonl(tmp_path / 'only_same.jsonl', [{'prompt': 'a', 'chosen': 'b', 'rejected': 'b'}])
+    with pytest.raises(UserError, match='1 with chosen == rejected'):
+        load_preference_split(only_same, tok, 20, 12)
     # max_prompt_length == max_length: the long prompt fills the row, nothing is left for its completions
     _, pairs = load_preference_split(path, tok, 12, 12)
     assert len(pairs) == 1 and pairs[0][0] == tok.encode_prompt([{'role': 'user', 'content': 'hi'}])
@@ -463,6 +477,35 @@ def test_resume_is_bit_exact(tmp_path, dpo_env):
         assert_same_state(ca[key], cb[key], key)
 
 
+def test_resume_refuses_changed_data_reference_or_cache(tmp_path, dpo_env):
+    """Resuming checks what the run began with: other training pairs (same count), a reference no longer where
+    the checkpoint names it, an unreadable reference cache: exit 2 naming the file, the checkpoint untouched."""
+    reference, pairs, out = tmp_path / 'sft.pt', tmp_path / 'pairs', tmp_path / 'run'
+    shutil.copy(dpo_env['sft'], reference)
+    shutil.copytree(dpo_env['pairs'], pairs)
+    common = [f'--init_from={reference}', f'--dpo_data={pairs}', '--eval_interval=2', '--precompute_ref_logps=True']
+    dpo(dpo_env, out, '--max_iters=2', *common)
+    saved = (out / 'ckpt.pt').read_bytes()
+    train = pairs / 'train.jsonl'
+    lines = train.read_text().splitlines()
+    train.write_text('\n'.join([lines[1], lines[0], *lines[2:]]) + '\n')  # the same pairs, in another order
+    cache = glob.glob(str(out / 'ref_logps_*.pt'))[0]
+    cases = [(lambda: None, [str(train), 'has changed since']),
+             (lambda: shutil.copytree(dpo_env['pairs'], pairs, dirs_exist_ok=True), None),  # restored: resumes
+             (lambda: open(cache, 'wb').close(), [cache, 'Delete it']),
+             (lambda: os.replace(reference, tmp_path / 'moved.pt'), [str(reference), 'no longer exists'])]
+    for change, messages in cases:
+        change()
+        p = dpo(dpo_env, out, '--max_iters=2', *common, check=False)
+        if messages is None:
+            assert p.returncode == 0 and 'resuming' in p.stdout + p.stderr, p.stderr
+            saved = (out / 'ckpt.pt').read_bytes()  # its final save
+            continue
+        assert p.returncode == 2 and 'Traceback' not in p.stderr, p.stderr
+        assert all(m in p.stderr for m in messages), (messages, p.stderr)
+        assert (out / 'ckpt.pt').read_bytes() == saved
+
+
 def test_bad_inputs_are_clear_errors_and_keep_checkpoints(tmp_path, dpo_env):
     """A missing init_from, a pretrained (not fine-tuned) init_from, a malformed pair and out-of-range settings:
     exit 2 with a message naming the file (and line) or key, no traceback, and the out_dir's checkpoint
@@ -473,11 +516,13 @@ def test_bad_inputs_are_clear_errors_and_keep_checkpoints(tmp_path, dpo_env):
                                       {'prompt': 'What is 1+1?', 'chosen': '2'}])
     write_jsonl(bad / 'val.jsonl', [{'prompt': 'What is 1+1?', 'chosen': '2', 'rejected': '3'}])
     missing = tmp_path / 'nowhere' / 'ckpt.pt'
-    cases = [([f'--init_from={missing}'], [str(missing), 'does not exist']),
+    cases = [([f'--init_from={missing}'], [str(missing), 'is not a checkpoint file']),
              ([f'--init_from={dpo_env["base"]}'], [dpo_env['base'], 'fine-tune it first']),
              ([f'--dpo_data={bad}'], [f'{bad / "train.jsonl"}:2:', '"rejected"']),
              (['--eval_pairs=0'], ['eval_pairs=0', 'at least 1']),
-             (['--max_prompt_length=0'], ['max_prompt_length=0', 'at least 1'])]
+             (['--max_prompt_length=0'], ['max_prompt_length=0', 'at least 1']),
+             (['--max_prompt_length=40'], ['max_prompt_length=40', 'room for a completion']),
+             (['--loss_type=ipo', '--label_smoothing=0.1'], ['label_smoothing', "loss_type='ipo'"])]
     for i, (args, messages) in enumerate(cases):
         out = tmp_path / f'out{i}'
         out.mkdir()

@@ -36,17 +36,31 @@ CONFIG_TYPES = (int, float, bool, str, type(None), tuple, list, dict)
 VALUE_RULES = [
     (('batch_size', 'gradient_accumulation_steps', 'max_iters', 'eval_interval', 'log_interval', 'eval_iters',
       'eval_pairs', 'max_bad_steps', 'block_size', 'max_length', 'max_prompt_length', 'n_layer', 'n_head', 'n_embd',
-      'lora_r', 'bucket_batches', 'restart_iters', 'restart_mult', 'num_samples', 'max_new_tokens'),
+      'lora_r', 'bucket_batches', 'restart_iters', 'restart_mult', 'num_samples', 'max_new_tokens', 'n_timesteps',
+      'enc_channels', 'enc_layers', 'enc_heads', 'enc_ff_channels', 'enc_kernel', 'dp_channels', 'dec_channels',
+      'dec_blocks', 'dec_heads', 'frame_budget'),
      lambda v: v >= 1, 'at least 1'),
     (('early_stopping_patience', 'exact_match_examples', 'warmup_iters', 'lr_decay_iters', 'curriculum_iters',
       'sample_tokens', 'num_threads', 'learning_rate', 'min_lr', 'muon_lr', 'weight_decay', 'grad_clip', 'rpo_alpha',
-      'logit_softcap', 'max_minutes', 'eval_utterances', 'audio_samples', 'top_k', 'temperature'),
+      'logit_softcap', 'max_minutes', 'eval_utterances', 'audio_samples', 'top_k', 'temperature', 'tts_temperature',
+      'guidance', 'prior_weight', 'duration_weight', 'flow_weight'),
      lambda v: v >= 0, 'at least 0'),
-    (('dropout', 'lora_dropout', 'beta1', 'beta2', 'muon_momentum', 'cfg_drop'), lambda v: 0 <= v < 1, 'in [0, 1)'),
-    (('beta', 'lora_alpha', 'loraplus_lr_ratio'), lambda v: v > 0, 'positive'),
+    (('dropout', 'lora_dropout', 'beta1', 'beta2', 'muon_momentum', 'cfg_drop', 'sigma_min'),
+     lambda v: 0 <= v < 1, 'in [0, 1)'),
+    (('val_fraction',), lambda v: 0 < v < 1, 'in (0, 1)'),
+    (('beta', 'lora_alpha', 'loraplus_lr_ratio', 'length_scale'), lambda v: v > 0, 'positive'),
     (('lr_schedule',), lambda v: v in SCHEDULES, f"one of {', '.join(SCHEDULES)}"),
-    (('out_dir',), lambda v: v and not os.path.isfile(v), 'a folder (not empty, not an existing file)'),
+    (('out_dir',), lambda v: v and folder_path(v), 'a folder path (not empty, no part of it an existing file)'),
+    (('cache_dir',), lambda v: not v or folder_path(v), "'' or a folder path (no part of it an existing file)"),
 ]
+
+
+def folder_path(path):
+    """Whether path can be a folder: neither it nor any folder above it is an existing file."""
+    path = os.path.abspath(path)
+    while not os.path.isfile(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return not os.path.isfile(path)
 
 
 class UserError(Exception):

@@ -48,6 +48,8 @@ autocast = autocast_context(device, pick_dtype(device, dtype))
 ckpt_path = os.path.join(out_dir, ckpt_name)
 ckpt = load_checkpoint(ckpt_path)
 if ckpt['kind'] == 'tts':
+    if os.path.isdir(wav) or not os.path.isdir(os.path.dirname(os.path.abspath(wav))):
+        raise UserError(f"wav={wav!r} must be a file path in an existing folder, e.g. out.wav.")
     model = load_tts(ckpt, device)
     t0 = time.time()
     audio, _ = synthesize(model, text, n_timesteps=n_timesteps, temperature=tts_temperature,

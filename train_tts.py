@@ -147,6 +147,10 @@ log(f"{len(train_set)} train / {len(val_set)} held-out utterances, {train_minute
     f"{len(symbols)} symbols, {len(sampler)} batches per epoch per process")
 
 # model, from scratch or from a checkpoint (shape and vocabulary must match the config)
+if enc_channels % enc_heads or dec_channels % dec_heads or dec_channels % 8 or enc_kernel % 2 == 0:
+    raise UserError(f"the model shape does not fit together: enc_channels={enc_channels} must divide by enc_heads="
+                    f"{enc_heads}, dec_channels={dec_channels} by dec_heads={dec_heads} and by 8 (GroupNorm groups), "
+                    f"and enc_kernel={enc_kernel} must be odd (same-length convolutions).")
 model_args = dict(symbols=symbols, add_blank=add_blank, n_mels=mel_settings['n_mels'], enc_channels=enc_channels,
                   enc_layers=enc_layers, enc_heads=enc_heads, enc_ff_channels=enc_ff_channels, enc_kernel=enc_kernel,
                   dp_channels=dp_channels, dropout=dropout, dec_channels=dec_channels, dec_blocks=dec_blocks,
@@ -157,6 +161,9 @@ if init_from == 'auto':
 if init_from == 'resume' and not os.path.exists(ckpt_path):
     raise UserError(f"init_from='resume' but {ckpt_path} does not exist. Use --init_from=auto to start fresh "
                     f"when there is no checkpoint, or point --out_dir at the run to resume.")
+if eval_only and init_from == 'scratch':
+    raise UserError(f"eval_only=True needs a trained model, but {ckpt_path} does not exist; point --out_dir at a run "
+                    f"or --init_from at a TTS checkpoint.")
 ckpt = None
 if init_from != 'scratch':
     ckpt_source = ckpt_path if init_from == 'resume' else init_from

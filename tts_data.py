@@ -30,11 +30,13 @@ def read_wav(path, sample_rate=None):
     except FileNotFoundError:
         raise UserError(f"{path}: file not found")
     except (wave.Error, EOFError) as e:
-        raise UserError(f"{path}: unreadable WAV ({e}); convert it to 16-bit PCM, e.g. "
+        raise UserError(f"{path}: unreadable WAV ({e or 'empty or cut short'}); convert it to 16-bit PCM, e.g. "
                         f"`ffmpeg -i in.wav -acodec pcm_s16le out.wav`")
     if width != 2:
         raise UserError(f"{path}: {8 * width}-bit samples; only 16-bit PCM is supported, convert "
                         f"with `ffmpeg -i in.wav -acodec pcm_s16le out.wav`")
+    if len(frames) % (2 * channels):
+        raise UserError(f"{path}: the WAV is cut short (its last sample is incomplete); re-export or remove it")
     audio = torch.from_numpy(np.frombuffer(frames, dtype='<i2').astype(np.float32) / 32768.0)
     audio = audio.view(-1, channels).mean(dim=1)
     if sample_rate is not None and rate != sample_rate:
@@ -117,22 +119,34 @@ def encode_text(text, symbols, add_blank=True):
 # LJSpeech layout: metadata.csv (id|raw text|normalized text) and wavs/<id>.wav
 
 def read_metadata(data_dir):
-    """-> list of (id, text) using the normalized column (the raw one if there are two)."""
+    """-> list of (id, text) using the normalized column (the raw one if there are two). UTF-8, a BOM
+    allowed; each id once, a plain file name."""
     path = os.path.join(data_dir, 'metadata.csv')
     if not os.path.isfile(path):
         raise UserError(f"{path}: not found; data_dir must be an LJSpeech-layout folder with "
                         f"metadata.csv (id|raw text|normalized text) and wavs/<id>.wav")
-    rows = []
-    with open(path, encoding='utf-8') as f:
-        for line_no, line in enumerate(f, 1):
-            line = line.rstrip('\n')
+    rows, first_line = [], {}
+    with open(path, 'rb') as f:
+        for line_no, raw in enumerate(f, 1):
+            try:
+                line = raw.decode('utf-8-sig' if line_no == 1 else 'utf-8').rstrip('\r\n')
+            except UnicodeDecodeError as e:
+                raise UserError(f"{path}:{line_no}: not UTF-8 ({e.reason} at byte {e.start}); save the file as "
+                                f"UTF-8") from None
             if not line.strip():
                 continue
             fields = line.split('|')
-            if len(fields) < 2:
-                raise UserError(f"{path}:{line_no}: expected 'id|raw text|normalized text', got "
-                                f"{line[:60]!r}; fix or remove this row")
+            if not 2 <= len(fields) <= 3:
+                raise UserError(f"{path}:{line_no}: expected 'id|raw text|normalized text' (or 'id|text'), got "
+                                f"{len(fields)} fields in {line[:60]!r}; a transcript may not contain '|'")
             utt_id, text = fields[0].strip(), fields[-1]
+            if utt_id in first_line:
+                raise UserError(f"{path}:{line_no}: utterance {utt_id!r} is listed again (first on line "
+                                f"{first_line[utt_id]}); remove one of the rows")
+            first_line[utt_id] = line_no
+            if not utt_id or utt_id != os.path.basename(utt_id) or utt_id.startswith('.'):
+                raise UserError(f"{path}:{line_no}: utterance id {utt_id!r} must name a file in wavs/ "
+                                f"(no folders); fix the row")
             if not normalize_text(text):
                 raise UserError(f"{path}:{line_no}: utterance {utt_id!r} has an empty transcript; "
                                 f"add its text or remove the row")
@@ -157,8 +171,9 @@ def split_ids(ids, val_fraction):
 
 class LJSpeechDataset:
     """Text ids and log-mels of one split. Features are computed once per utterance and cached
-    as .pt files in cache_dir (keyed by the corpus folder and the feature settings; delete the
-    cache if you change the audio files), then kept in memory."""
+    as .pt files in cache_dir (keyed by the corpus folder, the feature settings and each WAV's size
+    and modification time, so an edited file is read again), then kept in memory. An utterance
+    needs at least one mel frame per text token (the alignment gives each token a frame)."""
 
     def __init__(self, data_dir, ids, texts, symbols, cache_dir, add_blank=True, progress=False):
         self.ids = ids
@@ -168,17 +183,26 @@ class LJSpeechDataset:
         os.makedirs(cache_dir, exist_ok=True)
         self.text_ids, self.mels = [], []
         for utt_id in tqdm(ids, desc='mel features', dynamic_ncols=True, disable=not progress):
-            cached = os.path.join(cache_dir, utt_id + '.pt')
+            wav_path = os.path.join(data_dir, 'wavs', utt_id + '.wav')
+            stat = os.stat(wav_path)
+            cached = os.path.join(cache_dir, f'{utt_id}-{stat.st_size}-{stat.st_mtime_ns}.pt')
             if os.path.exists(cached):
                 mel = torch.load(cached, weights_only=True)
             else:
-                audio, _ = read_wav(os.path.join(data_dir, 'wavs', utt_id + '.wav'),
-                                    MEL_SETTINGS['sample_rate'])
+                audio, _ = read_wav(wav_path, MEL_SETTINGS['sample_rate'])
+                if len(audio) <= MEL_SETTINGS['n_fft'] // 2:  # the STFT's reflect padding needs more
+                    raise UserError(f"{wav_path}: only {len(audio)} samples of audio; too short for an "
+                                    f"utterance, remove its row from metadata.csv")
                 mel = extractor(audio)
                 torch.save(mel, cached + '.tmp')
                 os.replace(cached + '.tmp', cached)  # a killed run never leaves half a file
+            text_ids = encode_text(texts[utt_id], symbols, add_blank)[0]
+            if len(text_ids) > mel.shape[1]:
+                raise UserError(f"utterance {utt_id!r}: {len(text_ids)} text tokens but only {mel.shape[1]} mel "
+                                f"frames ({wav_path}); check that the transcript belongs to this audio, or "
+                                f"remove the row from metadata.csv")
             self.mels.append(mel)
-            self.text_ids.append(torch.tensor(encode_text(texts[utt_id], symbols, add_blank)[0]))
+            self.text_ids.append(torch.tensor(text_ids))
         self.lengths = [m.shape[1] for m in self.mels]
 
     def __len__(self):
@@ -187,6 +211,8 @@ class LJSpeechDataset:
     def mel_stats(self):
         """mean and std of all log-mel values (scalars, as Matcha-TTS)."""
         frames = torch.cat(self.mels, dim=1)
+        if frames.std() == 0:
+            raise UserError("every training utterance is silent (all log-mel values equal); check the WAV files")
         return frames.mean().item(), frames.std().item()
 
     def mean_mel(self):
@@ -257,9 +283,14 @@ class FrameBudgetSampler:
         return batch
 
     def state_dict(self):
-        return {'epoch': self.epoch, 'position': self.position}
+        return {'epoch': self.epoch, 'position': self.position, 'frame_budget': self.frame_budget,
+                'lengths': self.lengths}
 
     def load_state_dict(self, state):
+        if (state['frame_budget'], state['lengths']) != (self.frame_budget, self.lengths):
+            raise UserError(f"the run being resumed batched other utterances or frame_budget={state['frame_budget']}; "
+                            f"resume with its frame_budget and data, or start a new run (another out_dir, or "
+                            f"--init_from=<its ckpt.pt> to start from its weights)")
         self.epoch, self.position = state['epoch'], state['position']
         self.batches = self.epoch_batches(self.epoch)
 

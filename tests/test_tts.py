@@ -21,7 +21,7 @@ sys.path.insert(0, ROOT)
 from configurator import UserError  # noqa: E402
 from losses import (duration_loss, dtw_mean_cost, flow_matching_loss, flow_matching_path,  # noqa: E402
                     mel_cepstral_distortion, prior_loss)
-from tts_data import (MEL_SETTINGS, FrameBudgetSampler, MelExtractor, encode_text, make_espeak_corpus,  # noqa: E402
+from tts_data import (MEL_SETTINGS, FrameBudgetSampler, LJSpeechDataset, MelExtractor, encode_text, make_espeak_corpus,  # noqa: E402
                       read_metadata, read_wav, split_ids, write_wav)
 from tts_model import (durations_to_path, load_tts, maximum_path_reference, monotonic_alignment_search,  # noqa: E402
                        synthesize)
@@ -282,6 +282,9 @@ def test_sampler_equal_batches_per_rank_and_resume():
     assert a.epoch == 1 and drawn[:len(a) - 1] != FrameBudgetSampler(lengths, 600, seed=6).batches[:len(a) - 1]
     b.load_state_dict(a.state_dict())
     assert [a.next_batch() for _ in range(5)] == [b.next_batch() for _ in range(5)]
+    for other in (FrameBudgetSampler(lengths, 900, seed=5), FrameBudgetSampler(lengths[:-1], 600, seed=5)):
+        with pytest.raises(UserError, match='resume with its frame_budget and data'):  # its position may not exist
+            other.load_state_dict(a.state_dict())
     with pytest.raises(UserError, match='frame_budget'):
         FrameBudgetSampler(lengths, 100)
 
@@ -293,14 +296,37 @@ def test_bad_dataset_rows_give_clear_errors(tmp_path):
     meta.write_text(good + 'U404|Missing|missing\n')
     with pytest.raises(UserError, match=r"metadata.csv:4: utterance 'U404' has no audio file .*U404.wav"):
         read_metadata(str(data))
-    meta.write_text(good + 'U000|Empty|  \n')
-    with pytest.raises(UserError, match=r"metadata.csv:4: utterance 'U000' has an empty transcript"):
+    meta.write_text(good + 'U009|Empty|  \n')
+    with pytest.raises(UserError, match=r"metadata.csv:4: utterance 'U009' has an empty transcript"):
         read_metadata(str(data))
     meta.write_text(good + 'no separator here\n')
     with pytest.raises(UserError, match=r"metadata.csv:4: expected 'id\|raw text\|normalized text'"):
         read_metadata(str(data))
     with pytest.raises(UserError, match='metadata.csv: not found'):
         read_metadata(str(tmp_path))
+    bad_rows = {'U001|AA|aa\n': "metadata.csv:4: utterance 'U001' is listed again \\(first on line 2\\)",
+                'U009|A|B|extra\n': 'metadata.csv:4: .* 4 fields',
+                '../U000|AA|aa\n': "metadata.csv:4: utterance id '../U000' must name a file in wavs/"}
+    for row, message in bad_rows.items():
+        meta.write_text(good + row)
+        with pytest.raises(UserError, match=message):
+            read_metadata(str(data))
+    meta.write_bytes(good.encode() + 'U009|caf\u00e9|caf\u00e9\n'.encode('latin-1'))
+    with pytest.raises(UserError, match='metadata.csv:4: not UTF-8'):
+        read_metadata(str(data))
+    meta.write_bytes(b'\xef\xbb\xbf' + good.encode())  # a BOM, as spreadsheets write it
+    assert [utt_id for utt_id, _ in read_metadata(str(data))] == ['U000', 'U001', 'U002']
+    # audio that cannot be an utterance: cut mid-sample, shorter than an STFT frame, fewer frames than tokens
+    wav = data / 'wavs' / 'U001.wav'
+    wav.write_bytes(wav.read_bytes()[:-1])  # the data chunk promises one byte more
+    with pytest.raises(UserError, match='U001.wav: the WAV is cut short'):
+        read_wav(wav)
+    texts = dict(read_metadata(str(data)))
+    for samples, message in ((100, 'only 100 samples'), (SR // 10, 'text tokens but only')):
+        write_pcm(wav, np.zeros(samples))
+        with pytest.raises(UserError, match=message):
+            LJSpeechDataset(str(data), ['U001'], dict(texts, U001='a long transcript ' * 3), 'a longtrscip',
+                            str(tmp_path / f'cache{samples}'))
     # through the script: exit status 2, one paragraph, no traceback
     meta.write_text(good)
     (data / 'wavs' / 'U001.wav').write_bytes(b'RIFF garbage')
@@ -379,3 +405,17 @@ def test_resume_is_bit_exact(tmp_path, corpus, straight_run):
     assert repr(a) == repr(b)  # repr: the NaN of the skipped step 1 must match too
     wa, wb = load(straight / 'ckpt.pt')['model'], load(split / 'ckpt.pt')['model']
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_settings_that_cannot_work_are_clear_errors(tmp_path, corpus, straight_run):
+    """eval_only with nothing to evaluate, a model shape that does not fit together, a sample.py wav path in
+    no folder: exit 2 naming the keys, before any work."""
+    cases = [(['--eval_only=True'], 'eval_only=True needs a trained model'),
+             (['--enc_heads=3'], 'enc_heads=3'), (['--enc_kernel=4'], 'enc_kernel=4 must be odd')]
+    for args, message in cases:
+        p = train(tmp_path / 'out', corpus, *args, check=False)
+        assert p.returncode == 2 and message in p.stderr and 'Traceback' not in p.stderr, p.stderr
+    assert not (tmp_path / 'out' / 'ckpt.pt').exists()
+    p = run(['sample.py', f'--out_dir={straight_run[0]}', '--device=cpu', f'--wav={tmp_path / "nowhere" / "x.wav"}'],
+            check=False)
+    assert p.returncode == 2 and 'must be a file path in an existing folder' in p.stderr, p.stderr

@@ -206,7 +206,8 @@ def test_other_exceptions_keep_their_traceback(tmp_path):
                                           ('--dropout=1.5', 'dropout=1.5 must be in [0, 1)'),
                                           ('--lr_schedule=cosin', "lr_schedule='cosin' must be one of cosine"),
                                           ('--out_dir=', "out_dir='' must be a folder"),
-                                          (f'--out_dir={__file__}', 'must be a folder (not empty, not an existing file)')])
+                                          (f'--out_dir={__file__}', 'no part of it an existing file'),
+                                          (f'--out_dir={__file__}/run', 'no part of it an existing file')])
 def test_meaningless_values_are_errors(arg, message, capsys):
     """Shared keys are range-checked at start-up (config files too), whatever script they belong to."""
     g = lambda: dict(defaults(), dropout=0.0, lr_schedule='cosine')

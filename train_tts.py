@@ -172,7 +172,9 @@ if init_from != 'scratch':
         raise UserError(f"{ckpt_source} is not a train_tts.py checkpoint (kind={ckpt.get('kind')!r}); point "
                         f"--init_from at a TTS checkpoint or use --init_from=scratch.")
     shape = lambda args: {k: v for k, v in args.items() if k not in ('dropout', 'cfg_drop')}  # may change between runs
-    check_compatible(shape(ckpt['model_args']), shape(model_args), 'model shape or vocabulary', ckpt_source)
+    check_compatible(shape(ckpt['model_args']), shape(model_args), 'model shape or vocabulary', ckpt_source,
+                     fix="Set the model keys to the checkpoint's values (symbols come from the transcripts: use its "
+                         "data_dir), or use a different out_dir / --init_from=scratch to train a new model.")
 model = TTSModel(TTSConfig(**model_args))
 if ckpt is not None:
     model.load_state_dict(ckpt['model'])  # includes the mel normalisation it was trained with

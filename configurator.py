@@ -48,6 +48,7 @@ VALUE_RULES = [
     (('dropout', 'lora_dropout', 'beta1', 'beta2', 'muon_momentum', 'cfg_drop', 'sigma_min'),
      lambda v: 0 <= v < 1, 'in [0, 1)'),
     (('val_fraction',), lambda v: 0 < v < 1, 'in (0, 1)'),
+    (('top_p',), lambda v: 0 <= v <= 1, 'in [0, 1]'),
     (('beta', 'lora_alpha', 'loraplus_lr_ratio', 'length_scale'), lambda v: v > 0, 'positive'),
     (('lr_schedule',), lambda v: v in SCHEDULES, f"one of {', '.join(SCHEDULES)}"),
     (('out_dir',), lambda v: v and folder_path(v), 'a folder path (not empty, no part of it an existing file)'),

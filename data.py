@@ -28,7 +28,7 @@ import numpy as np
 import sentencepiece as spm
 import torch
 
-from configurator import UserError, install_excepthook
+from configurator import UserError, folder_path, install_excepthook
 
 DEFAULT_DATA_DIR = os.path.join('data', 'stdlib')
 # folders of the standard library that are not library code (test suites, installed packages)
@@ -222,8 +222,19 @@ def read_meta(data_dir):
                         f"python data.py --input=<text file, folder or URL> --out_dir={data_dir} "
                         f"--tokenizer=char (or bpe), or plain `python data.py` for the default corpus "
                         f"in {DEFAULT_DATA_DIR}.")
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except ValueError as e:
+        raise UserError(f"{path} is corrupt ({e}); prepare the dataset again with data.py.") from None
+
+
+def dataset_file(data_dir, name):
+    """The path of one of a prepared dataset's files; a clear error if it is missing."""
+    path = os.path.join(data_dir, name)
+    if not os.path.isfile(path):
+        raise UserError(f"{path} is missing, so {data_dir} is an incomplete dataset; prepare it again with data.py.")
+    return path
 
 
 def write_dataset(docs, out_dir, tokenizer='char', vocab_size=4096, val_fraction=0.1, source=''):
@@ -231,11 +242,9 @@ def write_dataset(docs, out_dir, tokenizer='char', vocab_size=4096, val_fraction
         raise UserError(f"val_fraction must be between 0 and 1 (got {val_fraction}), e.g. 0.1.")
     if tokenizer not in ('char', 'bpe'):
         raise UserError(f"unknown tokenizer {tokenizer!r}: use 'char' or 'bpe'.")
+    if not out_dir or not folder_path(out_dir):
+        raise UserError(f"out_dir={out_dir!r} must be a folder path (no part of it an existing file).")
     t0 = time.time()
-    os.makedirs(out_dir, exist_ok=True)
-    meta_path = os.path.join(out_dir, 'meta.json')
-    if os.path.exists(meta_path):
-        os.remove(meta_path)  # meta.json is written last and marks a complete dataset
     train_docs, val_docs = split_documents(docs, val_fraction)
     meta = {'tokenizer': tokenizer, 'source': source, 'documents': len(docs),
             'characters': sum(map(len, docs)), 'val_fraction': val_fraction}
@@ -244,9 +253,15 @@ def write_dataset(docs, out_dir, tokenizer='char', vocab_size=4096, val_fraction
         meta['chars'] = tok.chars
     else:
         model_bytes = train_bpe(train_docs, vocab_size)  # train split only: val stays unseen
+        tok = BPETokenizer(model_bytes)
+    # only now that the tokenizer stands is an existing dataset in out_dir replaced
+    os.makedirs(out_dir, exist_ok=True)
+    meta_path = os.path.join(out_dir, 'meta.json')
+    if os.path.exists(meta_path):
+        os.remove(meta_path)  # meta.json is written last and marks a complete dataset
+    if tokenizer == 'bpe':
         with open(os.path.join(out_dir, 'tokenizer.model'), 'wb') as f:
             f.write(model_bytes)
-        tok = BPETokenizer(model_bytes)
     dtype = token_dtype(tok.vocab_size)
     for split, split_docs in (('train', train_docs), ('val', val_docs)):
         ids = tok.encode_documents(split_docs).astype(dtype)
@@ -286,7 +301,7 @@ def load_tokenizer(data_dir):
     meta = read_meta(data_dir)
     if meta['tokenizer'] == 'char':
         return CharTokenizer(meta['chars'])
-    with open(os.path.join(data_dir, 'tokenizer.model'), 'rb') as f:
+    with open(dataset_file(data_dir, 'tokenizer.model'), 'rb') as f:
         return BPETokenizer(f.read())
 
 
@@ -307,7 +322,7 @@ class TokenBatches:
         self.bin_path = bin_path
         self.block_size = block_size
         self.dtype = np.dtype(read_meta(os.path.dirname(bin_path) or '.')['dtype'])
-        self.n_tokens = os.path.getsize(bin_path) // self.dtype.itemsize
+        self.n_tokens = os.path.getsize(dataset_file(*os.path.split(bin_path))) // self.dtype.itemsize
         if self.n_tokens < block_size + 1:
             raise UserError(f"{bin_path} has {self.n_tokens} tokens, fewer than block_size + 1 = "
                             f"{block_size + 1}. Use a smaller --block_size or a bigger corpus.")
@@ -461,7 +476,7 @@ def read_jsonl(path, parse, skip_malformed):
             if not line.strip():
                 continue
             try:
-                record = json.loads(line.decode('utf-8'))
+                record = json.loads(line.decode('utf-8-sig' if line_no == 1 else 'utf-8'))  # a BOM is allowed
                 json.dumps(record, ensure_ascii=False).encode('utf-8')  # lone surrogates are not text
                 results.append(parse(record))
             except (ValueError, RecursionError, UserError) as e:  # bad JSON or UTF-8 is a ValueError; deep nesting recurses

@@ -90,12 +90,15 @@ def token_weight_table(vocab_size, groups, tokenizer):
     owner = {}
     for name, group in groups.items():
         if not (isinstance(group, (tuple, list)) and len(group) == 2 and isinstance(group[0], (int, float))
-                and isinstance(group[1], (tuple, list))):
-            raise UserError(f"token_weights[{name!r}] = {group!r}: each group must be (weight, [token, ...]), "
-                            f"e.g. {{'reasoning': (1.5, ['because', 'therefore'])}}.")
+                and math.isfinite(group[0]) and group[0] >= 0 and isinstance(group[1], (tuple, list))):
+            raise UserError(f"token_weights[{name!r}] = {group!r}: each group must be (weight, [token, ...]) with a "
+                            f"finite weight >= 0, e.g. {{'reasoning': (1.5, ['because', 'therefore'])}}.")
         weight, tokens = group
         for token in tokens:
-            ids = [token] if isinstance(token, int) else tokenizer.encode(token)
+            try:
+                ids = [token] if isinstance(token, int) else tokenizer.encode(token)
+            except UserError as e:
+                raise UserError(f"token_weights[{name!r}]: {token!r}: {e}") from None
             if len(ids) != 1 or not 0 <= ids[0] < vocab_size:
                 raise UserError(f"token_weights[{name!r}]: {token!r} is not one token of this tokenizer (it encodes "
                                 f"to {ids}); list a token id or a text that is a single token, e.g. each piece.")

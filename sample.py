@@ -64,6 +64,9 @@ if ckpt['kind'] == 'lora':
 model = GPT(GPTConfig(**ckpt['model_args']))
 model.load_state_dict(ckpt['model'])
 model.eval().to(device)
+if not data_dir and not os.path.isfile(os.path.join(ckpt['data_dir'], 'meta.json')):
+    raise UserError(f"{ckpt_path} was trained on the dataset in {ckpt['data_dir']}, which is no longer there (moved "
+                    f"or copied elsewhere?); pass --data_dir=<that dataset's folder now>.")
 tokenizer = load_tokenizer(data_dir or ckpt['data_dir'])
 chat = ckpt['config'].get('training_type', 'from_scratch') != 'from_scratch'
 if chat:
@@ -73,9 +76,14 @@ if tokenizer.identity() != ckpt['tokenizer']:
                     f"Pass --data_dir=<the dataset folder used for training>.")
 
 if start.startswith('FILE:'):
-    with open(start[5:], encoding='utf-8') as f:
-        start = f.read()
+    try:
+        with open(start[5:], encoding='utf-8') as f:
+            start = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"start={start!r}: cannot read the prompt file ({e}); name a UTF-8 text file.") from None
 ids = tokenizer.encode_prompt([{'role': 'user', 'content': start}]) if chat else tokenizer.encode(start)
+if not ids:
+    raise UserError("start is empty: give the model something to continue, e.g. --start='\\n' or a sentence.")
 prompt = torch.tensor([ids], dtype=torch.long, device=device)
 generator = torch.Generator(device=device).manual_seed(seed)
 with torch.no_grad(), autocast:

@@ -175,6 +175,7 @@ else:
     val_batches = SFTBatches(val_examples, seed, tokenizer.eos_id, max_length, pack)
     val_indices = torch.arange(min(len(val_examples), eval_iters * batch_size))
     shortest = int(train_batches.lengths.min())
+    train_data_hash = file_sha256(os.path.join(sft_data, 'train.jsonl'))
 
 # model, from scratch or from a checkpoint (shape and tokenizer must match the config)
 model_args = dict(block_size=block_size, vocab_size=tokenizer.vocab_size, n_layer=n_layer, n_head=n_head,
@@ -187,6 +188,9 @@ if init_from == 'auto':
 if init_from == 'resume' and not os.path.exists(ckpt_path):
     raise UserError(f"init_from='resume' but {ckpt_path} does not exist. Use --init_from=auto to start fresh "
                     f"when there is no checkpoint, or point --out_dir at the run to resume.")
+if eval_only and init_from == 'scratch':
+    raise UserError(f"eval_only=True needs a trained model, but {ckpt_path} does not exist; point --out_dir at a run "
+                    f"or --init_from at a checkpoint.")
 if training_type == 'lora' and init_from == 'scratch':
     raise UserError(f"training_type='lora' adapts a trained model, but there is none: set init_from to its checkpoint "
                     f"(e.g. --init_from=out/ckpt.pt), or init_from='resume' to continue the run in {out_dir}.")
@@ -195,6 +199,9 @@ vocab_size = tokenizer.vocab_size
 if init_from != 'scratch':
     ckpt_source = weights_source = ckpt_path if init_from == 'resume' else init_from
     ckpt = weights = load_checkpoint(ckpt_source)
+    if ckpt['kind'] not in ('gpt', 'lora'):
+        raise UserError(f"{ckpt_source} is a {ckpt['kind']!r} checkpoint, not a GPT's; point --init_from at a "
+                        f"train.py checkpoint, or use another out_dir.")
     if ckpt['kind'] == 'lora':
         if init_from != 'resume':
             raise UserError(f"{ckpt_source} holds LoRA adapters only; start from the merged model of that run "
@@ -205,6 +212,9 @@ if init_from != 'scratch':
             raise UserError(f"{weights_source}, the base model of the LoRA run in {out_dir}, has changed since the run "
                             f"began, so its adapters no longer fit. Restore that file, or start a new run "
                             f"(another out_dir) from it.")
+    if not fine_tuning and weights['config'].get('training_type', 'from_scratch') != 'from_scratch':
+        raise UserError(f"{weights_source} is a chat model (training_type={weights['config']['training_type']!r}); "
+                        f"train it further with training_type='sft' or 'lora', not as pretraining.")
     expected_tokenizer = tokenizer.identity()
     if fine_tuning and weights['config'].get('training_type', 'from_scratch') == 'from_scratch':
         expected_tokenizer = base_tokenizer.identity()  # a pretrained model: the chat tokens are added below
@@ -223,6 +233,10 @@ if vocab_size < tokenizer.vocab_size:
 if training_type == 'lora':
     wrapped = apply_lora(model, lora_r, lora_alpha, lora_dropout, lora_target_modules, use_rslora, lora_bias)
     if ckpt['kind'] == 'lora':
+        adapter_keys = ('lora_r', 'lora_alpha', 'use_rslora', 'lora_target_modules', 'lora_bias')
+        check_compatible({k: ckpt['config'][k] for k in adapter_keys}, {k: config[k] for k in adapter_keys},
+                         'LoRA setup', ckpt_path, fix="Set these keys to the checkpoint's values, or start a new run "
+                                                     "in another out_dir.")
         model.load_state_dict({**model.state_dict(), **ckpt['model']})  # strict: every adapter must fit
         lora_base = ckpt['base_checkpoint'], ckpt['base_hash']
     else:
@@ -249,6 +263,10 @@ if init_from == 'resume':
     check_compatible({'optimizer_type': ckpt['config'].get('optimizer_type', 'adamw'),
                       'training_type': ckpt['config'].get('training_type', 'from_scratch')},
                      {'optimizer_type': optimizer_type, 'training_type': training_type}, 'optimizer', ckpt_path)
+    if fine_tuning and ckpt['train_data_hash'] != train_data_hash:
+        raise UserError(f"{os.path.join(sft_data, 'train.jsonl')} has changed since the run in {out_dir} began; "
+                        f"resuming would go on with other examples. Restore the file (or sft_data), or start a new "
+                        f"run (another out_dir, or --init_from=<its ckpt.pt> to start from its weights).")
     optimizer.load_state_dict(ckpt['optimizer'])
     scaler.load_state_dict(ckpt['scaler'])
     train_batches.load_state_dict(ckpt['train_batches'])
@@ -278,6 +296,10 @@ log(f"device {device}, dtype {ptdtype}, {world_size} process(es), {raw_model.get
 if set(loss_weights) - {'ce', 'z_loss'}:
     raise UserError(f"loss_weights has unknown terms {sorted(set(loss_weights) - {'ce', 'z_loss'})}; the loss terms "
                     f"are 'ce' (cross-entropy) and 'z_loss', e.g. loss_weights={{'ce': 1.0, 'z_loss': 1e-4}}.")
+if not all(isinstance(w, (int, float)) and math.isfinite(w) and w >= 0 for w in loss_weights.values()) \
+        or not any(loss_weights.values()):
+    raise UserError(f"loss_weights={loss_weights}: weights must be finite numbers >= 0, and one of them positive, "
+                    f"e.g. {{'ce': 1.0, 'z_loss': 1e-4}}.")
 token_weight = token_weight_table(tokenizer.vocab_size, token_weights, tokenizer).to(device) if token_weights else None
 
 
@@ -334,7 +356,8 @@ def checkpoint_state():
                  evals_without_improvement=evals_without_improvement, config=config,
                  tokenizer=tokenizer.identity(), data_dir=os.path.abspath(data_dir), rng=rngs,
                  train_batches=train_batches.state_dict(), batch_size=batch_size,
-                 gradient_accumulation_steps=gradient_accumulation_steps)
+                 gradient_accumulation_steps=gradient_accumulation_steps,
+                 train_data_hash=train_data_hash if fine_tuning else None)
     if training_type == 'lora':  # adapters only: the frozen base stays in its own checkpoint, named by path and hash
         state.update(kind='lora', model=lora_state_dict(raw_model), base_checkpoint=lora_base[0],
                      base_hash=lora_base[1])

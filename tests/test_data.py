@@ -2,6 +2,7 @@ import functools
 import hashlib
 import http.server
 import json
+import os
 import threading
 
 import numpy as np
@@ -195,6 +196,32 @@ def test_char_encode_unknown_character(tmp_path):
 def test_bpe_vocab_too_big(tmp_path):
     with pytest.raises(UserError, match='4096-token BPE.*vocab_size'):
         data.prepare(write(tmp_path / 'in.txt', CODE), tmp_path / 'ds', 'bpe', vocab_size=4096)
+
+
+def test_failed_prepare_keeps_the_dataset_and_missing_files_are_named(tmp_path):
+    """A tokenizer that cannot be trained leaves an existing dataset in out_dir whole; an incomplete or corrupt
+    dataset folder is a UserError naming the file."""
+    ds = data.prepare(write(tmp_path / 'in.txt', CODE), tmp_path / 'ds', 'bpe', vocab_size=300)
+    before = {f: (tmp_path / 'ds' / f).read_bytes() for f in os.listdir(ds)}
+    with pytest.raises(UserError, match='vocab_size'):
+        data.prepare(str(tmp_path / 'in.txt'), tmp_path / 'ds', 'bpe', vocab_size=4096)
+    assert {f: (tmp_path / 'ds' / f).read_bytes() for f in os.listdir(ds)} == before
+    os.remove(tmp_path / 'ds' / 'tokenizer.model')
+    with pytest.raises(UserError, match='tokenizer.model is missing'):
+        data.load_tokenizer(ds)
+    os.remove(tmp_path / 'ds' / 'train.bin')
+    with pytest.raises(UserError, match='train.bin is missing'):
+        data.TokenBatches(os.path.join(ds, 'train.bin'), 8, seed=0)
+    (tmp_path / 'ds' / 'meta.json').write_text('{"tokenizer": ')
+    with pytest.raises(UserError, match='meta.json is corrupt'):
+        data.load_tokenizer(ds)
+    with pytest.raises(UserError, match='must be a folder path'):
+        data.prepare(str(tmp_path / 'in.txt'), tmp_path / 'in.txt' / 'ds', 'char')
+
+
+def test_jsonl_may_start_with_a_bom(tmp_path):
+    (tmp_path / 'a.jsonl').write_bytes(b'\xef\xbb\xbf{"x": 1}\n{"x": 2}\n')
+    assert data.read_jsonl(str(tmp_path / 'a.jsonl'), lambda r: r['x'], False) == ([1, 2], 0)
 
 
 def test_unprepared_data_dir_says_how_to_prepare(tmp_path):

@@ -190,6 +190,8 @@ def test_lora_resumes_bit_exactly_and_merges_for_sample(tmp_path, sft_env):
              '--max_new_tokens=5'])
     assert '<|user|>What is 1+2?<|end|><|assistant|>' in s.stdout
 
+    p = sft(env, split, '--max_iters=10', '--init_from=resume', *common, '--lora_r=8', training_type='lora', check=False)
+    assert p.returncode == 2 and 'LoRA setup' in p.stderr and 'lora_r: checkpoint has 4' in p.stderr
     torch.save(dict(load(base), iter_num=99), base)  # a different base model: the adapters no longer fit
     p = sft(env, split, '--max_iters=10', '--init_from=resume', *common, training_type='lora', check=False)
     assert p.returncode == 2 and 'has changed' in p.stderr and 'Traceback' not in p.stderr

@@ -5,6 +5,7 @@ through subprocesses (resume, accumulation/DDP parity, errors)."""
 import json
 import os
 import re
+import shutil
 import sys
 
 import pytest
@@ -343,3 +344,31 @@ def test_sft_bad_inputs_are_clear_errors(tmp_path, sft_env):
     other = prepare(str(tmp_path / 'other.txt'), str(tmp_path / 'other'), 'char')
     p = sft(sft_env, tmp_path / 'b', f'--data_dir={other}', check=False)
     assert p.returncode == 2 and 'Traceback' not in p.stderr and 'tokenizer' in p.stderr and 'vocab_size' in p.stderr
+    cases = [(['--eval_only=True', '--init_from=auto'], 'eval_only=True needs a trained model'),
+             (["--loss_weights={'ce': -1.0, 'z_loss': 0.0}"], 'finite numbers >= 0'),
+             (["--token_weights={'g': (-2.0, ['a'])}"], 'finite weight >= 0'),
+             (["--token_weights={'g': (2.0, ['Q'])}"], "token_weights['g']: 'Q'")]  # not in this char vocabulary
+    for i, (args, message) in enumerate(cases):
+        p = sft(sft_env, tmp_path / f'c{i}', *args, check=False)
+        assert p.returncode == 2 and message in p.stderr and 'Traceback' not in p.stderr, (args, p.stderr)
+        assert not (tmp_path / f'c{i}' / 'ckpt.pt').exists()
+
+
+def test_resume_refuses_changed_data_and_pretraining_a_chat_model(tmp_path, sft_env):
+    """An SFT run resumed on another train.jsonl (even in another order) stops with exit 2, its checkpoint untouched;
+    a chat model cannot be continued as pretraining; a TTS checkpoint is refused by kind."""
+    tasks, out = tmp_path / 'tasks', tmp_path / 'run'
+    shutil.copytree(sft_env['task'], tasks)
+    sft(sft_env, out, f'--sft_data={tasks}', '--max_iters=2', '--eval_interval=2', '--exact_match_examples=0')
+    saved = (out / 'ckpt.pt').read_bytes()
+    lines = (tasks / 'train.jsonl').read_text().splitlines()
+    (tasks / 'train.jsonl').write_text('\n'.join(lines[1:] + lines[:1]) + '\n')
+    p = sft(sft_env, out, f'--sft_data={tasks}', '--max_iters=4', '--init_from=resume', check=False)
+    assert p.returncode == 2 and 'train.jsonl has changed since' in p.stderr and 'Traceback' not in p.stderr
+    assert (out / 'ckpt.pt').read_bytes() == saved
+    p = run(['train.py', f'--out_dir={tmp_path / "pre"}', f'--data_dir={sft_env["data_dir"]}',
+             f'--init_from={out / "ckpt.pt"}', '--max_iters=1', '--device=cpu', '--tensorboard=False'], check=False)
+    assert p.returncode == 2 and "is a chat model (training_type='sft')" in p.stderr, p.stderr
+    torch.save(dict(kind='tts'), tmp_path / 'tts.pt')
+    p = sft(sft_env, tmp_path / 'c', f'--init_from={tmp_path / "tts.pt"}', check=False)
+    assert p.returncode == 2 and "is a 'tts' checkpoint, not a GPT's" in p.stderr

@@ -84,6 +84,10 @@ def test_train_smoke_and_sample(tmp_path, data_dir):
     s = run(['sample.py', f'--out_dir={out}', '--max_new_tokens=20', '--device=cpu', '--start=def'])
     generated = [line for line in s.stdout.splitlines() if not line.startswith('overriding')]
     assert generated[0].startswith('def') and len(''.join(generated)) > 10
+    for args, message in [(['--start='], 'start is empty'), ([f'--start=FILE:{tmp_path / "none.txt"}'], 'cannot read'),
+                          (['--top_p=1.5'], 'top_p=1.5 must be in [0, 1]')]:
+        s = run(['sample.py', f'--out_dir={out}', '--device=cpu', *args], check=False)
+        assert s.returncode == 2 and message in s.stderr and 'Traceback' not in s.stderr, (args, s.stderr)
 
 
 def test_resume_is_bit_exact(tmp_path, data_dir):

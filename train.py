@@ -263,7 +263,7 @@ if init_from == 'resume':
     check_compatible({'optimizer_type': ckpt['config'].get('optimizer_type', 'adamw'),
                       'training_type': ckpt['config'].get('training_type', 'from_scratch')},
                      {'optimizer_type': optimizer_type, 'training_type': training_type}, 'optimizer', ckpt_path)
-    if fine_tuning and ckpt['train_data_hash'] != train_data_hash:
+    if fine_tuning and ckpt.get('train_data_hash', train_data_hash) != train_data_hash:  # older checkpoints: unknown
         raise UserError(f"{os.path.join(sft_data, 'train.jsonl')} has changed since the run in {out_dir} began; "
                         f"resuming would go on with other examples. Restore the file (or sft_data), or start a new "
                         f"run (another out_dir, or --init_from=<its ckpt.pt> to start from its weights).")

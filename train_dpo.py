@@ -194,7 +194,7 @@ train_batches = PreferenceBatches(train_pairs, seed, tokenizer.eos_id, max_lengt
 val_batches = PreferenceBatches(val_pairs, seed, tokenizer.eos_id, max_length, pack)
 val_indices = torch.arange(min(len(val_pairs), eval_pairs))
 train_data_hash = file_sha256(split_path('train'))
-if ckpt and train_data_hash != ckpt['train_data_hash']:
+if ckpt and train_data_hash != ckpt.get('train_data_hash', train_data_hash):  # older checkpoints: unknown
     raise UserError(f"{split_path('train')} has changed since the DPO run in {out_dir} began; resuming would go on "
                     f"with other pairs. Restore the file (or dpo_data), or start a new run (another out_dir, or "
                     f"--resume=False).")

@@ -287,8 +287,9 @@ class FrameBudgetSampler:
                 'lengths': self.lengths}
 
     def load_state_dict(self, state):
-        if (state['frame_budget'], state['lengths']) != (self.frame_budget, self.lengths):
-            raise UserError(f"the run being resumed batched other utterances or frame_budget={state['frame_budget']}; "
+        began_with = state.get('frame_budget', self.frame_budget), state.get('lengths', self.lengths)  # older: unknown
+        if began_with != (self.frame_budget, self.lengths):
+            raise UserError(f"the run being resumed batched other utterances or frame_budget={began_with[0]}; "
                             f"resume with its frame_budget and data, or start a new run (another out_dir, or "
                             f"--init_from=<its ckpt.pt> to start from its weights)")
         self.epoch, self.position = state['epoch'], state['position']

@@ -155,6 +155,19 @@ class GradScaler:
         self.growth_interval = state["growth_interval"]
 
 
+def step_unless_nonfinite(optimizer, scaler, loss, grad_norm):
+    """The optimizer step of the training scripts: taken through the scaler unless the loss or grad norm is
+    non-finite, then scaler.update() and zero_grad. fp16 overflow is the scaler's business (it skips the
+    step and backs off); anything else non-finite is a bad step. Returns False for a bad step, for the
+    caller to count, log and eventually abort on."""
+    good = math.isfinite(loss) and (math.isfinite(grad_norm) or scaler.is_enabled())
+    if good:
+        scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return good
+
+
 # ---------------------------------------------------------------------------- memory
 
 

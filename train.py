@@ -25,8 +25,8 @@ from data import (NUMBER_TASKS_DIR, ChatTokenizer, SFTBatches, TokenBatches, eva
                   load_tokenizer, prepare_default, prepare_number_tasks)
 from losses import combine_losses, target_weights, token_weight_table, weighted_cross_entropy, z_loss
 from memory import (GradScaler, MemoryMonitor, StepProfiler, autocast_context, fault_at, free_memory,
-                    halve_micro_batch, is_oom, peak_memory_bytes, pick_device, pick_dtype)
-from model import GPT, GPTConfig, apply_lora, exact_match_hits, lora_state_dict, merged_state_dict
+                    halve_micro_batch, is_oom, peak_memory_bytes, pick_device, pick_dtype, step_unless_nonfinite)
+from model import GPT, GPTConfig, apply_lora, exact_match_accuracy, lora_state_dict, merged_state_dict
 from muon import Muon, muon_param_groups
 from scheduler import get_lr
 
@@ -335,20 +335,6 @@ def evaluate():
     return (total[0] / total[1]).item()
 
 
-@torch.no_grad()
-def exact_match():
-    """Fraction of held-out prompts whose greedy answer is exactly the reference, then <|end|>; split across ranks."""
-    mine = exact_match_prompts[rank::world_size]
-    raw_model.eval()
-    with autocast:
-        hits = exact_match_hits(raw_model, tokenizer, mine)
-    total = torch.tensor([hits, len(mine)], device=device, dtype=torch.float)
-    if ddp:
-        dist.all_reduce(total)
-    raw_model.train()
-    return (total[0] / total[1]).item()
-
-
 def checkpoint_state():
     rngs = all_rng_states()  # collective under DDP
     state = dict(kind='gpt', model=raw_model.state_dict(), model_args=model_args, optimizer=optimizer.state_dict(),
@@ -408,7 +394,7 @@ record, writer = run_log(out_dir, master, tensorboard, purge_step=iter_num)
 
 def report_exact_match():
     if fine_tuning and exact_match_prompts:
-        accuracy = exact_match()
+        accuracy = exact_match_accuracy(raw_model, tokenizer, exact_match_prompts, autocast)
         log(f"step {iter_num}: exact match {accuracy:.1%} on {len(exact_match_prompts)} held-out prompts")
         record(dict(step=iter_num, exact_match=accuracy))
 
@@ -471,15 +457,11 @@ while iter_num < max_iters:
         losses, stop_requested = dict(zip(losses, values)), stop_requested > 0
         loss = losses['loss']
         grad_norm = grad_norm.item()
-        # fp16 overflow is the scaler's business (it skips and backs off); anything else non-finite is ours
-        if math.isfinite(loss) and (math.isfinite(grad_norm) or scaler.is_enabled()):
-            scaler.step(optimizer)
+        if step_unless_nonfinite(optimizer, scaler, loss, grad_norm):
             bad_steps = 0
         else:
             bad_steps += 1
             log(f"step {iter_num}: non-finite loss {loss} / grad norm {grad_norm}, step skipped ({bad_steps}/{max_bad_steps})")
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
     if bad_steps >= max_bad_steps:
         raise SystemExit(f"error: {bad_steps} consecutive steps had a non-finite loss or gradient norm (last at step "
                          f"{iter_num}); training is diverging. Lower learning_rate, raise warmup_iters, or use "

@@ -10,7 +10,6 @@ overridden by a config file or --key=value (`--help` lists them).
 
 import hashlib
 import json
-import math
 import os
 import sys
 import time
@@ -27,8 +26,9 @@ from configurator import UserError, configure
 from data import (PREFERENCES_DIR, ChatTokenizer, PreferenceBatches, load_preference_split, load_tokenizer,
                   prepare_default, prepare_number_tasks)
 from losses import DPO_LOSS_TYPES, dpo_loss, sequence_logps
-from memory import GradScaler, autocast_context, peak_memory_bytes, pick_device, pick_dtype
-from model import GPT, GPTConfig, apply_lora, exact_match_hits, disable_adapters, lora_state_dict, merged_state_dict
+from memory import GradScaler, autocast_context, peak_memory_bytes, pick_device, pick_dtype, step_unless_nonfinite
+from model import (GPT, GPTConfig, apply_lora, disable_adapters, exact_match_accuracy, lora_state_dict,
+                   merged_state_dict)
 from scheduler import get_lr
 
 # -----------------------------------------------------------------------------
@@ -270,7 +270,7 @@ def reference_logps(batch, n):
 # that hashes everything they depend on; afterwards the reference leaves memory
 ref_cache = None
 if precompute_ref_logps:
-    key = hashlib.sha256(json.dumps([reference_hash, file_sha256(split_path('train'), split_path('val')),
+    key = hashlib.sha256(json.dumps([reference_hash, train_data_hash, file_sha256(split_path('val')),
                                      tokenizer.identity(), max_length, max_prompt_length, str(ptdtype)]).encode())
     cache_path = os.path.join(out_dir, f'ref_logps_{key.hexdigest()[:16]}.pt')
     if os.path.exists(cache_path):
@@ -380,20 +380,6 @@ def evaluate():
     return dict(zip(sums, stats.tolist()))
 
 
-@torch.no_grad()
-def exact_match():
-    """Fraction of held-out prompts whose greedy answer is exactly the chosen one, then <|end|>; split across ranks."""
-    mine = exact_match_prompts[rank::world_size]
-    raw_model.eval()
-    with autocast:
-        hits = exact_match_hits(raw_model, tokenizer, mine)
-    total = torch.tensor([hits, len(mine)], device=device, dtype=torch.float)
-    if ddp:
-        dist.all_reduce(total)
-    raw_model.train()
-    return (total[0] / total[1]).item()
-
-
 def checkpoint_state():
     rngs = all_rng_states()  # collective under DDP
     state = dict(kind='gpt', model=raw_model.state_dict(), model_args=model_args, optimizer=optimizer.state_dict(),
@@ -442,7 +428,7 @@ def run_eval():
 
 def report_exact_match():
     if exact_match_prompts:
-        accuracy = exact_match()
+        accuracy = exact_match_accuracy(raw_model, tokenizer, exact_match_prompts, autocast)
         log(f"step {iter_num}: exact match {accuracy:.1%} on {len(exact_match_prompts)} held-out prompts")
         record(dict(step=iter_num, exact_match=accuracy))
 
@@ -477,15 +463,11 @@ while iter_num < max_iters:
     *values, stop_requested = stats.tolist()
     metrics, stop_requested = dict(zip(metrics, values)), stop_requested > 0
     loss, grad_norm = metrics['loss'], grad_norm.item()
-    # fp16 overflow is the scaler's business (it skips and backs off); anything else non-finite is ours
-    if math.isfinite(loss) and (math.isfinite(grad_norm) or scaler.is_enabled()):
-        scaler.step(optimizer)
+    if step_unless_nonfinite(optimizer, scaler, loss, grad_norm):
         bad_steps = 0
     else:
         bad_steps += 1
         log(f"step {iter_num}: non-finite loss {loss} / grad norm {grad_norm}, step skipped ({bad_steps}/{max_bad_steps})")
-    scaler.update()
-    optimizer.zero_grad(set_to_none=True)
     if bad_steps >= max_bad_steps:
         raise SystemExit(f"error: {bad_steps} consecutive steps had a non-finite loss or gradient norm (last at step "
                          f"{iter_num}); training is diverging. Lower learning_rate or beta, or use dtype='float32'. "

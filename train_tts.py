@@ -22,7 +22,7 @@ from checkpoint import (StopSignal, all_rng_states, check_compatible, load_check
 from configurator import UserError, configure
 from losses import mel_cepstral_distortion
 from memory import (GradScaler, MemoryMonitor, StepProfiler, autocast_context, fault_at, free_memory, is_oom,
-                    peak_memory_bytes, pick_device, pick_dtype)
+                    peak_memory_bytes, pick_device, pick_dtype, step_unless_nonfinite)
 from scheduler import get_lr
 import tts_data
 from tts_data import (FrameBudgetSampler, LJSpeechDataset, MelExtractor, build_symbols, eval_batches, read_metadata,
@@ -433,15 +433,11 @@ while iter_num < max_iters:
         stop_requested, out_of_time = stats[3].item() > 0, stats[4].item() > 0
         loss = weighted_loss(dict(prior=prior, duration=duration, flow=flow))
         grad_norm = grad_norm.item()
-        # fp16 overflow is the scaler's business (it skips and backs off); anything else non-finite is ours
-        if math.isfinite(loss) and (math.isfinite(grad_norm) or scaler.is_enabled()):
-            scaler.step(optimizer)
+        if step_unless_nonfinite(optimizer, scaler, loss, grad_norm):
             bad_steps = 0
         else:
             bad_steps += 1
             log(f"step {iter_num}: non-finite loss {loss} / grad norm {grad_norm}, step skipped ({bad_steps}/{max_bad_steps})")
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
     if bad_steps >= max_bad_steps:
         raise SystemExit(f"error: {bad_steps} consecutive steps had a non-finite loss or gradient norm (last at step "
                          f"{iter_num}); training is diverging. Lower learning_rate, raise warmup_iters, or use "

@@ -229,3 +229,23 @@ def test_step_profiler_disabled_records_nothing():
     with prof.section("forward"):
         pass
     assert prof.summary() == {}
+
+
+def test_step_unless_nonfinite_skips_bad_steps_and_leaves_fp16_overflow_to_the_scaler():
+    w = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=0.5)
+
+    def step(loss, grad_norm, scaler):
+        w.grad = torch.ones(2)
+        return memory.step_unless_nonfinite(opt, scaler, loss, grad_norm)
+
+    fp32 = GradScaler(enabled=False)
+    assert step(1.0, 1.0, fp32) and torch.equal(w.detach(), torch.full((2,), 0.5)) and w.grad is None
+    assert not step(float('nan'), 1.0, fp32) and not step(1.0, float('inf'), fp32)
+    assert torch.equal(w.detach(), torch.full((2,), 0.5)) and w.grad is None  # skipped, gradients cleared
+    fp16 = GradScaler(enabled=True)
+    scale = fp16.get_scale()
+    w.grad = torch.full((2,), float('inf'))  # an overflow: the scaler's unscale finds it, skips and backs off
+    fp16.unscale_(opt)
+    assert memory.step_unless_nonfinite(opt, fp16, 1.0, float('inf'))
+    assert torch.equal(w.detach(), torch.full((2,), 0.5)) and fp16.get_scale() < scale

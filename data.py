@@ -629,22 +629,61 @@ class SFTBatches:
         self.pending, self.batches_drawn = list(state['pending']), state['batches_drawn']
 
 
+def addition_working(a, b, carry=True, units_slip=0, tens_slip=0):
+    """a + b worked column by column, units first: '8+6=14, 4+2+1=7, so 74'. The other arguments
+    make the slips of DPO's rejected answers (a carry forgotten, a column off by one), worked on
+    consistently; None if a slip takes a column below 0 (or the units above 9 + 9)."""
+    units = a % 10 + b % 10 + units_slip
+    carried = units >= 10 and carry
+    tens = a // 10 + b // 10 + carried + tens_slip
+    if not 0 <= units <= 18 or tens < 0:
+        return None
+    return f"{a % 10}+{b % 10}={units}, {a // 10}+{b // 10}{'+1' * carried}={tens}, so {10 * tens + units % 10}"
+
+
+def subtraction_working(a, b, borrow=True, units_slip=0, tens_slip=0):
+    """a - b (a >= b) worked column by column, units first, borrowing ten: '12-7=5, 5-2-1=2, so 25'.
+    With borrow=False the slip of taking the smaller units digit from the larger instead; None if a
+    slip takes a column outside 0-9 (units) or below 0 (tens)."""
+    needs_borrow = a % 10 < b % 10
+    if needs_borrow and not borrow:
+        units_text, units = f"{b % 10}-{a % 10}", b % 10 - a % 10
+    else:
+        units_text, units = f"{a % 10 + 10 * needs_borrow}-{b % 10}", a % 10 + 10 * needs_borrow - b % 10
+    borrowed = needs_borrow and borrow
+    units, tens = units + units_slip, a // 10 - b // 10 - borrowed + tens_slip
+    if not 0 <= units <= 9 or tens < 0:
+        return None
+    return f"{units_text}={units}, {a // 10}-{b // 10}{'-1' * borrowed}={tens}, so {10 * tens + units}"
+
+
+def digit_copies(answer, other):
+    """answer with one digit replaced by a digit of other: the slip of a model that mixes up two numbers."""
+    return [answer[:i] + d + answer[i + 1:] for i in range(len(answer)) for d in sorted(set(other)) if d != answer[i]]
+
+
 def number_task(rng):
     """A question of the embedded instruction set, its answer, and typical wrong answers, one of six
     kinds: two-digit addition and subtraction, reversing digits, the larger of two numbers, counting
     digits, and the next number. Each checks a skill the pretrained model lacks: following the
-    instruction. The wrong answers (DPO's rejected completions) are the slips a model makes: off by
-    one or ten, the wrong operation or number, a digit lost or swapped."""
+    instruction. Sums and differences are worked column by column, units first: written in one go,
+    most significant digit first, they were beyond the default model (README: 14 of 172 right).
+    The wrong answers (DPO's rejected completions) are the slips a model makes: off by one or ten,
+    the wrong operation or number, a digit lost or swapped, a carry or borrow forgotten."""
     a, b = rng.randrange(100), rng.randrange(100)
+    high, low = max(a, b), min(a, b)
     x, y = (rng.randrange(10 ** rng.randint(1, 4)) for _ in range(2))
     digits = str(rng.randrange(10 ** rng.randint(2, 6)))
-    total, difference = a + b, abs(a - b)
+    slips = [dict(units_slip=1), dict(units_slip=-1), dict(tens_slip=1), dict(tens_slip=-1)]
+    sum_slips = [addition_working(a, b, **slip) for slip in [dict(carry=False), *slips]]
+    difference_slips = [subtraction_working(high, low, **slip) for slip in [dict(borrow=False), *slips]]
     return rng.choice([
-        (f"What is {a}+{b}?", str(total), [total + 1, total - 1, total + 10, total - 10, difference]),
-        (f"What is {max(a, b)}-{min(a, b)}?", str(difference),
-         [difference + 1, difference - 1, difference + 10, difference - 10, total]),
+        (f"What is {a}+{b}?", addition_working(a, b), [w for w in sum_slips if w] + [subtraction_working(high, low)]),
+        (f"What is {high}-{low}?", subtraction_working(high, low),
+         [w for w in difference_slips if w] + [addition_working(high, low)]),
         (f"Reverse the digits of {digits}.", digits[::-1], [digits, digits[:0:-1], digits[::-1] + digits[0]]),
-        (f"Which is larger, {x} or {y}?", str(max(x, y)), [min(x, y), max(x, y) + 1, max(x, y) - 1]),
+        (f"Which is larger, {x} or {y}?", str(max(x, y)), [min(x, y), max(x, y) + 1, max(x, y) - 1,
+                                                           *digit_copies(str(max(x, y)), str(min(x, y)))]),
         (f"How many digits does {digits} have?", str(len(digits)), [len(digits) + 1, len(digits) - 1]),
         (f"What comes after {x}?", str(x + 1), [x, x + 2, x - 1, x + 11]),
     ])
@@ -658,10 +697,12 @@ def task_split(question):
 
 
 def plausible_wrong(answer, mistakes, rng):
-    """A wrong answer for DPO's rejected completion: one of the task's typical mistakes, or a digit of
-    the answer changed by one or two neighbouring digits swapped; never the answer, never negative."""
+    """A wrong answer for DPO's rejected completion: one of the task's typical mistakes, or (for a
+    plain number) a digit of the answer changed by one or two neighbouring digits swapped; never the
+    answer, never negative. A worked answer's slips are all in mistakes: a digit changed at random
+    would break its working rather than make a slip."""
     while True:
-        if rng.random() < 0.5:
+        if rng.random() < 0.5 or not answer.isdigit():
             wrong = str(rng.choice(mistakes))
         else:
             i = rng.randrange(len(answer))
@@ -670,7 +711,7 @@ def plausible_wrong(answer, mistakes, rng):
             else:
                 i = min(i, len(answer) - 2)
                 wrong = answer[:i] + answer[i + 1:i + 2] + answer[i:i + 1] + answer[i + 2:]
-        if wrong != answer and wrong and not wrong.startswith('-'):
+        if wrong and wrong != answer and not wrong.startswith('-'):
             return wrong
 
 
@@ -680,9 +721,8 @@ def prepare_number_tasks(out_dir=NUMBER_TASKS_DIR, n_train=10_000, n_eval=500, s
     With preferences=True, DPO's version: {"prompt", "chosen", "rejected"} pairs, chosen the answer and
     rejected a plausible wrong answer. Written once; reused while the parameters are unchanged."""
     sizes = {'train': n_train, 'val': n_eval, 'test': n_eval}
-    meta = {'task': 'number_preferences' if preferences else 'number_tasks', 'sizes': sizes, 'seed': seed}
-    if preferences:
-        meta['version'] = 2  # the kinds of wrong answers
+    meta = {'task': 'number_preferences' if preferences else 'number_tasks', 'sizes': sizes, 'seed': seed,
+            'version': 3}  # 3: sums and differences worked column by column; the kinds of wrong answers
     meta_path = os.path.join(out_dir, 'meta.json')
     if os.path.exists(meta_path):
         with open(meta_path) as f:

@@ -1,7 +1,7 @@
 """
 Generate from a trained checkpoint: `python sample.py --out_dir=out --start="def main("`.
 A fine-tuned (sft/lora) model takes start as a user turn of its chat template and answers it:
-`python sample.py --out_dir=out-sft --start="What is 48+275?"` (for LoRA runs, --ckpt_name=merged.pt).
+`python sample.py --out_dir=out-sft --start="What is 48+27?"` (for LoRA runs, --ckpt_name=merged.pt).
 A train_tts.py checkpoint speaks instead: `python sample.py --out_dir=out-tts --text="Hello there." --wav=out.wav`.
 """
 

@@ -471,8 +471,8 @@ while iter_num < max_iters:
     window_tokens += step_tokens
 
     if iter_num % log_interval == 0 or iter_num == max_iters:
-        elapsed = time.time() - window_start
-        tokens_per_sec = window_tokens / elapsed
+        now = time.time()
+        tokens_per_sec = window_tokens / (now - window_start)  # all of the window's time, logging included
         mfu = raw_model.estimate_mfu(tokens_per_sec / world_size, device_name)
         level = monitor.check()
         event = dict(step=iter_num, train_loss=loss, lr=lr, grad_norm=grad_norm, tokens_per_sec=tokens_per_sec,
@@ -485,7 +485,7 @@ while iter_num < max_iters:
         progress.set_postfix(loss=f'{loss:.4f}', tok_s=f'{tokens_per_sec:,.0f}')
         log(f"step {iter_num}: loss {loss:.4f}, lr {lr:.2e}, grad norm {grad_norm:.3f}, {tokens_per_sec:,.0f} tok/s, "
             + (f"MFU {mfu * 100:.1f}%" if mfu is not None else "MFU unknown"))
-        window_start, window_tokens = time.time(), 0
+        window_start, window_tokens = now, 0
 
     if iter_num % eval_interval == 0 or iter_num == max_iters:
         val_loss = evaluate()
@@ -504,6 +504,7 @@ while iter_num < max_iters:
         if early_stopping_patience and evals_without_improvement >= early_stopping_patience:
             log(f"early stopping: val loss has not improved for {evals_without_improvement} evals")
             break
+        window_start, window_tokens = time.time(), 0  # throughput excludes eval time
 
     if stop_requested:
         save(ckpt_path)

@@ -478,7 +478,8 @@ while iter_num < max_iters:
     window_steps += 1
 
     if iter_num % log_interval == 0 or iter_num == max_iters:
-        elapsed = time.time() - window_start
+        now = time.time()
+        elapsed = now - window_start  # all of the window's time, logging included
         record(dict(step=iter_num, lr=lr, grad_norm=grad_norm, steps_per_sec=window_steps / elapsed,
                     tokens_per_sec=window_tokens / elapsed, peak_memory_mb=(peak_memory_bytes(device) or 0) / 2**20,
                     loss_scale=scaler.get_scale(), **metrics))
@@ -486,7 +487,7 @@ while iter_num < max_iters:
         log(f"step {iter_num}: loss {loss:.4f}, rewards/accuracies {metrics['rewards/accuracies']:.3f}, "
             f"rewards/margins {metrics['rewards/margins']:.3f}, lr {lr:.2e}, grad norm {grad_norm:.3f}, "
             f"{window_steps / elapsed:.2f} steps/s")
-        window_start, window_tokens, window_steps = time.time(), 0, 0
+        window_start, window_tokens, window_steps = now, 0, 0
 
     if iter_num % eval_interval == 0 or iter_num == max_iters:
         val_loss = run_eval()
@@ -501,6 +502,7 @@ while iter_num < max_iters:
         if early_stopping_patience and evals_without_improvement >= early_stopping_patience:
             log(f"early stopping: eval loss has not improved for {evals_without_improvement} evals")
             break
+        window_start, window_tokens, window_steps = time.time(), 0, 0  # throughput excludes eval time
 
     if stop_requested:
         save(ckpt_path)

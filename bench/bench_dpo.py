@@ -23,7 +23,6 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import torch
 
 from checkpoint import save_checkpoint
 from configurator import configure

@@ -536,8 +536,8 @@ def main():
                                            for name in RUNS))
     print("step time: " + ", ".join(f"{name} {1000 / speed[name]:.1f} ms" for name in RUNS))
     print(f"token ids: TRL's tokenization equals ours for all {trl_info['pairs_checked']:,} pairs checked")
-    print(f"training loss at the logged steps (round 1, the same batches in the same order), largest difference "
-          f"from row 1: " + ", ".join(f"{name} {d:.1e}" for name, d in trajectory.items()))
+    print("training loss at the logged steps (round 1, the same batches in the same order), largest difference "
+          "from row 1: " + ", ".join(f"{name} {d:.1e}" for name, d in trajectory.items()))
     print(f"\nequal losses (each implementation's own eval of the same {eval_pairs} held-out pairs, same policy and "
           f"reference; TRL's with its default settings): largest difference {worst:.1e} (tolerance {loss_tolerance:.0e})")
     print("| policy | evaluated by | " + " | ".join(EVAL_KEYS) + " | rewards/accuracies |")

@@ -48,8 +48,8 @@ if mode == 'all':
     full = rows[0]
     print(f"{full['device']}, {full['dtype']}, batch {batch_size} x {block_size}, "
           f"LoRA r={lora_r} on {lora_target_modules}")
-    print(f"| | trainable params | optimizer state | activations saved for backward | peak memory | step time |")
-    print(f"|---|---|---|---|---|---|")
+    print("| | trainable params | optimizer state | activations saved for backward | peak memory | step time |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['mode']} | {r['trainable']:,} ({100 * r['trainable'] / r['params']:.2f}%) "
               f"| {r['optimizer_bytes'] / 2**20:.2f} MiB | {r['activation_bytes'] / 2**20:.1f} MiB "

@@ -166,13 +166,14 @@ def nanotrain_shape_tokens_per_sec(nt_data, architecture, run_dir):
     out = os.path.join(run_dir, 'out')
     cmd = [sys.executable, 'train.py', config_file, f'--out_dir={out}', f'--data_dir={nt_data}', '--init_from=scratch',
            *NANOGPT_SHAPE, *architecture, f'--max_iters={throughput_iters}', f'--lr_decay_iters={throughput_iters}',
-           '--eval_interval=100000', '--log_interval=25']
+           '--eval_interval=100000', '--log_interval=1']  # per-step times, as nanoGPT's log_interval=1 gives
     run_watched(cmd, ROOT, os.path.join(out, 'ckpt.pt'), run_dir)
     return nanotrain_tokens_per_sec(out)
 
 
 def nanotrain_tokens_per_sec(out_dir):
-    """Median of train.py's own tokens/s windows (the first, with start-up, excluded)."""
+    """Median of train.py's own tokens/s windows (the first, with start-up, excluded): at log_interval=1
+    the median per-step rate, the statistic nanogpt_tokens_per_sec takes from nanoGPT's iterations."""
     events = [json.loads(line) for line in open(os.path.join(out_dir, 'log.jsonl'))]
     rates = [e['tokens_per_sec'] for e in events if 'tokens_per_sec' in e]
     return statistics.median(rates[1:])

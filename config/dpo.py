@@ -2,7 +2,7 @@
 #   python train.py                       # pretrain the default model: out/ckpt.pt
 #   python train.py config/sft.py         # fine-tune it on the number tasks: out-sft/ckpt.pt
 #   python train_dpo.py config/dpo.py     # prefer right answers over plausible wrong ones: out-dpo/
-# data/number_preferences holds lines like {"prompt": "What is 48+26?", "chosen": "74", "rejected": "73"}
+# data/number_preferences holds lines like {"prompt": "Which is larger, 965 or 791?", "chosen": "965", "rejected": "995"}
 # (train/val/test.jsonl; the test questions are held out from SFT too); point dpo_data at your own JSONL.
 # Eval metrics on all 500 val pairs and exact match on 500 test questions, before (= the SFT model) and after.
 

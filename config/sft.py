@@ -2,7 +2,8 @@
 #   python train.py                  # pretrain the default model: out/ckpt.pt
 #   python train.py config/sft.py    # fine-tune it into out-sft/; exact match on held-out questions before and after
 # The tasks (data.py: number_task) are written once to data/number_tasks as train/val/test.jsonl lines
-# like {"prompt": "Reverse the digits of 4827.", "response": "7284"}; point sft_data at your own JSONL instead.
+# like {"prompt": "Reverse the digits of 4827.", "response": "7284"} or {"prompt": "What is 48+26?", "response":
+# "8+6=14, 4+2+1=7, so 74"} (sums and differences worked column by column); point sft_data at your own JSONL instead.
 # An interrupted run continues with --init_from=resume (init_from=<path> always starts anew).
 
 training_type = 'sft'
@@ -10,7 +11,7 @@ init_from = 'out/ckpt.pt'
 out_dir = 'out-sft'
 
 batch_size = 32              # examples per micro-batch
-max_length = 64              # the tasks' examples are 12-23 tokens
+max_length = 64              # the tasks' examples are 13-36 tokens
 exact_match_examples = 200
 
 learning_rate = 2e-3

@@ -24,7 +24,8 @@ from losses import DPO_LOSS_TYPES, dpo_loss, sequence_logps
 from model import GPT, GPTConfig
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_sft import ANSWERS, _saved, char_tokenizer, sft, sft_env, write_jsonl  # noqa: E402,F401 (sft_env: fixture)
+from test_sft import (ANSWERS, WORKING, _saved, char_tokenizer, checked_answer, sft, sft_env,  # noqa: E402,F401
+                      write_jsonl)  # (sft_env: a fixture)
 from test_train import ROOT, load, read_log, run  # noqa: E402  (the subprocess helpers)
 
 LN2 = math.log(2)
@@ -326,8 +327,8 @@ def test_preference_sampling_epochs_and_state_dict_round_trip():
 # -- the embedded pairs ---------------------------------------------------------------------------
 
 def test_embedded_pairs_are_correct_disjoint_and_deterministic(tmp_path):
-    """Chosen is the right answer, rejected a different non-negative number; splits share no question; the same
-    arguments write the same files."""
+    """Chosen is the right answer (sums and differences worked right), rejected a different non-negative number
+    (or a working with a slip); splits share no question; the same arguments write the same files."""
     out = prepare_number_tasks(str(tmp_path / 'a'), n_train=200, n_eval=20, preferences=True)
     questions = {}
     for split in ('train', 'val', 'test'):
@@ -337,8 +338,9 @@ def test_embedded_pairs_are_correct_disjoint_and_deterministic(tmp_path):
         for r in rows:
             assert set(r) == {'prompt', 'chosen', 'rejected'}
             kind, match = next((k, m) for k, (p, _) in enumerate(ANSWERS) if (m := re.fullmatch(p, r['prompt'])))
-            assert r['chosen'] == str(ANSWERS[kind][1](*match.groups()))
-            assert r['rejected'] != r['chosen'] and r['rejected'].isdigit(), r
+            assert checked_answer(kind, match, r['chosen']) == str(ANSWERS[kind][1](*match.groups()))
+            assert r['rejected'] != r['chosen'], r
+            assert re.fullmatch(WORKING, r['rejected']) if kind <= 1 else r['rejected'].isdigit(), r
         questions[split] = {r['prompt'] for r in rows}
         assert len(questions[split]) == len(rows)
     assert not (questions['train'] & questions['val'] or questions['train'] & questions['test']

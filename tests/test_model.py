@@ -5,7 +5,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import model as model_module
 from model import GPT, GPTConfig, apply_rope, peak_flops, rope_cos_sin, sample_next
 from configurator import UserError
 

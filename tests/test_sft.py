@@ -13,13 +13,14 @@ import torch
 
 import data
 from configurator import UserError
-from data import ChatTokenizer, CharTokenizer, SFTBatches, load_sft_split, prepare, prepare_number_tasks
+from data import (ChatTokenizer, CharTokenizer, SFTBatches, addition_working, digit_copies, load_sft_split, prepare,
+                  prepare_number_tasks, subtraction_working)
 from model import GPT, GPTConfig
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_train import load, read_log, run, train_losses  # noqa: E402  (the subprocess helpers)
 
-CHARS = sorted(set("What is 0123456789+-?<|>abcdefghijklmnopqrstuvwxyz \n:,.ABCDEFGHIJKLMNOPQRSTUVWXYZ"))
+CHARS = sorted(set("What is 0123456789+-=?<|>abcdefghijklmnopqrstuvwxyz \n:,.ABCDEFGHIJKLMNOPQRSTUVWXYZ"))
 TINY = ['--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=48', '--batch_size=4', '--eval_iters=2',
         '--log_interval=1', '--tensorboard=False', '--sample_tokens=10', '--warmup_iters=2', '--device=cpu',
         '--dtype=float32', '--learning_rate=1e-2', '--min_lr=1e-3']
@@ -133,7 +134,7 @@ def test_overlong_examples_truncate_or_drop(tmp_path, capsys):
 
 # -- the embedded number tasks ------------------------------------------------------------------
 
-ANSWERS = [  # each kind of question, and how to answer it
+ANSWERS = [  # each kind of question, and how to answer it (sums and differences: the result of the working)
     (r'What is (\d+)\+(\d+)\?', lambda a, b: int(a) + int(b)),
     (r'What is (\d+)-(\d+)\?', lambda a, b: int(a) - int(b)),
     (r'Reverse the digits of (\d+)\.', lambda n: n[::-1]),
@@ -141,6 +142,56 @@ ANSWERS = [  # each kind of question, and how to answer it
     (r'How many digits does (\d+) have\?', len),
     (r'What comes after (\d+)\?', lambda n: int(n) + 1),
 ]
+
+WORKING = r'(\d+)([+-])(\d+)=(\d+), (\d+)([+-])(\d+)((?:[+-]1)?)=(\d+), so (\d+)'
+
+
+def checked_answer(kind, match, response):
+    """The answer in a response; for a sum or difference (kinds 0 and 1) the result of its working,
+    after checking that the working is right column by column: units first, then the tens with the
+    carry (or the borrowed ten), then the result made of the two."""
+    if kind > 1:
+        return response
+    a, b = map(int, match.groups())
+    w = re.fullmatch(WORKING, response)
+    assert w, response
+    units_a, op, units_b, units, tens_a, op2, tens_b, carry, tens, result = w.groups()
+    sign = 1 if kind == 0 else -1
+    assert op == op2 == '+-'[kind]
+    assert int(units_a) % 10 == a % 10 and int(units_b) == b % 10
+    assert int(units) == int(units_a) + sign * int(units_b) and 0 <= int(units) <= 18
+    assert int(tens_a) == a // 10 and int(tens_b) == b // 10
+    carried = int(units) >= 10 if kind == 0 else int(units_a) >= 10  # a carry out, or a ten borrowed
+    assert carry == (op + '1' if carried else '') and int(units_a) < 10 + 10 * (kind == 1 and carried)
+    assert int(tens) == int(tens_a) + sign * (int(tens_b) + carried)
+    assert int(result) == 10 * int(tens) + int(units) % 10
+    return result
+
+
+def test_number_task_working_and_its_slips():
+    assert addition_working(48, 26) == '8+6=14, 4+2+1=7, so 74'
+    assert addition_working(3, 40) == '3+0=3, 0+4=4, so 43'
+    assert subtraction_working(52, 27) == '12-7=5, 5-2-1=2, so 25'
+    assert subtraction_working(9, 3) == '9-3=6, 0-0=0, so 6'
+    # DPO's rejected answers: one slip, the rest worked on from it
+    assert addition_working(48, 26, carry=False) == '8+6=14, 4+2=6, so 64'
+    assert addition_working(48, 26, units_slip=1) == '8+6=15, 4+2+1=7, so 75'
+    assert addition_working(41, 26, units_slip=-1) == '1+6=6, 4+2=6, so 66'
+    assert addition_working(48, 26, tens_slip=-1) == '8+6=14, 4+2+1=6, so 64'
+    assert subtraction_working(52, 27, borrow=False) == '7-2=5, 5-2=3, so 35'
+    assert subtraction_working(52, 27, units_slip=1) == '12-7=6, 5-2-1=2, so 26'
+    assert addition_working(0, 0, tens_slip=-1) is None and subtraction_working(50, 50, units_slip=-1) is None
+    assert digit_copies('965', '791') == ['165', '765', '915', '975', '995', '961', '967', '969']
+    question = re.fullmatch(ANSWERS[0][0], 'What is 48+26?')
+    for slip in [dict(carry=False), dict(units_slip=1), dict(tens_slip=1)]:  # the checker below catches each
+        with pytest.raises(AssertionError):
+            checked_answer(0, question, addition_working(48, 26, **slip))
+    for a in range(100):
+        for b in range(100):
+            high, low = max(a, b), min(a, b)
+            assert checked_answer(0, re.fullmatch(ANSWERS[0][0], f'What is {a}+{b}?'), addition_working(a, b)) == str(a + b)
+            assert checked_answer(1, re.fullmatch(ANSWERS[1][0], f'What is {high}-{low}?'),
+                                  subtraction_working(high, low)) == str(high - low)
 
 
 def test_number_tasks_are_correct_disjoint_and_cached(tmp_path):
@@ -153,7 +204,7 @@ def test_number_tasks_are_correct_disjoint_and_cached(tmp_path):
         for r in rows:
             matches = [(kind, re.fullmatch(pattern, r['prompt'])) for kind, (pattern, _) in enumerate(ANSWERS)]
             kind, match = next((kind, match) for kind, match in matches if match)
-            assert r['response'] == str(ANSWERS[kind][1](*match.groups()))
+            assert checked_answer(kind, match, r['response']) == str(ANSWERS[kind][1](*match.groups()))
             kinds.add(kind)
         splits[split] = {r['prompt'] for r in rows}
         assert len(splits[split]) == len(rows)  # no duplicates

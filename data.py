@@ -669,7 +669,8 @@ def number_task(rng):
     instruction. Sums and differences are worked column by column, units first: written in one go,
     most significant digit first, they were beyond the default model (README: 14 of 172 right).
     The wrong answers (DPO's rejected completions) are the slips a model makes: off by one or ten,
-    the wrong operation or number, a digit lost or swapped, a carry or borrow forgotten."""
+    the wrong operation or number, a digit lost, swapped or copied from the other number, a carry or
+    borrow forgotten."""
     a, b = rng.randrange(100), rng.randrange(100)
     high, low = max(a, b), min(a, b)
     x, y = (rng.randrange(10 ** rng.randint(1, 4)) for _ in range(2))

@@ -816,7 +816,8 @@ def load_preference_split(path, tokenizer, max_length, max_prompt_length, skip_m
     references: (full prompt ids, chosen text) per pair, for exact-match evaluation. pairs: (prompt,
     chosen, rejected) token ids fitted to max_length: the prompt keeps its last max_prompt_length
     tokens, each completion its first max_length - len(prompt); a pair with a completion left empty, or
-    with chosen == rejected (as given, or once cut), is dropped. A malformed line is an error naming path:line, or with skip_malformed skipped and counted."""
+    with chosen == rejected (as given, or once cut), is dropped. A malformed line is an error naming
+    path:line, or with skip_malformed skipped and counted."""
     if not os.path.isfile(path):
         raise UserError(f"preference data file {path} does not exist. Point dpo_data at a folder holding "
                         f"train.jsonl and val.jsonl (test.jsonl optional), or leave it '' for the embedded pairs.")

@@ -468,6 +468,8 @@ def exact_match_accuracy(model, tokenizer, prompts, autocast):
 # whose update keeps its size as r grows). Written here by hand; no peft.
 
 LORA_TARGETS = ('attn.q', 'attn.k', 'attn.v', 'attn.proj', 'mlp.fc', 'mlp.gate', 'mlp.proj')
+# the config keys the adapters' shapes and scale depend on: a resumed LoRA run must keep them
+LORA_SETTINGS = ('lora_r', 'lora_alpha', 'use_rslora', 'lora_target_modules', 'lora_bias')
 LORA_BIAS = ('none', 'all', 'lora_only')
 
 

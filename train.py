@@ -26,7 +26,8 @@ from data import (NUMBER_TASKS_DIR, ChatTokenizer, SFTBatches, TokenBatches, eva
 from losses import combine_losses, target_weights, token_weight_table, weighted_cross_entropy, z_loss
 from memory import (GradScaler, MemoryMonitor, StepProfiler, autocast_context, fault_at, free_memory,
                     halve_micro_batch, is_oom, peak_memory_bytes, pick_device, pick_dtype, step_unless_nonfinite)
-from model import GPT, GPTConfig, apply_lora, exact_match_accuracy, lora_state_dict, merged_state_dict
+from model import (LORA_SETTINGS, GPT, GPTConfig, apply_lora, exact_match_accuracy, lora_state_dict,
+                   merged_state_dict)
 from muon import Muon, muon_param_groups
 from scheduler import get_lr
 
@@ -233,8 +234,7 @@ if vocab_size < tokenizer.vocab_size:
 if training_type == 'lora':
     wrapped = apply_lora(model, lora_r, lora_alpha, lora_dropout, lora_target_modules, use_rslora, lora_bias)
     if ckpt['kind'] == 'lora':
-        adapter_keys = ('lora_r', 'lora_alpha', 'use_rslora', 'lora_target_modules', 'lora_bias')
-        check_compatible({k: ckpt['config'][k] for k in adapter_keys}, {k: config[k] for k in adapter_keys},
+        check_compatible({k: ckpt['config'][k] for k in LORA_SETTINGS}, {k: config[k] for k in LORA_SETTINGS},
                          'LoRA setup', ckpt_path, fix="Set these keys to the checkpoint's values, or start a new run "
                                                      "in another out_dir.")
         model.load_state_dict({**model.state_dict(), **ckpt['model']})  # strict: every adapter must fit

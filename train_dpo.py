@@ -27,8 +27,8 @@ from data import (PREFERENCES_DIR, ChatTokenizer, PreferenceBatches, load_prefer
                   prepare_default, prepare_number_tasks)
 from losses import DPO_LOSS_TYPES, dpo_loss, sequence_logps
 from memory import GradScaler, autocast_context, peak_memory_bytes, pick_device, pick_dtype, step_unless_nonfinite
-from model import (GPT, GPTConfig, apply_lora, disable_adapters, exact_match_accuracy, lora_state_dict,
-                   merged_state_dict)
+from model import (LORA_SETTINGS, GPT, GPTConfig, apply_lora, disable_adapters, exact_match_accuracy,
+                   lora_state_dict, merged_state_dict)
 from scheduler import get_lr
 
 # -----------------------------------------------------------------------------
@@ -217,7 +217,7 @@ if use_lora:
     log(f"LoRA r={lora_r} on {len(wrapped)} layers: {trainable:,} trainable parameters "
         f"({100 * trainable / sum(p.numel() for p in model.parameters()):.2f}% of all)")
 if ckpt:
-    fixed = ('use_lora', 'reference_free') + (('lora_r', 'lora_target_modules', 'lora_bias') if use_lora else ())
+    fixed = ('use_lora', 'reference_free') + (LORA_SETTINGS if use_lora else ())
     check_compatible({k: ckpt['config'].get(k) for k in fixed}, {k: config[k] for k in fixed}, 'setup', ckpt_path,
                      fix="Set these keys to the checkpoint's values, or start a new run (another out_dir, or "
                          "--resume=False).")

@@ -211,9 +211,10 @@ class LJSpeechDataset:
     def mel_stats(self):
         """mean and std of all log-mel values (scalars, as Matcha-TTS)."""
         frames = torch.cat(self.mels, dim=1)
-        if frames.std() == 0:
+        mean, std = frames.mean().item(), frames.std().item()
+        if std == 0:
             raise UserError("every training utterance is silent (all log-mel values equal); check the WAV files")
-        return frames.mean().item(), frames.std().item()
+        return mean, std
 
     def mean_mel(self):
         """(80,) average log-mel frame: the trivial baseline's 'spectrum'."""

@@ -401,6 +401,10 @@ def test_step0_lora_reference_is_the_model_with_adapters_disabled(tmp_path, dpo_
         "after a step the policy (adapters on) must differ from the reference (adapters disabled)"
     ckpt = load(out / 'ckpt.pt')
     assert ckpt['kind'] == 'lora' and all('lora_' in k for k in ckpt['model']) and (out / 'merged.pt').exists()
+    # resuming with another adapter scale would silently rescale the trained adapters
+    p = dpo(dpo_env, out, '--use_lora=True', '--lora_r=2', '--lora_alpha=64', '--max_iters=2', check=False)
+    assert p.returncode == 2 and 'lora_alpha: checkpoint has 16.0' in p.stderr and 'Traceback' not in p.stderr
+    assert load(out / 'ckpt.pt')['iter_num'] == ckpt['iter_num']
 
 
 def test_step0_precomputed_reference_is_cached_and_reused(tmp_path, dpo_env):

@@ -8,12 +8,19 @@ Checkpoints that survive crashes, preemption and mistakes.
 - rng_state/set_rng_state capture every random stream a training step touches, so a resumed run
   continues bit-for-bit where the old one stopped; all_rng_states gathers every rank's.
 - file_sha256 names the exact file a run depends on (a LoRA base, a DPO reference).
+- claim_out_dir checks out_dir can be written and locks it for the run's lifetime; run_to_continue
+  decides whether a launch continues the run out_dir holds, so that relaunching the same command
+  after a kill continues it and a different run never overwrites it.
 - run_log is what every training script writes besides checkpoints: out_dir/log.jsonl and TensorBoard.
 """
 
+import fcntl
+import glob
 import hashlib
 import json
+import math
 import os
+import pickle
 import random
 import signal
 import tempfile
@@ -22,7 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from configurator import UserError
+from configurator import UserError, require_writable_folder
 
 
 def save_checkpoint(path, state):
@@ -36,9 +43,15 @@ def save_checkpoint(path, state):
             os.fsync(f.fileno())
         os.chmod(tmp_path, 0o644)  # mkstemp creates 0600; a checkpoint is an ordinary readable file
         os.replace(tmp_path, path)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp_path):
             os.remove(tmp_path)
+        if isinstance(e, (OSError, RuntimeError)):  # torch.save reports a failed write as a RuntimeError
+            kept = f"{path} was left as it was" if os.path.exists(path) else f"nothing was written to {path}"
+            raise UserError(f"could not write checkpoint {path} ({type(e).__name__}: {str(e).splitlines()[0][:200]}). "
+                            f"The disk may be full or a file-size limit (ulimit -f) reached; {kept}. Free space "
+                            f"(or raise the limit) and relaunch the same command: it continues from the last "
+                            f"checkpoint in {folder}.") from None
         raise
     # make the rename itself durable
     dir_fd = os.open(folder, os.O_RDONLY)
@@ -55,12 +68,76 @@ def load_checkpoint(path):
                         f"--init_from=scratch).")
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:  # torch's own text advises weights_only=False, i.e. running the file's code
+        detail = str(e).partition('WeightsUnpickler error:')[2].strip().split('\n')[0].split('. ')[0][:200]
+        raise UserError(f"checkpoint {path} could not be read ({detail or 'not a checkpoint'}): it is corrupt, or it "
+                        f"holds objects other than tensors and plain values, which nanotrain never writes and does not "
+                        f"load because loading them can run code. Restore it from a backup, or point at a nanotrain "
+                        f"checkpoint.") from None
     except Exception as e:
         reason = str(e).split('\n')[0][:200] or 'the file is empty or cut short'
         raise UserError(f"checkpoint {path} could not be read ({type(e).__name__}: {reason}). "
                         f"The file is corrupt or was not written by nanotrain; restore it from a backup, or start "
-                        f"without it: point --init_from at another checkpoint, or use a new out_dir (train.py: "
-                        f"--init_from=scratch; train_dpo.py: --resume=False).") from None
+                        f"without it: point --init_from at another checkpoint, or start a new run (another out_dir, "
+                        f"or --resume=False to replace the run in this one).") from None
+
+
+def claim_out_dir(out_dir):
+    """Create out_dir, check that files can be written in it, and lock it for the life of this process
+    (the lock goes with the process, so a killed run leaves none behind). Temporaries of a save that
+    was killed are removed. Returns the open lock file: keep a reference to it."""
+    require_writable_folder(out_dir)
+    lock = open(os.path.join(out_dir, 'run.lock'), 'a+')
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or 'unknown'
+        raise UserError(f"another run (process {holder}) is training in {out_dir}. Wait for it to end, stop it, or "
+                        f"pick another --out_dir.") from None
+    lock.truncate(0)
+    lock.write(f"{os.getpid()}\n")
+    lock.flush()
+    for stale in glob.glob(os.path.join(glob.escape(out_dir), '*.tmp')):
+        os.remove(stale)
+    return lock
+
+
+def run_origin(init_from):
+    """Where a run's weights start, as its checkpoints record it: 'scratch' or a checkpoint's absolute path."""
+    return init_from if init_from == 'scratch' else os.path.abspath(init_from)
+
+
+def require_init_from(init_from, made_by=None):
+    """A UserError unless the checkpoint file init_from exists; made_by: the command that writes it, when
+    init_from is where a documented command writes its model."""
+    if os.path.isfile(init_from):
+        return
+    how = f"It is made by {made_by}; run that first, or point" if made_by else "Check the path, or point"
+    if init_from in ('auto', 'resume'):
+        how = ("init_from is 'scratch' or a checkpoint's path; the run in out_dir is continued by resume=True (the "
+               "default). Drop --init_from, or point")
+    raise UserError(f"init_from={init_from!r} is not a checkpoint file. {how} --init_from at the checkpoint this run "
+                    f"should start from.")
+
+
+def run_to_continue(out_dir, resume, run, ignore=()):
+    """The checkpoint of the run in out_dir when this launch continues it, else None (a new run).
+    run: what identifies this launch's run (script, training type, where its weights start); a
+    checkpoint recorded by another run is refused unless resume=False (which replaces that run).
+    ignore: keys of run that need not match (eval_only evaluates whatever run is there)."""
+    path = os.path.join(out_dir, 'ckpt.pt')
+    if not resume or not os.path.exists(path):
+        return None
+    ckpt = load_checkpoint(path)
+    saved = ckpt.get('run', {})  # older checkpoints do not say: continue them
+    diffs = [f"{k}: the run there has {saved[k]!r}, this command {run.get(k)!r}"
+             for k in saved if k not in ignore and saved[k] != run.get(k)]
+    if diffs:
+        raise UserError(f"{out_dir} holds another run, and this command would overwrite its checkpoints ("
+                        + "; ".join(diffs) + "). Use another --out_dir, or --resume=False to start a new run there "
+                        "in its place.")
+    return ckpt
 
 
 def rng_state():
@@ -111,18 +188,36 @@ def file_sha256(*paths):
     return digest.hexdigest()
 
 
-def run_log(out_dir, enabled, tensorboard, purge_step):
+def logged_step(line):
+    """The step of a log.jsonl line; None for a line cut short by a kill."""
+    try:
+        return json.loads(line)['step']
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def run_log(out_dir, enabled, tensorboard, keep_until):
     """(record, writer): record(event) appends a dict with a 'step' to out_dir/log.jsonl and writes its
-    numbers to TensorBoard (writer, None when tensorboard=False; purge_step drops events a resumed
-    run repeats). Not enabled (every rank but 0): record does nothing and writer is None."""
+    numbers to TensorBoard (writer, None when tensorboard=False). keep_until: the existing log keeps
+    its events up to this step: a continued run's step (the events a killed run wrote past its
+    checkpoint are done again), -1 for a new run (an empty log), math.inf to append (eval_only).
+    Not enabled (every rank but 0): record does nothing and writer is None."""
     if not enabled:
         return (lambda event: None), None
-    os.makedirs(out_dir, exist_ok=True)
-    log_file = open(os.path.join(out_dir, 'log.jsonl'), 'a')
+    log_path = os.path.join(out_dir, 'log.jsonl')
+    kept = []
+    if os.path.exists(log_path):
+        with open(log_path) as f:
+            kept = [line for line in f if (step := logged_step(line)) is not None and step <= keep_until]
+    with open(log_path + '.tmp', 'w') as f:
+        f.writelines(kept)
+    os.replace(log_path + '.tmp', log_path)
+    log_file = open(log_path, 'a')
     writer = None
     if tensorboard:
         from torch.utils.tensorboard import SummaryWriter
-        writer = SummaryWriter(os.path.join(out_dir, 'tb'), purge_step=purge_step)
+        writer = SummaryWriter(os.path.join(out_dir, 'tb'),
+                               purge_step=None if keep_until == math.inf else max(keep_until, 0))
 
     def record(event):
         log_file.write(json.dumps(event) + '\n')

@@ -24,6 +24,7 @@ import io
 import math
 import os
 import sys
+import tempfile
 import tokenize
 import types
 
@@ -48,7 +49,7 @@ VALUE_RULES = [
     (('dropout', 'lora_dropout', 'beta1', 'beta2', 'muon_momentum', 'cfg_drop', 'sigma_min'),
      lambda v: 0 <= v < 1, 'in [0, 1)'),
     (('val_fraction',), lambda v: 0 < v < 1, 'in (0, 1)'),
-    (('top_p',), lambda v: 0 <= v <= 1, 'in [0, 1]'),
+    (('top_p', 'decay_frac'), lambda v: 0 <= v <= 1, 'in [0, 1]'),
     (('beta', 'lora_alpha', 'loraplus_lr_ratio', 'length_scale'), lambda v: v > 0, 'positive'),
     (('lr_schedule',), lambda v: v in SCHEDULES, f"one of {', '.join(SCHEDULES)}"),
     (('out_dir',), lambda v: v and folder_path(v), 'a folder path (not empty, no part of it an existing file)'),
@@ -66,6 +67,17 @@ def folder_path(path):
 
 class UserError(Exception):
     """Bad user input. The message names the file/line/key and says how to fix it."""
+
+
+def require_writable_folder(path, key='out_dir'):
+    """Create the folder path if it is missing and check that a file can be written in it: a UserError
+    naming key otherwise (a path under a file, /dev/null/x, /proc, a read-only disk)."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+    except OSError as e:
+        raise UserError(f"{key}={path!r} cannot be created or written ({e.strerror}). Point --{key} at a folder you "
+                        f"can write, e.g. --{key}=out-run.") from None
 
 
 def _excepthook(exc_type, exc, tb, previous=sys.excepthook):
@@ -229,7 +241,13 @@ def configure(g, argv=None):
     argv = sys.argv[1:] if argv is None else argv
     defaults = config_defaults(g)  # types are checked against these, not against a config file's values
     if '-h' in argv or '--help' in argv:
-        print_help(g, defaults)
+        try:
+            print_help(g, defaults)
+            sys.stdout.flush()  # a closed pipe shows up here, not at exit
+        except BrokenPipeError:
+            # `--help | head`: the reader has what it wanted. Point stdout at devnull so the interpreter's
+            # final flush does not fail again (the recipe in Python's signal module documentation).
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(0)
     for arg in argv:
         if not arg.startswith('-'):

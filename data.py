@@ -20,6 +20,7 @@ import itertools
 import json
 import os
 import random
+import re
 import sysconfig
 import time
 import urllib.request
@@ -28,7 +29,7 @@ import numpy as np
 import sentencepiece as spm
 import torch
 
-from configurator import UserError, folder_path, install_excepthook
+from configurator import UserError, install_excepthook, require_writable_folder
 
 DEFAULT_DATA_DIR = os.path.join('data', 'stdlib')
 # folders of the standard library that are not library code (test suites, installed packages)
@@ -55,21 +56,28 @@ def read_text(path):
 
 
 def text_files(folder):
-    """Every non-empty UTF-8 text file under folder (recursively, skipping hidden names), sorted by path."""
+    """Every non-empty UTF-8 text file under folder (recursively, skipping hidden names), sorted by path.
+    Files that are not UTF-8 text (binary, or text in another encoding) are left out and named in one line."""
     paths = []
     for dirpath, dirnames, filenames in os.walk(folder):
         dirnames[:] = [d for d in dirnames if not d.startswith('.')]
         paths += [os.path.join(dirpath, f) for f in filenames if not f.startswith('.')]
-    texts = []
+    texts, skipped = [], []
     for path in sorted(paths):
         with open(path, 'rb') as f:
             raw = f.read()
-        if not raw or b'\0' in raw:  # empty or binary
-            continue
         try:
-            texts.append(raw.decode('utf-8'))
-        except UnicodeDecodeError:
-            continue
+            text = raw.decode('utf-8')
+        except UnicodeDecodeError:  # another encoding (latin-1, ...) or binary
+            text = None
+        if text is None or '\0' in text:  # a NUL: binary, or UTF-16
+            skipped.append(os.path.relpath(path, folder))
+        elif text:
+            texts.append(text)
+    if skipped:
+        more = f" and {len(skipped) - 5} more" if len(skipped) > 5 else ""
+        print(f"skipped {len(skipped)} of {len(paths)} files in {folder} that are not UTF-8 text (binary or another "
+              f"encoding; convert text files with iconv): {', '.join(skipped[:5])}{more}")
     return texts
 
 
@@ -242,8 +250,6 @@ def write_dataset(docs, out_dir, tokenizer='char', vocab_size=4096, val_fraction
         raise UserError(f"val_fraction must be between 0 and 1 (got {val_fraction}), e.g. 0.1.")
     if tokenizer not in ('char', 'bpe'):
         raise UserError(f"unknown tokenizer {tokenizer!r}: use 'char' or 'bpe'.")
-    if not out_dir or not folder_path(out_dir):
-        raise UserError(f"out_dir={out_dir!r} must be a folder path (no part of it an existing file).")
     t0 = time.time()
     train_docs, val_docs = split_documents(docs, val_fraction)
     meta = {'tokenizer': tokenizer, 'source': source, 'documents': len(docs),
@@ -281,6 +287,7 @@ def write_dataset(docs, out_dir, tokenizer='char', vocab_size=4096, val_fraction
 def prepare(input, out_dir, tokenizer='char', vocab_size=4096, val_fraction=0.1):
     """Tokenize a text file, a folder of text files or an http(s) URL into out_dir."""
     input = str(input)
+    require_writable_folder(out_dir)  # before reading and tokenizing: a bad out_dir fails at once
     return write_dataset(read_documents(input), out_dir, tokenizer, vocab_size, val_fraction, source=input)
 
 
@@ -294,6 +301,7 @@ def prepare_default(data_dir=DEFAULT_DATA_DIR, vocab_size=4096):
         if (meta.get('source'), meta.get('tokenizer'), meta.get('vocab_size')) == (source, 'bpe', vocab_size):
             return data_dir
     print(f"preparing the default corpus (the Python standard library's sources) in {data_dir}, once")
+    require_writable_folder(data_dir, 'data_dir')
     return write_dataset(docs, data_dir, 'bpe', vocab_size, 0.1, source)
 
 
@@ -754,15 +762,34 @@ def prepare_number_tasks(out_dir=NUMBER_TASKS_DIR, n_train=10_000, n_eval=500, s
 # JSONL formats, one pair per line:
 #     {"prompt": P, "chosen": C, "rejected": R}   P: a string (one user turn) or a list of messages;
 #                                                  C, R: strings, or [{"role": "assistant", "content": ...}]
-#     {"chosen": [messages], "rejected": [messages]}   implicit prompt: the leading turns both share
+#     {"chosen": [messages], "rejected": [messages]}   implicit prompt: whole conversations, the same up
+#                                                      to their last turn, which is the assistant's reply
+#     {"chosen": "\n\nHuman: ...\n\nAssistant: ...", "rejected": "..."}   Anthropic HH: whole transcripts
+#                                                      as strings, read as the implicit prompt's messages
 # The prompt is rendered with the chat template up to its final <|assistant|> (as SFT's prompts are);
 # a completion is the reply's content and the <|end|> that closes it (the EOS token).
 
 PREFERENCES_DIR = os.path.join('data', 'number_preferences')
+HH_TURN = re.compile(r'(?:^|\n\n)(Human|Assistant):')  # where an Anthropic HH transcript's turns begin
+
+
+def hh_transcript(text, key):
+    """An Anthropic HH transcript ("\\n\\nHuman: ...\\n\\nAssistant: ...") as user/assistant messages,
+    each content stripped of the blanks around it; ValueError if text is not one."""
+    parts = HH_TURN.split(text)  # text before the first turn, then (role, content) pairs
+    if parts[0].strip() or len(parts) == 1:
+        raise ValueError(f'"{key}" is a string with no "prompt" beside it, so it must be a whole Anthropic HH '
+                         f'transcript "\\n\\nHuman: ...\\n\\nAssistant: ..." (or give a "prompt" key and "{key}" as '
+                         f'the reply alone); got {json.dumps(text)[:80]}')
+    return [{'role': 'user' if role == 'Human' else 'assistant', 'content': content.strip()}
+            for role, content in zip(parts[1::2], parts[2::2])]
 
 
 def preference_pair(record):
-    """(prompt messages, chosen text, rejected text) of a JSONL record; ValueError if malformed."""
+    """(prompt messages, chosen text, rejected text) of a JSONL record; ValueError if malformed.
+    Without "prompt", chosen and rejected are whole conversations (message lists, or Anthropic HH
+    transcripts as strings) that must be the same up to their last turn: the prompt is the turns
+    before it, the completions the last turn of each."""
     if not isinstance(record, dict):
         raise ValueError(f"expected a JSON object, got {type(record).__name__}")
     if 'chosen' not in record or 'rejected' not in record:
@@ -775,11 +802,29 @@ def preference_pair(record):
             raise ValueError(f'"prompt" must be a string or a list of {{"role": ..., "content": ...}} messages, '
                              f'got {json.dumps(prompt)[:80]}')
         prompt = [{'role': 'user', 'content': prompt}] if isinstance(prompt, str) else message_list(prompt, 'prompt')
-    else:  # implicit prompt: the turns chosen and rejected have in common
-        chosen, rejected = message_list(chosen, 'chosen'), message_list(rejected, 'rejected')
+    else:  # implicit prompt: the turns before the last, which chosen and rejected must share
+        conversations = []
+        for key, value in (('chosen', chosen), ('rejected', rejected)):
+            if not isinstance(value, (str, list)):
+                raise ValueError(f'"{key}" with no "prompt" beside it must be a whole conversation: an Anthropic HH '
+                                 f'transcript string "\\n\\nHuman: ...\\n\\nAssistant: ..." or a list of '
+                                 f'{{"role": ..., "content": ...}} messages; got {json.dumps(value)[:80]}')
+            conversations.append(hh_transcript(value, key) if isinstance(value, str) else message_list(value, key))
+        chosen, rejected = conversations
+        same = ('with no "prompt", "chosen" and "rejected" must be the same conversation up to their last turn, '
+                'the assistant\'s reply; but')
+        if len(chosen) != len(rejected) or not chosen:
+            raise ValueError(f'{same} chosen has {len(chosen)} turns and rejected {len(rejected)}')
+        if chosen[-1]['role'] != 'assistant' or rejected[-1]['role'] != 'assistant':
+            raise ValueError(f'{same} the last turn is a {chosen[-1]["role"]} turn in chosen, a '
+                             f'{rejected[-1]["role"]} turn in rejected')
         shared = 0
-        while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+        while shared < len(chosen) - 1 and chosen[shared] == rejected[shared]:
             shared += 1
+        if shared < len(chosen) - 1:
+            raise ValueError(f'{same} they differ at turn {shared + 1} of {len(chosen)} (chosen: '
+                             f'{json.dumps(chosen[shared]["content"])[:40]}, rejected: '
+                             f'{json.dumps(rejected[shared]["content"])[:40]})')
         prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
     if prompt and prompt[-1]['role'] == 'assistant':
         raise ValueError("the prompt ends with an assistant turn; chosen and rejected are the assistant's reply "
@@ -788,6 +833,9 @@ def preference_pair(record):
     def reply(value, key):
         if isinstance(value, str):
             return value
+        if not isinstance(value, list):
+            raise ValueError(f'"{key}" must be the reply as a string (the usual form) or as [{{"role": "assistant", '
+                             f'"content": ...}}]; got {json.dumps(value)[:80]}')
         messages = message_list(value, key)
         if len(messages) != 1 or messages[0]['role'] != 'assistant':
             raise ValueError(f'"{key}" must be one assistant reply: a string or [{{"role": "assistant", '

@@ -129,12 +129,15 @@ def weighted_cross_entropy(logits, targets, weight_table=None, normalizer=None, 
     return (per_token * w.flatten()).sum() / (w.sum() if normalizer is None else normalizer)
 
 
-def z_loss(logits, targets, weight_table=None, normalizer=None, ignore_index=-100):
-    """PaLM's auxiliary loss log(Z)^2 (Z = sum of exp(logits)) per token, weighted and normalized
-    like weighted_cross_entropy: keeps the softmax normalizer near 1 and the logits from drifting."""
-    w = target_weights(targets, weight_table, ignore_index)
+def z_loss(logits, targets, normalizer=None, ignore_index=-100):
+    """PaLM's auxiliary loss log(Z)^2 (Z = sum of exp(logits)): keeps the softmax normalizer near 1 and
+    the logits from drifting. Every labelled position counts alike (token weights are about which
+    predictions matter, not about the normalizer): sum over positions with a target / normalizer,
+    by default their number (the mean). For gradient accumulation and DDP pass the number of labelled
+    positions of the whole global batch, as weighted_cross_entropy takes its total weight."""
+    keep = targets != ignore_index
     squared = torch.logsumexp(logits.float(), dim=-1).square()
-    return (squared * w).sum() / (w.sum() if normalizer is None else normalizer)
+    return squared[keep].sum() / (keep.sum() if normalizer is None else normalizer)
 
 
 def combine_losses(terms, weights):

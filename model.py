@@ -298,7 +298,8 @@ class GPT(nn.Module):
         """Grow the token embedding (and an untied lm_head) to vocab_size rows, for added special
         tokens. A new row is the mean of the old rows plus noise with their per-dimension spread:
         a typical token, so its logit starts ordinary, yet each new token is distinct. The noise has a
-        fixed seed: the same base model always grows the same rows (a LoRA run rebuilds them on resume)."""
+        fixed seed: the same base model always grows the same rows (a resumed LoRA run rebuilds their start;
+        apply_lora's added_tokens trains them, and its checkpoint holds them)."""
         def grown(old):
             noise = torch.randn(vocab_size - len(old), old.size(1), generator=torch.Generator().manual_seed(0))
             return nn.Parameter(torch.cat([old, old.mean(0) + noise.to(old) * old.std(0)]))
@@ -392,21 +393,26 @@ class GPT(nn.Module):
             groups = lora_param_groups(self, weight_decay, loraplus_lr_ratio)
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
 
-    def flops_per_token(self):
-        """Training FLOPs per token (forward + backward): 6N for the matmuls plus attention over block_size."""
+    def flops_per_token(self, output_fraction=1.0):
+        """Training FLOPs per token (forward + backward): 6N for the matmuls plus attention over block_size.
+        The output layer's share of 6N (6 * n_embd * vocab_size) counts only for output_fraction of the
+        tokens, those whose logits are computed (fine-tuning: the labelled ones, see forward's keep)."""
         c = self.config
-        return 6 * self.get_num_params() + 12 * c.n_layer * c.n_head * (c.n_embd // c.n_head) * c.block_size
+        head = 6 * c.n_embd * c.vocab_size
+        return (6 * self.get_num_params() - head + head * output_fraction
+                + 12 * c.n_layer * c.n_head * (c.n_embd // c.n_head) * c.block_size)
 
-    def estimate_mfu(self, tokens_per_sec, device_name=None):
+    def estimate_mfu(self, tokens_per_sec, device_name=None, output_fraction=1.0):
         """Model FLOPs utilization: achieved FLOP/s per device over the device's peak bf16 FLOP/s.
         tokens_per_sec is per device. device_name is torch.cuda.get_device_name() of the training GPU
-        or 'cpu'/'mps' (None: the current CUDA device, if any). Returns None for unknown devices."""
+        or 'cpu'/'mps' (None: the current CUDA device, if any). output_fraction: the share of the tokens
+        that go through the output layer (flops_per_token). Returns None for unknown devices."""
         if device_name is None:
             device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'
         peak = peak_flops(device_name)
         if peak is None:
             return None
-        return self.flops_per_token() * tokens_per_sec / peak
+        return self.flops_per_token(output_fraction) * tokens_per_sec / peak
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, use_kv_cache=True,
@@ -514,12 +520,50 @@ class LoRALinear(nn.Linear):
             self.merged = False
 
 
+# A fine-tune of a pretrained model adds chat-token rows to the vocabulary (resize_vocab); with LoRA those
+# rows, and only those, train as well (PEFT's trainable_token_indices): the layer's weight stays frozen
+# and its last rows are replaced by a separate trainable parameter, added_rows.
+
+def with_added_rows(layer):
+    """The weight the layer computes with: its frozen weight with the last rows replaced by the trained
+    ones (unless the adapters are disabled)."""
+    if not layer.enabled:
+        return layer.weight
+    return torch.cat([layer.weight[:-len(layer.added_rows)], layer.added_rows])
+
+
+class AddedRowsEmbedding(nn.Embedding):
+    """The token embedding with trainable added rows; takes over the wrapped weight under its name."""
+
+    def __init__(self, base, added_rows):
+        super().__init__(base.num_embeddings, base.embedding_dim, device='meta')
+        self.weight, self.added_rows = base.weight, added_rows
+        self.enabled = True
+
+    def forward(self, idx):
+        return F.embedding(idx, with_added_rows(self))
+
+
+class AddedRowsLinear(nn.Linear):
+    """lm_head with trainable added rows (for a tied lm_head, the embedding's added_rows parameter)."""
+
+    def __init__(self, base, added_rows):
+        super().__init__(base.in_features, base.out_features, bias=False, device='meta')
+        self.weight, self.added_rows = base.weight, added_rows
+        self.enabled = True
+
+    def forward(self, x):
+        return F.linear(x, with_added_rows(self))
+
+
 def apply_lora(model, r=8, lora_alpha=16, lora_dropout=0.0, target_modules='attn.q,attn.k,attn.v,attn.proj',
-               use_rslora=False, bias='none'):
+               use_rslora=False, bias='none', added_tokens=0):
     """Wrap the targeted Linear layers of model's blocks in LoRALinear and freeze everything else by
     requires_grad=False. target_modules: comma-separated names from LORA_TARGETS, or 'all-linear' (every
-    Linear in the blocks; lm_head stays frozen, it is the tied embedding). bias: which biases train too,
-    'none' | 'all' | 'lora_only' (those of the wrapped layers). Returns the wrapped layers' names."""
+    Linear in the blocks; lm_head is not adapted). bias: which biases train too, 'none' | 'all' |
+    'lora_only' (those of the wrapped layers). added_tokens: the last rows of the vocabulary, added by
+    resize_vocab for the chat tokens, train too (AddedRowsEmbedding/AddedRowsLinear). Returns the wrapped
+    layers' names."""
     targets = [t.strip() for t in target_modules.split(',') if t.strip()]
     if target_modules == 'all-linear':
         targets = LORA_TARGETS
@@ -543,11 +587,24 @@ def apply_lora(model, r=8, lora_alpha=16, lora_dropout=0.0, target_modules='attn
     for name, p in model.named_parameters():
         trained_bias = name.endswith('.bias') and (bias == 'all' or bias == 'lora_only' and name[:-5] in wrapped)
         p.requires_grad_(name.endswith(('lora_A', 'lora_B')) or trained_bias)
+    if added_tokens:
+        # the new rows start at resize_vocab's values but are otherwise untrained: frozen, the model could
+        # neither read the chat tokens nor learn to predict <|end|>. A tied lm_head shares the same rows.
+        wte, lm_head = model.transformer.wte, model.lm_head
+        model.transformer.wte = AddedRowsEmbedding(wte, nn.Parameter(wte.weight[-added_tokens:].clone()))
+        tied = lm_head.weight is wte.weight
+        rows = model.transformer.wte.added_rows if tied else nn.Parameter(lm_head.weight[-added_tokens:].clone())
+        model.lm_head = AddedRowsLinear(lm_head, rows)
     return wrapped
 
 
 def lora_layers(model):
     return [m for m in model.modules() if isinstance(m, LoRALinear)]
+
+
+def adapter_layers(model):
+    """Every layer that adapts the base model: the LoRA layers and those with trained added rows."""
+    return [m for m in model.modules() if isinstance(m, (LoRALinear, AddedRowsEmbedding, AddedRowsLinear))]
 
 
 def merge_lora(model):
@@ -565,9 +622,9 @@ def unmerge_lora(model):
 @contextmanager
 def disable_adapters(model):
     """Inside the block the model is exactly the base model, bit for bit (DPO's reference model):
-    the adapters are skipped, not subtracted."""
-    layers = lora_layers(model)
-    if any(m.merged for m in layers):
+    the adapters (and trained added rows) are skipped, not subtracted."""
+    layers = adapter_layers(model)
+    if any(m.merged for m in lora_layers(model)):
         raise RuntimeError("disable_adapters needs unmerged adapters (merged ones cannot be removed exactly); "
                            "call unmerge_lora(model) first.")
     for m in layers:
@@ -580,27 +637,34 @@ def disable_adapters(model):
 
 
 def lora_state_dict(model):
-    """The trained parameters only (adapters and trained biases): an adapter checkpoint's weights."""
+    """The trained parameters only (adapters, trained biases, added rows): an adapter checkpoint's weights."""
     trained = {name for name, p in model.named_parameters() if p.requires_grad}
     return {k: v for k, v in model.state_dict().items() if k in trained}
 
 
 @torch.no_grad()
 def merged_state_dict(model):
-    """A plain GPT state dict with every adapter folded into its weight; the model is left as it is."""
+    """A plain GPT state dict with every adapter and the added rows folded into their weights; the model
+    is left as it is."""
     state = model.state_dict()
+    folded = {}  # a tied lm_head gets the embedding's tensor, so the checkpoint stores it once
     for name, m in model.named_modules():
         if isinstance(m, LoRALinear):
             del state[name + '.lora_A'], state[name + '.lora_B']
             if not m.merged:
                 state[name + '.weight'] = m.weight + m.delta_weight()
+        elif isinstance(m, (AddedRowsEmbedding, AddedRowsLinear)):
+            del state[name + '.added_rows']
+            if id(m.weight) not in folded:
+                folded[id(m.weight)] = with_added_rows(m)
+            state[name + '.weight'] = folded[id(m.weight)]
     return state
 
 
 def lora_param_groups(model, weight_decay, loraplus_lr_ratio=1.0):
     """Optimizer groups of the trainable parameters only: the A matrices; the B matrices at
     loraplus_lr_ratio times the learning rate (LoRA+, Hayou et al. 2024: B learns best with a larger
-    step); trained biases without weight decay. The training loop reads 'lr_scale'."""
+    step); trained biases and added rows (embeddings) without weight decay. The training loop reads 'lr_scale'."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = [dict(params=[p for n, p in named if n.endswith('lora_A')], weight_decay=weight_decay),
               dict(params=[p for n, p in named if n.endswith('lora_B')], weight_decay=weight_decay,

@@ -41,12 +41,23 @@ tts_temperature = 0.667      # scale of the starting noise
 length_scale = 1.0           # > 1 speaks slower
 guidance = 0.0               # classifier-free guidance weight (models trained with condition dropout)
 # -----------------------------------------------------------------------------
-configure(globals())
+_defaults = dict(globals())  # to tell which keys the command line or a config file changed
+config = configure(globals())
+# keys that only one kind of checkpoint reads: setting one for the other kind is refused, not silently ignored
+GPT_KEYS = ['data_dir', 'start', 'num_samples', 'max_new_tokens', 'temperature', 'top_k', 'top_p', 'use_kv_cache']
+TTS_KEYS = ['text', 'wav', 'n_timesteps', 'tts_temperature', 'length_scale', 'guidance']
 
 device = pick_device(device)
 autocast = autocast_context(device, pick_dtype(device, dtype))
 ckpt_path = os.path.join(out_dir, ckpt_name)
 ckpt = load_checkpoint(ckpt_path)
+kind, keys, other_keys = (('text-to-speech (train_tts.py)', TTS_KEYS, GPT_KEYS) if ckpt['kind'] == 'tts' else
+                          ('GPT (train.py/train_dpo.py)', GPT_KEYS, TTS_KEYS))
+ignored = [k for k in other_keys if config[k] != _defaults[k]]
+if ignored:
+    raise UserError(f"{', '.join(f'{k}={config[k]!r}' for k in ignored)}: {ckpt_path} is a {kind} checkpoint, "
+                    f"which does not read {'this key; drop it' if len(ignored) == 1 else 'these keys; drop them'}. "
+                    f"It reads {', '.join(keys)} besides out_dir, ckpt_name, seed, device and dtype.")
 if ckpt['kind'] == 'tts':
     if os.path.isdir(wav) or not os.path.isdir(os.path.dirname(os.path.abspath(wav))):
         raise UserError(f"wav={wav!r} must be a file path in an existing folder, e.g. out.wav.")

@@ -1,9 +1,11 @@
 """
 Learning-rate schedules as pure functions of the optimizer step (0-based).
 
-Every schedule except noam starts with the same linear warmup, max_lr*(step+1)/(warmup_iters+1)
-(nanoGPT's: step 0 already gets a small nonzero lr, so no step is wasted), then hands over to its
-own shape. get_lr is the single entry point the training scripts call.
+Every schedule starts with the same linear warmup, max_lr*(step+1)/(warmup_iters+1) (nanoGPT's:
+step 0 already gets a small nonzero lr, so no step is wasted), peaks at max_lr at step warmup_iters,
+then follows its own shape. get_lr is the single entry point the training scripts call; it takes
+every schedule's parameters, named like the scripts' config keys, without defaults, so a script
+cannot leave one hidden.
 """
 
 import math
@@ -39,12 +41,14 @@ def cosine_restarts_lr(step, max_lr, min_lr, warmup_iters, restart_iters, restar
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * t / cycle)) * (max_lr - min_lr)
 
 
-def noam_lr(step, max_lr, warmup_iters, d_model):
-    """'Attention is all you need': linear rise for warmup_iters steps, then 1/sqrt(step) decay.
-    max_lr is the scale factor, not the peak (the peak is max_lr/sqrt(d_model*warmup_iters))."""
-    s = step + 1
-    rise = s * warmup_iters ** -1.5 if warmup_iters > 0 else math.inf
-    return max_lr * d_model ** -0.5 * min(s ** -0.5, rise)
+def noam_lr(step, max_lr, min_lr, warmup_iters):
+    """'Attention is all you need' in ESPnet's/CosyVoice's WarmupLR form: linear rise to max_lr (the
+    peak, unlike the paper's d_model**-0.5 scale factor), then inverse-square-root decay, floored at
+    min_lr: max_lr * min(s/W, sqrt(W/s)) with s = step+1, W = warmup_iters+1, so the rise is the
+    other schedules' warmup and the peak is at step warmup_iters. lr_decay_iters does not apply."""
+    if step < warmup_iters:
+        return warmup_lr(step, max_lr, warmup_iters)
+    return max(min_lr, max_lr * math.sqrt((warmup_iters + 1) / (step + 1)))
 
 
 def constant_lr(step, max_lr, warmup_iters):
@@ -74,19 +78,20 @@ def wsd_lr(step, max_lr, min_lr, warmup_iters, decay_iters, decay_frac):
     return max_lr + ratio * (min_lr - max_lr)
 
 
-def get_lr(step, schedule, max_lr, min_lr, warmup_iters, decay_iters, *,
-           restart_iters=1000, restart_mult=1, d_model=512, decay_frac=0.2):
-    if schedule == "cosine":
-        return cosine_lr(step, max_lr, min_lr, warmup_iters, decay_iters)
-    elif schedule == "cosine_restarts":
-        return cosine_restarts_lr(step, max_lr, min_lr, warmup_iters, restart_iters, restart_mult)
-    elif schedule == "noam":
-        return noam_lr(step, max_lr, warmup_iters, d_model)
-    elif schedule == "constant":
-        return constant_lr(step, max_lr, warmup_iters)
-    elif schedule == "linear":
-        return linear_lr(step, max_lr, min_lr, warmup_iters, decay_iters)
-    elif schedule == "wsd":
-        return wsd_lr(step, max_lr, min_lr, warmup_iters, decay_iters, decay_frac)
-    raise ValueError(f"unknown lr schedule {schedule!r}; valid schedules are: {', '.join(SCHEDULES)}. "
+def get_lr(step, lr_schedule, learning_rate, min_lr, warmup_iters, lr_decay_iters, restart_iters, restart_mult,
+           decay_frac):
+    """The lr at optimizer step `step` (0-based); the other arguments are the scripts' config keys."""
+    if lr_schedule == "cosine":
+        return cosine_lr(step, learning_rate, min_lr, warmup_iters, lr_decay_iters)
+    elif lr_schedule == "cosine_restarts":
+        return cosine_restarts_lr(step, learning_rate, min_lr, warmup_iters, restart_iters, restart_mult)
+    elif lr_schedule == "noam":
+        return noam_lr(step, learning_rate, min_lr, warmup_iters)
+    elif lr_schedule == "constant":
+        return constant_lr(step, learning_rate, warmup_iters)
+    elif lr_schedule == "linear":
+        return linear_lr(step, learning_rate, min_lr, warmup_iters, lr_decay_iters)
+    elif lr_schedule == "wsd":
+        return wsd_lr(step, learning_rate, min_lr, warmup_iters, lr_decay_iters, decay_frac)
+    raise ValueError(f"unknown lr schedule {lr_schedule!r}; valid schedules are: {', '.join(SCHEDULES)}. "
                      f"Set the schedule in the config to one of them.")

@@ -18,8 +18,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from checkpoint import (StopSignal, all_rng_states, check_compatible, file_sha256, load_checkpoint, run_log,
-                        save_checkpoint, set_rng_state)
+from checkpoint import (StopSignal, all_rng_states, check_compatible, claim_out_dir, file_sha256, load_checkpoint,
+                        require_init_from, run_log, run_origin, run_to_continue, save_checkpoint, set_rng_state)
 from configurator import UserError, configure
 from data import (NUMBER_TASKS_DIR, ChatTokenizer, SFTBatches, TokenBatches, eval_offsets, load_sft_split,
                   load_tokenizer, prepare_default, prepare_number_tasks)
@@ -36,7 +36,8 @@ from scheduler import get_lr
 training_type = 'from_scratch'  # 'from_scratch' (token windows of data_dir) | 'sft' (chat examples from sft_data, all weights) | 'lora' (sft_data, low-rank adapters on a frozen model)
 out_dir = 'out'              # checkpoints (ckpt.pt latest, best.pt best val), log.jsonl, tensorboard
 data_dir = ''                # a folder made by data.py (sft/lora: its tokenizer); '' = the embedded default (stdlib sources, data/stdlib)
-init_from = 'auto'           # 'scratch' | 'resume' (out_dir/ckpt.pt must exist) | 'auto' (resume if it exists) | path to a checkpoint whose weights start a new run
+init_from = 'scratch'        # where a new run's weights start: 'scratch' | path to a checkpoint (sft/lora: the pretrained model)
+resume = True                # continue the run in out_dir when it holds one (relaunching a killed command continues it); False = start a new run there, replacing it
 eval_interval = 100          # steps between evals (and checkpoint saves)
 eval_iters = 20              # val batches per eval
 log_interval = 10            # steps between train-loss log lines
@@ -97,10 +98,12 @@ optimizer_type = 'adamw'     # 'adamw' | 'muon' (muon.py: Muon for the blocks' m
 muon_lr = 0.02               # Muon's peak lr; it follows the lr schedule in proportion (muon_lr / learning_rate)
 muon_momentum = 0.95
 # learning-rate schedule (scheduler.py)
-lr_schedule = 'cosine'       # 'cosine' | 'cosine_restarts' | 'noam' | 'constant' | 'linear' | 'wsd'
-warmup_iters = 50
-lr_decay_iters = 600         # where the decay ends (usually = max_iters)
-min_lr = 3e-4
+lr_schedule = 'cosine'       # 'cosine' | 'cosine_restarts' | 'noam' | 'constant' | 'linear' | 'wsd'; each peaks at learning_rate
+warmup_iters = 50            # linear rise to learning_rate, reached at this step (every schedule)
+lr_decay_iters = 600         # where the decay to min_lr ends (cosine, linear, wsd; usually = max_iters; not noam)
+min_lr = 3e-4                # the lr decays to this (noam: its floor; constant: unused)
+restart_iters = 200          # 'cosine_restarts': steps of the first cycle after warmup
+restart_mult = 1             # 'cosine_restarts': each cycle this many times longer than the last
 decay_frac = 0.2             # 'wsd': the last fraction of lr_decay_iters, decaying linearly to min_lr
 # system
 device = 'auto'              # 'auto' | 'cpu' | 'cuda' | 'cuda:1' | 'mps'
@@ -139,6 +142,23 @@ if device_type == 'cuda':
 def log(msg):
     if master:
         tqdm.write(msg)
+
+
+# out_dir: written and locked before any work; a checkpoint there is this run's to continue, never another's
+if master:
+    out_dir_lock = claim_out_dir(out_dir)
+ckpt_path = os.path.join(out_dir, 'ckpt.pt')
+this_run = dict(script='train.py', training_type=training_type, init_from=run_origin(init_from))
+ckpt = run_to_continue(out_dir, resume, this_run, ignore=('init_from',) if eval_only else ())
+resuming = ckpt is not None
+if ckpt is None and init_from != 'scratch':
+    require_init_from(init_from, made_by='`python train.py` (pretraining)' if init_from == 'out/ckpt.pt' else None)
+if eval_only and ckpt is None and init_from == 'scratch':
+    raise UserError(f"eval_only=True needs a trained model, but {ckpt_path} does not exist; point --out_dir at a run "
+                    f"or --init_from at a checkpoint.")
+if training_type == 'lora' and ckpt is None and init_from == 'scratch':
+    raise UserError("training_type='lora' adapts a trained model, but there is none: set init_from to its checkpoint "
+                    "(e.g. --init_from=out/ckpt.pt).")
 
 
 # data: rank 0 prepares the default corpus once, the others wait for it
@@ -183,29 +203,21 @@ model_args = dict(block_size=block_size, vocab_size=tokenizer.vocab_size, n_laye
                   n_embd=n_embd, dropout=dropout, bias=bias, pos_emb=pos_emb, norm=norm, mlp=mlp,
                   tie_embeddings=tie_embeddings, qk_norm=qk_norm, logit_softcap=logit_softcap,
                   zero_init_proj=zero_init_proj)
-ckpt_path = os.path.join(out_dir, 'ckpt.pt')
-if init_from == 'auto':
-    init_from = 'resume' if os.path.exists(ckpt_path) else 'scratch'
-if init_from == 'resume' and not os.path.exists(ckpt_path):
-    raise UserError(f"init_from='resume' but {ckpt_path} does not exist. Use --init_from=auto to start fresh "
-                    f"when there is no checkpoint, or point --out_dir at the run to resume.")
-if eval_only and init_from == 'scratch':
-    raise UserError(f"eval_only=True needs a trained model, but {ckpt_path} does not exist; point --out_dir at a run "
-                    f"or --init_from at a checkpoint.")
-if training_type == 'lora' and init_from == 'scratch':
-    raise UserError(f"training_type='lora' adapts a trained model, but there is none: set init_from to its checkpoint "
-                    f"(e.g. --init_from=out/ckpt.pt), or init_from='resume' to continue the run in {out_dir}.")
-ckpt = weights = None  # weights: the checkpoint holding the full model (for a LoRA run, its base model's)
+weights = None  # the checkpoint holding the full model (for a LoRA run, its base model's)
 vocab_size = tokenizer.vocab_size
-if init_from != 'scratch':
-    ckpt_source = weights_source = ckpt_path if init_from == 'resume' else init_from
-    ckpt = weights = load_checkpoint(ckpt_source)
-    if ckpt['kind'] not in ('gpt', 'lora'):
-        raise UserError(f"{ckpt_source} is a {ckpt['kind']!r} checkpoint, not a GPT's; point --init_from at a "
+if ckpt is not None or init_from != 'scratch':
+    weights_source = ckpt_path if ckpt is not None else init_from
+    weights = ckpt if ckpt is not None else load_checkpoint(init_from)
+    if weights['kind'] not in ('gpt', 'lora'):
+        raise UserError(f"{weights_source} is a {weights['kind']!r} checkpoint, not a GPT's; point --init_from at a "
                         f"train.py checkpoint, or use another out_dir.")
-    if ckpt['kind'] == 'lora':
-        if init_from != 'resume':
-            raise UserError(f"{ckpt_source} holds LoRA adapters only; start from the merged model of that run "
+    if ckpt is not None:  # checkpoints written before they recorded their run (run_to_continue) are checked here
+        check_compatible({'optimizer_type': ckpt['config'].get('optimizer_type', 'adamw'),
+                          'training_type': ckpt['config'].get('training_type', 'from_scratch')},
+                         {'optimizer_type': optimizer_type, 'training_type': training_type}, 'optimizer', ckpt_path)
+    if weights['kind'] == 'lora':
+        if ckpt is None:
+            raise UserError(f"{weights_source} holds LoRA adapters only; start from the merged model of that run "
                             f"(merged.pt next to it) instead.")
         weights_source = ckpt['base_checkpoint']
         weights = load_checkpoint(weights_source)
@@ -232,18 +244,23 @@ if weights is not None:
 if vocab_size < tokenizer.vocab_size:
     model.resize_vocab(tokenizer.vocab_size)
 if training_type == 'lora':
-    wrapped = apply_lora(model, lora_r, lora_alpha, lora_dropout, lora_target_modules, use_rslora, lora_bias)
-    if ckpt['kind'] == 'lora':
+    added_tokens = tokenizer.vocab_size - vocab_size  # the chat tokens added above train too (none for a chat model)
+    wrapped = apply_lora(model, lora_r, lora_alpha, lora_dropout, lora_target_modules, use_rslora, lora_bias,
+                         added_tokens)
+    if ckpt is not None:
         check_compatible({k: ckpt['config'][k] for k in LORA_SETTINGS}, {k: config[k] for k in LORA_SETTINGS},
                          'LoRA setup', ckpt_path, fix="Set these keys to the checkpoint's values, or start a new run "
                                                      "in another out_dir.")
+        check_compatible({'trained tensors': sorted(ckpt['model'])}, {'trained tensors': sorted(lora_state_dict(model))},
+                         'LoRA setup', ckpt_path, fix="It was written by an older nanotrain (before the added chat "
+                         "tokens trained); start a new run: --resume=False, or another out_dir.")
         model.load_state_dict({**model.state_dict(), **ckpt['model']})  # strict: every adapter must fit
         lora_base = ckpt['base_checkpoint'], ckpt['base_hash']
     else:
         lora_base = os.path.abspath(init_from), file_sha256(init_from)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    log(f"LoRA r={lora_r} on {len(wrapped)} layers: {trainable:,} trainable parameters "
-        f"({100 * trainable / sum(p.numel() for p in model.parameters()):.2f}% of all)")
+    log(f"LoRA r={lora_r} on {len(wrapped)} layers + {added_tokens} added token rows: {trainable:,} trainable "
+        f"parameters ({100 * trainable / sum(p.numel() for p in model.parameters()):.2f}% of all)")
 model.activation_checkpointing = activation_checkpointing
 model.to(device)
 raw_model = model  # what we save and sample from: never compiled or DDP-wrapped
@@ -259,14 +276,11 @@ else:
     raise UserError(f"optimizer_type={optimizer_type!r} is not supported; use 'adamw' or 'muon'.")
 scaler = GradScaler(enabled=ptdtype == torch.float16)
 iter_num, best_val_loss, evals_without_improvement = 0, float('inf'), 0
-if init_from == 'resume':
-    check_compatible({'optimizer_type': ckpt['config'].get('optimizer_type', 'adamw'),
-                      'training_type': ckpt['config'].get('training_type', 'from_scratch')},
-                     {'optimizer_type': optimizer_type, 'training_type': training_type}, 'optimizer', ckpt_path)
+if ckpt is not None:
     if fine_tuning and ckpt.get('train_data_hash', train_data_hash) != train_data_hash:  # older checkpoints: unknown
         raise UserError(f"{os.path.join(sft_data, 'train.jsonl')} has changed since the run in {out_dir} began; "
                         f"resuming would go on with other examples. Restore the file (or sft_data), or start a new "
-                        f"run (another out_dir, or --init_from=<its ckpt.pt> to start from its weights).")
+                        f"run (another out_dir, or --resume=False to replace it).")
     optimizer.load_state_dict(ckpt['optimizer'])
     scaler.load_state_dict(ckpt['scaler'])
     train_batches.load_state_dict(ckpt['train_batches'])
@@ -337,7 +351,8 @@ def evaluate():
 
 def checkpoint_state():
     rngs = all_rng_states()  # collective under DDP
-    state = dict(kind='gpt', model=raw_model.state_dict(), model_args=model_args, optimizer=optimizer.state_dict(),
+    state = dict(kind='gpt', run=this_run, model=raw_model.state_dict(), model_args=model_args,
+                 optimizer=optimizer.state_dict(),
                  scaler=scaler.state_dict(), iter_num=iter_num, best_val_loss=best_val_loss,
                  evals_without_improvement=evals_without_improvement, config=config,
                  tokenizer=tokenizer.identity(), data_dir=os.path.abspath(data_dir), rng=rngs,
@@ -358,15 +373,19 @@ def save(path):
 
 def train_step(indices):
     """Forward/backward over this rank's share of the global batch. Every token's loss is divided by
-    the total token weight of the whole global batch (all micro-batches, all ranks), known before the
-    first backward, so the gradient is the same however the batch is split (1 x 4 accumulation =
-    4 x 1). Returns this rank's share of the total loss and of each term (shares add up over ranks)."""
+    the total token weight of the whole global batch (all micro-batches, all ranks; the z-loss: by its
+    number of labelled positions), known before the first backward, so the gradient is the same however
+    the batch is split (1 x 4 accumulation = 4 x 1). Returns this rank's share of the total loss and of
+    each term (shares add up over ranks)."""
     with profiler.section('data'):
         parts = indices.view(gradient_accumulation_steps, batch_size)
         micro_batches = [get_batch(train_batches, part) for part in parts]
         weight_sum = sum(target_weights(y, token_weight).sum() for _, y, _ in micro_batches)
+        label_count = sum((y != -100).sum() for _, y, _ in micro_batches).float()
+        normalizers = torch.stack([weight_sum, label_count])
         if ddp:
-            dist.all_reduce(weight_sum)
+            dist.all_reduce(normalizers)
+        weight_sum, label_count = normalizers
     totals = {}
     for micro_step, (x, y, doc_ids) in enumerate(micro_batches):
         last = micro_step == gradient_accumulation_steps - 1
@@ -376,7 +395,7 @@ def train_step(indices):
                 logits, targets = labelled(x, y, doc_ids)
                 terms = {'ce': weighted_cross_entropy(logits, targets, token_weight, weight_sum)}
                 if loss_weights.get('z_loss'):
-                    terms['z_loss'] = z_loss(logits, targets, token_weight, weight_sum)
+                    terms['z_loss'] = z_loss(logits, targets, label_count)
                 loss = combine_losses(terms, loss_weights)
             if fault_at('oom', iter_num):
                 raise torch.OutOfMemoryError('injected OOM (NANOTRAIN_FAULT)')
@@ -389,7 +408,8 @@ def train_step(indices):
     return totals
 
 
-record, writer = run_log(out_dir, master, tensorboard, purge_step=iter_num)
+record, writer = run_log(out_dir, master, tensorboard,
+                         keep_until=math.inf if eval_only else iter_num if resuming else -1)
 
 
 def report_exact_match():
@@ -415,11 +435,11 @@ if iter_num == 0:
     record(dict(step=0, val_loss=val_loss, val_ppl=math.exp(val_loss), lr=0.0))
     report_exact_match()
 bad_steps = 0
-window_start, window_tokens = time.time(), 0
+window_start, window_tokens, window_labels = time.time(), 0, 0  # labels: positions through the output layer
 progress = tqdm(total=max_iters, initial=iter_num, disable=not master, dynamic_ncols=True, desc='train')
 while iter_num < max_iters:
-    lr = get_lr(iter_num, lr_schedule, learning_rate, min_lr, warmup_iters, lr_decay_iters, d_model=n_embd,
-                decay_frac=decay_frac)
+    lr = get_lr(iter_num, lr_schedule, learning_rate, min_lr, warmup_iters, lr_decay_iters, restart_iters,
+                restart_mult, decay_frac)
     for group in optimizer.param_groups:
         group['lr'] = lr * group.get('lr_scale', 1.0)  # Muon's groups (muon_lr / learning_rate), LoRA+'s B
 
@@ -431,9 +451,10 @@ while iter_num < max_iters:
             limit = shortest + (max_length - shortest) * iter_num // curriculum_iters
         global_batch = train_batches.sample(global_batch_size, limit)
         step_tokens = train_batches.count_tokens(global_batch)
+        step_labels = sum(int((train_batches.targets[i] != -100).sum()) for i in global_batch.tolist())
     else:
         global_batch = train_batches.sample_offsets(global_batch_size)
-        step_tokens = global_batch_size * block_size
+        step_tokens = step_labels = global_batch_size * block_size
     while True:
         try:
             losses = train_step(global_batch.tensor_split(world_size)[rank])
@@ -469,11 +490,12 @@ while iter_num < max_iters:
     iter_num += 1
     progress.update(1)
     window_tokens += step_tokens
+    window_labels += step_labels
 
     if iter_num % log_interval == 0 or iter_num == max_iters:
         now = time.time()
         tokens_per_sec = window_tokens / (now - window_start)  # all of the window's time, logging included
-        mfu = raw_model.estimate_mfu(tokens_per_sec / world_size, device_name)
+        mfu = raw_model.estimate_mfu(tokens_per_sec / world_size, device_name, window_labels / window_tokens)
         level = monitor.check()
         event = dict(step=iter_num, train_loss=loss, lr=lr, grad_norm=grad_norm, tokens_per_sec=tokens_per_sec,
                      mfu=mfu, memory_level=level, memory_usage=monitor.usage, memory_check_s=monitor.overhead_s,
@@ -485,7 +507,7 @@ while iter_num < max_iters:
         progress.set_postfix(loss=f'{loss:.4f}', tok_s=f'{tokens_per_sec:,.0f}')
         log(f"step {iter_num}: loss {loss:.4f}, lr {lr:.2e}, grad norm {grad_norm:.3f}, {tokens_per_sec:,.0f} tok/s, "
             + (f"MFU {mfu * 100:.1f}%" if mfu is not None else "MFU unknown"))
-        window_start, window_tokens = now, 0
+        window_start, window_tokens, window_labels = now, 0, 0
 
     if iter_num % eval_interval == 0 or iter_num == max_iters:
         val_loss = evaluate()
@@ -504,7 +526,7 @@ while iter_num < max_iters:
         if early_stopping_patience and evals_without_improvement >= early_stopping_patience:
             log(f"early stopping: val loss has not improved for {evals_without_improvement} evals")
             break
-        window_start, window_tokens = time.time(), 0  # throughput excludes eval time
+        window_start, window_tokens, window_labels = time.time(), 0, 0  # throughput excludes eval time
 
     if stop_requested:
         save(ckpt_path)

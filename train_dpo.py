@@ -10,6 +10,7 @@ overridden by a config file or --key=value (`--help` lists them).
 
 import hashlib
 import json
+import math
 import os
 import sys
 import time
@@ -20,8 +21,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from checkpoint import (StopSignal, all_rng_states, check_compatible, file_sha256, load_checkpoint, run_log,
-                        save_checkpoint, set_rng_state)
+from checkpoint import (StopSignal, all_rng_states, check_compatible, claim_out_dir, file_sha256, load_checkpoint,
+                        require_init_from, run_log, run_origin, run_to_continue, save_checkpoint, set_rng_state)
 from configurator import UserError, configure
 from data import (PREFERENCES_DIR, ChatTokenizer, PreferenceBatches, load_preference_split, load_tokenizer,
                   prepare_default, prepare_number_tasks)
@@ -35,7 +36,7 @@ from scheduler import get_lr
 # I/O
 out_dir = 'out-dpo'          # checkpoints (ckpt.pt latest, best.pt best eval loss), log.jsonl, tensorboard
 init_from = 'out-sft/ckpt.pt'  # the chat model (an SFT checkpoint, or a LoRA run's merged.pt) the policy and reference start as
-resume = True                # continue out_dir/ckpt.pt when it exists (the reference it names must be unchanged)
+resume = True                # continue the run in out_dir when it holds one (the reference it names must be unchanged); False = start a new run there, replacing it
 data_dir = ''                # folder of the base tokenizer (made by data.py); '' = the embedded default (data/stdlib)
 dpo_data = ''                # folder with train.jsonl, val.jsonl (and test.jsonl for exact match); '' = the embedded number-task pairs
 eval_interval = 200          # steps between evals (and checkpoint saves)
@@ -62,7 +63,7 @@ loss_type = 'sigmoid'        # 'sigmoid' (DPO) | 'robust' (rDPO) | 'ipo' | 'hing
 label_smoothing = 0.0        # probability that a pair's label is flipped: 'sigmoid' becomes conservative DPO, 'robust' corrects for it
 ipo_length_normalize = True  # 'ipo' on per-token mean log-probs (the IPO paper's); False: on summed log-probs
 reference_free = False       # no reference model: an implicit uniform reference (log-probs 0)
-rpo_alpha = 1.0              # RPO (Pang et al. 2024): add rpo_alpha * NLL of the chosen completions (per token), which keeps
+rpo_alpha = 0.0              # RPO (Pang et al. 2024): add rpo_alpha * NLL of the chosen completions (per token), which keeps
                              # them likely (plain DPO lowers chosen and rejected log-probs alike); 0 = plain DPO
 precompute_ref_logps = False  # compute the reference's log-probs once, cache them in out_dir, free the reference
 # LoRA: train adapters on the frozen model; the reference is the same model with adapters disabled
@@ -85,10 +86,12 @@ beta1 = 0.9
 beta2 = 0.95
 grad_clip = 1.0              # 0 = no clipping (grad norm is still logged)
 # learning-rate schedule (scheduler.py): linear warmup, then cosine decay
-lr_schedule = 'cosine'       # 'cosine' | 'cosine_restarts' | 'noam' | 'constant' | 'linear' | 'wsd'
-warmup_iters = 50
-lr_decay_iters = 800         # where the decay ends ('cosine', 'linear', 'wsd')
-min_lr = 1e-4
+lr_schedule = 'cosine'       # 'cosine' | 'cosine_restarts' | 'noam' | 'constant' | 'linear' | 'wsd'; each peaks at learning_rate
+warmup_iters = 50            # linear rise to learning_rate, reached at this step (every schedule)
+lr_decay_iters = 800         # where the decay to min_lr ends (cosine, linear, wsd; not noam)
+min_lr = 1e-4                # the lr decays to this (noam: its floor; constant: unused)
+restart_iters = 250          # 'cosine_restarts': steps of the first cycle after warmup
+restart_mult = 1             # 'cosine_restarts': each cycle this many times longer than the last
 decay_frac = 0.2             # 'wsd': the last fraction of lr_decay_iters, decaying linearly to min_lr
 # system
 device = 'auto'              # 'auto' | 'cpu' | 'cuda' | 'cuda:1' | 'mps'
@@ -136,9 +139,14 @@ def log(msg):
         tqdm.write(msg)
 
 
-# the checkpoint to start from: a run to resume, else init_from; the reference is always the model the run began as
+# out_dir: written and locked before any work; a checkpoint there is this run's to continue, never another's.
+# The reference is always the model the run began as.
+if master:
+    out_dir_lock = claim_out_dir(out_dir)
 ckpt_path = os.path.join(out_dir, 'ckpt.pt')
-ckpt = load_checkpoint(ckpt_path) if resume and os.path.exists(ckpt_path) else None
+this_run = dict(script='train_dpo.py', init_from=run_origin(init_from), use_lora=use_lora)
+ckpt = run_to_continue(out_dir, resume, this_run, ignore=('init_from',) if eval_only else ())
+resuming = ckpt is not None
 if ckpt and 'reference_hash' not in ckpt:
     raise UserError(f"{ckpt_path} is not a DPO run's checkpoint, so there is nothing to resume. Use another out_dir, "
                     f"or --resume=False to start a new run there (its checkpoints are then overwritten).")
@@ -146,11 +154,9 @@ reference_path = ckpt['reference_checkpoint'] if ckpt else init_from
 if ckpt and not os.path.isfile(reference_path):
     raise UserError(f"{reference_path}, the reference of the DPO run in {out_dir} (named in its ckpt.pt), no longer "
                     f"exists. Put it back there, or start a new run (another out_dir, or --resume=False).")
-if not os.path.isfile(reference_path):
-    how = ("make it with `python train.py` (pretraining, out/ckpt.pt) then `python train.py config/sft.py` "
-           "(SFT, out-sft/ckpt.pt)" if reference_path == 'out-sft/ckpt.pt' else "check the path")
-    raise UserError(f"init_from={reference_path!r} is not a checkpoint file. DPO starts from a chat model: {how}, or point "
-                    f"--init_from at another SFT checkpoint (or a LoRA run's merged.pt).")
+if not ckpt:
+    require_init_from(init_from, made_by="`python train.py` (pretraining, out/ckpt.pt) then `python train.py "
+                                         "config/sft.py` (SFT)" if init_from == 'out-sft/ckpt.pt' else None)
 weights = load_checkpoint(reference_path)
 if weights['kind'] != 'gpt':
     raise UserError(f"{reference_path} is a {weights['kind']!r} checkpoint; DPO starts from a GPT chat model "
@@ -344,9 +350,8 @@ def pair_terms(net, batches, indices, cache, totals):
         mean_logits = logits.float().mean(-1)
         metrics = {'loss': loss, 'rewards/chosen': chosen_rewards.sum() / pairs,
                    'rewards/rejected': rejected_rewards.sum() / pairs,
-                   # a tie (at the start with a live reference, policy == reference) counts half: neither right nor wrong
-                   'rewards/accuracies': ((chosen_rewards > rejected_rewards).float()
-                                          + 0.5 * (chosen_rewards == rejected_rewards).float()).sum() / pairs,
+                   # TRL's: chosen strictly ahead, so a tie (every pair at step 0 with a live reference) counts wrong
+                   'rewards/accuracies': (chosen_rewards > rejected_rewards).float().sum() / pairs,
                    'rewards/margins': (chosen_rewards - rejected_rewards).sum() / pairs,
                    'logps/chosen': sums[:n].sum() / pairs, 'logps/rejected': sums[n:].sum() / pairs,
                    'logits/chosen': mean_logits[chosen_pos].sum() / chosen_tokens,
@@ -382,7 +387,8 @@ def evaluate():
 
 def checkpoint_state():
     rngs = all_rng_states()  # collective under DDP
-    state = dict(kind='gpt', model=raw_model.state_dict(), model_args=model_args, optimizer=optimizer.state_dict(),
+    state = dict(kind='gpt', run=this_run, model=raw_model.state_dict(), model_args=model_args,
+                 optimizer=optimizer.state_dict(),
                  scaler=scaler.state_dict(), iter_num=iter_num, best_val_loss=best_val_loss,
                  evals_without_improvement=evals_without_improvement, config=dict(config, training_type='dpo'),
                  tokenizer=tokenizer.identity(), data_dir=os.path.abspath(data_dir), rng=rngs,
@@ -415,7 +421,8 @@ def train_step(global_batch):
     return sums
 
 
-record, writer = run_log(out_dir, master, tensorboard, purge_step=iter_num)
+record, writer = run_log(out_dir, master, tensorboard,
+                         keep_until=math.inf if eval_only else iter_num if resuming else -1)
 
 
 def run_eval():
@@ -446,8 +453,8 @@ bad_steps = 0
 window_start, window_tokens, window_steps = time.time(), 0, 0
 progress = tqdm(total=max_iters, initial=iter_num, disable=not master, dynamic_ncols=True, desc='dpo')
 while iter_num < max_iters:
-    lr = get_lr(iter_num, lr_schedule, learning_rate, min_lr, warmup_iters, lr_decay_iters,
-                d_model=model_args['n_embd'], decay_frac=decay_frac)
+    lr = get_lr(iter_num, lr_schedule, learning_rate, min_lr, warmup_iters, lr_decay_iters, restart_iters,
+                restart_mult, decay_frac)
     for group in optimizer.param_groups:
         group['lr'] = lr * group.get('lr_scale', 1.0)  # LoRA+'s B matrices
 

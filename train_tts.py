@@ -17,8 +17,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from checkpoint import (StopSignal, all_rng_states, check_compatible, load_checkpoint, rng_state, run_log,
-                        save_checkpoint, set_rng_state)
+from checkpoint import (StopSignal, all_rng_states, check_compatible, claim_out_dir, load_checkpoint,
+                        require_init_from, rng_state, run_log, run_origin, run_to_continue, save_checkpoint,
+                        set_rng_state)
 from configurator import UserError, configure
 from losses import mel_cepstral_distortion
 from memory import (GradScaler, MemoryMonitor, StepProfiler, autocast_context, fault_at, free_memory, is_oom,
@@ -35,7 +36,8 @@ _start_time = time.time()
 out_dir = 'out-tts'          # checkpoints (ckpt.pt latest, best.pt best val), log.jsonl, tensorboard, samples/
 data_dir = ''                # LJSpeech-layout folder: metadata.csv (id|raw text|normalized text) + wavs/<id>.wav
 cache_dir = ''               # log-mel feature cache; '' = <out_dir>/mel_cache
-init_from = 'auto'           # 'scratch' | 'resume' (out_dir/ckpt.pt must exist) | 'auto' (resume if it exists) | path to a checkpoint whose weights start a new run
+init_from = 'scratch'        # where a new run's weights start: 'scratch' | path to a TTS checkpoint
+resume = True                # continue the run in out_dir when it holds one (relaunching a killed command continues it); False = start a new run there, replacing it
 eval_interval = 200          # steps between evals (and checkpoint saves)
 log_interval = 10            # steps between train-loss log lines
 eval_only = False            # evaluate the checkpoint (val losses, MCD-DTW, RTF) and exit
@@ -76,12 +78,13 @@ beta1 = 0.9
 beta2 = 0.99
 grad_clip = 1.0              # 0 = no clipping (grad norm is still logged)
 # learning-rate schedule (scheduler.py)
-lr_schedule = 'cosine_restarts'  # 'cosine' | 'cosine_restarts' | 'noam' | 'constant' | 'linear' | 'wsd'
-warmup_iters = 500
-lr_decay_iters = 100000      # where the decay ends (cosine, linear, wsd)
-min_lr = 1e-5
-restart_iters = 10000        # cosine_restarts: length of the first cycle
-restart_mult = 1             # cosine_restarts: each cycle this many times longer than the last
+lr_schedule = 'cosine_restarts'  # 'cosine' | 'cosine_restarts' | 'noam' | 'constant' | 'linear' | 'wsd'; each peaks at learning_rate
+warmup_iters = 500           # linear rise to learning_rate, reached at this step (every schedule)
+lr_decay_iters = 100000      # where the decay to min_lr ends (cosine, linear, wsd; not noam)
+min_lr = 1e-5                # the lr decays to this (noam: its floor; constant: unused)
+restart_iters = 10000        # 'cosine_restarts': steps of the first cycle after warmup
+restart_mult = 1             # 'cosine_restarts': each cycle this many times longer than the last
+decay_frac = 0.2             # 'wsd': the last fraction of lr_decay_iters, decaying linearly to min_lr
 # inference and evaluation
 n_timesteps = 10             # Euler steps of the flow ODE
 temperature = 0.667          # scale of the starting noise
@@ -124,6 +127,20 @@ def log(msg):
         tqdm.write(msg)
 
 
+# out_dir: written and locked before any work; a checkpoint there is this run's to continue, never another's
+if master:
+    out_dir_lock = claim_out_dir(out_dir)
+ckpt_path = os.path.join(out_dir, 'ckpt.pt')
+this_run = dict(script='train_tts.py', init_from=run_origin(init_from))
+ckpt = run_to_continue(out_dir, resume, this_run, ignore=('init_from',) if eval_only else ())
+resuming = ckpt is not None
+if not resuming and init_from != 'scratch':
+    require_init_from(init_from)
+if eval_only and not resuming and init_from == 'scratch':
+    raise UserError(f"eval_only=True needs a trained model, but {ckpt_path} does not exist; point --out_dir at a run "
+                    f"or --init_from at a TTS checkpoint.")
+
+
 # data: held-out split by id; rank 0 computes and caches the mel features, the others then read them
 if not data_dir:
     raise UserError("data_dir is not set: pass --data_dir=PATH to an LJSpeech-layout folder (metadata.csv with "
@@ -155,19 +172,9 @@ model_args = dict(symbols=symbols, add_blank=add_blank, n_mels=mel_settings['n_m
                   enc_layers=enc_layers, enc_heads=enc_heads, enc_ff_channels=enc_ff_channels, enc_kernel=enc_kernel,
                   dp_channels=dp_channels, dropout=dropout, dec_channels=dec_channels, dec_blocks=dec_blocks,
                   dec_heads=dec_heads, sigma_min=sigma_min, cfg_drop=cfg_drop)
-ckpt_path = os.path.join(out_dir, 'ckpt.pt')
-if init_from == 'auto':
-    init_from = 'resume' if os.path.exists(ckpt_path) else 'scratch'
-if init_from == 'resume' and not os.path.exists(ckpt_path):
-    raise UserError(f"init_from='resume' but {ckpt_path} does not exist. Use --init_from=auto to start fresh "
-                    f"when there is no checkpoint, or point --out_dir at the run to resume.")
-if eval_only and init_from == 'scratch':
-    raise UserError(f"eval_only=True needs a trained model, but {ckpt_path} does not exist; point --out_dir at a run "
-                    f"or --init_from at a TTS checkpoint.")
-ckpt = None
-if init_from != 'scratch':
-    ckpt_source = ckpt_path if init_from == 'resume' else init_from
-    ckpt = load_checkpoint(ckpt_source)
+if resuming or init_from != 'scratch':
+    ckpt_source = ckpt_path if resuming else init_from
+    ckpt = ckpt if resuming else load_checkpoint(init_from)
     if ckpt.get('kind') != 'tts':
         raise UserError(f"{ckpt_source} is not a train_tts.py checkpoint (kind={ckpt.get('kind')!r}); point "
                         f"--init_from at a TTS checkpoint or use --init_from=scratch.")
@@ -192,7 +199,7 @@ optimizer = torch.optim.AdamW([dict(params=decay, weight_decay=weight_decay), di
                               lr=learning_rate, betas=(beta1, beta2), fused=device_type == 'cuda')
 scaler = GradScaler(enabled=ptdtype == torch.float16)
 iter_num, best_val_loss, evals_without_improvement, batch_splits = 0, float('inf'), 0, 1
-if init_from == 'resume':
+if resuming:
     optimizer.load_state_dict(ckpt['optimizer'])
     scaler.load_state_dict(ckpt['scaler'])
     sampler.load_state_dict(ckpt['sampler'])
@@ -256,7 +263,8 @@ def evaluate():
 
 def checkpoint_state():
     rngs = all_rng_states()  # collective under DDP
-    return dict(kind='tts', model=raw_model.state_dict(), model_args=model_args, optimizer=optimizer.state_dict(),
+    return dict(kind='tts', run=this_run, model=raw_model.state_dict(), model_args=model_args,
+                optimizer=optimizer.state_dict(),
                 scaler=scaler.state_dict(), iter_num=iter_num, best_val_loss=best_val_loss,
                 evals_without_improvement=evals_without_improvement, config=config,
                 data_dir=os.path.abspath(data_dir), rng=rngs, sampler=sampler.state_dict(),
@@ -302,7 +310,8 @@ def train_step(batches):
     return totals
 
 
-record, writer = run_log(out_dir, master, tensorboard, purge_step=iter_num)
+record, writer = run_log(out_dir, master, tensorboard,
+                         keep_until=math.inf if eval_only else iter_num if resuming else -1)
 
 
 def mel_image(mel):
@@ -398,8 +407,8 @@ bad_steps = 0
 window_start, window_frames = time.time(), 0
 progress = tqdm(total=max_iters, initial=iter_num, disable=not master, dynamic_ncols=True, desc='train')
 while iter_num < max_iters:
-    lr = get_lr(iter_num, lr_schedule, learning_rate, min_lr, warmup_iters, lr_decay_iters,
-                restart_iters=restart_iters, restart_mult=restart_mult, d_model=enc_channels)
+    lr = get_lr(iter_num, lr_schedule, learning_rate, min_lr, warmup_iters, lr_decay_iters, restart_iters,
+                restart_mult, decay_frac)
     for group in optimizer.param_groups:
         group['lr'] = lr
 

@@ -356,7 +356,7 @@ class TTSModel(nn.Module):
         cond = mu_y.detach()
         if self.config.cfg_drop > 0:
             keep = (torch.rand(y.shape[0], device=y.device) >= self.config.cfg_drop).to(mu_y.dtype)
-            cond = mu_y * keep[:, None, None]
+            cond = cond * keep[:, None, None]
         velocity = self.decoder(x_t, y_mask, cond, t)
         return dict(prior=prior_loss(y, mu_y.float(), y_mask),
                     duration=duration_loss(log_durations.float(), durations, x_mask),

@@ -4,7 +4,7 @@
 # out-lora/ckpt.pt holds only the adapters (plus optimizer and sampler state to resume), naming the base
 # checkpoint by path and sha256; at the end, out-lora/merged.pt is a plain checkpoint with the adapters
 # folded in: python sample.py --out_dir=out-lora --ckpt_name=merged.pt --start="What is 48+27?"
-# An interrupted run continues with --init_from=resume.
+# Relaunching the same command after an interruption continues the run in out-lora (resume=True).
 
 training_type = 'lora'
 init_from = 'out/ckpt.pt'

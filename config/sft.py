@@ -4,7 +4,7 @@
 # The tasks (data.py: number_task) are written once to data/number_tasks as train/val/test.jsonl lines
 # like {"prompt": "Reverse the digits of 4827.", "response": "7284"} or {"prompt": "What is 48+26?", "response":
 # "8+6=14, 4+2+1=7, so 74"} (sums and differences worked column by column); point sft_data at your own JSONL instead.
-# An interrupted run continues with --init_from=resume (init_from=<path> always starts anew).
+# Relaunching the same command after an interruption continues the run in out-sft (resume=True).
 
 training_type = 'sft'
 init_from = 'out/ckpt.pt'

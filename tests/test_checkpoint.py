@@ -1,3 +1,5 @@
+import json
+import math
 import os
 import random
 import signal
@@ -6,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from checkpoint import StopSignal, check_compatible, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from checkpoint import (StopSignal, check_compatible, load_checkpoint, rng_state, run_log, save_checkpoint,
+                        set_rng_state)
 from configurator import UserError
 
 
@@ -33,7 +36,8 @@ def test_crash_during_save_keeps_previous_checkpoint(tmp_path, monkeypatch, fail
         monkeypatch.setattr(torch, 'save', crash)
     else:
         monkeypatch.setattr(os, 'replace', lambda *a: (_ for _ in ()).throw(OSError('disk gone')))
-    with pytest.raises((KeyboardInterrupt, OSError)):
+    expected = KeyboardInterrupt if fail_in == 'torch.save' else UserError  # a failed write is explained, not raw
+    with pytest.raises(expected):
         save_checkpoint(path, {'iter_num': 2, 'w': torch.zeros(1000)})
     monkeypatch.undo()
     assert load_checkpoint(path)['iter_num'] == 1
@@ -58,8 +62,9 @@ def test_load_errors_are_user_errors(tmp_path):
 def test_weights_only_refuses_arbitrary_objects(tmp_path):
     path = tmp_path / 'evil.pt'
     torch.save({'obj': object()}, path)
-    with pytest.raises(UserError):
+    with pytest.raises(UserError, match='does not load because loading them can run code') as error:
         load_checkpoint(path)
+    assert 'set to `False`' not in str(error.value) and 'safe_globals' not in str(error.value)  # torch's advice to allow it
 
 
 def test_rng_state_round_trip_through_checkpoint(tmp_path):
@@ -93,3 +98,16 @@ def test_stop_signal_sets_flag_and_exit_code():
     finally:
         signal.signal(signal.SIGTERM, old[0])
         signal.signal(signal.SIGINT, old[1])
+
+
+@pytest.mark.parametrize('keep_until, kept', [(3, [1, 2, 3]), (math.inf, [1, 2, 3, 4, 5]), (-1, [])])
+def test_run_log_keeps_one_history(tmp_path, keep_until, kept):
+    """A continued run keeps the events up to its checkpoint's step, eval_only appends, a new run starts empty;
+    a line cut short by a kill is dropped either way."""
+    lines = [json.dumps({'step': s, 'train_loss': 1.0 / s}) for s in range(1, 6)] + ['{"step": 6, "train_lo']
+    (tmp_path / 'log.jsonl').write_text('\n'.join(lines))
+    record, writer = run_log(str(tmp_path), True, False, keep_until)
+    record({'step': 9, 'val_loss': 0.5})
+    with open(tmp_path / 'log.jsonl') as f:
+        assert [json.loads(line)['step'] for line in f] == kept + [9]
+    assert writer is None and run_log(str(tmp_path), False, False, 0)[1] is None

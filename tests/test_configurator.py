@@ -180,6 +180,35 @@ def test_script_help(tmp_path):
     assert "where '#' checkpoints go" in lines['--out_dir']
 
 
+def help_with_closed_pipe(path):
+    """Run `python path --help`, read 100 bytes of its output, close the pipe (like `| head -c 100`);
+    return (exit status, stderr)."""
+    env = {**os.environ, 'PYTHONPATH': REPO}
+    p = subprocess.Popen([sys.executable, str(path), '--help'], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env=env, cwd=REPO)
+    assert len(p.stdout.read(100)) == 100
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    return p.wait(timeout=120), err
+
+
+def test_help_into_closed_pipe_exits_quietly(tmp_path):
+    # 2000 keys make ~200 KB of help, more than a pipe holds, so the script must still be writing when the
+    # reader closes: deterministic, unlike a real script whose help may fit in the pipe
+    path = tmp_path / 'many_keys.py'
+    path.write_text('from configurator import configure\n'
+                    + ''.join(f"key_{i} = {i}  # {'a comment ' * 8}\n" for i in range(2000))
+                    + 'configure(globals())\n')
+    status, err = help_with_closed_pipe(path)
+    assert (status, err) == (0, '')
+
+
+@pytest.mark.parametrize('script', ['train.py', 'sample.py'])
+def test_real_script_help_into_closed_pipe_exits_quietly(script):
+    status, err = help_with_closed_pipe(os.path.join(REPO, script))
+    assert 'Traceback' not in err and 'BrokenPipeError' not in err and status == 0
+
+
 def test_script_bad_input_exits_2_without_traceback(tmp_path):
     for args in (['--batch_sze=1'], ['--batch_size=abc'], ['missing.py']):
         r = run_script(tmp_path, *args)

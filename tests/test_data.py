@@ -168,6 +168,29 @@ def test_cli(tmp_path, capsys):
 
 # -- errors ------------------------------------------------------------------------------------
 
+def test_folder_names_the_files_that_are_not_utf8(tmp_path, capsys):
+    folder = tmp_path / 'corpus'
+    write(folder / 'a.txt', "first file\n" * 20)
+    write(folder / 'empty.txt', "")  # empty: nothing to read, not worth a mention
+    (folder / 'blob.bin').write_bytes(b'\x00\x01\x02binary')
+    (folder / 'sub').mkdir()
+    for i in range(6):
+        (folder / 'sub' / f'latin1_{i}.txt').write_bytes('caf\xe9'.encode('latin-1'))
+    data.prepare(folder, tmp_path / 'ds', 'char')
+    assert data.read_meta(tmp_path / 'ds')['documents'] == 1
+    skipped_line = [line for line in capsys.readouterr().out.splitlines() if line.startswith('skipped')]
+    assert skipped_line == [f"skipped 7 of 9 files in {folder} that are not UTF-8 text (binary or another encoding; "
+                            f"convert text files with iconv): blob.bin, {os.path.join('sub', 'latin1_0.txt')}, "
+                            f"{os.path.join('sub', 'latin1_1.txt')}, {os.path.join('sub', 'latin1_2.txt')}, "
+                            f"{os.path.join('sub', 'latin1_3.txt')} and 2 more"]
+    only_latin1 = tmp_path / 'only_latin1'
+    only_latin1.mkdir()
+    (only_latin1 / 'x.txt').write_bytes('caf\xe9'.encode('latin-1'))
+    with pytest.raises(UserError, match='holds no text'):
+        data.prepare(only_latin1, tmp_path / 'ds2')
+    assert 'skipped 1 of 1 files' in capsys.readouterr().out
+
+
 def test_missing_input(tmp_path):
     with pytest.raises(UserError, match='no_such.txt.*does not exist'):
         data.prepare(tmp_path / 'no_such.txt', tmp_path / 'ds')
@@ -215,7 +238,7 @@ def test_failed_prepare_keeps_the_dataset_and_missing_files_are_named(tmp_path):
     (tmp_path / 'ds' / 'meta.json').write_text('{"tokenizer": ')
     with pytest.raises(UserError, match='meta.json is corrupt'):
         data.load_tokenizer(ds)
-    with pytest.raises(UserError, match='must be a folder path'):
+    with pytest.raises(UserError, match='cannot be created or written'):
         data.prepare(str(tmp_path / 'in.txt'), tmp_path / 'in.txt' / 'ds', 'char')
 
 

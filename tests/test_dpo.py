@@ -26,12 +26,12 @@ from model import GPT, GPTConfig
 sys.path.insert(0, os.path.dirname(__file__))
 from test_sft import (ANSWERS, WORKING, _saved, char_tokenizer, checked_answer, sft, sft_env,  # noqa: E402,F401
                       write_jsonl)  # (sft_env: a fixture)
-from test_train import ROOT, load, read_log, run  # noqa: E402  (the subprocess helpers)
+from test_train import ROOT, kill_and_relaunch, load, read_log, run  # noqa: E402  (the subprocess helpers)
 
 LN2 = math.log(2)
 DPO = ['--device=cpu', '--dtype=float32', '--tensorboard=False', '--max_length=40', '--max_prompt_length=32',
        '--batch_size=4', '--eval_pairs=8', '--exact_match_examples=0', '--log_interval=1', '--warmup_iters=0',
-       '--learning_rate=1e-2', '--loss_type=sigmoid', '--beta=0.1', '--label_smoothing=0', '--rpo_alpha=0']  # plain DPO
+       '--learning_rate=1e-2', '--loss_type=sigmoid', '--beta=0.1', '--label_smoothing=0']  # rpo_alpha: default, 0
 TRAIN_METRICS = ('loss', 'rewards/chosen', 'rewards/rejected', 'rewards/margins', 'rewards/accuracies',
                  'logps/chosen', 'logps/rejected', 'nll/chosen', 'kl')
 
@@ -45,10 +45,14 @@ def dpo_env(sft_env, tmp_path_factory):
     return dict(sft_env, sft=str(root / 'sft' / 'ckpt.pt'), pairs=pairs)
 
 
-def dpo(env, out_dir, *extra, ranks=1, **kw):
+def dpo_args(env, out_dir, *extra, ranks=1):
     launch = ['-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={ranks}'] if ranks > 1 else []
-    return run([*launch, 'train_dpo.py', f'--out_dir={out_dir}', f'--data_dir={env["data_dir"]}',
-                f'--dpo_data={env["pairs"]}', f'--init_from={env["sft"]}', *DPO, *extra], **kw)
+    return [*launch, 'train_dpo.py', f'--out_dir={out_dir}', f'--data_dir={env["data_dir"]}',
+            f'--dpo_data={env["pairs"]}', f'--init_from={env["sft"]}', *DPO, *extra]
+
+
+def dpo(env, out_dir, *extra, ranks=1, **kw):
+    return run(dpo_args(env, out_dir, *extra, ranks=ranks), **kw)
 
 
 def evals(out_dir):
@@ -171,6 +175,45 @@ def test_three_jsonl_forms_give_the_same_tokens(tmp_path):
     assert tok.decode(implicit[1]) == '4<|end|>' and tok.decode(implicit[2]) == '5<|end|>'
 
 
+def test_anthropic_hh_transcripts(tmp_path, capsys):
+    """Anthropic HH pairs (whole "\\n\\nHuman: ...\\n\\nAssistant: ..." transcripts, no "prompt"): the turns before the
+    last become user/assistant prompt messages, the last assistant turn of each the completions, giving the same
+    tokens as the explicit form, multi-turn too. Transcripts that differ before their last turn, end on a Human
+    turn or are no transcript at all are errors at path:line; identical ones are dropped and counted."""
+    tok = char_tokenizer()
+    turns = '\n\nHuman: What is 1+2?\n\nAssistant: 3\n\nHuman: and 2+2?\n\nAssistant:'
+    messages = [{'role': 'user', 'content': 'What is 1+2?'}, {'role': 'assistant', 'content': '3'},
+                {'role': 'user', 'content': 'and 2+2?'}]
+    path = write_jsonl(tmp_path / 'hh.jsonl', [
+        {'chosen': '\n\nHuman: What is 1+2?\n\nAssistant: 3', 'rejected': '\n\nHuman: What is 1+2?\n\nAssistant: 14'},
+        {'chosen': turns + ' 4', 'rejected': turns + ' 5\n\nso five.'},  # a reply with a blank line in it
+        {'prompt': 'What is 1+2?', 'chosen': '3', 'rejected': '14'},
+        {'prompt': messages, 'chosen': '4', 'rejected': '5\n\nso five.'},
+    ])
+    references, pairs = load_preference_split(path, tok, 64, 48)
+    assert pairs[:2] == pairs[2:] and references[:2] == references[2:]
+    assert tok.decode(pairs[1][0]) == ('<|user|>What is 1+2?<|end|><|assistant|>3<|end|><|user|>and 2+2?<|end|>'
+                                       '<|assistant|>')
+    assert tok.decode(pairs[1][1]) == '4<|end|>' and tok.decode(pairs[1][2]) == '5\n\nso five.<|end|>'
+    good = {'chosen': turns + ' 4', 'rejected': turns + ' 5'}
+    _, pairs = load_preference_split(write_jsonl(tmp_path / 'same.jsonl', [good, {'chosen': turns + ' 4',
+                                                                              'rejected': turns + ' 4'}]), tok, 64, 48)
+    assert len(pairs) == 1 and '1 pairs dropped with chosen == rejected' in capsys.readouterr().out
+    bad = [({'chosen': turns + ' 4', 'rejected': turns.replace('3', '7') + ' 5'},
+            'the same conversation up to their last turn.* differ at turn 2 of 4 .*chosen: "3", rejected: "7"'),
+           ({'chosen': turns + ' 4', 'rejected': '\n\nHuman: What is 1+2?\n\nAssistant: 5'},
+            'chosen has 4 turns and rejected 2'),
+           ({'chosen': turns + ' 4\n\nHuman: ok', 'rejected': turns + ' 5\n\nHuman: ok'},
+            'the last turn is a user turn in chosen'),
+           ({'chosen': '4', 'rejected': '5'}, 'no "prompt" beside it, so it must be a whole Anthropic HH transcript'),
+           ({'chosen': 42, 'rejected': turns + ' 5'}, '"chosen" with no "prompt" beside it must be a whole '
+                                                      'conversation: an Anthropic HH transcript string .* got 42')]
+    for i, (line, message) in enumerate(bad):
+        path = write_jsonl(tmp_path / f'bad{i}.jsonl', [good, line])
+        with pytest.raises(UserError, match=rf'{path}:2: .*{message}'):
+            load_preference_split(path, tok, 64, 48)
+
+
 def test_malformed_lines_name_path_and_line(tmp_path, capsys):
     """Bad JSON, a missing "rejected", a wrong role, non-strings: UserError at path:line; skip_malformed counts them."""
     good = {'prompt': 'What is 1+1?', 'chosen': '2', 'rejected': '3'}
@@ -195,6 +238,8 @@ def test_malformed_lines_name_path_and_line(tmp_path, capsys):
             load_preference_split(path, tok, 64, 48)
     with pytest.raises(UserError, match='"prompt" must be a string or a list of .* got 5'):
         load_preference_split(path, tok, 64, 48)
+    with pytest.raises(UserError, match=r'"chosen" must be the reply as a string \(the usual form\) or as .* got 2'):
+        load_preference_split(str(tmp_path / 'bad4.jsonl'), tok, 64, 48)
     path = write_jsonl(tmp_path / 'mixed.jsonl', [good, *bad, good])
     references, pairs = load_preference_split(path, tok, 64, 48, skip_malformed=True)
     assert len(references) == len(pairs) == 2
@@ -361,17 +406,18 @@ def step0(dpo_env, tmp_path_factory):
 
 
 def assert_step0_identities(e, tol=1e-6, exact_ties=True):
-    """Policy == reference: every pair's margin is 0, so the loss is ln 2, the rewards 0 and a tie counts half
-    (exact_ties=False: the reference's log-probs are equal only up to float noise, which may break ties)."""
+    """Policy == reference: every pair's margin is 0, so the loss is ln 2 (plain DPO, the default: no RPO term), the
+    rewards 0, and the accuracy 0: TRL's, where a tie counts wrong (exact_ties=False: the reference's log-probs are
+    equal only up to float noise, which may break ties)."""
     assert abs(e['eval/loss'] - LN2) < tol, e
     assert abs(e['eval/rewards/chosen']) < tol and abs(e['eval/rewards/rejected']) < tol, e
     assert abs(e['eval/rewards/margins']) < tol, e
-    assert e['eval/rewards/accuracies'] == 0.5 or not exact_ties, e
+    assert e['eval/rewards/accuracies'] == 0.0 or not exact_ties, e
 
 
 def test_step0_frozen_reference_is_ln2_and_logs_hand_logps(step0, dpo_env):
-    """Frozen-copy reference at step 0: loss ln 2, rewards 0, accuracy 0.5, KL 0; the logged mean log-probs and NLL
-    of the chosen completions match the SFT model run on each pair alone."""
+    """Frozen-copy reference at step 0: loss ln 2, rewards 0, accuracy 0 (all ties), KL 0; the logged mean log-probs
+    and NLL of the chosen completions match the SFT model run on each pair alone."""
     e = step0['eval']
     assert e['step'] == 0 and 'a frozen copy' in step0['stdout']
     assert_step0_identities(e)
@@ -425,25 +471,33 @@ def test_step0_precomputed_reference_is_cached_and_reused(tmp_path, dpo_env):
 
 def test_gradient_accumulation_and_ddp_match_one_big_batch(tmp_path, dpo_env):
     """Sums are normalized by the whole batch: 4 pairs x 1 = 1 x 4 = 2 x 2 = 2 ranks (torchrun, gloo) x 2 pairs
-    in every train metric (RPO's NLL included) and the weights (a small learning rate: Adam magnifies float
-    noise in tiny gradients by lr)."""
+    give the same train metrics at every step (RPO's NLL included), the same gradient norm at the first (same
+    weights: the accumulated gradient itself) and the same eval metrics of the final weights.
+    rel=1e-5, abs=1e-5: the runs add the same float32 terms in other orders (other micro-batch shapes, other BLAS
+    kernels on other CPUs), which moves a sum of n terms by at most ~n * 2^-24 of its terms' size: ~1e-6 relative
+    for the log-prob sums (completions of <= 8 tokens, means over 4 pairs), ~1e-6 absolute for the rewards (beta x
+    the difference of two log-prob sums of ~25); measured: <= 2e-6 on logps, <= 3e-7 on rewards, also with one
+    run on SSE kernels. A wrong normalization is off by > 1e-3. The weights are not compared one by one: Adam
+    divides each gradient by its own root mean square, so a weight whose gradient is rounding noise (~1e-9 against
+    Adam's eps 1e-8) moves by up to ~lr either way, differently on each CPU; with a gradient ~0 such weights hardly
+    change any metric, and a small lr keeps their second-order effect on the later steps far below the tolerance."""
     common = ['--max_iters=3', '--eval_interval=100', '--rpo_alpha=0.5', '--learning_rate=1e-3']
     runs = {(4, 1, 1): tmp_path / 'big', (1, 4, 1): tmp_path / 'acc4', (2, 2, 1): tmp_path / 'acc2',
             (2, 1, 2): tmp_path / 'ddp'}
     for (bs, accum, ranks), out in runs.items():
         dpo(dpo_env, out, f'--batch_size={bs}', f'--gradient_accumulation_steps={accum}', *common, ranks=ranks)
-    big = train_metrics(runs[4, 1, 1])
+    big, big_evals = train_metrics(runs[4, 1, 1]), evals(runs[4, 1, 1])
     assert sorted(big) == [1, 2, 3] and big[3]['loss'] != big[1]['loss'] and big[3]['rewards/margins'] != 0
-    weights = load(runs[4, 1, 1] / 'ckpt.pt')['model']
+    assert [e['step'] for e in big_evals] == [0, 3]
     for shape, out in runs.items():
         other = train_metrics(out)
         assert sorted(other) == [1, 2, 3]
         for step in big:
-            for k in TRAIN_METRICS:
-                assert abs(big[step][k] - other[step][k]) < 1e-5, (shape, step, k, big[step][k], other[step][k])
-        other_weights = load(out / 'ckpt.pt')['model']
-        assert all(torch.allclose(weights[k], other_weights[k], atol=1e-5) for k in weights), shape
-    start = load(dpo_env['sft'])['model']
+            for k in TRAIN_METRICS + ('grad_norm',) * (step == 1):
+                assert other[step][k] == pytest.approx(big[step][k], rel=1e-5, abs=1e-5), (shape, step, k)
+        for e, other_e in zip(big_evals, evals(out), strict=True):
+            assert other_e == pytest.approx(e, rel=1e-5, abs=1e-5), shape
+    weights, start = load(runs[4, 1, 1] / 'ckpt.pt')['model'], load(dpo_env['sft'])['model']
     assert max((weights[k] - start[k]).abs().max().item() for k in weights) > 1e-3  # it trained
 
 
@@ -536,7 +590,7 @@ def test_bad_inputs_are_clear_errors_and_keep_checkpoints(tmp_path, dpo_env):
         p = dpo(dpo_env, out, '--resume=False', *args, check=False)
         assert p.returncode == 2 and 'Traceback' not in p.stderr, (args, p.stderr)
         assert all(m in p.stderr for m in messages), (messages, p.stderr)
-        assert os.listdir(out) == ['ckpt.pt'] and (out / 'ckpt.pt').read_bytes() == b'an earlier run', args
+        assert set(os.listdir(out)) - {'run.lock'} == {'ckpt.pt'} and (out / 'ckpt.pt').read_bytes() == b'an earlier run'
 
 
 def test_rpo_adds_alpha_times_chosen_nll_and_ipo_starts_at_its_target(step0, tmp_path, dpo_env):
@@ -549,7 +603,7 @@ def test_rpo_adds_alpha_times_chosen_nll_and_ipo_starts_at_its_target(step0, tmp
     dpo(dpo_env, tmp_path / 'ipo', '--loss_type=ipo', '--beta=0.25', '--ipo_length_normalize=True', '--eval_only=True')
     ipo = evals(tmp_path / 'ipo')[0]
     assert ipo['eval/loss'] == pytest.approx((1 / (2 * 0.25)) ** 2, abs=1e-5)
-    assert ipo['eval/rewards/margins'] == 0 and ipo['eval/rewards/accuracies'] == 0.5
+    assert ipo['eval/rewards/margins'] == 0 and ipo['eval/rewards/accuracies'] == 0.0
 
 
 def test_sigterm_saves_and_exits_143(tmp_path, dpo_env):
@@ -570,3 +624,11 @@ def test_sigterm_saves_and_exits_143(tmp_path, dpo_env):
     assert ckpt['iter_num'] >= 3 and ckpt['iter_num'] == max(train_metrics(out))
     p = dpo(dpo_env, out, f'--max_iters={ckpt["iter_num"] + 1}', '--eval_interval=100000')
     assert f'resuming from {out / "ckpt.pt"} at step {ckpt["iter_num"]}' in p.stdout + p.stderr
+
+
+def test_relaunch_after_sigkill_continues_the_run(tmp_path, dpo_env):
+    out = tmp_path / 'out'
+    args = dpo_args(dpo_env, out, '--max_iters=150', '--eval_interval=10', '--lr_decay_iters=150', '--eval_pairs=4')
+    killed_at, output, steps = kill_and_relaunch(args, out, step_key='lr')
+    assert killed_at >= 10 and f'resuming from {out / "ckpt.pt"} at step {killed_at}\n' in output
+    assert steps == list(range(1, 151)) and load(out / 'ckpt.pt')['iter_num'] == 150

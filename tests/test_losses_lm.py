@@ -59,11 +59,40 @@ def test_target_weights_zero_on_ignored_positions():
     assert torch.equal(w[targets != -100], table[targets[targets != -100]])
 
 
+def reference_z_loss(logits, targets, table=None):
+    """sum(w * log(sum(exp(logits)))^2) / sum(w) over non-ignored positions, one position at a time;
+    w = 1 without a table."""
+    num = den = 0.0
+    for b in range(targets.size(0)):
+        for t in range(targets.size(1)):
+            target = targets[b, t].item()
+            if target == -100:
+                continue
+            w = 1.0 if table is None else table[target].item()
+            num += w * math.log(logits[b, t].double().exp().sum().item()) ** 2
+            den += w
+    return num / den
+
+
 def test_z_loss_matches_reference():
     logits, targets = batch(2)
-    keep = targets != -100
-    expected = torch.logsumexp(logits.double(), -1)[keep].square().mean().item()
-    assert z_loss(logits, targets).item() == pytest.approx(expected, rel=1e-6)
+    logits = 3 * logits  # log Z well away from 0
+    # float32 logsumexp of 7 values: ~1e-7 relative error per position, twice that squared
+    assert z_loss(logits, targets).item() == pytest.approx(reference_z_loss(logits, targets), rel=1e-6)
+
+
+def test_z_loss_weighs_every_label_alike_and_adds_up_over_micro_batches():
+    # as train.py's train_step: token weights scale the cross-entropy only; the z-loss of each micro-batch is
+    # divided by the labelled positions of the whole global batch, so the parts add up to its plain mean
+    logits, targets = batch(4, B=4)
+    logits = 3 * logits
+    targets[1, :4] = -100  # micro-batches with different label counts
+    table = torch.tensor([1.0, 1.5, 1.3, 1.2, 1.2, 0.5, 2.0])
+    label_count = (targets != -100).sum()
+    parts = sum(z_loss(logits[i:i + 1], targets[i:i + 1], label_count) for i in range(4))
+    expected = reference_z_loss(logits, targets)
+    assert parts.item() == pytest.approx(expected, rel=1e-6)
+    assert expected != pytest.approx(reference_z_loss(logits, targets, table), rel=1e-3)  # the weights would matter
 
 
 def test_micro_batch_losses_add_up_to_the_global_batch_loss():
@@ -90,9 +119,12 @@ def test_accumulation_1x4_gives_the_gradient_of_4x1():
     def grads(micro_batch):
         model.zero_grad()
         total_weight = target_weights(y, table).sum()  # known up front, for the whole global batch
+        label_count = (y != -100).sum()
         for i in range(0, 4, micro_batch):
             logits, _ = model(x[i:i + micro_batch])
-            weighted_cross_entropy(logits, y[i:i + micro_batch], table, total_weight).backward()
+            targets = y[i:i + micro_batch]
+            (weighted_cross_entropy(logits, targets, table, total_weight)
+             + 0.1 * z_loss(logits, targets, label_count)).backward()
         return [p.grad.clone() for p in model.parameters()]
 
     for a, b in zip(grads(4), grads(1)):

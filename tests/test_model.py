@@ -291,6 +291,22 @@ def test_estimate_mfu(monkeypatch):
     assert m.estimate_mfu(1e9, 'NVIDIA A100-SXM4-80GB') == pytest.approx(flops * 1e9 / 312e12)
 
 
+def test_mfu_counts_the_output_layer_only_where_logits_are_computed():
+    # a fine-tuning step of 100 tokens, 30 of them labelled: only those 30 go through lm_head (forward's keep)
+    m = tiny()
+    d, V, L, hidden = 16, 32, 2, 64
+    blocks = L * (4 * d * d + 2 * d * hidden + 2 * d) + d  # q, k, v, proj, MLP fc and proj, two norms; final norm
+    attention = 12 * L * 2 * 8 * 8  # n_layer * n_head * head_dim * block_size
+    flops = (6 * blocks + attention) * 100 + 6 * d * V * 30
+    assert m.estimate_mfu(100, 'NVIDIA H100 80GB HBM3', output_fraction=0.3) == pytest.approx(flops / 989e12, rel=1e-12)
+    # pretraining: every position has logits
+    flops = (6 * blocks + attention + 6 * d * V) * 100
+    assert m.estimate_mfu(100, 'NVIDIA H100 80GB HBM3') == pytest.approx(flops / 989e12, rel=1e-12)
+    # an untied head is the same work (the embedding lookup is none)
+    untied = tiny(tie_embeddings=False)
+    assert untied.estimate_mfu(100, 'NVIDIA H100 80GB HBM3') == pytest.approx(flops / 989e12, rel=1e-12)
+
+
 @pytest.mark.parametrize("name, peak", [
     ('NVIDIA H100 80GB HBM3', 989e12), ('NVIDIA H100 PCIe', 756e12), ('NVIDIA H100 NVL', 835e12),
     ('NVIDIA H200', 989e12), ('NVIDIA GH200 480GB', 989e12), ('NVIDIA A100-SXM4-40GB', 312e12),

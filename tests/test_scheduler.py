@@ -1,18 +1,24 @@
+import ast
+import inspect
 import math
+import os
 
 import pytest
 import torch
 
-from scheduler import get_lr
+from configurator import assignment_lines, configure
+from scheduler import SCHEDULES, get_lr
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = ('train.py', 'train_dpo.py', 'train_tts.py')
 MAX, MIN, WARM, DECAY = 1.0, 0.1, 10, 110
 
 
-def lr(step, schedule, **kw):
-    return get_lr(step, schedule, MAX, MIN, WARM, DECAY, **kw)
+def lr(step, schedule, max_lr=MAX, min_lr=MIN, warmup=WARM, restart_iters=1000, restart_mult=1, decay_frac=0.2):
+    return get_lr(step, schedule, max_lr, min_lr, warmup, DECAY, restart_iters, restart_mult, decay_frac)
 
 
-@pytest.mark.parametrize("schedule", ["cosine", "cosine_restarts", "constant", "linear", "wsd"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
 def test_warmup_is_linear_from_near_zero(schedule):
     # (step+1)/(warmup+1): 1/11 at step 0, 10/11 at the last warmup step, then the peak
     assert lr(0, schedule) == pytest.approx(1 / 11)
@@ -53,18 +59,63 @@ def test_cosine_restarts_boundaries():
         lr(WARM, "cosine_restarts", restart_iters=0)
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("warmup", [0, 1, WARM])
+def test_every_schedule_peaks_at_learning_rate(schedule, warmup):
+    # learning_rate is the peak of every schedule (noam's included), reached at the end of warmup
+    lrs = [lr(step, schedule, max_lr=3e-3, min_lr=3e-4, warmup=warmup, restart_iters=20) for step in range(300)]
+    assert max(lrs) == pytest.approx(3e-3, rel=1e-12)
+    assert lrs[warmup] == pytest.approx(3e-3, rel=1e-12)
+
+
 def test_noam():
-    d_model, scale = 64, 2.0
-    for step in (0, 1, 8, 9, 10, 50, 1000):
-        s = step + 1
-        want = scale / math.sqrt(d_model) * min(1 / math.sqrt(s), s / WARM ** 1.5)
-        assert get_lr(step, "noam", scale, MIN, WARM, DECAY, d_model=d_model) == pytest.approx(want)
-    # peak at s == warmup: scale / sqrt(d_model * warmup)
-    peak = get_lr(WARM - 1, "noam", scale, MIN, WARM, DECAY, d_model=d_model)
-    assert peak == pytest.approx(scale / math.sqrt(d_model * WARM))
-    assert all(get_lr(s, "noam", scale, MIN, WARM, DECAY, d_model=d_model) <= peak for s in range(200))
-    # no warmup: pure inverse square root
-    assert get_lr(3, "noam", scale, MIN, 0, DECAY, d_model=d_model) == pytest.approx(scale / 8 / 2)
+    # ESPnet/CosyVoice WarmupLR with steps counted from 1: max_lr * min(s/W, sqrt(W/s)), s = step+1, W = warmup+1
+    for step in (0, 4, 9, 10, 11, 50, 98):
+        s, w = step + 1, WARM + 1
+        assert lr(step, "noam", min_lr=0.0) == pytest.approx(MAX * min(s / w, math.sqrt(w / s)), rel=1e-12)
+    assert lr(98, "noam", min_lr=0.0) == pytest.approx(MAX / 3)  # W/s = 11/99 = 1/9
+    assert lr(43, "noam", warmup=0, min_lr=0.0) == pytest.approx(MAX / math.sqrt(44))  # no warmup: 1/sqrt(s)
+    # min_lr is the floor of the decay: 1/sqrt(s/11) reaches 0.1 at s = 1100 and stays there
+    lrs = [lr(step, "noam") for step in range(WARM, 5000)]
+    assert min(lrs) == MIN and lrs[-1] == MIN
+    assert lr(1000, "noam") == pytest.approx(math.sqrt(11 / 1001)) and lr(1000, "noam") > MIN
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))  # monotone decay after the peak
+
+
+def script_defaults(script):
+    """A training script's config keys with their default values (its top-level literal assignments)."""
+    with open(os.path.join(REPO, script), encoding='utf-8') as f:
+        tree = ast.parse(f.read())
+    defaults = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            try:
+                defaults[node.targets[0].id] = ast.literal_eval(node.value)
+            except ValueError:
+                pass  # computed, not a config key
+    return defaults
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_scripts_set_and_pass_every_schedule_parameter(script):
+    # get_lr's parameters are named like the config keys and have no defaults: each must be a key at the top
+    # of the script, and the script's call must pass that key, in its place
+    parameters = list(inspect.signature(get_lr).parameters)[1:]  # all but the step
+    assert all(p.default is inspect.Parameter.empty for p in inspect.signature(get_lr).parameters.values())
+    lines = assignment_lines(os.path.join(REPO, script))
+    config_end = lines['config']  # config = configure(globals()) ends the config block
+    assert all(lines.get(name, config_end) < config_end for name in parameters), script
+    with open(os.path.join(REPO, script), encoding='utf-8') as f:
+        calls = [node for node in ast.walk(ast.parse(f.read()))
+                 if isinstance(node, ast.Call) and getattr(node.func, 'id', None) == 'get_lr']
+    assert len(calls) == 1
+    passed = [arg.id for arg in calls[0].args[1:]] + [k.value.id for k in calls[0].keywords]
+    named = parameters[:len(calls[0].args) - 1] + [k.arg for k in calls[0].keywords]
+    assert passed == named == parameters
+    # and the keys can be set (--restart_iters was once rejected as unknown)
+    config = configure(script_defaults(script), ['--lr_schedule=cosine_restarts', '--restart_iters=5',
+                                                 '--restart_mult=2', '--decay_frac=0.5'])
+    assert (config['restart_iters'], config['restart_mult'], config['decay_frac']) == (5, 2, 0.5)
 
 
 def test_constant():

@@ -17,14 +17,16 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(__file__))
 
 from configurator import UserError  # noqa: E402
 from losses import (duration_loss, dtw_mean_cost, flow_matching_loss, flow_matching_path,  # noqa: E402
                     mel_cepstral_distortion, prior_loss)
 from tts_data import (MEL_SETTINGS, FrameBudgetSampler, LJSpeechDataset, MelExtractor, encode_text, make_espeak_corpus,  # noqa: E402
                       read_metadata, read_wav, split_ids, write_wav)
-from tts_model import (durations_to_path, load_tts, maximum_path_reference, monotonic_alignment_search,  # noqa: E402
-                       synthesize)
+from tts_model import (TTSConfig, TTSModel, durations_to_path, load_tts, maximum_path_reference,  # noqa: E402
+                       monotonic_alignment_search, synthesize)
+from test_train import kill_and_relaunch  # noqa: E402  (the preemption helper)
 
 SR = MEL_SETTINGS['sample_rate']
 TINY = ['--enc_channels=32', '--enc_layers=1', '--enc_heads=2', '--enc_ff_channels=64', '--dp_channels=32',
@@ -201,6 +203,25 @@ def test_dtw_and_mcd():
                                  for m in range(1, 14)])
     expected = 10 / math.log(10) * math.sqrt(2 * ((cep(a) - cep(b)) ** 2).sum().item())
     assert math.isclose(mel_cepstral_distortion(a, b), expected, rel_tol=1e-6)
+
+@pytest.mark.parametrize('cfg_drop', [0.0, 0.5])
+def test_flow_loss_does_not_train_the_encoder(cfg_drop):
+    # the decoder's condition is detached (tts_model.TTSModel.forward), also when guidance dropout rebuilds it:
+    # the encoder learns from the prior loss alone
+    torch.manual_seed(0)
+    model = TTSModel(TTSConfig(symbols='abcdef', n_mels=8, enc_channels=16, enc_layers=1, enc_heads=2,
+                               enc_ff_channels=32, dp_channels=16, dec_channels=16, dec_blocks=1, dec_heads=2,
+                               dropout=0.0, cfg_drop=cfg_drop))
+    torch.nn.init.normal_(model.decoder.out.weight, std=0.1)  # trained-like: its zero init passes no gradient back
+    x, x_lengths = torch.randint(2, 8, (8, 5)), torch.tensor([5, 4, 5, 3, 5, 5, 4, 5])
+    y, y_lengths = torch.randn(8, 8, 12), torch.tensor([12, 10, 12, 9, 12, 11, 12, 8])
+    losses = model(x, x_lengths, y, y_lengths)
+    encoder = list(model.encoder.parameters())
+    flow_grads = torch.autograd.grad(losses['flow'], encoder, allow_unused=True, retain_graph=True)
+    assert all(g is None or not g.any() for g in flow_grads)
+    prior_grads = torch.autograd.grad(losses['prior'], encoder, allow_unused=True)
+    assert any(g is not None and g.abs().sum() > 0 for g in prior_grads)
+
 
 # ----------------------------------------------------------------------------- audio and data
 
@@ -419,3 +440,30 @@ def test_settings_that_cannot_work_are_clear_errors(tmp_path, corpus, straight_r
     p = run(['sample.py', f'--out_dir={straight_run[0]}', '--device=cpu', f'--wav={tmp_path / "nowhere" / "x.wav"}'],
             check=False)
     assert p.returncode == 2 and 'must be a file path in an existing folder' in p.stderr, p.stderr
+
+
+def test_sample_refuses_gpt_keys_on_a_tts_checkpoint(tmp_path, straight_run):
+    """--start/--temperature/... only mean something for a GPT checkpoint; on a train_tts.py checkpoint they are an
+    error naming them, instead of speaking the default sentence into out.wav."""
+    wav = tmp_path / 'x.wav'
+    p = run(['sample.py', f'--out_dir={straight_run[0]}', '--device=cpu', f'--wav={wav}', '--start=aa mm'],
+            check=False)
+    assert p.returncode == 2 and 'Traceback' not in p.stderr, p.stderr
+    assert "start='aa mm'" in p.stderr and 'text-to-speech' in p.stderr and 'text, wav' in p.stderr
+    config = tmp_path / 'greedy.py'
+    config.write_text('temperature = 0.0\n')
+    p = run(['sample.py', str(config), f'--out_dir={straight_run[0]}', '--device=cpu', f'--wav={wav}'], check=False)
+    assert p.returncode == 2 and 'temperature=0.0' in p.stderr, p.stderr
+    assert not wav.exists()
+    p = run(['sample.py', f'--out_dir={straight_run[0]}', '--device=cpu', f'--wav={wav}', '--text=aa mm',
+             '--n_timesteps=2', '--top_k=50'])  # a GPT key left at its default is no error
+    assert wav.exists()
+
+
+def test_relaunch_after_sigkill_continues_the_run(tmp_path, corpus):
+    out = tmp_path / 'out'
+    args = ['train_tts.py', f'--out_dir={out}', f'--data_dir={corpus}', *TINY, '--max_iters=40', '--eval_interval=4',
+            '--audio_samples=0', '--eval_utterances=1']
+    killed_at, output, steps = kill_and_relaunch(args, out)
+    assert killed_at >= 4 and f'resuming from {out / "ckpt.pt"} at step {killed_at}\n' in output
+    assert steps == list(range(1, 41)) and load(out / 'ckpt.pt')['iter_num'] == 40

@@ -582,6 +582,7 @@ class SFTBatches:
         self.inputs = [torch.tensor(ids[:-1]) for ids, _ in examples]  # position t predicts labels[t + 1]
         self.targets = [torch.tensor(labels[1:]) for _, labels in examples]
         self.lengths = torch.tensor([len(ids) - 1 for ids, _ in examples])
+        self.label_counts = torch.tensor([int((targets != -100).sum()) for targets in self.targets])
         self.pad_id, self.max_length, self.pack, self.bucket_batches = pad_id, max_length, pack, bucket_batches
         self.generator = torch.Generator().manual_seed(seed)
         self.order = torch.randperm(len(examples), generator=self.generator)
@@ -614,6 +615,10 @@ class SFTBatches:
 
     def count_tokens(self, indices):
         return int(self.lengths[indices].sum())
+
+    def count_labels(self, indices):
+        """Positions with a label (the ones that go through the output layer)."""
+        return int(self.label_counts[indices].sum())
 
     def _rows(self, indices):
         if not self.pack:

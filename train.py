@@ -451,7 +451,7 @@ while iter_num < max_iters:
             limit = shortest + (max_length - shortest) * iter_num // curriculum_iters
         global_batch = train_batches.sample(global_batch_size, limit)
         step_tokens = train_batches.count_tokens(global_batch)
-        step_labels = sum(int((train_batches.targets[i] != -100).sum()) for i in global_batch.tolist())
+        step_labels = train_batches.count_labels(global_batch)
     else:
         global_batch = train_batches.sample_offsets(global_batch_size)
         step_tokens = step_labels = global_batch_size * block_size

@@ -20,13 +20,18 @@ def tiny_gpt(**kw):
     return GPT(GPTConfig(**dict(dict(block_size=8, vocab_size=16, n_layer=2, n_head=2, n_embd=16), **kw)))
 
 
-def nudge_adapters(model, seed=1):
-    """Random nonzero B matrices: what training would leave behind."""
+def nudge(model, suffix, seed):
+    """Random changes to the parameters whose name ends with suffix: what training would leave behind."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith('lora_B'):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+            if name.endswith(suffix):
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+
+
+def nudge_adapters(model, seed=1):
+    """Random nonzero B matrices (they start at zero)."""
+    nudge(model, 'lora_B', seed)
 
 
 def test_wrapped_model_starts_identical_with_b_zero():
@@ -136,11 +141,7 @@ def grown_gpt(tie, lora=True, **kw):
 
 
 def nudge_added_rows(model, seed=2):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith('added_rows'):
-                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    nudge(model, 'added_rows', seed)
 
 
 def full_weights(model):

@@ -21,18 +21,20 @@ def batch(seed=0, B=3, T=5, V=7):
     return logits, targets
 
 
+def labelled_positions(logits, targets):
+    """(float64 logits row, target) of every non-ignored position, one at a time."""
+    for b in range(targets.size(0)):
+        for t in range(targets.size(1)):
+            if targets[b, t].item() != -100:
+                yield logits[b, t].double(), targets[b, t].item()
+
+
 def reference_weighted_ce(logits, targets, table):
     """sum(w * -log p(target)) / sum(w) over non-ignored positions, one position at a time."""
     num = den = 0.0
-    for b in range(targets.size(0)):
-        for t in range(targets.size(1)):
-            target = targets[b, t].item()
-            if target == -100:
-                continue
-            row = logits[b, t].double()
-            nll = math.log(row.exp().sum().item()) - row[target].item()
-            num += table[target].item() * nll
-            den += table[target].item()
+    for row, target in labelled_positions(logits, targets):
+        num += table[target].item() * (math.log(row.exp().sum().item()) - row[target].item())
+        den += table[target].item()
     return num / den
 
 
@@ -63,14 +65,10 @@ def reference_z_loss(logits, targets, table=None):
     """sum(w * log(sum(exp(logits)))^2) / sum(w) over non-ignored positions, one position at a time;
     w = 1 without a table."""
     num = den = 0.0
-    for b in range(targets.size(0)):
-        for t in range(targets.size(1)):
-            target = targets[b, t].item()
-            if target == -100:
-                continue
-            w = 1.0 if table is None else table[target].item()
-            num += w * math.log(logits[b, t].double().exp().sum().item()) ** 2
-            den += w
+    for row, target in labelled_positions(logits, targets):
+        w = 1.0 if table is None else table[target].item()
+        num += w * math.log(row.exp().sum().item()) ** 2
+        den += w
     return num / den
 
 

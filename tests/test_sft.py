@@ -243,6 +243,7 @@ def test_padding_and_labels():
         n = len(ids) - 1
         assert x[row, :n].tolist() == ids[:-1] and y[row, :n].tolist() == labels[1:]
         assert (x[row, n:] == 99).all() and (y[row, n:] == -100).all()
+    assert batches.count_labels(torch.tensor([0, 2])) == int((y[[0, 2]] != -100).sum())  # MFU's output-layer count
 
 
 def test_bucketing_cuts_padding_and_each_epoch_sees_every_example_once():

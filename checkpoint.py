@@ -121,18 +121,18 @@ def require_init_from(init_from, made_by=None):
                     f"should start from.")
 
 
-def run_to_continue(out_dir, resume, run, ignore=()):
+def run_to_continue(out_dir, resume, run, eval_only):
     """The checkpoint of the run in out_dir when this launch continues it, else None (a new run).
     run: what identifies this launch's run (script, training type, where its weights start); a
     checkpoint recorded by another run is refused unless resume=False (which replaces that run).
-    ignore: keys of run that need not match (eval_only evaluates whatever run is there)."""
+    eval_only evaluates whatever run of this script is there, wherever its weights started."""
     path = os.path.join(out_dir, 'ckpt.pt')
     if not resume or not os.path.exists(path):
         return None
     ckpt = load_checkpoint(path)
     saved = ckpt.get('run', {})  # older checkpoints do not say: continue them
     diffs = [f"{k}: the run there has {saved[k]!r}, this command {run.get(k)!r}"
-             for k in saved if k not in ignore and saved[k] != run.get(k)]
+             for k in saved if saved[k] != run.get(k) and not (eval_only and k == 'init_from')]
     if diffs:
         raise UserError(f"{out_dir} holds another run, and this command would overwrite its checkpoints ("
                         + "; ".join(diffs) + "). Use another --out_dir, or --resume=False to start a new run there "

@@ -149,7 +149,7 @@ if master:
     out_dir_lock = claim_out_dir(out_dir)
 ckpt_path = os.path.join(out_dir, 'ckpt.pt')
 this_run = dict(script='train.py', training_type=training_type, init_from=run_origin(init_from))
-ckpt = run_to_continue(out_dir, resume, this_run, ignore=('init_from',) if eval_only else ())
+ckpt = run_to_continue(out_dir, resume, this_run, eval_only)
 resuming = ckpt is not None
 if ckpt is None and init_from != 'scratch':
     require_init_from(init_from, made_by='`python train.py` (pretraining)' if init_from == 'out/ckpt.pt' else None)

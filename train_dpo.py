@@ -145,7 +145,7 @@ if master:
     out_dir_lock = claim_out_dir(out_dir)
 ckpt_path = os.path.join(out_dir, 'ckpt.pt')
 this_run = dict(script='train_dpo.py', init_from=run_origin(init_from), use_lora=use_lora)
-ckpt = run_to_continue(out_dir, resume, this_run, ignore=('init_from',) if eval_only else ())
+ckpt = run_to_continue(out_dir, resume, this_run, eval_only)
 resuming = ckpt is not None
 if ckpt and 'reference_hash' not in ckpt:
     raise UserError(f"{ckpt_path} is not a DPO run's checkpoint, so there is nothing to resume. Use another out_dir, "

@@ -11,6 +11,8 @@ Checkpoints that survive crashes, preemption and mistakes.
 - claim_out_dir checks out_dir can be written and locks it for the run's lifetime; run_to_continue
   decides whether a launch continues the run out_dir holds, so that relaunching the same command
   after a kill continues it and a different run never overwrites it.
+- training_state/restore_training_state: the part of a checkpoint every training script saves and
+  continues from the same way (optimizer, loss scaler, step counters, random streams).
 - run_log is what every training script writes besides checkpoints: out_dir/log.jsonl and TensorBoard.
 """
 
@@ -22,7 +24,6 @@ import math
 import os
 import pickle
 import random
-import signal
 import tempfile
 
 import numpy as np
@@ -30,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from configurator import UserError, require_writable_folder
+from runtime import log
 
 
 def save_checkpoint(path, state):
@@ -230,26 +232,57 @@ def run_log(out_dir, enabled, tensorboard, keep_until):
 
 
 def check_compatible(saved, wanted, what, path, fix="Set these keys to the checkpoint's values, or use a different "
-                     "out_dir / --init_from=scratch to train a new model."):
-    """Raise a UserError listing every field where a checkpoint disagrees with the current config, then fix."""
+                     "out_dir / --init_from=scratch to train a new model.", may_differ=()):
+    """Raise a UserError listing every field where a checkpoint disagrees with the current config, then fix.
+    may_differ: fields a run may change (e.g. dropout)."""
     diffs = [f"{k}: checkpoint has {saved.get(k)!r}, config has {wanted.get(k)!r}"
-             for k in sorted(set(saved) | set(wanted)) if saved.get(k) != wanted.get(k)]
+             for k in sorted(set(saved) | set(wanted)) if saved.get(k) != wanted.get(k) and k not in may_differ]
     if diffs:
         raise UserError(f"the {what} of checkpoint {path} does not match the current config (" + "; ".join(diffs)
                         + f"). {fix}")
 
 
-class StopSignal:
-    """SIGTERM/SIGINT set a flag; the training loop finishes its step, saves, and exits 143/130."""
+def full_model_checkpoint(ckpt, ckpt_path, init_from, out_dir):
+    """(checkpoint, path) of the whole GPT a train.py run starts from: the continued run's own (ckpt),
+    for a LoRA run its base model's (the same file as when the run began), else init_from's; (None, None)
+    for a new run from scratch."""
+    if ckpt is None and init_from == 'scratch':
+        return None, None
+    path, model_ckpt = (ckpt_path, ckpt) if ckpt is not None else (init_from, load_checkpoint(init_from))
+    if model_ckpt['kind'] not in ('gpt', 'lora'):
+        raise UserError(f"{path} is a {model_ckpt['kind']!r} checkpoint, not a GPT's; point --init_from at a "
+                        f"train.py checkpoint, or use another out_dir.")
+    if model_ckpt['kind'] == 'lora':
+        if ckpt is None:
+            raise UserError(f"{path} holds LoRA adapters only; start from the merged model of that run "
+                            f"(merged.pt next to it) instead.")
+        path = ckpt['base_checkpoint']
+        model_ckpt = load_checkpoint(path)
+        if file_sha256(path) != ckpt['base_hash']:
+            raise UserError(f"{path}, the base model of the LoRA run in {out_dir}, has changed since the run "
+                            f"began, so its adapters no longer fit. Restore that file, or start a new run "
+                            f"(another out_dir) from it.")
+    return model_ckpt, path
 
-    def __init__(self):
-        self.requested = None
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handle)
 
-    def _handle(self, signum, frame):
-        self.requested = signum
+def training_state(run, config, optimizer, scaler, iter_num, best_val_loss, evals_without_improvement):
+    """What every training script's checkpoint holds besides its model and data position: the run it
+    belongs to, its config, the optimizer and loss-scaler state, the step counters, and every rank's
+    random streams (collective under DDP: every rank must call it)."""
+    return dict(run=run, config=config, optimizer=optimizer.state_dict(), scaler=scaler.state_dict(),
+                iter_num=iter_num, best_val_loss=best_val_loss, evals_without_improvement=evals_without_improvement,
+                rng=all_rng_states())
 
-    @property
-    def exit_code(self):
-        return 128 + self.requested
+
+def restore_training_state(ckpt, ckpt_path, optimizer, scaler, rank, world_size):
+    """Load training_state's part of a checkpoint into a continued run; returns its step counters
+    (iter_num, best_val_loss, evals_without_improvement). Each rank takes back its own random streams
+    when the world size is the same, so the run continues bit for bit."""
+    optimizer.load_state_dict(ckpt['optimizer'])
+    scaler.load_state_dict(ckpt['scaler'])
+    if len(ckpt['rng']) == world_size:
+        set_rng_state(ckpt['rng'][rank])
+    else:
+        log(f"note: checkpoint was written by {len(ckpt['rng'])} processes, now {world_size}: random streams restart")
+    log(f"resuming from {ckpt_path} at step {ckpt['iter_num']}")
+    return ckpt['iter_num'], ckpt['best_val_loss'], ckpt['evals_without_improvement']

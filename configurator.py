@@ -14,11 +14,19 @@ the default is a string or None) and must have the default's type. Unlike nanoGP
 configurator, a typo or a wrong type is an error that names the key and the fix, and --help
 lists every key with its default and the comment from its line in the script.
 
+Every float must be finite. A script then checks the values of its own keys, right after configure:
+
+    check_values(config, [(at_least(1), ('batch_size', 'max_iters')), (interval('[0, 1)'), ('dropout',))])
+
+so a meaningless value (batch_size=0, dropout=1.5) stops the run at start-up with a message naming
+the key, not deep inside it. dataclass_args() builds a model's arguments from its config dataclass.
+
 UserError is the exception every module raises for bad user input (missing file, malformed row,
 ...); configure() installs an excepthook that prints it as one paragraph without a traceback.
 """
 
 import ast
+import dataclasses
 import difflib
 import io
 import math
@@ -28,34 +36,7 @@ import tempfile
 import tokenize
 import types
 
-from scheduler import SCHEDULES
-
 CONFIG_TYPES = (int, float, bool, str, type(None), tuple, list, dict)
-
-# Values that mean nothing for keys the scripts share (a name means the same in every script): configure()
-# rejects them at start-up, before they fail deep inside a run. Every float must also be finite.
-VALUE_RULES = [
-    (('batch_size', 'gradient_accumulation_steps', 'max_iters', 'eval_interval', 'log_interval', 'eval_iters',
-      'eval_pairs', 'max_bad_steps', 'block_size', 'max_length', 'max_prompt_length', 'n_layer', 'n_head', 'n_embd',
-      'lora_r', 'bucket_batches', 'restart_iters', 'restart_mult', 'num_samples', 'max_new_tokens', 'n_timesteps',
-      'enc_channels', 'enc_layers', 'enc_heads', 'enc_ff_channels', 'enc_kernel', 'dp_channels', 'dec_channels',
-      'dec_blocks', 'dec_heads', 'frame_budget'),
-     lambda v: v >= 1, 'at least 1'),
-    (('early_stopping_patience', 'exact_match_examples', 'warmup_iters', 'lr_decay_iters', 'curriculum_iters',
-      'sample_tokens', 'num_threads', 'learning_rate', 'min_lr', 'muon_lr', 'weight_decay', 'grad_clip', 'rpo_alpha',
-      'logit_softcap', 'max_minutes', 'eval_utterances', 'audio_samples', 'top_k', 'temperature', 'tts_temperature',
-      'guidance', 'prior_weight', 'duration_weight', 'flow_weight'),
-     lambda v: v >= 0, 'at least 0'),
-    (('dropout', 'lora_dropout', 'beta1', 'beta2', 'muon_momentum', 'cfg_drop', 'sigma_min'),
-     lambda v: 0 <= v < 1, 'in [0, 1)'),
-    (('val_fraction',), lambda v: 0 < v < 1, 'in (0, 1)'),
-    (('top_p', 'decay_frac'), lambda v: 0 <= v <= 1, 'in [0, 1]'),
-    (('beta', 'lora_alpha', 'loraplus_lr_ratio', 'length_scale'), lambda v: v > 0, 'positive'),
-    (('lr_schedule',), lambda v: v in SCHEDULES, f"one of {', '.join(SCHEDULES)}"),
-    (('out_dir',), lambda v: v and folder_path(v), 'a folder path (not empty, no part of it an existing file)'),
-    (('cache_dir',), lambda v: not v or folder_path(v), "'' or a folder path (no part of it an existing file)"),
-]
-
 
 def folder_path(path):
     """Whether path can be a folder: neither it nor any folder above it is an existing file."""
@@ -98,7 +79,9 @@ def fail(message):
 
 
 def config_defaults(g):
-    return {k: v for k, v in g.items() if not k.startswith('_') and isinstance(v, CONFIG_TYPES)}
+    """The config keys among a script's globals: lower-case names of plain values (an UPPER_CASE name is a
+    constant the script imports or defines, e.g. SCHEDULES or a check_values rule, not a key)."""
+    return {k: v for k, v in g.items() if not k.startswith('_') and not k.isupper() and isinstance(v, CONFIG_TYPES)}
 
 
 def close_keys(key, keys):
@@ -266,15 +249,64 @@ def configure(g, argv=None):
         print(f"overriding {key} = {value!r}")
         g[key] = value
     config = {k: g[k] for k in defaults}
-    check_values(config)
-    return config
-
-
-def check_values(config):
-    """Exit with a config error naming the first key whose value breaks VALUE_RULES or is not a finite float."""
     for key, value in config.items():
         if isinstance(value, float) and not math.isfinite(value):
             fail(f"{key}={value}: must be a finite number.")
-        for keys, ok, what in VALUE_RULES:
-            if key in keys and not ok(value):
-                fail(f"{key}={value!r} must be {what}.")
+    return config
+
+
+# Value rules for check_values: a rule is (test, what), what completing "{key}={value!r} must be ...".
+
+def at_least(low):
+    def test(value):
+        return value >= low
+    return test, f'at least {low}'
+
+
+def interval(notation):
+    """Within an interval written as in maths: '[0, 1)' holds 0 and not 1, '(0, 1)' neither end, '[0, 1]' both."""
+    low, high = (float(end) for end in notation[1:-1].split(','))
+
+    def test(value):
+        above_low = low <= value if notation[0] == '[' else low < value
+        below_high = value <= high if notation[-1] == ']' else value < high
+        return above_low and below_high
+    return test, f'in {notation}'
+
+
+def one_of(choices):
+    def test(value):
+        return value in choices
+    return test, f"one of {', '.join(choices)}"
+
+
+def is_positive(value):
+    return value > 0
+
+
+def is_folder(value):
+    return bool(value) and folder_path(value)
+
+
+def is_empty_or_folder(value):
+    return not value or folder_path(value)
+
+
+POSITIVE = (is_positive, 'positive')
+FOLDER = (is_folder, 'a folder path (not empty, no part of it an existing file)')
+EMPTY_OR_FOLDER = (is_empty_or_folder, "'' or a folder path (no part of it an existing file)")
+
+
+def check_values(config, rules):
+    """Exit with a config error naming the first key whose value breaks its rule. rules: [(rule, keys), ...]."""
+    for (test, what), keys in rules:
+        for key in keys:
+            if not test(config[key]):
+                fail(f"{key}={config[key]!r} must be {what}.")
+
+
+def dataclass_args(cls, config, **given):
+    """{field: value} for the fields of dataclass cls, in their order: the given value, else the config key's.
+    A field that is neither is left out, so it keeps its default (a model setting the script does not expose)."""
+    names = [field.name for field in dataclasses.fields(cls)]
+    return {name: given[name] if name in given else config[name] for name in names if name in given or name in config}

@@ -1,6 +1,6 @@
 """
-Everything about the device a training step runs on: which device and precision, autocast,
-fp16 loss scaling, memory pressure, out-of-memory recovery, fault injection and step timing.
+Everything about the device a training step runs on: which device and precision (and its peak
+FLOP/s, for MFU), autocast, fp16 loss scaling, memory pressure and out-of-memory recovery.
 
 Works the same on CUDA, Apple MPS and CPU, so the training scripts need no device branches.
 """
@@ -10,8 +10,7 @@ import math
 import os
 import sys
 import time
-from collections import defaultdict
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 
 import torch
 
@@ -41,6 +40,38 @@ def bf16_supported(device):
     if kind == "mps":
         return torch.backends.mps.is_macos_or_newer(14, 0)
     return True
+
+
+# Dense (no sparsity) bf16/fp16 tensor-core peak FLOP/s per GPU, from NVIDIA datasheets. Matched
+# case-insensitively as a substring of torch.cuda.get_device_name(); first match wins, so more
+# specific names come before their prefixes (H100 NVL/PCIe before H100, A100/A10G before A10,
+# L40S/L40 before L4). GeForce cards are listed at their fp32-accumulate rate, which PyTorch uses.
+PEAK_FLOPS = [
+    ('GH200', 989e12),
+    ('H200', 989e12),
+    ('H100 NVL', 835e12),
+    ('H100 PCIe', 756e12),
+    ('H100', 989e12),        # SXM, reported as e.g. "NVIDIA H100 80GB HBM3"
+    ('A100', 312e12),
+    ('A10G', 125e12),        # AWS publishes none; the A10 datasheet figure
+    ('A10', 125e12),
+    ('L40S', 362e12),
+    ('L40', 181e12),
+    ('L4', 121e12),
+    ('A6000', 154.8e12),
+    ('RTX 4090', 165.2e12),
+    ('RTX 3090', 71e12),
+    ('V100S', 130e12),
+    ('V100-PCIE', 112e12),
+    ('V100', 125e12),        # SXM2
+    ('T4', 65e12),
+]
+
+
+def peak_flops(device_name):
+    """Peak dense bf16/fp16 FLOP/s of the named GPU, or None when unknown (CPU, MPS, unlisted GPUs)."""
+    name = device_name.lower()
+    return next((flops for key, flops in PEAK_FLOPS if key.lower() in name), None)
 
 
 def pick_dtype(device, dtype="auto"):
@@ -260,12 +291,23 @@ def peak_memory_bytes(device):
     return _max_rss_bytes()
 
 
-# ---------------------------------------------------------------------------- OOM recovery and faults
+# ---------------------------------------------------------------------------- OOM recovery
 
 
 def is_oom(exc):
     # MPS raises a plain RuntimeError("MPS backend out of memory ...")
     return isinstance(exc, torch.OutOfMemoryError) or (isinstance(exc, RuntimeError) and "out of memory" in str(exc))
+
+
+def recover_from_oom(error, ddp, optimizer, device):
+    """In a training step's `except RuntimeError as error:`: re-raise anything but an out-of-memory error
+    this process can retry on its own (not under DDP, where the ranks would disagree on the smaller split:
+    torchrun restarts the job instead); else drop the step's gradients and free its memory, so the
+    caller can retry the step in smaller pieces."""
+    if not is_oom(error) or ddp:
+        raise error
+    optimizer.zero_grad(set_to_none=True)
+    free_memory(device)
 
 
 def halve_micro_batch(batch_size, grad_accum):
@@ -278,53 +320,3 @@ def halve_micro_batch(batch_size, grad_accum):
                         f"global batch ({batch_size} x {grad_accum} accumulation steps). Set batch_size to a power "
                         f"of two (and raise gradient_accumulation_steps to keep the global batch), or lower it yourself.")
     return batch_size // 2, grad_accum * 2
-
-
-_fired_faults = set()
-
-
-def fault_at(name, step):
-    """Test hook: True once per process when env NANOTRAIN_FAULT (e.g. "oom@3,nan@5") names
-    f"{name}@{step}". Once, so that a retried step (after an injected OOM) can succeed."""
-    fault = f"{name}@{step}"
-    if fault in _fired_faults or fault not in os.environ.get("NANOTRAIN_FAULT", "").replace(" ", "").split(","):
-        return False
-    _fired_faults.add(fault)
-    return True
-
-
-# ---------------------------------------------------------------------------- profiling
-
-
-class StepProfiler:
-    """Wall time of the parts of a training step: `with prof.section('forward'): ...`.
-    On GPUs the device is synchronized at both ends of a section, otherwise asynchronous kernels
-    would be billed to whichever section waits for them; that costs some overlap, so profile only
-    when asked (enabled=False makes sections free no-ops)."""
-
-    def __init__(self, device, enabled=True):
-        self.device, self.enabled = device, enabled
-        self.seconds, self.calls = defaultdict(float), defaultdict(int)
-
-    def section(self, name):
-        return self._timed(name) if self.enabled else nullcontext()
-
-    @contextmanager
-    def _timed(self, name):
-        synchronize(self.device)
-        t0 = time.perf_counter()
-        yield
-        synchronize(self.device)
-        self.seconds[name] += time.perf_counter() - t0
-        self.calls[name] += 1
-
-    def throughput(self, tokens):
-        """tokens per second of profiled time in the current window (call before summary())."""
-        total = sum(self.seconds.values())
-        return tokens / total if total else 0.0
-
-    def summary(self):
-        """{section: mean ms per call} since the last summary(); starts a new window (one per log line)."""
-        result = {name: 1000 * self.seconds[name] / self.calls[name] for name in self.seconds}
-        self.seconds, self.calls = defaultdict(float), defaultdict(int)
-        return result

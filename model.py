@@ -5,16 +5,15 @@ logit soft-capping, tied embeddings, activation checkpointing and KV-cache gener
 """
 import dataclasses
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from configurator import UserError
+from memory import peak_flops
 
 CHOICES = dict(pos_emb=('rope', 'learned'), norm=('rmsnorm', 'layernorm'), mlp=('gelu', 'swiglu', 'relu2'))
 
@@ -136,11 +135,11 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x, rope=None, cache=None, mask=None):
         B, T, C = x.shape
         # one matmul over the three layers' stacked weights instead of three (4% of a step at nanoGPT's
-        # CPU shape); LoRA layers then add their adapters' terms
+        # CPU shape); layers with an adapter (lora.LoRALinear) then add its term
         layers = (self.q, self.k, self.v)
         bias = None if self.q.bias is None else torch.cat([m.bias for m in layers])
         qkv = F.linear(x, torch.cat([m.weight for m in layers]), bias).chunk(3, dim=-1)
-        qkv = [m.add_adapter(x, y) if isinstance(m, LoRALinear) else y for m, y in zip(layers, qkv)]
+        qkv = [m.add_adapter(x, y) if hasattr(m, 'add_adapter') else y for m, y in zip(layers, qkv)]
         q, k, v = (y.view(B, T, self.n_head, self.head_dim).transpose(1, 2) for y in qkv)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -198,38 +197,6 @@ class Block(nn.Module):
     def forward(self, x, rope=None, cache=None, mask=None):
         x = x + self.attn(self.ln_1(x), rope, cache, mask)
         return x + self.mlp(self.ln_2(x))
-
-
-# Dense (no sparsity) bf16/fp16 tensor-core peak FLOP/s per GPU, from NVIDIA datasheets. Matched
-# case-insensitively as a substring of torch.cuda.get_device_name(); first match wins, so more
-# specific names come before their prefixes (H100 NVL/PCIe before H100, A100/A10G before A10,
-# L40S/L40 before L4). GeForce cards are listed at their fp32-accumulate rate, which PyTorch uses.
-PEAK_FLOPS = [
-    ('GH200', 989e12),
-    ('H200', 989e12),
-    ('H100 NVL', 835e12),
-    ('H100 PCIe', 756e12),
-    ('H100', 989e12),        # SXM, reported as e.g. "NVIDIA H100 80GB HBM3"
-    ('A100', 312e12),
-    ('A10G', 125e12),        # AWS publishes none; the A10 datasheet figure
-    ('A10', 125e12),
-    ('L40S', 362e12),
-    ('L40', 181e12),
-    ('L4', 121e12),
-    ('A6000', 154.8e12),
-    ('RTX 4090', 165.2e12),
-    ('RTX 3090', 71e12),
-    ('V100S', 130e12),
-    ('V100-PCIE', 112e12),
-    ('V100', 125e12),        # SXM2
-    ('T4', 65e12),
-]
-
-
-def peak_flops(device_name):
-    """Peak dense bf16/fp16 FLOP/s of the named GPU, or None when unknown (CPU, MPS, unlisted GPUs)."""
-    name = device_name.lower()
-    return next((flops for key, flops in PEAK_FLOPS if key.lower() in name), None)
 
 
 def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
@@ -299,7 +266,7 @@ class GPT(nn.Module):
         tokens. A new row is the mean of the old rows plus noise with their per-dimension spread:
         a typical token, so its logit starts ordinary, yet each new token is distinct. The noise has a
         fixed seed: the same base model always grows the same rows (a resumed LoRA run rebuilds their start;
-        apply_lora's added_tokens trains them, and its checkpoint holds them)."""
+        lora.apply_lora's added_tokens trains them, and its checkpoint holds them)."""
         def grown(old):
             noise = torch.randn(vocab_size - len(old), old.size(1), generator=torch.Generator().manual_seed(0))
             return nn.Parameter(torch.cat([old, old.mean(0) + noise.to(old) * old.std(0)]))
@@ -375,10 +342,10 @@ class GPT(nn.Module):
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-100)
         return logits, loss
 
-    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type, loraplus_lr_ratio=1.0):
+    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
         """AdamW with weight decay on the matmul weights only: norms, biases and embeddings
         (including a tied lm_head, which is the token embedding) are not decayed. Frozen parameters
-        are left out; with LoRA adapters the groups are lora_param_groups' (LoRA+ ratio for B)."""
+        are left out (a LoRA run's optimizer is lora.lora_optimizer)."""
         embeddings = {id(m.weight) for m in self.modules() if isinstance(m, nn.Embedding)}
         params = [p for p in self.parameters() if p.requires_grad]
         decay = [p for p in params if p.dim() >= 2 and id(p) not in embeddings]
@@ -389,8 +356,6 @@ class GPT(nn.Module):
         fused = device_type in ('cuda', 'cpu')
         print(f"using fused AdamW: {fused}")
         groups = [dict(params=decay, weight_decay=weight_decay), dict(params=no_decay, weight_decay=0.0)]
-        if lora_layers(self):
-            groups = lora_param_groups(self, weight_decay, loraplus_lr_ratio)
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
 
     def flops_per_token(self, output_fraction=1.0):
@@ -441,233 +406,3 @@ class GPT(nn.Module):
             if eos_id is not None and done.all():
                 break
         return idx
-
-
-@torch.no_grad()
-def exact_match_accuracy(model, tokenizer, prompts, autocast):
-    """Fraction of prompts, (prompt ids, reference text) pairs, that the model (in eval mode, under the
-    autocast context) answers greedily with exactly the reference, then tokenizer.eos_id. It may
-    generate one token more than the reference: a right answer must stop there. Under DDP each rank
-    answers its share and the counts are summed: every rank must call it."""
-    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    mine = prompts[rank::world_size]
-    device = next(model.parameters()).device
-    training = model.training
-    model.eval()
-    hits = 0
-    with autocast:
-        for prompt, reference in mine:
-            out = model.generate(torch.tensor([prompt], device=device), len(tokenizer.encode(reference)) + 1,
-                                 temperature=0, eos_id=tokenizer.eos_id)[0, len(prompt):].tolist()
-            end = tokenizer.eos_id
-            hits += end in out and tokenizer.decode(out[:out.index(end)]).strip() == reference.strip()
-    model.train(training)
-    total = torch.tensor([hits, len(mine)], device=device, dtype=torch.float)
-    if dist.is_initialized():
-        dist.all_reduce(total)
-    return (total[0] / total[1]).item()
-
-
-# -----------------------------------------------------------------------------
-# LoRA (Hu et al. 2021): a frozen layer W plus a trainable low-rank update, y = W x + s B A x with
-# A (r, in), B (out, r), s = lora_alpha / r (or lora_alpha / sqrt(r) with rsLoRA, Kalajdzievski 2023,
-# whose update keeps its size as r grows). Written here by hand; no peft.
-
-LORA_TARGETS = ('attn.q', 'attn.k', 'attn.v', 'attn.proj', 'mlp.fc', 'mlp.gate', 'mlp.proj')
-# the config keys the adapters' shapes and scale depend on: a resumed LoRA run must keep them
-LORA_SETTINGS = ('lora_r', 'lora_alpha', 'use_rslora', 'lora_target_modules', 'lora_bias')
-LORA_BIAS = ('none', 'all', 'lora_only')
-
-
-class LoRALinear(nn.Linear):
-    """An nn.Linear with a low-rank adapter. It takes over the wrapped layer's weight and bias (the
-    same parameters under the same state-dict names), so a base checkpoint loads into it unchanged."""
-
-    def __init__(self, base, r, lora_alpha, lora_dropout=0.0, use_rslora=False):
-        super().__init__(base.in_features, base.out_features, bias=base.bias is not None, device='meta')
-        self.weight, self.bias = base.weight, base.bias
-        like = dict(device=base.weight.device, dtype=base.weight.dtype)
-        self.lora_A = nn.Parameter(torch.empty(r, base.in_features, **like))
-        self.lora_B = nn.Parameter(torch.zeros(base.out_features, r, **like))  # zero: the model starts unchanged
-        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # nn.Linear's own init
-        self.scaling = lora_alpha / math.sqrt(r) if use_rslora else lora_alpha / r
-        self.lora_dropout = nn.Dropout(lora_dropout)
-        self.merged = False  # the update is folded into weight
-        self.enabled = True  # False: the exact base layer (disable_adapters)
-
-    def forward(self, x):
-        return self.add_adapter(x, F.linear(x, self.weight, self.bias))
-
-    def add_adapter(self, x, y):
-        """y, the frozen layer's output for x, plus the adapter's update (unless merged or disabled)."""
-        if self.merged or not self.enabled:
-            return y
-        return y + F.linear(F.linear(self.lora_dropout(x), self.lora_A), self.lora_B) * self.scaling
-
-    def delta_weight(self):
-        return (self.lora_B @ self.lora_A) * self.scaling
-
-    @torch.no_grad()
-    def merge(self):
-        if not self.merged:
-            self.weight += self.delta_weight()
-            self.merged = True
-
-    @torch.no_grad()
-    def unmerge(self):
-        if self.merged:
-            self.weight -= self.delta_weight()
-            self.merged = False
-
-
-# A fine-tune of a pretrained model adds chat-token rows to the vocabulary (resize_vocab); with LoRA those
-# rows, and only those, train as well (PEFT's trainable_token_indices): the layer's weight stays frozen
-# and its last rows are replaced by a separate trainable parameter, added_rows.
-
-def with_added_rows(layer):
-    """The weight the layer computes with: its frozen weight with the last rows replaced by the trained
-    ones (unless the adapters are disabled)."""
-    if not layer.enabled:
-        return layer.weight
-    return torch.cat([layer.weight[:-len(layer.added_rows)], layer.added_rows])
-
-
-class AddedRowsEmbedding(nn.Embedding):
-    """The token embedding with trainable added rows; takes over the wrapped weight under its name."""
-
-    def __init__(self, base, added_rows):
-        super().__init__(base.num_embeddings, base.embedding_dim, device='meta')
-        self.weight, self.added_rows = base.weight, added_rows
-        self.enabled = True
-
-    def forward(self, idx):
-        return F.embedding(idx, with_added_rows(self))
-
-
-class AddedRowsLinear(nn.Linear):
-    """lm_head with trainable added rows (for a tied lm_head, the embedding's added_rows parameter)."""
-
-    def __init__(self, base, added_rows):
-        super().__init__(base.in_features, base.out_features, bias=False, device='meta')
-        self.weight, self.added_rows = base.weight, added_rows
-        self.enabled = True
-
-    def forward(self, x):
-        return F.linear(x, with_added_rows(self))
-
-
-def apply_lora(model, r=8, lora_alpha=16, lora_dropout=0.0, target_modules='attn.q,attn.k,attn.v,attn.proj',
-               use_rslora=False, bias='none', added_tokens=0):
-    """Wrap the targeted Linear layers of model's blocks in LoRALinear and freeze everything else by
-    requires_grad=False. target_modules: comma-separated names from LORA_TARGETS, or 'all-linear' (every
-    Linear in the blocks; lm_head is not adapted). bias: which biases train too, 'none' | 'all' |
-    'lora_only' (those of the wrapped layers). added_tokens: the last rows of the vocabulary, added by
-    resize_vocab for the chat tokens, train too (AddedRowsEmbedding/AddedRowsLinear). Returns the wrapped
-    layers' names."""
-    targets = [t.strip() for t in target_modules.split(',') if t.strip()]
-    if target_modules == 'all-linear':
-        targets = LORA_TARGETS
-    unknown = [t for t in targets if t not in LORA_TARGETS]
-    if unknown or not targets:
-        raise UserError(f"lora_target_modules={target_modules!r}: {', '.join(map(repr, unknown)) or 'no name'} is "
-                        f"not a LoRA target; use comma-separated names from {', '.join(LORA_TARGETS)}, or 'all-linear'.")
-    if bias not in LORA_BIAS:
-        raise UserError(f"lora_bias={bias!r} is not supported; use one of {', '.join(map(repr, LORA_BIAS))}.")
-    model.requires_grad_(False)
-    wrapped = []
-    for name, module in list(model.transformer.h.named_modules(prefix='transformer.h')):
-        if isinstance(module, nn.Linear) and name.split('.', 3)[-1] in targets:
-            parent, _, child = name.rpartition('.')
-            setattr(model.get_submodule(parent), child, LoRALinear(module, r, lora_alpha, lora_dropout, use_rslora))
-            wrapped.append(name)
-    missing = [t for t in targets if not any(n.endswith('.' + t) for n in wrapped)]
-    if missing and target_modules != 'all-linear':
-        raise UserError(f"lora_target_modules names {', '.join(missing)}, which this model does not have "
-                        f"(mlp.gate exists only with mlp='swiglu'); remove it from lora_target_modules.")
-    for name, p in model.named_parameters():
-        trained_bias = name.endswith('.bias') and (bias == 'all' or bias == 'lora_only' and name[:-5] in wrapped)
-        p.requires_grad_(name.endswith(('lora_A', 'lora_B')) or trained_bias)
-    if added_tokens:
-        # the new rows start at resize_vocab's values but are otherwise untrained: frozen, the model could
-        # neither read the chat tokens nor learn to predict <|end|>. A tied lm_head shares the same rows.
-        wte, lm_head = model.transformer.wte, model.lm_head
-        model.transformer.wte = AddedRowsEmbedding(wte, nn.Parameter(wte.weight[-added_tokens:].clone()))
-        tied = lm_head.weight is wte.weight
-        rows = model.transformer.wte.added_rows if tied else nn.Parameter(lm_head.weight[-added_tokens:].clone())
-        model.lm_head = AddedRowsLinear(lm_head, rows)
-    return wrapped
-
-
-def lora_layers(model):
-    return [m for m in model.modules() if isinstance(m, LoRALinear)]
-
-
-def adapter_layers(model):
-    """Every layer that adapts the base model: the LoRA layers and those with trained added rows."""
-    return [m for m in model.modules() if isinstance(m, (LoRALinear, AddedRowsEmbedding, AddedRowsLinear))]
-
-
-def merge_lora(model):
-    """Fold every adapter into its weight: the forward pass then costs what the base model's does."""
-    for m in lora_layers(model):
-        m.merge()
-
-
-def unmerge_lora(model):
-    """Undo merge_lora (up to float rounding: W + dW - dW is not always W)."""
-    for m in lora_layers(model):
-        m.unmerge()
-
-
-@contextmanager
-def disable_adapters(model):
-    """Inside the block the model is exactly the base model, bit for bit (DPO's reference model):
-    the adapters (and trained added rows) are skipped, not subtracted."""
-    layers = adapter_layers(model)
-    if any(m.merged for m in lora_layers(model)):
-        raise RuntimeError("disable_adapters needs unmerged adapters (merged ones cannot be removed exactly); "
-                           "call unmerge_lora(model) first.")
-    for m in layers:
-        m.enabled = False
-    try:
-        yield model
-    finally:
-        for m in layers:
-            m.enabled = True
-
-
-def lora_state_dict(model):
-    """The trained parameters only (adapters, trained biases, added rows): an adapter checkpoint's weights."""
-    trained = {name for name, p in model.named_parameters() if p.requires_grad}
-    return {k: v for k, v in model.state_dict().items() if k in trained}
-
-
-@torch.no_grad()
-def merged_state_dict(model):
-    """A plain GPT state dict with every adapter and the added rows folded into their weights; the model
-    is left as it is."""
-    state = model.state_dict()
-    folded = {}  # a tied lm_head gets the embedding's tensor, so the checkpoint stores it once
-    for name, m in model.named_modules():
-        if isinstance(m, LoRALinear):
-            del state[name + '.lora_A'], state[name + '.lora_B']
-            if not m.merged:
-                state[name + '.weight'] = m.weight + m.delta_weight()
-        elif isinstance(m, (AddedRowsEmbedding, AddedRowsLinear)):
-            del state[name + '.added_rows']
-            if id(m.weight) not in folded:
-                folded[id(m.weight)] = with_added_rows(m)
-            state[name + '.weight'] = folded[id(m.weight)]
-    return state
-
-
-def lora_param_groups(model, weight_decay, loraplus_lr_ratio=1.0):
-    """Optimizer groups of the trainable parameters only: the A matrices; the B matrices at
-    loraplus_lr_ratio times the learning rate (LoRA+, Hayou et al. 2024: B learns best with a larger
-    step); trained biases and added rows (embeddings) without weight decay. The training loop reads 'lr_scale'."""
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    groups = [dict(params=[p for n, p in named if n.endswith('lora_A')], weight_decay=weight_decay),
-              dict(params=[p for n, p in named if n.endswith('lora_B')], weight_decay=weight_decay,
-                   lr_scale=loraplus_lr_ratio),
-              dict(params=[p for n, p in named if not n.endswith(('lora_A', 'lora_B'))], weight_decay=0.0)]
-    return [g for g in groups if g['params']]

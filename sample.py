@@ -12,10 +12,10 @@ import time
 import torch
 
 from checkpoint import load_checkpoint
-from configurator import UserError, configure
-from data import ChatTokenizer, load_tokenizer
+from configurator import FOLDER, POSITIVE, UserError, at_least, check_values, configure, interval
 from memory import autocast_context, pick_device, pick_dtype
 from model import GPT, GPTConfig
+from tokenizer import ChatTokenizer, load_tokenizer
 from tts_data import MEL_SETTINGS, write_wav
 from tts_model import load_tts, synthesize
 
@@ -43,6 +43,13 @@ guidance = 0.0               # classifier-free guidance weight (models trained w
 # -----------------------------------------------------------------------------
 _defaults = dict(globals())  # to tell which keys the command line or a config file changed
 config = configure(globals())
+check_values(config, [
+    (at_least(1), ('num_samples', 'max_new_tokens', 'n_timesteps')),
+    (at_least(0), ('top_k', 'temperature', 'tts_temperature', 'guidance')),
+    (interval('[0, 1]'), ('top_p',)),
+    (POSITIVE, ('length_scale',)),
+    (FOLDER, ('out_dir',)),
+])
 # keys that only one kind of checkpoint reads: setting one for the other kind is refused, not silently ignored
 GPT_KEYS = ['data_dir', 'start', 'num_samples', 'max_new_tokens', 'temperature', 'top_k', 'top_p', 'use_kv_cache']
 TTS_KEYS = ['text', 'wav', 'n_timesteps', 'tts_temperature', 'length_scale', 'guidance']

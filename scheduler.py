@@ -95,3 +95,10 @@ def get_lr(step, lr_schedule, learning_rate, min_lr, warmup_iters, lr_decay_iter
         return wsd_lr(step, learning_rate, min_lr, warmup_iters, lr_decay_iters, decay_frac)
     raise ValueError(f"unknown lr schedule {lr_schedule!r}; valid schedules are: {', '.join(SCHEDULES)}. "
                      f"Set the schedule in the config to one of them.")
+
+
+def set_lr(optimizer, lr):
+    """Give each param group the step's lr times its lr_scale: Muon's groups run at muon_lr / learning_rate
+    of it, LoRA+'s B matrices at loraplus_lr_ratio times it, every other group at 1."""
+    for group in optimizer.param_groups:
+        group['lr'] = lr * group.get('lr_scale', 1.0)

@@ -18,18 +18,24 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from checkpoint import (StopSignal, all_rng_states, check_compatible, claim_out_dir, file_sha256, load_checkpoint,
-                        require_init_from, run_log, run_origin, run_to_continue, save_checkpoint, set_rng_state)
-from configurator import UserError, configure
-from data import (NUMBER_TASKS_DIR, ChatTokenizer, SFTBatches, TokenBatches, eval_offsets, load_sft_split,
-                  load_tokenizer, prepare_default, prepare_number_tasks)
+from chat_data import SFTBatches, load_sft_split
+from checkpoint import (check_compatible, claim_out_dir, file_sha256, full_model_checkpoint, require_init_from,
+                        restore_training_state, run_log, run_origin, run_to_continue, save_checkpoint, training_state)
+from configurator import (FOLDER, POSITIVE, UserError, at_least, check_values, configure, dataclass_args, interval,
+                          one_of)
+from data import TokenBatches, eval_offsets, prepare_default
 from losses import combine_losses, target_weights, token_weight_table, weighted_cross_entropy, z_loss
-from memory import (GradScaler, MemoryMonitor, StepProfiler, autocast_context, fault_at, free_memory,
-                    halve_micro_batch, is_oom, peak_memory_bytes, pick_device, pick_dtype, step_unless_nonfinite)
-from model import (LORA_SETTINGS, GPT, GPTConfig, apply_lora, exact_match_accuracy, lora_state_dict,
-                   merged_state_dict)
+from memory import (GradScaler, MemoryMonitor, autocast_context, halve_micro_batch, peak_memory_bytes, pick_dtype,
+                    recover_from_oom)
+from lora import LORA_SETTINGS, apply_lora, lora_optimizer, lora_state_dict, save_merged
+from model import GPT, GPTConfig
 from muon import Muon, muon_param_groups
-from scheduler import get_lr
+from runtime import (StepProfiler, StopSignal, after_eval, clip_and_reduce, compute_cleanup, compute_init,
+                     keep_log_until, log, patience_exhausted, step_or_skip)
+from scheduler import SCHEDULES, get_lr, set_lr
+from tasks.exact_match import exact_match_accuracy
+from tasks.number_tasks import NUMBER_TASKS_DIR, prepare_number_tasks
+from tokenizer import ChatTokenizer, load_tokenizer
 
 # -----------------------------------------------------------------------------
 # I/O
@@ -53,7 +59,7 @@ seed = 1337
 batch_size = 16              # micro-batch size per process
 block_size = 128             # context length
 gradient_accumulation_steps = 1  # micro-batches per optimizer step per process
-# fine-tuning data (training_type 'sft' | 'lora'; chat template and JSONL formats: see data.py)
+# fine-tuning data (training_type 'sft' | 'lora'; chat template: see tokenizer.py, JSONL formats: chat_data.py)
 sft_data = ''                # folder with train.jsonl, val.jsonl (and test.jsonl for exact match); '' = the embedded number tasks
 max_length = 128             # longest example in tokens (<= block_size); longer ones follow overlong
 overlong = 'truncate'        # examples over max_length: 'truncate' (keep the first max_length tokens) | 'drop'
@@ -112,37 +118,28 @@ compile = False              # torch.compile the model
 num_threads = 0              # CPU threads for torch ops (torch.set_num_threads); 0 = torch's default
 # -----------------------------------------------------------------------------
 config = configure(globals())
+check_values(config, [
+    (at_least(1), ('batch_size', 'gradient_accumulation_steps', 'max_iters', 'eval_interval', 'log_interval',
+                   'eval_iters', 'max_bad_steps', 'block_size', 'max_length', 'n_layer', 'n_head', 'n_embd', 'lora_r',
+                   'bucket_batches', 'restart_iters', 'restart_mult')),
+    (at_least(0), ('early_stopping_patience', 'exact_match_examples', 'warmup_iters', 'lr_decay_iters',
+                   'curriculum_iters', 'sample_tokens', 'num_threads', 'learning_rate', 'min_lr', 'muon_lr',
+                   'weight_decay', 'grad_clip', 'logit_softcap')),
+    (interval('[0, 1)'), ('dropout', 'lora_dropout', 'beta1', 'beta2', 'muon_momentum')),
+    (interval('[0, 1]'), ('decay_frac',)),
+    (POSITIVE, ('lora_alpha', 'loraplus_lr_ratio')),
+    (one_of(SCHEDULES), ('lr_schedule',)),
+    (FOLDER, ('out_dir',)),
+])
 if training_type not in ('from_scratch', 'sft', 'lora'):
     raise UserError(f"training_type={training_type!r} is not supported; use 'from_scratch', 'sft' or 'lora'.")
 fine_tuning = training_type != 'from_scratch'
 
-# DDP: torchrun sets RANK/LOCAL_RANK/WORLD_SIZE; nccl on CUDA, gloo elsewhere
-ddp = int(os.environ.get('RANK', -1)) != -1
-device = pick_device(device)
-if ddp:
-    rank, local_rank, world_size = int(os.environ['RANK']), int(os.environ['LOCAL_RANK']), int(os.environ['WORLD_SIZE'])
-    if device.startswith('cuda'):
-        device = f'cuda:{local_rank}'
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend='nccl' if device.startswith('cuda') else 'gloo')
-else:
-    rank, local_rank, world_size = 0, 0, 1
-master = rank == 0
-device_type = device.split(':')[0]
+# processes and device (runtime.py: one process per GPU under torchrun), precision
+ddp, rank, local_rank, world_size, device = compute_init(device, seed, num_threads)
+master, device_type = rank == 0, device.split(':')[0]
 ptdtype = pick_dtype(device, dtype)
-if num_threads:
-    torch.set_num_threads(num_threads)
 autocast = autocast_context(device, ptdtype)
-torch.manual_seed(seed + rank)  # per-rank seed: different dropout masks on each rank
-if device_type == 'cuda':
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
-
-
-def log(msg):
-    if master:
-        tqdm.write(msg)
-
 
 # out_dir: written and locked before any work; a checkpoint there is this run's to continue, never another's
 if master:
@@ -175,7 +172,7 @@ if not fine_tuning:
     val_indices = eval_offsets(val_batches.n_tokens, block_size, eval_iters * batch_size)
     sample_prompt = tokenizer.encode('\n')
 else:
-    # chat examples; the tokenizer gains the chat template's special tokens (data.py)
+    # chat examples; the tokenizer gains the chat template's special tokens (tokenizer.py)
     base_tokenizer, tokenizer = tokenizer, ChatTokenizer(tokenizer)
     if max_length > block_size:
         raise UserError(f"max_length={max_length} is longer than block_size={block_size}; lower max_length.")
@@ -185,11 +182,11 @@ else:
         if ddp:
             dist.barrier()
         sft_data = NUMBER_TASKS_DIR
-    split = lambda name: load_sft_split(os.path.join(sft_data, f'{name}.jsonl'), tokenizer, max_length, overlong,
-                                        skip_malformed)
-    _, train_examples = split('train')
-    val_conversations, val_examples = split('val')
-    held_out = split('test')[0] if os.path.exists(os.path.join(sft_data, 'test.jsonl')) else val_conversations
+    def read_split(name):
+        return load_sft_split(os.path.join(sft_data, f'{name}.jsonl'), tokenizer, max_length, overlong, skip_malformed)
+    _, train_examples = read_split('train')
+    val_conversations, val_examples = read_split('val')
+    held_out = read_split('test')[0] if os.path.exists(os.path.join(sft_data, 'test.jsonl')) else val_conversations
     exact_match_prompts = [tokenizer.prompt_and_answer(messages) for messages in held_out[:exact_match_examples]]
     sample_prompt = tokenizer.prompt_and_answer(held_out[0])[0]
     train_batches = SFTBatches(train_examples, seed, tokenizer.eos_id, max_length, pack, bucket_batches)
@@ -199,48 +196,29 @@ else:
     train_data_hash = file_sha256(os.path.join(sft_data, 'train.jsonl'))
 
 # model, from scratch or from a checkpoint (shape and tokenizer must match the config)
-model_args = dict(block_size=block_size, vocab_size=tokenizer.vocab_size, n_layer=n_layer, n_head=n_head,
-                  n_embd=n_embd, dropout=dropout, bias=bias, pos_emb=pos_emb, norm=norm, mlp=mlp,
-                  tie_embeddings=tie_embeddings, qk_norm=qk_norm, logit_softcap=logit_softcap,
-                  zero_init_proj=zero_init_proj)
-weights = None  # the checkpoint holding the full model (for a LoRA run, its base model's)
+model_args = dataclass_args(GPTConfig, config, vocab_size=tokenizer.vocab_size)
+model_ckpt, model_ckpt_path = full_model_checkpoint(ckpt, ckpt_path, init_from, out_dir)
 vocab_size = tokenizer.vocab_size
-if ckpt is not None or init_from != 'scratch':
-    weights_source = ckpt_path if ckpt is not None else init_from
-    weights = ckpt if ckpt is not None else load_checkpoint(init_from)
-    if weights['kind'] not in ('gpt', 'lora'):
-        raise UserError(f"{weights_source} is a {weights['kind']!r} checkpoint, not a GPT's; point --init_from at a "
-                        f"train.py checkpoint, or use another out_dir.")
-    if ckpt is not None:  # checkpoints written before they recorded their run (run_to_continue) are checked here
-        check_compatible({'optimizer_type': ckpt['config'].get('optimizer_type', 'adamw'),
-                          'training_type': ckpt['config'].get('training_type', 'from_scratch')},
-                         {'optimizer_type': optimizer_type, 'training_type': training_type}, 'optimizer', ckpt_path)
-    if weights['kind'] == 'lora':
-        if ckpt is None:
-            raise UserError(f"{weights_source} holds LoRA adapters only; start from the merged model of that run "
-                            f"(merged.pt next to it) instead.")
-        weights_source = ckpt['base_checkpoint']
-        weights = load_checkpoint(weights_source)
-        if file_sha256(weights_source) != ckpt['base_hash']:
-            raise UserError(f"{weights_source}, the base model of the LoRA run in {out_dir}, has changed since the run "
-                            f"began, so its adapters no longer fit. Restore that file, or start a new run "
-                            f"(another out_dir) from it.")
-    if not fine_tuning and weights['config'].get('training_type', 'from_scratch') != 'from_scratch':
-        raise UserError(f"{weights_source} is a chat model (training_type={weights['config']['training_type']!r}); "
+if ckpt is not None:  # checkpoints written before they recorded their run (run_to_continue) are checked here
+    check_compatible({'optimizer_type': ckpt['config'].get('optimizer_type', 'adamw'),
+                      'training_type': ckpt['config'].get('training_type', 'from_scratch')},
+                     {'optimizer_type': optimizer_type, 'training_type': training_type}, 'optimizer', ckpt_path)
+if model_ckpt is not None:
+    chat_model = model_ckpt['config'].get('training_type', 'from_scratch') != 'from_scratch'
+    if not fine_tuning and chat_model:
+        raise UserError(f"{model_ckpt_path} is a chat model (training_type={model_ckpt['config']['training_type']!r}); "
                         f"train it further with training_type='sft' or 'lora', not as pretraining.")
-    expected_tokenizer = tokenizer.identity()
-    if fine_tuning and weights['config'].get('training_type', 'from_scratch') == 'from_scratch':
-        expected_tokenizer = base_tokenizer.identity()  # a pretrained model: the chat tokens are added below
+    # a pretrained model being fine-tuned has the base tokenizer: the chat tokens are added below
+    expected_tokenizer = base_tokenizer.identity() if fine_tuning and not chat_model else tokenizer.identity()
     vocab_size = expected_tokenizer['vocab_size']
-    check_compatible(weights['tokenizer'], expected_tokenizer, 'tokenizer', weights_source,
+    check_compatible(model_ckpt['tokenizer'], expected_tokenizer, 'tokenizer', model_ckpt_path,
                      fix="Point data_dir at the tokenizer folder it was trained with, or use a different out_dir / "
                          "--init_from=scratch to train a new model.")
-    shape = lambda args: {k: v for k, v in args.items() if k != 'dropout'}  # dropout may change between runs
-    check_compatible(shape(weights['model_args']), shape(dict(model_args, vocab_size=vocab_size)), 'model shape',
-                     weights_source)
+    check_compatible(model_ckpt['model_args'], dict(model_args, vocab_size=vocab_size), 'model shape',
+                     model_ckpt_path, may_differ=('dropout',))
 model = GPT(GPTConfig(**dict(model_args, vocab_size=vocab_size)))
-if weights is not None:
-    model.load_state_dict(weights['model'])
+if model_ckpt is not None:
+    model.load_state_dict(model_ckpt['model'])
 if vocab_size < tokenizer.vocab_size:
     model.resize_vocab(tokenizer.vocab_size)
 if training_type == 'lora':
@@ -270,8 +248,9 @@ if training_type == 'lora' and optimizer_type != 'adamw':
 if optimizer_type == 'muon':
     optimizer = Muon(muon_param_groups(raw_model, learning_rate, weight_decay, (beta1, beta2), muon_lr, muon_momentum))
 elif optimizer_type == 'adamw':  # only trainable parameters: with LoRA, the adapters
-    optimizer = raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type,
-                                               loraplus_lr_ratio)
+    optimizer = (lora_optimizer(raw_model, weight_decay, learning_rate, (beta1, beta2), device_type, loraplus_lr_ratio)
+                 if training_type == 'lora' else
+                 raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type))
 else:
     raise UserError(f"optimizer_type={optimizer_type!r} is not supported; use 'adamw' or 'muon'.")
 scaler = GradScaler(enabled=ptdtype == torch.float16)
@@ -281,20 +260,13 @@ if ckpt is not None:
         raise UserError(f"{os.path.join(sft_data, 'train.jsonl')} has changed since the run in {out_dir} began; "
                         f"resuming would go on with other examples. Restore the file (or sft_data), or start a new "
                         f"run (another out_dir, or --resume=False to replace it).")
-    optimizer.load_state_dict(ckpt['optimizer'])
-    scaler.load_state_dict(ckpt['scaler'])
     train_batches.load_state_dict(ckpt['train_batches'])
-    iter_num, best_val_loss = ckpt['iter_num'], ckpt['best_val_loss']
-    evals_without_improvement = ckpt['evals_without_improvement']
     # an earlier OOM may have shrunk the micro-batch; keep that split if the global batch is unchanged
     if ckpt['batch_size'] * ckpt['gradient_accumulation_steps'] == batch_size * gradient_accumulation_steps:
         batch_size, gradient_accumulation_steps = ckpt['batch_size'], ckpt['gradient_accumulation_steps']
-    if len(ckpt['rng']) == world_size:
-        set_rng_state(ckpt['rng'][rank])
-    else:
-        log(f"note: checkpoint was written by {len(ckpt['rng'])} processes, now {world_size}: random streams restart")
-    log(f"resuming from {ckpt_path} at step {iter_num}")
-ckpt = weights = None  # free memory
+    iter_num, best_val_loss, evals_without_improvement = restore_training_state(ckpt, ckpt_path, optimizer, scaler,
+                                                                                rank, world_size)
+ckpt = model_ckpt = None  # free memory
 
 if compile:
     model = torch.compile(model)
@@ -350,13 +322,10 @@ def evaluate():
 
 
 def checkpoint_state():
-    rngs = all_rng_states()  # collective under DDP
-    state = dict(kind='gpt', run=this_run, model=raw_model.state_dict(), model_args=model_args,
-                 optimizer=optimizer.state_dict(),
-                 scaler=scaler.state_dict(), iter_num=iter_num, best_val_loss=best_val_loss,
-                 evals_without_improvement=evals_without_improvement, config=config,
-                 tokenizer=tokenizer.identity(), data_dir=os.path.abspath(data_dir), rng=rngs,
-                 train_batches=train_batches.state_dict(), batch_size=batch_size,
+    state = dict(training_state(this_run, config, optimizer, scaler, iter_num, best_val_loss,
+                                evals_without_improvement),
+                 kind='gpt', model=raw_model.state_dict(), model_args=model_args, tokenizer=tokenizer.identity(),
+                 data_dir=os.path.abspath(data_dir), train_batches=train_batches.state_dict(), batch_size=batch_size,
                  gradient_accumulation_steps=gradient_accumulation_steps,
                  train_data_hash=train_data_hash if fine_tuning else None)
     if training_type == 'lora':  # adapters only: the frozen base stays in its own checkpoint, named by path and hash
@@ -369,6 +338,9 @@ def save(path):
     state = checkpoint_state()  # collective under DDP: every rank must call it
     if master:
         save_checkpoint(path, state)
+
+
+profiler = StepProfiler(device, enabled=profile)
 
 
 def train_step(indices):
@@ -386,7 +358,7 @@ def train_step(indices):
         if ddp:
             dist.all_reduce(normalizers)
         weight_sum, label_count = normalizers
-    totals = {}
+    shares = {}
     for micro_step, (x, y, doc_ids) in enumerate(micro_batches):
         last = micro_step == gradient_accumulation_steps - 1
         # only the last micro-batch all-reduces gradients
@@ -397,19 +369,14 @@ def train_step(indices):
                 if loss_weights.get('z_loss'):
                     terms['z_loss'] = z_loss(logits, targets, label_count)
                 loss = combine_losses(terms, loss_weights)
-            if fault_at('oom', iter_num):
-                raise torch.OutOfMemoryError('injected OOM (NANOTRAIN_FAULT)')
-            if fault_at('nan', iter_num):
-                loss = loss * float('nan')
             with profiler.section('backward'):
                 scaler.scale(loss * world_size).backward()  # DDP averages gradients over ranks: undo its 1/world_size
         for name, value in {'loss': loss, **terms}.items():
-            totals[name] = totals.get(name, 0.0) + value.detach().float()
-    return totals
+            shares[name] = shares.get(name, 0.0) + value.detach().float()
+    return shares
 
 
-record, writer = run_log(out_dir, master, tensorboard,
-                         keep_until=math.inf if eval_only else iter_num if resuming else -1)
+record, writer = run_log(out_dir, master, tensorboard, keep_log_until(eval_only, resuming, iter_num))
 
 
 def report_exact_match():
@@ -428,7 +395,6 @@ if eval_only:
 
 stop = StopSignal()
 monitor = MemoryMonitor(device)
-profiler = StepProfiler(device, enabled=profile)
 if iter_num == 0:
     val_loss = evaluate()
     log(f"step 0: val loss {val_loss:.4f}")
@@ -440,8 +406,7 @@ progress = tqdm(total=max_iters, initial=iter_num, disable=not master, dynamic_n
 while iter_num < max_iters:
     lr = get_lr(iter_num, lr_schedule, learning_rate, min_lr, warmup_iters, lr_decay_iters, restart_iters,
                 restart_mult, decay_frac)
-    for group in optimizer.param_groups:
-        group['lr'] = lr * group.get('lr_scale', 1.0)  # Muon's groups (muon_lr / learning_rate), LoRA+'s B
+    set_lr(optimizer, lr)
 
     # the whole global batch is drawn on every rank; each rank trains on its slice
     if fine_tuning:
@@ -457,36 +422,18 @@ while iter_num < max_iters:
         step_tokens = step_labels = global_batch_size * block_size
     while True:
         try:
-            losses = train_step(global_batch.tensor_split(world_size)[rank])
+            shares = train_step(global_batch.tensor_split(world_size)[rank])
             break
-        except RuntimeError as e:  # CUDA raises torch.OutOfMemoryError, MPS a plain RuntimeError
-            if not is_oom(e) or ddp:  # ranks would disagree on the new split; let torchrun restart us
-                raise
-            optimizer.zero_grad(set_to_none=True)
-            free_memory(device)
+        except RuntimeError as error:  # CUDA raises torch.OutOfMemoryError, MPS a plain RuntimeError
+            recover_from_oom(error, ddp, optimizer, device)
             batch_size, gradient_accumulation_steps = halve_micro_batch(batch_size, gradient_accumulation_steps)
             log(f"step {iter_num}: out of memory, retrying with micro-batch {batch_size} x {gradient_accumulation_steps} accumulation")
 
     with profiler.section('optimizer'):
-        scaler.unscale_(optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip if grad_clip > 0 else float('inf'))
-        # one all-reduce: the global batch's loss terms (the ranks' shares add up) and whether a rank must stop
-        stats = torch.stack([*losses.values(), torch.tensor(float(stop.requested is not None), device=device)])
-        if ddp:
-            dist.all_reduce(stats)
-        *values, stop_requested = stats.tolist()
-        losses, stop_requested = dict(zip(losses, values)), stop_requested > 0
+        losses, grad_norm, (stop_requested,) = clip_and_reduce(optimizer, scaler, raw_model.parameters(), grad_clip,
+                                                               shares, [stop.requested is not None], ddp)
         loss = losses['loss']
-        grad_norm = grad_norm.item()
-        if step_unless_nonfinite(optimizer, scaler, loss, grad_norm):
-            bad_steps = 0
-        else:
-            bad_steps += 1
-            log(f"step {iter_num}: non-finite loss {loss} / grad norm {grad_norm}, step skipped ({bad_steps}/{max_bad_steps})")
-    if bad_steps >= max_bad_steps:
-        raise SystemExit(f"error: {bad_steps} consecutive steps had a non-finite loss or gradient norm (last at step "
-                         f"{iter_num}); training is diverging. Lower learning_rate, raise warmup_iters, or use "
-                         f"dtype='float32'. The last good checkpoint in {out_dir} was left untouched.")
+        bad_steps = step_or_skip(optimizer, scaler, loss, grad_norm, bad_steps, max_bad_steps, iter_num, out_dir)
     iter_num += 1
     progress.update(1)
     window_tokens += step_tokens
@@ -511,11 +458,8 @@ while iter_num < max_iters:
 
     if iter_num % eval_interval == 0 or iter_num == max_iters:
         val_loss = evaluate()
-        improved = val_loss < best_val_loss
-        if improved:
-            best_val_loss, evals_without_improvement = val_loss, 0
-        else:
-            evals_without_improvement += 1
+        improved, best_val_loss, evals_without_improvement = after_eval(val_loss, best_val_loss,
+                                                                        evals_without_improvement)
         log(f"step {iter_num}: val loss {val_loss:.4f}, perplexity {math.exp(val_loss):.2f}"
             + (" (best)" if improved else f" (no improvement for {evals_without_improvement} evals)"))
         record(dict(step=iter_num, val_loss=val_loss, val_ppl=math.exp(val_loss), lr=lr))
@@ -523,28 +467,20 @@ while iter_num < max_iters:
             save(os.path.join(out_dir, 'best.pt'))
         if improved or always_save_checkpoint:
             save(ckpt_path)
-        if early_stopping_patience and evals_without_improvement >= early_stopping_patience:
-            log(f"early stopping: val loss has not improved for {evals_without_improvement} evals")
+        if patience_exhausted(early_stopping_patience, evals_without_improvement):
             break
         window_start, window_tokens, window_labels = time.time(), 0, 0  # throughput excludes eval time
 
     if stop_requested:
         save(ckpt_path)
-        log(f"stop signal received: saved {ckpt_path} at step {iter_num}")
         progress.close()
-        if ddp:
-            dist.barrier()
-            dist.destroy_process_group()
-        sys.exit(stop.exit_code if stop.requested else 143)
+        stop.exit(ckpt_path, iter_num, ddp)
 progress.close()
 save(ckpt_path)
 report_exact_match()
 if training_type == 'lora' and master:
-    # the adapters folded into the weights: a plain checkpoint for sample.py or a later init_from
-    save_checkpoint(os.path.join(out_dir, 'merged.pt'),
-                    dict(kind='gpt', model=merged_state_dict(raw_model), model_args=model_args, config=config,
-                         iter_num=iter_num, tokenizer=tokenizer.identity(), data_dir=os.path.abspath(data_dir)))
-    log(f"saved {os.path.join(out_dir, 'merged.pt')} (adapters merged into the weights)")
+    save_merged(out_dir, raw_model, model_args=model_args, config=config, iter_num=iter_num,
+                tokenizer=tokenizer.identity(), data_dir=os.path.abspath(data_dir))
 
 if master and sample_tokens > 0:
     raw_model.eval()
@@ -554,6 +490,4 @@ if master and sample_tokens > 0:
                                 generator=torch.Generator(device=device).manual_seed(seed))
     print(f"--- sample (step {iter_num}, best val loss {best_val_loss:.4f}) ---")
     print(tokenizer.decode(sample[0].tolist()))
-if ddp:
-    dist.barrier()  # leave together: a rank tearing down while another still works can abort gloo
-    dist.destroy_process_group()
+compute_cleanup(ddp)

@@ -10,7 +10,6 @@ overridden by a config file or --key=value (`--help` lists them).
 
 import hashlib
 import json
-import math
 import os
 import sys
 import time
@@ -21,16 +20,21 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from checkpoint import (StopSignal, all_rng_states, check_compatible, claim_out_dir, file_sha256, load_checkpoint,
-                        require_init_from, run_log, run_origin, run_to_continue, save_checkpoint, set_rng_state)
-from configurator import UserError, configure
-from data import (PREFERENCES_DIR, ChatTokenizer, PreferenceBatches, load_preference_split, load_tokenizer,
-                  prepare_default, prepare_number_tasks)
+from chat_data import PreferenceBatches, load_preference_split
+from checkpoint import (check_compatible, claim_out_dir, file_sha256, load_checkpoint, require_init_from,
+                        restore_training_state, run_log, run_origin, run_to_continue, save_checkpoint, training_state)
+from configurator import FOLDER, POSITIVE, UserError, at_least, check_values, configure, interval, one_of
+from data import prepare_default
 from losses import DPO_LOSS_TYPES, dpo_loss, sequence_logps
-from memory import GradScaler, autocast_context, peak_memory_bytes, pick_device, pick_dtype, step_unless_nonfinite
-from model import (LORA_SETTINGS, GPT, GPTConfig, apply_lora, disable_adapters, exact_match_accuracy,
-                   lora_state_dict, merged_state_dict)
-from scheduler import get_lr
+from memory import GradScaler, autocast_context, peak_memory_bytes, pick_dtype
+from lora import LORA_SETTINGS, apply_lora, disable_adapters, lora_optimizer, lora_state_dict, save_merged
+from model import GPT, GPTConfig
+from runtime import (StopSignal, after_eval, clip_and_reduce, compute_cleanup, compute_init, keep_log_until, log,
+                     patience_exhausted, step_or_skip)
+from scheduler import SCHEDULES, get_lr, set_lr
+from tasks.exact_match import exact_match_accuracy
+from tasks.number_tasks import PREFERENCES_DIR, prepare_number_tasks
+from tokenizer import ChatTokenizer, load_tokenizer
 
 # -----------------------------------------------------------------------------
 # I/O
@@ -100,6 +104,18 @@ compile = False              # torch.compile the policy
 num_threads = 0              # CPU threads for torch ops (torch.set_num_threads); 0 = torch's default
 # -----------------------------------------------------------------------------
 config = configure(globals())
+check_values(config, [
+    (at_least(1), ('batch_size', 'gradient_accumulation_steps', 'max_iters', 'eval_interval', 'log_interval',
+                   'eval_pairs', 'max_bad_steps', 'max_length', 'max_prompt_length', 'lora_r', 'restart_iters',
+                   'restart_mult')),
+    (at_least(0), ('early_stopping_patience', 'exact_match_examples', 'warmup_iters', 'lr_decay_iters', 'num_threads',
+                   'learning_rate', 'min_lr', 'weight_decay', 'grad_clip', 'rpo_alpha')),
+    (interval('[0, 1)'), ('dropout', 'lora_dropout', 'beta1', 'beta2')),
+    (interval('[0, 1]'), ('decay_frac',)),
+    (POSITIVE, ('beta', 'lora_alpha', 'loraplus_lr_ratio')),
+    (one_of(SCHEDULES), ('lr_schedule',)),
+    (FOLDER, ('out_dir',)),
+])
 if loss_type not in DPO_LOSS_TYPES:
     raise UserError(f"loss_type={loss_type!r} is not supported; use one of {', '.join(DPO_LOSS_TYPES)}.")
 if not 0 <= label_smoothing < 0.5:
@@ -111,33 +127,11 @@ if label_smoothing and loss_type not in ('sigmoid', 'robust'):
 if reference_free and precompute_ref_logps:
     raise UserError("reference_free=True has no reference to precompute; drop precompute_ref_logps.")
 
-# DDP: torchrun sets RANK/LOCAL_RANK/WORLD_SIZE; nccl on CUDA, gloo elsewhere
-ddp = int(os.environ.get('RANK', -1)) != -1
-device = pick_device(device)
-if ddp:
-    rank, local_rank, world_size = int(os.environ['RANK']), int(os.environ['LOCAL_RANK']), int(os.environ['WORLD_SIZE'])
-    if device.startswith('cuda'):
-        device = f'cuda:{local_rank}'
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend='nccl' if device.startswith('cuda') else 'gloo')
-else:
-    rank, local_rank, world_size = 0, 0, 1
-master = rank == 0
-device_type = device.split(':')[0]
+# processes and device (runtime.py: one process per GPU under torchrun), precision
+ddp, rank, local_rank, world_size, device = compute_init(device, seed, num_threads)
+master, device_type = rank == 0, device.split(':')[0]
 ptdtype = pick_dtype(device, dtype)
-if num_threads:
-    torch.set_num_threads(num_threads)
 autocast = autocast_context(device, ptdtype)
-torch.manual_seed(seed + rank)
-if device_type == 'cuda':
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
-
-
-def log(msg):
-    if master:
-        tqdm.write(msg)
-
 
 # out_dir: written and locked before any work; a checkpoint there is this run's to continue, never another's.
 # The reference is always the model the run began as.
@@ -157,11 +151,11 @@ if ckpt and not os.path.isfile(reference_path):
 if not ckpt:
     require_init_from(init_from, made_by="`python train.py` (pretraining, out/ckpt.pt) then `python train.py "
                                          "config/sft.py` (SFT)" if init_from == 'out-sft/ckpt.pt' else None)
-weights = load_checkpoint(reference_path)
-if weights['kind'] != 'gpt':
-    raise UserError(f"{reference_path} is a {weights['kind']!r} checkpoint; DPO starts from a GPT chat model "
-                    + ("(for a LoRA run, its merged.pt)." if weights['kind'] == 'lora' else "."))
-if weights['config'].get('training_type', 'from_scratch') == 'from_scratch':
+reference_ckpt = load_checkpoint(reference_path)
+if reference_ckpt['kind'] != 'gpt':
+    raise UserError(f"{reference_path} is a {reference_ckpt['kind']!r} checkpoint; DPO starts from a GPT chat model "
+                    + ("(for a LoRA run, its merged.pt)." if reference_ckpt['kind'] == 'lora' else "."))
+if reference_ckpt['config'].get('training_type', 'from_scratch') == 'from_scratch':
     raise UserError(f"{reference_path} is a pretrained model without the chat template; fine-tune it first, e.g. "
                     f"`python train.py config/sft.py --init_from={reference_path}`, and start DPO from that run's "
                     f"checkpoint.")
@@ -181,20 +175,28 @@ if ddp:
 data_dir = data_dir or os.path.join('data', 'stdlib')
 dpo_data = dpo_data or PREFERENCES_DIR
 tokenizer = ChatTokenizer(load_tokenizer(data_dir))
-check_compatible(weights['tokenizer'], tokenizer.identity(), 'tokenizer', reference_path,
+check_compatible(reference_ckpt['tokenizer'], tokenizer.identity(), 'tokenizer', reference_path,
                  fix="Point data_dir at the tokenizer folder the model was trained with ('' for the default).")
-model_args = dict(weights['model_args'], dropout=dropout)
+model_args = dict(reference_ckpt['model_args'], dropout=dropout)
 if max_length > model_args['block_size']:
     raise UserError(f"max_length={max_length} is longer than the model's block_size={model_args['block_size']}; "
                     f"lower max_length.")
 if max_prompt_length >= max_length:
     raise UserError(f"max_prompt_length={max_prompt_length} must leave room for a completion in max_length={max_length}; "
                     f"lower it.")
-split_path = lambda name: os.path.join(dpo_data, f'{name}.jsonl')
-split = lambda name: load_preference_split(split_path(name), tokenizer, max_length, max_prompt_length, skip_malformed)
-_, train_pairs = split('train')
-val_references, val_pairs = split('val')
-held_out = split('test')[0] if exact_match_examples and os.path.exists(split_path('test')) else val_references
+
+
+def split_path(name):
+    return os.path.join(dpo_data, f'{name}.jsonl')
+
+
+def read_split(name):
+    return load_preference_split(split_path(name), tokenizer, max_length, max_prompt_length, skip_malformed)
+
+
+_, train_pairs = read_split('train')
+val_references, val_pairs = read_split('val')
+held_out = read_split('test')[0] if exact_match_examples and os.path.exists(split_path('test')) else val_references
 exact_match_prompts = held_out[:exact_match_examples]
 train_batches = PreferenceBatches(train_pairs, seed, tokenizer.eos_id, max_length, pack)
 val_batches = PreferenceBatches(val_pairs, seed, tokenizer.eos_id, max_length, pack)
@@ -215,8 +217,8 @@ def frozen_copy(state):
 # policy, and the reference: a frozen copy when training all weights, the policy itself with its
 # adapters disabled when training LoRA, or none in memory with precomputed log-probs
 model = GPT(GPTConfig(**model_args))
-model.load_state_dict(weights['model'])
-reference = frozen_copy(weights['model']) if not (use_lora or reference_free or precompute_ref_logps) else None
+model.load_state_dict(reference_ckpt['model'])
+reference = frozen_copy(reference_ckpt['model']) if not (use_lora or reference_free or precompute_ref_logps) else None
 if use_lora:
     wrapped = apply_lora(model, lora_r, lora_alpha, lora_dropout, lora_target_modules, use_rslora, lora_bias)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -231,23 +233,16 @@ if ckpt:
 model.activation_checkpointing = activation_checkpointing
 model.to(device)
 raw_model = model  # what we save and generate with: never compiled or DDP-wrapped
-weights = None
+reference_ckpt = None
 
-optimizer = raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type,
-                                           loraplus_lr_ratio)
+optimizer = (lora_optimizer(raw_model, weight_decay, learning_rate, (beta1, beta2), device_type, loraplus_lr_ratio)
+             if use_lora else raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type))
 scaler = GradScaler(enabled=ptdtype == torch.float16)
 iter_num, best_val_loss, evals_without_improvement = 0, float('inf'), 0
 if ckpt:
-    optimizer.load_state_dict(ckpt['optimizer'])
-    scaler.load_state_dict(ckpt['scaler'])
     train_batches.load_state_dict(ckpt['train_batches'])
-    iter_num, best_val_loss = ckpt['iter_num'], ckpt['best_val_loss']
-    evals_without_improvement = ckpt['evals_without_improvement']
-    if len(ckpt['rng']) == world_size:
-        set_rng_state(ckpt['rng'][rank])
-    else:
-        log(f"note: checkpoint was written by {len(ckpt['rng'])} processes, now {world_size}: random streams restart")
-    log(f"resuming from {ckpt_path} at step {iter_num}")
+    iter_num, best_val_loss, evals_without_improvement = restore_training_state(ckpt, ckpt_path, optimizer, scaler,
+                                                                                rank, world_size)
 ckpt = None
 
 
@@ -321,9 +316,9 @@ log(f"device {device}, dtype {ptdtype}, {world_size} process(es), {raw_model.get
        'the model with adapters disabled' if use_lora else 'a frozen copy'))
 
 
-def pair_terms(net, batches, indices, cache, totals):
+def pair_terms(net, batches, indices, cache, batch_counts):
     """Forward pass over the pairs at indices: (loss, metrics). Every sum is divided by the size of
-    the whole batch it belongs to (totals: pairs, chosen and rejected completion tokens, over all
+    the whole batch it belongs to (batch_counts: pairs, chosen and rejected completion tokens, over all
     micro-batches and ranks), so micro-batches and ranks add up to the batch mean however it is split."""
     batch, n = batches.get(indices, device), len(indices)
     ref_logits = None
@@ -335,7 +330,7 @@ def pair_terms(net, batches, indices, cache, totals):
         ref_sums, ref_logits = reference_logps(batch, n)
     with autocast:
         sums, token_logps, logits = completion_logps(net, batch, n)
-    chosen_pos, pairs, chosen_tokens, rejected_tokens = batch['owners'] < n, *totals
+    chosen_pos, pairs, chosen_tokens, rejected_tokens = batch['owners'] < n, *batch_counts
     policy, ref = sums, ref_sums
     if loss_type == 'ipo' and ipo_length_normalize:  # per-token means
         lengths = torch.bincount(batch['owners'], minlength=2 * n)
@@ -364,7 +359,7 @@ def pair_terms(net, batches, indices, cache, totals):
     return loss, {k: v.detach().float() for k, v in metrics.items()}
 
 
-def batch_totals(batches, indices):
+def batch_counts_of(batches, indices):
     chosen, rejected = batches.completion_tokens[indices].sum(0).tolist()
     return len(indices), chosen, rejected
 
@@ -373,9 +368,9 @@ def batch_totals(batches, indices):
 def evaluate():
     """The metrics of the fixed held-out pairs, split across ranks; policy in eval mode."""
     model.eval()
-    totals, sums = batch_totals(val_batches, val_indices), {}
+    batch_counts, sums = batch_counts_of(val_batches, val_indices), {}
     for indices in val_indices.tensor_split(world_size)[rank].split(batch_size):
-        _, metrics = pair_terms(model, val_batches, indices, ref_cache['val'] if ref_cache else None, totals)
+        _, metrics = pair_terms(model, val_batches, indices, ref_cache['val'] if ref_cache else None, batch_counts)
         for k, v in metrics.items():
             sums[k] = sums.get(k, 0.0) + v
     stats = torch.stack(list(sums.values()))
@@ -386,14 +381,12 @@ def evaluate():
 
 
 def checkpoint_state():
-    rngs = all_rng_states()  # collective under DDP
-    state = dict(kind='gpt', run=this_run, model=raw_model.state_dict(), model_args=model_args,
-                 optimizer=optimizer.state_dict(),
-                 scaler=scaler.state_dict(), iter_num=iter_num, best_val_loss=best_val_loss,
-                 evals_without_improvement=evals_without_improvement, config=dict(config, training_type='dpo'),
-                 tokenizer=tokenizer.identity(), data_dir=os.path.abspath(data_dir), rng=rngs,
-                 train_batches=train_batches.state_dict(), reference_checkpoint=os.path.abspath(reference_path),
-                 reference_hash=reference_hash, train_data_hash=train_data_hash)
+    state = dict(training_state(this_run, dict(config, training_type='dpo'), optimizer, scaler, iter_num,
+                                best_val_loss, evals_without_improvement),
+                 kind='gpt', model=raw_model.state_dict(), model_args=model_args, tokenizer=tokenizer.identity(),
+                 data_dir=os.path.abspath(data_dir), train_batches=train_batches.state_dict(),
+                 reference_checkpoint=os.path.abspath(reference_path), reference_hash=reference_hash,
+                 train_data_hash=train_data_hash)
     if use_lora:  # adapters only: the base is the reference checkpoint, named by path and hash
         state.update(kind='lora', model=lora_state_dict(raw_model), base_checkpoint=state['reference_checkpoint'],
                      base_hash=reference_hash)
@@ -409,20 +402,20 @@ def save(path):
 def train_step(global_batch):
     """Forward/backward over this rank's slice of the global batch (accumulating gradients);
     returns this rank's shares of the metrics (shares add up over ranks)."""
-    totals, sums = batch_totals(train_batches, global_batch), {}
+    batch_counts, sums = batch_counts_of(train_batches, global_batch), {}
     parts = global_batch.tensor_split(world_size)[rank].view(gradient_accumulation_steps, batch_size)
     for micro_step, part in enumerate(parts):
         last = micro_step == gradient_accumulation_steps - 1
         with model.no_sync() if ddp and not last else nullcontext():  # only the last micro-batch all-reduces
-            loss, metrics = pair_terms(model, train_batches, part, ref_cache['train'] if ref_cache else None, totals)
+            loss, metrics = pair_terms(model, train_batches, part, ref_cache['train'] if ref_cache else None,
+                                       batch_counts)
             scaler.scale(loss * world_size).backward()  # DDP averages gradients over ranks: undo its 1/world_size
         for k, v in metrics.items():
             sums[k] = sums.get(k, 0.0) + v
     return sums
 
 
-record, writer = run_log(out_dir, master, tensorboard,
-                         keep_until=math.inf if eval_only else iter_num if resuming else -1)
+record, writer = run_log(out_dir, master, tensorboard, keep_log_until(eval_only, resuming, iter_num))
 
 
 def run_eval():
@@ -455,30 +448,15 @@ progress = tqdm(total=max_iters, initial=iter_num, disable=not master, dynamic_n
 while iter_num < max_iters:
     lr = get_lr(iter_num, lr_schedule, learning_rate, min_lr, warmup_iters, lr_decay_iters, restart_iters,
                 restart_mult, decay_frac)
-    for group in optimizer.param_groups:
-        group['lr'] = lr * group.get('lr_scale', 1.0)  # LoRA+'s B matrices
+    set_lr(optimizer, lr)
 
     # the whole global batch is drawn on every rank; each rank trains on its slice
     global_batch = train_batches.sample(global_batch_size)
-    metrics = train_step(global_batch)
-    scaler.unscale_(optimizer)
-    grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip if grad_clip > 0 else float('inf'))
-    # one all-reduce: the metrics (the ranks' shares add up) and whether a rank must stop
-    stats = torch.stack([*metrics.values(), torch.tensor(float(stop.requested is not None), device=device)])
-    if ddp:
-        dist.all_reduce(stats)
-    *values, stop_requested = stats.tolist()
-    metrics, stop_requested = dict(zip(metrics, values)), stop_requested > 0
-    loss, grad_norm = metrics['loss'], grad_norm.item()
-    if step_unless_nonfinite(optimizer, scaler, loss, grad_norm):
-        bad_steps = 0
-    else:
-        bad_steps += 1
-        log(f"step {iter_num}: non-finite loss {loss} / grad norm {grad_norm}, step skipped ({bad_steps}/{max_bad_steps})")
-    if bad_steps >= max_bad_steps:
-        raise SystemExit(f"error: {bad_steps} consecutive steps had a non-finite loss or gradient norm (last at step "
-                         f"{iter_num}); training is diverging. Lower learning_rate or beta, or use dtype='float32'. "
-                         f"The last good checkpoint in {out_dir} was left untouched.")
+    shares = train_step(global_batch)
+    metrics, grad_norm, (stop_requested,) = clip_and_reduce(optimizer, scaler, raw_model.parameters(), grad_clip,
+                                                             shares, [stop.requested is not None], ddp)
+    loss = metrics['loss']
+    bad_steps = step_or_skip(optimizer, scaler, loss, grad_norm, bad_steps, max_bad_steps, iter_num, out_dir)
     iter_num += 1
     progress.update(1)
     window_tokens += train_batches.count_tokens(global_batch)
@@ -497,38 +475,24 @@ while iter_num < max_iters:
         window_start, window_tokens, window_steps = now, 0, 0
 
     if iter_num % eval_interval == 0 or iter_num == max_iters:
-        val_loss = run_eval()
-        improved = val_loss < best_val_loss
+        improved, best_val_loss, evals_without_improvement = after_eval(run_eval(), best_val_loss,
+                                                                        evals_without_improvement)
         if improved:
-            best_val_loss, evals_without_improvement = val_loss, 0
             save(os.path.join(out_dir, 'best.pt'))
-        else:
-            evals_without_improvement += 1
         if improved or always_save_checkpoint:
             save(ckpt_path)
-        if early_stopping_patience and evals_without_improvement >= early_stopping_patience:
-            log(f"early stopping: eval loss has not improved for {evals_without_improvement} evals")
+        if patience_exhausted(early_stopping_patience, evals_without_improvement):
             break
         window_start, window_tokens, window_steps = time.time(), 0, 0  # throughput excludes eval time
 
     if stop_requested:
         save(ckpt_path)
-        log(f"stop signal received: saved {ckpt_path} at step {iter_num}")
         progress.close()
-        if ddp:
-            dist.barrier()
-            dist.destroy_process_group()
-        sys.exit(stop.exit_code if stop.requested else 143)
+        stop.exit(ckpt_path, iter_num, ddp)
 progress.close()
 save(ckpt_path)
 report_exact_match()
 if use_lora and master:
-    # the adapters folded into the weights: a plain checkpoint for sample.py or a later init_from
-    save_checkpoint(os.path.join(out_dir, 'merged.pt'),
-                    dict(kind='gpt', model=merged_state_dict(raw_model), model_args=model_args,
-                         config=dict(config, training_type='dpo'), iter_num=iter_num,
-                         tokenizer=tokenizer.identity(), data_dir=os.path.abspath(data_dir)))
-    log(f"saved {os.path.join(out_dir, 'merged.pt')} (adapters merged into the weights)")
-if ddp:
-    dist.barrier()  # leave together: a rank tearing down while another still works can abort gloo
-    dist.destroy_process_group()
+    save_merged(out_dir, raw_model, model_args=model_args, config=dict(config, training_type='dpo'),
+                iter_num=iter_num, tokenizer=tokenizer.identity(), data_dir=os.path.abspath(data_dir))
+compute_cleanup(ddp)

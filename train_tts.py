@@ -6,7 +6,6 @@ command resumes; `--eval_only=True` evaluates the checkpoint (val losses, MCD-DT
 Every config key below can be overridden by a config file or --key=value (`--help` lists them).
 """
 
-import math
 import os
 import sys
 import time
@@ -17,18 +16,18 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from checkpoint import (StopSignal, all_rng_states, check_compatible, claim_out_dir, load_checkpoint,
-                        require_init_from, rng_state, run_log, run_origin, run_to_continue, save_checkpoint,
-                        set_rng_state)
-from configurator import UserError, configure
-from losses import mel_cepstral_distortion
-from memory import (GradScaler, MemoryMonitor, StepProfiler, autocast_context, fault_at, free_memory, is_oom,
-                    peak_memory_bytes, pick_device, pick_dtype, step_unless_nonfinite)
-from scheduler import get_lr
+from checkpoint import (check_compatible, claim_out_dir, load_checkpoint, require_init_from, restore_training_state,
+                        rng_state, run_log, run_origin, run_to_continue, save_checkpoint, set_rng_state, training_state)
+from configurator import (EMPTY_OR_FOLDER, FOLDER, POSITIVE, UserError, at_least, check_values, configure,
+                          dataclass_args, interval, one_of)
+from memory import GradScaler, MemoryMonitor, autocast_context, peak_memory_bytes, pick_dtype, recover_from_oom
+from runtime import (StepProfiler, StopSignal, after_eval, clip_and_reduce, compute_cleanup, compute_init,
+                     keep_log_until, log, patience_exhausted, step_or_skip)
+from scheduler import SCHEDULES, get_lr, set_lr
 import tts_data
-from tts_data import (FrameBudgetSampler, LJSpeechDataset, MelExtractor, build_symbols, eval_batches, read_metadata,
-                      split_ids, write_wav)
-from tts_model import TTSConfig, TTSModel, synthesize
+from tts_data import FrameBudgetSampler, LJSpeechDataset, build_symbols, eval_batches, read_metadata, split_ids
+from tts_eval import evaluate_synthesis, print_synthesis_report, record_media
+from tts_model import TTSConfig, TTSModel
 
 _start_time = time.time()
 # -----------------------------------------------------------------------------
@@ -98,34 +97,30 @@ dtype = 'auto'               # 'auto' (bf16 where supported, else fp16 + loss sc
 compile = False              # torch.compile the encoder and decoder
 # -----------------------------------------------------------------------------
 config = configure(globals())
+check_values(config, [
+    (at_least(1), ('gradient_accumulation_steps', 'max_iters', 'eval_interval', 'log_interval', 'max_bad_steps',
+                   'restart_iters', 'restart_mult', 'n_timesteps', 'enc_channels', 'enc_layers', 'enc_heads',
+                   'enc_ff_channels', 'enc_kernel', 'dp_channels', 'dec_channels', 'dec_blocks', 'dec_heads',
+                   'frame_budget')),
+    (at_least(0), ('early_stopping_patience', 'warmup_iters', 'lr_decay_iters', 'learning_rate', 'min_lr',
+                   'weight_decay', 'grad_clip', 'max_minutes', 'eval_utterances', 'audio_samples', 'temperature',
+                   'guidance', 'prior_weight', 'duration_weight', 'flow_weight')),
+    (interval('[0, 1)'), ('dropout', 'beta1', 'beta2', 'cfg_drop', 'sigma_min')),
+    (interval('(0, 1)'), ('val_fraction',)),
+    (interval('[0, 1]'), ('decay_frac',)),
+    (POSITIVE, ('length_scale',)),
+    (one_of(SCHEDULES), ('lr_schedule',)),
+    (FOLDER, ('out_dir',)),
+    (EMPTY_OR_FOLDER, ('cache_dir',)),
+])
 mel_settings = tts_data.MEL_SETTINGS  # fixed feature settings (not config keys: set after configure)
 sample_rate = mel_settings['sample_rate']
 
-# DDP: torchrun sets RANK/LOCAL_RANK/WORLD_SIZE; nccl on CUDA, gloo elsewhere
-ddp = int(os.environ.get('RANK', -1)) != -1
-device = pick_device(device)
-if ddp:
-    rank, local_rank, world_size = int(os.environ['RANK']), int(os.environ['LOCAL_RANK']), int(os.environ['WORLD_SIZE'])
-    if device.startswith('cuda'):
-        device = f'cuda:{local_rank}'
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend='nccl' if device.startswith('cuda') else 'gloo')
-else:
-    rank, local_rank, world_size = 0, 0, 1
-master = rank == 0
-device_type = device.split(':')[0]
+# processes and device (runtime.py: one process per GPU under torchrun), precision
+ddp, rank, local_rank, world_size, device = compute_init(device, seed)
+master, device_type = rank == 0, device.split(':')[0]
 ptdtype = pick_dtype(device, dtype)
 autocast = autocast_context(device, ptdtype)
-torch.manual_seed(seed + rank)  # per-rank seed: different noise and dropout on each rank
-if device_type == 'cuda':
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
-
-
-def log(msg):
-    if master:
-        tqdm.write(msg)
-
 
 # out_dir: written and locked before any work; a checkpoint there is this run's to continue, never another's
 if master:
@@ -168,20 +163,17 @@ if enc_channels % enc_heads or dec_channels % dec_heads or dec_channels % 8 or e
     raise UserError(f"the model shape does not fit together: enc_channels={enc_channels} must divide by enc_heads="
                     f"{enc_heads}, dec_channels={dec_channels} by dec_heads={dec_heads} and by 8 (GroupNorm groups), "
                     f"and enc_kernel={enc_kernel} must be odd (same-length convolutions).")
-model_args = dict(symbols=symbols, add_blank=add_blank, n_mels=mel_settings['n_mels'], enc_channels=enc_channels,
-                  enc_layers=enc_layers, enc_heads=enc_heads, enc_ff_channels=enc_ff_channels, enc_kernel=enc_kernel,
-                  dp_channels=dp_channels, dropout=dropout, dec_channels=dec_channels, dec_blocks=dec_blocks,
-                  dec_heads=dec_heads, sigma_min=sigma_min, cfg_drop=cfg_drop)
+model_args = dataclass_args(TTSConfig, config, symbols=symbols, n_mels=mel_settings['n_mels'])
 if resuming or init_from != 'scratch':
     ckpt_source = ckpt_path if resuming else init_from
     ckpt = ckpt if resuming else load_checkpoint(init_from)
     if ckpt.get('kind') != 'tts':
         raise UserError(f"{ckpt_source} is not a train_tts.py checkpoint (kind={ckpt.get('kind')!r}); point "
                         f"--init_from at a TTS checkpoint or use --init_from=scratch.")
-    shape = lambda args: {k: v for k, v in args.items() if k not in ('dropout', 'cfg_drop')}  # may change between runs
-    check_compatible(shape(ckpt['model_args']), shape(model_args), 'model shape or vocabulary', ckpt_source,
+    check_compatible(ckpt['model_args'], model_args, 'model shape or vocabulary', ckpt_source,
                      fix="Set the model keys to the checkpoint's values (symbols come from the transcripts: use its "
-                         "data_dir), or use a different out_dir / --init_from=scratch to train a new model.")
+                         "data_dir), or use a different out_dir / --init_from=scratch to train a new model.",
+                     may_differ=('dropout', 'cfg_drop'))
 model = TTSModel(TTSConfig(**model_args))
 if ckpt is not None:
     model.load_state_dict(ckpt['model'])  # includes the mel normalisation it was trained with
@@ -200,16 +192,10 @@ optimizer = torch.optim.AdamW([dict(params=decay, weight_decay=weight_decay), di
 scaler = GradScaler(enabled=ptdtype == torch.float16)
 iter_num, best_val_loss, evals_without_improvement, batch_splits = 0, float('inf'), 0, 1
 if resuming:
-    optimizer.load_state_dict(ckpt['optimizer'])
-    scaler.load_state_dict(ckpt['scaler'])
     sampler.load_state_dict(ckpt['sampler'])
-    iter_num, best_val_loss = ckpt['iter_num'], ckpt['best_val_loss']
-    evals_without_improvement, batch_splits = ckpt['evals_without_improvement'], ckpt['batch_splits']
-    if len(ckpt['rng']) == world_size:
-        set_rng_state(ckpt['rng'][rank])
-    else:
-        log(f"note: checkpoint was written by {len(ckpt['rng'])} processes, now {world_size}: random streams restart")
-    log(f"resuming from {ckpt_path} at step {iter_num}")
+    batch_splits = ckpt['batch_splits']
+    iter_num, best_val_loss, evals_without_improvement = restore_training_state(ckpt, ckpt_path, optimizer, scaler,
+                                                                                rank, world_size)
 ckpt = None  # free memory
 
 if compile:  # in place, so state dict keys stay clean; MAS (a Python loop) stays eager
@@ -262,13 +248,10 @@ def evaluate():
 
 
 def checkpoint_state():
-    rngs = all_rng_states()  # collective under DDP
-    return dict(kind='tts', run=this_run, model=raw_model.state_dict(), model_args=model_args,
-                optimizer=optimizer.state_dict(),
-                scaler=scaler.state_dict(), iter_num=iter_num, best_val_loss=best_val_loss,
-                evals_without_improvement=evals_without_improvement, config=config,
-                data_dir=os.path.abspath(data_dir), rng=rngs, sampler=sampler.state_dict(),
-                batch_splits=batch_splits, mel_settings=mel_settings)
+    return dict(training_state(this_run, config, optimizer, scaler, iter_num, best_val_loss,
+                               evals_without_improvement),
+                kind='tts', model=raw_model.state_dict(), model_args=model_args, data_dir=os.path.abspath(data_dir),
+                sampler=sampler.state_dict(), batch_splits=batch_splits, mel_settings=mel_settings)
 
 
 def save(path):
@@ -277,11 +260,14 @@ def save(path):
         save_checkpoint(path, state)
 
 
+profiler = StepProfiler(device, enabled=profile)
+
+
 def train_step(batches):
     """Forward/backward over this rank's micro-batches; after an OOM each is split into batch_splits
     chunks whose losses are weighted by their share of frames/tokens, so the sum is the batch loss.
-    Returns the mean micro-batch losses."""
-    totals = {k: torch.zeros((), device=device) for k in ('prior', 'duration', 'flow')}
+    Returns this rank's shares of the mean micro-batch losses (shares add up over ranks)."""
+    shares = {k: torch.zeros((), device=device) for k in ('prior', 'duration', 'flow')}
     for micro_step, indices in enumerate(batches):
         n = len(indices)
         chunks = [indices[i * n // batch_splits:(i + 1) * n // batch_splits] for i in range(batch_splits)]
@@ -298,89 +284,25 @@ def train_step(batches):
             with model.no_sync() if ddp and not last else nullcontext():
                 with profiler.section('forward'), autocast:
                     losses = model(x, x_lengths, y, y_lengths)
-                if fault_at('oom', iter_num):
-                    raise torch.OutOfMemoryError('injected OOM (NANOTRAIN_FAULT)')
-                if fault_at('nan', iter_num):
-                    losses['flow'] = losses['flow'] * float('nan')
                 losses = {k: v * (token_share if k == 'duration' else frame_share) for k, v in losses.items()}
                 with profiler.section('backward'):
                     scaler.scale(weighted_loss(losses) / len(batches)).backward()
-            for k in totals:
-                totals[k] += losses[k].detach().float() / len(batches)
-    return totals
+            for k in shares:
+                shares[k] += losses[k].detach().float() / (len(batches) * world_size)
+    return shares
 
 
-record, writer = run_log(out_dir, master, tensorboard,
-                         keep_until=math.inf if eval_only else iter_num if resuming else -1)
-
-
-def mel_image(mel):
-    """(n_mels, T) log-mel -> (1, n_mels, T) grey image in [0, 1], low frequencies at the bottom."""
-    return ((mel.float().cpu() - math.log(1e-5)) / (mel.max().item() - math.log(1e-5))).clamp(0, 1).flip(0)[None]
-
-
-def record_media(step):
-    """TensorBoard: teacher-forced vs target mel of the first held-out utterance, and speech
-    synthesized from text (predicted durations) for the first audio_samples utterances."""
-    if not writer:
-        return
-    raw_model.eval()
-    x, x_lengths, y, y_lengths = to_device(val_set.collate([0], mel_mean, mel_std))
-    mel, _ = raw_model.teacher_forced(x, x_lengths, y, y_lengths, n_timesteps=n_timesteps, temperature=temperature,
-                                      generator=torch.Generator(device=device).manual_seed(seed))
-    pred, target = raw_model.denormalize(mel[0, :, :y.shape[2]]), raw_model.denormalize(y[0])
-    writer.add_image('mel/teacher_forced_over_target', torch.cat([mel_image(pred), mel_image(target)], dim=1), step)
-    for utt_id in val_ids[:audio_samples]:
-        audio, log_mel = synthesize(raw_model, texts[utt_id], n_timesteps, temperature, length_scale, guidance, seed)
-        writer.add_audio(f'audio/{utt_id}', audio.clamp(-1, 1)[None], step, sample_rate=sample_rate)
-        writer.add_image(f'mel/synthesized_{utt_id}', mel_image(log_mel), step)
-    raw_model.train()
-
-
-def evaluate_synthesis():
-    """Held-out speech from text alone: MCD-DTW of the synthesized mel against the reference, of the
-    mel re-analysed from its Griffin-Lim audio, of the reference itself through Griffin-Lim (the
-    vocoder's floor) and of a trivial baseline (the training set's mean mel frame repeated for the
-    reference's length); real-time factor. Writes audio_samples WAVs to out_dir/samples."""
-    raw_model.eval()
-    extractor = MelExtractor(**mel_settings)
-    mean_frame = train_set.mean_mel()
-    ids = val_ids[:eval_utterances or len(val_ids)]
-    os.makedirs(os.path.join(out_dir, 'samples'), exist_ok=True)
-    scores = {k: [] for k in ('model', 'model_audio', 'reference_audio', 'baseline')}
-    model_seconds = audio_seconds = duration_ratio = 0.0
-    for n, utt_id in enumerate(tqdm(ids, desc='synthesis eval', dynamic_ncols=True, leave=False)):
-        reference = val_set.mels[val_set.ids.index(utt_id)]
-        t0 = time.perf_counter()
-        audio, log_mel = synthesize(raw_model, texts[utt_id], n_timesteps, temperature, length_scale, guidance, seed)
-        model_seconds += time.perf_counter() - t0
-        audio_seconds += len(audio) / sample_rate
-        duration_ratio += log_mel.shape[1] / reference.shape[1] / len(ids)
-        scores['model'].append(mel_cepstral_distortion(log_mel, reference))
-        scores['model_audio'].append(mel_cepstral_distortion(extractor(audio), reference))
-        scores['reference_audio'].append(mel_cepstral_distortion(extractor(extractor.to_waveform(reference)), reference))
-        scores['baseline'].append(mel_cepstral_distortion(mean_frame[:, None].expand_as(reference), reference))
-        if n < audio_samples:
-            write_wav(os.path.join(out_dir, 'samples', f'{utt_id}.wav'), audio, sample_rate)
-    raw_model.train()
-    result = {f'mcd_{k}': sum(v) / len(v) for k, v in scores.items()}
-    result.update(rtf=model_seconds / audio_seconds, duration_ratio=duration_ratio, eval_utterances=len(ids))
-    return result
+record, writer = run_log(out_dir, master, tensorboard, keep_log_until(eval_only, resuming, iter_num))
 
 
 def final_report(step):
     if not master:
         return
-    result = evaluate_synthesis()
+    ids = val_ids[:eval_utterances or len(val_ids)]
+    result = evaluate_synthesis(raw_model, val_set, train_set, texts, ids, out_dir, audio_samples, mel_settings,
+                                n_timesteps, temperature, length_scale, guidance, seed)
     record(dict(step=step, **result))
-    print(f"held-out synthesis ({result['eval_utterances']} utterances, {n_timesteps} ODE steps, Griffin-Lim audio):\n"
-          f"  MCD-DTW model mel            {result['mcd_model']:.2f} dB\n"
-          f"  MCD-DTW model audio          {result['mcd_model_audio']:.2f} dB  (mel re-analysed from the WAV)\n"
-          f"  MCD-DTW reference audio      {result['mcd_reference_audio']:.2f} dB  (reference mel through Griffin-Lim: vocoder floor)\n"
-          f"  MCD-DTW mean-mel baseline    {result['mcd_baseline']:.2f} dB\n"
-          f"  length synthesized/reference {result['duration_ratio']:.2f}\n"
-          f"  real-time factor             {result['rtf']:.3f} (synthesis time / audio time, Griffin-Lim included)\n"
-          f"  samples in {os.path.join(out_dir, 'samples')}")
+    print_synthesis_report(result, n_timesteps, out_dir)
 
 
 def log_eval(step, result, note=''):
@@ -392,15 +314,12 @@ def log_eval(step, result, note=''):
 
 if eval_only:
     log_eval(iter_num, evaluate())
-    if ddp:
-        dist.barrier()
-        dist.destroy_process_group()
+    compute_cleanup(ddp)
     final_report(iter_num)
     sys.exit(0)
 
 stop = StopSignal()
 monitor = MemoryMonitor(device)
-profiler = StepProfiler(device, enabled=profile)
 if iter_num == 0:
     log_eval(0, evaluate())
 bad_steps = 0
@@ -409,19 +328,15 @@ progress = tqdm(total=max_iters, initial=iter_num, disable=not master, dynamic_n
 while iter_num < max_iters:
     lr = get_lr(iter_num, lr_schedule, learning_rate, min_lr, warmup_iters, lr_decay_iters, restart_iters,
                 restart_mult, decay_frac)
-    for group in optimizer.param_groups:
-        group['lr'] = lr
+    set_lr(optimizer, lr)
 
     batches = [sampler.next_batch() for _ in range(gradient_accumulation_steps)]
     while True:
         try:
-            losses = train_step(batches)
+            shares = train_step(batches)
             break
-        except torch.OutOfMemoryError as e:
-            if not is_oom(e) or ddp:  # ranks would disagree on the new split; let torchrun restart us
-                raise
-            optimizer.zero_grad(set_to_none=True)
-            free_memory(device)
+        except RuntimeError as error:  # CUDA raises torch.OutOfMemoryError, MPS a plain RuntimeError
+            recover_from_oom(error, ddp, optimizer, device)
             if batch_splits >= max(len(b) for b in batches):
                 raise UserError(f"out of memory with one utterance per micro-batch (step {iter_num}); lower "
                                 f"frame_budget, use a smaller model, or use a device with more memory.")
@@ -429,28 +344,12 @@ while iter_num < max_iters:
             log(f"step {iter_num}: out of memory, retrying with each batch split into {batch_splits} micro-batches")
 
     with profiler.section('optimizer'):
-        scaler.unscale_(optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip if grad_clip > 0 else float('inf'))
-        # one all-reduce: global mean losses, and whether any rank was asked to stop or ran out of time
         out_of_time = max_minutes > 0 and time.time() - _start_time > max_minutes * 60
-        stats = torch.stack([losses['prior'], losses['duration'], losses['flow'],
-                             torch.tensor(float(stop.requested is not None), device=device),
-                             torch.tensor(float(out_of_time), device=device)])
-        if ddp:
-            dist.all_reduce(stats)
-        prior, duration, flow = (stats[:3] / world_size).tolist()
-        stop_requested, out_of_time = stats[3].item() > 0, stats[4].item() > 0
-        loss = weighted_loss(dict(prior=prior, duration=duration, flow=flow))
-        grad_norm = grad_norm.item()
-        if step_unless_nonfinite(optimizer, scaler, loss, grad_norm):
-            bad_steps = 0
-        else:
-            bad_steps += 1
-            log(f"step {iter_num}: non-finite loss {loss} / grad norm {grad_norm}, step skipped ({bad_steps}/{max_bad_steps})")
-    if bad_steps >= max_bad_steps:
-        raise SystemExit(f"error: {bad_steps} consecutive steps had a non-finite loss or gradient norm (last at step "
-                         f"{iter_num}); training is diverging. Lower learning_rate, raise warmup_iters, or use "
-                         f"dtype='float32'. The last good checkpoint in {out_dir} was left untouched.")
+        losses, grad_norm, (stop_requested, out_of_time) = clip_and_reduce(
+            optimizer, scaler, raw_model.parameters(), grad_clip, shares, [stop.requested is not None, out_of_time], ddp)
+        prior, duration, flow = losses['prior'], losses['duration'], losses['flow']
+        loss = weighted_loss(losses)
+        bad_steps = step_or_skip(optimizer, scaler, loss, grad_norm, bad_steps, max_bad_steps, iter_num, out_dir)
     iter_num += 1
     progress.update(1)
     window_frames += sum(train_set.lengths[i] for b in batches for i in b) * world_size
@@ -470,20 +369,17 @@ while iter_num < max_iters:
 
     if iter_num % eval_interval == 0 or iter_num == max_iters or out_of_time:
         result = evaluate()
-        improved = result['loss'] < best_val_loss
-        if improved:
-            best_val_loss, evals_without_improvement = result['loss'], 0
-        else:
-            evals_without_improvement += 1
+        improved, best_val_loss, evals_without_improvement = after_eval(result['loss'], best_val_loss,
+                                                                        evals_without_improvement)
         log_eval(iter_num, result, " (best)" if improved else f" (no improvement for {evals_without_improvement} evals)")
         if master:
-            record_media(iter_num)
+            record_media(writer, raw_model, val_set, texts, val_ids[:audio_samples], iter_num, n_timesteps, temperature,
+                         length_scale, guidance, seed, sample_rate)
         if improved:
             save(os.path.join(out_dir, 'best.pt'))
         if improved or always_save_checkpoint:
             save(ckpt_path)
-        if early_stopping_patience and evals_without_improvement >= early_stopping_patience:
-            log(f"early stopping: val loss has not improved for {evals_without_improvement} evals")
+        if patience_exhausted(early_stopping_patience, evals_without_improvement):
             break
         if out_of_time:
             log(f"max_minutes={max_minutes} reached at step {iter_num}: stopping")
@@ -492,16 +388,10 @@ while iter_num < max_iters:
 
     if stop_requested:
         save(ckpt_path)
-        log(f"stop signal received: saved {ckpt_path} at step {iter_num}")
         progress.close()
-        if ddp:
-            dist.barrier()
-            dist.destroy_process_group()
-        sys.exit(stop.exit_code if stop.requested else 143)
+        stop.exit(ckpt_path, iter_num, ddp)
 progress.close()
 save(ckpt_path)
 log(f"training ended at step {iter_num} after {(time.time() - _start_time) / 60:.1f} min, best val loss {best_val_loss:.4f}")
-if ddp:
-    dist.barrier()  # leave together: a rank tearing down while another still works can abort gloo
-    dist.destroy_process_group()
+compute_cleanup(ddp)
 final_report(iter_num)

@@ -25,9 +25,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from checkpoint import save_checkpoint
-from configurator import configure
-from data import ChatTokenizer, load_tokenizer, prepare_default
+from configurator import at_least, check_values, configure
+from data import prepare_default
 from model import GPT, GPTConfig
+from tokenizer import ChatTokenizer, load_tokenizer
 
 # -----------------------------------------------------------------------------
 n_layer = 4
@@ -44,6 +45,8 @@ num_threads = 0              # 0 = torch's default
 out = os.path.join(ROOT, 'bench', 'results', 'dpo')
 # -----------------------------------------------------------------------------
 config = configure(globals())
+check_values(config, [(at_least(1), ('batch_size', 'log_interval', 'block_size', 'n_layer', 'n_head', 'n_embd')),
+                      (at_least(0), ('num_threads',))])
 
 MODES = {
     'frozen copy, padded': ['--pack=False'],

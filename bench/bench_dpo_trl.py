@@ -40,7 +40,7 @@ which does not run on CPU either).
 
 What it does, in one invocation (about 8 minutes on a 2-core CPU):
 
-1. Data: the embedded number-task pairs (data.prepare_number_tasks(..., preferences=True), train_dpo.py's
+1. Data: the embedded number-task pairs (tasks.number_tasks.prepare_number_tasks(..., preferences=True), train_dpo.py's
    default pairs) with a character-level tokenizer: data.prepare() on the pairs' own text, our
    ChatTokenizer on top, and on TRL's side a tokenizers WordLevel tokenizer with the same id for every
    character and special token and a chat template rendering our template (`<|role|>` content `<|end|>`
@@ -88,7 +88,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import torch
 
-from configurator import UserError, configure
+from configurator import POSITIVE, UserError, at_least, check_values, configure
 
 # -----------------------------------------------------------------------------
 mode = 'all'                 # 'all' (the whole benchmark) | 'trl_export' | 'trl_eval' | 'trl_train' (workers, run by trl_python)
@@ -116,6 +116,9 @@ worker_round = 0             # (trl_train worker) the round it runs in
 worker_run = 'trl'           # (trl_train worker) which TRL row of RUNS it runs
 # -----------------------------------------------------------------------------
 config = configure(globals())
+check_values(config, [(at_least(1), ('batch_size', 'log_interval', 'eval_pairs', 'block_size', 'max_length',
+                                     'max_prompt_length', 'n_layer', 'n_head', 'n_embd')),
+                      (at_least(0), ('learning_rate',)), (POSITIVE, ('beta',))])
 
 # the rows of the table, in order: name -> (label, settings). Every train_dpo.py setting not named here is
 # pinned in run_ours(); TRL's in dpo_config(). Row 1 is the baseline of the ratios.
@@ -134,8 +137,8 @@ RUNS = {
 BASELINE = 'trl'
 OURS = [name for name in RUNS if name.startswith('ours')]
 
-SPECIAL_TOKENS = ('<|system|>', '<|user|>', '<|assistant|>', '<|end|>')  # data.CHAT_SPECIAL_TOKENS, in order
-# our chat template (data.ChatTokenizer.encode_chat / encode_prompt) in Jinja, for transformers
+SPECIAL_TOKENS = ('<|system|>', '<|user|>', '<|assistant|>', '<|end|>')  # tokenizer.CHAT_SPECIAL_TOKENS, in order
+# our chat template (tokenizer.ChatTokenizer.encode_chat / encode_prompt) in Jinja, for transformers
 CHAT_TEMPLATE = ("{% for message in messages %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}"
                  "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
 EVAL_KEYS = ('loss', 'rewards/chosen', 'rewards/rejected', 'rewards/margins', 'logps/chosen', 'logps/rejected')
@@ -429,10 +432,12 @@ def run(name, round_):
 
 def prepare_everything():
     """The pairs, the char tokenizer, our token ids, the random model as init.pt and a logits check batch."""
+    from chat_data import PreferenceBatches, encode_pair, load_preference_split
     from checkpoint import save_checkpoint
-    from data import (ChatTokenizer, PreferenceBatches, encode_pair, load_preference_split, load_tokenizer, prepare,
-                      prepare_number_tasks)
+    from data import prepare
     from model import GPT, GPTConfig
+    from tasks.number_tasks import prepare_number_tasks
+    from tokenizer import ChatTokenizer, load_tokenizer
 
     prepare_number_tasks(paths['pairs'], seed=1, preferences=True)  # train_dpo.py's default pairs
     text = ''.join(''.join(pair) for split in ('train', 'val', 'test') for pair in read_pairs(split))
@@ -468,8 +473,9 @@ def our_version():
     """The commit, and with uncommitted changes the sha256 of train_dpo.py as it ran."""
     git = lambda *args: subprocess.run(['git', *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     try:
-        head, dirty = git('rev-parse', '--short', 'HEAD'), git('status', '--porcelain', 'train_dpo.py', 'data.py',
-                                                               'losses.py', 'model.py')
+        head, dirty = git('rev-parse', '--short', 'HEAD'), git('status', '--porcelain', 'train_dpo.py', 'chat_data.py',
+                                                               'tokenizer.py', 'losses.py', 'model.py', 'lora.py',
+                                                               'runtime.py')
     except OSError:
         head, dirty = 'unknown', 'unknown'
     with open(os.path.join(ROOT, 'train_dpo.py'), 'rb') as f:

@@ -12,7 +12,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 
-from configurator import configure
+from configurator import at_least, check_values, configure
 from memory import autocast_context, peak_memory_bytes, pick_device, pick_dtype
 from model import GPT, GPTConfig
 
@@ -31,7 +31,8 @@ compile = False
 warmup_steps = 3             # untimed steps (compilation, allocator warm-up)
 steps = 10                   # timed steps
 # -----------------------------------------------------------------------------
-configure(globals())
+config = configure(globals())
+check_values(config, [(at_least(1), ('batch_size', 'block_size', 'n_layer', 'n_head', 'n_embd'))])
 
 device = pick_device(device)
 device_type = device.split(':')[0]

@@ -16,9 +16,10 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 
-from configurator import configure
+from configurator import POSITIVE, at_least, check_values, configure
 from memory import autocast_context, peak_memory_bytes, pick_device, pick_dtype, synchronize
-from model import GPT, GPTConfig, apply_lora
+from lora import apply_lora, lora_optimizer
+from model import GPT, GPTConfig
 
 # -----------------------------------------------------------------------------
 mode = 'all'                 # 'all' (each mode below in its own process, then a table) | 'full' | 'lora'
@@ -38,6 +39,8 @@ warmup_steps = 3             # untimed steps
 steps = 10                   # timed steps
 # -----------------------------------------------------------------------------
 config = configure(globals())
+check_values(config, [(at_least(1), ('batch_size', 'block_size', 'n_layer', 'n_head', 'n_embd', 'lora_r')),
+                      (POSITIVE, ('lora_alpha',))])
 
 if mode == 'all':
     rows = []
@@ -65,7 +68,8 @@ if mode == 'lora':
     apply_lora(model, lora_r, lora_alpha, target_modules=lora_target_modules)
 model.activation_checkpointing = activation_checkpointing
 model.to(device)
-optimizer = model.configure_optimizers(0.1, 1e-4, (0.9, 0.95), device_type)  # trainable parameters only
+optimizer = (lora_optimizer(model, 0.1, 1e-4, (0.9, 0.95), device_type) if mode == 'lora'
+             else model.configure_optimizers(0.1, 1e-4, (0.9, 0.95), device_type))  # trainable parameters only
 x = torch.randint(vocab_size, (batch_size, block_size), device=device)
 y = torch.randint(vocab_size, (batch_size, block_size), device=device)
 

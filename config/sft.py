@@ -1,7 +1,7 @@
 # Supervised fine-tuning of the default model on the embedded number tasks (an instruction set):
 #   python train.py                  # pretrain the default model: out/ckpt.pt
 #   python train.py config/sft.py    # fine-tune it into out-sft/; exact match on held-out questions before and after
-# The tasks (data.py: number_task) are written once to data/number_tasks as train/val/test.jsonl lines
+# The tasks (tasks/number_tasks.py: number_task) are written once to data/number_tasks as train/val/test.jsonl lines
 # like {"prompt": "Reverse the digits of 4827.", "response": "7284"} or {"prompt": "What is 48+26?", "response":
 # "8+6=14, 4+2+1=7, so 74"} (sums and differences worked column by column); point sft_data at your own JSONL instead.
 # Relaunching the same command after an interruption continues the run in out-sft (resume=True).

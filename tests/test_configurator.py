@@ -1,12 +1,17 @@
 import ast
+import dataclasses
+import glob
 import os
+import re
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
-from configurator import configure
+from configurator import (EMPTY_OR_FOLDER, FOLDER, POSITIVE, assignment_lines, at_least, check_values, configure,
+                          dataclass_args, interval, one_of)
+from scheduler import SCHEDULES
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -21,9 +26,9 @@ def defaults():
             'max_tokens': None, 'betas': (0.9, 0.95), 'os': os, 'configure': configure, '_private': 1}
 
 
-def config_error(argv, capsys, g=None):
+def config_error(argv, capsys, g=None, run=configure):
     with pytest.raises(SystemExit) as e:
-        configure(defaults() if g is None else g, argv)
+        run(defaults() if g is None else g, argv)
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith('config error: ') and err.count('\n') == 1  # one paragraph
@@ -34,6 +39,18 @@ def test_keys_are_plain_values_only():
     g = defaults()
     config = configure(g, [])
     assert set(config) == {'batch_size', 'learning_rate', 'compile', 'out_dir', 'device', 'max_tokens', 'betas'}
+
+
+def test_upper_case_constants_are_not_keys():
+    config = configure(dict(defaults(), SCHEDULES=('cosine',), DATA_DIR='data', RULE=(print, 'positive')), [])
+    assert set(config) == set(configure(defaults(), []))
+
+
+def test_scripts_configs_hold_only_plain_values():
+    # a checkpoint stores its config and is read back with weights_only=True: no functions, no imported constants
+    for script in ('train.py', 'train_dpo.py', 'train_tts.py'):
+        p = subprocess.run([sys.executable, script, '--help'], cwd=REPO, capture_output=True, text=True, check=True)
+        assert not re.search(r'^ *--[A-Z]', p.stdout, re.M), p.stdout
 
 
 def test_override_updates_globals_and_returns_config(capsys):
@@ -229,6 +246,17 @@ def test_other_exceptions_keep_their_traceback(tmp_path):
 
 
 
+# -- value checks: each script names its own keys, configurator.py none -----------------------------------------
+
+def configure_and_check(g, argv):
+    """configure, then the value checks, as a script does."""
+    config = configure(g, argv)
+    check_values(config, [(at_least(1), ('batch_size',)), (at_least(0), ('learning_rate',)),
+                          (interval('[0, 1)'), ('dropout',)), (one_of(SCHEDULES), ('lr_schedule',)),
+                          (FOLDER, ('out_dir',))])
+    return config
+
+
 @pytest.mark.parametrize('arg, message', [('--batch_size=0', 'batch_size=0 must be at least 1'),
                                           ('--learning_rate=-1', 'learning_rate=-1.0 must be at least 0'),
                                           ('--learning_rate=1e400', 'learning_rate=inf: must be a finite number'),
@@ -238,8 +266,97 @@ def test_other_exceptions_keep_their_traceback(tmp_path):
                                           (f'--out_dir={__file__}', 'no part of it an existing file'),
                                           (f'--out_dir={__file__}/run', 'no part of it an existing file')])
 def test_meaningless_values_are_errors(arg, message, capsys):
-    """Shared keys are range-checked at start-up (config files too), whatever script they belong to."""
+    """A script's check_values call, right after configure, refuses meaningless values at start-up (config files
+    too); every float must be finite in any script."""
     g = lambda: dict(defaults(), dropout=0.0, lr_schedule='cosine')
-    assert message in config_error([arg], capsys, g())
-    config = configure(g(), ['--batch_size=1', '--learning_rate=0', '--dropout=0.0', '--lr_schedule=wsd'])
+    assert message in config_error([arg], capsys, g(), run=configure_and_check)
+    config = configure_and_check(g(), ['--batch_size=1', '--learning_rate=0', '--dropout=0.0', '--lr_schedule=wsd'])
     assert config['batch_size'] == 1 and config['lr_schedule'] == 'wsd'
+
+
+def test_rules():
+    for notation, inside, outside in [('[0, 1)', (0, 0.5), (-0.1, 1)), ('(0, 1)', (1e-9, 0.999), (0, 1)),
+                                      ('[0, 1]', (0, 1), (-1e-9, 1.5))]:
+        test, what = interval(notation)
+        assert what == f'in {notation}' and all(map(test, inside)) and not any(map(test, outside))
+    assert at_least(1)[0](1) and not at_least(1)[0](0) and at_least(0)[1] == 'at least 0'
+    assert POSITIVE[0](1e-9) and not POSITIVE[0](0)
+    assert one_of(('a', 'b'))[1] == 'one of a, b' and one_of(('a', 'b'))[0]('b') and not one_of(('a', 'b'))[0]('c')
+    assert FOLDER[0]('runs/x') and not FOLDER[0]('') and not FOLDER[0](__file__)
+    assert EMPTY_OR_FOLDER[0]('') and EMPTY_OR_FOLDER[0]('runs/x') and not EMPTY_OR_FOLDER[0](f'{__file__}/x')
+
+
+def test_check_values_names_key_value_and_rule(capsys):
+    check_values({'top_p': 1.0, 'beta': 0.1}, [(interval('[0, 1]'), ('top_p',)), (POSITIVE, ('beta',))])
+    with pytest.raises(SystemExit) as e:
+        check_values({'top_p': 1.0, 'beta': -1.0}, [(interval('[0, 1]'), ('top_p',)), (POSITIVE, ('beta',))])
+    assert e.value.code == 2 and capsys.readouterr().err == 'config error: beta=-1.0 must be positive.\n'
+    with pytest.raises(KeyError):  # a rule for a key the script does not have is a bug in the script
+        check_values({'beta': 0.1}, [(POSITIVE, ('beta', 'bta'))])
+
+
+def test_dataclass_args_takes_given_then_config_in_field_order():
+    @dataclasses.dataclass
+    class Shape:
+        width: int = 1
+        depth: int = 2
+        theta: float = 3.0  # no config key: left out, keeps its default
+        vocab: int = 4
+
+    config = {'depth': 5, 'width': 6, 'batch_size': 7}
+    args = dataclass_args(Shape, config, vocab=8, width=9)
+    assert list(args.items()) == [('width', 9), ('depth', 5), ('vocab', 8)]
+    assert Shape(**args) == Shape(9, 5, 3.0, 8)
+
+
+def script_config_keys(path):
+    """The keys of a script: its top-level assignments before the statement that calls configure."""
+    with open(path, encoding='utf-8') as f:
+        body = ast.parse(f.read()).body
+    end = next(node.lineno for node in body if any(isinstance(call, ast.Call) and getattr(call.func, 'id', None)
+                                                   == 'configure' for call in ast.walk(node)))
+    return {key for key, line in assignment_lines(path).items() if line < end and not key.startswith('_')}
+
+
+CONFIGURED_SCRIPTS = ['train.py', 'train_dpo.py', 'train_tts.py', 'sample.py'] + sorted(
+    os.path.relpath(path, REPO) for path in glob.glob(os.path.join(REPO, 'bench', '*.py'))
+    if 'configure(globals())' in open(path, encoding='utf-8').read())
+
+
+def test_configurator_names_no_script_key():
+    keys = set().union(*(script_config_keys(os.path.join(REPO, script)) for script in CONFIGURED_SCRIPTS))
+    assert {'batch_size', 'lr_schedule', 'top_p', 'cfg_drop', 'beta'} <= keys
+    with open(os.path.join(REPO, 'configurator.py'), encoding='utf-8') as f:
+        tree = ast.parse(f.read())
+    strings = {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+    # out_dir: the default key of require_writable_folder, which checkpoint.py and data.py call without one
+    assert strings & keys <= {'out_dir'}
+    imported = ({alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+                | {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)})
+    assert 'scheduler' not in imported
+
+
+@pytest.mark.parametrize('script', CONFIGURED_SCRIPTS)
+def test_scripts_check_only_their_own_keys(script):
+    path = os.path.join(REPO, script)
+    with open(path, encoding='utf-8') as f:
+        calls = [node for node in ast.walk(ast.parse(f.read()))
+                 if isinstance(node, ast.Call) and getattr(node.func, 'id', None) == 'check_values']
+    checked = [key for call in calls for rule in call.args[1].elts for key in ast.literal_eval(rule.elts[1])]
+    assert set(checked) <= script_config_keys(path) and len(checked) == len(set(checked))
+
+
+@pytest.mark.parametrize('script, arg, message', [
+    ('train.py', '--batch_size=0', 'batch_size=0 must be at least 1.'),
+    ('train.py', '--learning_rate=-1', 'learning_rate=-1.0 must be at least 0.'),
+    ('train.py', '--lr_schedule=cosin', "lr_schedule='cosin' must be one of cosine, cosine_restarts"),
+    ('train_dpo.py', '--beta=-1', 'beta=-1.0 must be positive.'),
+    ('train_dpo.py', '--out_dir=', "out_dir='' must be a folder path"),
+    ('train_tts.py', '--cfg_drop=1.5', 'cfg_drop=1.5 must be in [0, 1).'),
+    ('train_tts.py', '--val_fraction=0', 'val_fraction=0.0 must be in (0, 1).'),
+    ('train_tts.py', f'--cache_dir={__file__}', f"cache_dir={__file__!r} must be '' or a folder path"),
+    ('sample.py', '--top_p=2', 'top_p=2.0 must be in [0, 1].'),
+    ('bench/bench_gpt.py', '--n_head=0', 'n_head=0 must be at least 1.')])
+def test_scripts_refuse_meaningless_values_at_start_up(script, arg, message):
+    r = subprocess.run([sys.executable, script, arg], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.startswith('config error: ') and message in r.stderr, r.stderr

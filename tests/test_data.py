@@ -10,7 +10,9 @@ import pytest
 import torch
 
 import data
+from chat_data import read_jsonl
 from configurator import UserError
+from tokenizer import load_tokenizer, read_meta
 
 TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak. Ünïcödé ✓\n" * 13
 CODE = ''.join(f"def f{i}(x):\n    return x * {i} + 1  # twice\n\n" for i in range(150))
@@ -23,7 +25,7 @@ def write(path, text):
 
 
 def tokens(data_dir, split):
-    meta = data.read_meta(data_dir)
+    meta = read_meta(data_dir)
     return np.fromfile(data_dir / f'{split}.bin', dtype=meta['dtype']).tolist()
 
 
@@ -39,11 +41,11 @@ def make_bin(tmp_path, n_tokens, vocab_size=1000):
 def test_char_round_trip_and_vocab(tmp_path):
     out = tmp_path / 'ds'
     data.prepare(write(tmp_path / 'in.txt', TEXT), out, 'char')
-    tok = data.load_tokenizer(out)
+    tok = load_tokenizer(out)
     assert tok.decode(tokens(out, 'train')) + tok.decode(tokens(out, 'val')) == TEXT
     assert tok.chars == sorted(set(TEXT)) and tok.vocab_size == len(set(TEXT)) and tok.eos_id is None
     assert tok.decode(tok.encode('Speak, ✓')) == 'Speak, ✓'
-    meta = data.read_meta(out)
+    meta = read_meta(out)
     assert meta['dtype'] == 'uint16' and meta['hash'] == tok.identity()['hash']
     assert tok.identity()['hash'] == hashlib.sha256(''.join(sorted(set(TEXT))).encode()).hexdigest()
 
@@ -54,8 +56,8 @@ def test_split_boundary_at_characters(tmp_path, val_fraction):
     out = tmp_path / 'ds'
     data.prepare(write(tmp_path / 'in.txt', text), out, 'char', val_fraction=val_fraction)
     cut = int(len(text) * (1 - val_fraction))  # nanoGPT: data[:int(n*0.9)]
-    assert len(tokens(out, 'train')) == cut == data.read_meta(out)['train_tokens']
-    tok = data.load_tokenizer(out)
+    assert len(tokens(out, 'train')) == cut == read_meta(out)['train_tokens']
+    tok = load_tokenizer(out)
     assert tok.decode(tokens(out, 'train')) == text[:cut] and tok.decode(tokens(out, 'val')) == text[cut:]
 
 
@@ -68,16 +70,16 @@ def test_large_char_vocab_uses_uint32(tmp_path):
     text = ''.join(map(chr, range(0x10000, 0x10000 + 70_000)))  # 70k distinct characters
     out = tmp_path / 'ds'
     data.prepare(write(tmp_path / 'in.txt', text), out, 'char')
-    assert data.read_meta(out)['dtype'] == 'uint32'
+    assert read_meta(out)['dtype'] == 'uint32'
     assert max(tokens(out, 'val')) == 69_999
-    assert data.load_tokenizer(out).decode(tokens(out, 'val')) == text[int(len(text) * 0.9):]
+    assert load_tokenizer(out).decode(tokens(out, 'val')) == text[int(len(text) * 0.9):]
 
 
 def test_bpe_round_trip(tmp_path):
     out = tmp_path / 'ds'
     data.prepare(write(tmp_path / 'code.py', CODE), out, 'bpe', vocab_size=300)
-    tok = data.load_tokenizer(out)
-    assert tok.vocab_size == 300 and data.read_meta(out)['vocab_size'] == 300
+    tok = load_tokenizer(out)
+    assert tok.vocab_size == 300 and read_meta(out)['vocab_size'] == 300
     cut = int(len(CODE) * 0.9)
     assert tok.decode(tokens(out, 'train')) == CODE[:cut] and tok.decode(tokens(out, 'val')) == CODE[cut:]
     assert len(tokens(out, 'train')) < cut  # merges happened
@@ -85,7 +87,7 @@ def test_bpe_round_trip(tmp_path):
     assert tok.decode(tok.encode(unseen)) == unseen
     model = (out / 'tokenizer.model').read_bytes()
     assert tok.identity() == {'vocab_size': 300, 'hash': hashlib.sha256(model).hexdigest()}
-    assert data.read_meta(out)['hash'] == tok.identity()['hash']
+    assert read_meta(out)['hash'] == tok.identity()['hash']
 
 
 def test_bpe_is_deterministic(tmp_path):
@@ -104,14 +106,14 @@ def test_folder_input(tmp_path):
     (folder / 'latin1.txt').write_bytes('caf\xe9'.encode('latin-1'))
     out = tmp_path / 'char'
     data.prepare(folder, out, 'char')
-    tok = data.load_tokenizer(out)
+    tok = load_tokenizer(out)
     expected = "first file\n" * 20 + "second file\n" * 20  # sorted by path: a.txt, b/two.txt
     assert tok.decode(tokens(out, 'train')) + tok.decode(tokens(out, 'val')) == expected
-    assert data.read_meta(out)['documents'] == 2
+    assert read_meta(out)['documents'] == 2
 
     out = tmp_path / 'bpe'
     data.prepare(folder, out, 'bpe', vocab_size=270)
-    tok = data.load_tokenizer(out)
+    tok = load_tokenizer(out)
     assert tok.decode(tokens(out, 'train')) == expected[:int(len(expected) * 0.9)]
     ids = tokens(out, 'train') + tokens(out, 'val')
     assert ids.count(tok.eos_id) == 1  # a document separator between the two files
@@ -127,7 +129,7 @@ def test_url_input(tmp_path):
     try:
         url = f'http://127.0.0.1:{server.server_port}'
         data.prepare(f'{url}/book.txt', tmp_path / 'ds', 'char')
-        tok = data.load_tokenizer(tmp_path / 'ds')
+        tok = load_tokenizer(tmp_path / 'ds')
         assert tok.decode(tokens(tmp_path / 'ds', 'train')) + tok.decode(tokens(tmp_path / 'ds', 'val')) == TEXT
         with pytest.raises(UserError, match='could not download .*missing.txt.*404'):
             data.prepare(f'{url}/missing.txt', tmp_path / 'ds2', 'char')
@@ -141,7 +143,7 @@ def test_prepare_default_is_cached(tmp_path, monkeypatch):
     monkeypatch.setattr(data, 'stdlib_documents', lambda: docs)
     out = tmp_path / 'stdlib'
     data.prepare_default(out, vocab_size=320)
-    assert data.read_meta(out)['documents'] == 2 and data.read_meta(out)['tokenizer'] == 'bpe'
+    assert read_meta(out)['documents'] == 2 and read_meta(out)['tokenizer'] == 'bpe'
     monkeypatch.setattr(data, 'write_dataset', lambda *a: pytest.fail('cache not reused'))
     data.prepare_default(out, vocab_size=320)
     docs.append("a changed standard library\n")
@@ -160,7 +162,7 @@ def test_stdlib_documents_skip_test_folders(monkeypatch, tmp_path):
 
 def test_cli(tmp_path, capsys):
     data.main([f'--input={write(tmp_path / "in.txt", TEXT)}', f'--out_dir={tmp_path / "ds"}', '--tokenizer=char'])
-    assert data.read_meta(tmp_path / 'ds')['train_tokens'] == int(len(TEXT) * 0.9)
+    assert read_meta(tmp_path / 'ds')['train_tokens'] == int(len(TEXT) * 0.9)
     with pytest.raises(SystemExit) as e:
         data.main([f'--input={tmp_path / "in.txt"}'])
     assert e.value.code == 2 and '--out_dir is required' in capsys.readouterr().err
@@ -177,7 +179,7 @@ def test_folder_names_the_files_that_are_not_utf8(tmp_path, capsys):
     for i in range(6):
         (folder / 'sub' / f'latin1_{i}.txt').write_bytes('caf\xe9'.encode('latin-1'))
     data.prepare(folder, tmp_path / 'ds', 'char')
-    assert data.read_meta(tmp_path / 'ds')['documents'] == 1
+    assert read_meta(tmp_path / 'ds')['documents'] == 1
     skipped_line = [line for line in capsys.readouterr().out.splitlines() if line.startswith('skipped')]
     assert skipped_line == [f"skipped 7 of 9 files in {folder} that are not UTF-8 text (binary or another encoding; "
                             f"convert text files with iconv): blob.bin, {os.path.join('sub', 'latin1_0.txt')}, "
@@ -213,7 +215,7 @@ def test_not_utf8(tmp_path):
 def test_char_encode_unknown_character(tmp_path):
     data.prepare(write(tmp_path / 'in.txt', TEXT), tmp_path / 'ds', 'char')
     with pytest.raises(UserError, match="'#@' are not in this character vocabulary"):
-        data.load_tokenizer(tmp_path / 'ds').encode('Speak @ #')
+        load_tokenizer(tmp_path / 'ds').encode('Speak @ #')
 
 
 def test_bpe_vocab_too_big(tmp_path):
@@ -231,25 +233,25 @@ def test_failed_prepare_keeps_the_dataset_and_missing_files_are_named(tmp_path):
     assert {f: (tmp_path / 'ds' / f).read_bytes() for f in os.listdir(ds)} == before
     os.remove(tmp_path / 'ds' / 'tokenizer.model')
     with pytest.raises(UserError, match='tokenizer.model is missing'):
-        data.load_tokenizer(ds)
+        load_tokenizer(ds)
     os.remove(tmp_path / 'ds' / 'train.bin')
     with pytest.raises(UserError, match='train.bin is missing'):
         data.TokenBatches(os.path.join(ds, 'train.bin'), 8, seed=0)
     (tmp_path / 'ds' / 'meta.json').write_text('{"tokenizer": ')
     with pytest.raises(UserError, match='meta.json is corrupt'):
-        data.load_tokenizer(ds)
+        load_tokenizer(ds)
     with pytest.raises(UserError, match='cannot be created or written'):
         data.prepare(str(tmp_path / 'in.txt'), tmp_path / 'in.txt' / 'ds', 'char')
 
 
 def test_jsonl_may_start_with_a_bom(tmp_path):
     (tmp_path / 'a.jsonl').write_bytes(b'\xef\xbb\xbf{"x": 1}\n{"x": 2}\n')
-    assert data.read_jsonl(str(tmp_path / 'a.jsonl'), lambda r: r['x'], False) == ([1, 2], 0)
+    assert read_jsonl(str(tmp_path / 'a.jsonl'), lambda r: r['x'], False) == ([1, 2], 0)
 
 
 def test_unprepared_data_dir_says_how_to_prepare(tmp_path):
     with pytest.raises(UserError, match=r'no meta.json.*python data.py --input=.* --out_dir=.*raw'):
-        data.load_tokenizer(tmp_path / 'raw')
+        load_tokenizer(tmp_path / 'raw')
     (tmp_path / 'raw').mkdir()
     (tmp_path / 'raw' / 'train.bin').write_bytes(b'\0' * 100)
     with pytest.raises(UserError, match='no meta.json'):

@@ -1,5 +1,5 @@
 """Direct Preference Optimization: the loss formulas and sequence log-probs (losses.py), preference
-pairs from JSONL and their batching (data.py), the embedded number-task pairs, and train_dpo.py end
+pairs from JSONL and their batching (chat_data.py), the embedded number-task pairs, and train_dpo.py end
 to end through subprocesses (step-0 identities for every reference kind, accumulation invariance,
 bit-exact resume, RPO/IPO, clear errors)."""
 
@@ -17,11 +17,12 @@ import time
 import pytest
 import torch
 
+from chat_data import PreferenceBatches, load_preference_split
 from configurator import UserError
-from data import ChatTokenizer, PreferenceBatches, load_preference_split, load_tokenizer, \
-    prepare_number_tasks
 from losses import DPO_LOSS_TYPES, dpo_loss, sequence_logps
 from model import GPT, GPTConfig
+from tasks.number_tasks import prepare_number_tasks
+from tokenizer import ChatTokenizer, load_tokenizer
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_sft import (ANSWERS, WORKING, _saved, char_tokenizer, checked_answer, sft, sft_env,  # noqa: E402,F401

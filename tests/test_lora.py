@@ -1,4 +1,4 @@
-"""LoRA (model.py) against independent computations, and train.py with training_type='lora' through
+"""LoRA (lora.py) against independent computations, and train.py with training_type='lora' through
 subprocesses: adapter checkpoints, bit-exact resume, merged checkpoints for sample.py, DDP."""
 
 import copy
@@ -10,8 +10,9 @@ import torch
 import torch.nn as nn
 
 from configurator import UserError
-from model import (GPT, GPTConfig, LoRALinear, apply_lora, disable_adapters, lora_param_groups, lora_state_dict,
-                   merge_lora, merged_state_dict, unmerge_lora)
+from lora import (LoRALinear, apply_lora, disable_adapters, lora_optimizer, lora_param_groups, lora_state_dict,
+                  merge_lora, merged_state_dict, unmerge_lora)
+from model import GPT, GPTConfig
 from test_sft import SFT, TINY, load, read_log, run, sft, sft_env, train_losses  # noqa: F401 (sft_env is a fixture)
 
 
@@ -155,7 +156,7 @@ def test_added_token_rows_train_and_nothing_else_in_the_vocab(tie):
     model = grown_gpt(tie)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     wte_before, head_before = full_weights(model)
-    optimizer = model.configure_optimizers(weight_decay=0.1, learning_rate=1e-2, betas=(0.9, 0.95), device_type='cpu')
+    optimizer = lora_optimizer(model, weight_decay=0.1, learning_rate=1e-2, betas=(0.9, 0.95), device_type='cpu')
     rows = [p for n, p in model.named_parameters() if n.endswith('added_rows')]
     assert len(rows) == (1 if tie else 2) and all(p.shape == (4, 16) for p in rows)
     rows_groups = [g for g in optimizer.param_groups if any(p is q for p in g['params'] for q in rows)]

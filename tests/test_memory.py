@@ -5,8 +5,10 @@ import torch
 
 import memory
 from configurator import UserError
-from memory import (GradScaler, MemoryMonitor, StepProfiler, autocast_context, fault_at, halve_micro_batch, is_oom,
-                    memory_usage, peak_memory_bytes, pick_device, pick_dtype, pressure_level)
+from faults import faulty_scale
+from memory import (GradScaler, MemoryMonitor, autocast_context, halve_micro_batch, is_oom, memory_usage,
+                    peak_memory_bytes, pick_device, pick_dtype, pressure_level, recover_from_oom)
+from runtime import StepProfiler
 
 
 # ---------------------------------------------------------------------------- device, dtype, autocast
@@ -198,14 +200,23 @@ def test_halve_micro_batch_keeps_global_batch():
         halve_micro_batch(3, 4)
 
 
-def test_fault_at(monkeypatch):
-    monkeypatch.setattr(memory, "_fired_faults", set())
-    monkeypatch.setenv("NANOTRAIN_FAULT", "oom@3, nan@5")
-    assert [step for step in range(8) if fault_at("oom", step)] == [3]
-    assert not fault_at("oom", 3)  # fires once, so the retried step goes through
-    assert fault_at("nan", 5) and not fault_at("nan", 15) and not fault_at("crash", 3)
-    monkeypatch.delenv("NANOTRAIN_FAULT")
-    assert not fault_at("oom", 4)
+def test_injected_faults_fire_once_at_their_steps(monkeypatch):
+    monkeypatch.setattr(GradScaler, "scale", faulty_scale("oom@3, nan@5"))
+    # a stand-in for a training script: train_step scales the loss, iter_num is a global of the script
+    script = {}
+    exec("def train_step(scaler, loss):\n    return scaler.scale(loss)", script)
+    scaler, loss = GradScaler(enabled=False), torch.tensor(2.0)
+
+    def faults_at(step):
+        script["iter_num"] = step
+        try:
+            scaled = script["train_step"](scaler, loss)
+        except torch.OutOfMemoryError:
+            return "oom"
+        return "nan" if scaled.isnan() else None
+
+    assert [faults_at(step) for step in range(8)] == [None, None, None, "oom", None, "nan", None, None]
+    assert faults_at(3) is None and faults_at(5) is None  # fired once, so the retried step goes through
 
 
 # ---------------------------------------------------------------------------- profiler
@@ -249,3 +260,16 @@ def test_step_unless_nonfinite_skips_bad_steps_and_leaves_fp16_overflow_to_the_s
     fp16.unscale_(opt)
     assert memory.step_unless_nonfinite(opt, fp16, 1.0, float('inf'))
     assert torch.equal(w.detach(), torch.full((2,), 0.5)) and fp16.get_scale() < scale
+
+
+def test_recover_from_oom_frees_or_reraises():
+    net = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    net(torch.ones(1, 2)).sum().backward()
+    recover_from_oom(torch.OutOfMemoryError('CUDA out of memory'), False, optimizer, 'cpu')
+    assert all(p.grad is None for p in net.parameters())  # the failed step's gradients are gone
+    recover_from_oom(RuntimeError('MPS backend out of memory'), False, optimizer, 'cpu')
+    with pytest.raises(torch.OutOfMemoryError):  # under DDP the ranks cannot agree on a smaller split
+        recover_from_oom(torch.OutOfMemoryError('CUDA out of memory'), True, optimizer, 'cpu')
+    with pytest.raises(RuntimeError, match='shape mismatch'):
+        recover_from_oom(RuntimeError('shape mismatch'), False, optimizer, 'cpu')

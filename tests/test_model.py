@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import GPT, GPTConfig, apply_rope, peak_flops, rope_cos_sin, sample_next
+from memory import peak_flops
+from model import GPT, GPTConfig, apply_rope, rope_cos_sin, sample_next
 from configurator import UserError
 
 TINY = dict(block_size=8, vocab_size=32, n_layer=2, n_head=2, n_embd=16)

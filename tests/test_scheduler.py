@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from configurator import assignment_lines, configure
-from scheduler import SCHEDULES, get_lr
+from scheduler import SCHEDULES, get_lr, set_lr
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = ('train.py', 'train_dpo.py', 'train_tts.py')
@@ -147,3 +147,10 @@ def test_wsd():
 def test_unknown_schedule_lists_valid_names():
     with pytest.raises(ValueError, match="cosine, cosine_restarts, noam, constant, linear, wsd"):
         lr(0, "cosin")
+
+
+def test_set_lr_scales_each_group():
+    weight, bias = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.AdamW([dict(params=[weight], lr_scale=16.0), dict(params=[bias])], lr=1.0)
+    set_lr(optimizer, 0.5)
+    assert [group['lr'] for group in optimizer.param_groups] == [8.0, 0.5]

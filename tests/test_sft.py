@@ -11,11 +11,13 @@ import sys
 import pytest
 import torch
 
-import data
+import chat_data
+from chat_data import SFTBatches, load_sft_split
 from configurator import UserError
-from data import (ChatTokenizer, CharTokenizer, SFTBatches, addition_working, digit_copies, load_sft_split, prepare,
-                  prepare_number_tasks, subtraction_working)
+from data import prepare
 from model import GPT, GPTConfig
+from tasks.number_tasks import addition_working, digit_copies, prepare_number_tasks, subtraction_working
+from tokenizer import ChatTokenizer, CharTokenizer, load_tokenizer
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_train import kill_and_relaunch, load, read_log, run, train_losses  # noqa: E402  (the subprocess helpers)
@@ -65,21 +67,21 @@ def sft(env, out_dir, *extra, training_type='sft', **kw):
 def test_chat_template_ids_and_labels():
     tok = char_tokenizer()
     user, assistant, end = (tok.special[t] for t in ('<|user|>', '<|assistant|>', '<|end|>'))
-    ids, labels = tok.encode_chat(data.chat_messages({'prompt': 'What is 1+2?', 'response': '3'}))
+    ids, labels = tok.encode_chat(chat_data.chat_messages({'prompt': 'What is 1+2?', 'response': '3'}))
     assert ids == [user, *tok.encode('What is 1+2?'), end, assistant, *tok.encode('3'), end]
     assert labels == [-100] * (len(ids) - 2) + [*tok.encode('3'), end]  # the response and its end only
     assert tok.decode(ids) == '<|user|>What is 1+2?<|end|><|assistant|>3<|end|>'
 
 
 def test_three_formats():
-    alpaca = data.chat_messages({'instruction': 'Add', 'input': '1 and 2', 'output': '3'})
+    alpaca = chat_data.chat_messages({'instruction': 'Add', 'input': '1 and 2', 'output': '3'})
     assert alpaca == [{'role': 'user', 'content': 'Add\n\n1 and 2'}, {'role': 'assistant', 'content': '3'}]
-    assert data.chat_messages({'instruction': 'Add', 'input': '', 'output': '3'})[0]['content'] == 'Add'
+    assert chat_data.chat_messages({'instruction': 'Add', 'input': '', 'output': '3'})[0]['content'] == 'Add'
     messages = [{'role': 'system', 'content': 'be brief'}, {'role': 'user', 'content': 'hi'},
                 {'role': 'assistant', 'content': 'a'}, {'role': 'user', 'content': 'more'},
                 {'role': 'assistant', 'content': 'bc'}]
     tok = char_tokenizer()
-    ids, labels = tok.encode_chat(data.chat_messages({'messages': messages}))
+    ids, labels = tok.encode_chat(chat_data.chat_messages({'messages': messages}))
     learned = [i for i, label in zip(ids, labels) if label != -100]
     assert tok.decode(learned) == 'a<|end|>bc<|end|>'  # every assistant turn, nothing else
     prompt, answer = tok.prompt_and_answer(messages)
@@ -368,7 +370,7 @@ def test_sft_trains_reports_exact_match_and_resumes_bit_exactly(tmp_path, sft_en
     assert FOUNDATION_FIELDS <= set(ckpt) and ckpt['kind'] == 'gpt'
     base = load(sft_env['base'])
     assert ckpt['model_args']['vocab_size'] == base['model_args']['vocab_size'] + 4  # grown by the chat tokens
-    assert ckpt['tokenizer'] == ChatTokenizer(data.load_tokenizer(sft_env['data_dir'])).identity()
+    assert ckpt['tokenizer'] == ChatTokenizer(load_tokenizer(sft_env['data_dir'])).identity()
 
 
 def test_accumulation_and_ddp_match_one_big_batch(tmp_path, sft_env):

@@ -44,8 +44,10 @@ def run(args, env_extra=None, check=True, timeout=240):
     return p
 
 
-def train(out_dir, data_dir, *extra, **kw):
-    return run(['train.py', f'--out_dir={out_dir}', f'--data_dir={data_dir}', *TINY, *extra], **kw)
+def train(out_dir, data_dir, *extra, faults=None, **kw):
+    """faults: e.g. 'nan@2,oom@1', injected by tests/faults.py at those steps."""
+    launcher = ['tests/faults.py', faults] if faults else []
+    return run([*launcher, 'train.py', f'--out_dir={out_dir}', f'--data_dir={data_dir}', *TINY, *extra], **kw)
 
 
 def read_log(out_dir):
@@ -129,8 +131,7 @@ def test_sigterm_saves_and_exits_143(tmp_path, data_dir):
 
 def test_nan_step_is_skipped(tmp_path, data_dir):
     out = tmp_path / 'out'
-    p = train(out, data_dir, '--max_iters=6', '--eval_interval=100', '--lr_decay_iters=6',
-              env_extra={'NANOTRAIN_FAULT': 'nan@2'})
+    p = train(out, data_dir, '--max_iters=6', '--eval_interval=100', '--lr_decay_iters=6', faults='nan@2')
     assert 'step 2: non-finite loss' in p.stdout + p.stderr
     ckpt = load(out / 'ckpt.pt')
     assert ckpt['iter_num'] == 6
@@ -142,7 +143,7 @@ def test_repeated_nan_aborts_and_keeps_checkpoint(tmp_path, data_dir):
     train(out, data_dir, '--max_iters=2', '--eval_interval=100', '--lr_decay_iters=10')
     before = file_hash(out / 'ckpt.pt')
     p = train(out, data_dir, '--max_iters=10', '--eval_interval=100', '--lr_decay_iters=10', '--max_bad_steps=3',
-              env_extra={'NANOTRAIN_FAULT': 'nan@2,nan@3,nan@4'}, check=False)
+              faults='nan@2,nan@3,nan@4', check=False)
     assert p.returncode != 0
     assert '3 consecutive steps' in p.stderr
     assert file_hash(out / 'ckpt.pt') == before
@@ -152,7 +153,7 @@ def test_oom_halves_micro_batch_and_keeps_global_batch(tmp_path, data_dir):
     ref, oom = tmp_path / 'ref', tmp_path / 'oom'
     common = ['--max_iters=4', '--eval_interval=100', '--lr_decay_iters=4']
     train(ref, data_dir, *common)
-    p = train(oom, data_dir, *common, env_extra={'NANOTRAIN_FAULT': 'oom@1'})
+    p = train(oom, data_dir, *common, faults='oom@1')
     assert 'out of memory, retrying with micro-batch 2 x 2' in p.stdout + p.stderr
     ckpt = load(oom / 'ckpt.pt')
     assert (ckpt['batch_size'], ckpt['gradient_accumulation_steps']) == (2, 2)

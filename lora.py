@@ -1,0 +1,235 @@
+"""
+LoRA fine-tuning of a GPT (model.py), in the spirit of litgpt's lora.py: the adapter layer LoRALinear,
+apply_lora to wrap a model's Linear layers (and train the chat-token rows resize_vocab added), merging
+adapters into the weights and back, disabling them (DPO's reference model), the adapter checkpoint's
+state dict, a merged plain-GPT state dict, and the optimizer over the adapters (LoRA+).
+"""
+import math
+import os
+from contextlib import contextmanager
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from checkpoint import save_checkpoint
+from configurator import UserError
+from runtime import log
+
+# LoRA (Hu et al. 2021): a frozen layer W plus a trainable low-rank update, y = W x + s B A x with
+# A (r, in), B (out, r), s = lora_alpha / r (or lora_alpha / sqrt(r) with rsLoRA, Kalajdzievski 2023,
+# whose update keeps its size as r grows). Written here by hand; no peft.
+
+LORA_TARGETS = ('attn.q', 'attn.k', 'attn.v', 'attn.proj', 'mlp.fc', 'mlp.gate', 'mlp.proj')
+# the config keys the adapters' shapes and scale depend on: a resumed LoRA run must keep them
+LORA_SETTINGS = ('lora_r', 'lora_alpha', 'use_rslora', 'lora_target_modules', 'lora_bias')
+LORA_BIAS = ('none', 'all', 'lora_only')
+
+
+class LoRALinear(nn.Linear):
+    """An nn.Linear with a low-rank adapter. It takes over the wrapped layer's weight and bias (the
+    same parameters under the same state-dict names), so a base checkpoint loads into it unchanged."""
+
+    def __init__(self, base, r, lora_alpha, lora_dropout=0.0, use_rslora=False):
+        super().__init__(base.in_features, base.out_features, bias=base.bias is not None, device='meta')
+        self.weight, self.bias = base.weight, base.bias
+        like = dict(device=base.weight.device, dtype=base.weight.dtype)
+        self.lora_A = nn.Parameter(torch.empty(r, base.in_features, **like))
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, r, **like))  # zero: the model starts unchanged
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # nn.Linear's own init
+        self.scaling = lora_alpha / math.sqrt(r) if use_rslora else lora_alpha / r
+        self.lora_dropout = nn.Dropout(lora_dropout)
+        self.merged = False  # the update is folded into weight
+        self.enabled = True  # False: the exact base layer (disable_adapters)
+
+    def forward(self, x):
+        return self.add_adapter(x, F.linear(x, self.weight, self.bias))
+
+    def add_adapter(self, x, y):
+        """y, the frozen layer's output for x, plus the adapter's update (unless merged or disabled)."""
+        if self.merged or not self.enabled:
+            return y
+        return y + F.linear(F.linear(self.lora_dropout(x), self.lora_A), self.lora_B) * self.scaling
+
+    def delta_weight(self):
+        return (self.lora_B @ self.lora_A) * self.scaling
+
+    @torch.no_grad()
+    def merge(self):
+        if not self.merged:
+            self.weight += self.delta_weight()
+            self.merged = True
+
+    @torch.no_grad()
+    def unmerge(self):
+        if self.merged:
+            self.weight -= self.delta_weight()
+            self.merged = False
+
+
+# A fine-tune of a pretrained model adds chat-token rows to the vocabulary (resize_vocab); with LoRA those
+# rows, and only those, train as well (PEFT's trainable_token_indices): the layer's weight stays frozen
+# and its last rows are replaced by a separate trainable parameter, added_rows.
+
+def with_added_rows(layer):
+    """The weight the layer computes with: its frozen weight with the last rows replaced by the trained
+    ones (unless the adapters are disabled)."""
+    if not layer.enabled:
+        return layer.weight
+    return torch.cat([layer.weight[:-len(layer.added_rows)], layer.added_rows])
+
+
+class AddedRowsEmbedding(nn.Embedding):
+    """The token embedding with trainable added rows; takes over the wrapped weight under its name."""
+
+    def __init__(self, base, added_rows):
+        super().__init__(base.num_embeddings, base.embedding_dim, device='meta')
+        self.weight, self.added_rows = base.weight, added_rows
+        self.enabled = True
+
+    def forward(self, idx):
+        return F.embedding(idx, with_added_rows(self))
+
+
+class AddedRowsLinear(nn.Linear):
+    """lm_head with trainable added rows (for a tied lm_head, the embedding's added_rows parameter)."""
+
+    def __init__(self, base, added_rows):
+        super().__init__(base.in_features, base.out_features, bias=False, device='meta')
+        self.weight, self.added_rows = base.weight, added_rows
+        self.enabled = True
+
+    def forward(self, x):
+        return F.linear(x, with_added_rows(self))
+
+
+def apply_lora(model, r=8, lora_alpha=16, lora_dropout=0.0, target_modules='attn.q,attn.k,attn.v,attn.proj',
+               use_rslora=False, bias='none', added_tokens=0):
+    """Wrap the targeted Linear layers of model's blocks in LoRALinear and freeze everything else by
+    requires_grad=False. target_modules: comma-separated names from LORA_TARGETS, or 'all-linear' (every
+    Linear in the blocks; lm_head is not adapted). bias: which biases train too, 'none' | 'all' |
+    'lora_only' (those of the wrapped layers). added_tokens: the last rows of the vocabulary, added by
+    resize_vocab for the chat tokens, train too (AddedRowsEmbedding/AddedRowsLinear). Returns the wrapped
+    layers' names."""
+    targets = [t.strip() for t in target_modules.split(',') if t.strip()]
+    if target_modules == 'all-linear':
+        targets = LORA_TARGETS
+    unknown = [t for t in targets if t not in LORA_TARGETS]
+    if unknown or not targets:
+        raise UserError(f"lora_target_modules={target_modules!r}: {', '.join(map(repr, unknown)) or 'no name'} is "
+                        f"not a LoRA target; use comma-separated names from {', '.join(LORA_TARGETS)}, or 'all-linear'.")
+    if bias not in LORA_BIAS:
+        raise UserError(f"lora_bias={bias!r} is not supported; use one of {', '.join(map(repr, LORA_BIAS))}.")
+    model.requires_grad_(False)
+    wrapped = []
+    for name, module in list(model.transformer.h.named_modules(prefix='transformer.h')):
+        if isinstance(module, nn.Linear) and name.split('.', 3)[-1] in targets:
+            parent, _, child = name.rpartition('.')
+            setattr(model.get_submodule(parent), child, LoRALinear(module, r, lora_alpha, lora_dropout, use_rslora))
+            wrapped.append(name)
+    missing = [t for t in targets if not any(n.endswith('.' + t) for n in wrapped)]
+    if missing and target_modules != 'all-linear':
+        raise UserError(f"lora_target_modules names {', '.join(missing)}, which this model does not have "
+                        f"(mlp.gate exists only with mlp='swiglu'); remove it from lora_target_modules.")
+    for name, p in model.named_parameters():
+        trained_bias = name.endswith('.bias') and (bias == 'all' or bias == 'lora_only' and name[:-5] in wrapped)
+        p.requires_grad_(name.endswith(('lora_A', 'lora_B')) or trained_bias)
+    if added_tokens:
+        # the new rows start at resize_vocab's values but are otherwise untrained: frozen, the model could
+        # neither read the chat tokens nor learn to predict <|end|>. A tied lm_head shares the same rows.
+        wte, lm_head = model.transformer.wte, model.lm_head
+        model.transformer.wte = AddedRowsEmbedding(wte, nn.Parameter(wte.weight[-added_tokens:].clone()))
+        tied = lm_head.weight is wte.weight
+        rows = model.transformer.wte.added_rows if tied else nn.Parameter(lm_head.weight[-added_tokens:].clone())
+        model.lm_head = AddedRowsLinear(lm_head, rows)
+    return wrapped
+
+
+def lora_layers(model):
+    return [m for m in model.modules() if isinstance(m, LoRALinear)]
+
+
+def adapter_layers(model):
+    """Every layer that adapts the base model: the LoRA layers and those with trained added rows."""
+    return [m for m in model.modules() if isinstance(m, (LoRALinear, AddedRowsEmbedding, AddedRowsLinear))]
+
+
+def merge_lora(model):
+    """Fold every adapter into its weight: the forward pass then costs what the base model's does."""
+    for m in lora_layers(model):
+        m.merge()
+
+
+def unmerge_lora(model):
+    """Undo merge_lora (up to float rounding: W + dW - dW is not always W)."""
+    for m in lora_layers(model):
+        m.unmerge()
+
+
+@contextmanager
+def disable_adapters(model):
+    """Inside the block the model is exactly the base model, bit for bit (DPO's reference model):
+    the adapters (and trained added rows) are skipped, not subtracted."""
+    layers = adapter_layers(model)
+    if any(m.merged for m in lora_layers(model)):
+        raise RuntimeError("disable_adapters needs unmerged adapters (merged ones cannot be removed exactly); "
+                           "call unmerge_lora(model) first.")
+    for m in layers:
+        m.enabled = False
+    try:
+        yield model
+    finally:
+        for m in layers:
+            m.enabled = True
+
+
+def lora_state_dict(model):
+    """The trained parameters only (adapters, trained biases, added rows): an adapter checkpoint's weights."""
+    trained = {name for name, p in model.named_parameters() if p.requires_grad}
+    return {k: v for k, v in model.state_dict().items() if k in trained}
+
+
+@torch.no_grad()
+def merged_state_dict(model):
+    """A plain GPT state dict with every adapter and the added rows folded into their weights; the model
+    is left as it is."""
+    state = model.state_dict()
+    folded = {}  # a tied lm_head gets the embedding's tensor, so the checkpoint stores it once
+    for name, m in model.named_modules():
+        if isinstance(m, LoRALinear):
+            del state[name + '.lora_A'], state[name + '.lora_B']
+            if not m.merged:
+                state[name + '.weight'] = m.weight + m.delta_weight()
+        elif isinstance(m, (AddedRowsEmbedding, AddedRowsLinear)):
+            del state[name + '.added_rows']
+            if id(m.weight) not in folded:
+                folded[id(m.weight)] = with_added_rows(m)
+            state[name + '.weight'] = folded[id(m.weight)]
+    return state
+
+
+def lora_param_groups(model, weight_decay, loraplus_lr_ratio=1.0):
+    """Optimizer groups of the trainable parameters only: the A matrices; the B matrices at
+    loraplus_lr_ratio times the learning rate (LoRA+, Hayou et al. 2024: B learns best with a larger
+    step); trained biases and added rows (embeddings) without weight decay. The training loop reads 'lr_scale'."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = [dict(params=[p for n, p in named if n.endswith('lora_A')], weight_decay=weight_decay),
+              dict(params=[p for n, p in named if n.endswith('lora_B')], weight_decay=weight_decay,
+                   lr_scale=loraplus_lr_ratio),
+              dict(params=[p for n, p in named if not n.endswith(('lora_A', 'lora_B'))], weight_decay=0.0)]
+    return [g for g in groups if g['params']]
+
+
+def lora_optimizer(model, weight_decay, learning_rate, betas, device_type, loraplus_lr_ratio=1.0):
+    """AdamW over lora_param_groups; fused where GPT.configure_optimizers fuses it."""
+    fused = device_type in ('cuda', 'cpu')
+    return torch.optim.AdamW(lora_param_groups(model, weight_decay, loraplus_lr_ratio), lr=learning_rate,
+                             betas=betas, fused=fused)
+
+
+def save_merged(out_dir, model, **fields):
+    """out_dir/merged.pt: the adapters folded into the weights, a plain GPT checkpoint (kind 'gpt') for
+    sample.py or a later init_from; fields: the rest of it (model_args, config, tokenizer, ...)."""
+    path = os.path.join(out_dir, 'merged.pt')
+    save_checkpoint(path, dict(fields, kind='gpt', model=merged_state_dict(model)))
+    log(f"saved {path} (adapters merged into the weights)")

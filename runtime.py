@@ -1,0 +1,159 @@
+"""
+The plumbing every training script runs on, written once (after nanochat's compute_init): the
+processes and the device (torchrun's DDP), logging on rank 0, the tail of an optimizer step, the
+bookkeeping of evals and bad steps, the stop signal and the way out. Each script keeps its own
+loop (batch, forward, loss, backward, step, eval, save) and calls these for what is the same in all.
+"""
+
+import math
+import os
+import signal
+import sys
+import time
+from collections import defaultdict
+from contextlib import contextmanager, nullcontext
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from memory import pick_device, step_unless_nonfinite, synchronize
+
+
+def compute_init(device, seed, num_threads=0):
+    """Start this process's share of the run: (ddp, rank, local_rank, world_size, device). torchrun
+    sets RANK/LOCAL_RANK/WORLD_SIZE: then each process takes its GPU and joins the group (nccl on
+    CUDA, gloo elsewhere). Seeds torch with seed + rank: different dropout masks and noise on each rank."""
+    ddp = int(os.environ.get('RANK', -1)) != -1
+    device = pick_device(device)
+    rank, local_rank, world_size = 0, 0, 1
+    if ddp:
+        rank, local_rank, world_size = int(os.environ['RANK']), int(os.environ['LOCAL_RANK']), int(os.environ['WORLD_SIZE'])
+        if device.startswith('cuda'):
+            device = f'cuda:{local_rank}'
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend='nccl' if device.startswith('cuda') else 'gloo')
+    if num_threads:
+        torch.set_num_threads(num_threads)
+    torch.manual_seed(seed + rank)
+    if device.startswith('cuda'):
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    return ddp, rank, local_rank, world_size, device
+
+
+def compute_cleanup(ddp):
+    if ddp:
+        dist.barrier()  # leave together: a rank tearing down while another still works can abort gloo
+        dist.destroy_process_group()
+
+
+def log(msg):
+    """Print on rank 0 only, above the progress bar."""
+    if int(os.environ.get('RANK', 0)) == 0:
+        tqdm.write(msg)
+
+
+def clip_and_reduce(optimizer, scaler, parameters, grad_clip, shares, flags, ddp):
+    """The first half of every optimizer step: unscale fp16 gradients, clip their global norm
+    (grad_clip 0: only measure it), and one all-reduce of this rank's shares of the step's metrics
+    (shares add up over ranks to the global batch's values) together with flags any rank may raise
+    (a stop signal, a time limit). Returns (metrics, grad norm, flags raised on any rank)."""
+    scaler.unscale_(optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(parameters, grad_clip if grad_clip > 0 else float('inf'))
+    stats = torch.stack([*shares.values(), *(torch.tensor(float(flag), device=grad_norm.device) for flag in flags)])
+    if ddp:
+        dist.all_reduce(stats)
+    values = stats.tolist()
+    return dict(zip(shares, values)), grad_norm.item(), [value > 0 for value in values[len(shares):]]
+
+
+def step_or_skip(optimizer, scaler, loss, grad_norm, bad_steps, max_bad_steps, iter_num, out_dir):
+    """The second half: step unless the loss or gradient norm is non-finite (memory.step_unless_nonfinite).
+    Returns the count of consecutive skipped steps; ends the run after max_bad_steps of them, leaving
+    the last good checkpoint as it is."""
+    if step_unless_nonfinite(optimizer, scaler, loss, grad_norm):
+        return 0
+    bad_steps += 1
+    log(f"step {iter_num}: non-finite loss {loss} / grad norm {grad_norm}, step skipped ({bad_steps}/{max_bad_steps})")
+    if bad_steps >= max_bad_steps:
+        raise SystemExit(f"error: {bad_steps} consecutive steps had a non-finite loss or gradient norm (last at step "
+                         f"{iter_num}); training is diverging. Lower learning_rate, raise warmup_iters, or use "
+                         f"dtype='float32'. The last good checkpoint in {out_dir} was left untouched.")
+    return bad_steps
+
+
+def after_eval(val_loss, best_val_loss, evals_without_improvement):
+    """(improved, best_val_loss, evals_without_improvement) once an eval scored val_loss."""
+    if val_loss < best_val_loss:
+        return True, val_loss, 0
+    return False, best_val_loss, evals_without_improvement + 1
+
+
+def patience_exhausted(early_stopping_patience, evals_without_improvement):
+    if early_stopping_patience and evals_without_improvement >= early_stopping_patience:
+        log(f"early stopping: no improvement for {evals_without_improvement} evals")
+        return True
+    return False
+
+
+class StopSignal:
+    """SIGTERM/SIGINT set a flag; the training loop finishes its step, saves, and exits 143/130."""
+
+    def __init__(self):
+        self.requested = None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.requested = signum
+
+    @property
+    def exit_code(self):
+        return 128 + self.requested
+
+    def exit(self, ckpt_path, iter_num, ddp):
+        """Leave after the step's checkpoint is saved; a rank that was not signalled itself exits 143 (SIGTERM)."""
+        log(f"stop signal received: saved {ckpt_path} at step {iter_num}")
+        compute_cleanup(ddp)
+        sys.exit(self.exit_code if self.requested else 143)
+
+
+def keep_log_until(eval_only, resuming, iter_num):
+    """checkpoint.run_log's keep_until: append after an eval_only run's, drop what a killed run logged past
+    its checkpoint, start a new run's log empty."""
+    return math.inf if eval_only else iter_num if resuming else -1
+
+
+class StepProfiler:
+    """Wall time of the parts of a training step: `with prof.section('forward'): ...`.
+    On GPUs the device is synchronized at both ends of a section, otherwise asynchronous kernels
+    would be billed to whichever section waits for them; that costs some overlap, so profile only
+    when asked (enabled=False makes sections free no-ops)."""
+
+    def __init__(self, device, enabled=True):
+        self.device, self.enabled = device, enabled
+        self.seconds, self.calls = defaultdict(float), defaultdict(int)
+
+    def section(self, name):
+        return self._timed(name) if self.enabled else nullcontext()
+
+    @contextmanager
+    def _timed(self, name):
+        synchronize(self.device)
+        t0 = time.perf_counter()
+        yield
+        synchronize(self.device)
+        self.seconds[name] += time.perf_counter() - t0
+        self.calls[name] += 1
+
+    def throughput(self, tokens):
+        """tokens per second of profiled time in the current window (call before summary())."""
+        total = sum(self.seconds.values())
+        return tokens / total if total else 0.0
+
+    def summary(self):
+        """{section: mean ms per call} since the last summary(); starts a new window (one per log line)."""
+        result = {name: 1000 * self.seconds[name] / self.calls[name] for name in self.seconds}
+        self.seconds, self.calls = defaultdict(float), defaultdict(int)
+        return result

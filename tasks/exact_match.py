@@ -1,0 +1,31 @@
+"""
+Scoring a chat model on held-out prompts: the share it answers greedily with exactly the reference
+answer and then stops (the end-of-turn token). Every rank of a DDP run scores its share.
+"""
+import torch
+import torch.distributed as dist
+
+
+@torch.no_grad()
+def exact_match_accuracy(model, tokenizer, prompts, autocast):
+    """Fraction of prompts, (prompt ids, reference text) pairs, that the model (in eval mode, under the
+    autocast context) answers greedily with exactly the reference, then tokenizer.eos_id. It may
+    generate one token more than the reference: a right answer must stop there. Under DDP each rank
+    answers its share and the counts are summed: every rank must call it."""
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    mine = prompts[rank::world_size]
+    device = next(model.parameters()).device
+    training = model.training
+    model.eval()
+    hits = 0
+    with autocast:
+        for prompt, reference in mine:
+            out = model.generate(torch.tensor([prompt], device=device), len(tokenizer.encode(reference)) + 1,
+                                 temperature=0, eos_id=tokenizer.eos_id)[0, len(prompt):].tolist()
+            end = tokenizer.eos_id
+            hits += end in out and tokenizer.decode(out[:out.index(end)]).strip() == reference.strip()
+    model.train(training)
+    total = torch.tensor([hits, len(mine)], device=device, dtype=torch.float)
+    if dist.is_initialized():
+        dist.all_reduce(total)
+    return (total[0] / total[1]).item()

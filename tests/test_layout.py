@@ -1,0 +1,32 @@
+"""The layout a reader relies on: files of one concern and readable size, no lambda standing for a
+function, and the GPT side free of the TTS side's dependencies."""
+
+import ast
+import glob
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SOURCES = sorted(glob.glob(os.path.join(ROOT, '*.py')) + glob.glob(os.path.join(ROOT, 'tasks', '*.py')))
+
+
+def test_no_module_over_500_lines():
+    sizes = {os.path.relpath(path, ROOT): sum(1 for _ in open(path)) for path in SOURCES}
+    assert len(sizes) > 10 and not {name: n for name, n in sizes.items() if n > 500}
+
+
+def test_no_lambda_is_named():
+    named = []
+    for path in SOURCES:
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Lambda):
+                named.append(f'{os.path.relpath(path, ROOT)}:{node.lineno}')
+    assert not named, f'write a def instead: {named}'
+
+
+def test_gpt_side_does_not_import_torchaudio():
+    modules = 'model, lora, losses, data, tokenizer, chat_data, checkpoint, runtime, memory, scheduler, muon'
+    code = f"import sys; import {modules}; import tasks.number_tasks, tasks.exact_match; print('torchaudio' in sys.modules)"
+    p = subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert p.stdout.strip() == 'False'

@@ -1,0 +1,193 @@
+"""
+Tokenizers: one token per character (CharTokenizer) or sentencepiece BPE (BPETokenizer, trained by
+train_bpe), the chat template's special tokens on top of either (ChatTokenizer), and the tokenizer
+that a prepared dataset folder holds (load_tokenizer). data.py prepares those folders.
+"""
+
+import hashlib
+import io
+import itertools
+import json
+import os
+import random
+
+import numpy as np
+import sentencepiece as spm
+
+from configurator import UserError
+
+DEFAULT_DATA_DIR = os.path.join('data', 'stdlib')  # where plain `python data.py` prepares the default corpus
+BPE_SEED = 1337
+BPE_MAX_LINES = 200_000  # lines of text the BPE tokenizer trains on
+
+
+class CharTokenizer:
+    """One token per character; the vocabulary is the sorted set of the corpus's characters."""
+
+    def __init__(self, chars):
+        self.chars = chars
+        self.stoi = {c: i for i, c in enumerate(chars)}
+        self.vocab_size = len(chars)
+        self.eos_id = None
+
+    def encode(self, text):
+        missing = sorted(set(text) - self.stoi.keys())
+        if missing:
+            raise UserError(f"characters {''.join(missing)!r} are not in this character vocabulary "
+                            f"({self.vocab_size} characters of the training corpus). "
+                            f"Remove them from the text.")
+        return [self.stoi[c] for c in text]
+
+    def encode_documents(self, docs):
+        # vectorized: map each character's code point to its index in the sorted vocabulary
+        codes = np.frombuffer(''.join(docs).encode('utf-32-le'), dtype=np.uint32)
+        chars = np.array([ord(c) for c in self.chars], dtype=np.uint32)
+        return np.searchsorted(chars, codes)
+
+    def decode(self, ids):
+        return ''.join(self.chars[i] for i in ids)
+
+    def identity(self):
+        digest = hashlib.sha256(''.join(self.chars).encode()).hexdigest()
+        return {'vocab_size': self.vocab_size, 'hash': digest}
+
+
+class BPETokenizer:
+    """sentencepiece BPE; byte fallback makes any text encodable and decoding exact."""
+
+    def __init__(self, model_bytes):
+        self.model_bytes = model_bytes
+        self.sp = spm.SentencePieceProcessor(model_proto=model_bytes)
+        self.vocab_size = self.sp.get_piece_size()
+        self.eos_id = self.sp.eos_id()
+
+    def encode(self, text):
+        return self.sp.encode(text)
+
+    def encode_documents(self, docs):
+        """All documents as one id array with eos_id between documents, encoded on all cores."""
+        ids = self.sp.encode(docs, num_threads=os.cpu_count())
+        separated = itertools.chain.from_iterable([self.eos_id] * (i > 0) + d for i, d in enumerate(ids))
+        return np.fromiter(separated, dtype=np.int64)
+
+    def decode(self, ids):
+        return self.sp.decode(list(ids))
+
+    def identity(self):
+        return {'vocab_size': self.vocab_size, 'hash': hashlib.sha256(self.model_bytes).hexdigest()}
+
+
+def train_bpe(docs, vocab_size):
+    """Train a sentencepiece BPE model on the lines of docs; returns the model file's bytes."""
+    lines = [line for doc in docs for line in doc.split('\n') if line]
+    if len(lines) > BPE_MAX_LINES:  # a seeded sample: fast, and sentencepiece's own sample isn't reproducible
+        lines = random.Random(BPE_SEED).sample(lines, BPE_MAX_LINES)
+    model = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(lines), model_writer=model, model_type='bpe', vocab_size=vocab_size,
+            byte_fallback=True,  # unseen characters become byte tokens instead of <unk>
+            # keep text exactly as written (code: indentation, newlines, no unicode normalization)
+            normalization_rule_name='identity', remove_extra_whitespaces=False, add_dummy_prefix=False,
+            allow_whitespace_only_pieces=True, split_digits=True,
+            unk_id=0, bos_id=-1, eos_id=1, pad_id=-1,
+            num_threads=4, minloglevel=2)  # fixed: the model file records it, and its hash must not vary
+    except RuntimeError as e:  # e.g. "Vocabulary size is too high (4096). Please set it to a value <= 1234."
+        raise UserError(f"could not train a {vocab_size}-token BPE tokenizer: {e} "
+                        f"Pick another --vocab_size (byte fallback alone needs 258 tokens).") from None
+    return model.getvalue()
+
+
+# -----------------------------------------------------------------------------
+# chat template (fine-tuning: train.py training_type='sft' | 'lora' and train_dpo.py; data: chat_data.py)
+#
+# Every example becomes a conversation of turns, each written as
+#     <|role|> content <|end|>        role: system | user | assistant
+# with the special tokens <|system|> <|user|> <|assistant|> <|end|> added after the base vocabulary
+# (an existing model's embedding grows to fit). The loss is on the assistant turns only: their
+# content and the <|end|> that closes them (the end-of-sequence token, so the model learns to stop).
+# Content is always encoded as plain text, so a message containing "<|user|>" cannot forge a turn.
+
+CHAT_ROLES = ('system', 'user', 'assistant')
+CHAT_SPECIAL_TOKENS = ('<|system|>', '<|user|>', '<|assistant|>', '<|end|>')
+
+
+class ChatTokenizer:
+    """A base tokenizer plus the chat template's special tokens, numbered after its vocabulary."""
+
+    def __init__(self, base):
+        self.base = base
+        self.special = {token: base.vocab_size + i for i, token in enumerate(CHAT_SPECIAL_TOKENS)}
+        self.vocab_size = base.vocab_size + len(CHAT_SPECIAL_TOKENS)
+        self.eos_id = self.special['<|end|>']
+
+    def encode(self, text):
+        return self.base.encode(text)
+
+    def decode(self, ids):
+        names = {i: token for token, i in self.special.items()}
+        pieces, run = [], []
+        for i in ids:
+            if i in names:
+                pieces += [self.base.decode(run), names[i]]
+                run = []
+            else:
+                run.append(i)
+        return ''.join(pieces) + self.base.decode(run)
+
+    def identity(self):
+        base = self.base.identity()
+        digest = hashlib.sha256((base['hash'] + ''.join(CHAT_SPECIAL_TOKENS)).encode()).hexdigest()
+        return {'vocab_size': self.vocab_size, 'hash': digest}
+
+    def encode_chat(self, messages):
+        """Token ids and labels of a conversation: labels are the ids of the assistant turns' content
+        and closing <|end|>, -100 everywhere else."""
+        ids, labels = [], []
+        for m in messages:
+            content = self.encode(m['content'])
+            ids += [self.special[f"<|{m['role']}|>"], *content, self.eos_id]
+            labels += [-100] + (content + [self.eos_id] if m['role'] == 'assistant' else [-100] * (len(content) + 1))
+        return ids, labels
+
+    def encode_prompt(self, messages):
+        """The conversation so far, then <|assistant|>: the prompt that generates the next assistant turn."""
+        return self.encode_chat(messages)[0] + [self.special['<|assistant|>']]
+
+    def prompt_and_answer(self, messages):
+        """(prompt ids, reference text) of a conversation's last assistant turn, for exact-match evaluation."""
+        last = max(i for i, m in enumerate(messages) if m['role'] == 'assistant')
+        return self.encode_prompt(messages[:last]), messages[last]['content']
+
+
+# -----------------------------------------------------------------------------
+# a prepared dataset folder (made by data.py): its meta.json, its files, its tokenizer
+
+def read_meta(data_dir):
+    path = os.path.join(data_dir, 'meta.json')
+    if not os.path.exists(path):
+        raise UserError(f"{data_dir} is not a prepared dataset (no meta.json in it). Prepare it first: "
+                        f"python data.py --input=<text file, folder or URL> --out_dir={data_dir} "
+                        f"--tokenizer=char (or bpe), or plain `python data.py` for the default corpus "
+                        f"in {DEFAULT_DATA_DIR}.")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except ValueError as e:
+        raise UserError(f"{path} is corrupt ({e}); prepare the dataset again with data.py.") from None
+
+
+def dataset_file(data_dir, name):
+    """The path of one of a prepared dataset's files; a clear error if it is missing."""
+    path = os.path.join(data_dir, name)
+    if not os.path.isfile(path):
+        raise UserError(f"{path} is missing, so {data_dir} is an incomplete dataset; prepare it again with data.py.")
+    return path
+
+
+def load_tokenizer(data_dir):
+    meta = read_meta(data_dir)
+    if meta['tokenizer'] == 'char':
+        return CharTokenizer(meta['chars'])
+    with open(dataset_file(data_dir, 'tokenizer.model'), 'rb') as f:
+        return BPETokenizer(f.read())

@@ -1,0 +1,128 @@
+"""
+Evaluating a TTS model (train_tts.py): MCD-DTW (mel-cepstral distortion along a dynamic time
+warping path), held-out synthesis from text (MCD-DTW against references and a mean-mel baseline,
+real-time factor, sample WAVs), and TensorBoard media (mel images, synthesized audio).
+"""
+import math
+import os
+import time
+
+import torch
+import torchaudio
+from tqdm import tqdm
+
+from tts_data import MelExtractor, write_wav
+from tts_model import synthesize
+
+# -----------------------------------------------------------------------------
+# metrics
+
+
+def dtw_mean_cost(cost):
+    """Dynamic time warping over a (N, M) frame distance matrix with steps (1,0), (0,1), (1,1):
+    the mean distance along the cheapest path from (0, 0) to (N-1, M-1) (total cost / path
+    length, ties broken towards the shorter path)."""
+    cost = cost.tolist()
+    N, M = len(cost), len(cost[0])
+    inf = float('inf')
+    total = [[inf] * (M + 1) for _ in range(N + 1)]  # total[i][j]: best cost ending at frame pair (i-1, j-1)
+    steps = [[0] * (M + 1) for _ in range(N + 1)]
+    total[0][0] = 0.0
+    for i in range(1, N + 1):
+        row, prev_row, costs = total[i], total[i - 1], cost[i - 1]
+        for j in range(1, M + 1):
+            best, n = min((prev_row[j - 1], steps[i - 1][j - 1]), (prev_row[j], steps[i - 1][j]),
+                          (row[j - 1], steps[i][j - 1]))
+            row[j] = best + costs[j - 1]
+            steps[i][j] = n + 1
+    return total[N][M] / steps[N][M]
+
+
+def mel_cepstral_distortion(log_mel, reference_log_mel, n_cepstra=13):
+    """MCD-DTW in dB between two natural-log mel spectrograms (n_mels, T1) and (n_mels, T2).
+    Mel cepstra c1..c_n of each frame (c0, loudness, left out): the cepstrum of the log spectrum
+    over mel frequency, c_m = (1/n_mels) sum_k log_mel_k cos(pi m (k + 1/2) / n_mels), i.e. the
+    orthonormal DCT-II divided by sqrt(2 n_mels), so that log_mel = c0 + 2 sum_m c_m cos(...) as in
+    SPTK's convention. Frame distance 10/ln(10) * sqrt(2 * sum_m (c_m - c'_m)^2) dB, averaged
+    along the DTW path (the lengths may differ)."""
+    n_mels = log_mel.shape[0]
+    dct = torchaudio.functional.create_dct(n_cepstra + 1, n_mels, norm='ortho').double() / math.sqrt(2 * n_mels)
+    a = (log_mel.double().T @ dct)[:, 1:]
+    b = (reference_log_mel.double().T @ dct)[:, 1:]
+    distances = 10 / math.log(10) * math.sqrt(2) * torch.cdist(a, b, compute_mode='donot_use_mm_for_euclid_dist')
+    return dtw_mean_cost(distances)
+
+
+# -----------------------------------------------------------------------------
+# TensorBoard media and held-out synthesis, with the model's inference settings (tts_model.synthesize)
+
+
+def mel_image(mel):
+    """(n_mels, T) log-mel -> (1, n_mels, T) grey image in [0, 1], low frequencies at the bottom."""
+    return ((mel.float().cpu() - math.log(1e-5)) / (mel.max().item() - math.log(1e-5))).clamp(0, 1).flip(0)[None]
+
+
+def record_media(writer, model, val_set, texts, ids, step, n_timesteps, temperature, length_scale, guidance, seed,
+                 sample_rate):
+    """TensorBoard: teacher-forced vs target mel of the first held-out utterance, and speech
+    synthesized from text (predicted durations) for the utterances ids."""
+    if not writer:
+        return
+    model.eval()
+    device = model.mel_mean.device
+    collated = val_set.collate([0], model.mel_mean.item(), model.mel_std.item())
+    x, x_lengths, y, y_lengths = [t.to(device) for t in collated]
+    mel, _ = model.teacher_forced(x, x_lengths, y, y_lengths, n_timesteps=n_timesteps, temperature=temperature,
+                                  generator=torch.Generator(device=device).manual_seed(seed))
+    pred, target = model.denormalize(mel[0, :, :y.shape[2]]), model.denormalize(y[0])
+    writer.add_image('mel/teacher_forced_over_target', torch.cat([mel_image(pred), mel_image(target)], dim=1), step)
+    for utt_id in ids:
+        audio, log_mel = synthesize(model, texts[utt_id], n_timesteps, temperature, length_scale, guidance, seed)
+        writer.add_audio(f'audio/{utt_id}', audio.clamp(-1, 1)[None], step, sample_rate=sample_rate)
+        writer.add_image(f'mel/synthesized_{utt_id}', mel_image(log_mel), step)
+    model.train()
+
+
+def evaluate_synthesis(model, val_set, train_set, texts, ids, out_dir, audio_samples, mel_settings, n_timesteps,
+                       temperature, length_scale, guidance, seed):
+    """Held-out speech from text alone: MCD-DTW of the synthesized mel against the reference, of the
+    mel re-analysed from its Griffin-Lim audio, of the reference itself through Griffin-Lim (the
+    vocoder's floor) and of a trivial baseline (the training set's mean mel frame repeated for the
+    reference's length); real-time factor. Scores the held-out utterances ids; writes the first
+    audio_samples as WAVs to out_dir/samples."""
+    model.eval()
+    sample_rate = mel_settings['sample_rate']
+    extractor = MelExtractor(**mel_settings)
+    mean_frame = train_set.mean_mel()
+    os.makedirs(os.path.join(out_dir, 'samples'), exist_ok=True)
+    scores = {k: [] for k in ('model', 'model_audio', 'reference_audio', 'baseline')}
+    model_seconds = audio_seconds = duration_ratio = 0.0
+    for n, utt_id in enumerate(tqdm(ids, desc='synthesis eval', dynamic_ncols=True, leave=False)):
+        reference = val_set.mels[val_set.ids.index(utt_id)]
+        t0 = time.perf_counter()
+        audio, log_mel = synthesize(model, texts[utt_id], n_timesteps, temperature, length_scale, guidance, seed)
+        model_seconds += time.perf_counter() - t0
+        audio_seconds += len(audio) / sample_rate
+        duration_ratio += log_mel.shape[1] / reference.shape[1] / len(ids)
+        scores['model'].append(mel_cepstral_distortion(log_mel, reference))
+        scores['model_audio'].append(mel_cepstral_distortion(extractor(audio), reference))
+        scores['reference_audio'].append(mel_cepstral_distortion(extractor(extractor.to_waveform(reference)), reference))
+        scores['baseline'].append(mel_cepstral_distortion(mean_frame[:, None].expand_as(reference), reference))
+        if n < audio_samples:
+            write_wav(os.path.join(out_dir, 'samples', f'{utt_id}.wav'), audio, sample_rate)
+    model.train()
+    result = {f'mcd_{k}': sum(v) / len(v) for k, v in scores.items()}
+    result.update(rtf=model_seconds / audio_seconds, duration_ratio=duration_ratio, eval_utterances=len(ids))
+    return result
+
+
+def print_synthesis_report(result, n_timesteps, out_dir):
+    """The held-out synthesis scores of evaluate_synthesis, one per line."""
+    print(f"held-out synthesis ({result['eval_utterances']} utterances, {n_timesteps} ODE steps, Griffin-Lim audio):\n"
+          f"  MCD-DTW model mel            {result['mcd_model']:.2f} dB\n"
+          f"  MCD-DTW model audio          {result['mcd_model_audio']:.2f} dB  (mel re-analysed from the WAV)\n"
+          f"  MCD-DTW reference audio      {result['mcd_reference_audio']:.2f} dB  (reference mel through Griffin-Lim: vocoder floor)\n"
+          f"  MCD-DTW mean-mel baseline    {result['mcd_baseline']:.2f} dB\n"
+          f"  length synthesized/reference {result['duration_ratio']:.2f}\n"
+          f"  real-time factor             {result['rtf']:.3f} (synthesis time / audio time, Griffin-Lim included)\n"
+          f"  samples in {os.path.join(out_dir, 'samples')}")

@@ -14,6 +14,9 @@ Checkpoints that survive crashes, preemption and mistakes.
 - training_state/restore_training_state: the part of a checkpoint every training script saves and
   continues from the same way (optimizer, loss scaler, step counters, random streams).
 - run_log is what every training script writes besides checkpoints: out_dir/log.jsonl and TensorBoard.
+- training_data_hash: a continued run must read the training file it began with; cached_tensors:
+  values computed once per run and kept in out_dir (DPO's reference log-probs).
+(The model a GPT run starts from, a checkpoint or a Hugging Face folder: starting_model.py.)
 """
 
 import fcntl
@@ -110,17 +113,24 @@ def run_origin(init_from):
     return init_from if init_from == 'scratch' else os.path.abspath(init_from)
 
 
-def require_init_from(init_from, made_by=None):
-    """A UserError unless the checkpoint file init_from exists; made_by: the command that writes it, when
-    init_from is where a documented command writes its model."""
-    if os.path.isfile(init_from):
+def is_hf_folder(path):
+    """A Hugging Face model folder: one with a config.json (hf_checkpoint.py reads it)."""
+    return os.path.isfile(os.path.join(path, 'config.json'))
+
+
+def require_init_from(init_from, made_by=None, hf_folders=False):
+    """A UserError unless init_from is a checkpoint file (or, with hf_folders, a Hugging Face model
+    folder); made_by: the command that writes it, when init_from is where a documented command writes
+    its model."""
+    if os.path.isfile(init_from) or hf_folders and is_hf_folder(init_from):
         return
     how = f"It is made by {made_by}; run that first, or point" if made_by else "Check the path, or point"
     if init_from in ('auto', 'resume'):
         how = ("init_from is 'scratch' or a checkpoint's path; the run in out_dir is continued by resume=True (the "
                "default). Drop --init_from, or point")
-    raise UserError(f"init_from={init_from!r} is not a checkpoint file. {how} --init_from at the checkpoint this run "
-                    f"should start from.")
+    what = "a checkpoint file or a Hugging Face model folder (one with a config.json)" if hf_folders else "a checkpoint file"
+    raise UserError(f"init_from={init_from!r} is not {what}. {how} --init_from at the checkpoint this run should "
+                    f"start from.")
 
 
 def run_to_continue(out_dir, resume, run, eval_only):
@@ -242,29 +252,6 @@ def check_compatible(saved, wanted, what, path, fix="Set these keys to the check
                         + f"). {fix}")
 
 
-def full_model_checkpoint(ckpt, ckpt_path, init_from, out_dir):
-    """(checkpoint, path) of the whole GPT a train.py run starts from: the continued run's own (ckpt),
-    for a LoRA run its base model's (the same file as when the run began), else init_from's; (None, None)
-    for a new run from scratch."""
-    if ckpt is None and init_from == 'scratch':
-        return None, None
-    path, model_ckpt = (ckpt_path, ckpt) if ckpt is not None else (init_from, load_checkpoint(init_from))
-    if model_ckpt['kind'] not in ('gpt', 'lora'):
-        raise UserError(f"{path} is a {model_ckpt['kind']!r} checkpoint, not a GPT's; point --init_from at a "
-                        f"train.py checkpoint, or use another out_dir.")
-    if model_ckpt['kind'] == 'lora':
-        if ckpt is None:
-            raise UserError(f"{path} holds LoRA adapters only; start from the merged model of that run "
-                            f"(merged.pt next to it) instead.")
-        path = ckpt['base_checkpoint']
-        model_ckpt = load_checkpoint(path)
-        if file_sha256(path) != ckpt['base_hash']:
-            raise UserError(f"{path}, the base model of the LoRA run in {out_dir}, has changed since the run "
-                            f"began, so its adapters no longer fit. Restore that file, or start a new run "
-                            f"(another out_dir) from it.")
-    return model_ckpt, path
-
-
 def training_state(run, config, optimizer, scaler, iter_num, best_val_loss, evals_without_improvement):
     """What every training script's checkpoint holds besides its model and data position: the run it
     belongs to, its config, the optimizer and loss-scaler state, the step counters, and every rank's
@@ -286,3 +273,37 @@ def restore_training_state(ckpt, ckpt_path, optimizer, scaler, rank, world_size)
         log(f"note: checkpoint was written by {len(ckpt['rng'])} processes, now {world_size}: random streams restart")
     log(f"resuming from {ckpt_path} at step {ckpt['iter_num']}")
     return ckpt['iter_num'], ckpt['best_val_loss'], ckpt['evals_without_improvement']
+
+
+def training_data_hash(path, ckpt, out_dir, setting):
+    """sha256 of a run's training data file; a continued run's (ckpt) must be the file it began with.
+    setting: the config key that names the data, for the message."""
+    data_hash = file_sha256(path)
+    if ckpt and data_hash != ckpt.get('train_data_hash', data_hash):  # older checkpoints: unknown
+        raise UserError(f"{path} has changed since the run in {out_dir} began; resuming would go on with other "
+                        f"examples. Restore the file (or {setting}), or start a new run (another out_dir, or "
+                        f"--resume=False to replace it).")
+    return data_hash
+
+
+def cached_tensors(out_dir, name, key, shapes, compute, master, what):
+    """{name: tensor} computed once and cached in out_dir, in a file named by name and a hash of key (everything
+    the tensors depend on, JSON): read back when it is there, else compute() (on every rank) and saved by master.
+    shapes: the {name: shape} the cached tensors must have; what: what they are, for messages."""
+    path = os.path.join(out_dir, f"{name}_{hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]}.pt")
+    if not os.path.exists(path):
+        tensors = compute()
+        if master:
+            save_checkpoint(path, tensors)
+        log(f"{what} computed, cached in {path}")
+        return tensors
+    try:
+        tensors = load_checkpoint(path)
+        fits = {k: tensors[k].shape for k in shapes} == shapes
+    except (UserError, KeyError, AttributeError, TypeError):
+        fits = False
+    if not fits:
+        raise UserError(f"{path}, the cached {what}, is unreadable or does not fit the data. Delete it: it is "
+                        f"computed again.")
+    log(f"{what} from {path}")
+    return tensors

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from checkpoint import save_checkpoint
+from checkpoint import check_compatible, save_checkpoint
 from configurator import UserError
 from runtime import log
 
@@ -21,6 +21,10 @@ from runtime import log
 # whose update keeps its size as r grows). Written here by hand; no peft.
 
 LORA_TARGETS = ('attn.q', 'attn.k', 'attn.v', 'attn.proj', 'mlp.fc', 'mlp.gate', 'mlp.proj')
+# the Hugging Face module names LoRA configs bring (PEFT's target_modules) for the same layers
+HF_LORA_TARGETS = {'q_proj': ('attn.q',), 'k_proj': ('attn.k',), 'v_proj': ('attn.v',), 'o_proj': ('attn.proj',),
+                   'gate_proj': ('mlp.gate',), 'up_proj': ('mlp.fc',), 'down_proj': ('mlp.proj',),
+                   'c_attn': ('attn.q', 'attn.k', 'attn.v'), 'c_fc': ('mlp.fc',), 'c_proj': ('attn.proj', 'mlp.proj')}
 # the config keys the adapters' shapes and scale depend on: a resumed LoRA run must keep them
 LORA_SETTINGS = ('lora_r', 'lora_alpha', 'use_rslora', 'lora_target_modules', 'lora_bias')
 LORA_BIAS = ('none', 'all', 'lora_only')
@@ -106,18 +110,19 @@ class AddedRowsLinear(nn.Linear):
 def apply_lora(model, r=8, lora_alpha=16, lora_dropout=0.0, target_modules='attn.q,attn.k,attn.v,attn.proj',
                use_rslora=False, bias='none', added_tokens=0):
     """Wrap the targeted Linear layers of model's blocks in LoRALinear and freeze everything else by
-    requires_grad=False. target_modules: comma-separated names from LORA_TARGETS, or 'all-linear' (every
-    Linear in the blocks; lm_head is not adapted). bias: which biases train too, 'none' | 'all' |
+    requires_grad=False. target_modules: comma-separated names from LORA_TARGETS or HF_LORA_TARGETS, or
+    'all-linear' (every Linear in the blocks; lm_head is not adapted). bias: which biases train too, 'none' | 'all' |
     'lora_only' (those of the wrapped layers). added_tokens: the last rows of the vocabulary, added by
     resize_vocab for the chat tokens, train too (AddedRowsEmbedding/AddedRowsLinear). Returns the wrapped
     layers' names."""
-    targets = [t.strip() for t in target_modules.split(',') if t.strip()]
-    if target_modules == 'all-linear':
-        targets = LORA_TARGETS
+    names = [t.strip() for t in target_modules.split(',') if t.strip()]
+    targets = LORA_TARGETS if target_modules == 'all-linear' else \
+        list(dict.fromkeys(t for name in names for t in HF_LORA_TARGETS.get(name, (name,))))
     unknown = [t for t in targets if t not in LORA_TARGETS]
     if unknown or not targets:
         raise UserError(f"lora_target_modules={target_modules!r}: {', '.join(map(repr, unknown)) or 'no name'} is "
-                        f"not a LoRA target; use comma-separated names from {', '.join(LORA_TARGETS)}, or 'all-linear'.")
+                        f"not a LoRA target; use comma-separated names from {', '.join(LORA_TARGETS)} (or Hugging Face's "
+                        f"{', '.join(HF_LORA_TARGETS)}), or 'all-linear'.")
     if bias not in LORA_BIAS:
         raise UserError(f"lora_bias={bias!r} is not supported; use one of {', '.join(map(repr, LORA_BIAS))}.")
     model.requires_grad_(False)
@@ -143,6 +148,18 @@ def apply_lora(model, r=8, lora_alpha=16, lora_dropout=0.0, target_modules='attn
         rows = model.transformer.wte.added_rows if tied else nn.Parameter(lm_head.weight[-added_tokens:].clone())
         model.lm_head = AddedRowsLinear(lm_head, rows)
     return wrapped
+
+
+def load_adapters(model, ckpt, ckpt_path, config):
+    """Load a continued LoRA run's adapters (ckpt, read from ckpt_path) into model, wrapped by apply_lora
+    with this run's config, after checking that it sets LoRA up as the run did."""
+    check_compatible({k: ckpt['config'][k] for k in LORA_SETTINGS}, {k: config[k] for k in LORA_SETTINGS},
+                     'LoRA setup', ckpt_path, fix="Set these keys to the checkpoint's values, or start a new run "
+                                                 "in another out_dir.")
+    check_compatible({'trained tensors': sorted(ckpt['model'])}, {'trained tensors': sorted(lora_state_dict(model))},
+                     'LoRA setup', ckpt_path, fix="It was written by an older nanotrain (before the added chat "
+                     "tokens trained); start a new run: --resume=False, or another out_dir.")
+    model.load_state_dict({**model.state_dict(), **ckpt['model']})  # strict: every adapter must fit
 
 
 def lora_layers(model):

@@ -106,6 +106,17 @@ def z_loss(logits, targets, normalizer=None, ignore_index=-100):
     return squared[keep].sum() / (keep.sum() if normalizer is None else normalizer)
 
 
+def check_loss_weights(weights, terms=('ce', 'z_loss')):
+    """A UserError unless weights ({term: weight}) names only known terms, with finite weights >= 0, one positive."""
+    if set(weights) - set(terms):
+        raise UserError(f"loss_weights has unknown terms {sorted(set(weights) - set(terms))}; the loss terms "
+                        f"are 'ce' (cross-entropy) and 'z_loss', e.g. loss_weights={{'ce': 1.0, 'z_loss': 1e-4}}.")
+    if not all(isinstance(w, (int, float)) and math.isfinite(w) and w >= 0 for w in weights.values()) \
+            or not any(weights.values()):
+        raise UserError(f"loss_weights={weights}: weights must be finite numbers >= 0, and one of them positive, "
+                        f"e.g. {{'ce': 1.0, 'z_loss': 1e-4}}.")
+
+
 def combine_losses(terms, weights):
     """Multi-objective loss: sum of weights[name] * terms[name] over the named loss terms (tensors).
     Every term needs a weight, so a misspelt name is an error instead of a silently dropped term.

@@ -1,11 +1,13 @@
 """
 A GPT language model in plain PyTorch, nanoGPT style, with the common modern options:
-RoPE or learned positions, RMSNorm or LayerNorm, GELU / SwiGLU / ReLU^2 MLP, QK-norm,
-logit soft-capping, tied embeddings, activation checkpointing and KV-cache generation.
+RoPE (with Llama 3's frequency scaling) or learned positions, RMSNorm or LayerNorm, GELU / SwiGLU /
+ReLU^2 MLP, grouped-query attention, QK-norm, logit soft-capping, tied embeddings, activation
+checkpointing and KV-cache generation. The same GPT holds the published Llama / Qwen2 / Qwen3 /
+Mistral / GPT-2 models (hf_checkpoint.py maps their Hugging Face checkpoints onto it).
 """
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -15,7 +17,8 @@ from torch.utils.checkpoint import checkpoint
 from configurator import UserError
 from memory import peak_flops
 
-CHOICES = dict(pos_emb=('rope', 'learned'), norm=('rmsnorm', 'layernorm'), mlp=('gelu', 'swiglu', 'relu2'))
+CHOICES = dict(pos_emb=('rope', 'learned'), norm=('rmsnorm', 'layernorm'), mlp=('gelu', 'gelu_tanh', 'swiglu', 'relu2'))
+ROPE_SCALING_KEYS = ('factor', 'low_freq_factor', 'high_freq_factor', 'original_max_position_embeddings')
 
 
 @dataclass
@@ -29,37 +32,73 @@ class GPTConfig:
     bias: bool = False             # biases in Linear layers and LayerNorm
     pos_emb: str = 'rope'          # 'rope' | 'learned'
     norm: str = 'rmsnorm'          # 'rmsnorm' | 'layernorm'
-    mlp: str = 'gelu'              # 'gelu' | 'swiglu' | 'relu2' (ReLU squared)
+    mlp: str = 'gelu'              # 'gelu' | 'gelu_tanh' (GPT-2's) | 'swiglu' | 'relu2' (ReLU squared)
     tie_embeddings: bool = True    # lm_head shares the token embedding matrix
     qk_norm: bool = False          # normalize queries and keys per head before attention
     logit_softcap: float = 0.0     # logits = cap * tanh(logits / cap); 0 turns it off
     rope_theta: float = 10000.0
     zero_init_proj: bool = False   # residual output projections start at zero
+    # the shapes published models need (0 = the usual value)
+    n_kv_head: int = 0             # key/value heads, fewer than n_head for grouped-query attention; 0 = n_head
+    head_dim: int = 0              # size of each head; 0 = n_embd // n_head
+    mlp_hidden: int = 0            # MLP width; 0 = mlp_hidden_size's rule
+    qkv_bias: bool = False         # biases on the q/k/v projections only (Qwen2)
+    norm_eps: float = 0.0          # 0 = 1e-6 for RMSNorm, 1e-5 for LayerNorm
+    rope_scaling: dict = field(default_factory=dict)  # {} or Llama 3.1's: ROPE_SCALING_KEYS
 
     def __post_init__(self):
         for key, valid in CHOICES.items():
             if getattr(self, key) not in valid:
                 raise UserError(f"model config: {key}={getattr(self, key)!r} is not supported; "
                                  f"set {key} to one of {', '.join(map(repr, valid))}.")
-        if self.n_embd % self.n_head:
+        if self.n_embd % self.n_head and not self.head_dim:
             raise UserError(f"model config: n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
                              f"choose n_embd as a multiple of n_head.")
-        if self.pos_emb == 'rope' and (self.n_embd // self.n_head) % 2:
-            raise UserError(f"model config: RoPE needs an even head size but n_embd/n_head = "
-                             f"{self.n_embd // self.n_head}; change n_embd or n_head, or use pos_emb='learned'.")
+        if self.n_head % self.kv_heads:
+            raise UserError(f"model config: n_head={self.n_head} is not a multiple of n_kv_head={self.n_kv_head}; "
+                             f"each key/value head serves the same number of query heads.")
+        if self.pos_emb == 'rope' and self.head_size % 2:
+            raise UserError(f"model config: RoPE needs an even head size but it is {self.head_size}; "
+                             f"change n_embd or n_head, or use pos_emb='learned'.")
+        if self.rope_scaling and sorted(self.rope_scaling) != sorted(ROPE_SCALING_KEYS):
+            raise UserError(f"model config: rope_scaling={self.rope_scaling} must have exactly the keys "
+                             f"{', '.join(ROPE_SCALING_KEYS)} (Llama 3.1's), or be {{}}.")
         if self.logit_softcap < 0:
             raise UserError(f"model config: logit_softcap={self.logit_softcap} must be >= 0 (0 turns it off).")
+
+    @property
+    def kv_heads(self):
+        return self.n_kv_head or self.n_head
+
+    @property
+    def head_size(self):
+        return self.head_dim or self.n_embd // self.n_head
 
 
 def make_norm(config, dim):
     if config.norm == 'rmsnorm':
-        return nn.RMSNorm(dim, eps=1e-6)
-    return nn.LayerNorm(dim, bias=config.bias)
+        return nn.RMSNorm(dim, eps=config.norm_eps or 1e-6)
+    return nn.LayerNorm(dim, eps=config.norm_eps or 1e-5, bias=config.bias)
 
 
-def rope_cos_sin(block_size, head_dim, theta):
-    """cos/sin of the rotation angles, (block_size, head_dim // 2); frequency i is theta**(-2i/head_dim)."""
+def llama3_frequencies(inv_freq, factor, low_freq_factor, high_freq_factor, original_max_position_embeddings):
+    """Llama 3.1's RoPE scaling: frequencies whose wavelength is longer than the original context / low_freq_factor
+    slow down by factor, those shorter than original context / high_freq_factor stay, and the ones between
+    blend the two smoothly."""
+    wavelen = 2 * math.pi / inv_freq
+    slow = wavelen > original_max_position_embeddings / low_freq_factor
+    fast = wavelen < original_max_position_embeddings / high_freq_factor
+    smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    return torch.where(slow, inv_freq / factor, torch.where(fast, inv_freq, blended))
+
+
+def rope_cos_sin(block_size, head_dim, theta, scaling=None):
+    """cos/sin of the rotation angles, (block_size, head_dim // 2); frequency i is theta**(-2i/head_dim),
+    then rescaled by llama3_frequencies when scaling (its keyword arguments) is given."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    if scaling:
+        inv_freq = llama3_frequencies(inv_freq, **scaling)
     angles = torch.outer(torch.arange(block_size, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()
 
@@ -71,11 +110,13 @@ def apply_rope(x, cos, sin):
 
 
 def attend(q, k, v, dropout_p=0.0, causal=True, mask=None):
-    """(B, H, Tq, D) queries over (B, H, Tk, D) keys/values. The one place attention is computed.
-    mask (B, 1, Tq, Tk), True where attention is allowed, replaces the causal mask (packed rows)."""
+    """(B, H, Tq, D) queries over (B, Hkv, Tk, D) keys/values, each key/value head shared by H / Hkv query
+    heads. The one place attention is computed. mask (B, 1, Tq, Tk), True where attention is allowed,
+    replaces the causal mask (packed rows)."""
+    gqa = q.size(1) != k.size(1)
     if mask is not None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
-    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal, enable_gqa=gqa)
 
 
 def document_mask(doc_ids):
@@ -120,14 +161,14 @@ class CausalSelfAttention(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        self.n_head = config.n_head
-        self.head_dim = config.n_embd // config.n_head
+        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.kv_heads, config.head_size
         self.dropout = config.dropout
         # separate q/k/v projections so each can be targeted (e.g. by LoRA) by name
-        self.q = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        self.k = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        self.v = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        q_size, kv_size, qkv_bias = self.n_head * self.head_dim, self.n_kv_head * self.head_dim, config.bias or config.qkv_bias
+        self.q = nn.Linear(config.n_embd, q_size, bias=qkv_bias)
+        self.k = nn.Linear(config.n_embd, kv_size, bias=qkv_bias)
+        self.v = nn.Linear(config.n_embd, kv_size, bias=qkv_bias)
+        self.proj = nn.Linear(q_size, config.n_embd, bias=config.bias)
         self.q_norm = make_norm(config, self.head_dim) if config.qk_norm else None
         self.k_norm = make_norm(config, self.head_dim) if config.qk_norm else None
         self.resid_drop = nn.Dropout(config.dropout)
@@ -138,9 +179,10 @@ class CausalSelfAttention(nn.Module):
         # CPU shape); layers with an adapter (lora.LoRALinear) then add its term
         layers = (self.q, self.k, self.v)
         bias = None if self.q.bias is None else torch.cat([m.bias for m in layers])
-        qkv = F.linear(x, torch.cat([m.weight for m in layers]), bias).chunk(3, dim=-1)
-        qkv = [m.add_adapter(x, y) if hasattr(m, 'add_adapter') else y for m, y in zip(layers, qkv)]
-        q, k, v = (y.view(B, T, self.n_head, self.head_dim).transpose(1, 2) for y in qkv)
+        qkv = F.linear(x, torch.cat([m.weight for m in layers]), bias).split([m.out_features for m in layers], dim=-1)
+        q, k, v = (m.add_adapter(x, y) if hasattr(m, 'add_adapter') else y for m, y in zip(layers, qkv))
+        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        k, v = (y.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2) for y in (k, v))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
@@ -152,11 +194,13 @@ class CausalSelfAttention(nn.Module):
             causal = cache.len == 0
             k, v = cache.update(k, v)
         y = attend(q, k, v, self.dropout if self.training else 0.0, causal, mask)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        y = y.transpose(1, 2).contiguous().view(B, T, self.n_head * self.head_dim)
         return self.resid_drop(self.proj(y))
 
 
 def mlp_hidden_size(config):
+    if config.mlp_hidden:
+        return config.mlp_hidden
     if config.mlp == 'swiglu':
         # 2/3 of 4*n_embd keeps the parameter count of a 4x MLP with its extra gate; round up to 64
         return 64 * math.ceil(8 * config.n_embd / 3 / 64)
@@ -180,6 +224,8 @@ class MLP(nn.Module):
             h = F.silu(self.gate(x)) * h
         elif self.kind == 'relu2':
             h = F.relu(h).square()
+        elif self.kind == 'gelu_tanh':
+            h = F.gelu(h, approximate='tanh')
         else:
             h = F.gelu(h)
         return self.drop(self.proj(h))
@@ -232,22 +278,44 @@ class GPT(nn.Module):
         if config.pos_emb == 'learned':
             self.transformer.wpe = nn.Embedding(config.block_size, config.n_embd)
         else:
-            # derived from the config, so not saved: the state dict holds only trained weights
-            cos, sin = rope_cos_sin(config.block_size, config.n_embd // config.n_head, config.rope_theta)
-            self.register_buffer('rope_cos', cos, persistent=False)
-            self.register_buffer('rope_sin', sin, persistent=False)
+            self.set_rope_tables()
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.transformer.wte.weight = self.lm_head.weight
 
+        if not self.lm_head.weight.is_meta:  # on the meta device (from_state_dict) weights are loaded, not drawn
+            self.init_weights()
+
+    def init_weights(self):
         self.apply(self._init_weights)
         # each layer adds two residual projections into the stream: scale their init by 1/sqrt(2*n_layer) (GPT-2)
         for name, p in self.named_parameters():
             if name.endswith('.proj.weight'):
-                if config.zero_init_proj:
+                if self.config.zero_init_proj:
                     nn.init.zeros_(p)
                 else:
-                    nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+                    nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * self.config.n_layer))
+
+    def set_rope_tables(self):
+        """RoPE's cos/sin tables; derived from the config, so not saved: the state dict holds only trained
+        weights. (A model built on the meta device, hf_checkpoint.py, computes them after loading.)"""
+        c = self.config
+        cos, sin = rope_cos_sin(c.block_size, c.head_size, c.rope_theta, c.rope_scaling)
+        self.register_buffer('rope_cos', cos, persistent=False)
+        self.register_buffer('rope_sin', sin, persistent=False)
+
+    @classmethod
+    def from_state_dict(cls, config, state):
+        """A GPT whose weights are state's tensors themselves, built on the meta device, so no other
+        weights are ever allocated: host memory holds one copy of the model (hf_checkpoint.py)."""
+        with torch.device('meta'):
+            model = cls(config)
+        model.load_state_dict(state, assign=True)
+        if config.tie_embeddings:  # assign gave lm_head its own Parameter: share the embedding's again
+            model.lm_head.weight = model.transformer.wte.weight
+        if config.pos_emb == 'rope':
+            model.set_rope_tables()
+        return model
 
     def _init_weights(self, module):
         if isinstance(module, nn.Linear):
@@ -358,26 +426,28 @@ class GPT(nn.Module):
         groups = [dict(params=decay, weight_decay=weight_decay), dict(params=no_decay, weight_decay=0.0)]
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
 
-    def flops_per_token(self, output_fraction=1.0):
-        """Training FLOPs per token (forward + backward): 6N for the matmuls plus attention over block_size.
+    def flops_per_token(self, output_fraction=1.0, context=None):
+        """Training FLOPs per token (forward + backward): 6N for the matmuls plus attention over context
+        tokens (None: block_size; a published model's block_size is its longest context, not the run's).
         The output layer's share of 6N (6 * n_embd * vocab_size) counts only for output_fraction of the
         tokens, those whose logits are computed (fine-tuning: the labelled ones, see forward's keep)."""
         c = self.config
         head = 6 * c.n_embd * c.vocab_size
         return (6 * self.get_num_params() - head + head * output_fraction
-                + 12 * c.n_layer * c.n_head * (c.n_embd // c.n_head) * c.block_size)
+                + 12 * c.n_layer * c.n_head * c.head_size * (context or c.block_size))
 
-    def estimate_mfu(self, tokens_per_sec, device_name=None, output_fraction=1.0):
+    def estimate_mfu(self, tokens_per_sec, device_name=None, output_fraction=1.0, context=None):
         """Model FLOPs utilization: achieved FLOP/s per device over the device's peak bf16 FLOP/s.
         tokens_per_sec is per device. device_name is torch.cuda.get_device_name() of the training GPU
         or 'cpu'/'mps' (None: the current CUDA device, if any). output_fraction: the share of the tokens
-        that go through the output layer (flops_per_token). Returns None for unknown devices."""
+        that go through the output layer, context: the run's context length (flops_per_token). Returns
+        None for unknown devices."""
         if device_name is None:
             device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'
         peak = peak_flops(device_name)
         if peak is None:
             return None
-        return self.flops_per_token(output_fraction) * tokens_per_sec / peak
+        return self.flops_per_token(output_fraction, context) * tokens_per_sec / peak
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, use_kv_cache=True,
@@ -394,7 +464,8 @@ class GPT(nn.Module):
             elif caches is None or idx.size(1) > block_size:
                 # (re)prefill: at the start, and at every step once the window slides, because every
                 # cached position then shifts by one and cached keys/values no longer apply
-                caches = [KVCache(block_size) for _ in self.transformer.h]
+                # no longer than this call can fill: a published model's block_size may be 128k positions
+                caches = [KVCache(min(block_size, idx.size(1) + max_new_tokens)) for _ in self.transformer.h]
                 h = self.hidden_states(idx[:, -block_size:], caches)
             else:
                 h = self.hidden_states(idx[:, -1:], caches)

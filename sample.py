@@ -2,6 +2,8 @@
 Generate from a trained checkpoint: `python sample.py --out_dir=out --start="def main("`.
 A fine-tuned (sft/lora) model takes start as a user turn of its chat template and answers it:
 `python sample.py --out_dir=out-sft --start="What is 48+27?"` (for LoRA runs, --ckpt_name=merged.pt).
+A published model samples straight from its Hugging Face folder, answering in its own chat template:
+`python sample.py --init_from=/models/Qwen2.5-0.5B-Instruct --start="Why is the sky blue?"`.
 A train_tts.py checkpoint speaks instead: `python sample.py --out_dir=out-tts --text="Hello there." --wav=out.wav`.
 """
 
@@ -12,16 +14,19 @@ import time
 import torch
 
 from checkpoint import load_checkpoint
+from hf_tokenizer import load_hf_tokenizer
+from starting_model import load_model
 from configurator import FOLDER, POSITIVE, UserError, at_least, check_values, configure, interval
 from memory import autocast_context, pick_device, pick_dtype
 from model import GPT, GPTConfig
-from tokenizer import ChatTokenizer, load_tokenizer
+from tokenizer import chat_tokenizer, load_tokenizer
 from tts_data import MEL_SETTINGS, write_wav
 from tts_model import load_tts, synthesize
 
 # -----------------------------------------------------------------------------
 out_dir = 'out'              # folder of the run to sample from
 ckpt_name = 'ckpt.pt'        # 'ckpt.pt' (latest) or 'best.pt'; LoRA runs: 'merged.pt'
+init_from = ''               # a Hugging Face model folder to sample from instead of out_dir's checkpoint
 data_dir = ''                # tokenizer folder; '' = the one recorded in the checkpoint
 start = '\n'                 # prompt text, or 'FILE:path.txt' to read it from a file
 num_samples = 1
@@ -51,13 +56,13 @@ check_values(config, [
     (FOLDER, ('out_dir',)),
 ])
 # keys that only one kind of checkpoint reads: setting one for the other kind is refused, not silently ignored
-GPT_KEYS = ['data_dir', 'start', 'num_samples', 'max_new_tokens', 'temperature', 'top_k', 'top_p', 'use_kv_cache']
+GPT_KEYS = ['init_from', 'data_dir', 'start', 'num_samples', 'max_new_tokens', 'temperature', 'top_k', 'top_p', 'use_kv_cache']
 TTS_KEYS = ['text', 'wav', 'n_timesteps', 'tts_temperature', 'length_scale', 'guidance']
 
 device = pick_device(device)
 autocast = autocast_context(device, pick_dtype(device, dtype))
-ckpt_path = os.path.join(out_dir, ckpt_name)
-ckpt = load_checkpoint(ckpt_path)
+ckpt_path = init_from or os.path.join(out_dir, ckpt_name)
+ckpt = load_model(init_from) if init_from else load_checkpoint(ckpt_path)
 kind, keys, other_keys = (('text-to-speech (train_tts.py)', TTS_KEYS, GPT_KEYS) if ckpt['kind'] == 'tts' else
                           ('GPT (train.py/train_dpo.py)', GPT_KEYS, TTS_KEYS))
 ignored = [k for k in other_keys if config[k] != _defaults[k]]
@@ -79,16 +84,20 @@ if ckpt['kind'] == 'tts':
 if ckpt['kind'] == 'lora':
     raise UserError(f"{ckpt_path} holds LoRA adapters only; sample from the run's merged model: --ckpt_name=merged.pt "
                     f"(written at the end of training).")
-model = GPT(GPTConfig(**ckpt['model_args']))
-model.load_state_dict(ckpt['model'])
+if ckpt.get('hf_config'):  # built around its weights: one copy of a published model in memory
+    model = GPT.from_state_dict(GPTConfig(**ckpt['model_args']), ckpt['model'])
+else:
+    model = GPT(GPTConfig(**ckpt['model_args']))
+    model.load_state_dict(ckpt['model'])
 model.eval().to(device)
-if not data_dir and not os.path.isfile(os.path.join(ckpt['data_dir'], 'meta.json')):
+ckpt.setdefault('data_dir', init_from)  # a Hugging Face folder holds its own tokenizer
+if not data_dir and not any(os.path.isfile(os.path.join(ckpt['data_dir'], f)) for f in ('meta.json', 'config.json')):
     raise UserError(f"{ckpt_path} was trained on the dataset in {ckpt['data_dir']}, which is no longer there (moved "
                     f"or copied elsewhere?); pass --data_dir=<that dataset's folder now>.")
-tokenizer = load_tokenizer(data_dir or ckpt['data_dir'])
+tokenizer = (load_hf_tokenizer if ckpt.get('hf_config') else load_tokenizer)(data_dir or ckpt['data_dir'])
 chat = ckpt['config'].get('training_type', 'from_scratch') != 'from_scratch'
 if chat:
-    tokenizer = ChatTokenizer(tokenizer)
+    tokenizer = chat_tokenizer(tokenizer)
 if tokenizer.identity() != ckpt['tokenizer']:
     raise UserError(f"the tokenizer in {data_dir or ckpt['data_dir']} is not the one {ckpt_path} was trained with. "
                     f"Pass --data_dir=<the dataset folder used for training>.")

@@ -1,7 +1,8 @@
 """
 Tokenizers: one token per character (CharTokenizer) or sentencepiece BPE (BPETokenizer, trained by
 train_bpe), the chat template's special tokens on top of either (ChatTokenizer), and the tokenizer
-that a prepared dataset folder holds (load_tokenizer). data.py prepares those folders.
+that a prepared dataset folder holds (load_tokenizer). data.py prepares those folders. A Hugging Face
+model folder's own tokenizer and chat template: hf_tokenizer.py.
 """
 
 import hashlib
@@ -110,6 +111,10 @@ def train_bpe(docs, vocab_size):
 
 CHAT_ROLES = ('system', 'user', 'assistant')
 CHAT_SPECIAL_TOKENS = ('<|system|>', '<|user|>', '<|assistant|>', '<|end|>')
+# the same template in Jinja, for a Hugging Face folder export.py writes (there, as in every Jinja template,
+# special-token text inside a message is read as that token)
+CHAT_TEMPLATE_JINJA = ("{% for message in messages %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}"
+                       "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
 
 
 class ChatTokenizer:
@@ -185,7 +190,14 @@ def dataset_file(data_dir, name):
     return path
 
 
+def chat_tokenizer(tokenizer):
+    """The tokenizer fine-tuning encodes conversations with: a published model's own chat template, else
+    nanotrain's (ChatTokenizer) on top of tokenizer."""
+    return tokenizer if getattr(tokenizer, 'chat_template', None) else ChatTokenizer(tokenizer)
+
+
 def load_tokenizer(data_dir):
+    """The tokenizer of a dataset folder prepared by data.py (a Hugging Face model's: hf_tokenizer.py)."""
     meta = read_meta(data_dir)
     if meta['tokenizer'] == 'char':
         return CharTokenizer(meta['chars'])

@@ -4,6 +4,7 @@ sources (prepared once under data/stdlib); `python train.py config/shakespeare_c
 another prepared corpus; `torchrun --nproc_per_node=8 train.py ...` runs data-parallel.
 `python train.py config/sft.py` fine-tunes a trained model on chat examples (training_type='sft'),
 `python train.py config/lora.py` trains low-rank adapters on it instead (training_type='lora').
+`python train.py config/sft_hf.py --init_from=<Hugging Face model folder>` fine-tunes a published model.
 Every config key below can be overridden by a config file or --key=value (`--help` lists them).
 """
 
@@ -19,30 +20,33 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from chat_data import SFTBatches, load_sft_split
-from checkpoint import (check_compatible, claim_out_dir, file_sha256, full_model_checkpoint, require_init_from,
-                        restore_training_state, run_log, run_origin, run_to_continue, save_checkpoint, training_state)
+from checkpoint import (check_compatible, claim_out_dir, is_hf_folder, require_init_from, restore_training_state,
+                        run_log, run_origin, run_to_continue, save_checkpoint, training_data_hash, training_state)
 from configurator import (FOLDER, POSITIVE, UserError, at_least, check_values, configure, dataclass_args, interval,
                           one_of)
 from data import TokenBatches, eval_offsets, prepare_default
-from losses import combine_losses, target_weights, token_weight_table, weighted_cross_entropy, z_loss
+from hf_checkpoint import hf_model_args
+from hf_tokenizer import load_hf_tokenizer
+from losses import check_loss_weights, combine_losses, target_weights, token_weight_table, weighted_cross_entropy, z_loss
 from memory import (GradScaler, MemoryMonitor, autocast_context, halve_micro_batch, peak_memory_bytes, pick_dtype,
                     recover_from_oom)
-from lora import LORA_SETTINGS, apply_lora, lora_optimizer, lora_state_dict, save_merged
+from lora import apply_lora, load_adapters, lora_optimizer, lora_state_dict, save_merged
 from model import GPT, GPTConfig
 from muon import Muon, muon_param_groups
 from runtime import (StepProfiler, StopSignal, after_eval, clip_and_reduce, compute_cleanup, compute_init,
                      keep_log_until, log, patience_exhausted, step_or_skip)
 from scheduler import SCHEDULES, get_lr, set_lr
+from starting_model import check_starting_model, full_model_checkpoint, model_hash
 from tasks.exact_match import exact_match_accuracy
 from tasks.number_tasks import NUMBER_TASKS_DIR, prepare_number_tasks
-from tokenizer import ChatTokenizer, load_tokenizer
+from tokenizer import chat_tokenizer, load_tokenizer
 
 # -----------------------------------------------------------------------------
 # I/O
 training_type = 'from_scratch'  # 'from_scratch' (token windows of data_dir) | 'sft' (chat examples from sft_data, all weights) | 'lora' (sft_data, low-rank adapters on a frozen model)
 out_dir = 'out'              # checkpoints (ckpt.pt latest, best.pt best val), log.jsonl, tensorboard
 data_dir = ''                # a folder made by data.py (sft/lora: its tokenizer); '' = the embedded default (stdlib sources, data/stdlib)
-init_from = 'scratch'        # where a new run's weights start: 'scratch' | path to a checkpoint (sft/lora: the pretrained model)
+init_from = 'scratch'        # where a new run's weights start: 'scratch' | a checkpoint (sft/lora: the pretrained model) | a Hugging Face model folder (sft/lora: its own shape, tokenizer and chat template)
 resume = True                # continue the run in out_dir when it holds one (relaunching a killed command continues it); False = start a new run there, replacing it
 eval_interval = 100          # steps between evals (and checkpoint saves)
 eval_iters = 20              # val batches per eval
@@ -73,7 +77,7 @@ lora_r = 8
 lora_alpha = 16.0
 lora_dropout = 0.05          # dropout on the adapters' input
 use_rslora = False           # scale updates by lora_alpha/sqrt(r) instead of lora_alpha/r
-lora_target_modules = 'attn.q,attn.k,attn.v,attn.proj'  # comma-separated from attn.q/k/v/proj and mlp.fc/gate/proj, or 'all-linear'
+lora_target_modules = 'attn.q,attn.k,attn.v,attn.proj'  # comma-separated from attn.q/k/v/proj and mlp.fc/gate/proj (or Hugging Face's q_proj, v_proj, ...), or 'all-linear'
 lora_bias = 'none'           # biases trained too: 'none' | 'all' | 'lora_only' (those of adapted layers)
 loraplus_lr_ratio = 1.0      # LoRA+: the B matrices learn at this times the learning rate (the paper suggests 16)
 # loss
@@ -131,9 +135,14 @@ check_values(config, [
     (one_of(SCHEDULES), ('lr_schedule',)),
     (FOLDER, ('out_dir',)),
 ])
+check_loss_weights(loss_weights)
 if training_type not in ('from_scratch', 'sft', 'lora'):
     raise UserError(f"training_type={training_type!r} is not supported; use 'from_scratch', 'sft' or 'lora'.")
 fine_tuning = training_type != 'from_scratch'
+hf_model = is_hf_folder(init_from)  # a published model: config.json gives its shape, the folder its tokenizer
+if hf_model and not fine_tuning:
+    raise UserError(f"init_from={init_from!r} is a Hugging Face model; fine-tune it with training_type='sft' or "
+                    f"'lora' (e.g. python train.py config/sft_hf.py --init_from={init_from}).")
 
 # processes and device (runtime.py: one process per GPU under torchrun), precision
 ddp, rank, local_rank, world_size, device = compute_init(device, seed, num_threads)
@@ -149,7 +158,7 @@ this_run = dict(script='train.py', training_type=training_type, init_from=run_or
 ckpt = run_to_continue(out_dir, resume, this_run, eval_only)
 resuming = ckpt is not None
 if ckpt is None and init_from != 'scratch':
-    require_init_from(init_from, made_by='`python train.py` (pretraining)' if init_from == 'out/ckpt.pt' else None)
+    require_init_from(init_from, '`python train.py` (pretraining)' if init_from == 'out/ckpt.pt' else None, hf_folders=True)
 if eval_only and ckpt is None and init_from == 'scratch':
     raise UserError(f"eval_only=True needs a trained model, but {ckpt_path} does not exist; point --out_dir at a run "
                     f"or --init_from at a checkpoint.")
@@ -159,21 +168,23 @@ if training_type == 'lora' and ckpt is None and init_from == 'scratch':
 
 
 # data: rank 0 prepares the default corpus once, the others wait for it
-if not data_dir:
+if hf_model:
+    data_dir = init_from  # the model's own tokenizer
+elif not data_dir:
     if master:
         prepare_default()
     if ddp:
         dist.barrier()
     data_dir = os.path.join('data', 'stdlib')
-tokenizer = load_tokenizer(data_dir)
+tokenizer = load_hf_tokenizer(data_dir) if hf_model else load_tokenizer(data_dir)
 if not fine_tuning:
     train_batches = TokenBatches(os.path.join(data_dir, 'train.bin'), block_size, seed)
     val_batches = TokenBatches(os.path.join(data_dir, 'val.bin'), block_size, seed)
     val_indices = eval_offsets(val_batches.n_tokens, block_size, eval_iters * batch_size)
     sample_prompt = tokenizer.encode('\n')
 else:
-    # chat examples; the tokenizer gains the chat template's special tokens (tokenizer.py)
-    base_tokenizer, tokenizer = tokenizer, ChatTokenizer(tokenizer)
+    # chat examples in the model's own chat template, or in nanotrain's, whose special tokens the tokenizer gains
+    base_tokenizer, tokenizer = tokenizer, chat_tokenizer(tokenizer)
     if max_length > block_size:
         raise UserError(f"max_length={max_length} is longer than block_size={block_size}; lower max_length.")
     if not sft_data:
@@ -193,32 +204,33 @@ else:
     val_batches = SFTBatches(val_examples, seed, tokenizer.eos_id, max_length, pack)
     val_indices = torch.arange(min(len(val_examples), eval_iters * batch_size))
     shortest = int(train_batches.lengths.min())
-    train_data_hash = file_sha256(os.path.join(sft_data, 'train.jsonl'))
+    train_data_hash = training_data_hash(os.path.join(sft_data, 'train.jsonl'), ckpt, out_dir, 'sft_data')
 
-# model, from scratch or from a checkpoint (shape and tokenizer must match the config)
-model_args = dataclass_args(GPTConfig, config, vocab_size=tokenizer.vocab_size)
+# model, from scratch, from a checkpoint (shape and tokenizer must match the config), or a published model
+if hf_model:  # its shape is config.json's, whatever the model keys above say
+    model_args = dict(hf_model_args(init_from), dropout=dropout, vocab_size=tokenizer.vocab_size)
+    if block_size > model_args['block_size']:
+        raise UserError(f"block_size={block_size} is longer than the {model_args['block_size']} positions "
+                        f"{init_from} can attend over; lower block_size and max_length.")
+else:
+    model_args = dataclass_args(GPTConfig, config, vocab_size=tokenizer.vocab_size)
 model_ckpt, model_ckpt_path = full_model_checkpoint(ckpt, ckpt_path, init_from, out_dir)
 vocab_size = tokenizer.vocab_size
 if ckpt is not None:  # checkpoints written before they recorded their run (run_to_continue) are checked here
     check_compatible({'optimizer_type': ckpt['config'].get('optimizer_type', 'adamw'),
                       'training_type': ckpt['config'].get('training_type', 'from_scratch')},
                      {'optimizer_type': optimizer_type, 'training_type': training_type}, 'optimizer', ckpt_path)
-if model_ckpt is not None:
-    chat_model = model_ckpt['config'].get('training_type', 'from_scratch') != 'from_scratch'
-    if not fine_tuning and chat_model:
-        raise UserError(f"{model_ckpt_path} is a chat model (training_type={model_ckpt['config']['training_type']!r}); "
-                        f"train it further with training_type='sft' or 'lora', not as pretraining.")
-    # a pretrained model being fine-tuned has the base tokenizer: the chat tokens are added below
-    expected_tokenizer = base_tokenizer.identity() if fine_tuning and not chat_model else tokenizer.identity()
-    vocab_size = expected_tokenizer['vocab_size']
-    check_compatible(model_ckpt['tokenizer'], expected_tokenizer, 'tokenizer', model_ckpt_path,
-                     fix="Point data_dir at the tokenizer folder it was trained with, or use a different out_dir / "
-                         "--init_from=scratch to train a new model.")
-    check_compatible(model_ckpt['model_args'], dict(model_args, vocab_size=vocab_size), 'model shape',
-                     model_ckpt_path, may_differ=('dropout',))
-model = GPT(GPTConfig(**dict(model_args, vocab_size=vocab_size)))
-if model_ckpt is not None:
-    model.load_state_dict(model_ckpt['model'])
+if model_ckpt is not None:  # a pretrained model being fine-tuned has the base tokenizer: the chat tokens come below
+    vocab_size = check_starting_model(model_ckpt, model_ckpt_path, model_args, tokenizer,
+                                      base_tokenizer if fine_tuning else None)
+hf_config = model_ckpt and model_ckpt.get('hf_config')  # a published model's config.json, for export.py
+if hf_config:  # no random weights first: memory holds one copy of the model
+    model = GPT.from_state_dict(GPTConfig(**dict(model_args, vocab_size=vocab_size)), model_ckpt['model'])
+else:
+    model = GPT(GPTConfig(**dict(model_args, vocab_size=vocab_size)))
+    if model_ckpt is not None:
+        model.load_state_dict(model_ckpt['model'])
+hf_files = dict(hf_config=hf_config, generation_config=model_ckpt['generation_config']) if hf_config else {}
 if vocab_size < tokenizer.vocab_size:
     model.resize_vocab(tokenizer.vocab_size)
 if training_type == 'lora':
@@ -226,16 +238,10 @@ if training_type == 'lora':
     wrapped = apply_lora(model, lora_r, lora_alpha, lora_dropout, lora_target_modules, use_rslora, lora_bias,
                          added_tokens)
     if ckpt is not None:
-        check_compatible({k: ckpt['config'][k] for k in LORA_SETTINGS}, {k: config[k] for k in LORA_SETTINGS},
-                         'LoRA setup', ckpt_path, fix="Set these keys to the checkpoint's values, or start a new run "
-                                                     "in another out_dir.")
-        check_compatible({'trained tensors': sorted(ckpt['model'])}, {'trained tensors': sorted(lora_state_dict(model))},
-                         'LoRA setup', ckpt_path, fix="It was written by an older nanotrain (before the added chat "
-                         "tokens trained); start a new run: --resume=False, or another out_dir.")
-        model.load_state_dict({**model.state_dict(), **ckpt['model']})  # strict: every adapter must fit
+        load_adapters(model, ckpt, ckpt_path, config)
         lora_base = ckpt['base_checkpoint'], ckpt['base_hash']
     else:
-        lora_base = os.path.abspath(init_from), file_sha256(init_from)
+        lora_base = os.path.abspath(init_from), model_hash(init_from)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log(f"LoRA r={lora_r} on {len(wrapped)} layers + {added_tokens} added token rows: {trainable:,} trainable "
         f"parameters ({100 * trainable / sum(p.numel() for p in model.parameters()):.2f}% of all)")
@@ -256,10 +262,6 @@ else:
 scaler = GradScaler(enabled=ptdtype == torch.float16)
 iter_num, best_val_loss, evals_without_improvement = 0, float('inf'), 0
 if ckpt is not None:
-    if fine_tuning and ckpt.get('train_data_hash', train_data_hash) != train_data_hash:  # older checkpoints: unknown
-        raise UserError(f"{os.path.join(sft_data, 'train.jsonl')} has changed since the run in {out_dir} began; "
-                        f"resuming would go on with other examples. Restore the file (or sft_data), or start a new "
-                        f"run (another out_dir, or --resume=False to replace it).")
     train_batches.load_state_dict(ckpt['train_batches'])
     # an earlier OOM may have shrunk the micro-batch; keep that split if the global batch is unchanged
     if ckpt['batch_size'] * ckpt['gradient_accumulation_steps'] == batch_size * gradient_accumulation_steps:
@@ -279,13 +281,6 @@ log(f"device {device}, dtype {ptdtype}, {world_size} process(es), {raw_model.get
     + (f"{global_batch_size} examples" if fine_tuning else f"{global_batch_size * block_size:,} tokens") + " per step")
 
 # loss: token-weighted cross-entropy (losses.py), plus the other terms given a weight in loss_weights
-if set(loss_weights) - {'ce', 'z_loss'}:
-    raise UserError(f"loss_weights has unknown terms {sorted(set(loss_weights) - {'ce', 'z_loss'})}; the loss terms "
-                    f"are 'ce' (cross-entropy) and 'z_loss', e.g. loss_weights={{'ce': 1.0, 'z_loss': 1e-4}}.")
-if not all(isinstance(w, (int, float)) and math.isfinite(w) and w >= 0 for w in loss_weights.values()) \
-        or not any(loss_weights.values()):
-    raise UserError(f"loss_weights={loss_weights}: weights must be finite numbers >= 0, and one of them positive, "
-                    f"e.g. {{'ce': 1.0, 'z_loss': 1e-4}}.")
 token_weight = token_weight_table(tokenizer.vocab_size, token_weights, tokenizer).to(device) if token_weights else None
 
 
@@ -327,7 +322,7 @@ def checkpoint_state():
                  kind='gpt', model=raw_model.state_dict(), model_args=model_args, tokenizer=tokenizer.identity(),
                  data_dir=os.path.abspath(data_dir), train_batches=train_batches.state_dict(), batch_size=batch_size,
                  gradient_accumulation_steps=gradient_accumulation_steps,
-                 train_data_hash=train_data_hash if fine_tuning else None)
+                 train_data_hash=train_data_hash if fine_tuning else None, **hf_files)
     if training_type == 'lora':  # adapters only: the frozen base stays in its own checkpoint, named by path and hash
         state.update(kind='lora', model=lora_state_dict(raw_model), base_checkpoint=lora_base[0],
                      base_hash=lora_base[1])
@@ -442,7 +437,8 @@ while iter_num < max_iters:
     if iter_num % log_interval == 0 or iter_num == max_iters:
         now = time.time()
         tokens_per_sec = window_tokens / (now - window_start)  # all of the window's time, logging included
-        mfu = raw_model.estimate_mfu(tokens_per_sec / world_size, device_name, window_labels / window_tokens)
+        mfu = raw_model.estimate_mfu(tokens_per_sec / world_size, device_name, window_labels / window_tokens,
+                                     block_size)
         level = monitor.check()
         event = dict(step=iter_num, train_loss=loss, lr=lr, grad_norm=grad_norm, tokens_per_sec=tokens_per_sec,
                      mfu=mfu, memory_level=level, memory_usage=monitor.usage, memory_check_s=monitor.overhead_s,
@@ -480,7 +476,7 @@ save(ckpt_path)
 report_exact_match()
 if training_type == 'lora' and master:
     save_merged(out_dir, raw_model, model_args=model_args, config=config, iter_num=iter_num,
-                tokenizer=tokenizer.identity(), data_dir=os.path.abspath(data_dir))
+                tokenizer=tokenizer.identity(), data_dir=os.path.abspath(data_dir), **hf_files)
 
 if master and sample_tokens > 0:
     raw_model.eval()

@@ -8,8 +8,6 @@ number-task pairs (a correct answer chosen, a near miss rejected) into out-dpo/;
 overridden by a config file or --key=value (`--help` lists them).
 """
 
-import hashlib
-import json
 import os
 import sys
 import time
@@ -21,27 +19,29 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from chat_data import PreferenceBatches, load_preference_split
-from checkpoint import (check_compatible, claim_out_dir, file_sha256, load_checkpoint, require_init_from,
-                        restore_training_state, run_log, run_origin, run_to_continue, save_checkpoint, training_state)
+from checkpoint import (cached_tensors, check_compatible, claim_out_dir, file_sha256, restore_training_state, run_log,
+                        run_origin, run_to_continue, save_checkpoint, training_data_hash, training_state)
 from configurator import FOLDER, POSITIVE, UserError, at_least, check_values, configure, interval, one_of
 from data import prepare_default
 from losses import DPO_LOSS_TYPES, dpo_loss, sequence_logps
 from memory import GradScaler, autocast_context, peak_memory_bytes, pick_dtype
 from lora import LORA_SETTINGS, apply_lora, disable_adapters, lora_optimizer, lora_state_dict, save_merged
 from model import GPT, GPTConfig
+from hf_tokenizer import load_hf_tokenizer
 from runtime import (StopSignal, after_eval, clip_and_reduce, compute_cleanup, compute_init, keep_log_until, log,
                      patience_exhausted, step_or_skip)
 from scheduler import SCHEDULES, get_lr, set_lr
+from starting_model import dpo_reference, load_model
 from tasks.exact_match import exact_match_accuracy
 from tasks.number_tasks import PREFERENCES_DIR, prepare_number_tasks
-from tokenizer import ChatTokenizer, load_tokenizer
+from tokenizer import chat_tokenizer, load_tokenizer
 
 # -----------------------------------------------------------------------------
 # I/O
 out_dir = 'out-dpo'          # checkpoints (ckpt.pt latest, best.pt best eval loss), log.jsonl, tensorboard
-init_from = 'out-sft/ckpt.pt'  # the chat model (an SFT checkpoint, or a LoRA run's merged.pt) the policy and reference start as
+init_from = 'out-sft/ckpt.pt'  # the chat model the policy and reference start as: an SFT checkpoint, a LoRA run's merged.pt, or a Hugging Face chat model's folder
 resume = True                # continue the run in out_dir when it holds one (the reference it names must be unchanged); False = start a new run there, replacing it
-data_dir = ''                # folder of the base tokenizer (made by data.py); '' = the embedded default (data/stdlib)
+data_dir = ''                # folder of the base tokenizer (made by data.py); '' = the embedded default (data/stdlib); a published model brings its own
 dpo_data = ''                # folder with train.jsonl, val.jsonl (and test.jsonl for exact match); '' = the embedded number-task pairs
 eval_interval = 200          # steps between evals (and checkpoint saves)
 eval_pairs = 500             # held-out pairs per eval (val.jsonl)
@@ -113,14 +113,11 @@ check_values(config, [
     (interval('[0, 1)'), ('dropout', 'lora_dropout', 'beta1', 'beta2')),
     (interval('[0, 1]'), ('decay_frac',)),
     (POSITIVE, ('beta', 'lora_alpha', 'loraplus_lr_ratio')),
+    (interval('[0, 0.5)'), ('label_smoothing',)),  # at 0.5 the labels carry no information
     (one_of(SCHEDULES), ('lr_schedule',)),
+    (one_of(DPO_LOSS_TYPES), ('loss_type',)),
     (FOLDER, ('out_dir',)),
 ])
-if loss_type not in DPO_LOSS_TYPES:
-    raise UserError(f"loss_type={loss_type!r} is not supported; use one of {', '.join(DPO_LOSS_TYPES)}.")
-if not 0 <= label_smoothing < 0.5:
-    raise UserError(f"label_smoothing={label_smoothing} must be in [0, 0.5): it is the probability that a label is "
-                    f"wrong, and at 0.5 the labels carry no information.")
 if label_smoothing and loss_type not in ('sigmoid', 'robust'):
     raise UserError(f"label_smoothing applies to loss_type 'sigmoid' (conservative DPO) and 'robust' only; "
                     f"drop it for loss_type={loss_type!r}.")
@@ -133,38 +130,21 @@ master, device_type = rank == 0, device.split(':')[0]
 ptdtype = pick_dtype(device, dtype)
 autocast = autocast_context(device, ptdtype)
 
-# out_dir: written and locked before any work; a checkpoint there is this run's to continue, never another's.
-# The reference is always the model the run began as.
+# out_dir: written and locked before any work; a checkpoint there is this run's to continue, never another's
 if master:
     out_dir_lock = claim_out_dir(out_dir)
 ckpt_path = os.path.join(out_dir, 'ckpt.pt')
 this_run = dict(script='train_dpo.py', init_from=run_origin(init_from), use_lora=use_lora)
 ckpt = run_to_continue(out_dir, resume, this_run, eval_only)
 resuming = ckpt is not None
-if ckpt and 'reference_hash' not in ckpt:
-    raise UserError(f"{ckpt_path} is not a DPO run's checkpoint, so there is nothing to resume. Use another out_dir, "
-                    f"or --resume=False to start a new run there (its checkpoints are then overwritten).")
-reference_path = ckpt['reference_checkpoint'] if ckpt else init_from
-if ckpt and not os.path.isfile(reference_path):
-    raise UserError(f"{reference_path}, the reference of the DPO run in {out_dir} (named in its ckpt.pt), no longer "
-                    f"exists. Put it back there, or start a new run (another out_dir, or --resume=False).")
-if not ckpt:
-    require_init_from(init_from, made_by="`python train.py` (pretraining, out/ckpt.pt) then `python train.py "
-                                         "config/sft.py` (SFT)" if init_from == 'out-sft/ckpt.pt' else None)
-reference_ckpt = load_checkpoint(reference_path)
-if reference_ckpt['kind'] != 'gpt':
-    raise UserError(f"{reference_path} is a {reference_ckpt['kind']!r} checkpoint; DPO starts from a GPT chat model "
-                    + ("(for a LoRA run, its merged.pt)." if reference_ckpt['kind'] == 'lora' else "."))
-if reference_ckpt['config'].get('training_type', 'from_scratch') == 'from_scratch':
-    raise UserError(f"{reference_path} is a pretrained model without the chat template; fine-tune it first, e.g. "
-                    f"`python train.py config/sft.py --init_from={reference_path}`, and start DPO from that run's "
-                    f"checkpoint.")
-reference_hash = file_sha256(reference_path)
-if ckpt and reference_hash != ckpt['reference_hash']:
-    raise UserError(f"{reference_path}, the reference of the DPO run in {out_dir}, has changed since the run began. "
-                    f"Restore that file, or start a new run (another out_dir, or --resume=False to overwrite).")
+reference_ckpt, reference_path, reference_hash = dpo_reference(
+    ckpt, init_from, out_dir, made_by="`python train.py` (pretraining, out/ckpt.pt) then `python train.py "
+                                      "config/sft.py` (SFT)" if init_from == 'out-sft/ckpt.pt' else None)
 
 # data: rank 0 prepares the default tokenizer and pairs once, the others wait
+hf_files = {k: reference_ckpt[k] for k in ('hf_config', 'generation_config')} if reference_ckpt.get('hf_config') else {}
+if hf_files:
+    data_dir = reference_ckpt['data_dir']  # a published model's own tokenizer and chat template
 if master:
     if not data_dir:
         prepare_default()
@@ -174,7 +154,7 @@ if ddp:
     dist.barrier()
 data_dir = data_dir or os.path.join('data', 'stdlib')
 dpo_data = dpo_data or PREFERENCES_DIR
-tokenizer = ChatTokenizer(load_tokenizer(data_dir))
+tokenizer = chat_tokenizer(load_hf_tokenizer(data_dir) if hf_files else load_tokenizer(data_dir))
 check_compatible(reference_ckpt['tokenizer'], tokenizer.identity(), 'tokenizer', reference_path,
                  fix="Point data_dir at the tokenizer folder the model was trained with ('' for the default).")
 model_args = dict(reference_ckpt['model_args'], dropout=dropout)
@@ -184,28 +164,16 @@ if max_length > model_args['block_size']:
 if max_prompt_length >= max_length:
     raise UserError(f"max_prompt_length={max_prompt_length} must leave room for a completion in max_length={max_length}; "
                     f"lower it.")
-
-
-def split_path(name):
-    return os.path.join(dpo_data, f'{name}.jsonl')
-
-
-def read_split(name):
-    return load_preference_split(split_path(name), tokenizer, max_length, max_prompt_length, skip_malformed)
-
-
-_, train_pairs = read_split('train')
-val_references, val_pairs = read_split('val')
-held_out = read_split('test')[0] if exact_match_examples and os.path.exists(split_path('test')) else val_references
+train_path, val_path, test_path = (os.path.join(dpo_data, f'{name}.jsonl') for name in ('train', 'val', 'test'))
+_, train_pairs = load_preference_split(train_path, tokenizer, max_length, max_prompt_length, skip_malformed)
+val_references, val_pairs = load_preference_split(val_path, tokenizer, max_length, max_prompt_length, skip_malformed)
+held_out = (load_preference_split(test_path, tokenizer, max_length, max_prompt_length, skip_malformed)[0]
+            if exact_match_examples and os.path.exists(test_path) else val_references)
 exact_match_prompts = held_out[:exact_match_examples]
 train_batches = PreferenceBatches(train_pairs, seed, tokenizer.eos_id, max_length, pack)
 val_batches = PreferenceBatches(val_pairs, seed, tokenizer.eos_id, max_length, pack)
 val_indices = torch.arange(min(len(val_pairs), eval_pairs))
-train_data_hash = file_sha256(split_path('train'))
-if ckpt and train_data_hash != ckpt.get('train_data_hash', train_data_hash):  # older checkpoints: unknown
-    raise UserError(f"{split_path('train')} has changed since the DPO run in {out_dir} began; resuming would go on "
-                    f"with other pairs. Restore the file (or dpo_data), or start a new run (another out_dir, or "
-                    f"--resume=False).")
+train_data_hash = training_data_hash(train_path, ckpt, out_dir, 'dpo_data')
 
 
 def frozen_copy(state):
@@ -216,8 +184,11 @@ def frozen_copy(state):
 
 # policy, and the reference: a frozen copy when training all weights, the policy itself with its
 # adapters disabled when training LoRA, or none in memory with precomputed log-probs
-model = GPT(GPTConfig(**model_args))
-model.load_state_dict(reference_ckpt['model'])
+if hf_files:  # no random weights first: memory holds one copy of the model
+    model = GPT.from_state_dict(GPTConfig(**model_args), reference_ckpt['model'])
+else:
+    model = GPT(GPTConfig(**model_args))
+    model.load_state_dict(reference_ckpt['model'])
 reference = frozen_copy(reference_ckpt['model']) if not (use_lora or reference_free or precompute_ref_logps) else None
 if use_lora:
     wrapped = apply_lora(model, lora_r, lora_alpha, lora_dropout, lora_target_modules, use_rslora, lora_bias)
@@ -256,54 +227,42 @@ def completion_logps(net, batch, n):
 
 
 @torch.no_grad()
-def reference_logps(batch, n):
-    """The reference's (per-sequence sums, logits at the completion positions) for a batch: the
-    frozen copy if there is one, else the policy (in eval mode, adapters disabled under LoRA)."""
+def reference_logps(batch, n, net):
+    """The reference's (per-sequence sums, logits at the completion positions) for a batch: net, the
+    frozen copy, if there is one, else the policy (in eval mode, adapters disabled under LoRA)."""
     training = raw_model.training
     raw_model.eval()
     with disable_adapters(raw_model) if use_lora else nullcontext(), autocast:
-        sums, _, logits = completion_logps(raw_model if reference is None else reference, batch, n)
+        sums, _, logits = completion_logps(raw_model if net is None else net, batch, n)
     raw_model.train(training)
     return sums, logits
 
 
-# precomputed reference log-probs: one pass over the data before training, cached on disk under a key
-# that hashes everything they depend on; afterwards the reference leaves memory
+def reference_pass():
+    """Every train and val pair's reference log-probs ((n_pairs, 2): chosen, rejected), each rank computing
+    its share."""
+    # once the policy has moved away from the reference, load the reference for this pass
+    net = frozen_copy(load_model(reference_path)['model']) if not use_lora and iter_num > 0 else None
+    cache = {}
+    for name, batches in (('train', train_batches), ('val', val_batches)):
+        logps = torch.zeros(batches.n_pairs, 2, device=device)
+        for indices in torch.arange(batches.n_pairs).tensor_split(world_size)[rank].split(batch_size):
+            logps[indices] = reference_logps(batches.get(indices, device), len(indices), net)[0].view(2, -1).T
+        if ddp:
+            dist.all_reduce(logps)  # each rank filled its share
+        cache[name] = logps.cpu()
+    return cache
+
+
+# precomputed reference log-probs: one pass over the data before training, cached in out_dir under a hash
+# of everything they depend on; training then needs no reference in memory
 ref_cache = None
 if precompute_ref_logps:
-    key = hashlib.sha256(json.dumps([reference_hash, train_data_hash, file_sha256(split_path('val')),
-                                     tokenizer.identity(), max_length, max_prompt_length, str(ptdtype)]).encode())
-    cache_path = os.path.join(out_dir, f'ref_logps_{key.hexdigest()[:16]}.pt')
-    if os.path.exists(cache_path):
-        try:
-            ref_cache = load_checkpoint(cache_path)
-            sizes_match = [ref_cache[name].shape for name in ('train', 'val')] == [(train_batches.n_pairs, 2),
-                                                                                   (val_batches.n_pairs, 2)]
-        except (UserError, KeyError, AttributeError, TypeError):
-            sizes_match = False
-        if not sizes_match:
-            raise UserError(f"{cache_path}, the cached reference log-probs, is unreadable or does not fit the data. "
-                            f"Delete it: it is computed again.")
-        log(f"reference log-probs from {cache_path}")
-    else:
-        t0 = time.time()
-        if not use_lora and iter_num > 0:  # the policy has moved away from the reference: load it for this pass
-            reference = frozen_copy(load_checkpoint(reference_path)['model'])
-        ref_cache = {}
-        for name, batches in (('train', train_batches), ('val', val_batches)):
-            logps = torch.zeros(batches.n_pairs, 2, device=device)
-            for indices in torch.arange(batches.n_pairs).tensor_split(world_size)[rank].split(batch_size):
-                sums, _ = reference_logps(batches.get(indices, device), len(indices))
-                logps[indices] = sums.view(2, -1).T
-            if ddp:
-                dist.all_reduce(logps)  # each rank filled its share
-            ref_cache[name] = logps.cpu()
-        if master:
-            os.makedirs(out_dir, exist_ok=True)
-            save_checkpoint(cache_path, ref_cache)
-        log(f"reference log-probs of {train_batches.n_pairs + val_batches.n_pairs:,} pairs computed in "
-            f"{time.time() - t0:.1f} s, cached in {cache_path}")
-    reference = None  # training needs only the cache
+    depends_on = [reference_hash, train_data_hash, file_sha256(val_path), tokenizer.identity(), max_length,
+                  max_prompt_length, str(ptdtype)]
+    shapes = {'train': (train_batches.n_pairs, 2), 'val': (val_batches.n_pairs, 2)}
+    ref_cache = cached_tensors(out_dir, 'ref_logps', depends_on, shapes, reference_pass, master, 'reference log-probs')
+    reference = None
 
 if compile:
     model = torch.compile(model)
@@ -327,7 +286,7 @@ def pair_terms(net, batches, indices, cache, batch_counts):
     elif cache is not None:
         ref_sums = cache[indices].to(device).T.flatten()  # chosen of every pair, then rejected
     else:
-        ref_sums, ref_logits = reference_logps(batch, n)
+        ref_sums, ref_logits = reference_logps(batch, n, reference)
     with autocast:
         sums, token_logps, logits = completion_logps(net, batch, n)
     chosen_pos, pairs, chosen_tokens, rejected_tokens = batch['owners'] < n, *batch_counts
@@ -359,42 +318,36 @@ def pair_terms(net, batches, indices, cache, batch_counts):
     return loss, {k: v.detach().float() for k, v in metrics.items()}
 
 
-def batch_counts_of(batches, indices):
-    chosen, rejected = batches.completion_tokens[indices].sum(0).tolist()
-    return len(indices), chosen, rejected
-
-
 @torch.no_grad()
 def evaluate():
-    """The metrics of the fixed held-out pairs, split across ranks; policy in eval mode."""
+    """The metrics of the fixed held-out pairs (split across ranks, policy in eval mode), logged; returns the loss."""
     model.eval()
-    batch_counts, sums = batch_counts_of(val_batches, val_indices), {}
+    batch_counts, sums = (len(val_indices), *val_batches.completion_tokens[val_indices].sum(0).tolist()), {}
     for indices in val_indices.tensor_split(world_size)[rank].split(batch_size):
         _, metrics = pair_terms(model, val_batches, indices, ref_cache['val'] if ref_cache else None, batch_counts)
-        for k, v in metrics.items():
-            sums[k] = sums.get(k, 0.0) + v
+        sums = {k: sums.get(k, 0.0) + v for k, v in metrics.items()}
     stats = torch.stack(list(sums.values()))
     if ddp:
         dist.all_reduce(stats)
     model.train()
-    return dict(zip(sums, stats.tolist()))
+    metrics = dict(zip(sums, stats.tolist()))
+    log(f"step {iter_num}: eval loss {metrics['loss']:.4f}, rewards/accuracies {metrics['rewards/accuracies']:.3f}, "
+        f"rewards/margins {metrics['rewards/margins']:.3f}" + (f", kl {metrics['kl']:.4f}" if 'kl' in metrics else ''))
+    record(dict(step=iter_num, **{f'eval/{k}': v for k, v in metrics.items()}))
+    return metrics['loss']
 
 
-def checkpoint_state():
+def save(path):
+    """A checkpoint of the run at path: collective under DDP (every rank must call it), written by rank 0."""
     state = dict(training_state(this_run, dict(config, training_type='dpo'), optimizer, scaler, iter_num,
                                 best_val_loss, evals_without_improvement),
                  kind='gpt', model=raw_model.state_dict(), model_args=model_args, tokenizer=tokenizer.identity(),
                  data_dir=os.path.abspath(data_dir), train_batches=train_batches.state_dict(),
                  reference_checkpoint=os.path.abspath(reference_path), reference_hash=reference_hash,
-                 train_data_hash=train_data_hash)
+                 train_data_hash=train_data_hash, **hf_files)
     if use_lora:  # adapters only: the base is the reference checkpoint, named by path and hash
         state.update(kind='lora', model=lora_state_dict(raw_model), base_checkpoint=state['reference_checkpoint'],
                      base_hash=reference_hash)
-    return state
-
-
-def save(path):
-    state = checkpoint_state()  # collective under DDP: every rank must call it
     if master:
         save_checkpoint(path, state)
 
@@ -402,28 +355,19 @@ def save(path):
 def train_step(global_batch):
     """Forward/backward over this rank's slice of the global batch (accumulating gradients);
     returns this rank's shares of the metrics (shares add up over ranks)."""
-    batch_counts, sums = batch_counts_of(train_batches, global_batch), {}
-    parts = global_batch.tensor_split(world_size)[rank].view(gradient_accumulation_steps, batch_size)
+    batch_counts = (len(global_batch), *train_batches.completion_tokens[global_batch].sum(0).tolist())
+    parts, sums = global_batch.tensor_split(world_size)[rank].view(gradient_accumulation_steps, batch_size), {}
     for micro_step, part in enumerate(parts):
         last = micro_step == gradient_accumulation_steps - 1
         with model.no_sync() if ddp and not last else nullcontext():  # only the last micro-batch all-reduces
             loss, metrics = pair_terms(model, train_batches, part, ref_cache['train'] if ref_cache else None,
                                        batch_counts)
             scaler.scale(loss * world_size).backward()  # DDP averages gradients over ranks: undo its 1/world_size
-        for k, v in metrics.items():
-            sums[k] = sums.get(k, 0.0) + v
+        sums = {k: sums.get(k, 0.0) + v for k, v in metrics.items()}
     return sums
 
 
 record, writer = run_log(out_dir, master, tensorboard, keep_log_until(eval_only, resuming, iter_num))
-
-
-def run_eval():
-    metrics = evaluate()
-    log(f"step {iter_num}: eval loss {metrics['loss']:.4f}, rewards/accuracies {metrics['rewards/accuracies']:.3f}, "
-        f"rewards/margins {metrics['rewards/margins']:.3f}" + (f", kl {metrics['kl']:.4f}" if 'kl' in metrics else ''))
-    record(dict(step=iter_num, **{f'eval/{k}': v for k, v in metrics.items()}))
-    return metrics['loss']
 
 
 def report_exact_match():
@@ -433,15 +377,12 @@ def report_exact_match():
         record(dict(step=iter_num, exact_match=accuracy))
 
 
+if eval_only or iter_num == 0:
+    evaluate()
+    report_exact_match()
 if eval_only:
-    run_eval()
-    report_exact_match()
     sys.exit(0)
-
 stop = StopSignal()
-if iter_num == 0:
-    run_eval()
-    report_exact_match()
 bad_steps = 0
 window_start, window_tokens, window_steps = time.time(), 0, 0
 progress = tqdm(total=max_iters, initial=iter_num, disable=not master, dynamic_ncols=True, desc='dpo')
@@ -475,7 +416,7 @@ while iter_num < max_iters:
         window_start, window_tokens, window_steps = now, 0, 0
 
     if iter_num % eval_interval == 0 or iter_num == max_iters:
-        improved, best_val_loss, evals_without_improvement = after_eval(run_eval(), best_val_loss,
+        improved, best_val_loss, evals_without_improvement = after_eval(evaluate(), best_val_loss,
                                                                         evals_without_improvement)
         if improved:
             save(os.path.join(out_dir, 'best.pt'))
@@ -494,5 +435,5 @@ save(ckpt_path)
 report_exact_match()
 if use_lora and master:
     save_merged(out_dir, raw_model, model_args=model_args, config=dict(config, training_type='dpo'),
-                iter_num=iter_num, tokenizer=tokenizer.identity(), data_dir=os.path.abspath(data_dir))
+                iter_num=iter_num, tokenizer=tokenizer.identity(), data_dir=os.path.abspath(data_dir), **hf_files)
 compute_cleanup(ddp)

@@ -1,0 +1,323 @@
+"""
+Hugging Face checkpoints in and out. A folder with config.json and model.safetensors (sharded with
+model.safetensors.index.json, or pytorch_model.bin) of one of the ARCHITECTURES becomes a GPT of
+model.py, and a GPT of such a shape is written back as a folder transformers / vLLM load as is.
+
+- gpt_config: config.json -> GPTConfig fields.
+- load_hf_checkpoint: the folder as a train.py checkpoint; its weights are read one file at a time
+  into one copy of the model (float32, nanotrain's training precision), and GPT.from_state_dict
+  builds the model around them on the meta device, so host memory holds one copy plus one file.
+- save_hf_model: config.json, model*.safetensors (sharded with an index above max_shard_bytes),
+  generation_config.json and the tokenizer files, in the dtype the checkpoint was published in.
+The tensor names map through one table per family (LLAMA_NAMES, GPT2_NAMES).
+"""
+import json
+import os
+import re
+import shutil
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from tokenizers import Tokenizer
+
+from configurator import UserError
+from hf_tokenizer import load_hf_tokenizer
+from model import GPT, GPTConfig
+from tokenizer import CHAT_SPECIAL_TOKENS, CHAT_TEMPLATE_JINJA
+
+ARCHITECTURES = ('LlamaForCausalLM', 'MistralForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM', 'GPT2LMHeadModel')
+TOKENIZER_FILES = ('tokenizer.json', 'tokenizer.model', 'tokenizer_config.json', 'special_tokens_map.json',
+                   'added_tokens.json', 'vocab.json', 'merges.txt', 'chat_template.jinja', 'chat_template.json')
+
+# nanotrain module -> Hugging Face module ('{}' is the layer number); weights and biases follow their module
+LLAMA_NAMES = {  # Llama, Mistral, Qwen2, Qwen3
+    'transformer.wte': 'model.embed_tokens',
+    'transformer.h.{}.ln_1': 'model.layers.{}.input_layernorm',
+    'transformer.h.{}.attn.q': 'model.layers.{}.self_attn.q_proj',
+    'transformer.h.{}.attn.k': 'model.layers.{}.self_attn.k_proj',
+    'transformer.h.{}.attn.v': 'model.layers.{}.self_attn.v_proj',
+    'transformer.h.{}.attn.q_norm': 'model.layers.{}.self_attn.q_norm',
+    'transformer.h.{}.attn.k_norm': 'model.layers.{}.self_attn.k_norm',
+    'transformer.h.{}.attn.proj': 'model.layers.{}.self_attn.o_proj',
+    'transformer.h.{}.ln_2': 'model.layers.{}.post_attention_layernorm',
+    'transformer.h.{}.mlp.gate': 'model.layers.{}.mlp.gate_proj',
+    'transformer.h.{}.mlp.fc': 'model.layers.{}.mlp.up_proj',
+    'transformer.h.{}.mlp.proj': 'model.layers.{}.mlp.down_proj',
+    'transformer.ln_f': 'model.norm',
+    'lm_head': 'lm_head',
+}
+# GPT-2 stores its matrices as Conv1D, (in, out): transposed; q, k and v are the thirds of c_attn
+GPT2_NAMES = {
+    'transformer.wte': 'transformer.wte',
+    'transformer.wpe': 'transformer.wpe',
+    'transformer.h.{}.ln_1': 'transformer.h.{}.ln_1',
+    'transformer.h.{}.attn.q': 'transformer.h.{}.attn.c_attn',
+    'transformer.h.{}.attn.k': 'transformer.h.{}.attn.c_attn',
+    'transformer.h.{}.attn.v': 'transformer.h.{}.attn.c_attn',
+    'transformer.h.{}.attn.proj': 'transformer.h.{}.attn.c_proj',
+    'transformer.h.{}.ln_2': 'transformer.h.{}.ln_2',
+    'transformer.h.{}.mlp.fc': 'transformer.h.{}.mlp.c_fc',
+    'transformer.h.{}.mlp.proj': 'transformer.h.{}.mlp.c_proj',
+    'transformer.ln_f': 'transformer.ln_f',
+    'lm_head': 'lm_head',
+}
+# tensors some checkpoints carry that are not weights: GPT-2's causal-mask buffers, old Llamas' RoPE table
+IGNORED = re.compile(r'.*\.attn\.(masked_)?bias$|.*\.rotary_emb\.inv_freq$')
+
+
+def read_json(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise UserError(f"could not read {path} ({e}); the model folder is incomplete or corrupt: "
+                        f"download it again.") from None
+
+
+def gpt_config(hf, folder):
+    """GPTConfig fields of the model whose config.json holds hf (a dict)."""
+    arch = (hf.get('architectures') or ['(none)'])[0]
+    if arch not in ARCHITECTURES:
+        raise UserError(f"{folder}/config.json: architecture {arch} is not supported; nanotrain loads "
+                        f"{', '.join(ARCHITECTURES)}.")
+    if arch == 'GPT2LMHeadModel':
+        if hf.get('activation_function', 'gelu_new') not in ('gelu_new', 'gelu_pytorch_tanh'):
+            raise UserError(f"{folder}/config.json: activation_function={hf['activation_function']!r} is not "
+                            f"supported; GPT-2 models use 'gelu_new'.")
+        return dict(block_size=hf['n_positions'], vocab_size=hf['vocab_size'], n_layer=hf['n_layer'],
+                    n_head=hf['n_head'], n_embd=hf['n_embd'], mlp_hidden=hf.get('n_inner') or 0, bias=True,
+                    pos_emb='learned', norm='layernorm', norm_eps=hf.get('layer_norm_epsilon', 1e-5),
+                    mlp='gelu_tanh', tie_embeddings=hf.get('tie_word_embeddings', True))
+    if hf.get('hidden_act', 'silu') != 'silu' or hf.get('attention_bias') or hf.get('mlp_bias'):
+        raise UserError(f"{folder}/config.json: hidden_act={hf.get('hidden_act')!r}, attention_bias="
+                        f"{hf.get('attention_bias')}, mlp_bias={hf.get('mlp_bias')} is not supported; nanotrain "
+                        f"loads {arch} models with hidden_act 'silu' and no attention or MLP biases.")
+    rope = hf.get('rope_parameters') or hf.get('rope_scaling') or {}  # transformers 5 names it rope_parameters
+    rope_type = rope.get('rope_type', rope.get('type', 'default'))
+    if rope_type not in ('default', 'llama3'):
+        raise UserError(f"{folder}/config.json: RoPE scaling {rope_type!r} is not supported; nanotrain supports "
+                        f"none and Llama 3.1's 'llama3'.")
+    context = hf['max_position_embeddings']
+    if arch == 'MistralForCausalLM' or hf.get('use_sliding_window'):
+        # attention over a sliding window is not implemented: refuse sequences longer than the window
+        context = min(context, hf.get('sliding_window') or context)
+    return dict(block_size=context, vocab_size=hf['vocab_size'], n_layer=hf['num_hidden_layers'],
+                n_head=hf['num_attention_heads'], n_kv_head=hf.get('num_key_value_heads') or 0,
+                n_embd=hf['hidden_size'], head_dim=hf.get('head_dim') or 0, mlp='swiglu',
+                mlp_hidden=hf['intermediate_size'], bias=False, qkv_bias=arch == 'Qwen2ForCausalLM',
+                pos_emb='rope', norm='rmsnorm', norm_eps=hf.get('rms_norm_eps', 1e-6),
+                tie_embeddings=hf.get('tie_word_embeddings', False),
+                rope_theta=float(hf.get('rope_theta') or rope.get('rope_theta', 10000.0)),
+                rope_scaling={k: rope[k] for k in ('factor', 'low_freq_factor', 'high_freq_factor',
+                                                   'original_max_position_embeddings')} if rope_type == 'llama3' else {},
+                qk_norm=arch == 'Qwen3ForCausalLM')
+
+
+def hf_names(state_keys, hf_config):
+    """{nanotrain tensor name: Hugging Face tensor name} for the tensors of a GPT of this family."""
+    table = GPT2_NAMES if hf_config['architectures'][0] == 'GPT2LMHeadModel' else LLAMA_NAMES
+    names = {}
+    for name in state_keys:
+        module, param = name.rsplit('.', 1)
+        names[name] = table[re.sub(r'\.\d+\.', '.{}.', module)].format(*re.findall(r'\.(\d+)\.', module)) + '.' + param
+    return names
+
+
+def is_conv1d(hf_name, hf_config):
+    return hf_config['architectures'][0] == 'GPT2LMHeadModel' and '.h.' in hf_name and hf_name.endswith('.weight')
+
+
+def weight_files(folder):
+    """The checkpoint's weight files, in order: one file, or the shards its index lists."""
+    for index, single in (('model.safetensors.index.json', 'model.safetensors'),
+                          ('pytorch_model.bin.index.json', 'pytorch_model.bin')):
+        if os.path.isfile(os.path.join(folder, index)):
+            shards = sorted(set(read_json(os.path.join(folder, index))['weight_map'].values()))
+            missing = [s for s in shards if not os.path.isfile(os.path.join(folder, s))]
+            if missing:
+                raise UserError(f"{folder}/{index} lists {', '.join(missing)}, which is missing; the download is "
+                                f"incomplete: fetch the missing shards.")
+            return [os.path.join(folder, s) for s in shards]
+        if os.path.isfile(os.path.join(folder, single)):
+            return [os.path.join(folder, single)]
+    raise UserError(f"{folder} holds no weights: expected model.safetensors, model.safetensors.index.json or "
+                    f"pytorch_model.bin next to its config.json.")
+
+
+def read_weights(path):
+    """{Hugging Face name: tensor} of one weight file (safetensors memory-mapped, a .bin loaded weights-only)."""
+    try:
+        if path.endswith('.safetensors'):
+            with safe_open(path, framework='pt') as f:
+                return {key: f.get_tensor(key) for key in f.keys()}
+        return torch.load(path, map_location='cpu', weights_only=True, mmap=True)
+    except (SafetensorError, OSError, RuntimeError, EOFError) as e:
+        raise UserError(f"could not read {path} ({type(e).__name__}: {str(e)[:200]}); the file is truncated or "
+                        f"corrupt: download it again.") from None
+
+
+def read_hf_weights(folder, hf):
+    """The GPT state dict (float32, CPU) of the checkpoint folder whose config.json holds hf, read one
+    weight file at a time; every tensor is checked against the shapes config.json gives."""
+    with torch.device('meta'):
+        expected = GPT(GPTConfig(**gpt_config(hf, folder))).state_dict()
+    if hf.get('tie_word_embeddings', hf['architectures'][0] == 'GPT2LMHeadModel'):
+        del expected['lm_head.weight']  # the token embedding; transformers does not save it twice
+    nano_names, state = {}, {}
+    for nano, hf_name in hf_names(expected, hf).items():
+        nano_names.setdefault(hf_name, []).append(nano)
+    loaded = set()
+    for path in weight_files(folder):
+        for hf_name, tensor in read_weights(path).items():
+            if hf['architectures'][0] == 'GPT2LMHeadModel' and not hf_name.startswith(('transformer.', 'lm_head.')):
+                hf_name = 'transformer.' + hf_name  # GPT-2's own upload names its tensors without the prefix
+            if IGNORED.match(hf_name) or (hf_name == 'lm_head.weight' and 'lm_head.weight' not in expected):
+                continue
+            if hf_name not in nano_names:
+                raise UserError(f"{path}: tensor {hf_name} is not part of a {hf['architectures'][0]} with this "
+                                f"config.json; the weights and config.json are of different models.")
+            tensor = tensor.t() if is_conv1d(hf_name, hf) else tensor
+            for nano, part in zip(nano_names[hf_name], tensor.chunk(len(nano_names[hf_name]))):
+                if part.shape != expected[nano].shape:
+                    raise UserError(f"{path}: tensor {hf_name} has shape {tuple(tensor.shape)}, but config.json "
+                                    f"makes it {tuple(expected[nano].shape)} (as {nano}); the weights and "
+                                    f"config.json are of different models.")
+                state[nano] = part.float().contiguous()
+            loaded.add(hf_name)
+    missing = sorted(set(nano_names) - loaded)
+    if missing:
+        raise UserError(f"{folder}: the weight files lack {len(missing)} tensor(s) a {hf['architectures'][0]} "
+                        f"with this config.json needs: {', '.join(missing[:5])}; the download is incomplete or "
+                        f"of another model.")
+    if 'lm_head.weight' not in expected:  # tied: the same tensor under both names, as in GPT.state_dict()
+        state['lm_head.weight'] = state['transformer.wte.weight']
+    return state
+
+
+def hf_model_args(folder):
+    """GPTConfig fields of the model in a Hugging Face folder."""
+    return gpt_config(read_json(os.path.join(folder, 'config.json')), folder)
+
+
+def load_hf_checkpoint(folder):
+    """A Hugging Face folder as a checkpoint of train.py's kind 'gpt': model (state dict), model_args,
+    its tokenizer's identity and folder (data_dir), config (training_type 'sft' if the tokenizer has a chat template: a chat
+    model), and hf_config / generation_config, which the exporter writes back."""
+    hf = read_json(os.path.join(folder, 'config.json'))
+    model_args = gpt_config(hf, folder)
+    tokenizer = load_hf_tokenizer(folder)
+    generation = os.path.join(folder, 'generation_config.json')
+    return dict(kind='gpt', model=read_hf_weights(folder, hf), model_args=model_args, tokenizer=tokenizer.identity(),
+                data_dir=os.path.abspath(folder),
+                config={'training_type': 'sft' if tokenizer.chat_template else 'from_scratch'}, hf_config=hf,
+                generation_config=read_json(generation) if os.path.isfile(generation) else None)
+
+
+def write_safetensors(tensors, path):
+    save_file(tensors, path, metadata={'format': 'pt'})  # transformers expects the format tag
+    os.chmod(path, 0o644)  # safetensors creates it 0600: a server running as another user could not read it
+
+
+def hf_state_dict(state, hf_config, dtype):
+    """A GPT state dict under Hugging Face names, in dtype (the inverse of read_hf_weights' mapping)."""
+    if hf_config.get('tie_word_embeddings', hf_config['architectures'][0] == 'GPT2LMHeadModel'):
+        state = {k: v for k, v in state.items() if k != 'lm_head.weight'}
+    parts = {}
+    for nano, hf_name in hf_names(state, hf_config).items():
+        parts.setdefault(hf_name, []).append(state[nano])
+    return {name: (torch.cat(ts).t() if is_conv1d(name, hf_config) else torch.cat(ts)).to(dtype).contiguous()
+            for name, ts in parts.items()}
+
+
+def save_hf_model(state, hf_config, out_folder, tokenizer_folder, generation_config=None,
+                  max_shard_bytes=5 * 2**30):
+    """Write a Hugging Face folder: config.json (hf_config), the weights of state (a GPT state dict) in
+    hf_config's torch_dtype, sharded above max_shard_bytes, generation_config and the tokenizer files
+    found in tokenizer_folder."""
+    dtype = getattr(torch, hf_config.get('torch_dtype') or hf_config.get('dtype') or 'float32')
+    tensors = hf_state_dict(state, hf_config, dtype)
+    os.makedirs(out_folder, exist_ok=True)
+    shards, size = [{}], 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    if len(shards) == 1:
+        write_safetensors(shards[0], os.path.join(out_folder, 'model.safetensors'))
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards, 1):
+            file = f'model-{i:05d}-of-{len(shards):05d}.safetensors'
+            write_safetensors(shard, os.path.join(out_folder, file))
+            weight_map.update(dict.fromkeys(shard, file))
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        with open(os.path.join(out_folder, 'model.safetensors.index.json'), 'w') as f:
+            json.dump({'metadata': {'total_size': total}, 'weight_map': weight_map}, f, indent=2)
+    with open(os.path.join(out_folder, 'config.json'), 'w') as f:
+        json.dump(hf_config, f, indent=2)
+    if generation_config is not None:
+        with open(os.path.join(out_folder, 'generation_config.json'), 'w') as f:
+            json.dump(generation_config, f, indent=2)
+    for name in TOKENIZER_FILES:
+        if os.path.isfile(os.path.join(tokenizer_folder, name)):
+            shutil.copyfile(os.path.join(tokenizer_folder, name), os.path.join(out_folder, name))
+
+
+def peft_name(adapter_name, hf_config):
+    """PEFT's name of a nanotrain adapter tensor: transformer.h.0.attn.q.lora_A ->
+    base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight."""
+    module, matrix = adapter_name.rsplit('.', 1)
+    return 'base_model.model.' + hf_names([module + '.weight'], hf_config)[module + '.weight'][:-len('.weight')] \
+        + f'.{matrix}.weight'
+
+
+def save_peft_adapter(adapters, lora_config, hf_config, base_folder, out_folder):
+    """A PEFT LoRA adapter folder (adapter_config.json, adapter_model.safetensors) holding a nanotrain
+    LoRA run's adapters (lora.lora_state_dict) on the Hugging Face model in base_folder; peft loads it
+    with PeftModel.from_pretrained(base model, out_folder). lora_config: the run's config."""
+    if hf_config['architectures'][0] == 'GPT2LMHeadModel':
+        raise UserError("GPT-2's q, k and v are one layer (c_attn) in Hugging Face, so nanotrain's separate q/k/v "
+                        "adapters have no PEFT form; export the run's merged.pt instead.")
+    other = sorted(k for k in adapters if not k.endswith(('.lora_A', '.lora_B')))
+    if other:
+        raise UserError(f"the run also trained {', '.join(other[:3])}, which a PEFT LoRA adapter cannot hold "
+                        f"(added chat-token rows or biases); export the run's merged.pt instead.")
+    tensors = {peft_name(k, hf_config): v.contiguous() for k, v in adapters.items()}
+    targets = sorted({name.split('.')[-3] for name in tensors})
+    os.makedirs(out_folder, exist_ok=True)
+    write_safetensors(tensors, os.path.join(out_folder, 'adapter_model.safetensors'))
+    config = dict(peft_type='LORA', task_type='CAUSAL_LM', base_model_name_or_path=os.path.abspath(base_folder),
+                  r=lora_config['lora_r'], lora_alpha=lora_config['lora_alpha'], use_rslora=lora_config['use_rslora'],
+                  lora_dropout=lora_config['lora_dropout'], target_modules=targets, bias='none',
+                  fan_in_fan_out=False, init_lora_weights=True, inference_mode=True, modules_to_save=None)
+    with open(os.path.join(out_folder, 'adapter_config.json'), 'w') as f:
+        json.dump(config, f, indent=2)
+
+
+def save_chat_tokenizer(tokenizer_folder, out_folder, generation_config):
+    """Write into out_folder the tokenizer of tokenizer_folder (a base model's, without a chat template)
+    with nanotrain's chat template and its special tokens added after the vocabulary, as ChatTokenizer
+    numbers them, and <|end|> as the token generation stops at."""
+    tokenizer = Tokenizer.from_file(os.path.join(tokenizer_folder, 'tokenizer.json'))
+    first = load_hf_tokenizer(tokenizer_folder).vocab_size
+    if tokenizer.get_vocab_size(with_added_tokens=True) != first:
+        raise UserError(f"the model in {tokenizer_folder} has more embedding rows than its tokenizer has tokens, so "
+                        f"nanotrain's chat tokens (ids from {first}) cannot be appended to its tokenizer.json; "
+                        f"export.py cannot write this model's tokenizer.")
+    tokenizer.add_special_tokens(list(CHAT_SPECIAL_TOKENS))
+    tokenizer.save(os.path.join(out_folder, 'tokenizer.json'))
+    ids = {token: tokenizer.token_to_id(token) for token in CHAT_SPECIAL_TOKENS}
+    tokenizer_config = read_json(os.path.join(tokenizer_folder, 'tokenizer_config.json')) \
+        if os.path.isfile(os.path.join(tokenizer_folder, 'tokenizer_config.json')) else {}
+    tokenizer_config = {k: v for k, v in tokenizer_config.items() if k != 'added_tokens_decoder'}
+    with open(os.path.join(out_folder, 'tokenizer_config.json'), 'w') as f:
+        json.dump(dict(tokenizer_config, chat_template=CHAT_TEMPLATE_JINJA, eos_token='<|end|>'), f, indent=2)
+    for stale in ('special_tokens_map.json', 'chat_template.jinja', 'chat_template.json'):
+        if os.path.isfile(os.path.join(out_folder, stale)):
+            os.remove(os.path.join(out_folder, stale))
+    with open(os.path.join(out_folder, 'generation_config.json'), 'w') as f:
+        json.dump(dict(generation_config or {}, eos_token_id=ids['<|end|>']), f, indent=2)

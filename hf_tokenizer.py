@@ -1,0 +1,298 @@
+"""
+A published Hugging Face model folder's own tokenizer and chat template, token-identical to
+transformers (AutoTokenizer + apply_chat_template) without depending on it: tokenizer.json runs in
+the tokenizers library, the Jinja chat template is rendered in the environment transformers renders
+it in, and the special tokens and stop tokens come from the same config files.
+
+load_hf_tokenizer(folder) returns an HFTokenizer. A base model's folder has no chat template
+(tokenizer.chat_template is None): wrap it in tokenizer.ChatTokenizer to give it nanotrain's own.
+"""
+
+import hashlib
+import json
+import os
+import re
+from datetime import datetime
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from configurator import UserError
+
+# the named special tokens transformers reads from tokenizer_config.json and passes to the template
+SPECIAL_TOKEN_NAMES = ('bos_token', 'eos_token', 'unk_token', 'sep_token', 'pad_token', 'cls_token', 'mask_token')
+GENERATION_TAG = re.compile(r'\{%-?\s*generation\s*-?%\}')  # as transformers detects {% generation %} markers
+PROBE_CHAT = [{'role': 'user', 'content': 'Hi'}, {'role': 'assistant', 'content': 'Hello'}]
+
+
+def read_json(folder, name):
+    """One of the folder's JSON config files as a dict; None if the folder has no such file."""
+    path = os.path.join(folder, name)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding='utf-8') as f:
+            value = json.load(f)
+    except ValueError as e:  # includes a file that is not UTF-8
+        raise UserError(f"{path} is corrupt ({e}); download the model folder again.") from None
+    if not isinstance(value, dict):
+        raise UserError(f"{path} must hold a JSON object, not {type(value).__name__}; download the model folder again.")
+    return value
+
+
+def token_text(value):
+    """A special token as written in the configs: a string or an AddedToken dict {"content": ...}."""
+    return value['content'] if isinstance(value, dict) else value
+
+
+def read_special_tokens(tokenizer_config, special_tokens_map):
+    """{name: token text} of the named special tokens, e.g. {'bos_token': '<s>', 'eos_token': '</s>'}.
+    Like transformers 5, special_tokens_map.json counts only when tokenizer_config.json has no
+    "added_tokens_decoder" (it is the legacy format), and then it overrides tokenizer_config.json."""
+    tokens = {name: token_text(tokenizer_config.get(name)) for name in SPECIAL_TOKEN_NAMES}
+    if 'added_tokens_decoder' not in tokenizer_config:
+        tokens.update({name: token_text(v) for name, v in special_tokens_map.items() if name in SPECIAL_TOKEN_NAMES})
+    return {name: token for name, token in tokens.items() if token is not None}
+
+
+def read_chat_template(folder, tokenizer_config):
+    """(template text, the file it came from), (None, None) for a base model. chat_template.jinja wins
+    over tokenizer_config.json's "chat_template" (as in transformers), then a processor's chat_template.json.
+    A list of named templates [{"name": ..., "template": ...}] gives its "default" one."""
+    path = os.path.join(folder, 'chat_template.jinja')
+    if os.path.isfile(path):
+        with open(path, encoding='utf-8') as f:
+            return f.read(), path
+    source, template = os.path.join(folder, 'tokenizer_config.json'), tokenizer_config.get('chat_template')
+    if template is None:
+        processor_config = read_json(folder, 'chat_template.json') or {}
+        source, template = os.path.join(folder, 'chat_template.json'), processor_config.get('chat_template')
+    if isinstance(template, list):
+        named = {t.get('name'): t.get('template') for t in template if isinstance(t, dict)}
+        if 'default' not in named:
+            raise UserError(f"{source} holds named chat templates {sorted(map(str, named))} but no \"default\" one; "
+                            f"nanotrain uses the default template: name one of them \"default\".")
+        template = named['default']
+    if template is not None and not isinstance(template, str):
+        raise UserError(f"{source}: \"chat_template\" must be the template text or a list of {{\"name\", \"template\"}}, "
+                        f"not {type(template).__name__}.")
+    return (template, source) if template is not None else (None, None)
+
+
+def generation_eos_ids(folder):
+    """The ids generation stops at: generation_config.json's eos_token_id (an id or a list, each one
+    stops), else config.json's, as transformers' generate uses them."""
+    generation_config = read_json(folder, 'generation_config.json')
+    config = generation_config if generation_config is not None else read_json(folder, 'config.json') or {}
+    ids = config.get('eos_token_id')
+    return [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+
+
+class GenerationMarkers(jinja2.ext.Extension):
+    """{% generation %}...{% endgeneration %} around the text the model generates, as transformers'
+    AssistantTracker: while spans is a list, each marked block's (start, end) character span is appended."""
+    tags = {'generation'}
+
+    def __init__(self, environment):
+        super().__init__(environment)
+        self.rendered = self.spans = None  # the rendered pieces so far and the spans, while tracking
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(['name:endgeneration'], drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method('_mark'), [], [], body).set_lineno(lineno)
+
+    def _mark(self, caller):
+        text = caller()
+        if self.spans is not None:
+            start = len(''.join(self.rendered))
+            self.spans.append((start, start + len(text)))
+        return text
+
+
+def raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # transformers' own: Jinja's built-in escapes HTML characters
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def strftime_now(format):
+    return datetime.now().strftime(format)
+
+
+def compile_chat_template(template, source):
+    """The template compiled in transformers' environment (chat_template_utils._compile_jinja_template)."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                       extensions=[GenerationMarkers, jinja2.ext.loopcontrols])
+    env.filters['tojson'] = tojson
+    env.globals['raise_exception'] = raise_exception
+    env.globals['strftime_now'] = strftime_now
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise UserError(f"the chat template in {source} is not valid Jinja (line {e.lineno}: {e.message}).") from None
+
+
+class HFTokenizer:
+    """A Hugging Face folder's tokenizer.json, special tokens and chat template (None for a base model).
+    template_variables are passed to every render, e.g. {'date_string': '26 Jul 2024'} (Llama 3.x) or
+    {'enable_thinking': False} (Qwen3)."""
+
+    def __init__(self, folder, template_variables=None):
+        self.folder = folder
+        path = os.path.join(folder, 'tokenizer.json')
+        if not os.path.isfile(path):
+            other = ' (it has only a sentencepiece tokenizer.model, which nanotrain does not read yet)' \
+                if os.path.isfile(os.path.join(folder, 'tokenizer.model')) else ''
+            raise UserError(f"{path} is missing{other}. Point at a Hugging Face model folder with its tokenizer.json; "
+                            f"transformers writes one: AutoTokenizer.from_pretrained(folder).save_pretrained(folder).")
+        with open(path, 'rb') as f:
+            self.tokenizer_bytes = f.read()
+        try:
+            self.tokenizer = Tokenizer.from_str(self.tokenizer_bytes.decode('utf-8'))
+        except Exception as e:  # the Rust side raises plain Exception for malformed files
+            raise UserError(f"{path} is corrupt ({e}); download the model folder again.") from None
+        # ids count up to the model's embedding rows, which may outnumber the tokens (Qwen2.5 pads them to a
+        # multiple of 128): nanotrain's chat tokens (ChatTokenizer) then go after the rows, not into them
+        model_rows = (read_json(folder, 'config.json') or {}).get('vocab_size', 0)
+        self.vocab_size = max(self.tokenizer.get_vocab_size(with_added_tokens=True), model_rows)
+        tokenizer_config = read_json(folder, 'tokenizer_config.json') or {}
+        self.special_tokens = read_special_tokens(tokenizer_config, read_json(folder, 'special_tokens_map.json') or {})
+        self.template_variables = {**self.special_tokens, **(template_variables or {})}
+        self.chat_template, self.template_source = read_chat_template(folder, tokenizer_config)
+        self.template = None if self.chat_template is None else compile_chat_template(self.chat_template, self.template_source)
+        self.marks_generation = bool(self.chat_template and GENERATION_TAG.search(self.chat_template))
+        tokenizer_eos = self.token_id('eos_token')
+        self.stop_ids = generation_eos_ids(folder)
+        if tokenizer_eos is not None and tokenizer_eos not in self.stop_ids:
+            self.stop_ids.append(tokenizer_eos)
+        self.eos_id = (self.stop_ids or [None])[0] if self.template is None else self.end_of_turn_id()
+        pad = self.token_id('pad_token')
+        self.pad_id = pad if pad is not None else self.eos_id
+
+    def token_id(self, name):
+        """The id of a named special token ('eos_token', ...), None if the configs name none."""
+        token = self.special_tokens.get(name)
+        if token is None:
+            return None
+        i = self.tokenizer.token_to_id(token)
+        if i is None:
+            raise UserError(f"{self.folder}: the {name} {token!r} named in tokenizer_config.json is not a token of "
+                            f"tokenizer.json; the folder's tokenizer files do not belong together.")
+        return i
+
+    def encode(self, text):
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids):
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    def identity(self):
+        recipe = json.dumps([self.chat_template, self.special_tokens, self.template_variables], sort_keys=True)
+        digest = hashlib.sha256(self.tokenizer_bytes + recipe.encode()).hexdigest()
+        return {'vocab_size': self.vocab_size, 'hash': digest}
+
+    # --- the chat template
+
+    def render(self, messages, add_generation_prompt=False, spans=None):
+        """The conversation as text, apply_chat_template(tokenize=False). With a spans list (a template
+        with {% generation %} markers) the character spans of the generated text are appended to it."""
+        if self.template is None:
+            raise UserError(f"{self.folder} has no chat template (a base model): wrap its tokenizer in "
+                            f"tokenizer.ChatTokenizer to fine-tune it on nanotrain's own chat format.")
+        variables = dict(self.template_variables, messages=messages, tools=None, documents=None,
+                         add_generation_prompt=add_generation_prompt)
+        markers = self.template.environment.extensions[GenerationMarkers.identifier]
+        try:
+            if spans is None:
+                return self.template.render(variables)
+            markers.rendered, markers.spans = [], spans
+            for piece in self.template.generate(variables):
+                markers.rendered.append(piece)
+            return ''.join(markers.rendered)
+        except jinja2.TemplateError as e:
+            raise UserError(f"the chat template of {self.folder} ({self.template_source}) rejects this "
+                            f"conversation: {e.message}") from None
+        finally:
+            markers.rendered = markers.spans = None
+
+    def end_of_turn_id(self):
+        """The stop token that closes an assistant turn in this template, e.g. <|eot_id|> or <|im_end|>."""
+        prompt = self.render(PROBE_CHAT[:1], add_generation_prompt=True)
+        text = self.render(PROBE_CHAT)
+        encoding = self.tokenizer.encode(text, add_special_tokens=False)
+        start = encoding.char_to_token(len(prompt)) if text.startswith(prompt) else None
+        stops = set(self.stop_ids)
+        found = [i for i in encoding.ids[start or 0:] if i in stops]
+        if not found:
+            raise UserError(f"the chat template of {self.folder} ({self.template_source}) ends an assistant turn "
+                            f"with none of the stop tokens {self.stop_ids} (generation_config.json's eos_token_id "
+                            f"and the tokenizer's eos_token): name the end-of-turn token's id in generation_config.json.")
+        return found[0]
+
+    def assistant_token_ranges(self, messages, text, encoding):
+        """[(first, end)) token ranges of the assistant turns in the rendered conversation."""
+        if self.marks_generation:  # the template marks them: as transformers' return_assistant_tokens_mask
+            spans = []
+            self.render(messages, spans=spans)
+            ranges = []
+            for start, end in spans:  # every token that overlaps the span
+                inside = [t for t, (s, e) in enumerate(encoding.offsets) if s < end and e > start]
+                if inside:
+                    ranges.append((inside[0], inside[-1] + 1))
+            return ranges
+        ranges = []
+        for i, m in enumerate(messages):
+            if m['role'] != 'assistant':
+                continue
+            prompt = self.render(messages[:i], add_generation_prompt=True)
+            if not text.startswith(prompt):
+                raise UserError(
+                    f"the chat template of {self.folder} ({self.template_source}) renders the conversation before "
+                    f"assistant turn {i} differently once that turn follows (with add_generation_prompt it is not a "
+                    f"prefix of the whole conversation; e.g. Mistral's template drops a system message unless the "
+                    f"last turn is the user's), so the tokens to train on cannot be found. Reshape the data (e.g. "
+                    f"merge the system message into the first user message) or give the template "
+                    f"{{% generation %}}...{{% endgeneration %}} markers around the assistant text.")
+            first = encoding.char_to_token(len(prompt))
+            if first is None:
+                continue
+            end = next((t for t in range(first, len(encoding.ids)) if encoding.ids[t] in self.stop_ids), None)
+            if end is None:
+                raise UserError(f"the chat template of {self.folder} ({self.template_source}) does not close "
+                                f"assistant turn {i} with a stop token {self.stop_ids}.")
+            ranges.append((first, end + 1))  # through the end-of-turn token: the model learns to stop
+        return ranges
+
+    def encode_chat(self, messages):
+        """Token ids and labels of a conversation: labels are the ids of the assistant turns (from after
+        the generation prompt through their end-of-turn token), -100 everywhere else."""
+        text = self.render(messages)
+        encoding = self.tokenizer.encode(text, add_special_tokens=False)
+        ids = encoding.ids
+        labels = [-100] * len(ids)
+        for first, end in self.assistant_token_ranges(messages, text, encoding):
+            labels[first:end] = ids[first:end]
+        return ids, labels
+
+    def encode_prompt(self, messages):
+        """The conversation so far plus the generation prompt that starts the next assistant turn."""
+        return self.encode(self.render(messages, add_generation_prompt=True))
+
+    def prompt_and_answer(self, messages):
+        """(prompt ids, reference text) of a conversation's last assistant turn, for exact-match evaluation."""
+        last = max(i for i, m in enumerate(messages) if m['role'] == 'assistant')
+        return self.encode_prompt(messages[:last]), messages[last]['content']
+
+
+def load_hf_tokenizer(folder, template_variables=None):
+    """The tokenizer of a Hugging Face model folder (tokenizer.json, tokenizer_config.json, ...)."""
+    if not os.path.isdir(folder):
+        raise UserError(f"{folder} is not a folder; point at a Hugging Face model folder (with tokenizer.json).")
+    return HFTokenizer(folder, template_variables)

@@ -1,0 +1,96 @@
+"""
+The model a GPT run starts from: a train.py checkpoint or a Hugging Face model folder (read as one by
+hf_checkpoint.py), and the checks that it fits the run.
+
+- load_model / model_hash: either kind of source, and the sha256 a run names it by (a LoRA run's base,
+  a DPO run's reference), so that a changed base or reference is caught on resume.
+- full_model_checkpoint: the whole model a train.py run starts from (its own checkpoint, a LoRA run's
+  base, or init_from); check_starting_model: its tokenizer and shape against the run's.
+- dpo_reference: a DPO run's reference, the chat model it began as.
+"""
+import os
+
+from checkpoint import check_compatible, file_sha256, is_hf_folder, load_checkpoint, require_init_from
+from configurator import UserError
+from hf_checkpoint import load_hf_checkpoint, weight_files
+
+
+def check_starting_model(model_ckpt, path, model_args, tokenizer, base_tokenizer=None):
+    """The vocabulary size of the model a train.py run starts from (model_ckpt, read from path), after
+    checking that it fits the run: a chat model is not pretrained further; its tokenizer is the run's
+    (a pretrained model being fine-tuned has base_tokenizer, the run's without the chat template's
+    tokens; None when pretraining); its shape is model_args'."""
+    chat_model = model_ckpt['config'].get('training_type', 'from_scratch') != 'from_scratch'
+    if chat_model and base_tokenizer is None:
+        raise UserError(f"{path} is a chat model (training_type={model_ckpt['config']['training_type']!r}); "
+                        f"train it further with training_type='sft' or 'lora', not as pretraining.")
+    expected = (base_tokenizer if base_tokenizer is not None and not chat_model else tokenizer).identity()
+    check_compatible(model_ckpt['tokenizer'], expected, 'tokenizer', path,
+                     fix="Point data_dir at the tokenizer folder it was trained with, or use a different out_dir / "
+                         "--init_from=scratch to train a new model.")
+    check_compatible(model_ckpt['model_args'], dict(model_args, vocab_size=expected['vocab_size']), 'model shape',
+                     path, may_differ=('dropout',))
+    return expected['vocab_size']
+
+
+def model_hash(path):
+    """The sha256 of a model a run depends on: a checkpoint file, or a Hugging Face folder's config and weights."""
+    return file_sha256(os.path.join(path, 'config.json'), *weight_files(path)) if is_hf_folder(path) \
+        else file_sha256(path)
+
+
+def load_model(path):
+    """A checkpoint file, or a Hugging Face model folder read as a checkpoint (hf_checkpoint.py)."""
+    return load_hf_checkpoint(path) if is_hf_folder(path) else load_checkpoint(path)
+
+
+def full_model_checkpoint(ckpt, ckpt_path, init_from, out_dir):
+    """(checkpoint, path) of the whole GPT a train.py run starts from: the continued run's own (ckpt),
+    for a LoRA run its base model's (the same file or folder as when the run began), else init_from's;
+    (None, None) for a new run from scratch."""
+    if ckpt is None and init_from == 'scratch':
+        return None, None
+    path, model_ckpt = (ckpt_path, ckpt) if ckpt is not None else (init_from, load_model(init_from))
+    if model_ckpt['kind'] not in ('gpt', 'lora'):
+        raise UserError(f"{path} is a {model_ckpt['kind']!r} checkpoint, not a GPT's; point --init_from at a "
+                        f"train.py checkpoint, or use another out_dir.")
+    if model_ckpt['kind'] == 'lora':
+        if ckpt is None:
+            raise UserError(f"{path} holds LoRA adapters only; start from the merged model of that run "
+                            f"(merged.pt next to it) instead.")
+        path = ckpt['base_checkpoint']
+        model_ckpt = load_model(path)
+        if model_hash(path) != ckpt['base_hash']:
+            raise UserError(f"{path}, the base model of the LoRA run in {out_dir}, has changed since the run "
+                            f"began, so its adapters no longer fit. Restore that file, or start a new run "
+                            f"(another out_dir) from it.")
+    return model_ckpt, path
+
+
+def dpo_reference(ckpt, init_from, out_dir, made_by=None):
+    """(checkpoint, path, sha256) of a DPO run's reference, the chat model the run began as: init_from for a
+    new run (made_by as in require_init_from); for the continued run (ckpt), the file its checkpoint names,
+    which must still be there, unchanged."""
+    if ckpt and 'reference_hash' not in ckpt:
+        raise UserError(f"{os.path.join(out_dir, 'ckpt.pt')} is not a DPO run's checkpoint, so there is nothing to "
+                        f"resume. Use another out_dir, or --resume=False to start a new run there (its checkpoints "
+                        f"are then overwritten).")
+    path = ckpt['reference_checkpoint'] if ckpt else init_from
+    if ckpt and not os.path.exists(path):
+        raise UserError(f"{path}, the reference of the DPO run in {out_dir} (named in its ckpt.pt), no longer exists. "
+                        f"Put it back there, or start a new run (another out_dir, or --resume=False).")
+    if not ckpt:
+        require_init_from(init_from, made_by, hf_folders=True)
+    reference = load_model(path)
+    if reference['kind'] != 'gpt':
+        raise UserError(f"{path} is a {reference['kind']!r} checkpoint; DPO starts from a GPT chat model "
+                        + ("(for a LoRA run, its merged.pt)." if reference['kind'] == 'lora' else "."))
+    if reference['config'].get('training_type', 'from_scratch') == 'from_scratch':
+        raise UserError(f"{path} is a pretrained model without the chat template; fine-tune it first, e.g. "
+                        f"`python train.py config/sft.py --init_from={path}`, and start DPO from that run's "
+                        f"checkpoint.")
+    reference_hash = model_hash(path)
+    if ckpt and reference_hash != ckpt['reference_hash']:
+        raise UserError(f"{path}, the reference of the DPO run in {out_dir}, has changed since the run began. "
+                        f"Restore that file, or start a new run (another out_dir, or --resume=False to overwrite).")
+    return reference, path, reference_hash

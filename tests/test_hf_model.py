@@ -1,0 +1,236 @@
+"""Hugging Face checkpoints (hf_checkpoint.py): logits and greedy tokens equal to transformers' on the
+fixture models of every family (tests/fixtures/make_hf_fixtures.py wrote them with transformers), sharded
+and .bin weights, the export round trip, LoRA's Hugging Face target names, and clear errors for folders
+that do not fit."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from configurator import UserError
+from hf_checkpoint import (gpt_config, load_hf_checkpoint, peft_name, read_hf_weights, read_json, save_hf_model,
+                           save_peft_adapter)
+from lora import apply_lora, lora_state_dict, merged_state_dict
+from model import GPT, GPTConfig
+
+FIXTURES = os.path.join(os.path.dirname(__file__), 'fixtures', 'hf')
+FAMILIES = ['llama', 'smollm2', 'qwen2', 'qwen2_sharded', 'mistral', 'qwen3', 'gpt2']
+
+
+def fixture(name):
+    return os.path.join(FIXTURES, name)
+
+
+def load_gpt(folder):
+    hf = read_json(os.path.join(folder, 'config.json'))
+    return GPT.from_state_dict(GPTConfig(**gpt_config(hf, folder)), read_hf_weights(folder, hf)).eval()
+
+
+def expected(name):
+    return load_file(os.path.join(FIXTURES, 'expected', f"{name.removesuffix('_sharded')}.safetensors"))
+
+
+@pytest.mark.parametrize('name', FAMILIES)
+def test_logits_equal_transformers(name):
+    # fp32 on both sides; the same operations up to summation order (fused q/k/v matmul, attention kernel):
+    # differences are a few float32 ulps of logits of size ~1, far below 1e-5
+    model, want = load_gpt(fixture(name)), expected(name)
+    with torch.no_grad():
+        logits, _ = model(want['input_ids'])
+    assert want['logits'].abs().max() > 0.5  # not a degenerate model whose logits all agree anyway
+    torch.testing.assert_close(logits, want['logits'], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize('name', FAMILIES)
+@pytest.mark.parametrize('use_kv_cache', [True, False])
+def test_greedy_tokens_equal_transformers(name, use_kv_cache):
+    model, want = load_gpt(fixture(name)), expected(name)
+    new_tokens = want['greedy'].size(1) - want['prompt'].size(1)
+    out = model.generate(want['prompt'], new_tokens, temperature=0, use_kv_cache=use_kv_cache)
+    assert out.tolist() == want['greedy'].tolist()
+
+
+def test_family_shapes_come_from_config_json():
+    llama = gpt_config(read_json(fixture('llama/config.json')), 'llama')
+    assert llama['n_kv_head'] < llama['n_head'] and llama['rope_scaling']['factor'] > 1 and not llama['tie_embeddings']
+    assert gpt_config(read_json(fixture('qwen2/config.json')), 'qwen2')['qkv_bias']
+    qwen3 = gpt_config(read_json(fixture('qwen3/config.json')), 'qwen3')
+    assert qwen3['qk_norm'] and qwen3['head_dim'] * qwen3['n_head'] != qwen3['n_embd']
+    mistral = read_json(fixture('mistral/config.json'))
+    assert gpt_config(mistral, 'mistral')['block_size'] == mistral['sliding_window']  # longer rows are refused
+    gpt2 = gpt_config(read_json(fixture('gpt2/config.json')), 'gpt2')
+    assert (gpt2['pos_emb'], gpt2['norm'], gpt2['mlp'], gpt2['bias']) == ('learned', 'layernorm', 'gelu_tanh', True)
+
+
+def test_tied_embeddings_load_as_one_parameter():
+    model = load_gpt(fixture('smollm2'))
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert not load_gpt(fixture('llama')).lm_head.weight is load_gpt(fixture('llama')).transformer.wte.weight
+
+
+def test_sharded_and_single_file_weights_are_the_same():
+    single, sharded = load_gpt(fixture('qwen2')).state_dict(), load_gpt(fixture('qwen2_sharded')).state_dict()
+    assert len(os.listdir(fixture('qwen2_sharded'))) > len(os.listdir(fixture('qwen2')))
+    assert single.keys() == sharded.keys() and all(torch.equal(single[k], sharded[k]) for k in single)
+
+
+def stored_tensors(folder):
+    tensors = {}
+    for name in sorted(os.listdir(folder)):
+        if name.endswith('.safetensors'):
+            with safe_open(os.path.join(folder, name), framework='pt') as f:
+                tensors.update({k: f.get_tensor(k) for k in f.keys()})
+        elif name.endswith('.bin'):
+            tensors.update(torch.load(os.path.join(folder, name), weights_only=True))
+    return {k: v for k, v in tensors.items() if not k.endswith(('attn.bias', 'attn.masked_bias'))}
+
+
+@pytest.mark.parametrize('name', ['llama', 'smollm2', 'qwen2', 'mistral', 'qwen3', 'gpt2'])
+def test_export_round_trip_is_bit_identical(tmp_path, name):
+    source = fixture(name)
+    ckpt = load_hf_checkpoint(source)
+    save_hf_model(ckpt['model'], ckpt['hf_config'], str(tmp_path), source, ckpt['generation_config'])
+    before, after = stored_tensors(source), stored_tensors(str(tmp_path))
+    assert before.keys() == after.keys()  # a tied lm_head is not written twice, as transformers saves it
+    assert all(before[k].dtype == after[k].dtype and torch.equal(before[k], after[k]) for k in before)
+    assert read_json(str(tmp_path / 'config.json')) == read_json(os.path.join(source, 'config.json'))
+    assert (tmp_path / 'tokenizer.json').read_bytes() == open(os.path.join(source, 'tokenizer.json'), 'rb').read()
+    assert os.stat(tmp_path / 'model.safetensors').st_mode & 0o044 == 0o044  # readable by a server's own user
+
+
+def test_export_shards_above_the_size_limit(tmp_path):
+    ckpt = load_hf_checkpoint(fixture('llama'))
+    save_hf_model(ckpt['model'], ckpt['hf_config'], str(tmp_path), fixture('llama'), max_shard_bytes=100_000)
+    index = read_json(str(tmp_path / 'model.safetensors.index.json'))
+    assert len(set(index['weight_map'].values())) > 1
+    reloaded = load_gpt(str(tmp_path)).state_dict()
+    assert all(torch.equal(reloaded[k], v) for k, v in load_gpt(fixture('llama')).state_dict().items())
+
+
+def test_bfloat16_weights_load_to_float32_and_export_back_in_bfloat16(tmp_path):
+    folder = tmp_path / 'bf16'
+    shutil.copytree(fixture('smollm2'), folder)
+    tensors = load_file(str(folder / 'model.safetensors'))
+    save_file({k: v.bfloat16() for k, v in tensors.items()}, str(folder / 'model.safetensors'))
+    config = read_json(str(folder / 'config.json'))
+    (folder / 'config.json').write_text(json.dumps(dict(config, dtype='bfloat16', torch_dtype='bfloat16')))
+    ckpt = load_hf_checkpoint(str(folder))
+    assert all(t.dtype == torch.float32 for t in ckpt['model'].values())
+    save_hf_model(ckpt['model'], ckpt['hf_config'], str(tmp_path / 'out'), str(folder))
+    after = load_file(str(tmp_path / 'out' / 'model.safetensors'))
+    assert all(after[k].dtype == torch.bfloat16 and torch.equal(after[k], v.bfloat16()) for k, v in tensors.items())
+
+
+def test_lora_accepts_hugging_face_target_names():
+    model = load_gpt(fixture('llama'))
+    assert apply_lora(model, 4, 8, target_modules='q_proj,v_proj') == \
+        [f'transformer.h.{i}.attn.{m}' for i in range(model.config.n_layer) for m in ('q', 'v')]
+    gpt2 = load_gpt(fixture('gpt2'))
+    wrapped = apply_lora(gpt2, 4, 8, target_modules='c_attn,c_proj')
+    assert sorted({w.split('.', 3)[-1] for w in wrapped}) == ['attn.k', 'attn.proj', 'attn.q', 'attn.v', 'mlp.proj']
+    with pytest.raises(UserError, match='q_proj'):
+        apply_lora(load_gpt(fixture('llama')), 4, 8, target_modules='query')
+
+
+def broken_copy(tmp_path, name='llama'):
+    folder = tmp_path / name
+    shutil.copytree(fixture(name), folder)
+    return folder
+
+
+def edit_config(folder, **changes):
+    config = read_json(str(folder / 'config.json'))
+    (folder / 'config.json').write_text(json.dumps(dict(config, **changes)))
+
+
+def test_unsupported_architecture_names_the_supported_ones(tmp_path):
+    folder = broken_copy(tmp_path)
+    edit_config(folder, architectures=['GemmaForCausalLM'])
+    with pytest.raises(UserError, match=r'GemmaForCausalLM is not supported.*LlamaForCausalLM.*GPT2LMHeadModel'):
+        load_hf_checkpoint(str(folder))
+
+
+def test_missing_unexpected_misshapen_and_truncated_weights_are_clear_errors(tmp_path):
+    folder = broken_copy(tmp_path)
+    weights = str(folder / 'model.safetensors')
+    tensors = load_file(weights)
+    save_file({k: v for k, v in tensors.items() if k != 'model.layers.1.mlp.up_proj.weight'}, weights)
+    with pytest.raises(UserError, match=r'lack 1 tensor.*model\.layers\.1\.mlp\.up_proj\.weight'):
+        load_hf_checkpoint(str(folder))
+    save_file(dict(tensors, **{'model.layers.1.mlp.extra.weight': torch.zeros(2)}), weights)
+    with pytest.raises(UserError, match=r'model\.safetensors: tensor model\.layers\.1\.mlp\.extra\.weight is not'):
+        load_hf_checkpoint(str(folder))
+    save_file(tensors, weights)
+    edit_config(folder, intermediate_size=read_json(str(folder / 'config.json'))['intermediate_size'] + 8)
+    with pytest.raises(UserError, match=r'tensor model\.layers\.0\.mlp\.\w+_proj\.weight has shape'):
+        load_hf_checkpoint(str(folder))
+    shutil.copy(fixture('llama/config.json'), folder / 'config.json')
+    data = open(weights, 'rb').read()
+    open(weights, 'wb').write(data[:len(data) // 2])
+    with pytest.raises(UserError, match=r'model\.safetensors .*truncated or corrupt'):
+        load_hf_checkpoint(str(folder))
+    os.remove(weights)
+    with pytest.raises(UserError, match='holds no weights'):
+        load_hf_checkpoint(str(folder))
+
+
+def test_missing_shard_is_named(tmp_path):
+    folder = broken_copy(tmp_path, 'qwen2_sharded')
+    shard = sorted(f for f in os.listdir(folder) if f.startswith('model-'))[-1]
+    os.remove(folder / shard)
+    with pytest.raises(UserError, match=f'lists {shard}, which is missing'):
+        load_hf_checkpoint(str(folder))
+
+
+def test_mistral_within_its_sliding_window_matches_and_beyond_it_is_refused():
+    # attention over a sliding window is not implemented: block_size is the window, so a longer row
+    # is refused rather than attended over in full (which transformers would not do)
+    model, want = load_gpt(fixture('mistral')), expected('mistral')
+    window = model.config.block_size
+    assert want['input_ids_long'].size(1) > window
+    with torch.no_grad():
+        logits, _ = model(want['input_ids_long'][:, :window])
+        torch.testing.assert_close(logits, want['logits_long'][:, :window], atol=1e-5, rtol=0)
+        with pytest.raises(ValueError, match=f'block_size is {window}'):
+            model(want['input_ids_long'])
+
+
+def llama_with_peft_fixture_adapter():
+    """The llama fixture with nanotrain adapters holding the PEFT fixture adapter's tensors."""
+    model = load_gpt(fixture('llama'))
+    apply_lora(model, r=4, lora_alpha=8, target_modules='q_proj,v_proj')
+    peft = load_file(fixture('peft_llama/adapter_model.safetensors'))
+    hf = read_json(fixture('llama/config.json'))
+    names = {k: peft_name(k, hf) for k in lora_state_dict(model)}
+    assert sorted(names.values()) == sorted(peft)  # the same tensors under PEFT's names
+    model.load_state_dict({k: peft[p] for k, p in names.items()}, strict=False)
+    return model.eval(), hf
+
+
+def test_peft_adapter_gives_the_logits_peft_gives_and_exports_to_the_same_files(tmp_path):
+    model, hf = llama_with_peft_fixture_adapter()
+    want = load_file(os.path.join(FIXTURES, 'expected', 'peft_llama.safetensors'))
+    with torch.no_grad():
+        torch.testing.assert_close(model(want['input_ids'])[0], want['logits_adapted'], atol=1e-5, rtol=0)
+        merged = GPT.from_state_dict(model.config, merged_state_dict(model)).eval()
+        torch.testing.assert_close(merged(want['input_ids'])[0], want['logits_merged'], atol=1e-5, rtol=0)
+    settings = dict(lora_r=4, lora_alpha=8.0, use_rslora=False, lora_dropout=0.0)
+    save_peft_adapter(lora_state_dict(model), settings, hf, fixture('llama'), str(tmp_path))
+    ours, theirs = load_file(str(tmp_path / 'adapter_model.safetensors')), load_file(
+        fixture('peft_llama/adapter_model.safetensors'))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    config, reference = read_json(str(tmp_path / 'adapter_config.json')), read_json(fixture('peft_llama/adapter_config.json'))
+    for key in ('peft_type', 'task_type', 'r', 'lora_alpha', 'use_rslora', 'target_modules', 'bias', 'fan_in_fan_out'):
+        assert config[key] == reference[key], key
+
+
+def test_flops_count_attention_over_the_runs_context_not_the_models_longest():
+    model = load_gpt(fixture('llama'))
+    c = model.config
+    assert model.flops_per_token(context=64) == model.flops_per_token() - 12 * c.n_layer * c.n_head * c.head_size * (
+        c.block_size - 64)

@@ -131,6 +131,17 @@ def load_sft_split(path, tokenizer, max_length, overlong='truncate', skip_malfor
     return conversations, examples
 
 
+def load_sft_data(folder, tokenizer, max_length, overlong='truncate', skip_malformed=False):
+    """An SFT data folder's (train examples, val examples, held-out conversations): the held-out ones,
+    for exact match, are test.jsonl's, else val.jsonl's. Each split is read by load_sft_split."""
+    def read_split(name):
+        return load_sft_split(os.path.join(folder, f'{name}.jsonl'), tokenizer, max_length, overlong, skip_malformed)
+    _, train_examples = read_split('train')
+    val_conversations, val_examples = read_split('val')
+    held_out = read_split('test')[0] if os.path.exists(os.path.join(folder, 'test.jsonl')) else val_conversations
+    return train_examples, val_examples, held_out
+
+
 def pack_rows(items, lengths, capacity):
     """Items grouped into rows of at most capacity tokens: first fit, longest first."""
     rows, room = [], []

@@ -23,7 +23,7 @@ from tokenizers import Tokenizer
 
 from configurator import UserError
 from hf_tokenizer import load_hf_tokenizer
-from model import GPT, GPTConfig
+from model import GPT, ROPE_SCALING_KEYS, GPTConfig
 from tokenizer import CHAT_SPECIAL_TOKENS, CHAT_TEMPLATE_JINJA
 
 ARCHITECTURES = ('LlamaForCausalLM', 'MistralForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM', 'GPT2LMHeadModel')
@@ -67,24 +67,46 @@ IGNORED = re.compile(r'.*\.attn\.(masked_)?bias$|.*\.rotary_emb\.inv_freq$')
 
 
 def read_json(path):
+    """A JSON object file of a model folder, as a dict."""
     try:
         with open(path) as f:
-            return json.load(f)
+            value = json.load(f)
     except (OSError, ValueError) as e:
         raise UserError(f"could not read {path} ({e}); the model folder is incomplete or corrupt: "
                         f"download it again.") from None
+    if not isinstance(value, dict):
+        raise UserError(f"{path} holds a JSON {type(value).__name__}, not an object; the model folder is corrupt: "
+                        f"download it again.")
+    return value
+
+
+def require_keys(hf, keys, what, folder):
+    missing = [k for k in keys if hf.get(k) is None]
+    if missing:
+        raise UserError(f"{folder}/config.json has no {', '.join(missing)}, which {what} needs; the file is "
+                        f"incomplete: download the model folder again.")
 
 
 def gpt_config(hf, folder):
     """GPTConfig fields of the model whose config.json holds hf (a dict)."""
-    arch = (hf.get('architectures') or ['(none)'])[0]
+    archs = hf.get('architectures')
+    if not (isinstance(archs, list) and len(archs) == 1 and isinstance(archs[0], str)):
+        raise UserError(f"{folder}/config.json: architectures={archs!r} must be a list of one model class, e.g. "
+                        f"[\"LlamaForCausalLM\"]; the file is corrupt: download the model folder again.")
+    arch = archs[0]
     if arch not in ARCHITECTURES:
         raise UserError(f"{folder}/config.json: architecture {arch} is not supported; nanotrain loads "
                         f"{', '.join(ARCHITECTURES)}.")
     if arch == 'GPT2LMHeadModel':
+        require_keys(hf, ('n_positions', 'vocab_size', 'n_layer', 'n_head', 'n_embd'), arch, folder)
         if hf.get('activation_function', 'gelu_new') not in ('gelu_new', 'gelu_pytorch_tanh'):
             raise UserError(f"{folder}/config.json: activation_function={hf['activation_function']!r} is not "
                             f"supported; GPT-2 models use 'gelu_new'.")
+        if hf.get('scale_attn_by_inverse_layer_idx') or hf.get('reorder_and_upcast_attn') \
+                or not hf.get('scale_attn_weights', True):
+            raise UserError(f"{folder}/config.json: scale_attn_by_inverse_layer_idx, reorder_and_upcast_attn or "
+                            f"scale_attn_weights=false change GPT-2's attention, and nanotrain does not implement "
+                            f"them; it loads GPT-2 models with their defaults.")
         return dict(block_size=hf['n_positions'], vocab_size=hf['vocab_size'], n_layer=hf['n_layer'],
                     n_head=hf['n_head'], n_embd=hf['n_embd'], mlp_hidden=hf.get('n_inner') or 0, bias=True,
                     pos_emb='learned', norm='layernorm', norm_eps=hf.get('layer_norm_epsilon', 1e-5),
@@ -93,11 +115,15 @@ def gpt_config(hf, folder):
         raise UserError(f"{folder}/config.json: hidden_act={hf.get('hidden_act')!r}, attention_bias="
                         f"{hf.get('attention_bias')}, mlp_bias={hf.get('mlp_bias')} is not supported; nanotrain "
                         f"loads {arch} models with hidden_act 'silu' and no attention or MLP biases.")
+    require_keys(hf, ('max_position_embeddings', 'vocab_size', 'num_hidden_layers', 'num_attention_heads',
+                      'hidden_size', 'intermediate_size'), arch, folder)
     rope = hf.get('rope_parameters') or hf.get('rope_scaling') or {}  # transformers 5 names it rope_parameters
-    rope_type = rope.get('rope_type', rope.get('type', 'default'))
+    rope_type = rope.get('rope_type', rope.get('type', 'default')) if isinstance(rope, dict) else rope
     if rope_type not in ('default', 'llama3'):
         raise UserError(f"{folder}/config.json: RoPE scaling {rope_type!r} is not supported; nanotrain supports "
                         f"none and Llama 3.1's 'llama3'.")
+    if rope_type == 'llama3':
+        require_keys(rope, ROPE_SCALING_KEYS, "rope_scaling of type 'llama3'", folder)
     context = hf['max_position_embeddings']
     if arch == 'MistralForCausalLM' or hf.get('use_sliding_window'):
         # attention over a sliding window is not implemented: refuse sequences longer than the window
@@ -109,8 +135,7 @@ def gpt_config(hf, folder):
                 pos_emb='rope', norm='rmsnorm', norm_eps=hf.get('rms_norm_eps', 1e-6),
                 tie_embeddings=hf.get('tie_word_embeddings', False),
                 rope_theta=float(hf.get('rope_theta') or rope.get('rope_theta', 10000.0)),
-                rope_scaling={k: rope[k] for k in ('factor', 'low_freq_factor', 'high_freq_factor',
-                                                   'original_max_position_embeddings')} if rope_type == 'llama3' else {},
+                rope_scaling={k: rope[k] for k in ROPE_SCALING_KEYS} if rope_type == 'llama3' else {},
                 qk_norm=arch == 'Qwen3ForCausalLM')
 
 
@@ -193,11 +218,6 @@ def read_hf_weights(folder, hf):
     if 'lm_head.weight' not in expected:  # tied: the same tensor under both names, as in GPT.state_dict()
         state['lm_head.weight'] = state['transformer.wte.weight']
     return state
-
-
-def hf_model_args(folder):
-    """GPTConfig fields of the model in a Hugging Face folder."""
-    return gpt_config(read_json(os.path.join(folder, 'config.json')), folder)
 
 
 def load_hf_checkpoint(folder):
@@ -315,7 +335,8 @@ def save_chat_tokenizer(tokenizer_folder, out_folder, generation_config):
         if os.path.isfile(os.path.join(tokenizer_folder, 'tokenizer_config.json')) else {}
     tokenizer_config = {k: v for k, v in tokenizer_config.items() if k != 'added_tokens_decoder'}
     with open(os.path.join(out_folder, 'tokenizer_config.json'), 'w') as f:
-        json.dump(dict(tokenizer_config, chat_template=CHAT_TEMPLATE_JINJA, eos_token='<|end|>'), f, indent=2)
+        template = ('{{ bos_token }}' if load_hf_tokenizer(tokenizer_folder).document_prefix else '') + CHAT_TEMPLATE_JINJA
+        json.dump(dict(tokenizer_config, chat_template=template, eos_token='<|end|>'), f, indent=2)
     for stale in ('special_tokens_map.json', 'chat_template.jinja', 'chat_template.json'):
         if os.path.isfile(os.path.join(out_folder, stale)):
             os.remove(os.path.join(out_folder, stale))

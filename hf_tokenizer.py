@@ -175,6 +175,10 @@ class HFTokenizer:
         self.eos_id = (self.stop_ids or [None])[0] if self.template is None else self.end_of_turn_id()
         pad = self.token_id('pad_token')
         self.pad_id = pad if pad is not None else self.eos_id
+        # the tokens tokenizer.json's post-processor puts before a text (Llama's and Mistral's BOS), as
+        # transformers' tokenizer(text) gives them; a chat template writes its own
+        with_specials = self.tokenizer.encode('a', add_special_tokens=True).ids
+        self.document_prefix = with_specials[:with_specials.index(self.encode('a')[0])]
 
     def token_id(self, name):
         """The id of a named special token ('eos_token', ...), None if the configs name none."""

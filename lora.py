@@ -134,8 +134,9 @@ def apply_lora(model, r=8, lora_alpha=16, lora_dropout=0.0, target_modules='attn
             wrapped.append(name)
     missing = [t for t in targets if not any(n.endswith('.' + t) for n in wrapped)]
     if missing and target_modules != 'all-linear':
-        raise UserError(f"lora_target_modules names {', '.join(missing)}, which this model does not have "
-                        f"(mlp.gate exists only with mlp='swiglu'); remove it from lora_target_modules.")
+        raise UserError(f"lora_target_modules={target_modules!r} names {', '.join(missing)}, which this model does not "
+                        f"have (mlp.gate, Hugging Face's gate_proj, exists only in SwiGLU models such as Llama and "
+                        f"Qwen); remove it from lora_target_modules.")
     for name, p in model.named_parameters():
         trained_bias = name.endswith('.bias') and (bias == 'all' or bias == 'lora_only' and name[:-5] in wrapped)
         p.requires_grad_(name.endswith(('lora_A', 'lora_B')) or trained_bias)
@@ -147,6 +148,9 @@ def apply_lora(model, r=8, lora_alpha=16, lora_dropout=0.0, target_modules='attn
         tied = lm_head.weight is wte.weight
         rows = model.transformer.wte.added_rows if tied else nn.Parameter(lm_head.weight[-added_tokens:].clone())
         model.lm_head = AddedRowsLinear(lm_head, rows)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    log(f"LoRA r={r} on {len(wrapped)} layers + {added_tokens} added token rows: {trainable:,} trainable parameters "
+        f"({100 * trainable / sum(p.numel() for p in model.parameters()):.2f}% of all)")
     return wrapped
 
 

@@ -14,11 +14,11 @@ import time
 import torch
 
 from checkpoint import load_checkpoint
-from hf_tokenizer import load_hf_tokenizer
-from starting_model import load_model
 from configurator import FOLDER, POSITIVE, UserError, at_least, check_values, configure, interval
+from hf_tokenizer import load_hf_tokenizer
 from memory import autocast_context, pick_device, pick_dtype
 from model import GPT, GPTConfig
+from starting_model import load_model
 from tokenizer import chat_tokenizer, load_tokenizer
 from tts_data import MEL_SETTINGS, write_wav
 from tts_model import load_tts, synthesize
@@ -90,7 +90,6 @@ else:
     model = GPT(GPTConfig(**ckpt['model_args']))
     model.load_state_dict(ckpt['model'])
 model.eval().to(device)
-ckpt.setdefault('data_dir', init_from)  # a Hugging Face folder holds its own tokenizer
 if not data_dir and not any(os.path.isfile(os.path.join(ckpt['data_dir'], f)) for f in ('meta.json', 'config.json')):
     raise UserError(f"{ckpt_path} was trained on the dataset in {ckpt['data_dir']}, which is no longer there (moved "
                     f"or copied elsewhere?); pass --data_dir=<that dataset's folder now>.")
@@ -108,7 +107,9 @@ if start.startswith('FILE:'):
             start = f.read()
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"start={start!r}: cannot read the prompt file ({e}); name a UTF-8 text file.") from None
-ids = tokenizer.encode_prompt([{'role': 'user', 'content': start}]) if chat else tokenizer.encode(start)
+# a chat model answers start as a user turn; other text opens as the tokenizer opens a text (a published model's BOS)
+ids = (tokenizer.encode_prompt([{'role': 'user', 'content': start}]) if chat
+       else tokenizer.document_prefix + tokenizer.encode(start))
 if not ids:
     raise UserError("start is empty: give the model something to continue, e.g. --start='\\n' or a sentence.")
 prompt = torch.tensor([ids], dtype=torch.long, device=device)

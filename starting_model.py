@@ -13,6 +13,7 @@ import os
 from checkpoint import check_compatible, file_sha256, is_hf_folder, load_checkpoint, require_init_from
 from configurator import UserError
 from hf_checkpoint import load_hf_checkpoint, weight_files
+from model import GPT
 
 
 def check_starting_model(model_ckpt, path, model_args, tokenizer, base_tokenizer=None):
@@ -87,10 +88,30 @@ def dpo_reference(ckpt, init_from, out_dir, made_by=None):
                         + ("(for a LoRA run, its merged.pt)." if reference['kind'] == 'lora' else "."))
     if reference['config'].get('training_type', 'from_scratch') == 'from_scratch':
         raise UserError(f"{path} is a pretrained model without the chat template; fine-tune it first, e.g. "
-                        f"`python train.py config/sft.py --init_from={path}`, and start DPO from that run's "
-                        f"checkpoint.")
+                        f"`python train.py {'config/sft_hf.py' if is_hf_folder(path) else 'config/sft.py'} "
+                        f"--init_from={path}`, and start DPO from that run's checkpoint.")
     reference_hash = model_hash(path)
     if ckpt and reference_hash != ckpt['reference_hash']:
         raise UserError(f"{path}, the reference of the DPO run in {out_dir}, has changed since the run began. "
                         f"Restore that file, or start a new run (another out_dir, or --resume=False to overwrite).")
     return reference, path, reference_hash
+
+
+def build_model(config, model_ckpt):
+    """The GPT of config (a GPTConfig) holding model_ckpt's weights, or initialised at random when
+    model_ckpt is None. A published model's is built around its tensors (GPT.from_state_dict), so
+    memory holds one copy."""
+    if model_ckpt is not None and model_ckpt.get('hf_config'):
+        return GPT.from_state_dict(config, model_ckpt['model'])
+    model = GPT(config)
+    if model_ckpt is not None:
+        model.load_state_dict(model_ckpt['model'])
+    return model
+
+
+def hf_source(model_ckpt):
+    """{'hf_config', 'generation_config'} of a model that came from a Hugging Face folder (its config.json
+    and generation_config.json, which export.py writes back), else {}."""
+    if model_ckpt is None or not model_ckpt.get('hf_config'):
+        return {}
+    return {k: model_ckpt[k] for k in ('hf_config', 'generation_config')}

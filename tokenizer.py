@@ -30,6 +30,7 @@ class CharTokenizer:
         self.stoi = {c: i for i, c in enumerate(chars)}
         self.vocab_size = len(chars)
         self.eos_id = None
+        self.document_prefix = []  # tokens that open a text: none
 
     def encode(self, text):
         missing = sorted(set(text) - self.stoi.keys())
@@ -61,6 +62,7 @@ class BPETokenizer:
         self.sp = spm.SentencePieceProcessor(model_proto=model_bytes)
         self.vocab_size = self.sp.get_piece_size()
         self.eos_id = self.sp.eos_id()
+        self.document_prefix = []  # tokens that open a text: none (eos_id separates documents)
 
     def encode(self, text):
         return self.sp.encode(text)
@@ -148,7 +150,8 @@ class ChatTokenizer:
     def encode_chat(self, messages):
         """Token ids and labels of a conversation: labels are the ids of the assistant turns' content
         and closing <|end|>, -100 everywhere else."""
-        ids, labels = [], []
+        ids = list(self.base.document_prefix)  # a published base model's BOS (hf_tokenizer.py)
+        labels = [-100] * len(ids)
         for m in messages:
             content = self.encode(m['content'])
             ids += [self.special[f"<|{m['role']}|>"], *content, self.eos_id]

@@ -19,24 +19,23 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from chat_data import SFTBatches, load_sft_split
-from checkpoint import (check_compatible, claim_out_dir, is_hf_folder, require_init_from, restore_training_state,
-                        run_log, run_origin, run_to_continue, save_checkpoint, training_data_hash, training_state)
+from chat_data import SFTBatches, load_sft_data
+from checkpoint import (check_compatible, claim_out_dir, require_init_from, restore_training_state, run_log, run_origin,
+                        run_to_continue, save_checkpoint, training_data_hash, training_state)
 from configurator import (FOLDER, POSITIVE, UserError, at_least, check_values, configure, dataclass_args, interval,
                           one_of)
 from data import TokenBatches, eval_offsets, prepare_default
-from hf_checkpoint import hf_model_args
 from hf_tokenizer import load_hf_tokenizer
 from losses import check_loss_weights, combine_losses, target_weights, token_weight_table, weighted_cross_entropy, z_loss
 from memory import (GradScaler, MemoryMonitor, autocast_context, halve_micro_batch, peak_memory_bytes, pick_dtype,
                     recover_from_oom)
 from lora import apply_lora, load_adapters, lora_optimizer, lora_state_dict, save_merged
-from model import GPT, GPTConfig
+from model import GPTConfig
 from muon import Muon, muon_param_groups
 from runtime import (StepProfiler, StopSignal, after_eval, clip_and_reduce, compute_cleanup, compute_init,
                      keep_log_until, log, patience_exhausted, step_or_skip)
 from scheduler import SCHEDULES, get_lr, set_lr
-from starting_model import check_starting_model, full_model_checkpoint, model_hash
+from starting_model import build_model, check_starting_model, full_model_checkpoint, hf_source, model_hash
 from tasks.exact_match import exact_match_accuracy
 from tasks.number_tasks import NUMBER_TASKS_DIR, prepare_number_tasks
 from tokenizer import chat_tokenizer, load_tokenizer
@@ -139,10 +138,6 @@ check_loss_weights(loss_weights)
 if training_type not in ('from_scratch', 'sft', 'lora'):
     raise UserError(f"training_type={training_type!r} is not supported; use 'from_scratch', 'sft' or 'lora'.")
 fine_tuning = training_type != 'from_scratch'
-hf_model = is_hf_folder(init_from)  # a published model: config.json gives its shape, the folder its tokenizer
-if hf_model and not fine_tuning:
-    raise UserError(f"init_from={init_from!r} is a Hugging Face model; fine-tune it with training_type='sft' or "
-                    f"'lora' (e.g. python train.py config/sft_hf.py --init_from={init_from}).")
 
 # processes and device (runtime.py: one process per GPU under torchrun), precision
 ddp, rank, local_rank, world_size, device = compute_init(device, seed, num_threads)
@@ -165,18 +160,24 @@ if eval_only and ckpt is None and init_from == 'scratch':
 if training_type == 'lora' and ckpt is None and init_from == 'scratch':
     raise UserError("training_type='lora' adapts a trained model, but there is none: set init_from to its checkpoint "
                     "(e.g. --init_from=out/ckpt.pt).")
+# the model the run starts from; a published model (or a fine-tune of one) brings its shape and tokenizer
+model_ckpt, model_ckpt_path = full_model_checkpoint(ckpt, ckpt_path, init_from, out_dir)
+hf_files = hf_source(model_ckpt)  # its config files, which export.py writes back
+if hf_files and not fine_tuning:
+    raise UserError(f"{model_ckpt_path} is a Hugging Face model; fine-tune it with training_type='sft' or 'lora' "
+                    f"(e.g. python train.py config/sft_hf.py --init_from={init_from}).")
 
 
 # data: rank 0 prepares the default corpus once, the others wait for it
-if hf_model:
-    data_dir = init_from  # the model's own tokenizer
+if hf_files:
+    data_dir = model_ckpt['data_dir']  # the model's own tokenizer, in its folder
 elif not data_dir:
     if master:
         prepare_default()
     if ddp:
         dist.barrier()
     data_dir = os.path.join('data', 'stdlib')
-tokenizer = load_hf_tokenizer(data_dir) if hf_model else load_tokenizer(data_dir)
+tokenizer = load_hf_tokenizer(data_dir) if hf_files else load_tokenizer(data_dir)
 if not fine_tuning:
     train_batches = TokenBatches(os.path.join(data_dir, 'train.bin'), block_size, seed)
     val_batches = TokenBatches(os.path.join(data_dir, 'val.bin'), block_size, seed)
@@ -193,11 +194,7 @@ else:
         if ddp:
             dist.barrier()
         sft_data = NUMBER_TASKS_DIR
-    def read_split(name):
-        return load_sft_split(os.path.join(sft_data, f'{name}.jsonl'), tokenizer, max_length, overlong, skip_malformed)
-    _, train_examples = read_split('train')
-    val_conversations, val_examples = read_split('val')
-    held_out = read_split('test')[0] if os.path.exists(os.path.join(sft_data, 'test.jsonl')) else val_conversations
+    train_examples, val_examples, held_out = load_sft_data(sft_data, tokenizer, max_length, overlong, skip_malformed)
     exact_match_prompts = [tokenizer.prompt_and_answer(messages) for messages in held_out[:exact_match_examples]]
     sample_prompt = tokenizer.prompt_and_answer(held_out[0])[0]
     train_batches = SFTBatches(train_examples, seed, tokenizer.eos_id, max_length, pack, bucket_batches)
@@ -207,14 +204,13 @@ else:
     train_data_hash = training_data_hash(os.path.join(sft_data, 'train.jsonl'), ckpt, out_dir, 'sft_data')
 
 # model, from scratch, from a checkpoint (shape and tokenizer must match the config), or a published model
-if hf_model:  # its shape is config.json's, whatever the model keys above say
-    model_args = dict(hf_model_args(init_from), dropout=dropout, vocab_size=tokenizer.vocab_size)
+if hf_files:  # its shape is its config.json's, whatever the model keys above say
+    model_args = dict(model_ckpt['model_args'], dropout=dropout, vocab_size=tokenizer.vocab_size)
     if block_size > model_args['block_size']:
         raise UserError(f"block_size={block_size} is longer than the {model_args['block_size']} positions "
-                        f"{init_from} can attend over; lower block_size and max_length.")
+                        f"{model_ckpt_path} can attend over; lower block_size and max_length.")
 else:
     model_args = dataclass_args(GPTConfig, config, vocab_size=tokenizer.vocab_size)
-model_ckpt, model_ckpt_path = full_model_checkpoint(ckpt, ckpt_path, init_from, out_dir)
 vocab_size = tokenizer.vocab_size
 if ckpt is not None:  # checkpoints written before they recorded their run (run_to_continue) are checked here
     check_compatible({'optimizer_type': ckpt['config'].get('optimizer_type', 'adamw'),
@@ -223,28 +219,17 @@ if ckpt is not None:  # checkpoints written before they recorded their run (run_
 if model_ckpt is not None:  # a pretrained model being fine-tuned has the base tokenizer: the chat tokens come below
     vocab_size = check_starting_model(model_ckpt, model_ckpt_path, model_args, tokenizer,
                                       base_tokenizer if fine_tuning else None)
-hf_config = model_ckpt and model_ckpt.get('hf_config')  # a published model's config.json, for export.py
-if hf_config:  # no random weights first: memory holds one copy of the model
-    model = GPT.from_state_dict(GPTConfig(**dict(model_args, vocab_size=vocab_size)), model_ckpt['model'])
-else:
-    model = GPT(GPTConfig(**dict(model_args, vocab_size=vocab_size)))
-    if model_ckpt is not None:
-        model.load_state_dict(model_ckpt['model'])
-hf_files = dict(hf_config=hf_config, generation_config=model_ckpt['generation_config']) if hf_config else {}
+model = build_model(GPTConfig(**dict(model_args, vocab_size=vocab_size)), model_ckpt)
 if vocab_size < tokenizer.vocab_size:
     model.resize_vocab(tokenizer.vocab_size)
 if training_type == 'lora':
     added_tokens = tokenizer.vocab_size - vocab_size  # the chat tokens added above train too (none for a chat model)
-    wrapped = apply_lora(model, lora_r, lora_alpha, lora_dropout, lora_target_modules, use_rslora, lora_bias,
-                         added_tokens)
+    apply_lora(model, lora_r, lora_alpha, lora_dropout, lora_target_modules, use_rslora, lora_bias, added_tokens)
     if ckpt is not None:
         load_adapters(model, ckpt, ckpt_path, config)
         lora_base = ckpt['base_checkpoint'], ckpt['base_hash']
     else:
         lora_base = os.path.abspath(init_from), model_hash(init_from)
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    log(f"LoRA r={lora_r} on {len(wrapped)} layers + {added_tokens} added token rows: {trainable:,} trainable "
-        f"parameters ({100 * trainable / sum(p.numel() for p in model.parameters()):.2f}% of all)")
 model.activation_checkpointing = activation_checkpointing
 model.to(device)
 raw_model = model  # what we save and sample from: never compiled or DDP-wrapped

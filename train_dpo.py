@@ -23,15 +23,15 @@ from checkpoint import (cached_tensors, check_compatible, claim_out_dir, file_sh
                         run_origin, run_to_continue, save_checkpoint, training_data_hash, training_state)
 from configurator import FOLDER, POSITIVE, UserError, at_least, check_values, configure, interval, one_of
 from data import prepare_default
+from hf_tokenizer import load_hf_tokenizer
 from losses import DPO_LOSS_TYPES, dpo_loss, sequence_logps
 from memory import GradScaler, autocast_context, peak_memory_bytes, pick_dtype
 from lora import LORA_SETTINGS, apply_lora, disable_adapters, lora_optimizer, lora_state_dict, save_merged
 from model import GPT, GPTConfig
-from hf_tokenizer import load_hf_tokenizer
 from runtime import (StopSignal, after_eval, clip_and_reduce, compute_cleanup, compute_init, keep_log_until, log,
                      patience_exhausted, step_or_skip)
 from scheduler import SCHEDULES, get_lr, set_lr
-from starting_model import dpo_reference, load_model
+from starting_model import build_model, dpo_reference, hf_source, load_model
 from tasks.exact_match import exact_match_accuracy
 from tasks.number_tasks import PREFERENCES_DIR, prepare_number_tasks
 from tokenizer import chat_tokenizer, load_tokenizer
@@ -142,7 +142,7 @@ reference_ckpt, reference_path, reference_hash = dpo_reference(
                                       "config/sft.py` (SFT)" if init_from == 'out-sft/ckpt.pt' else None)
 
 # data: rank 0 prepares the default tokenizer and pairs once, the others wait
-hf_files = {k: reference_ckpt[k] for k in ('hf_config', 'generation_config')} if reference_ckpt.get('hf_config') else {}
+hf_files = hf_source(reference_ckpt)  # a published model's config files, which export.py writes back
 if hf_files:
     data_dir = reference_ckpt['data_dir']  # a published model's own tokenizer and chat template
 if master:
@@ -184,17 +184,10 @@ def frozen_copy(state):
 
 # policy, and the reference: a frozen copy when training all weights, the policy itself with its
 # adapters disabled when training LoRA, or none in memory with precomputed log-probs
-if hf_files:  # no random weights first: memory holds one copy of the model
-    model = GPT.from_state_dict(GPTConfig(**model_args), reference_ckpt['model'])
-else:
-    model = GPT(GPTConfig(**model_args))
-    model.load_state_dict(reference_ckpt['model'])
+model = build_model(GPTConfig(**model_args), reference_ckpt)
 reference = frozen_copy(reference_ckpt['model']) if not (use_lora or reference_free or precompute_ref_logps) else None
 if use_lora:
-    wrapped = apply_lora(model, lora_r, lora_alpha, lora_dropout, lora_target_modules, use_rslora, lora_bias)
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    log(f"LoRA r={lora_r} on {len(wrapped)} layers: {trainable:,} trainable parameters "
-        f"({100 * trainable / sum(p.numel() for p in model.parameters()):.2f}% of all)")
+    apply_lora(model, lora_r, lora_alpha, lora_dropout, lora_target_modules, use_rslora, lora_bias)
 if ckpt:
     fixed = ('use_lora', 'reference_free') + (LORA_SETTINGS if use_lora else ())
     check_compatible({k: ckpt['config'].get(k) for k in fixed}, {k: config[k] for k in fixed}, 'setup', ckpt_path,

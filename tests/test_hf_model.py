@@ -234,3 +234,21 @@ def test_flops_count_attention_over_the_runs_context_not_the_models_longest():
     c = model.config
     assert model.flops_per_token(context=64) == model.flops_per_token() - 12 * c.n_layer * c.n_head * c.head_size * (
         c.block_size - 64)
+
+
+def test_config_json_that_cannot_be_loaded_is_a_clear_error(tmp_path):
+    folder = broken_copy(tmp_path)
+    config = read_json(str(folder / 'config.json'))
+    cases = [({k: v for k, v in config.items() if k != 'max_position_embeddings'}, 'has no max_position_embeddings'),
+             (dict(config, rope_scaling={'rope_type': 'llama3', 'factor': 8.0}), 'has no low_freq_factor'),
+             (dict(config, rope_scaling={'rope_type': 'yarn', 'factor': 4.0}), "RoPE scaling 'yarn' is not supported"),
+             (dict(config, architectures='LlamaForCausalLM'), 'a list of one'),
+             ([config], 'holds a JSON list')]
+    for bad, message in cases:
+        (folder / 'config.json').write_text(json.dumps(bad))
+        with pytest.raises(UserError, match=message):
+            load_hf_checkpoint(str(folder))
+    gpt2 = broken_copy(tmp_path, 'gpt2')
+    edit_config(gpt2, scale_attn_by_inverse_layer_idx=True)  # another attention: refused, not silently wrong
+    with pytest.raises(UserError, match='scale_attn_by_inverse_layer_idx'):
+        load_hf_checkpoint(str(gpt2))

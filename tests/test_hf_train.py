@@ -14,7 +14,7 @@ import torch
 
 from safetensors.torch import load_file
 
-from hf_checkpoint import load_hf_checkpoint, peft_name, save_hf_model
+from hf_checkpoint import load_hf_checkpoint, peft_name, save_chat_tokenizer, save_hf_model
 from hf_tokenizer import load_hf_tokenizer
 from model import GPT, GPTConfig
 from tasks.number_tasks import prepare_number_tasks
@@ -137,6 +137,10 @@ def test_padded_vocabulary_fine_tunes_and_grows_after_its_rows(tmp_path, task):
              *TINY, '--max_iters=2', '--eval_interval=2', '--lr_decay_iters=2'])
         grown = 0 if name == 'qwen2' else 4  # gpt2 has no chat template: nanotrain's 4 chat tokens are added
         assert load(out / 'ckpt.pt')['model_args']['vocab_size'] == rows + grown
+    # the chat tokens cannot follow the padded rows in gpt2's tokenizer.json: refused, and nothing is left behind
+    p = run(['export.py', str(out / 'ckpt.pt'), str(tmp_path / 'exported')], check=False)
+    assert p.returncode == 2 and 'more embedding rows than its tokenizer' in p.stderr
+    assert not os.path.exists(tmp_path / 'exported') and not list(tmp_path.glob('exported.*'))
 
 
 @pytest.mark.parametrize('reference', ['frozen copy', 'lora'])
@@ -156,3 +160,40 @@ def test_dpo_on_a_published_chat_model_starts_at_ln2_and_exports(tmp_path, refer
     exported = tmp_path / 'exported'
     run(['export.py', str(out / ('merged.pt' if lora else 'ckpt.pt')), str(exported)])
     assert load_gpt(str(exported)).config.qkv_bias  # a Qwen2 again
+
+
+def test_a_fine_tune_of_a_published_model_is_fine_tuned_further_and_its_adapters_need_a_published_base(tmp_path,
+                                                                                                    task):
+    # init_from a nanotrain checkpoint of a published model: its shape and tokenizer come with it
+    fine_tune(tmp_path / 'sft', task, 'smollm2', '--max_iters=2', '--eval_interval=2', '--lr_decay_iters=2')
+    out = tmp_path / 'lora'
+    run(['train.py', '--training_type=lora', f'--init_from={tmp_path / "sft" / "ckpt.pt"}', f'--out_dir={out}',
+         f'--sft_data={task}', '--lora_target_modules=q_proj', *TINY, '--max_iters=2', '--eval_interval=2',
+         '--lr_decay_iters=2'])
+    run(['export.py', str(out / 'merged.pt'), str(tmp_path / 'merged')])
+    assert load_gpt(str(tmp_path / 'merged')).config.n_kv_head == 1
+    p = run(['export.py', str(out / 'ckpt.pt'), str(tmp_path / 'adapter')], check=False)
+    assert p.returncode == 2 and 'must name a Hugging Face base' in p.stderr
+    assert not (tmp_path / 'adapter').exists()
+    p = run(['export.py', str(out / 'merged.pt'), str(tmp_path / 'merged' / 'config.json')], check=False)
+    assert p.returncode == 2 and 'not an empty folder' in p.stderr and 'Traceback' not in p.stderr
+
+
+def test_plain_text_and_nanotrains_template_open_with_the_bos_transformers_adds(tmp_path):
+    # transformers' tokenizer(text) runs tokenizer.json's post-processor: Llama and Mistral prepend their BOS
+    for name, prefix in (('llama', [400]), ('mistral', [1]), ('gpt2', [])):
+        tokenizer = load_hf_tokenizer(fixture(name))
+        assert tokenizer.document_prefix == prefix
+        assert prefix + tokenizer.encode('Hello world') == tokenizer.tokenizer.encode('Hello world').ids
+    base = tmp_path / 'llama_base'  # the llama fixture without its chat template: a base model
+    shutil.copytree(fixture('llama'), base)
+    config = json.loads((base / 'tokenizer_config.json').read_text())
+    (base / 'tokenizer_config.json').write_text(json.dumps({k: v for k, v in config.items() if k != 'chat_template'}))
+    chat = chat_tokenizer(load_hf_tokenizer(str(base)))
+    conversation = [{'role': 'user', 'content': 'What is 2+3?'}, {'role': 'assistant', 'content': '5'}]
+    ids, labels = chat.encode_chat(conversation)
+    assert ids[0] == 400 and labels[0] == -100 and ids.count(400) == 1
+    out = tmp_path / 'exported'  # export writes nanotrain's template with the BOS in Jinja: the same ids
+    shutil.copytree(base, out)
+    save_chat_tokenizer(str(base), str(out), None)
+    assert load_hf_tokenizer(str(out)).encode_chat(conversation) == (ids, labels)

@@ -60,6 +60,9 @@ def full_model_checkpoint(ckpt, ckpt_path, init_from, out_dir):
             raise UserError(f"{path} holds LoRA adapters only; start from the merged model of that run "
                             f"(merged.pt next to it) instead.")
         path = ckpt['base_checkpoint']
+        if not os.path.exists(path):
+            raise UserError(f"{path}, the base model of the LoRA run in {out_dir} (named in its ckpt.pt), no longer "
+                            f"exists. Put it back there, or start a new run (another out_dir, or --resume=False).")
         model_ckpt = load_model(path)
         if model_hash(path) != ckpt['base_hash']:
             raise UserError(f"{path}, the base model of the LoRA run in {out_dir}, has changed since the run "

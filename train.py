@@ -171,6 +171,9 @@ if hf_files and not fine_tuning:
 # data: rank 0 prepares the default corpus once, the others wait for it
 if hf_files:
     data_dir = model_ckpt['data_dir']  # the model's own tokenizer, in its folder
+    if not os.path.isdir(data_dir):
+        raise UserError(f"{data_dir}, the Hugging Face folder {model_ckpt_path}'s model came from (named in it), no "
+                        f"longer exists, and its tokenizer is this run's. Put the folder back there.")
 elif not data_dir:
     if master:
         prepare_default()

@@ -197,3 +197,18 @@ def test_plain_text_and_nanotrains_template_open_with_the_bos_transformers_adds(
     shutil.copytree(base, out)
     save_chat_tokenizer(str(base), str(out), None)
     assert load_hf_tokenizer(str(out)).encode_chat(conversation) == (ids, labels)
+
+
+@pytest.mark.parametrize('training_type', ['sft', 'lora'])
+def test_a_run_whose_model_folder_has_moved_names_the_folder_to_put_back(tmp_path, task, training_type):
+    folder = tmp_path / 'model'
+    shutil.copytree(fixture('smollm2'), folder)
+    out = tmp_path / 'run'
+    steps = ['--max_iters=2', '--eval_interval=2', '--lr_decay_iters=2']
+    run(['train.py', f'--training_type={training_type}', f'--init_from={folder}', f'--out_dir={out}',
+         f'--sft_data={task}', *TINY, *steps])
+    folder.rename(tmp_path / 'elsewhere')
+    p = run(['train.py', f'--training_type={training_type}', f'--init_from={folder}', f'--out_dir={out}',
+             f'--sft_data={task}', *TINY, '--max_iters=4', '--lr_decay_iters=4'], check=False)
+    assert p.returncode == 2 and 'Traceback' not in p.stderr
+    assert f'{folder}' in p.stderr and 'no longer exists' in p.stderr and 'Put' in p.stderr

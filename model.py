@@ -396,17 +396,17 @@ class GPT(nn.Module):
             logits = cap * torch.tanh(logits / cap)
         return logits
 
-    def forward(self, idx, targets=None, doc_ids=None, keep=None, positions=None, mask=None):
+    def forward(self, idx, targets=None, doc_ids=None, logits_at=None, positions=None, mask=None):
         """idx (B, T) with T <= block_size -> (logits (B, T, V), mean cross-entropy over targets != -100
         or None). Logits are returned for every position either way. doc_ids, positions, mask: see
-        hidden_states. keep, a (B, T) bool mask or a (rows, cols) pair of index tensors: logits (and
-        loss) only at those positions, (N, V); fine-tuning keeps the labelled ones and spares the
-        output layer the work on prompts and padding."""
+        hidden_states. logits_at, a (B, T) bool mask or a (rows, cols) pair of index tensors: logits (and
+        loss) only at those positions, (N, V); fine-tuning computes them at the labelled ones and spares
+        the output layer the work on prompts and padding."""
         h = self.hidden_states(idx, doc_ids=doc_ids, positions=positions, mask=mask)
-        logits = self.logits(h if keep is None else h[keep])
+        logits = self.logits(h if logits_at is None else h[logits_at])
         loss = None
         if targets is not None:
-            targets = targets if keep is None else targets[keep]
+            targets = targets if logits_at is None else targets[logits_at]
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-100)
         return logits, loss
 
@@ -430,7 +430,7 @@ class GPT(nn.Module):
         """Training FLOPs per token (forward + backward): 6N for the matmuls plus attention over context
         tokens (None: block_size; a published model's block_size is its longest context, not the run's).
         The output layer's share of 6N (6 * n_embd * vocab_size) counts only for output_fraction of the
-        tokens, those whose logits are computed (fine-tuning: the labelled ones, see forward's keep)."""
+        tokens, those whose logits are computed (fine-tuning: the labelled ones, see forward's logits_at)."""
         c = self.config
         head = 6 * c.n_embd * c.vocab_size
         return (6 * self.get_num_params() - head + head * output_fraction

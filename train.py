@@ -282,9 +282,9 @@ def get_batch(batches, indices):
 def labelled(x, y, doc_ids):
     """Logits and targets at the positions that have a label (fine-tuning: only the responses pass
     through the output layer; pretraining: every position)."""
-    keep = y != -100 if fine_tuning else None
-    logits, _ = model(x, doc_ids=doc_ids, keep=keep)
-    return logits, y if keep is None else y[keep]
+    labels_at = y != -100 if fine_tuning else None
+    logits, _ = model(x, doc_ids=doc_ids, logits_at=labels_at)
+    return logits, y if labels_at is None else y[labels_at]
 
 
 @torch.no_grad()

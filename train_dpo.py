@@ -214,7 +214,8 @@ def completion_logps(net, batch, n):
     """Log-probs of the completions of a batch of n pairs (PreferenceBatches.get) under net:
     per-sequence sums (2n,), per-token (N,), and the logits (N, V) of the N scored positions (the
     only ones whose logits are computed: prompts and padding never reach the output layer)."""
-    logits, _ = net(batch['x'], positions=batch['positions'], mask=batch['mask'], keep=(batch['rows'], batch['cols']))
+    logits, _ = net(batch['x'], positions=batch['positions'], mask=batch['mask'],
+                    logits_at=(batch['rows'], batch['cols']))
     sums, token_logps = sequence_logps(logits, batch['targets'], batch['owners'], 2 * n)
     return sums, token_logps, logits
 

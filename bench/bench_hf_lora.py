@@ -28,7 +28,7 @@ What it does (about 10 minutes on a 2-core CPU):
    bias; A from nanotrain's initialisation (seeded), copied into PEFT's lora_A, B zero on both.
    AdamW (fused, both) with lr, betas, eps 1e-8, weight decay 0; gradients clipped to grad_clip
    (train.py's and the transformers Trainer's default 1.0); float32; no gradient checkpointing;
-   no dropout. nanotrain's step is train.py's: model(x, keep=y != -100) (logits only at the labelled
+   no dropout. nanotrain's step is train.py's: model(x, logits_at=y != -100) (logits only at the labelled
    positions), losses.weighted_cross_entropy, backward, clip, step. transformers' is a plain loop:
    PeftModel(input_ids, attention_mask, labels, use_cache=False).loss, attention "sdpa", backward,
    clip, step.
@@ -156,9 +156,9 @@ def nanotrain_step_fn(batch):
     x, y = batch['input_ids'][:, :-1], batch['labels'][:, 1:]
 
     def step():
-        keep = y != -100
-        logits, _ = net(x, keep=keep)
-        loss = weighted_cross_entropy(logits, y[keep])
+        labels_at = y != -100
+        logits, _ = net(x, logits_at=labels_at)
+        loss = weighted_cross_entropy(logits, y[labels_at])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trained, grad_clip)
         optimizer.step()

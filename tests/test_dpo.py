@@ -344,7 +344,7 @@ def test_packed_and_padded_batches_give_the_same_sequence_logps():
             batch = PreferenceBatches(pairs, 0, 0, 16, pack).get(indices)
             with torch.no_grad():
                 logits, _ = model(batch['x'], positions=batch['positions'], mask=batch['mask'],
-                                  keep=(batch['rows'], batch['cols']))
+                                  logits_at=(batch['rows'], batch['cols']))
             results[pack] = sequence_logps(logits, batch['targets'], batch['owners'], 8)[0]
             assert (batch['x'].shape[0] < 4) == pack  # packing puts several pairs in a row
         with torch.no_grad():

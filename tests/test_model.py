@@ -293,7 +293,7 @@ def test_estimate_mfu(monkeypatch):
 
 
 def test_mfu_counts_the_output_layer_only_where_logits_are_computed():
-    # a fine-tuning step of 100 tokens, 30 of them labelled: only those 30 go through lm_head (forward's keep)
+    # a fine-tuning step of 100 tokens, 30 of them labelled: only those 30 go through lm_head (forward's logits_at)
     m = tiny()
     d, V, L, hidden = 16, 32, 2, 64
     blocks = L * (4 * d * d + 2 * d * hidden + 2 * d) + d  # q, k, v, proj, MLP fc and proj, two norms; final norm

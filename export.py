@@ -58,7 +58,7 @@ try:
         hf_config = dict(ckpt['hf_config'], vocab_size=ckpt['model_args']['vocab_size'])
         save_hf_model(ckpt['model'], hf_config, staging, tokenizer_folder, ckpt.get('generation_config'))
         if chat_tokens_added:
-            save_chat_tokenizer(tokenizer_folder, staging, ckpt.get('generation_config'))
+            save_chat_tokenizer(tokenizer, staging, ckpt.get('generation_config'))
         what = f"{ckpt_path} ({hf_config['architectures'][0]})"
     os.chmod(staging, 0o755)  # mkdtemp makes it 0700
     if os.path.isdir(out_folder):

@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
 from configurator import UserError
-from hf_tokenizer import load_hf_tokenizer
+from hf_tokenizer import load_hf_tokenizer, read_json
 from model import GPT, ROPE_SCALING_KEYS, GPTConfig
 from tokenizer import CHAT_SPECIAL_TOKENS, CHAT_TEMPLATE_JINJA
 
@@ -66,20 +66,6 @@ GPT2_NAMES = {
 IGNORED = re.compile(r'.*\.attn\.(masked_)?bias$|.*\.rotary_emb\.inv_freq$')
 
 
-def read_json(path):
-    """A JSON object file of a model folder, as a dict."""
-    try:
-        with open(path) as f:
-            value = json.load(f)
-    except (OSError, ValueError) as e:
-        raise UserError(f"could not read {path} ({e}); the model folder is incomplete or corrupt: "
-                        f"download it again.") from None
-    if not isinstance(value, dict):
-        raise UserError(f"{path} holds a JSON {type(value).__name__}, not an object; the model folder is corrupt: "
-                        f"download it again.")
-    return value
-
-
 def require_keys(hf, keys, what, folder):
     missing = [k for k in keys if hf.get(k) is None]
     if missing:
@@ -110,7 +96,7 @@ def gpt_config(hf, folder):
         return dict(block_size=hf['n_positions'], vocab_size=hf['vocab_size'], n_layer=hf['n_layer'],
                     n_head=hf['n_head'], n_embd=hf['n_embd'], mlp_hidden=hf.get('n_inner') or 0, bias=True,
                     pos_emb='learned', norm='layernorm', norm_eps=hf.get('layer_norm_epsilon', 1e-5),
-                    mlp='gelu_tanh', tie_embeddings=hf.get('tie_word_embeddings', True))
+                    mlp='gelu_tanh', tie_embeddings=ties_embeddings(hf))
     if hf.get('hidden_act', 'silu') != 'silu' or hf.get('attention_bias') or hf.get('mlp_bias'):
         raise UserError(f"{folder}/config.json: hidden_act={hf.get('hidden_act')!r}, attention_bias="
                         f"{hf.get('attention_bias')}, mlp_bias={hf.get('mlp_bias')} is not supported; nanotrain "
@@ -133,15 +119,24 @@ def gpt_config(hf, folder):
                 n_embd=hf['hidden_size'], head_dim=hf.get('head_dim') or 0, mlp='swiglu',
                 mlp_hidden=hf['intermediate_size'], bias=False, qkv_bias=arch == 'Qwen2ForCausalLM',
                 pos_emb='rope', norm='rmsnorm', norm_eps=hf.get('rms_norm_eps', 1e-6),
-                tie_embeddings=hf.get('tie_word_embeddings', False),
+                tie_embeddings=ties_embeddings(hf),
                 rope_theta=float(hf.get('rope_theta') or rope.get('rope_theta', 10000.0)),
                 rope_scaling={k: rope[k] for k in ROPE_SCALING_KEYS} if rope_type == 'llama3' else {},
                 qk_norm=arch == 'Qwen3ForCausalLM')
 
 
+def is_gpt2(hf_config):
+    return hf_config['architectures'][0] == 'GPT2LMHeadModel'
+
+
+def ties_embeddings(hf_config):
+    """Whether lm_head is the token embedding (then the checkpoint holds it once, under the embedding's name)."""
+    return hf_config.get('tie_word_embeddings', is_gpt2(hf_config))
+
+
 def hf_names(state_keys, hf_config):
     """{nanotrain tensor name: Hugging Face tensor name} for the tensors of a GPT of this family."""
-    table = GPT2_NAMES if hf_config['architectures'][0] == 'GPT2LMHeadModel' else LLAMA_NAMES
+    table = GPT2_NAMES if is_gpt2(hf_config) else LLAMA_NAMES
     names = {}
     for name in state_keys:
         module, param = name.rsplit('.', 1)
@@ -150,7 +145,7 @@ def hf_names(state_keys, hf_config):
 
 
 def is_conv1d(hf_name, hf_config):
-    return hf_config['architectures'][0] == 'GPT2LMHeadModel' and '.h.' in hf_name and hf_name.endswith('.weight')
+    return is_gpt2(hf_config) and '.h.' in hf_name and hf_name.endswith('.weight')
 
 
 def weight_files(folder):
@@ -158,7 +153,7 @@ def weight_files(folder):
     for index, single in (('model.safetensors.index.json', 'model.safetensors'),
                           ('pytorch_model.bin.index.json', 'pytorch_model.bin')):
         if os.path.isfile(os.path.join(folder, index)):
-            shards = sorted(set(read_json(os.path.join(folder, index))['weight_map'].values()))
+            shards = sorted(set(read_json(folder, index)['weight_map'].values()))
             missing = [s for s in shards if not os.path.isfile(os.path.join(folder, s))]
             if missing:
                 raise UserError(f"{folder}/{index} lists {', '.join(missing)}, which is missing; the download is "
@@ -187,7 +182,7 @@ def read_hf_weights(folder, hf):
     weight file at a time; every tensor is checked against the shapes config.json gives."""
     with torch.device('meta'):
         expected = GPT(GPTConfig(**gpt_config(hf, folder))).state_dict()
-    if hf.get('tie_word_embeddings', hf['architectures'][0] == 'GPT2LMHeadModel'):
+    if ties_embeddings(hf):
         del expected['lm_head.weight']  # the token embedding; transformers does not save it twice
     nano_names, state = {}, {}
     for nano, hf_name in hf_names(expected, hf).items():
@@ -195,7 +190,7 @@ def read_hf_weights(folder, hf):
     loaded = set()
     for path in weight_files(folder):
         for hf_name, tensor in read_weights(path).items():
-            if hf['architectures'][0] == 'GPT2LMHeadModel' and not hf_name.startswith(('transformer.', 'lm_head.')):
+            if is_gpt2(hf) and not hf_name.startswith(('transformer.', 'lm_head.')):
                 hf_name = 'transformer.' + hf_name  # GPT-2's own upload names its tensors without the prefix
             if IGNORED.match(hf_name) or (hf_name == 'lm_head.weight' and 'lm_head.weight' not in expected):
                 continue
@@ -224,14 +219,13 @@ def load_hf_checkpoint(folder):
     """A Hugging Face folder as a checkpoint of train.py's kind 'gpt': model (state dict), model_args,
     its tokenizer's identity and folder (data_dir), config (training_type 'sft' if the tokenizer has a chat template: a chat
     model), and hf_config / generation_config, which the exporter writes back."""
-    hf = read_json(os.path.join(folder, 'config.json'))
+    hf = read_json(folder, 'config.json')
     model_args = gpt_config(hf, folder)
     tokenizer = load_hf_tokenizer(folder)
-    generation = os.path.join(folder, 'generation_config.json')
     return dict(kind='gpt', model=read_hf_weights(folder, hf), model_args=model_args, tokenizer=tokenizer.identity(),
                 data_dir=os.path.abspath(folder),
                 config={'training_type': 'sft' if tokenizer.chat_template else 'from_scratch'}, hf_config=hf,
-                generation_config=read_json(generation) if os.path.isfile(generation) else None)
+                generation_config=read_json(folder, 'generation_config.json'))
 
 
 def write_safetensors(tensors, path):
@@ -241,7 +235,7 @@ def write_safetensors(tensors, path):
 
 def hf_state_dict(state, hf_config, dtype):
     """A GPT state dict under Hugging Face names, in dtype (the inverse of read_hf_weights' mapping)."""
-    if hf_config.get('tie_word_embeddings', hf_config['architectures'][0] == 'GPT2LMHeadModel'):
+    if ties_embeddings(hf_config):
         state = {k: v for k, v in state.items() if k != 'lm_head.weight'}
     parts = {}
     for nano, hf_name in hf_names(state, hf_config).items():
@@ -299,7 +293,7 @@ def save_peft_adapter(adapters, lora_config, hf_config, base_folder, out_folder)
     """A PEFT LoRA adapter folder (adapter_config.json, adapter_model.safetensors) holding a nanotrain
     LoRA run's adapters (lora.lora_state_dict) on the Hugging Face model in base_folder; peft loads it
     with PeftModel.from_pretrained(base model, out_folder). lora_config: the run's config."""
-    if hf_config['architectures'][0] == 'GPT2LMHeadModel':
+    if is_gpt2(hf_config):
         raise UserError("GPT-2's q, k and v are one layer (c_attn) in Hugging Face, so nanotrain's separate q/k/v "
                         "adapters have no PEFT form; export the run's merged.pt instead.")
     other = sorted(k for k in adapters if not k.endswith(('.lora_A', '.lora_B')))
@@ -318,12 +312,13 @@ def save_peft_adapter(adapters, lora_config, hf_config, base_folder, out_folder)
         json.dump(config, f, indent=2)
 
 
-def save_chat_tokenizer(tokenizer_folder, out_folder, generation_config):
-    """Write into out_folder the tokenizer of tokenizer_folder (a base model's, without a chat template)
+def save_chat_tokenizer(source, out_folder, generation_config):
+    """Write into out_folder the tokenizer source (a base model's HFTokenizer, without a chat template)
     with nanotrain's chat template and its special tokens added after the vocabulary, as ChatTokenizer
     numbers them, and <|end|> as the token generation stops at."""
+    tokenizer_folder = source.folder
     tokenizer = Tokenizer.from_file(os.path.join(tokenizer_folder, 'tokenizer.json'))
-    first = load_hf_tokenizer(tokenizer_folder).vocab_size
+    first = source.vocab_size
     if tokenizer.get_vocab_size(with_added_tokens=True) != first:
         raise UserError(f"the model in {tokenizer_folder} has more embedding rows than its tokenizer has tokens, so "
                         f"nanotrain's chat tokens (ids from {first}) cannot be appended to its tokenizer.json; "
@@ -331,11 +326,10 @@ def save_chat_tokenizer(tokenizer_folder, out_folder, generation_config):
     tokenizer.add_special_tokens(list(CHAT_SPECIAL_TOKENS))
     tokenizer.save(os.path.join(out_folder, 'tokenizer.json'))
     ids = {token: tokenizer.token_to_id(token) for token in CHAT_SPECIAL_TOKENS}
-    tokenizer_config = read_json(os.path.join(tokenizer_folder, 'tokenizer_config.json')) \
-        if os.path.isfile(os.path.join(tokenizer_folder, 'tokenizer_config.json')) else {}
+    tokenizer_config = read_json(tokenizer_folder, 'tokenizer_config.json') or {}
     tokenizer_config = {k: v for k, v in tokenizer_config.items() if k != 'added_tokens_decoder'}
     with open(os.path.join(out_folder, 'tokenizer_config.json'), 'w') as f:
-        template = ('{{ bos_token }}' if load_hf_tokenizer(tokenizer_folder).document_prefix else '') + CHAT_TEMPLATE_JINJA
+        template = ('{{ bos_token }}' if source.document_prefix else '') + CHAT_TEMPLATE_JINJA
         json.dump(dict(tokenizer_config, chat_template=template, eos_token='<|end|>'), f, indent=2)
     for stale in ('special_tokens_map.json', 'chat_template.jinja', 'chat_template.json'):
         if os.path.isfile(os.path.join(out_folder, stale)):

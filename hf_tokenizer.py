@@ -36,10 +36,10 @@ def read_json(folder, name):
     try:
         with open(path, encoding='utf-8') as f:
             value = json.load(f)
-    except ValueError as e:  # includes a file that is not UTF-8
+    except (OSError, ValueError) as e:  # ValueError includes a file that is not UTF-8
         raise UserError(f"{path} is corrupt ({e}); download the model folder again.") from None
     if not isinstance(value, dict):
-        raise UserError(f"{path} must hold a JSON object, not {type(value).__name__}; download the model folder again.")
+        raise UserError(f"{path} holds a JSON {type(value).__name__}, not an object; download the model folder again.")
     return value
 
 
@@ -288,11 +288,6 @@ class HFTokenizer:
     def encode_prompt(self, messages):
         """The conversation so far plus the generation prompt that starts the next assistant turn."""
         return self.encode(self.render(messages, add_generation_prompt=True))
-
-    def prompt_and_answer(self, messages):
-        """(prompt ids, reference text) of a conversation's last assistant turn, for exact-match evaluation."""
-        last = max(i for i, m in enumerate(messages) if m['role'] == 'assistant')
-        return self.encode_prompt(messages[:last]), messages[last]['content']
 
 
 def load_hf_tokenizer(folder, template_variables=None):

@@ -162,10 +162,12 @@ class ChatTokenizer:
         """The conversation so far, then <|assistant|>: the prompt that generates the next assistant turn."""
         return self.encode_chat(messages)[0] + [self.special['<|assistant|>']]
 
-    def prompt_and_answer(self, messages):
-        """(prompt ids, reference text) of a conversation's last assistant turn, for exact-match evaluation."""
-        last = max(i for i, m in enumerate(messages) if m['role'] == 'assistant')
-        return self.encode_prompt(messages[:last]), messages[last]['content']
+
+def prompt_and_answer(tokenizer, messages):
+    """(prompt ids, reference text) of a conversation's last assistant turn, for exact-match evaluation;
+    tokenizer: a chat tokenizer (ChatTokenizer, or a published model's hf_tokenizer.HFTokenizer)."""
+    last = max(i for i, m in enumerate(messages) if m['role'] == 'assistant')
+    return tokenizer.encode_prompt(messages[:last]), messages[last]['content']
 
 
 # -----------------------------------------------------------------------------

@@ -38,7 +38,7 @@ from scheduler import SCHEDULES, get_lr, set_lr
 from starting_model import build_model, check_starting_model, full_model_checkpoint, hf_source, model_hash
 from tasks.exact_match import exact_match_accuracy
 from tasks.number_tasks import NUMBER_TASKS_DIR, prepare_number_tasks
-from tokenizer import chat_tokenizer, load_tokenizer
+from tokenizer import chat_tokenizer, load_tokenizer, prompt_and_answer
 
 # -----------------------------------------------------------------------------
 # I/O
@@ -198,8 +198,8 @@ else:
             dist.barrier()
         sft_data = NUMBER_TASKS_DIR
     train_examples, val_examples, held_out = load_sft_data(sft_data, tokenizer, max_length, overlong, skip_malformed)
-    exact_match_prompts = [tokenizer.prompt_and_answer(messages) for messages in held_out[:exact_match_examples]]
-    sample_prompt = tokenizer.prompt_and_answer(held_out[0])[0]
+    exact_match_prompts = [prompt_and_answer(tokenizer, messages) for messages in held_out[:exact_match_examples]]
+    sample_prompt = prompt_and_answer(tokenizer, held_out[0])[0]
     train_batches = SFTBatches(train_examples, seed, tokenizer.eos_id, max_length, pack, bucket_batches)
     val_batches = SFTBatches(val_examples, seed, tokenizer.eos_id, max_length, pack)
     val_indices = torch.arange(min(len(val_examples), eval_iters * batch_size))

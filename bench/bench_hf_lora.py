@@ -140,6 +140,18 @@ def run_load(load):
                 params=sum(p.numel() for p in net.parameters())))
 
 
+def training_step(compute_loss, trained, optimizer):
+    """One step, the same on both sides: the side's loss, backward, clipping, AdamW; returns the loss."""
+    def step():
+        loss = compute_loss()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trained, grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+    return step
+
+
 def nanotrain_step_fn(batch):
     """The model with adapters and train.py's LoRA step on the batch."""
     from lora import LoRALinear, apply_lora, lora_optimizer
@@ -155,16 +167,11 @@ def nanotrain_step_fn(batch):
     trained = [p for p in net.parameters() if p.requires_grad]
     x, y = batch['input_ids'][:, :-1], batch['labels'][:, 1:]
 
-    def step():
+    def loss():
         labels_at = y != -100
         logits, _ = net(x, logits_at=labels_at)
-        loss = weighted_cross_entropy(logits, y[labels_at])
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(trained, grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.item()
-    return step, sum(p.numel() for p in trained)
+        return weighted_cross_entropy(logits, y[labels_at])
+    return training_step(loss, trained, optimizer), sum(p.numel() for p in trained)
 
 
 def transformers_step_fn(batch):
@@ -182,14 +189,9 @@ def transformers_step_fn(batch):
                                   fused=True)
     inputs = dict(input_ids=batch['input_ids'], attention_mask=batch['attention_mask'], labels=batch['labels'])
 
-    def step():
-        loss = net(**inputs, use_cache=False).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(trained, grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.item()
-    return step, sum(p.numel() for p in trained)
+    def loss():
+        return net(**inputs, use_cache=False).loss
+    return training_step(loss, trained, optimizer), sum(p.numel() for p in trained)
 
 
 def run_train(make_step):

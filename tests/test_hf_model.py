@@ -13,7 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from configurator import UserError
-from hf_checkpoint import (gpt_config, load_hf_checkpoint, peft_name, read_hf_weights, read_json, save_hf_model,
+from hf_checkpoint import (gpt_config, load_hf_checkpoint, peft_name, read_hf_weights, save_hf_model,
                            save_peft_adapter)
 from lora import apply_lora, lora_state_dict, merged_state_dict
 from model import GPT, GPTConfig
@@ -22,12 +22,17 @@ FIXTURES = os.path.join(os.path.dirname(__file__), 'fixtures', 'hf')
 FAMILIES = ['llama', 'smollm2', 'qwen2', 'qwen2_sharded', 'mistral', 'qwen3', 'gpt2']
 
 
+def read_json_file(path):
+    with open(path) as f:
+        return json.load(f)
+
+
 def fixture(name):
     return os.path.join(FIXTURES, name)
 
 
 def load_gpt(folder):
-    hf = read_json(os.path.join(folder, 'config.json'))
+    hf = read_json_file(os.path.join(folder, 'config.json'))
     return GPT.from_state_dict(GPTConfig(**gpt_config(hf, folder)), read_hf_weights(folder, hf)).eval()
 
 
@@ -56,14 +61,14 @@ def test_greedy_tokens_equal_transformers(name, use_kv_cache):
 
 
 def test_family_shapes_come_from_config_json():
-    llama = gpt_config(read_json(fixture('llama/config.json')), 'llama')
+    llama = gpt_config(read_json_file(fixture('llama/config.json')), 'llama')
     assert llama['n_kv_head'] < llama['n_head'] and llama['rope_scaling']['factor'] > 1 and not llama['tie_embeddings']
-    assert gpt_config(read_json(fixture('qwen2/config.json')), 'qwen2')['qkv_bias']
-    qwen3 = gpt_config(read_json(fixture('qwen3/config.json')), 'qwen3')
+    assert gpt_config(read_json_file(fixture('qwen2/config.json')), 'qwen2')['qkv_bias']
+    qwen3 = gpt_config(read_json_file(fixture('qwen3/config.json')), 'qwen3')
     assert qwen3['qk_norm'] and qwen3['head_dim'] * qwen3['n_head'] != qwen3['n_embd']
-    mistral = read_json(fixture('mistral/config.json'))
+    mistral = read_json_file(fixture('mistral/config.json'))
     assert gpt_config(mistral, 'mistral')['block_size'] == mistral['sliding_window']  # longer rows are refused
-    gpt2 = gpt_config(read_json(fixture('gpt2/config.json')), 'gpt2')
+    gpt2 = gpt_config(read_json_file(fixture('gpt2/config.json')), 'gpt2')
     assert (gpt2['pos_emb'], gpt2['norm'], gpt2['mlp'], gpt2['bias']) == ('learned', 'layernorm', 'gelu_tanh', True)
 
 
@@ -98,7 +103,7 @@ def test_export_round_trip_is_bit_identical(tmp_path, name):
     before, after = stored_tensors(source), stored_tensors(str(tmp_path))
     assert before.keys() == after.keys()  # a tied lm_head is not written twice, as transformers saves it
     assert all(before[k].dtype == after[k].dtype and torch.equal(before[k], after[k]) for k in before)
-    assert read_json(str(tmp_path / 'config.json')) == read_json(os.path.join(source, 'config.json'))
+    assert read_json_file(str(tmp_path / 'config.json')) == read_json_file(os.path.join(source, 'config.json'))
     assert (tmp_path / 'tokenizer.json').read_bytes() == open(os.path.join(source, 'tokenizer.json'), 'rb').read()
     assert os.stat(tmp_path / 'model.safetensors').st_mode & 0o044 == 0o044  # readable by a server's own user
 
@@ -106,7 +111,7 @@ def test_export_round_trip_is_bit_identical(tmp_path, name):
 def test_export_shards_above_the_size_limit(tmp_path):
     ckpt = load_hf_checkpoint(fixture('llama'))
     save_hf_model(ckpt['model'], ckpt['hf_config'], str(tmp_path), fixture('llama'), max_shard_bytes=100_000)
-    index = read_json(str(tmp_path / 'model.safetensors.index.json'))
+    index = read_json_file(str(tmp_path / 'model.safetensors.index.json'))
     assert len(set(index['weight_map'].values())) > 1
     reloaded = load_gpt(str(tmp_path)).state_dict()
     assert all(torch.equal(reloaded[k], v) for k, v in load_gpt(fixture('llama')).state_dict().items())
@@ -117,7 +122,7 @@ def test_bfloat16_weights_load_to_float32_and_export_back_in_bfloat16(tmp_path):
     shutil.copytree(fixture('smollm2'), folder)
     tensors = load_file(str(folder / 'model.safetensors'))
     save_file({k: v.bfloat16() for k, v in tensors.items()}, str(folder / 'model.safetensors'))
-    config = read_json(str(folder / 'config.json'))
+    config = read_json_file(str(folder / 'config.json'))
     (folder / 'config.json').write_text(json.dumps(dict(config, dtype='bfloat16', torch_dtype='bfloat16')))
     ckpt = load_hf_checkpoint(str(folder))
     assert all(t.dtype == torch.float32 for t in ckpt['model'].values())
@@ -144,7 +149,7 @@ def broken_copy(tmp_path, name='llama'):
 
 
 def edit_config(folder, **changes):
-    config = read_json(str(folder / 'config.json'))
+    config = read_json_file(str(folder / 'config.json'))
     (folder / 'config.json').write_text(json.dumps(dict(config, **changes)))
 
 
@@ -166,7 +171,7 @@ def test_missing_unexpected_misshapen_and_truncated_weights_are_clear_errors(tmp
     with pytest.raises(UserError, match=r'model\.safetensors: tensor model\.layers\.1\.mlp\.extra\.weight is not'):
         load_hf_checkpoint(str(folder))
     save_file(tensors, weights)
-    edit_config(folder, intermediate_size=read_json(str(folder / 'config.json'))['intermediate_size'] + 8)
+    edit_config(folder, intermediate_size=read_json_file(str(folder / 'config.json'))['intermediate_size'] + 8)
     with pytest.raises(UserError, match=r'tensor model\.layers\.0\.mlp\.\w+_proj\.weight has shape'):
         load_hf_checkpoint(str(folder))
     shutil.copy(fixture('llama/config.json'), folder / 'config.json')
@@ -205,7 +210,7 @@ def llama_with_peft_fixture_adapter():
     model = load_gpt(fixture('llama'))
     apply_lora(model, r=4, lora_alpha=8, target_modules='q_proj,v_proj')
     peft = load_file(fixture('peft_llama/adapter_model.safetensors'))
-    hf = read_json(fixture('llama/config.json'))
+    hf = read_json_file(fixture('llama/config.json'))
     names = {k: peft_name(k, hf) for k in lora_state_dict(model)}
     assert sorted(names.values()) == sorted(peft)  # the same tensors under PEFT's names
     model.load_state_dict({k: peft[p] for k, p in names.items()}, strict=False)
@@ -224,7 +229,7 @@ def test_peft_adapter_gives_the_logits_peft_gives_and_exports_to_the_same_files(
     ours, theirs = load_file(str(tmp_path / 'adapter_model.safetensors')), load_file(
         fixture('peft_llama/adapter_model.safetensors'))
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
-    config, reference = read_json(str(tmp_path / 'adapter_config.json')), read_json(fixture('peft_llama/adapter_config.json'))
+    config, reference = read_json_file(str(tmp_path / 'adapter_config.json')), read_json_file(fixture('peft_llama/adapter_config.json'))
     for key in ('peft_type', 'task_type', 'r', 'lora_alpha', 'use_rslora', 'target_modules', 'bias', 'fan_in_fan_out'):
         assert config[key] == reference[key], key
 
@@ -238,7 +243,7 @@ def test_flops_count_attention_over_the_runs_context_not_the_models_longest():
 
 def test_config_json_that_cannot_be_loaded_is_a_clear_error(tmp_path):
     folder = broken_copy(tmp_path)
-    config = read_json(str(folder / 'config.json'))
+    config = read_json_file(str(folder / 'config.json'))
     cases = [({k: v for k, v in config.items() if k != 'max_position_embeddings'}, 'has no max_position_embeddings'),
              (dict(config, rope_scaling={'rope_type': 'llama3', 'factor': 8.0}), 'has no low_freq_factor'),
              (dict(config, rope_scaling={'rope_type': 'yarn', 'factor': 4.0}), "RoPE scaling 'yarn' is not supported"),

@@ -9,7 +9,7 @@ import pytest
 from chat_data import encode_pair
 from configurator import UserError
 from hf_tokenizer import load_hf_tokenizer
-from tokenizer import ChatTokenizer
+from tokenizer import ChatTokenizer, prompt_and_answer
 
 FIXTURES = os.path.join(os.path.dirname(__file__), 'fixtures', 'hf')
 with open(os.path.join(FIXTURES, 'expected', 'chat.json')) as f:
@@ -81,7 +81,7 @@ def test_stop_ids_from_generation_config():
 def test_prompt_and_answer_and_preference_pairs():
     tokenizer = fixture('llama')
     messages = [{'role': 'user', 'content': 'Capital of France?'}, {'role': 'assistant', 'content': 'Paris.'}]
-    prompt, answer = tokenizer.prompt_and_answer(messages)
+    prompt, answer = prompt_and_answer(tokenizer, messages)
     assert answer == 'Paris.' and prompt == tokenizer.encode_prompt(messages[:1])
     prompt_ids, chosen, rejected = encode_pair(tokenizer, messages[:1], 'Paris.', 'Lyon.')
     assert prompt_ids == prompt and chosen[-1] == rejected[-1] == tokenizer.eos_id

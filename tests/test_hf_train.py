@@ -195,7 +195,7 @@ def test_plain_text_and_nanotrains_template_open_with_the_bos_transformers_adds(
     assert ids[0] == 400 and labels[0] == -100 and ids.count(400) == 1
     out = tmp_path / 'exported'  # export writes nanotrain's template with the BOS in Jinja: the same ids
     shutil.copytree(base, out)
-    save_chat_tokenizer(str(base), str(out), None)
+    save_chat_tokenizer(load_hf_tokenizer(str(base)), str(out), None)
     assert load_hf_tokenizer(str(out)).encode_chat(conversation) == (ids, labels)
 
 

@@ -17,7 +17,7 @@ from configurator import UserError
 from data import prepare
 from model import GPT, GPTConfig
 from tasks.number_tasks import addition_working, digit_copies, prepare_number_tasks, subtraction_working
-from tokenizer import ChatTokenizer, CharTokenizer, load_tokenizer
+from tokenizer import ChatTokenizer, CharTokenizer, load_tokenizer, prompt_and_answer
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_train import kill_and_relaunch, load, read_log, run, train_losses  # noqa: E402  (the subprocess helpers)
@@ -84,7 +84,7 @@ def test_three_formats():
     ids, labels = tok.encode_chat(chat_data.chat_messages({'messages': messages}))
     learned = [i for i, label in zip(ids, labels) if label != -100]
     assert tok.decode(learned) == 'a<|end|>bc<|end|>'  # every assistant turn, nothing else
-    prompt, answer = tok.prompt_and_answer(messages)
+    prompt, answer = prompt_and_answer(tok, messages)
     assert answer == 'bc' and tok.decode(prompt) == '<|system|>be brief<|end|><|user|>hi<|end|><|assistant|>a<|end|>' \
                                                    '<|user|>more<|end|><|assistant|>'
 

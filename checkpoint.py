@@ -5,6 +5,8 @@ Checkpoints that survive crashes, preemption and mistakes.
   target, so a crash mid-save leaves the previous checkpoint intact.
 - load_checkpoint uses torch.load(weights_only=True): a checkpoint can hold tensors, numbers,
   strings, lists and dicts, never arbitrary pickled objects. Everything we store is of that kind.
+  Its tensors are memory-mapped: read from disk as they are used, so a rank that keeps only its
+  shard of a model (FSDP) reads only that.
 - rng_state/set_rng_state capture every random stream a training step touches, so a resumed run
   continues bit-for-bit where the old one stopped; all_rng_states gathers every rank's.
 - file_sha256 names the exact file a run depends on (a LoRA base, a DPO reference).
@@ -28,12 +30,14 @@ import os
 import pickle
 import random
 import tempfile
+import zipfile
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from configurator import UserError, require_writable_folder
+from fsdp import full_state_dict, shard_optimizer_state
 from runtime import log
 
 
@@ -72,7 +76,9 @@ def load_checkpoint(path):
         raise UserError(f"checkpoint {path} {problem}. Check the path (train.py can also start from scratch: "
                         f"--init_from=scratch).")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        if not zipfile.is_zipfile(path):  # what torch.save writes (and mmap needs)
+            raise EOFError()
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as e:  # torch's own text advises weights_only=False, i.e. running the file's code
         detail = str(e).partition('WeightsUnpickler error:')[2].strip().split('\n')[0].split('. ')[0][:200]
         raise UserError(f"checkpoint {path} could not be read ({detail or 'not a checkpoint'}): it is corrupt, or it "
@@ -255,8 +261,9 @@ def check_compatible(saved, wanted, what, path, fix="Set these keys to the check
 def training_state(run, config, optimizer, scaler, iter_num, best_val_loss, evals_without_improvement):
     """What every training script's checkpoint holds besides its model and data position: the run it
     belongs to, its config, the optimizer and loss-scaler state, the step counters, and every rank's
-    random streams (collective under DDP: every rank must call it)."""
-    return dict(run=run, config=config, optimizer=optimizer.state_dict(), scaler=scaler.state_dict(),
+    random streams (collective under DDP and FSDP: every rank must call it). An FSDP run's sharded optimizer
+    state is gathered whole (fsdp.py), so any run can continue from it."""
+    return dict(run=run, config=config, optimizer=full_state_dict(optimizer.state_dict()), scaler=scaler.state_dict(),
                 iter_num=iter_num, best_val_loss=best_val_loss, evals_without_improvement=evals_without_improvement,
                 rng=all_rng_states())
 
@@ -265,7 +272,7 @@ def restore_training_state(ckpt, ckpt_path, optimizer, scaler, rank, world_size)
     """Load training_state's part of a checkpoint into a continued run; returns its step counters
     (iter_num, best_val_loss, evals_without_improvement). Each rank takes back its own random streams
     when the world size is the same, so the run continues bit for bit."""
-    optimizer.load_state_dict(ckpt['optimizer'])
+    optimizer.load_state_dict(shard_optimizer_state(optimizer, ckpt['optimizer']))
     scaler.load_state_dict(ckpt['scaler'])
     if len(ckpt['rng']) == world_size:
         set_rng_state(ckpt['rng'][rank])

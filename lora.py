@@ -204,27 +204,28 @@ def disable_adapters(model):
             m.enabled = True
 
 
-def lora_state_dict(model):
-    """The trained parameters only (adapters, trained biases, added rows): an adapter checkpoint's weights."""
+def lora_state_dict(model, state=None):
+    """The trained parameters only (adapters, trained biases, added rows): an adapter checkpoint's weights.
+    state: the model's whole state dict when the model holds only its shard of it (fsdp.full_state_dict)."""
     trained = {name for name, p in model.named_parameters() if p.requires_grad}
-    return {k: v for k, v in model.state_dict().items() if k in trained}
+    return {k: v for k, v in (model.state_dict() if state is None else state).items() if k in trained}
 
 
 @torch.no_grad()
-def merged_state_dict(model):
+def merged_state_dict(model, state=None):
     """A plain GPT state dict with every adapter and the added rows folded into their weights; the model
-    is left as it is."""
-    state = model.state_dict()
+    is left as it is. state: as in lora_state_dict."""
+    state = dict(model.state_dict() if state is None else state)
     folded = {}  # a tied lm_head gets the embedding's tensor, so the checkpoint stores it once
     for name, m in model.named_modules():
         if isinstance(m, LoRALinear):
-            del state[name + '.lora_A'], state[name + '.lora_B']
+            lora_A, lora_B = state.pop(name + '.lora_A'), state.pop(name + '.lora_B')
             if not m.merged:
-                state[name + '.weight'] = m.weight + m.delta_weight()
+                state[name + '.weight'] = state[name + '.weight'] + (lora_B @ lora_A) * m.scaling
         elif isinstance(m, (AddedRowsEmbedding, AddedRowsLinear)):
-            del state[name + '.added_rows']
+            added_rows = state.pop(name + '.added_rows')
             if id(m.weight) not in folded:
-                folded[id(m.weight)] = with_added_rows(m)
+                folded[id(m.weight)] = torch.cat([state[name + '.weight'][:-len(added_rows)], added_rows])
             state[name + '.weight'] = folded[id(m.weight)]
     return state
 
@@ -248,9 +249,10 @@ def lora_optimizer(model, weight_decay, learning_rate, betas, device_type, lorap
                              betas=betas, fused=fused)
 
 
-def save_merged(out_dir, model, **fields):
+def save_merged(out_dir, model, state=None, **fields):
     """out_dir/merged.pt: the adapters folded into the weights, a plain GPT checkpoint (kind 'gpt') for
-    sample.py or a later init_from; fields: the rest of it (model_args, config, tokenizer, ...)."""
+    sample.py or a later init_from; state: as in lora_state_dict; fields: the rest of it (model_args,
+    config, tokenizer, ...)."""
     path = os.path.join(out_dir, 'merged.pt')
-    save_checkpoint(path, dict(fields, kind='gpt', model=merged_state_dict(model)))
+    save_checkpoint(path, dict(fields, kind='gpt', model=merged_state_dict(model, state)))
     log(f"saved {path} (adapters merged into the weights)")

@@ -15,8 +15,10 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
+from configurator import install_excepthook
 from memory import pick_device, step_unless_nonfinite, synchronize
 
 
@@ -33,6 +35,7 @@ def compute_init(device, seed, num_threads=0):
             device = f'cuda:{local_rank}'
             torch.cuda.set_device(device)
         dist.init_process_group(backend='nccl' if device.startswith('cuda') else 'gloo')
+        install_excepthook()  # init_process_group wraps the hook in one that loses a UserError's message
     if num_threads:
         torch.set_num_threads(num_threads)
     torch.manual_seed(seed + rank)
@@ -61,6 +64,8 @@ def clip_and_reduce(optimizer, scaler, parameters, grad_clip, shares, flags, ddp
     (a stop signal, a time limit). Returns (metrics, grad norm, flags raised on any rank)."""
     scaler.unscale_(optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(parameters, grad_clip if grad_clip > 0 else float('inf'))
+    if isinstance(grad_norm, DTensor):  # FSDP: the norm over every rank's gradient shards
+        grad_norm = grad_norm.full_tensor()
     stats = torch.stack([*shares.values(), *(torch.tensor(float(flag), device=grad_norm.device) for flag in flags)])
     if ddp:
         dist.all_reduce(stats)
@@ -81,6 +86,17 @@ def step_or_skip(optimizer, scaler, loss, grad_norm, bad_steps, max_bad_steps, i
                          f"{iter_num}); training is diverging. Lower learning_rate, raise warmup_iters, or use "
                          f"dtype='float32'. The last good checkpoint in {out_dir} was left untouched.")
     return bad_steps
+
+
+def rank_batches(indices, batch_size, rank, world_size, lockstep=False):
+    """This rank's share of indices (examples to evaluate) in batches of batch_size, as (batch, counted)
+    pairs. lockstep (FSDP, where every forward pass is collective): every rank runs as many batches, a rank
+    with fewer adding filler batches (counted False), whose results it drops."""
+    mine = [(batch, True) for batch in indices.tensor_split(world_size)[rank].split(batch_size)]
+    if not lockstep:
+        return mine
+    most = -(-len(indices.tensor_split(world_size)[0]) // batch_size)  # the first share is the largest
+    return mine + [(indices[:1], False)] * (most - len(mine))
 
 
 def after_eval(val_loss, best_val_loss, evals_without_improvement):

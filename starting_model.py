@@ -100,11 +100,12 @@ def dpo_reference(ckpt, init_from, out_dir, made_by=None):
     return reference, path, reference_hash
 
 
-def build_model(config, model_ckpt):
+def build_model(config, model_ckpt, assign=False):
     """The GPT of config (a GPTConfig) holding model_ckpt's weights, or initialised at random when
     model_ckpt is None. A published model's is built around its tensors (GPT.from_state_dict), so
-    memory holds one copy."""
-    if model_ckpt is not None and model_ckpt.get('hf_config'):
+    memory holds one copy; so is any checkpoint's with assign (FSDP: the tensors are memory-mapped,
+    and each rank then copies out only its shard)."""
+    if model_ckpt is not None and (assign or model_ckpt.get('hf_config')):
         return GPT.from_state_dict(config, model_ckpt['model'])
     model = GPT(config)
     if model_ckpt is not None:

@@ -25,6 +25,7 @@ from checkpoint import (check_compatible, claim_out_dir, require_init_from, rest
 from configurator import (FOLDER, POSITIVE, UserError, at_least, check_values, configure, dataclass_args, interval,
                           one_of)
 from data import TokenBatches, eval_offsets, prepare_default
+from fsdp import PARALLEL, check_parallel, model_state_dict, same_init_on_every_rank, shard_model, whole_root
 from hf_tokenizer import load_hf_tokenizer
 from losses import check_loss_weights, combine_losses, target_weights, token_weight_table, weighted_cross_entropy, z_loss
 from memory import (GradScaler, MemoryMonitor, autocast_context, halve_micro_batch, peak_memory_bytes, pick_dtype,
@@ -33,7 +34,7 @@ from lora import apply_lora, load_adapters, lora_optimizer, lora_state_dict, sav
 from model import GPTConfig
 from muon import Muon, muon_param_groups
 from runtime import (StepProfiler, StopSignal, after_eval, clip_and_reduce, compute_cleanup, compute_init,
-                     keep_log_until, log, patience_exhausted, step_or_skip)
+                     keep_log_until, log, patience_exhausted, rank_batches, step_or_skip)
 from scheduler import SCHEDULES, get_lr, set_lr
 from starting_model import build_model, check_starting_model, full_model_checkpoint, hf_source, model_hash
 from tasks.exact_match import exact_match_accuracy
@@ -118,6 +119,8 @@ decay_frac = 0.2             # 'wsd': the last fraction of lr_decay_iters, decay
 device = 'auto'              # 'auto' | 'cpu' | 'cuda' | 'cuda:1' | 'mps'
 dtype = 'auto'               # 'auto' (bf16 where supported, else fp16 + loss scaling) | 'bfloat16' | 'float16' | 'float32'
 compile = False              # torch.compile the model
+parallel = 'ddp'             # under torchrun: 'ddp' (each rank holds the whole model) | 'fsdp' (fsdp.py: weights, gradients and optimizer state sharded over the ranks)
+fsdp_cpu_offload = False     # parallel='fsdp' on GPUs: keep the shards and optimizer state in CPU memory
 num_threads = 0              # CPU threads for torch ops (torch.set_num_threads); 0 = torch's default
 # -----------------------------------------------------------------------------
 config = configure(globals())
@@ -132,6 +135,7 @@ check_values(config, [
     (interval('[0, 1]'), ('decay_frac',)),
     (POSITIVE, ('lora_alpha', 'loraplus_lr_ratio')),
     (one_of(SCHEDULES), ('lr_schedule',)),
+    (one_of(PARALLEL), ('parallel',)),
     (FOLDER, ('out_dir',)),
 ])
 check_loss_weights(loss_weights)
@@ -144,6 +148,7 @@ ddp, rank, local_rank, world_size, device = compute_init(device, seed, num_threa
 master, device_type = rank == 0, device.split(':')[0]
 ptdtype = pick_dtype(device, dtype)
 autocast = autocast_context(device, ptdtype)
+check_parallel(parallel, ddp, device, ptdtype, optimizer_type, fsdp_cpu_offload)
 
 # out_dir: written and locked before any work; a checkpoint there is this run's to continue, never another's
 if master:
@@ -222,20 +227,24 @@ if ckpt is not None:  # checkpoints written before they recorded their run (run_
 if model_ckpt is not None:  # a pretrained model being fine-tuned has the base tokenizer: the chat tokens come below
     vocab_size = check_starting_model(model_ckpt, model_ckpt_path, model_args, tokenizer,
                                       base_tokenizer if fine_tuning else None)
-model = build_model(GPTConfig(**dict(model_args, vocab_size=vocab_size)), model_ckpt)
-if vocab_size < tokenizer.vocab_size:
-    model.resize_vocab(tokenizer.vocab_size)
-if training_type == 'lora':
-    added_tokens = tokenizer.vocab_size - vocab_size  # the chat tokens added above train too (none for a chat model)
-    apply_lora(model, lora_r, lora_alpha, lora_dropout, lora_target_modules, use_rslora, lora_bias, added_tokens)
-    if ckpt is not None:
-        load_adapters(model, ckpt, ckpt_path, config)
-        lora_base = ckpt['base_checkpoint'], ckpt['base_hash']
-    else:
-        lora_base = os.path.abspath(init_from), model_hash(init_from)
+with same_init_on_every_rank(seed, enabled=parallel == 'fsdp'):
+    model = build_model(GPTConfig(**dict(model_args, vocab_size=vocab_size)), model_ckpt, assign=parallel == 'fsdp')
+    if vocab_size < tokenizer.vocab_size:
+        model.resize_vocab(tokenizer.vocab_size)
+    if training_type == 'lora':
+        added_tokens = tokenizer.vocab_size - vocab_size  # the chat tokens added above train too (none for a chat model)
+        apply_lora(model, lora_r, lora_alpha, lora_dropout, lora_target_modules, use_rslora, lora_bias, added_tokens)
+        if ckpt is not None:
+            load_adapters(model, ckpt, ckpt_path, config)
+            lora_base = ckpt['base_checkpoint'], ckpt['base_hash']
+        else:
+            lora_base = os.path.abspath(init_from), model_hash(init_from)
 model.activation_checkpointing = activation_checkpointing
-model.to(device)
-raw_model = model  # what we save and sample from: never compiled or DDP-wrapped
+if parallel == 'fsdp':
+    shard_model(model, device, ptdtype, fsdp_cpu_offload)
+else:
+    model.to(device)
+raw_model = model  # what we save and sample from: never compiled or DDP-wrapped (under FSDP: sharded)
 
 if training_type == 'lora' and optimizer_type != 'adamw':
     raise UserError("training_type='lora' trains its adapters with AdamW; set optimizer_type='adamw'.")
@@ -260,12 +269,12 @@ ckpt = model_ckpt = None  # free memory
 
 if compile:
     model = torch.compile(model)
-if ddp:
+if ddp and parallel == 'ddp':
     model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None)
 
 device_name = torch.cuda.get_device_name(device) if device_type == 'cuda' else device_type
 global_batch_size = batch_size * gradient_accumulation_steps * world_size  # windows, or examples when fine-tuning
-log(f"device {device}, dtype {ptdtype}, {world_size} process(es), {raw_model.get_num_params() / 1e6:.2f}M params, "
+log(f"device {device}, dtype {ptdtype}, {world_size} process(es){' (FSDP)' if parallel == 'fsdp' else ''}, {raw_model.get_num_params() / 1e6:.2f}M params, "
     + (f"{global_batch_size} examples" if fine_tuning else f"{global_batch_size * block_size:,} tokens") + " per step")
 
 # loss: token-weighted cross-entropy (losses.py), plus the other terms given a weight in loss_weights
@@ -291,13 +300,13 @@ def labelled(x, y, doc_ids):
 def evaluate():
     """Mean val loss per token (plain cross-entropy) over fixed val windows or examples, split across ranks."""
     model.eval()
-    mine = val_indices.tensor_split(world_size)[rank].split(batch_size)
     total = torch.zeros(2, device=device)  # loss sum, token count
-    for indices in mine:
+    for indices, counted in rank_batches(val_indices, batch_size, rank, world_size, lockstep=parallel == 'fsdp'):
         with autocast:
             logits, targets = labelled(*get_batch(val_batches, indices))
-        total += torch.stack([weighted_cross_entropy(logits, targets, normalizer=1.0),
-                              (targets != -100).sum().float()])
+        if counted:
+            total += torch.stack([weighted_cross_entropy(logits, targets, normalizer=1.0),
+                                  (targets != -100).sum().float()])
     if ddp:
         dist.all_reduce(total)
     model.train()
@@ -305,20 +314,21 @@ def evaluate():
 
 
 def checkpoint_state():
+    weights = model_state_dict(raw_model)  # under FSDP gathered whole onto rank 0
     state = dict(training_state(this_run, config, optimizer, scaler, iter_num, best_val_loss,
                                 evals_without_improvement),
-                 kind='gpt', model=raw_model.state_dict(), model_args=model_args, tokenizer=tokenizer.identity(),
+                 kind='gpt', model=weights, model_args=model_args, tokenizer=tokenizer.identity(),
                  data_dir=os.path.abspath(data_dir), train_batches=train_batches.state_dict(), batch_size=batch_size,
                  gradient_accumulation_steps=gradient_accumulation_steps,
                  train_data_hash=train_data_hash if fine_tuning else None, **hf_files)
     if training_type == 'lora':  # adapters only: the frozen base stays in its own checkpoint, named by path and hash
-        state.update(kind='lora', model=lora_state_dict(raw_model), base_checkpoint=lora_base[0],
+        state.update(kind='lora', model=lora_state_dict(raw_model, weights), base_checkpoint=lora_base[0],
                      base_hash=lora_base[1])
     return state
 
 
 def save(path):
-    state = checkpoint_state()  # collective under DDP: every rank must call it
+    state = checkpoint_state()  # collective under DDP and FSDP: every rank must call it
     if master:
         save_checkpoint(path, state)
 
@@ -344,8 +354,10 @@ def train_step(indices):
     shares = {}
     for micro_step, (x, y, doc_ids) in enumerate(micro_batches):
         last = micro_step == gradient_accumulation_steps - 1
-        # only the last micro-batch all-reduces gradients
-        with model.no_sync() if ddp and not last else nullcontext():
+        # only the last micro-batch reduces gradients across ranks
+        if parallel == 'fsdp':
+            raw_model.set_requires_gradient_sync(last)
+        with model.no_sync() if isinstance(model, DDP) and not last else nullcontext():
             with profiler.section('forward'), autocast:
                 logits, targets = labelled(x, y, doc_ids)
                 terms = {'ce': weighted_cross_entropy(logits, targets, token_weight, weight_sum)}
@@ -353,7 +365,7 @@ def train_step(indices):
                     terms['z_loss'] = z_loss(logits, targets, label_count)
                 loss = combine_losses(terms, loss_weights)
             with profiler.section('backward'):
-                scaler.scale(loss * world_size).backward()  # DDP averages gradients over ranks: undo its 1/world_size
+                scaler.scale(loss * world_size).backward()  # DDP/FSDP average gradients over ranks: undo 1/world_size
         for name, value in {'loss': loss, **terms}.items():
             shares[name] = shares.get(name, 0.0) + value.detach().float()
     return shares
@@ -462,16 +474,20 @@ while iter_num < max_iters:
 progress.close()
 save(ckpt_path)
 report_exact_match()
-if training_type == 'lora' and master:
-    save_merged(out_dir, raw_model, model_args=model_args, config=config, iter_num=iter_num,
-                tokenizer=tokenizer.identity(), data_dir=os.path.abspath(data_dir), **hf_files)
+if training_type == 'lora':
+    weights = model_state_dict(raw_model)
+    if master:
+        save_merged(out_dir, raw_model, weights, model_args=model_args, config=config, iter_num=iter_num,
+                    tokenizer=tokenizer.identity(), data_dir=os.path.abspath(data_dir), **hf_files)
 
-if master and sample_tokens > 0:
+if sample_tokens > 0 and (master or parallel == 'fsdp'):  # under FSDP every rank computes each token along
     raw_model.eval()
     # a fine-tuned model answers the first held-out prompt and stops at <|end|>
-    sample = raw_model.generate(torch.tensor([sample_prompt], device=device), sample_tokens, temperature=0.8,
-                                top_k=50, eos_id=tokenizer.eos_id if fine_tuning else None,
-                                generator=torch.Generator(device=device).manual_seed(seed))
-    print(f"--- sample (step {iter_num}, best val loss {best_val_loss:.4f}) ---")
-    print(tokenizer.decode(sample[0].tolist()))
+    with whole_root(raw_model):
+        sample = raw_model.generate(torch.tensor([sample_prompt], device=device), sample_tokens, temperature=0.8,
+                                    top_k=50, eos_id=tokenizer.eos_id if fine_tuning else None,
+                                    generator=torch.Generator(device=device).manual_seed(seed))
+    if master:
+        print(f"--- sample (step {iter_num}, best val loss {best_val_loss:.4f}) ---")
+        print(tokenizer.decode(sample[0].tolist()))
 compute_cleanup(ddp)

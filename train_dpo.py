@@ -23,13 +23,14 @@ from checkpoint import (cached_tensors, check_compatible, claim_out_dir, file_sh
                         run_origin, run_to_continue, save_checkpoint, training_data_hash, training_state)
 from configurator import FOLDER, POSITIVE, UserError, at_least, check_values, configure, interval, one_of
 from data import prepare_default
+from fsdp import PARALLEL, check_parallel, model_state_dict, same_init_on_every_rank, shard_model
 from hf_tokenizer import load_hf_tokenizer
 from losses import DPO_LOSS_TYPES, dpo_loss, sequence_logps
 from memory import GradScaler, autocast_context, peak_memory_bytes, pick_dtype
 from lora import LORA_SETTINGS, apply_lora, disable_adapters, lora_optimizer, lora_state_dict, save_merged
 from model import GPT, GPTConfig
 from runtime import (StopSignal, after_eval, clip_and_reduce, compute_cleanup, compute_init, keep_log_until, log,
-                     patience_exhausted, step_or_skip)
+                     patience_exhausted, rank_batches, step_or_skip)
 from scheduler import SCHEDULES, get_lr, set_lr
 from starting_model import build_model, dpo_reference, hf_source, load_model
 from tasks.exact_match import exact_match_accuracy
@@ -101,6 +102,8 @@ decay_frac = 0.2             # 'wsd': the last fraction of lr_decay_iters, decay
 device = 'auto'              # 'auto' | 'cpu' | 'cuda' | 'cuda:1' | 'mps'
 dtype = 'auto'               # 'auto' (float32 on CPU, bf16 on GPUs that have it, else fp16 + loss scaling) | 'bfloat16' | 'float16' | 'float32'
 compile = False              # torch.compile the policy
+parallel = 'ddp'             # under torchrun: 'ddp' (each rank holds the whole model) | 'fsdp' (fsdp.py: policy and reference sharded over the ranks)
+fsdp_cpu_offload = False     # parallel='fsdp' on GPUs: keep the shards and optimizer state in CPU memory
 num_threads = 0              # CPU threads for torch ops (torch.set_num_threads); 0 = torch's default
 # -----------------------------------------------------------------------------
 config = configure(globals())
@@ -116,6 +119,7 @@ check_values(config, [
     (interval('[0, 0.5)'), ('label_smoothing',)),  # at 0.5 the labels carry no information
     (one_of(SCHEDULES), ('lr_schedule',)),
     (one_of(DPO_LOSS_TYPES), ('loss_type',)),
+    (one_of(PARALLEL), ('parallel',)),
     (FOLDER, ('out_dir',)),
 ])
 if label_smoothing and loss_type not in ('sigmoid', 'robust'):
@@ -129,6 +133,7 @@ ddp, rank, local_rank, world_size, device = compute_init(device, seed, num_threa
 master, device_type = rank == 0, device.split(':')[0]
 ptdtype = pick_dtype(device, dtype)
 autocast = autocast_context(device, ptdtype)
+check_parallel(parallel, ddp, device, ptdtype, 'adamw', fsdp_cpu_offload)
 
 # out_dir: written and locked before any work; a checkpoint there is this run's to continue, never another's
 if master:
@@ -177,6 +182,10 @@ train_data_hash = training_data_hash(train_path, ckpt, out_dir, 'dpo_data')
 
 
 def frozen_copy(state):
+    if parallel == 'fsdp':  # built around the (memory-mapped) tensors, then each rank keeps its shard
+        net = GPT.from_state_dict(GPTConfig(**model_args), state).requires_grad_(False).eval()
+        shard_model(net, device, ptdtype, fsdp_cpu_offload)
+        return net
     net = GPT(GPTConfig(**model_args))
     net.load_state_dict(state)
     return net.requires_grad_(False).eval().to(device)
@@ -184,10 +193,11 @@ def frozen_copy(state):
 
 # policy, and the reference: a frozen copy when training all weights, the policy itself with its
 # adapters disabled when training LoRA, or none in memory with precomputed log-probs
-model = build_model(GPTConfig(**model_args), reference_ckpt)
+model = build_model(GPTConfig(**model_args), reference_ckpt, assign=parallel == 'fsdp')
 reference = frozen_copy(reference_ckpt['model']) if not (use_lora or reference_free or precompute_ref_logps) else None
 if use_lora:
-    apply_lora(model, lora_r, lora_alpha, lora_dropout, lora_target_modules, use_rslora, lora_bias)
+    with same_init_on_every_rank(seed, enabled=parallel == 'fsdp'):
+        apply_lora(model, lora_r, lora_alpha, lora_dropout, lora_target_modules, use_rslora, lora_bias)
 if ckpt:
     fixed = ('use_lora', 'reference_free') + (LORA_SETTINGS if use_lora else ())
     check_compatible({k: ckpt['config'].get(k) for k in fixed}, {k: config[k] for k in fixed}, 'setup', ckpt_path,
@@ -195,8 +205,11 @@ if ckpt:
                          "--resume=False).")
     model.load_state_dict({**model.state_dict(), **ckpt['model']})  # strict: all weights, or every adapter
 model.activation_checkpointing = activation_checkpointing
-model.to(device)
-raw_model = model  # what we save and generate with: never compiled or DDP-wrapped
+if parallel == 'fsdp':
+    shard_model(model, device, ptdtype, fsdp_cpu_offload)
+else:
+    model.to(device)
+raw_model = model  # what we save and generate with: never compiled or DDP-wrapped (under FSDP: sharded)
 reference_ckpt = None
 
 optimizer = (lora_optimizer(raw_model, weight_decay, learning_rate, (beta1, beta2), device_type, loraplus_lr_ratio)
@@ -240,8 +253,11 @@ def reference_pass():
     cache = {}
     for name, batches in (('train', train_batches), ('val', val_batches)):
         logps = torch.zeros(batches.n_pairs, 2, device=device)
-        for indices in torch.arange(batches.n_pairs).tensor_split(world_size)[rank].split(batch_size):
-            logps[indices] = reference_logps(batches.get(indices, device), len(indices), net)[0].view(2, -1).T
+        for indices, counted in rank_batches(torch.arange(batches.n_pairs), batch_size, rank, world_size,
+                                             lockstep=parallel == 'fsdp'):
+            pair_logps = reference_logps(batches.get(indices, device), len(indices), net)[0].view(2, -1).T
+            if counted:
+                logps[indices] = pair_logps
         if ddp:
             dist.all_reduce(logps)  # each rank filled its share
         cache[name] = logps.cpu()
@@ -260,7 +276,7 @@ if precompute_ref_logps:
 
 if compile:
     model = torch.compile(model)
-if ddp:
+if ddp and parallel == 'ddp':
     model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None)
 global_batch_size = batch_size * gradient_accumulation_steps * world_size
 log(f"device {device}, dtype {ptdtype}, {world_size} process(es), {raw_model.get_num_params() / 1e6:.2f}M params, "
@@ -317,9 +333,9 @@ def evaluate():
     """The metrics of the fixed held-out pairs (split across ranks, policy in eval mode), logged; returns the loss."""
     model.eval()
     batch_counts, sums = (len(val_indices), *val_batches.completion_tokens[val_indices].sum(0).tolist()), {}
-    for indices in val_indices.tensor_split(world_size)[rank].split(batch_size):
+    for indices, counted in rank_batches(val_indices, batch_size, rank, world_size, lockstep=parallel == 'fsdp'):
         _, metrics = pair_terms(model, val_batches, indices, ref_cache['val'] if ref_cache else None, batch_counts)
-        sums = {k: sums.get(k, 0.0) + v for k, v in metrics.items()}
+        sums = {k: sums.get(k, 0.0) + (v if counted else torch.zeros_like(v)) for k, v in metrics.items()}
     stats = torch.stack(list(sums.values()))
     if ddp:
         dist.all_reduce(stats)
@@ -332,15 +348,16 @@ def evaluate():
 
 
 def save(path):
-    """A checkpoint of the run at path: collective under DDP (every rank must call it), written by rank 0."""
+    """A checkpoint of the run at path: collective under DDP and FSDP (every rank must call it), written by rank 0."""
+    weights = model_state_dict(raw_model)  # under FSDP gathered whole onto rank 0
     state = dict(training_state(this_run, dict(config, training_type='dpo'), optimizer, scaler, iter_num,
                                 best_val_loss, evals_without_improvement),
-                 kind='gpt', model=raw_model.state_dict(), model_args=model_args, tokenizer=tokenizer.identity(),
+                 kind='gpt', model=weights, model_args=model_args, tokenizer=tokenizer.identity(),
                  data_dir=os.path.abspath(data_dir), train_batches=train_batches.state_dict(),
                  reference_checkpoint=os.path.abspath(reference_path), reference_hash=reference_hash,
                  train_data_hash=train_data_hash, **hf_files)
     if use_lora:  # adapters only: the base is the reference checkpoint, named by path and hash
-        state.update(kind='lora', model=lora_state_dict(raw_model), base_checkpoint=state['reference_checkpoint'],
+        state.update(kind='lora', model=lora_state_dict(raw_model, weights), base_checkpoint=state['reference_checkpoint'],
                      base_hash=reference_hash)
     if master:
         save_checkpoint(path, state)
@@ -353,10 +370,12 @@ def train_step(global_batch):
     parts, sums = global_batch.tensor_split(world_size)[rank].view(gradient_accumulation_steps, batch_size), {}
     for micro_step, part in enumerate(parts):
         last = micro_step == gradient_accumulation_steps - 1
-        with model.no_sync() if ddp and not last else nullcontext():  # only the last micro-batch all-reduces
+        if parallel == 'fsdp':  # only the last micro-batch reduces gradients across ranks
+            raw_model.set_requires_gradient_sync(last)
+        with model.no_sync() if isinstance(model, DDP) and not last else nullcontext():
             loss, metrics = pair_terms(model, train_batches, part, ref_cache['train'] if ref_cache else None,
                                        batch_counts)
-            scaler.scale(loss * world_size).backward()  # DDP averages gradients over ranks: undo its 1/world_size
+            scaler.scale(loss * world_size).backward()  # DDP/FSDP average gradients over ranks: undo 1/world_size
         sums = {k: sums.get(k, 0.0) + v for k, v in metrics.items()}
     return sums
 
@@ -427,7 +446,9 @@ while iter_num < max_iters:
 progress.close()
 save(ckpt_path)
 report_exact_match()
-if use_lora and master:
-    save_merged(out_dir, raw_model, model_args=model_args, config=dict(config, training_type='dpo'),
-                iter_num=iter_num, tokenizer=tokenizer.identity(), data_dir=os.path.abspath(data_dir), **hf_files)
+if use_lora:
+    weights = model_state_dict(raw_model)
+    if master:
+        save_merged(out_dir, raw_model, weights, model_args=model_args, config=dict(config, training_type='dpo'),
+                    iter_num=iter_num, tokenizer=tokenizer.identity(), data_dir=os.path.abspath(data_dir), **hf_files)
 compute_cleanup(ddp)

@@ -1,9 +1,12 @@
 """
 Scoring a chat model on held-out prompts: the share it answers greedily with exactly the reference
-answer and then stops (the end-of-turn token). Every rank of a DDP run scores its share.
+answer and then stops (the end-of-turn token). Every rank of a DDP run scores its share; under FSDP,
+where every forward pass is a collective, every rank answers every prompt.
 """
 import torch
 import torch.distributed as dist
+
+from fsdp import is_sharded, whole_root
 
 
 @torch.no_grad()
@@ -13,12 +16,12 @@ def exact_match_accuracy(model, tokenizer, prompts, autocast):
     generate one token more than the reference: a right answer must stop there. Under DDP each rank
     answers its share and the counts are summed: every rank must call it."""
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    mine = prompts[rank::world_size]
+    mine = prompts if is_sharded(model) else prompts[rank::world_size]  # all: the sum below keeps the ratio
     device = next(model.parameters()).device
     training = model.training
     model.eval()
     hits = 0
-    with autocast:
+    with autocast, whole_root(model):
         for prompt, reference in mine:
             out = model.generate(torch.tensor([prompt], device=device), len(tokenizer.encode(reference)) + 1,
                                  temperature=0, eos_id=tokenizer.eos_id)[0, len(prompt):].tolist()

@@ -1,0 +1,124 @@
+"""
+FSDP2 (torch.distributed.fsdp.fully_shard): the weights, gradients and optimizer state of a GPT sharded
+over the ranks of a torchrun job (parallel='fsdp'), for models that DDP, which gives every rank all of
+them, cannot hold. Each transformer block is one shard group, the rest (embeddings, final norm, head)
+another: a block's weights are gathered whole just before it runs and freed after.
+
+Checkpoints stay the same file whoever writes them: full_state_dict gathers the sharded tensors onto rank
+0 as an unsharded run's state_dict() holds them, and shard_optimizer_state cuts a saved optimizer state to
+this rank's shards, so a ckpt.pt moves freely between one process, DDP and FSDP and across world sizes.
+"""
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from configurator import UserError
+
+PARALLEL = ('ddp', 'fsdp')
+
+
+def check_parallel(parallel, distributed, device, dtype, optimizer_type, cpu_offload):
+    """A UserError for settings FSDP cannot run with (parallel='ddp' takes any)."""
+    if parallel != 'fsdp':
+        return
+    if dtype == torch.float16:
+        raise UserError("parallel='fsdp' runs in bfloat16 or float32; float16's loss scaling is not supported on sharded "
+                        "gradients. Set --dtype=bfloat16 (or float32).")
+    if optimizer_type != 'adamw':
+        raise UserError(f"parallel='fsdp' trains with AdamW (optimizer_type={optimizer_type!r} needs whole matrices "
+                        f"on every rank); set optimizer_type='adamw' or parallel='ddp'.")
+    if cpu_offload and not device.startswith('cuda'):
+        raise UserError(f"fsdp_cpu_offload=True keeps GPU shards in CPU memory; on device {device!r} they are there "
+                        f"already. Drop --fsdp_cpu_offload.")
+    if not distributed:
+        raise UserError("parallel='fsdp' shards the model over the processes of a torchrun job; launch with "
+                        "`torchrun --nproc_per_node=N` (N=1 also works, e.g. for fsdp_cpu_offload), or drop --parallel.")
+
+
+def shard_model(model, device, param_dtype, cpu_offload):
+    """Shard model (a GPT on the CPU) over every rank, block by block, moving each block's shards to this
+    rank's device: no rank's device holds more than its shards and one block whole. param_dtype: what the
+    gathered weights compute in (bf16 halves the all-gathers); gradients are reduced in fp32 and the sharded
+    weights and AdamW's moments stay fp32. cpu_offload keeps the shards and optimizer state in CPU memory,
+    copied to the GPU as each block runs."""
+    mesh = init_device_mesh(device.split(':')[0], (dist.get_world_size(),))
+    settings = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
+                    offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
+    for block in model.transformer.h:
+        fully_shard(block, **settings)
+    fully_shard(model, **settings)
+
+
+def is_sharded(model):
+    return isinstance(model, FSDPModule)
+
+
+@contextmanager
+def same_init_on_every_rank(seed, enabled):
+    """DDP copies rank 0's weights to every rank; FSDP does not, so under it the new weights a run draws
+    (a model from scratch, LoRA adapters, added token rows) come from one stream, seeded with seed, on
+    every rank. Each rank's own stream continues afterwards as if nothing was drawn."""
+    with torch.random.fork_rng(devices=[], enabled=enabled):
+        if enabled:
+            torch.manual_seed(seed)
+        yield
+
+
+@torch.no_grad()
+def full_state_dict(state):
+    """state (a model's state_dict(keep_vars=True) or an optimizer's state_dict()) as an unsharded run holds
+    it: every sharded tensor (DTensor) gathered whole, onto the CPU of rank 0 (other ranks get None in its
+    place); a tensor under two names (tied embeddings) stays one tensor. Plain tensors pass through
+    (detached). Collective under FSDP: every rank must call it."""
+    keep = not dist.is_initialized() or dist.get_rank() == 0
+    gathered = {}  # id -> whole tensor: tied weights are one Parameter, gathered once
+
+    def whole(value):
+        if isinstance(value, dict):
+            return {k: whole(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [whole(v) for v in value]
+        if isinstance(value, DTensor):
+            if id(value) not in gathered:
+                full = value.full_tensor()
+                gathered[id(value)] = full.cpu() if keep else None
+            return gathered[id(value)]
+        return value.detach() if isinstance(value, torch.Tensor) else value
+    return whole(state)
+
+
+def model_state_dict(model):
+    """model.state_dict(), whole (full_state_dict), whether or not model is sharded."""
+    return full_state_dict(model.state_dict(keep_vars=True))
+
+
+def shard_optimizer_state(optimizer, state):
+    """A saved (whole) optimizer state_dict cut to this rank's shards of the optimizer's parameters, for
+    optimizer.load_state_dict; unchanged when they are not sharded."""
+    params = [p for group in optimizer.param_groups for p in group['params']]
+
+    def shard_like(value, param):
+        if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and value.shape == param.shape:
+            return distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+        return value
+    return dict(state, state={i: {k: shard_like(v, params[i]) for k, v in per_param.items()}
+                              for i, per_param in state['state'].items()})
+
+
+@contextmanager
+def whole_root(model):
+    """The weights outside the blocks (embeddings, final norm, head) gathered whole for the block's length:
+    generate() calls the model's parts directly, past the root's own gathering. Under FSDP every rank must
+    generate the same tokens together (each block's all-gather is collective)."""
+    if not is_sharded(model):
+        yield
+        return
+    model.unshard()
+    try:
+        yield
+    finally:
+        model.reshard()

@@ -1,0 +1,126 @@
+"""parallel='fsdp' (fsdp.py) on CPU with gloo, 2 ranks: the same losses as one process with the same global
+batch, bit-exact resume, and one checkpoint format that one process, DDP and FSDP all continue from."""
+import math
+import shutil
+
+import pytest
+import torch
+
+from configurator import UserError
+from fsdp import check_parallel
+from test_dpo import TRAIN_METRICS, dpo, dpo_env, evals, train_metrics  # noqa: F401 (dpo_env is a fixture)
+from test_sft import sft_args, sft_env  # noqa: F401 (sft_env is a fixture)
+from test_train import TINY, data_dir, load, read_log, run, train  # noqa: F401 (data_dir is a fixture)
+
+TORCHRUN = ['-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2']
+
+
+def logged(out_dir, key):
+    return {e['step']: e[key] for e in read_log(out_dir) if key in e}
+
+
+def train_on_2_ranks(out_dir, data_dir, *extra, **kw):
+    return run([*TORCHRUN, 'train.py', f'--out_dir={out_dir}', f'--data_dir={data_dir}', *TINY, *extra], **kw)
+
+
+def assert_same_run(a, b, keys=('train_loss', 'grad_norm', 'val_loss')):
+    """The same float32 sums in another order (each rank's share of the batch, then the reduction): a few
+    ulps apart, so 1e-6 relative (a loss near 3 has an ulp of 2.4e-7; measured: at most 2 ulps). b may be a
+    continued run, which logs only its own steps."""
+    for key in keys:
+        theirs, ours = logged(a, key), logged(b, key)
+        assert ours and ours == pytest.approx({step: theirs[step] for step in ours}, rel=1e-6), key
+
+
+def test_fsdp_matches_one_process_resumes_exactly_and_shares_checkpoints_with_ddp(tmp_path, data_dir):
+    common = ['--max_iters=6', '--eval_interval=3', '--lr_decay_iters=6', '--batch_size=4']
+    single, fsdp, split = tmp_path / 'single', tmp_path / 'fsdp', tmp_path / 'split'
+    train(single, data_dir, *common, '--gradient_accumulation_steps=2')  # the same 8 windows a step
+    train_on_2_ranks(fsdp, data_dir, *common, '--parallel=fsdp')
+    assert sorted(logged(fsdp, 'train_loss')) == list(range(1, 7))
+    assert_same_run(single, fsdp)
+    # the checkpoint is an unsharded run's: the same tensors (tied embeddings stored once) and optimizer layout
+    a, b = load(single / 'ckpt.pt'), load(fsdp / 'ckpt.pt')
+    assert a['model'].keys() == b['model'].keys()
+    assert all(torch.allclose(a['model'][k], b['model'][k], rtol=0, atol=1e-6) for k in a['model'])
+    assert b['model']['lm_head.weight'].data_ptr() == b['model']['transformer.wte.weight'].data_ptr()
+    assert a['optimizer']['param_groups'] == b['optimizer']['param_groups']
+    assert all(torch.allclose(a['optimizer']['state'][i][k], b['optimizer']['state'][i][k], rtol=1e-4, atol=1e-9)
+               for i in a['optimizer']['state'] for k in a['optimizer']['state'][i])
+
+    # stopped at step 3 and relaunched: bit for bit the uninterrupted FSDP run
+    train_on_2_ranks(split, data_dir, *common, '--parallel=fsdp', '--max_iters=3')
+    step3 = tmp_path / 'step3.pt'
+    shutil.copy(split / 'ckpt.pt', step3)
+    train_on_2_ranks(split, data_dir, *common, '--parallel=fsdp')
+    assert logged(split, 'train_loss') == logged(fsdp, 'train_loss')
+    wa, wb = load(fsdp / 'ckpt.pt')['model'], load(split / 'ckpt.pt')['model']
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+    # FSDP's step-3 checkpoint continued by one process and by DDP; one process's continued by FSDP
+    for name, launch in [('by_one', train), ('by_ddp', train_on_2_ranks)]:
+        (tmp_path / name).mkdir()
+        shutil.copy(step3, tmp_path / name / 'ckpt.pt')
+        launch(tmp_path / name, data_dir, *common, *(['--gradient_accumulation_steps=2'] if launch is train else []))
+        assert_same_run(single, tmp_path / name, keys=('train_loss', 'grad_norm'))
+    train(tmp_path / 'from_one', data_dir, *common, '--gradient_accumulation_steps=2', '--max_iters=3')
+    train_on_2_ranks(tmp_path / 'from_one', data_dir, *common, '--parallel=fsdp')
+    assert_same_run(single, tmp_path / 'from_one', keys=('train_loss', 'grad_norm'))
+
+
+def test_lora_and_sft_under_fsdp_match_one_process(tmp_path, sft_env):
+    """LoRA on a frozen sharded base (with activation checkpointing, the added chat-token rows trained, exact
+    match answered by both ranks together, merged.pt gathered) and full SFT: one process's losses from the same
+    weights (both continue one process's step-1 checkpoint: the adapters and chat-token rows a run draws at its
+    start come from another stream under FSDP). FSDP accumulates 2 micro-batches without reducing gradients in
+    between (set_requires_gradient_sync)."""
+    common = ['--max_iters=3', '--eval_interval=3', '--lr_decay_iters=3', '--lora_dropout=0', '--batch_size=2']
+    for training_type, extra in [('lora', ['--activation_checkpointing=True']), ('sft', [])]:
+        single, fsdp = tmp_path / f'{training_type}_single', tmp_path / f'{training_type}_fsdp'
+        one_process = sft_args(sft_env, single, *common, *extra, '--gradient_accumulation_steps=4',
+                               training_type=training_type)
+        run([*one_process, '--max_iters=1'])
+        shutil.copytree(single, fsdp)
+        run(one_process)
+        run([*TORCHRUN, *sft_args(sft_env, fsdp, *common, *extra, '--parallel=fsdp', '--gradient_accumulation_steps=2',
+                                  training_type=training_type)])
+        assert sorted(logged(fsdp, 'train_loss')) == [1, 2, 3]
+        assert_same_run(single, fsdp)
+        assert logged(fsdp, 'exact_match') == logged(single, 'exact_match')
+    a, b = load(tmp_path / 'lora_single' / 'merged.pt')['model'], load(tmp_path / 'lora_fsdp' / 'merged.pt')['model']
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=0, atol=1e-6) for k in a)
+    assert load(tmp_path / 'lora_fsdp' / 'ckpt.pt')['model'].keys() == load(tmp_path / 'lora_single' / 'ckpt.pt')['model'].keys()
+
+
+def test_dpo_under_fsdp(tmp_path, dpo_env):
+    """DPO with a sharded frozen reference matches one process (tolerances: test_dpo's accumulation test);
+    with LoRA and precomputed reference log-probs the step-0 loss is ln 2 (policy = reference)."""
+    common = ['--max_iters=3', '--eval_interval=3', '--learning_rate=1e-3']
+    single, fsdp, lora = tmp_path / 'single', tmp_path / 'fsdp', tmp_path / 'lora'
+    dpo(dpo_env, single, *common, '--batch_size=4')
+    dpo(dpo_env, fsdp, *common, '--batch_size=1', '--gradient_accumulation_steps=2', '--parallel=fsdp', ranks=2)
+    for step, metrics in train_metrics(single).items():
+        for k in TRAIN_METRICS + ('grad_norm',) * (step == 1):
+            assert train_metrics(fsdp)[step][k] == pytest.approx(metrics[k], rel=1e-5, abs=1e-5), (step, k)
+    for e, other in zip(evals(single), evals(fsdp), strict=True):
+        assert other == pytest.approx(e, rel=1e-5, abs=1e-5)
+    dpo(dpo_env, lora, *common, '--batch_size=2', '--parallel=fsdp', '--use_lora=True', '--precompute_ref_logps=True',
+        ranks=2)
+    assert evals(lora)[0]['eval/loss'] == pytest.approx(math.log(2), abs=1e-6)
+    assert (lora / 'merged.pt').exists() and evals(lora)[1]['eval/loss'] < math.log(2)
+
+
+def test_fsdp_settings_it_cannot_run_are_refused(tmp_path, data_dir):
+    for args, message in [(['cpu', torch.float16, 'adamw', False], 'bfloat16'), (['cpu', torch.float32, 'muon', False],
+                          'AdamW'), (['cpu', torch.float32, 'adamw', True], 'already')]:
+        with pytest.raises(UserError, match=message):
+            check_parallel('fsdp', True, *args)
+    check_parallel('ddp', False, 'cpu', torch.float16, 'muon', False)
+    for args, message in [(['--parallel=fsdp'], 'torchrun'), (['--parallel=zero3'], "one of ddp, fsdp")]:
+        p = train(tmp_path / 'out', data_dir, '--max_iters=1', *args, check=False)
+        assert p.returncode == 2 and message in p.stderr and 'Traceback' not in p.stderr, (args, p.stderr)
+    # under torchrun too (init_process_group wraps the hook that prints it); torchrun then reports the failed
+    # ranks with a traceback of its own, but none comes from train.py
+    p = train_on_2_ranks(tmp_path / 'out', data_dir, '--max_iters=1', '--parallel=fsdp', '--optimizer_type=muon',
+                         check=False)
+    assert p.returncode != 0 and 'error: parallel' in p.stderr and 'train.py", line' not in p.stderr, p.stderr

@@ -41,7 +41,9 @@ def check_parallel(parallel, distributed, device, dtype, optimizer_type, cpu_off
 
 def shard_model(model, device, param_dtype, cpu_offload):
     """Shard model (a GPT on the CPU) over every rank, block by block, moving each block's shards to this
-    rank's device: no rank's device holds more than its shards and one block whole. param_dtype: what the
+    rank's device: no rank's device holds more than its shards and one block whole. Each block is made
+    float32 just before (a model built around a checkpoint's memory-mapped tensors, in their stored dtype,
+    holds no float32 copy of the whole: a rank reads only its shard's pages). param_dtype: what the
     gathered weights compute in (bf16 halves the all-gathers); gradients are reduced in fp32 and the sharded
     weights and AdamW's moments stay fp32. cpu_offload keeps the shards and optimizer state in CPU memory,
     copied to the GPU as each block runs."""
@@ -49,8 +51,8 @@ def shard_model(model, device, param_dtype, cpu_offload):
     settings = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
                     offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
     for block in model.transformer.h:
-        fully_shard(block, **settings)
-    fully_shard(model, **settings)
+        fully_shard(block.float(), **settings)
+    fully_shard(model.float(), **settings)
 
 
 def is_sharded(model):

@@ -5,8 +5,10 @@ model.py, and a GPT of such a shape is written back as a folder transformers / v
 
 - gpt_config: config.json -> GPTConfig fields.
 - load_hf_checkpoint: the folder as a train.py checkpoint; its weights are read one file at a time
-  into one copy of the model (float32, nanotrain's training precision), and GPT.from_state_dict
-  builds the model around them on the meta device, so host memory holds one copy plus one file.
+  into one copy of the model (float32, nanotrain's training precision: a float32 file stays
+  memory-mapped), and GPT.from_state_dict builds the model around them on the meta device, so host
+  memory holds one copy plus one file. as_stored keeps every tensor memory-mapped in its stored dtype:
+  under FSDP each rank then makes only its shard float32 (fsdp.shard_model) and reads only its pages.
 - save_hf_model: config.json, model*.safetensors (sharded with an index above max_shard_bytes),
   generation_config.json and the tokenizer files, in the dtype the checkpoint was published in.
 The tensor names map through one table per family (LLAMA_NAMES, GPT2_NAMES).
@@ -17,7 +19,7 @@ import re
 import shutil
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
@@ -165,21 +167,53 @@ def weight_files(folder):
                     f"pytorch_model.bin next to its config.json.")
 
 
+SAFETENSORS_DTYPES = {'F64': torch.float64, 'F32': torch.float32, 'F16': torch.float16, 'BF16': torch.bfloat16,
+                      'I64': torch.int64, 'I32': torch.int32, 'I16': torch.int16, 'I8': torch.int8, 'U8': torch.uint8,
+                      'BOOL': torch.bool}
+
+
+def read_safetensors(path):
+    """{name: tensor} of a .safetensors file, memory-mapped: a tensor's bytes are read from disk when used
+    (the safetensors library's get_tensor copies each one into memory). The format: an 8-byte header length,
+    a JSON header of each tensor's dtype, shape and byte range, then the bytes."""
+    size = os.path.getsize(path)
+    with open(path, 'rb') as f:
+        header_length = int.from_bytes(f.read(8), 'little')
+        if not 0 < header_length <= size - 8:
+            raise EOFError('no safetensors header')
+        header = json.loads(f.read(header_length))
+    data_start = 8 + header_length
+    if max((info['data_offsets'][1] for k, info in header.items() if k != '__metadata__'), default=0) > size - data_start:
+        raise EOFError('the file ends before its last tensor')
+    data = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage.from_file(path, shared=False, nbytes=size))
+    tensors = {}
+    for name, info in header.items():
+        if name == '__metadata__':
+            continue
+        start, end = info['data_offsets']
+        dtype = SAFETENSORS_DTYPES[info['dtype']]
+        raw = data[data_start + start:data_start + end]
+        if (data_start + start) % dtype.itemsize:  # not aligned for its dtype: copied instead of viewed
+            raw = raw.clone()
+        tensors[name] = raw.view(dtype).view(info['shape'])
+    return tensors
+
+
 def read_weights(path):
-    """{Hugging Face name: tensor} of one weight file (safetensors memory-mapped, a .bin loaded weights-only)."""
+    """{Hugging Face name: tensor} of one weight file, memory-mapped (a .bin loaded weights-only)."""
     try:
         if path.endswith('.safetensors'):
-            with safe_open(path, framework='pt') as f:
-                return {key: f.get_tensor(key) for key in f.keys()}
+            return read_safetensors(path)
         return torch.load(path, map_location='cpu', weights_only=True, mmap=True)
-    except (SafetensorError, OSError, RuntimeError, EOFError) as e:
+    except (KeyError, ValueError, SafetensorError, OSError, RuntimeError, EOFError) as e:
         raise UserError(f"could not read {path} ({type(e).__name__}: {str(e)[:200]}); the file is truncated or "
                         f"corrupt: download it again.") from None
 
 
-def read_hf_weights(folder, hf):
-    """The GPT state dict (float32, CPU) of the checkpoint folder whose config.json holds hf, read one
-    weight file at a time; every tensor is checked against the shapes config.json gives."""
+def read_hf_weights(folder, hf, as_stored=False):
+    """The GPT state dict (float32, CPU; as_stored: memory-mapped in the stored dtype) of the checkpoint folder
+    whose config.json holds hf, read one weight file at a time; every tensor is checked against the shapes
+    config.json gives."""
     with torch.device('meta'):
         expected = GPT(GPTConfig(**gpt_config(hf, folder))).state_dict()
     if ties_embeddings(hf):
@@ -203,7 +237,7 @@ def read_hf_weights(folder, hf):
                     raise UserError(f"{path}: tensor {hf_name} has shape {tuple(tensor.shape)}, but config.json "
                                     f"makes it {tuple(expected[nano].shape)} (as {nano}); the weights and "
                                     f"config.json are of different models.")
-                state[nano] = part.float().contiguous()
+                state[nano] = (part if as_stored else part.float()).contiguous()
             loaded.add(hf_name)
     missing = sorted(set(nano_names) - loaded)
     if missing:
@@ -215,14 +249,14 @@ def read_hf_weights(folder, hf):
     return state
 
 
-def load_hf_checkpoint(folder):
+def load_hf_checkpoint(folder, as_stored=False):
     """A Hugging Face folder as a checkpoint of train.py's kind 'gpt': model (state dict), model_args,
     its tokenizer's identity and folder (data_dir), config (training_type 'sft' if the tokenizer has a chat template: a chat
     model), and hf_config / generation_config, which the exporter writes back."""
     hf = read_json(folder, 'config.json')
     model_args = gpt_config(hf, folder)
     tokenizer = load_hf_tokenizer(folder)
-    return dict(kind='gpt', model=read_hf_weights(folder, hf), model_args=model_args, tokenizer=tokenizer.identity(),
+    return dict(kind='gpt', model=read_hf_weights(folder, hf, as_stored), model_args=model_args, tokenizer=tokenizer.identity(),
                 data_dir=os.path.abspath(folder),
                 config={'training_type': 'sft' if tokenizer.chat_template else 'from_scratch'}, hf_config=hf,
                 generation_config=read_json(folder, 'generation_config.json'))

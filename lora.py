@@ -37,7 +37,7 @@ class LoRALinear(nn.Linear):
     def __init__(self, base, r, lora_alpha, lora_dropout=0.0, use_rslora=False):
         super().__init__(base.in_features, base.out_features, bias=base.bias is not None, device='meta')
         self.weight, self.bias = base.weight, base.bias
-        like = dict(device=base.weight.device, dtype=base.weight.dtype)
+        like = dict(device=base.weight.device, dtype=torch.float32)  # trained in fp32 whatever the base's dtype
         self.lora_A = nn.Parameter(torch.empty(r, base.in_features, **like))
         self.lora_B = nn.Parameter(torch.zeros(base.out_features, r, **like))  # zero: the model starts unchanged
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # nn.Linear's own init

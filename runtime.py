@@ -16,9 +16,11 @@ from contextlib import contextmanager, nullcontext
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from configurator import install_excepthook
+from fsdp import is_sharded
 from memory import pick_device, step_unless_nonfinite, synchronize
 
 
@@ -57,6 +59,15 @@ def log(msg):
         tqdm.write(msg)
 
 
+def gradient_sync(model, raw_model, sync):
+    """The context of one micro-batch's forward and backward: gradients are reduced across ranks only when
+    sync (the step's last micro-batch). model: what the loop calls (DDP-wrapped, compiled); raw_model: the
+    GPT itself (under FSDP, sharded)."""
+    if is_sharded(raw_model):
+        raw_model.set_requires_gradient_sync(sync)
+    return model.no_sync() if isinstance(model, DDP) and not sync else nullcontext()
+
+
 def clip_and_reduce(optimizer, scaler, parameters, grad_clip, shares, flags, ddp):
     """The first half of every optimizer step: unscale fp16 gradients, clip their global norm
     (grad_clip 0: only measure it), and one all-reduce of this rank's shares of the step's metrics
@@ -92,7 +103,7 @@ def rank_batches(indices, batch_size, rank, world_size, lockstep=False):
     """This rank's share of indices (examples to evaluate) in batches of batch_size, as (batch, counted)
     pairs. lockstep (FSDP, where every forward pass is collective): every rank runs as many batches, a rank
     with fewer adding filler batches (counted False), whose results it drops."""
-    mine = [(batch, True) for batch in indices.tensor_split(world_size)[rank].split(batch_size)]
+    mine = [(batch, True) for batch in indices.tensor_split(world_size)[rank].split(batch_size) if len(batch)]
     if not lockstep:
         return mine
     most = -(-len(indices.tensor_split(world_size)[0]) // batch_size)  # the first share is the largest

@@ -40,18 +40,19 @@ def model_hash(path):
         else file_sha256(path)
 
 
-def load_model(path):
-    """A checkpoint file, or a Hugging Face model folder read as a checkpoint (hf_checkpoint.py)."""
-    return load_hf_checkpoint(path) if is_hf_folder(path) else load_checkpoint(path)
+def load_model(path, as_stored=False):
+    """A checkpoint file (memory-mapped), or a Hugging Face model folder read as a checkpoint (hf_checkpoint.py;
+    as_stored: memory-mapped too, in its stored dtype, for FSDP)."""
+    return load_hf_checkpoint(path, as_stored) if is_hf_folder(path) else load_checkpoint(path)
 
 
-def full_model_checkpoint(ckpt, ckpt_path, init_from, out_dir):
+def full_model_checkpoint(ckpt, ckpt_path, init_from, out_dir, as_stored=False):
     """(checkpoint, path) of the whole GPT a train.py run starts from: the continued run's own (ckpt),
     for a LoRA run its base model's (the same file or folder as when the run began), else init_from's;
-    (None, None) for a new run from scratch."""
+    (None, None) for a new run from scratch. as_stored: as in load_model."""
     if ckpt is None and init_from == 'scratch':
         return None, None
-    path, model_ckpt = (ckpt_path, ckpt) if ckpt is not None else (init_from, load_model(init_from))
+    path, model_ckpt = (ckpt_path, ckpt) if ckpt is not None else (init_from, load_model(init_from, as_stored))
     if model_ckpt['kind'] not in ('gpt', 'lora'):
         raise UserError(f"{path} is a {model_ckpt['kind']!r} checkpoint, not a GPT's; point --init_from at a "
                         f"train.py checkpoint, or use another out_dir.")
@@ -63,7 +64,7 @@ def full_model_checkpoint(ckpt, ckpt_path, init_from, out_dir):
         if not os.path.exists(path):
             raise UserError(f"{path}, the base model of the LoRA run in {out_dir} (named in its ckpt.pt), no longer "
                             f"exists. Put it back there, or start a new run (another out_dir, or --resume=False).")
-        model_ckpt = load_model(path)
+        model_ckpt = load_model(path, as_stored)
         if model_hash(path) != ckpt['base_hash']:
             raise UserError(f"{path}, the base model of the LoRA run in {out_dir}, has changed since the run "
                             f"began, so its adapters no longer fit. Restore that file, or start a new run "
@@ -71,10 +72,10 @@ def full_model_checkpoint(ckpt, ckpt_path, init_from, out_dir):
     return model_ckpt, path
 
 
-def dpo_reference(ckpt, init_from, out_dir, made_by=None):
+def dpo_reference(ckpt, init_from, out_dir, made_by=None, as_stored=False):
     """(checkpoint, path, sha256) of a DPO run's reference, the chat model the run began as: init_from for a
     new run (made_by as in require_init_from); for the continued run (ckpt), the file its checkpoint names,
-    which must still be there, unchanged."""
+    which must still be there, unchanged. as_stored: as in load_model."""
     if ckpt and 'reference_hash' not in ckpt:
         raise UserError(f"{os.path.join(out_dir, 'ckpt.pt')} is not a DPO run's checkpoint, so there is nothing to "
                         f"resume. Use another out_dir, or --resume=False to start a new run there (its checkpoints "
@@ -85,7 +86,7 @@ def dpo_reference(ckpt, init_from, out_dir, made_by=None):
                         f"Put it back there, or start a new run (another out_dir, or --resume=False).")
     if not ckpt:
         require_init_from(init_from, made_by, hf_folders=True)
-    reference = load_model(path)
+    reference = load_model(path, as_stored)
     if reference['kind'] != 'gpt':
         raise UserError(f"{path} is a {reference['kind']!r} checkpoint; DPO starts from a GPT chat model "
                         + ("(for a LoRA run, its merged.pt)." if reference['kind'] == 'lora' else "."))
@@ -104,7 +105,7 @@ def build_model(config, model_ckpt, assign=False):
     """The GPT of config (a GPTConfig) holding model_ckpt's weights, or initialised at random when
     model_ckpt is None. A published model's is built around its tensors (GPT.from_state_dict), so
     memory holds one copy; so is any checkpoint's with assign (FSDP: the tensors are memory-mapped,
-    and each rank then copies out only its shard)."""
+    perhaps in a stored bf16, and fsdp.shard_model makes each rank's shard float32)."""
     if model_ckpt is not None and (assign or model_ckpt.get('hf_config')):
         return GPT.from_state_dict(config, model_ckpt['model'])
     model = GPT(config)

@@ -12,7 +12,6 @@ import math
 import os
 import sys
 import time
-from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -34,7 +33,7 @@ from lora import apply_lora, load_adapters, lora_optimizer, lora_state_dict, sav
 from model import GPTConfig
 from muon import Muon, muon_param_groups
 from runtime import (StepProfiler, StopSignal, after_eval, clip_and_reduce, compute_cleanup, compute_init,
-                     keep_log_until, log, patience_exhausted, rank_batches, step_or_skip)
+                     gradient_sync, keep_log_until, log, patience_exhausted, rank_batches, step_or_skip)
 from scheduler import SCHEDULES, get_lr, set_lr
 from starting_model import build_model, check_starting_model, full_model_checkpoint, hf_source, model_hash
 from tasks.exact_match import exact_match_accuracy
@@ -166,7 +165,8 @@ if training_type == 'lora' and ckpt is None and init_from == 'scratch':
     raise UserError("training_type='lora' adapts a trained model, but there is none: set init_from to its checkpoint "
                     "(e.g. --init_from=out/ckpt.pt).")
 # the model the run starts from; a published model (or a fine-tune of one) brings its shape and tokenizer
-model_ckpt, model_ckpt_path = full_model_checkpoint(ckpt, ckpt_path, init_from, out_dir)
+model_ckpt, model_ckpt_path = full_model_checkpoint(ckpt, ckpt_path, init_from, out_dir,
+                                                    as_stored=parallel == 'fsdp')  # FSDP: each rank reads its shard
 hf_files = hf_source(model_ckpt)  # its config files, which export.py writes back
 if hf_files and not fine_tuning:
     raise UserError(f"{model_ckpt_path} is a Hugging Face model; fine-tune it with training_type='sft' or 'lora' "
@@ -354,10 +354,7 @@ def train_step(indices):
     shares = {}
     for micro_step, (x, y, doc_ids) in enumerate(micro_batches):
         last = micro_step == gradient_accumulation_steps - 1
-        # only the last micro-batch reduces gradients across ranks
-        if parallel == 'fsdp':
-            raw_model.set_requires_gradient_sync(last)
-        with model.no_sync() if isinstance(model, DDP) and not last else nullcontext():
+        with gradient_sync(model, raw_model, sync=last):  # only the last micro-batch reduces gradients across ranks
             with profiler.section('forward'), autocast:
                 logits, targets = labelled(x, y, doc_ids)
                 terms = {'ce': weighted_cross_entropy(logits, targets, token_weight, weight_sum)}

@@ -30,7 +30,7 @@ from memory import GradScaler, autocast_context, peak_memory_bytes, pick_dtype
 from lora import LORA_SETTINGS, apply_lora, disable_adapters, lora_optimizer, lora_state_dict, save_merged
 from model import GPT, GPTConfig
 from runtime import (StopSignal, after_eval, clip_and_reduce, compute_cleanup, compute_init, keep_log_until, log,
-                     patience_exhausted, rank_batches, step_or_skip)
+                     gradient_sync, patience_exhausted, rank_batches, step_or_skip)
 from scheduler import SCHEDULES, get_lr, set_lr
 from starting_model import build_model, dpo_reference, hf_source, load_model
 from tasks.exact_match import exact_match_accuracy
@@ -144,7 +144,8 @@ ckpt = run_to_continue(out_dir, resume, this_run, eval_only)
 resuming = ckpt is not None
 reference_ckpt, reference_path, reference_hash = dpo_reference(
     ckpt, init_from, out_dir, made_by="`python train.py` (pretraining, out/ckpt.pt) then `python train.py "
-                                      "config/sft.py` (SFT)" if init_from == 'out-sft/ckpt.pt' else None)
+                                      "config/sft.py` (SFT)" if init_from == 'out-sft/ckpt.pt' else None,
+    as_stored=parallel == 'fsdp')
 
 # data: rank 0 prepares the default tokenizer and pairs once, the others wait
 hf_files = hf_source(reference_ckpt)  # a published model's config files, which export.py writes back
@@ -249,7 +250,8 @@ def reference_pass():
     """Every train and val pair's reference log-probs ((n_pairs, 2): chosen, rejected), each rank computing
     its share."""
     # once the policy has moved away from the reference, load the reference for this pass
-    net = frozen_copy(load_model(reference_path)['model']) if not use_lora and iter_num > 0 else None
+    net = (frozen_copy(load_model(reference_path, as_stored=parallel == 'fsdp')['model'])
+           if not use_lora and iter_num > 0 else None)
     cache = {}
     for name, batches in (('train', train_batches), ('val', val_batches)):
         logps = torch.zeros(batches.n_pairs, 2, device=device)
@@ -370,9 +372,7 @@ def train_step(global_batch):
     parts, sums = global_batch.tensor_split(world_size)[rank].view(gradient_accumulation_steps, batch_size), {}
     for micro_step, part in enumerate(parts):
         last = micro_step == gradient_accumulation_steps - 1
-        if parallel == 'fsdp':  # only the last micro-batch reduces gradients across ranks
-            raw_model.set_requires_gradient_sync(last)
-        with model.no_sync() if isinstance(model, DDP) and not last else nullcontext():
+        with gradient_sync(model, raw_model, sync=last):  # only the last micro-batch reduces gradients across ranks
             loss, metrics = pair_terms(model, train_batches, part, ref_cache['train'] if ref_cache else None,
                                        batch_counts)
             scaler.scale(loss * world_size).backward()  # DDP/FSDP average gradients over ranks: undo 1/world_size

@@ -8,7 +8,11 @@ import torch
 
 from configurator import UserError
 from fsdp import check_parallel
+from safetensors.torch import load_file, save_file
+from tasks.number_tasks import prepare_number_tasks
 from test_dpo import TRAIN_METRICS, dpo, dpo_env, evals, train_metrics  # noqa: F401 (dpo_env is a fixture)
+from test_hf_model import fixture
+from test_hf_train import TINY as HF_TINY
 from test_sft import sft_args, sft_env  # noqa: F401 (sft_env is a fixture)
 from test_train import TINY, data_dir, load, read_log, run, train  # noqa: F401 (data_dir is a fixture)
 
@@ -124,3 +128,20 @@ def test_fsdp_settings_it_cannot_run_are_refused(tmp_path, data_dir):
     p = train_on_2_ranks(tmp_path / 'out', data_dir, '--max_iters=1', '--parallel=fsdp', '--optimizer_type=muon',
                          check=False)
     assert p.returncode != 0 and 'error: parallel' in p.stderr and 'train.py", line' not in p.stderr, p.stderr
+
+
+def test_hugging_face_model_stored_in_bf16_under_fsdp_matches_one_process(tmp_path):
+    """A published chat model's folder, its weights stored in bfloat16 and memory-mapped: one process makes the
+    model float32 whole, each FSDP rank its shard block by block; both fine-tune the same weights (a chat model
+    draws none), so the losses agree (tolerance: assert_same_run)."""
+    folder = tmp_path / 'smollm2-bf16'
+    shutil.copytree(fixture('smollm2'), folder)
+    save_file({k: v.bfloat16() for k, v in load_file(str(folder / 'model.safetensors')).items()},
+              str(folder / 'model.safetensors'), metadata={'format': 'pt'})
+    task = prepare_number_tasks(str(tmp_path / 'task'), n_train=32, n_eval=8)
+    args = ['train.py', '--training_type=sft', f'--init_from={folder}', f'--sft_data={task}', *HF_TINY,
+            '--max_iters=3', '--eval_interval=3', '--lr_decay_iters=3', '--batch_size=2']
+    run([*args, f'--out_dir={tmp_path / "single"}', '--gradient_accumulation_steps=2'])
+    run([*TORCHRUN, *args, f'--out_dir={tmp_path / "fsdp"}', '--parallel=fsdp'])
+    assert_same_run(tmp_path / 'single', tmp_path / 'fsdp')
+    assert logged(tmp_path / 'fsdp', 'exact_match') == logged(tmp_path / 'single', 'exact_match')

@@ -126,6 +126,8 @@ def test_bfloat16_weights_load_to_float32_and_export_back_in_bfloat16(tmp_path):
     (folder / 'config.json').write_text(json.dumps(dict(config, dtype='bfloat16', torch_dtype='bfloat16')))
     ckpt = load_hf_checkpoint(str(folder))
     assert all(t.dtype == torch.float32 for t in ckpt['model'].values())
+    assert torch.equal(ckpt['model']['transformer.wte.weight'], tensors['model.embed_tokens.weight'].bfloat16().float())
+    assert all(t.dtype == torch.bfloat16 for t in load_hf_checkpoint(str(folder), as_stored=True)['model'].values())
     save_hf_model(ckpt['model'], ckpt['hf_config'], str(tmp_path / 'out'), str(folder))
     after = load_file(str(tmp_path / 'out' / 'model.safetensors'))
     assert all(after[k].dtype == torch.bfloat16 and torch.equal(after[k], v.bfloat16()) for k, v in tensors.items())

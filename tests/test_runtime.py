@@ -9,7 +9,7 @@ import torch
 
 from checkpoint import restore_training_state, training_state
 from memory import GradScaler
-from runtime import after_eval, clip_and_reduce, compute_init, patience_exhausted, step_or_skip
+from runtime import after_eval, clip_and_reduce, compute_init, patience_exhausted, rank_batches, step_or_skip
 
 
 def tiny_step(loss_scale=1.0):
@@ -89,3 +89,17 @@ def test_training_state_round_trip(tmp_path):
     assert fresh_scaler.get_scale() == 256.0
     saved, restored = optimizer.state_dict()['state'], fresh.state_dict()['state']
     assert all(torch.equal(saved[k]['exp_avg'], restored[k]['exp_avg']) for k in saved)
+
+
+@pytest.mark.parametrize('n, batch_size, world_size', [(7, 2, 2), (3, 1, 2), (1, 4, 3), (9, 4, 4)])
+def test_rank_batches_cover_every_index_once_and_in_lockstep_as_many_batches_on_every_rank(n, batch_size, world_size):
+    indices = torch.arange(n)
+    for lockstep in (False, True):
+        per_rank = [rank_batches(indices, batch_size, rank, world_size, lockstep) for rank in range(world_size)]
+        counted = sorted(i for batches in per_rank for batch, c in batches if c for i in batch.tolist())
+        assert counted == list(range(n))  # fillers excluded, nothing twice
+        assert all(len(batch) <= batch_size and len(batch) > 0 for batches in per_rank for batch, _ in batches)
+        if lockstep:  # under FSDP a rank that ran fewer forward passes would hang the others
+            assert len({len(batches) for batches in per_rank}) == 1
+        else:  # DDP: each rank's share as before, no fillers
+            assert all(c for batches in per_rank for _, c in batches)

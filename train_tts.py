@@ -65,6 +65,7 @@ dec_blocks = 2               # residual blocks per U-Net level
 dec_heads = 4                # attention heads in the U-Net bottleneck; 0 = none
 sigma_min = 1e-4             # flow matching: noise left at t=1
 cfg_drop = 0.0               # classifier-free guidance: share of utterances trained without condition (e.g. 0.2)
+align_prior_iters = 1000     # steps over which the diagonal alignment prior in MAS fades from weight 1 to 0 (tts_model.log_beta_binomial_prior); 0 = none
 # losses
 prior_weight = 1.0
 duration_weight = 1.0
@@ -104,7 +105,7 @@ check_values(config, [
                    'frame_budget')),
     (at_least(0), ('early_stopping_patience', 'warmup_iters', 'lr_decay_iters', 'learning_rate', 'min_lr',
                    'weight_decay', 'grad_clip', 'max_minutes', 'eval_utterances', 'audio_samples', 'temperature',
-                   'guidance', 'prior_weight', 'duration_weight', 'flow_weight')),
+                   'guidance', 'prior_weight', 'duration_weight', 'flow_weight', 'align_prior_iters')),
     (interval('[0, 1)'), ('dropout', 'beta1', 'beta2', 'cfg_drop', 'sigma_min')),
     (interval('(0, 1)'), ('val_fraction',)),
     (interval('[0, 1]'), ('decay_frac',)),
@@ -263,7 +264,7 @@ def save(path):
 profiler = StepProfiler(device, enabled=profile)
 
 
-def train_step(batches):
+def train_step(batches, align_prior):
     """Forward/backward over this rank's micro-batches; after an OOM each is split into batch_splits
     chunks whose losses are weighted by their share of frames/tokens, so the sum is the batch loss.
     Returns this rank's shares of the mean micro-batch losses (shares add up over ranks)."""
@@ -283,7 +284,7 @@ def train_step(batches):
             # only the last chunk of the last micro-batch all-reduces gradients
             with model.no_sync() if ddp and not last else nullcontext():
                 with profiler.section('forward'), autocast:
-                    losses = model(x, x_lengths, y, y_lengths)
+                    losses = model(x, x_lengths, y, y_lengths, align_prior)
                 losses = {k: v * (token_share if k == 'duration' else frame_share) for k, v in losses.items()}
                 with profiler.section('backward'):
                     scaler.scale(weighted_loss(losses) / len(batches)).backward()
@@ -329,11 +330,12 @@ while iter_num < max_iters:
     lr = get_lr(iter_num, lr_schedule, learning_rate, min_lr, warmup_iters, lr_decay_iters, restart_iters,
                 restart_mult, decay_frac)
     set_lr(optimizer, lr)
+    align_prior = max(0.0, 1.0 - iter_num / align_prior_iters) if align_prior_iters else 0.0
 
     batches = [sampler.next_batch() for _ in range(gradient_accumulation_steps)]
     while True:
         try:
-            shares = train_step(batches)
+            shares = train_step(batches, align_prior)
             break
         except RuntimeError as error:  # CUDA raises torch.OutOfMemoryError, MPS a plain RuntimeError
             recover_from_oom(error, ddp, optimizer, device)

@@ -11,8 +11,9 @@ import torch
 import torchaudio
 from tqdm import tqdm
 
-from tts_data import MelExtractor, write_wav
-from tts_model import synthesize
+from losses import prior_loss
+from tts_data import BLANK_ID, MelExtractor, eval_batches, write_wav
+from tts_model import pad_to_even, sequence_mask, synthesize
 
 # -----------------------------------------------------------------------------
 # metrics
@@ -52,6 +53,40 @@ def mel_cepstral_distortion(log_mel, reference_log_mel, n_cepstra=13):
     distances = 10 / math.log(10) * math.sqrt(2) * torch.cdist(a, b, compute_mode='donot_use_mm_for_euclid_dist')
     return dtw_mean_cost(distances)
 
+
+
+
+@torch.no_grad()
+def alignment_stats(model, dataset, frame_budget):
+    """How well the text is aligned to the audio of dataset's utterances, with plain MAS as in evaluation:
+      prior      the prior loss (per mel value; 0.919 would be a perfect mean, log(2 pi) / 2)
+      one_frame  share of the characters (blanks left out) given a single frame: a failed alignment gives
+                 most characters one frame and a few tokens long stretches of speech
+      sharpness  mean over frames of the probability of the path's token among the utterance's tokens,
+                 the softmax over tokens of each frame's log-likelihood under N(mu, I)
+    A model that has learned the alignment has a low prior and one_frame and a high sharpness."""
+    model.eval()
+    device = model.mel_mean.device
+    prior = frames = one_frame = characters = sharpness = 0.0
+    for indices in eval_batches(dataset.lengths, frame_budget):
+        x, x_lengths, y, y_lengths = [t.to(device) for t in dataset.collate(indices, model.mel_mean.item(),
+                                                                            model.mel_std.item())]
+        y = pad_to_even(y)
+        mu, _, x_mask = model.encode(x, x_lengths)
+        mu, y_mask = mu.float(), sequence_mask(y_lengths, y.shape[2])[:, None, :].float()
+        path = model.align(mu, x_mask, y, y_mask)
+        prior += prior_loss(y, mu @ path, y_mask).item() * y_lengths.sum().item()
+        frames += y_lengths.sum().item()
+        is_character = (x != BLANK_ID) & x_mask[:, 0].bool()
+        one_frame += ((path.sum(2) == 1) & is_character).sum().item()
+        characters += is_character.sum().item()
+        # (B, Tx, Ty) log N(y_j; mu_i, I) up to a constant per frame, which the softmax over tokens ignores
+        log_likelihood = mu.transpose(1, 2) @ y - 0.5 * (mu ** 2).sum(1)[:, :, None]
+        posterior = log_likelihood.masked_fill(~x_mask.transpose(1, 2).bool(), -math.inf).softmax(1)
+        on_path = (posterior * path).sum(1)
+        sharpness += (on_path * y_mask[:, 0]).sum().item()
+    model.train()
+    return dict(prior=prior / frames, one_frame=one_frame / characters, sharpness=sharpness / frames)
 
 # -----------------------------------------------------------------------------
 # TensorBoard media and held-out synthesis, with the model's inference settings (tts_model.synthesize)

@@ -108,6 +108,26 @@ def maximum_path_reference(log_likelihood, mask):
     return path
 
 
+def log_beta_binomial_prior(x_lengths, y_lengths, max_tokens, max_frames):
+    """(B, Tx, Ty) log P(token i | frame j) of the static alignment prior of RAD-TTS (Badlani et al. 2021,
+    "One TTS Alignment To Rule Them All"): the token of frame j of an utterance of Ty_b frames and Tx_b
+    tokens is BetaBinomial(Tx_b - 1, j + 1, Ty_b - j), a band around the diagonal that widens in the
+    middle. Zero outside each utterance."""
+    n = (x_lengths - 1).double()[:, None, None]
+    frames = y_lengths.double()[:, None, None]
+    k = torch.arange(max_tokens, device=x_lengths.device, dtype=torch.float64)[None, :, None]
+    j = torch.arange(max_frames, device=x_lengths.device, dtype=torch.float64)[None, None, :]
+    inside = (k <= n) & (j < frames)
+    a, b = j + 1, (frames - j).clamp(min=1)
+    rest = (n - k).clamp(min=0)
+
+    def log_beta(p, q):
+        return torch.lgamma(p) + torch.lgamma(q) - torch.lgamma(p + q)
+
+    log_choose = torch.lgamma(n + 1) - torch.lgamma(k + 1) - torch.lgamma(rest + 1)
+    return torch.where(inside, log_choose + log_beta(k + a, rest + b) - log_beta(a, b), 0.0).float()
+
+
 def durations_to_path(durations, mask):
     """Integer durations (B, Tx) -> 0/1 alignment (B, Tx, Ty): token i covers the frames
     [sum(d[:i]), sum(d[:i+1])). mask (B, Tx, Ty)."""
@@ -326,24 +346,34 @@ class TTSModel(nn.Module):
         log_durations = self.duration_predictor(h.detach(), x_mask)
         return mu_x, log_durations, x_mask
 
-    def align(self, mu_x, x_mask, y, y_mask):
-        """MAS path (B, Tx, Ty) maximising the likelihood of y under N(mu_x[token], I)."""
+    def align(self, mu_x, x_mask, y, y_mask, prior_weight=0.0):
+        """MAS path (B, Tx, Ty) maximising the likelihood of y under N(mu_x[token], I), plus prior_weight
+        times the log of the diagonal alignment prior (log_beta_binomial_prior) when it is > 0."""
         # in float32 even under autocast: the path depends on small differences of large sums
         with torch.no_grad(), torch.autocast(mu_x.device.type, enabled=False):
             mu, target = mu_x.float(), y.float()
             # -0.5 |y_j - mu_i|^2 up to a constant, expanded into matrix products
             log_likelihood = (-0.5 * (mu ** 2).sum(1)[:, :, None] + mu.transpose(1, 2) @ target
                               - 0.5 * (target ** 2).sum(1)[:, None, :])
+            if prior_weight > 0:
+                x_lengths, y_lengths = x_mask.sum((1, 2)).long(), y_mask.sum((1, 2)).long()
+                log_likelihood += prior_weight * log_beta_binomial_prior(x_lengths, y_lengths, mu.shape[2],
+                                                                         target.shape[2])
             mask = (x_mask.transpose(1, 2) * y_mask).bool()
             return monotonic_alignment_search(log_likelihood, mask)
 
-    def forward(self, x, x_lengths, y, y_lengths):
-        """Training losses for a batch: ids (B, Tx), normalised mels (B, n_mels, Ty).
+    def forward(self, x, x_lengths, y, y_lengths, align_prior=0.0):
+        """Training losses for a batch: ids (B, Tx), normalised mels (B, n_mels, Ty). align_prior: weight
+        of the diagonal alignment prior in MAS (train_tts.py fades it out over the first steps).
         Returns dict(prior, duration, flow) of per-batch means."""
         y = pad_to_even(y)
         mu_x, log_durations, x_mask = self.encode(x, x_lengths)
         y_mask = sequence_mask(y_lengths, y.shape[2])[:, None, :].float()
-        path = self.align(mu_x, x_mask, y, y_mask)
+        # Early on the encoder's mu are nearly alike, so plain MAS chooses among almost equal paths by
+        # rounding: it gives most tokens one frame and a few tokens long stretches, and the encoder can
+        # learn that path for good (the prior loss stalls, issue 18). The prior breaks those near-ties
+        # towards the diagonal.
+        path = self.align(mu_x, x_mask, y, y_mask, align_prior)
         durations = path.sum(2)[:, None, :]
         mu_y = (mu_x.float() @ path).to(mu_x.dtype)  # (B, n_mels, Ty): each frame gets its token's mu
         # flow matching from noise to mel conditioned on mu_y (dropped for some utterances: CFG).

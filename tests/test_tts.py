@@ -23,9 +23,9 @@ from configurator import UserError  # noqa: E402
 from losses import duration_loss, flow_matching_loss, flow_matching_path, prior_loss  # noqa: E402
 from tts_data import (MEL_SETTINGS, FrameBudgetSampler, LJSpeechDataset, MelExtractor, encode_text, make_espeak_corpus,  # noqa: E402
                       read_metadata, read_wav, split_ids, write_wav)
-from tts_eval import dtw_mean_cost, mel_cepstral_distortion  # noqa: E402
-from tts_model import (TTSConfig, TTSModel, durations_to_path, load_tts, maximum_path_reference,  # noqa: E402
-                       monotonic_alignment_search, synthesize)
+from tts_eval import alignment_stats, dtw_mean_cost, mel_cepstral_distortion  # noqa: E402
+from tts_model import (TTSConfig, TTSModel, durations_to_path, load_tts, log_beta_binomial_prior,  # noqa: E402
+                       maximum_path_reference, monotonic_alignment_search, synthesize)
 from test_train import kill_and_relaunch  # noqa: E402  (the preemption helper)
 
 SR = MEL_SETTINGS['sample_rate']
@@ -134,6 +134,34 @@ def test_durations_to_path():
     mask = torch.ones(1, 3, 6)
     expected = torch.tensor([[[1, 1, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0], [0, 0, 1, 1, 1, 0]]]).float()
     assert torch.equal(durations_to_path(durations, mask), expected)
+
+
+def test_alignment_prior_breaks_ties_towards_the_diagonal():
+    x_lengths, y_lengths = torch.tensor([10, 7]), torch.tensor([40, 30])
+    prior = log_beta_binomial_prior(x_lengths, y_lengths, 10, 40)
+    # every real frame: a distribution over its utterance's tokens; zero outside the utterance
+    assert torch.allclose(prior[0].exp().sum(0), torch.ones(40), atol=1e-5)
+    assert torch.allclose(prior[1, :7, :30].exp().sum(0), torch.ones(30), atol=1e-5)
+    assert not prior[1, 7:].any() and not prior[1, :, 30:].any()
+    n, k, a, b = 6, 2, 5 + 1, 30 - 5  # utterance 1, token 2, frame 5: BetaBinomial(n, a, b) at k
+    log_beta = lambda p, q: math.lgamma(p) + math.lgamma(q) - math.lgamma(p + q)
+    expected = math.log(math.comb(n, k)) + log_beta(k + a, n - k + b) - log_beta(a, b)
+    assert math.isclose(prior[1, 2, 5].item(), expected, rel_tol=1e-5)
+    # tokens the encoder cannot tell apart yet (an untrained encoder's mu are nearly alike): plain MAS keeps
+    # the last token as long as it can, giving every other token one frame, the path the encoder then
+    # learns (the stalled alignment of issue 18); with the prior the frames are shared out evenly
+    model = TTSModel(TTSConfig(symbols='ab', n_mels=4, enc_channels=8, enc_layers=1, enc_heads=2, enc_ff_channels=8,
+                               dp_channels=8, dec_channels=8, dec_blocks=1, dec_heads=2))
+    x_mask = (torch.arange(10)[None, :] < x_lengths[:, None])[:, None, :].float()
+    y_mask = (torch.arange(40)[None, :] < y_lengths[:, None])[:, None, :].float()
+    # quarters: every product and sum in the log-likelihood is exact, so the tokens tie on any CPU
+    mu = torch.full((2, 4, 10), 0.5) * x_mask
+    y = torch.randint(-8, 9, (2, 4, 40), generator=torch.Generator().manual_seed(0)) / 4
+    plain = model.align(mu, x_mask, y, y_mask).sum(2)
+    assert plain[0].tolist() == [1] * 9 + [31] and plain[1, :7].tolist() == [1] * 6 + [24]
+    even = model.align(mu, x_mask, y, y_mask, prior_weight=1.0).sum(2)
+    assert even[0].min() >= 3 and even[0].max() <= 5 and even[1, :7].min() >= 3 and even[1, :7].max() <= 5
+    assert even[0].sum() == 40 and even[1].sum() == 30
 
 # ----------------------------------------------------------------------------- losses and metrics
 
@@ -412,6 +440,19 @@ def test_train_smoke_faults_and_synthesis(tmp_path, straight_run):
     assert rate == SR and len(back) == len(audio) == (log_mel.shape[1] - 1) * 256 and back.abs().max() > 0
     with pytest.raises(UserError, match='nothing to say'):
         synthesize(model, '123')  # digits are not in this corpus' vocabulary
+
+
+def test_alignment_stats_agree_with_the_runs_held_out_prior(tmp_path, corpus, straight_run):
+    # bench/tts_check.py's measures: the prior loss as train_tts.py's evaluation computes it, shares in [0, 1]
+    out, _ = straight_run
+    model = load_tts(load(out / 'ckpt.pt'))
+    rows = read_metadata(str(corpus))
+    _, val_ids = split_ids([utt_id for utt_id, _ in rows], 0.2)
+    val_set = LJSpeechDataset(str(corpus), val_ids, dict(rows), model.config.symbols, str(tmp_path))
+    stats = alignment_stats(model, val_set, 400)
+    val_prior = [e['val_prior_loss'] for e in read_log(out) if e.get('step') == 4 and 'val_prior_loss' in e][-1]
+    assert math.isclose(stats['prior'], val_prior, rel_tol=1e-5)
+    assert 0 <= stats['one_frame'] <= 1 and 0 < stats['sharpness'] <= 1
 
 
 def test_resume_is_bit_exact(tmp_path, corpus, straight_run):

@@ -4,7 +4,8 @@ whole model and copies the checkpoint in) and under FSDP (fsdp.py: built around 
 each rank copying out its shard). `python bench/bench_fsdp_load.py` writes a checkpoint of the given shape
 (fp32) once, then runs one torchrun job per mode (CPU, gloo, `ranks` processes) and prints, per rank: the
 peak resident set size above what it was just before loading (mapped checkpoint pages included), and after
-loading the private (anonymous) and file-backed resident memory. Writes results/fsdp_load.json.
+loading the private (anonymous) and file-backed resident memory. `--checkpoint=<Hugging Face folder>`
+measures that instead (e.g. a bf16 one). Writes results/fsdp_load.json (or fsdp_load_hf.json).
 """
 
 import json
@@ -16,13 +17,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 import torch.distributed as dist
 
-from checkpoint import load_checkpoint, save_checkpoint
+from checkpoint import is_hf_folder, save_checkpoint
 from configurator import at_least, check_values, configure
 from fsdp import shard_model
+from hf_checkpoint import weight_files
 from memory import _max_rss_bytes
 from model import GPT, GPTConfig
 from runtime import compute_cleanup, compute_init
-from starting_model import build_model
+from starting_model import build_model, load_model
 
 # -----------------------------------------------------------------------------
 checkpoint = '/tmp/nanotrain_fsdp_load.pt'  # written when missing
@@ -49,28 +51,30 @@ if not parallel:
     if not os.path.exists(checkpoint):
         shape = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, vocab_size=vocab_size, block_size=1024)
         save_checkpoint(checkpoint, dict(kind='gpt', model=GPT(GPTConfig(**shape)).state_dict(), model_args=shape))
-    size = os.path.getsize(checkpoint)
+    hf = is_hf_folder(checkpoint)
+    size = sum(map(os.path.getsize, weight_files(checkpoint))) if hf else os.path.getsize(checkpoint)
     results = dict(checkpoint_mb=size / MB, ranks=ranks, modes={})
     for mode in ('ddp', 'fsdp'):
         out = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={ranks}',
                               __file__, f'--checkpoint={checkpoint}', f'--parallel={mode}'],
                              capture_output=True, text=True, check=True, env=dict(os.environ, OMP_NUM_THREADS='1'))
         results['modes'][mode] = json.loads(out.stdout.strip().splitlines()[-1])
-    print(f"checkpoint {size / MB:,.0f} MB (fp32), {ranks} ranks; per rank, the largest over ranks:")
+    print(f"checkpoint {size / MB:,.0f} MB ({'Hugging Face folder' if hf else 'fp32'}), {ranks} ranks; per rank, the "
+          f"largest over ranks:")
     print("| mode | peak RSS while loading | x checkpoint | private after | file-backed after |")
     print("| --- | --- | --- | --- | --- |")
     for mode, row in results['modes'].items():
         print(f"| {mode} | {row['peak_mb']:,.0f} MB | {row['peak_mb'] * MB / size:.2f} | {row['private_mb']:,.0f} MB "
               f"| {row['file_mb']:,.0f} MB |")
     os.makedirs(os.path.join(os.path.dirname(__file__), 'results'), exist_ok=True)
-    with open(os.path.join(os.path.dirname(__file__), 'results', 'fsdp_load.json'), 'w') as f:
+    with open(os.path.join(os.path.dirname(__file__), 'results', f"fsdp_load{'_hf' if hf else ''}.json"), 'w') as f:
         json.dump(results, f, indent=1)
     sys.exit(0)
 
 ddp, rank, local_rank, world_size, device = compute_init('cpu', 0)
 before = _max_rss_bytes()
 dist.barrier()
-ckpt = load_checkpoint(checkpoint)
+ckpt = load_model(checkpoint, as_stored=parallel == 'fsdp')
 model = build_model(GPTConfig(**ckpt['model_args']), ckpt, assign=parallel == 'fsdp')
 if parallel == 'fsdp':
     shard_model(model, device, torch.float32, cpu_offload=False)

@@ -274,7 +274,8 @@ if ddp and parallel == 'ddp':
 
 device_name = torch.cuda.get_device_name(device) if device_type == 'cuda' else device_type
 global_batch_size = batch_size * gradient_accumulation_steps * world_size  # windows, or examples when fine-tuning
-log(f"device {device}, dtype {ptdtype}, {world_size} process(es){' (FSDP)' if parallel == 'fsdp' else ''}, {raw_model.get_num_params() / 1e6:.2f}M params, "
+log(f"device {device}, dtype {ptdtype}, {world_size} process(es){' (FSDP)' if parallel == 'fsdp' else ''}, "
+    f"{raw_model.get_num_params() / 1e6:.2f}M params, "
     + (f"{global_batch_size} examples" if fine_tuning else f"{global_batch_size * block_size:,} tokens") + " per step")
 
 # loss: token-weighted cross-entropy (losses.py), plus the other terms given a weight in loss_weights

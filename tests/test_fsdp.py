@@ -14,7 +14,7 @@ from test_dpo import TRAIN_METRICS, dpo, dpo_env, evals, train_metrics  # noqa: 
 from test_hf_model import fixture
 from test_hf_train import TINY as HF_TINY
 from test_sft import sft_args, sft_env  # noqa: F401 (sft_env is a fixture)
-from test_train import TINY, data_dir, load, read_log, run, train  # noqa: F401 (data_dir is a fixture)
+from test_train import TINY, data_dir, kill_and_relaunch, load, read_log, run, train  # noqa: F401 (data_dir is a fixture)
 
 TORCHRUN = ['-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2']
 
@@ -145,3 +145,20 @@ def test_hugging_face_model_stored_in_bf16_under_fsdp_matches_one_process(tmp_pa
     run([*TORCHRUN, *args, f'--out_dir={tmp_path / "fsdp"}', '--parallel=fsdp'])
     assert_same_run(tmp_path / 'single', tmp_path / 'fsdp')
     assert logged(tmp_path / 'fsdp', 'exact_match') == logged(tmp_path / 'single', 'exact_match')
+
+
+def test_fsdp_skips_a_non_finite_step_and_a_killed_run_continues(tmp_path, data_dir):
+    """The loop's rules hold under FSDP as under DDP: a NaN step is skipped on every rank (the gathered
+    gradient norm is NaN on all), and a torchrun job killed with SIGKILL continues from its checkpoint."""
+    nan = tmp_path / 'nan'
+    p = run([*TORCHRUN, 'tests/faults.py', 'nan@2', 'train.py', f'--out_dir={nan}', f'--data_dir={data_dir}', *TINY,
+             '--max_iters=4', '--eval_interval=100', '--lr_decay_iters=4', '--parallel=fsdp'])
+    assert 'step 2: non-finite loss' in p.stdout + p.stderr
+    ckpt = load(nan / 'ckpt.pt')
+    assert ckpt['iter_num'] == 4 and all(torch.isfinite(v).all() for v in ckpt['model'].values())
+    out = tmp_path / 'killed'
+    args = [*TORCHRUN, 'train.py', f'--out_dir={out}', f'--data_dir={data_dir}', *TINY, '--max_iters=60',
+            '--eval_interval=10', '--lr_decay_iters=60', '--parallel=fsdp', '--sample_tokens=0']
+    killed_at, output, steps = kill_and_relaunch(args, out)
+    assert killed_at >= 10 and f'resuming from {out / "ckpt.pt"} at step {killed_at}' in output
+    assert steps == list(range(1, 61)) and load(out / 'ckpt.pt')['iter_num'] == 60

@@ -2,7 +2,8 @@
 Checkpoints that survive crashes, preemption and mistakes.
 
 - save_checkpoint writes to a temp file in the same folder, fsyncs it and renames it over the
-  target, so a crash mid-save leaves the previous checkpoint intact.
+  target, so a crash mid-save leaves the previous checkpoint intact. write_checkpoint: a training
+  script's checkpoint, one file gathered onto rank 0, or every rank's shards (sharded_checkpoint.py).
 - load_checkpoint uses torch.load(weights_only=True): a checkpoint can hold tensors, numbers,
   strings, lists and dicts, never arbitrary pickled objects. Everything we store is of that kind.
   Its tensors are memory-mapped: read from disk as they are used, so a rank that keeps only its
@@ -29,6 +30,7 @@ import math
 import os
 import pickle
 import random
+import shutil
 import tempfile
 import zipfile
 
@@ -39,6 +41,8 @@ import torch.distributed as dist
 from configurator import UserError, require_writable_folder
 from fsdp import full_state_dict, shard_optimizer_state
 from runtime import log
+
+CHECKPOINT_FORMATS = ('file', 'sharded')  # one file, or a folder of every rank's shards (sharded_checkpoint.py)
 
 
 def save_checkpoint(path, state):
@@ -70,7 +74,32 @@ def save_checkpoint(path, state):
         os.close(dir_fd)
 
 
-def load_checkpoint(path):
+def write_checkpoint(path, state, sharded, master):
+    """Write a training script's checkpoint, state, whose model and optimizer state dicts are as the run holds
+    them (sharded under FSDP): one file, every sharded tensor gathered whole onto rank 0 (full_state_dict), or
+    with sharded a folder of every rank's shards that the file names (sharded_checkpoint.py). Shard folders of
+    earlier saves are removed once path is written. Collective under DDP and FSDP: every rank must call it."""
+    if sharded:
+        from sharded_checkpoint import write_shards  # imports torch.distributed.checkpoint (0.2 s): only if used
+        state = write_shards(path, state)
+    else:
+        state = full_state_dict(state)
+    if master:
+        save_checkpoint(path, state)
+        for folder in shard_folders(path):
+            if os.path.basename(folder) != state.get('shards'):
+                shutil.rmtree(folder, ignore_errors=True)
+
+
+def shard_folders(path):
+    """The folders of shards written for the checkpoint file path (ckpt.pt: ckpt-<step>.dcp)."""
+    return glob.glob(glob.escape(os.path.splitext(path)[0]) + '-*.dcp')
+
+
+def load_checkpoint(path, whole=True):
+    """A checkpoint file, its tensors memory-mapped. A sharded one's folder is read whole, as if it were one
+    file; not whole, its weights are placeholders on the meta device (restore_training_state reads each rank's
+    shards into a sharded model)."""
     if not os.path.isfile(path):
         problem = "is a folder, not a checkpoint file" if os.path.isdir(path) else "does not exist"
         raise UserError(f"checkpoint {path} {problem}. Check the path (train.py can also start from scratch: "
@@ -78,7 +107,7 @@ def load_checkpoint(path):
     try:
         if not zipfile.is_zipfile(path):  # what torch.save writes (and mmap needs)
             raise EOFError()
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as e:  # torch's own text advises weights_only=False, i.e. running the file's code
         detail = str(e).partition('WeightsUnpickler error:')[2].strip().split('\n')[0].split('. ')[0][:200]
         raise UserError(f"checkpoint {path} could not be read ({detail or 'not a checkpoint'}): it is corrupt, or it "
@@ -91,6 +120,10 @@ def load_checkpoint(path):
                         f"The file is corrupt or was not written by nanotrain; restore it from a backup, or start "
                         f"without it: point --init_from at another checkpoint, or start a new run (another out_dir, "
                         f"or --resume=False to replace the run in this one).") from None
+    if isinstance(ckpt, dict) and 'shards' in ckpt:
+        from sharded_checkpoint import placeholders, read_whole
+        return read_whole(ckpt, path) if whole else placeholders(ckpt, path)
+    return ckpt
 
 
 def claim_out_dir(out_dir):
@@ -139,15 +172,16 @@ def require_init_from(init_from, made_by=None, hf_folders=False):
                     f"start from.")
 
 
-def run_to_continue(out_dir, resume, run, eval_only):
-    """The checkpoint of the run in out_dir when this launch continues it, else None (a new run).
+def run_to_continue(out_dir, resume, run, eval_only, whole=True):
+    """The checkpoint of the run in out_dir when this launch continues it, else None (a new run); whole as in
+    load_checkpoint.
     run: what identifies this launch's run (script, training type, where its weights start); a
     checkpoint recorded by another run is refused unless resume=False (which replaces that run).
     eval_only evaluates whatever run of this script is there, wherever its weights started."""
     path = os.path.join(out_dir, 'ckpt.pt')
     if not resume or not os.path.exists(path):
         return None
-    ckpt = load_checkpoint(path)
+    ckpt = load_checkpoint(path, whole)
     saved = ckpt.get('run', {})  # older checkpoints do not say: continue them
     diffs = [f"{k}: the run there has {saved[k]!r}, this command {run.get(k)!r}"
              for k in saved if saved[k] != run.get(k) and not (eval_only and k == 'init_from')]
@@ -244,6 +278,7 @@ def run_log(out_dir, enabled, tensorboard, keep_until):
             for k, v in event.items():
                 if k != 'step' and isinstance(v, (int, float)):
                     writer.add_scalar(k, v, event['step'])
+            writer.flush()  # on disk now, like log.jsonl: a torchrun process ends without closing it (runtime.py)
     return record, writer
 
 
@@ -261,18 +296,23 @@ def check_compatible(saved, wanted, what, path, fix="Set these keys to the check
 def training_state(run, config, optimizer, scaler, iter_num, best_val_loss, evals_without_improvement):
     """What every training script's checkpoint holds besides its model and data position: the run it
     belongs to, its config, the optimizer and loss-scaler state, the step counters, and every rank's
-    random streams (collective under DDP and FSDP: every rank must call it). An FSDP run's sharded optimizer
-    state is gathered whole (fsdp.py), so any run can continue from it."""
-    return dict(run=run, config=config, optimizer=full_state_dict(optimizer.state_dict()), scaler=scaler.state_dict(),
+    random streams (collective under DDP and FSDP: every rank must call it). An FSDP run's optimizer state is
+    its shards: write_checkpoint gathers them whole (fsdp.py), so any run can continue from it, or writes them."""
+    return dict(run=run, config=config, optimizer=optimizer.state_dict(), scaler=scaler.state_dict(),
                 iter_num=iter_num, best_val_loss=best_val_loss, evals_without_improvement=evals_without_improvement,
                 rng=all_rng_states())
 
 
-def restore_training_state(ckpt, ckpt_path, optimizer, scaler, rank, world_size):
+def restore_training_state(ckpt, ckpt_path, optimizer, scaler, rank, world_size, model=None):
     """Load training_state's part of a checkpoint into a continued run; returns its step counters
     (iter_num, best_val_loss, evals_without_improvement). Each rank takes back its own random streams
-    when the world size is the same, so the run continues bit for bit."""
-    optimizer.load_state_dict(shard_optimizer_state(optimizer, ckpt['optimizer']))
+    when the world size is the same, so the run continues bit for bit. A sharded checkpoint read not whole
+    (load_checkpoint) fills the sharded model's weights too."""
+    if 'shards' in ckpt:
+        from sharded_checkpoint import read_shards
+        read_shards(ckpt, model, optimizer)
+    else:
+        optimizer.load_state_dict(shard_optimizer_state(optimizer, ckpt['optimizer']))
     scaler.load_state_dict(ckpt['scaler'])
     if len(ckpt['rng']) == world_size:
         set_rng_state(ckpt['rng'][rank])

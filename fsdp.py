@@ -7,14 +7,15 @@ another: a block's weights are gathered whole just before it runs and freed afte
 Checkpoints stay the same file whoever writes them: full_state_dict gathers the sharded tensors onto rank
 0 as an unsharded run's state_dict() holds them, and shard_optimizer_state cuts a saved optimizer state to
 this rank's shards, so a ckpt.pt moves freely between one process, DDP and FSDP and across world sizes.
+
+torch.distributed.fsdp and DTensor are imported only by shard_model: importing them takes 0.4 s (sympy and
+more), which every launch of every script would pay; no model is sharded and no tensor is a DTensor before.
 """
+import sys
 from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from configurator import UserError
 
@@ -47,16 +48,30 @@ def shard_model(model, device, param_dtype, cpu_offload):
     gathered weights compute in (bf16 halves the all-gathers); gradients are reduced in fp32 and the sharded
     weights and AdamW's moments stay fp32. cpu_offload keeps the shards and optimizer state in CPU memory,
     copied to the GPU as each block runs."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     mesh = init_device_mesh(device.split(':')[0], (dist.get_world_size(),))
     settings = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
                     offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
     for block in model.transformer.h:
         fully_shard(block.float(), **settings)
     fully_shard(model.float(), **settings)
+    if any(p.is_meta for p in model.parameters()):  # a sharded checkpoint's placeholders (load_checkpoint): each
+        model.to_empty(device='cpu' if cpu_offload else device)  # rank's shards, filled by restore_training_state
+        if model.config.pos_emb == 'rope':
+            model.set_rope_tables(device)  # to_empty left the tables empty too
 
 
 def is_sharded(model):
-    return isinstance(model, FSDPModule)
+    fsdp = sys.modules.get('torch.distributed.fsdp')  # not imported: nothing was sharded (see above)
+    return fsdp is not None and isinstance(model, fsdp.FSDPModule)
+
+
+def is_dtensor(value):
+    """isinstance(value, DTensor): a tensor sharded over the ranks (a parameter, gradient or optimizer state
+    of a sharded model)."""
+    tensor = sys.modules.get('torch.distributed.tensor')  # not imported: no DTensor exists (see above)
+    return tensor is not None and isinstance(value, tensor.DTensor)
 
 
 @contextmanager
@@ -84,7 +99,7 @@ def full_state_dict(state):
             return {k: whole(v) for k, v in value.items()}
         if isinstance(value, list):
             return [whole(v) for v in value]
-        if isinstance(value, DTensor):
+        if is_dtensor(value):
             if id(value) not in gathered:
                 full = value.full_tensor()
                 gathered[id(value)] = full.cpu() if keep else None
@@ -104,7 +119,8 @@ def shard_optimizer_state(optimizer, state):
     params = [p for group in optimizer.param_groups for p in group['params']]
 
     def shard_like(value, param):
-        if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and value.shape == param.shape:
+        if is_dtensor(param) and isinstance(value, torch.Tensor) and value.shape == param.shape:
+            from torch.distributed.tensor import distribute_tensor
             return distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
         return value
     return dict(state, state={i: {k: shard_like(v, params[i]) for k, v in per_param.items()}

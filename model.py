@@ -296,13 +296,13 @@ class GPT(nn.Module):
                 else:
                     nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * self.config.n_layer))
 
-    def set_rope_tables(self):
+    def set_rope_tables(self, device=None):
         """RoPE's cos/sin tables; derived from the config, so not saved: the state dict holds only trained
         weights. (A model built on the meta device, hf_checkpoint.py, computes them after loading.)"""
         c = self.config
         cos, sin = rope_cos_sin(c.block_size, c.head_size, c.rope_theta, c.rope_scaling)
-        self.register_buffer('rope_cos', cos, persistent=False)
-        self.register_buffer('rope_sin', sin, persistent=False)
+        self.register_buffer('rope_cos', cos.to(device), persistent=False)
+        self.register_buffer('rope_sin', sin.to(device), persistent=False)
 
     @classmethod
     def from_state_dict(cls, config, state):

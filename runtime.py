@@ -15,12 +15,11 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from configurator import install_excepthook
-from fsdp import is_sharded
+from fsdp import is_dtensor, is_sharded
 from memory import pick_device, step_unless_nonfinite, synchronize
 
 
@@ -47,10 +46,17 @@ def compute_init(device, seed, num_threads=0):
     return ddp, rank, local_rank, world_size, device
 
 
-def compute_cleanup(ddp):
+def compute_cleanup(ddp, exit_code=0):
+    """Under torchrun: leave the process group together, then end the process here with exit_code, skipping
+    the interpreter's teardown. A gloo worker thread may still be releasing finished collectives (tensors
+    Python holds) when Python shuts down, and one that then needs the GIL aborts the process: seen at the end
+    of FSDP runs on a busy CPU, 1 run in 15, the job reported failed after saving everything."""
     if ddp:
         dist.barrier()  # leave together: a rank tearing down while another still works can abort gloo
         dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exit_code)
 
 
 def log(msg):
@@ -75,7 +81,7 @@ def clip_and_reduce(optimizer, scaler, parameters, grad_clip, shares, flags, ddp
     (a stop signal, a time limit). Returns (metrics, grad norm, flags raised on any rank)."""
     scaler.unscale_(optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(parameters, grad_clip if grad_clip > 0 else float('inf'))
-    if isinstance(grad_norm, DTensor):  # FSDP: the norm over every rank's gradient shards
+    if is_dtensor(grad_norm):  # FSDP: the norm over every rank's gradient shards
         grad_norm = grad_norm.full_tensor()
     stats = torch.stack([*shares.values(), *(torch.tensor(float(flag), device=grad_norm.device) for flag in flags)])
     if ddp:
@@ -142,8 +148,9 @@ class StopSignal:
     def exit(self, ckpt_path, iter_num, ddp):
         """Leave after the step's checkpoint is saved; a rank that was not signalled itself exits 143 (SIGTERM)."""
         log(f"stop signal received: saved {ckpt_path} at step {iter_num}")
-        compute_cleanup(ddp)
-        sys.exit(self.exit_code if self.requested else 143)
+        code = self.exit_code if self.requested else 143
+        compute_cleanup(ddp, code)
+        sys.exit(code)
 
 
 def keep_log_until(eval_only, resuming, iter_num):

@@ -19,8 +19,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from chat_data import SFTBatches, load_sft_data
-from checkpoint import (check_compatible, claim_out_dir, require_init_from, restore_training_state, run_log, run_origin,
-                        run_to_continue, save_checkpoint, training_data_hash, training_state)
+from checkpoint import (CHECKPOINT_FORMATS, check_compatible, claim_out_dir, require_init_from, restore_training_state,
+                        run_log, run_origin, run_to_continue, training_data_hash, training_state, write_checkpoint)
 from configurator import (FOLDER, POSITIVE, UserError, at_least, check_values, configure, dataclass_args, interval,
                           one_of)
 from data import TokenBatches, eval_offsets, prepare_default
@@ -120,6 +120,7 @@ dtype = 'auto'               # 'auto' (bf16 where supported, else fp16 + loss sc
 compile = False              # torch.compile the model
 parallel = 'ddp'             # under torchrun: 'ddp' (each rank holds the whole model) | 'fsdp' (fsdp.py: weights, gradients and optimizer state sharded over the ranks)
 fsdp_cpu_offload = False     # parallel='fsdp' on GPUs: keep the shards and optimizer state in CPU memory
+checkpoint_format = 'file'   # 'file': ckpt.pt holds everything (under FSDP gathered onto rank 0) | 'sharded': each rank writes its shards to ckpt-<step>.dcp/, which ckpt.pt names (sharded_checkpoint.py), for models one host's memory cannot hold whole
 num_threads = 0              # CPU threads for torch ops (torch.set_num_threads); 0 = torch's default
 # -----------------------------------------------------------------------------
 config = configure(globals())
@@ -135,6 +136,7 @@ check_values(config, [
     (POSITIVE, ('lora_alpha', 'loraplus_lr_ratio')),
     (one_of(SCHEDULES), ('lr_schedule',)),
     (one_of(PARALLEL), ('parallel',)),
+    (one_of(CHECKPOINT_FORMATS), ('checkpoint_format',)),
     (FOLDER, ('out_dir',)),
 ])
 check_loss_weights(loss_weights)
@@ -154,7 +156,8 @@ if master:
     out_dir_lock = claim_out_dir(out_dir)
 ckpt_path = os.path.join(out_dir, 'ckpt.pt')
 this_run = dict(script='train.py', training_type=training_type, init_from=run_origin(init_from))
-ckpt = run_to_continue(out_dir, resume, this_run, eval_only)
+ckpt = run_to_continue(out_dir, resume, this_run, eval_only,  # FSDP reads its shards of a sharded one
+                       whole=parallel != 'fsdp' or training_type == 'lora')
 resuming = ckpt is not None
 if ckpt is None and init_from != 'scratch':
     require_init_from(init_from, '`python train.py` (pretraining)' if init_from == 'out/ckpt.pt' else None, hf_folders=True)
@@ -264,7 +267,7 @@ if ckpt is not None:
     if ckpt['batch_size'] * ckpt['gradient_accumulation_steps'] == batch_size * gradient_accumulation_steps:
         batch_size, gradient_accumulation_steps = ckpt['batch_size'], ckpt['gradient_accumulation_steps']
     iter_num, best_val_loss, evals_without_improvement = restore_training_state(ckpt, ckpt_path, optimizer, scaler,
-                                                                                rank, world_size)
+                                                                                rank, world_size, raw_model)
 ckpt = model_ckpt = None  # free memory
 
 if compile:
@@ -315,7 +318,7 @@ def evaluate():
 
 
 def checkpoint_state():
-    weights = model_state_dict(raw_model)  # under FSDP gathered whole onto rank 0
+    weights = raw_model.state_dict(keep_vars=True)  # under FSDP sharded: write_checkpoint gathers or writes them
     state = dict(training_state(this_run, config, optimizer, scaler, iter_num, best_val_loss,
                                 evals_without_improvement),
                  kind='gpt', model=weights, model_args=model_args, tokenizer=tokenizer.identity(),
@@ -329,9 +332,7 @@ def checkpoint_state():
 
 
 def save(path):
-    state = checkpoint_state()  # collective under DDP and FSDP: every rank must call it
-    if master:
-        save_checkpoint(path, state)
+    write_checkpoint(path, checkpoint_state(), checkpoint_format == 'sharded', master)  # collective: every rank calls it
 
 
 profiler = StepProfiler(device, enabled=profile)

@@ -19,8 +19,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from chat_data import PreferenceBatches, load_preference_split
-from checkpoint import (cached_tensors, check_compatible, claim_out_dir, file_sha256, restore_training_state, run_log,
-                        run_origin, run_to_continue, save_checkpoint, training_data_hash, training_state)
+from checkpoint import (CHECKPOINT_FORMATS, cached_tensors, check_compatible, claim_out_dir, file_sha256,
+                        restore_training_state, run_log, run_origin, run_to_continue, training_data_hash, training_state,
+                        write_checkpoint)
 from configurator import FOLDER, POSITIVE, UserError, at_least, check_values, configure, interval, one_of
 from data import prepare_default
 from fsdp import PARALLEL, check_parallel, model_state_dict, same_init_on_every_rank, shard_model
@@ -104,6 +105,7 @@ dtype = 'auto'               # 'auto' (float32 on CPU, bf16 on GPUs that have it
 compile = False              # torch.compile the policy
 parallel = 'ddp'             # under torchrun: 'ddp' (each rank holds the whole model) | 'fsdp' (fsdp.py: policy and reference sharded over the ranks)
 fsdp_cpu_offload = False     # parallel='fsdp' on GPUs: keep the shards and optimizer state in CPU memory
+checkpoint_format = 'file'   # 'file': ckpt.pt holds everything (under FSDP gathered onto rank 0) | 'sharded': each rank writes its shards to ckpt-<step>.dcp/, which ckpt.pt names (sharded_checkpoint.py), for models one host's memory cannot hold whole
 num_threads = 0              # CPU threads for torch ops (torch.set_num_threads); 0 = torch's default
 # -----------------------------------------------------------------------------
 config = configure(globals())
@@ -120,6 +122,7 @@ check_values(config, [
     (one_of(SCHEDULES), ('lr_schedule',)),
     (one_of(DPO_LOSS_TYPES), ('loss_type',)),
     (one_of(PARALLEL), ('parallel',)),
+    (one_of(CHECKPOINT_FORMATS), ('checkpoint_format',)),
     (FOLDER, ('out_dir',)),
 ])
 if label_smoothing and loss_type not in ('sigmoid', 'robust'):
@@ -140,7 +143,7 @@ if master:
     out_dir_lock = claim_out_dir(out_dir)
 ckpt_path = os.path.join(out_dir, 'ckpt.pt')
 this_run = dict(script='train_dpo.py', init_from=run_origin(init_from), use_lora=use_lora)
-ckpt = run_to_continue(out_dir, resume, this_run, eval_only)
+ckpt = run_to_continue(out_dir, resume, this_run, eval_only, whole=parallel != 'fsdp' or use_lora)  # FSDP: its shards
 resuming = ckpt is not None
 reference_ckpt, reference_path, reference_hash = dpo_reference(
     ckpt, init_from, out_dir, made_by="`python train.py` (pretraining, out/ckpt.pt) then `python train.py "
@@ -204,7 +207,8 @@ if ckpt:
     check_compatible({k: ckpt['config'].get(k) for k in fixed}, {k: config[k] for k in fixed}, 'setup', ckpt_path,
                      fix="Set these keys to the checkpoint's values, or start a new run (another out_dir, or "
                          "--resume=False).")
-    model.load_state_dict({**model.state_dict(), **ckpt['model']})  # strict: all weights, or every adapter
+    if 'shards' not in ckpt:  # a sharded checkpoint's are read into the shards (restore_training_state)
+        model.load_state_dict({**model.state_dict(), **ckpt['model']})  # strict: all weights, or every adapter
 model.activation_checkpointing = activation_checkpointing
 if parallel == 'fsdp':
     shard_model(model, device, ptdtype, fsdp_cpu_offload)
@@ -220,7 +224,7 @@ iter_num, best_val_loss, evals_without_improvement = 0, float('inf'), 0
 if ckpt:
     train_batches.load_state_dict(ckpt['train_batches'])
     iter_num, best_val_loss, evals_without_improvement = restore_training_state(ckpt, ckpt_path, optimizer, scaler,
-                                                                                rank, world_size)
+                                                                                rank, world_size, raw_model)
 ckpt = None
 
 
@@ -350,8 +354,8 @@ def evaluate():
 
 
 def save(path):
-    """A checkpoint of the run at path: collective under DDP and FSDP (every rank must call it), written by rank 0."""
-    weights = model_state_dict(raw_model)  # under FSDP gathered whole onto rank 0
+    """A checkpoint of the run at path (write_checkpoint): collective under DDP and FSDP, every rank must call it."""
+    weights = raw_model.state_dict(keep_vars=True)  # under FSDP sharded: write_checkpoint gathers or writes them
     state = dict(training_state(this_run, dict(config, training_type='dpo'), optimizer, scaler, iter_num,
                                 best_val_loss, evals_without_improvement),
                  kind='gpt', model=weights, model_args=model_args, tokenizer=tokenizer.identity(),
@@ -361,8 +365,7 @@ def save(path):
     if use_lora:  # adapters only: the base is the reference checkpoint, named by path and hash
         state.update(kind='lora', model=lora_state_dict(raw_model, weights), base_checkpoint=state['reference_checkpoint'],
                      base_hash=reference_hash)
-    if master:
-        save_checkpoint(path, state)
+    write_checkpoint(path, state, checkpoint_format == 'sharded', master)
 
 
 def train_step(global_batch):

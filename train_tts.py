@@ -315,8 +315,8 @@ def log_eval(step, result, note=''):
 
 if eval_only:
     log_eval(iter_num, evaluate())
-    compute_cleanup(ddp)
     final_report(iter_num)
+    compute_cleanup(ddp)
     sys.exit(0)
 
 stop = StopSignal()
@@ -395,5 +395,5 @@ while iter_num < max_iters:
 progress.close()
 save(ckpt_path)
 log(f"training ended at step {iter_num} after {(time.time() - _start_time) / 60:.1f} min, best val loss {best_val_loss:.4f}")
+final_report(iter_num)  # rank 0; the others wait in compute_cleanup
 compute_cleanup(ddp)
-final_report(iter_num)

@@ -6,6 +6,7 @@ import shutil
 import pytest
 import torch
 
+from checkpoint import load_checkpoint
 from configurator import UserError
 from fsdp import check_parallel
 from safetensors.torch import load_file, save_file
@@ -36,11 +37,20 @@ def assert_same_run(a, b, keys=('train_loss', 'grad_norm', 'val_loss')):
         assert ours and ours == pytest.approx({step: theirs[step] for step in ours}, rel=1e-6), key
 
 
-def test_fsdp_matches_one_process_resumes_exactly_and_shares_checkpoints_with_ddp(tmp_path, data_dir):
-    common = ['--max_iters=6', '--eval_interval=3', '--lr_decay_iters=6', '--batch_size=4']
-    single, fsdp, split = tmp_path / 'single', tmp_path / 'fsdp', tmp_path / 'split'
-    train(single, data_dir, *common, '--gradient_accumulation_steps=2')  # the same 8 windows a step
-    train_on_2_ranks(fsdp, data_dir, *common, '--parallel=fsdp')
+COMMON = ['--max_iters=6', '--eval_interval=3', '--lr_decay_iters=6', '--batch_size=4']
+
+
+@pytest.fixture(scope='module')
+def uninterrupted(tmp_path_factory, data_dir):
+    """(one process's run, FSDP's on 2 ranks), 6 steps of the same 8 windows each."""
+    single, fsdp = tmp_path_factory.mktemp('single'), tmp_path_factory.mktemp('fsdp')
+    train(single, data_dir, *COMMON, '--gradient_accumulation_steps=2')
+    train_on_2_ranks(fsdp, data_dir, *COMMON, '--parallel=fsdp')
+    return single, fsdp
+
+
+def test_fsdp_matches_one_process_resumes_exactly_and_shares_checkpoints_with_ddp(tmp_path, data_dir, uninterrupted):
+    common, (single, fsdp), split = COMMON, uninterrupted, tmp_path / 'split'
     assert sorted(logged(fsdp, 'train_loss')) == list(range(1, 7))
     assert_same_run(single, fsdp)
     # the checkpoint is an unsharded run's: the same tensors (tied embeddings stored once) and optimizer layout
@@ -74,7 +84,8 @@ def test_fsdp_matches_one_process_resumes_exactly_and_shares_checkpoints_with_dd
 
 def test_lora_under_fsdp_matches_one_process(tmp_path, sft_env):
     """LoRA on a frozen sharded base (with activation checkpointing, the added chat-token rows trained, exact
-    match answered by both ranks together, merged.pt gathered): one process's losses from the same
+    match answered by both ranks together, merged.pt gathered, a sharded checkpoint of the adapters written and
+    read whole): one process's losses from the same
     weights (both continue one process's step-1 checkpoint: the adapters and chat-token rows a run draws at its
     start come from another stream under FSDP). FSDP accumulates 2 micro-batches without reducing gradients in
     between (set_requires_gradient_sync)."""
@@ -87,26 +98,33 @@ def test_lora_under_fsdp_matches_one_process(tmp_path, sft_env):
         shutil.copytree(single, fsdp)
         run(one_process)
         run([*TORCHRUN, *sft_args(sft_env, fsdp, *common, *extra, '--parallel=fsdp', '--gradient_accumulation_steps=2',
-                                  training_type=training_type)])
+                                  '--checkpoint_format=sharded', training_type=training_type)])
         assert sorted(logged(fsdp, 'train_loss')) == [1, 2, 3]
         assert_same_run(single, fsdp)
         assert logged(fsdp, 'exact_match') == logged(single, 'exact_match')
     a, b = load(tmp_path / 'lora_single' / 'merged.pt')['model'], load(tmp_path / 'lora_fsdp' / 'merged.pt')['model']
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=0, atol=1e-6) for k in a)
-    assert load(tmp_path / 'lora_fsdp' / 'ckpt.pt')['model'].keys() == load(tmp_path / 'lora_single' / 'ckpt.pt')['model'].keys()
+    a, b = load(tmp_path / 'lora_single' / 'ckpt.pt'), load_checkpoint(str(tmp_path / 'lora_fsdp' / 'ckpt.pt'))
+    assert 'model' not in load(tmp_path / 'lora_fsdp' / 'ckpt.pt')  # its adapters are in ckpt-000003.dcp/
+    assert b['model'].keys() == a['model'].keys() and b['optimizer']['state'].keys() == a['optimizer']['state'].keys()
 
 
 def test_dpo_under_fsdp(tmp_path, dpo_env):
-    """DPO with a sharded frozen reference matches one process (tolerances: test_dpo's accumulation test);
-    with LoRA and precomputed reference log-probs the step-0 loss is ln 2 (policy = reference)."""
+    """DPO with a sharded frozen reference matches one process (tolerances: test_dpo's accumulation test), also
+    when stopped after step 2 and continued from a sharded checkpoint; with LoRA and precomputed reference
+    log-probs the step-0 loss is ln 2 (policy = reference)."""
     common = ['--max_iters=3', '--eval_interval=3', '--learning_rate=1e-3']
     single, fsdp, lora = tmp_path / 'single', tmp_path / 'fsdp', tmp_path / 'lora'
     dpo(dpo_env, single, *common, '--batch_size=4')
-    dpo(dpo_env, fsdp, *common, '--batch_size=1', '--gradient_accumulation_steps=2', '--parallel=fsdp', ranks=2)
+    for max_iters in (2, 3):
+        p = dpo(dpo_env, fsdp, *common, '--batch_size=1', '--gradient_accumulation_steps=2', '--parallel=fsdp',
+                '--checkpoint_format=sharded', f'--max_iters={max_iters}', ranks=2)
+    assert 'resuming from' in p.stdout and 'at step 2' in p.stdout
     for step, metrics in train_metrics(single).items():
         for k in TRAIN_METRICS + ('grad_norm',) * (step == 1):
             assert train_metrics(fsdp)[step][k] == pytest.approx(metrics[k], rel=1e-5, abs=1e-5), (step, k)
-    for e, other in zip(evals(single), evals(fsdp), strict=True):
+    steps = [e['step'] for e in evals(single)]
+    for e, other in zip(evals(single), [e for e in evals(fsdp) if e['step'] in steps], strict=True):
         assert other == pytest.approx(e, rel=1e-5, abs=1e-5)
     dpo(dpo_env, lora, *common, '--batch_size=2', '--parallel=fsdp', '--use_lora=True', '--precompute_ref_logps=True',
         ranks=2)
@@ -162,3 +180,33 @@ def test_fsdp_skips_a_non_finite_step_and_a_killed_run_continues(tmp_path, data_
     killed_at, output, steps = kill_and_relaunch(args, out)
     assert killed_at >= 10 and f'resuming from {out / "ckpt.pt"} at step {killed_at}' in output
     assert steps == list(range(1, 61)) and load(out / 'ckpt.pt')['iter_num'] == 60
+
+
+def test_sharded_checkpoints_resume_exactly_on_any_world_size_and_convert_to_one_file(tmp_path, data_dir,
+                                                                                       uninterrupted):
+    """checkpoint_format='sharded': each rank writes its shards (ckpt-<step>.dcp/, named by a small ckpt.pt).
+    Relaunched after step 3, FSDP continues bit for bit; read whole (load_checkpoint, the converter) it is the
+    one-file checkpoint of the same run, tensor for tensor; one FSDP rank continues from two ranks' shards."""
+    single, fsdp = uninterrupted
+    sharded, by_one_rank = tmp_path / 'sharded', tmp_path / 'by_one_rank'
+    train_on_2_ranks(sharded, data_dir, *COMMON, '--parallel=fsdp', '--checkpoint_format=sharded', '--max_iters=3')
+    shutil.copytree(sharded, by_one_rank)
+    p = train_on_2_ranks(sharded, data_dir, *COMMON, '--parallel=fsdp', '--checkpoint_format=sharded')
+    assert 'at step 3' in p.stdout and logged(sharded, 'train_loss') == logged(fsdp, 'train_loss')
+    assert 'model' not in load(sharded / 'ckpt.pt') and len(list(sharded.glob('ckpt-*.dcp'))) == 1  # older removed
+    run(['sharded_checkpoint.py', str(sharded / 'ckpt.pt'), str(tmp_path / 'whole.pt')])
+    for whole in (load_checkpoint(str(sharded / 'ckpt.pt')), load(tmp_path / 'whole.pt')):
+        expected = load(fsdp / 'ckpt.pt')
+        assert whole.keys() == expected.keys() and whole['optimizer'].keys() == expected['optimizer'].keys()
+        assert whole['model'].keys() == expected['model'].keys()
+        assert all(torch.equal(whole['model'][k], expected['model'][k]) for k in expected['model'])
+        assert whole['model']['lm_head.weight'].data_ptr() == whole['model']['transformer.wte.weight'].data_ptr()
+        assert whole['optimizer']['param_groups'] == expected['optimizer']['param_groups']
+        assert all(torch.equal(whole['optimizer']['state'][i][k], expected['optimizer']['state'][i][k])
+                   for i in expected['optimizer']['state'] for k in expected['optimizer']['state'][i])
+    run([*TORCHRUN[:-1], '--nproc_per_node=1', 'train.py', f'--out_dir={by_one_rank}', f'--data_dir={data_dir}', *TINY,
+         *COMMON, '--gradient_accumulation_steps=2', '--parallel=fsdp', '--checkpoint_format=sharded'])
+    assert_same_run(single, by_one_rank, keys=('train_loss', 'grad_norm'))
+    shutil.rmtree(next(by_one_rank.glob('ckpt-*.dcp')))
+    with pytest.raises(UserError, match='missing or incomplete'):
+        load_checkpoint(str(by_one_rank / 'ckpt.pt'))

@@ -1,0 +1,123 @@
+"""
+Sharded checkpoints (checkpoint_format='sharded'), for models whose whole state does not fit in one
+host's memory: every rank writes its own shards of the weights and optimizer state with
+torch.distributed.checkpoint (DCP) into a folder next to ckpt.pt, ckpt-<step>.dcp/, and ckpt.pt keeps
+the rest (config, step counters, data position, random streams) and names that folder. ckpt.pt is
+replaced (atomically) only once the folder is complete, and older folders are removed only after, so a
+kill at any moment leaves the previous checkpoint whole. On a cluster out_dir must be a shared file
+system.
+
+Reading one: an FSDP run continuing its own run reads only its shards, on any number of ranks
+(read_shards); everything else (one process, DDP, sample.py, export.py, a new run's init_from) reads
+the folder whole through checkpoint.load_checkpoint, as one file. `python sharded_checkpoint.py
+out/ckpt.pt out/whole.pt` writes that one file.
+
+The optimizer state is kept as optimizer.state_dict() has it, by parameter position, as in a one-file
+checkpoint; a weight under two names (tied embeddings) is written once.
+"""
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+from checkpoint import load_checkpoint, save_checkpoint, shard_folders
+from configurator import UserError
+
+
+def without_aliases(weights):
+    """(weights with each tensor under its first name only, {other name: first name})."""
+    first, unique, aliases = {}, {}, {}
+    for name, tensor in weights.items():
+        if id(tensor) in first:
+            aliases[name] = first[id(tensor)]
+        else:
+            first[id(tensor)], unique[name] = name, tensor
+    return unique, aliases
+
+
+def write_shards(path, state):
+    """Write the weights and optimizer state of state (a training script's checkpoint, its 'model' and
+    'optimizer' state dicts as the run holds them: sharded under FSDP), each rank its shards, into a new
+    folder next to path; returns what path then holds: the rest of state and the folder's name. Collective."""
+    name = None
+    if not dist.is_initialized() or dist.get_rank() == 0:  # a new folder even if this step was saved before
+        taken = {os.path.basename(f) for f in shard_folders(path)}
+        stem = f"{os.path.splitext(os.path.basename(path))[0]}-{state['iter_num']:06d}"
+        name = next(n for n in [f'{stem}.dcp'] + [f'{stem}.{i}.dcp' for i in range(1, len(taken) + 1)] if n not in taken)
+    if dist.is_initialized():
+        names = [name]
+        dist.broadcast_object_list(names, src=0)
+        name = names[0]
+    weights, aliases = without_aliases(state['model'])
+    dcp.save({'model': {k: v.detach() for k, v in weights.items()}, 'optimizer': state['optimizer']['state']},
+             checkpoint_id=os.path.join(os.path.dirname(os.path.abspath(path)), name))
+    rest = {k: v for k, v in state.items() if k not in ('model', 'optimizer')}
+    return dict(rest, shards=name, aliases=aliases, optimizer={'param_groups': state['optimizer']['param_groups']})
+
+
+def shard_folder(ckpt, path):
+    folder = os.path.join(os.path.dirname(os.path.abspath(path)), ckpt['shards'])
+    if not os.path.isfile(os.path.join(folder, '.metadata')):
+        raise UserError(f"{path} names the folder of its weights and optimizer state, {folder}, which is missing or "
+                        f"incomplete (no .metadata). Put it back, or start a new run (another out_dir, or "
+                        f"--resume=False).")
+    return folder
+
+
+def read_whole(ckpt, path):
+    """A sharded checkpoint (ckpt, read from path) made whole: the weights and optimizer state read into memory,
+    as a one-file checkpoint holds them."""
+    shards = {}
+    _load_state_dict(shards, storage_reader=FileSystemReader(shard_folder(ckpt, path)),
+                     planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    model = shards['model']
+    model.update({name: model[first] for name, first in ckpt['aliases'].items()})
+    rest = {k: v for k, v in ckpt.items() if k not in ('shards', 'aliases')}
+    state = {int(index): tensors for index, tensors in shards.get('optimizer', {}).items()}  # DCP keys are strings
+    return dict(rest, model=model, optimizer=dict(ckpt['optimizer'], state=state))
+
+
+def placeholders(ckpt, path):
+    """ckpt with its weights as meta tensors of the stored shapes and dtypes (a model to shard is built around
+    them; read_shards fills the shards) and the shard folder's path in 'shards'."""
+    folder = shard_folder(ckpt, path)
+    metadata = FileSystemReader(folder).read_metadata()
+    model = {key.removeprefix('model.'): torch.empty(m.size, dtype=m.properties.dtype, device='meta')
+             for key, m in metadata.state_dict_metadata.items() if key.startswith('model.')}
+    model.update({name: model[first] for name, first in ckpt['aliases'].items()})
+    return dict(ckpt, model=model, shards=folder)
+
+
+def read_shards(ckpt, model, optimizer):
+    """Fill a sharded model's weights and optimizer state with this rank's shards of ckpt's folder. The
+    optimizer has no state yet: its tensors are laid out like their parameters (by position)."""
+    metadata = FileSystemReader(ckpt['shards']).read_metadata()
+    params = [p for group in optimizer.param_groups for p in group['params']]
+    weights, _ = without_aliases(model.state_dict(keep_vars=True))
+    optimizer_state = {}
+    for key, path in metadata.planner_data.items():
+        if path[0] == 'optimizer':
+            index, name = int(path[1]), path[2]
+            stored, param = metadata.state_dict_metadata[key], params[index]
+            optimizer_state.setdefault(index, {})[name] = (
+                torch.empty_like(param.detach()) if stored.size == param.shape
+                else torch.empty(stored.size, dtype=stored.properties.dtype))
+    shards = {'model': {k: v.detach() for k, v in weights.items()}, 'optimizer': optimizer_state}
+    try:
+        dcp.load(shards, checkpoint_id=ckpt['shards'])
+    except Exception as e:
+        raise UserError(f"{ckpt['shards']} does not fit this run's model ({str(e).splitlines()[0][:200]}); start a "
+                        f"new run (another out_dir, or --resume=False).") from None
+    optimizer.load_state_dict(dict(ckpt['optimizer'], state=shards['optimizer']))
+
+
+if __name__ == '__main__':
+    if len(sys.argv) != 3:
+        sys.exit("usage: python sharded_checkpoint.py <sharded ckpt.pt> <one-file checkpoint to write>")
+    save_checkpoint(sys.argv[2], load_checkpoint(sys.argv[1]))
+    print(f"wrote {sys.argv[2]}")

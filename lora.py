@@ -30,6 +30,11 @@ LORA_SETTINGS = ('lora_r', 'lora_alpha', 'use_rslora', 'lora_target_modules', 'l
 LORA_BIAS = ('none', 'all', 'lora_only')
 
 
+def low_rank_delta(lora_A, lora_B, scaling):
+    """The update an adapter adds to its layer's weight (also folded from saved tensors: merged_state_dict)."""
+    return (lora_B @ lora_A) * scaling
+
+
 class LoRALinear(nn.Linear):
     """An nn.Linear with a low-rank adapter. It takes over the wrapped layer's weight and bias (the
     same parameters under the same state-dict names), so a base checkpoint loads into it unchanged."""
@@ -56,7 +61,7 @@ class LoRALinear(nn.Linear):
         return y + F.linear(F.linear(self.lora_dropout(x), self.lora_A), self.lora_B) * self.scaling
 
     def delta_weight(self):
-        return (self.lora_B @ self.lora_A) * self.scaling
+        return low_rank_delta(self.lora_A, self.lora_B, self.scaling)
 
     @torch.no_grad()
     def merge(self):
@@ -80,7 +85,11 @@ def with_added_rows(layer):
     ones (unless the adapters are disabled)."""
     if not layer.enabled:
         return layer.weight
-    return torch.cat([layer.weight[:-len(layer.added_rows)], layer.added_rows])
+    return rows_replaced(layer.weight, layer.added_rows)
+
+
+def rows_replaced(weight, added_rows):
+    return torch.cat([weight[:-len(added_rows)], added_rows])
 
 
 class AddedRowsEmbedding(nn.Embedding):
@@ -221,11 +230,11 @@ def merged_state_dict(model, state=None):
         if isinstance(m, LoRALinear):
             lora_A, lora_B = state.pop(name + '.lora_A'), state.pop(name + '.lora_B')
             if not m.merged:
-                state[name + '.weight'] = state[name + '.weight'] + (lora_B @ lora_A) * m.scaling
+                state[name + '.weight'] = state[name + '.weight'] + low_rank_delta(lora_A, lora_B, m.scaling)
         elif isinstance(m, (AddedRowsEmbedding, AddedRowsLinear)):
             added_rows = state.pop(name + '.added_rows')
             if id(m.weight) not in folded:
-                folded[id(m.weight)] = torch.cat([state[name + '.weight'][:-len(added_rows)], added_rows])
+                folded[id(m.weight)] = rows_replaced(state[name + '.weight'], added_rows)
             state[name + '.weight'] = folded[id(m.weight)]
     return state
 

@@ -385,6 +385,7 @@ if eval_only:
     log(f"step {iter_num}: val loss {val_loss:.4f}, perplexity {math.exp(val_loss):.2f}")
     record(dict(step=iter_num, val_loss=val_loss, val_ppl=math.exp(val_loss)))
     report_exact_match()
+    compute_cleanup(ddp)
     sys.exit(0)
 
 stop = StopSignal()

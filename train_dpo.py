@@ -397,6 +397,7 @@ if eval_only or iter_num == 0:
     evaluate()
     report_exact_match()
 if eval_only:
+    compute_cleanup(ddp)
     sys.exit(0)
 stop = StopSignal()
 bad_steps = 0

@@ -21,7 +21,7 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
@@ -69,12 +69,23 @@ def shard_folder(ckpt, path):
     return folder
 
 
+def unreadable(folder, error, what='could not be read'):
+    if isinstance(error, CheckpointException):  # (error, traceback) of each rank that failed: the first one's
+        error = next(iter(error.failures.values()))[0]
+    return UserError(f"the shards in {folder} {what} ({type(error).__name__}: {str(error).splitlines()[0][:200]}): "
+                     f"a file there is corrupt or cut short, or it was written for another model. Restore the folder "
+                     f"from a backup, or start a new run (another out_dir, or --resume=False).")
+
+
 def read_whole(ckpt, path):
     """A sharded checkpoint (ckpt, read from path) made whole: the weights and optimizer state read into memory,
     as a one-file checkpoint holds them."""
-    shards = {}
-    _load_state_dict(shards, storage_reader=FileSystemReader(shard_folder(ckpt, path)),
-                     planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    shards, folder = {}, shard_folder(ckpt, path)
+    try:
+        _load_state_dict(shards, storage_reader=FileSystemReader(folder), planner=_EmptyStateDictLoadPlanner(),
+                         no_dist=True)
+    except (Exception, CheckpointException) as e:  # the latter is not an Exception
+        raise unreadable(folder, e) from None
     model = shards['model']
     model.update({name: model[first] for name, first in ckpt['aliases'].items()})
     rest = {k: v for k, v in ckpt.items() if k not in ('shards', 'aliases')}
@@ -86,7 +97,10 @@ def placeholders(ckpt, path):
     """ckpt with its weights as meta tensors of the stored shapes and dtypes (a model to shard is built around
     them; read_shards fills the shards) and the shard folder's path in 'shards'."""
     folder = shard_folder(ckpt, path)
-    metadata = FileSystemReader(folder).read_metadata()
+    try:
+        metadata = FileSystemReader(folder).read_metadata()
+    except (Exception, CheckpointException) as e:  # the latter is not an Exception
+        raise unreadable(folder, e) from None
     model = {key.removeprefix('model.'): torch.empty(m.size, dtype=m.properties.dtype, device='meta')
              for key, m in metadata.state_dict_metadata.items() if key.startswith('model.')}
     model.update({name: model[first] for name, first in ckpt['aliases'].items()})
@@ -110,9 +124,8 @@ def read_shards(ckpt, model, optimizer):
     shards = {'model': {k: v.detach() for k, v in weights.items()}, 'optimizer': optimizer_state}
     try:
         dcp.load(shards, checkpoint_id=ckpt['shards'])
-    except Exception as e:
-        raise UserError(f"{ckpt['shards']} does not fit this run's model ({str(e).splitlines()[0][:200]}); start a "
-                        f"new run (another out_dir, or --resume=False).") from None
+    except (Exception, CheckpointException) as e:  # the latter is not an Exception
+        raise unreadable(ckpt['shards'], e, "could not be read into this run's model") from None
     optimizer.load_state_dict(dict(ckpt['optimizer'], state=shards['optimizer']))
 
 

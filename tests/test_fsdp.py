@@ -207,6 +207,11 @@ def test_sharded_checkpoints_resume_exactly_on_any_world_size_and_convert_to_one
     run([*TORCHRUN[:-1], '--nproc_per_node=1', 'train.py', f'--out_dir={by_one_rank}', f'--data_dir={data_dir}', *TINY,
          *COMMON, '--gradient_accumulation_steps=2', '--parallel=fsdp', '--checkpoint_format=sharded'])
     assert_same_run(single, by_one_rank, keys=('train_loss', 'grad_norm'))
-    shutil.rmtree(next(by_one_rank.glob('ckpt-*.dcp')))
+    shards = next(by_one_rank.glob('ckpt-*.dcp'))
+    with open(shards / '__0_0.distcp', 'r+b') as f:
+        f.truncate(100)
+    with pytest.raises(UserError, match='corrupt or cut short'):
+        load_checkpoint(str(by_one_rank / 'ckpt.pt'))
+    shutil.rmtree(shards)
     with pytest.raises(UserError, match='missing or incomplete'):
         load_checkpoint(str(by_one_rank / 'ckpt.pt'))

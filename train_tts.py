@@ -72,6 +72,7 @@ duration_weight = 1.0
 flow_weight = 1.0
 # optimizer
 learning_rate = 1e-4
+decoder_lr_scale = 1.0       # the flow decoder's lr / learning_rate (its loss does not shape the alignment)
 max_iters = 100000
 weight_decay = 0.0
 beta1 = 0.9
@@ -103,9 +104,9 @@ check_values(config, [
                    'restart_iters', 'restart_mult', 'n_timesteps', 'enc_channels', 'enc_layers', 'enc_heads',
                    'enc_ff_channels', 'enc_kernel', 'dp_channels', 'dec_channels', 'dec_blocks', 'dec_heads',
                    'frame_budget')),
-    (at_least(0), ('early_stopping_patience', 'warmup_iters', 'lr_decay_iters', 'learning_rate', 'min_lr',
-                   'weight_decay', 'grad_clip', 'max_minutes', 'eval_utterances', 'audio_samples', 'temperature',
-                   'guidance', 'prior_weight', 'duration_weight', 'flow_weight', 'align_prior_iters')),
+    (at_least(0), ('early_stopping_patience', 'warmup_iters', 'lr_decay_iters', 'learning_rate', 'decoder_lr_scale',
+                   'min_lr', 'weight_decay', 'grad_clip', 'max_minutes', 'eval_utterances', 'audio_samples',
+                   'temperature', 'guidance', 'prior_weight', 'duration_weight', 'flow_weight', 'align_prior_iters')),
     (interval('[0, 1)'), ('dropout', 'beta1', 'beta2', 'cfg_drop', 'sigma_min')),
     (interval('(0, 1)'), ('val_fraction',)),
     (interval('[0, 1]'), ('decay_frac',)),
@@ -186,10 +187,14 @@ model.to(device)
 raw_model = model  # what we save and synthesize with: never compiled or DDP-wrapped
 mel_mean, mel_std = raw_model.mel_mean.item(), raw_model.mel_std.item()
 
-decay = [p for p in model.parameters() if p.dim() >= 2]  # no weight decay on norms and biases
-no_decay = [p for p in model.parameters() if p.dim() < 2]
-optimizer = torch.optim.AdamW([dict(params=decay, weight_decay=weight_decay), dict(params=no_decay, weight_decay=0.0)],
-                              lr=learning_rate, betas=(beta1, beta2), fused=device_type == 'cuda')
+# the decoder's groups run at decoder_lr_scale times the lr (scheduler.set_lr); no weight decay on norms and biases
+decoder_params = set(model.decoder.parameters())
+param_groups = []
+for params, lr_scale in (([p for p in model.parameters() if p not in decoder_params], 1.0),
+                         (list(model.decoder.parameters()), decoder_lr_scale)):
+    param_groups += [dict(params=[p for p in params if p.dim() >= 2], weight_decay=weight_decay, lr_scale=lr_scale),
+                     dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0, lr_scale=lr_scale)]
+optimizer = torch.optim.AdamW(param_groups, lr=learning_rate, betas=(beta1, beta2), fused=device_type == 'cuda')
 scaler = GradScaler(enabled=ptdtype == torch.float16)
 iter_num, best_val_loss, evals_without_improvement, batch_splits = 0, float('inf'), 0, 1
 if resuming:

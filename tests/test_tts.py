@@ -471,6 +471,17 @@ def test_resume_is_bit_exact(tmp_path, corpus, straight_run):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+def test_decoder_lr_scale_zero_trains_all_but_the_decoder(tmp_path, corpus):
+    out, quick = tmp_path / 'run', ['--audio_samples=0', '--eval_utterances=1', '--decoder_lr_scale=0']
+    train(out, corpus, '--max_iters=2', *RUN, *quick)
+    before = load(out / 'ckpt.pt')['model']
+    train(out, corpus, '--max_iters=4', *RUN, *quick)
+    after = load(out / 'ckpt.pt')['model']
+    # AdamW at lr 0 leaves a weight bit for bit as it was
+    assert all(torch.equal(before[k], after[k]) for k in before if k.startswith('decoder.'))
+    assert not all(torch.equal(before[k], after[k]) for k in before if k.startswith('encoder.'))
+
+
 def test_settings_that_cannot_work_are_clear_errors(tmp_path, corpus, straight_run):
     """eval_only with nothing to evaluate, a model shape that does not fit together, a sample.py wav path in
     no folder: exit 2 naming the keys, before any work."""

@@ -30,13 +30,13 @@ from configurator import UserError
 
 
 def without_aliases(weights):
-    """(weights with each tensor under its first name only, {other name: first name})."""
+    """(weights, detached, with each tensor under its first name only; {other name: first name})."""
     first, unique, aliases = {}, {}, {}
     for name, tensor in weights.items():
         if id(tensor) in first:
             aliases[name] = first[id(tensor)]
         else:
-            first[id(tensor)], unique[name] = name, tensor
+            first[id(tensor)], unique[name] = name, tensor.detach()
     return unique, aliases
 
 
@@ -54,7 +54,7 @@ def write_shards(path, state):
         dist.broadcast_object_list(names, src=0)
         name = names[0]
     weights, aliases = without_aliases(state['model'])
-    dcp.save({'model': {k: v.detach() for k, v in weights.items()}, 'optimizer': state['optimizer']['state']},
+    dcp.save({'model': weights, 'optimizer': state['optimizer']['state']},
              checkpoint_id=os.path.join(os.path.dirname(os.path.abspath(path)), name))
     rest = {k: v for k, v in state.items() if k not in ('model', 'optimizer')}
     return dict(rest, shards=name, aliases=aliases, optimizer={'param_groups': state['optimizer']['param_groups']})
@@ -121,7 +121,7 @@ def read_shards(ckpt, model, optimizer):
             optimizer_state.setdefault(index, {})[name] = (
                 torch.empty_like(param.detach()) if stored.size == param.shape
                 else torch.empty(stored.size, dtype=stored.properties.dtype))
-    shards = {'model': {k: v.detach() for k, v in weights.items()}, 'optimizer': optimizer_state}
+    shards = {'model': weights, 'optimizer': optimizer_state}
     try:
         dcp.load(shards, checkpoint_id=ckpt['shards'])
     except (Exception, CheckpointException) as e:  # the latter is not an Exception

@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from losses import prior_loss
 from tts_data import BLANK_ID, MelExtractor, eval_batches, write_wav
-from tts_model import pad_to_even, sequence_mask, synthesize
+from tts_model import gaussian_log_likelihood, pad_to_even, sequence_mask, synthesize
 
 # -----------------------------------------------------------------------------
 # metrics
@@ -54,8 +54,6 @@ def mel_cepstral_distortion(log_mel, reference_log_mel, n_cepstra=13):
     return dtw_mean_cost(distances)
 
 
-
-
 @torch.no_grad()
 def alignment_stats(model, dataset, frame_budget):
     """How well the text is aligned to the audio of dataset's utterances, with plain MAS as in evaluation:
@@ -80,8 +78,7 @@ def alignment_stats(model, dataset, frame_budget):
         is_character = (x != BLANK_ID) & x_mask[:, 0].bool()
         one_frame += ((path.sum(2) == 1) & is_character).sum().item()
         characters += is_character.sum().item()
-        # (B, Tx, Ty) log N(y_j; mu_i, I) up to a constant per frame, which the softmax over tokens ignores
-        log_likelihood = mu.transpose(1, 2) @ y - 0.5 * (mu ** 2).sum(1)[:, :, None]
+        log_likelihood = gaussian_log_likelihood(mu, y)
         posterior = log_likelihood.masked_fill(~x_mask.transpose(1, 2).bool(), -math.inf).softmax(1)
         on_path = (posterior * path).sum(1)
         sharpness += (on_path * y_mask[:, 0]).sum().item()

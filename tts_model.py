@@ -128,6 +128,12 @@ def log_beta_binomial_prior(x_lengths, y_lengths, max_tokens, max_frames):
     return torch.where(inside, log_choose + log_beta(k + a, rest + b) - log_beta(a, b), 0.0).float()
 
 
+def gaussian_log_likelihood(mu, y):
+    """(B, Tx, Ty) log N(y_j; mu_i, I) up to a constant: -0.5 |y_j - mu_i|^2, expanded into matrix products.
+    mu (B, n_mels, Tx), y (B, n_mels, Ty)."""
+    return -0.5 * (mu ** 2).sum(1)[:, :, None] + mu.transpose(1, 2) @ y - 0.5 * (y ** 2).sum(1)[:, None, :]
+
+
 def durations_to_path(durations, mask):
     """Integer durations (B, Tx) -> 0/1 alignment (B, Tx, Ty): token i covers the frames
     [sum(d[:i]), sum(d[:i+1])). mask (B, Tx, Ty)."""
@@ -352,9 +358,7 @@ class TTSModel(nn.Module):
         # in float32 even under autocast: the path depends on small differences of large sums
         with torch.no_grad(), torch.autocast(mu_x.device.type, enabled=False):
             mu, target = mu_x.float(), y.float()
-            # -0.5 |y_j - mu_i|^2 up to a constant, expanded into matrix products
-            log_likelihood = (-0.5 * (mu ** 2).sum(1)[:, :, None] + mu.transpose(1, 2) @ target
-                              - 0.5 * (target ** 2).sum(1)[:, None, :])
+            log_likelihood = gaussian_log_likelihood(mu, target)
             if prior_weight > 0:
                 x_lengths, y_lengths = x_mask.sum((1, 2)).long(), y_mask.sum((1, 2)).long()
                 log_likelihood += prior_weight * log_beta_binomial_prior(x_lengths, y_lengths, mu.shape[2],

@@ -35,7 +35,8 @@ def compute_init(device, seed, num_threads=0):
         if device.startswith('cuda'):
             device = f'cuda:{local_rank}'
             torch.cuda.set_device(device)
-        dist.init_process_group(backend='nccl' if device.startswith('cuda') else 'gloo')
+        # on GPUs gloo serves the CPU tensors (FSDP's CPU offload reduces its gradient norm there)
+        dist.init_process_group(backend='cpu:gloo,cuda:nccl' if device.startswith('cuda') else 'gloo')
         install_excepthook()  # init_process_group wraps the hook in one that loses a UserError's message
     if num_threads:
         torch.set_num_threads(num_threads)
@@ -83,7 +84,8 @@ def clip_and_reduce(optimizer, scaler, parameters, grad_clip, shares, flags, ddp
     grad_norm = torch.nn.utils.clip_grad_norm_(parameters, grad_clip if grad_clip > 0 else float('inf'))
     if is_dtensor(grad_norm):  # FSDP: the norm over every rank's gradient shards
         grad_norm = grad_norm.full_tensor()
-    stats = torch.stack([*shares.values(), *(torch.tensor(float(flag), device=grad_norm.device) for flag in flags)])
+    device = next(iter(shares.values())).device  # the compute device (FSDP's CPU offload leaves grad_norm on the CPU)
+    stats = torch.stack([*shares.values(), *(torch.tensor(float(flag), device=device) for flag in flags)])
     if ddp:
         dist.all_reduce(stats)
     values = stats.tolist()

@@ -175,9 +175,9 @@ def warm_page_cache(folder):
                 pass
 
 
-def write_random_llama(folder, hf_config, shard_bytes):
+def write_random_llama(folder, hf_config, shard_bytes, tokenizer_folder=SMOLLM2):
     """A Hugging Face Llama folder of random bf16 weights: config.json, model-0000k-of-0000n.safetensors
-    shards of at most shard_bytes with their index, and the SmolLM2 tokenizer files."""
+    shards of at most shard_bytes with their index, and the tokenizer files of tokenizer_folder (SmolLM2's)."""
     from safetensors.torch import save_file
     c = hf_config
     hidden, kv = c['hidden_size'], c['num_key_value_heads'] * c['head_dim']
@@ -215,7 +215,7 @@ def write_random_llama(folder, hf_config, shard_bytes):
     with open(os.path.join(folder, 'config.json'), 'w') as f:
         json.dump(hf_config, f, indent=2)
     for name in ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json'):
-        shutil.copyfile(os.path.join(SMOLLM2, name), os.path.join(folder, name))
+        shutil.copyfile(os.path.join(tokenizer_folder, name), os.path.join(folder, name))
     return {'shards': len(groups), 'bytes': total,
             'largest_shard_mib': max(os.path.getsize(os.path.join(folder, f)) for f in set(weight_map.values()))
             / 2**20}

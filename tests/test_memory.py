@@ -149,15 +149,16 @@ def test_pressure_levels():
         "low", "low", "moderate", "moderate", "high", "high", "critical", "critical"]
 
 
-def test_monitor_cleans_at_high_and_critical():
-    usage = iter([0.3, 0.65, 0.8, 0.9, 0.5])
+def test_monitor_cleans_when_pressure_rises_to_high_and_critical():
+    usage = iter([0.3, 0.65, 0.8, 0.8, 0.9, 0.9, 0.8, 0.5, 0.8])
     calls = []
     monitor = MemoryMonitor("cpu", usage_fn=lambda: next(usage), cleanup=lambda: calls.append("cleanup"),
                             emergency_cleanup=lambda: calls.append("emergency"))
-    levels = [monitor.check() for _ in range(5)]
-    assert levels == ["low", "moderate", "high", "critical", "low"]
-    assert calls == ["cleanup", "emergency"]
-    assert monitor.checks == 5 and monitor.usage == 0.5
+    levels = [monitor.check() for _ in range(9)]
+    assert levels == ["low", "moderate", "high", "high", "critical", "critical", "high", "low", "high"]
+    # once on each rise; a device that stays full (or whose pressure falls) is not cleaned again and again
+    assert calls == ["cleanup", "emergency", "cleanup"]
+    assert monitor.checks == 9 and monitor.usage == 0.8
 
 
 def test_monitor_measures_its_overhead():

@@ -13,7 +13,8 @@ Checkpoints that survive crashes, preemption and mistakes.
 - file_sha256 names the exact file a run depends on (a LoRA base, a DPO reference).
 - claim_out_dir checks out_dir can be written and locks it for the run's lifetime; run_to_continue
   decides whether a launch continues the run out_dir holds, so that relaunching the same command
-  after a kill continues it and a different run never overwrites it.
+  after a kill continues it and a different run never overwrites it; open_run does both, as every
+  training script starts. require_starting_weights: a new run's init_from must be there.
 - training_state/restore_training_state: the part of a checkpoint every training script saves and
   continues from the same way (optimizer, loss scaler, step counters, random streams).
 - run_log is what every training script writes besides checkpoints: out_dir/log.jsonl and TensorBoard.
@@ -190,6 +191,27 @@ def run_to_continue(out_dir, resume, run, eval_only, whole=True):
                         + "; ".join(diffs) + "). Use another --out_dir, or --resume=False to start a new run there "
                         "in its place.")
     return ckpt
+
+
+def open_run(out_dir, resume, run, eval_only, master, whole=True):
+    """What every training script does first with out_dir: rank 0 claims it before any work (claim_out_dir), and
+    a checkpoint there is this run's to continue, never another's (run_to_continue). Returns (the lock, None on
+    the other ranks: keep a reference to it; the checkpoint's path; the checkpoint to continue, or None)."""
+    lock = claim_out_dir(out_dir) if master else None
+    return lock, os.path.join(out_dir, 'ckpt.pt'), run_to_continue(out_dir, resume, run, eval_only, whole)
+
+
+def require_starting_weights(ckpt, init_from, eval_only, ckpt_path, made_by=None, hf_folders=False,
+                             what='a checkpoint'):
+    """A UserError unless a new run (ckpt None) has weights to start from: init_from must be there (as in
+    require_init_from), and eval_only needs a trained model (what: the kind init_from should point at)."""
+    if ckpt is not None:
+        return
+    if init_from != 'scratch':
+        require_init_from(init_from, made_by, hf_folders)
+    elif eval_only:
+        raise UserError(f"eval_only=True needs a trained model, but {ckpt_path} does not exist; point --out_dir at a "
+                        f"run or --init_from at {what}.")
 
 
 def rng_state():

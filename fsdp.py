@@ -63,6 +63,14 @@ def shard_model(model, device, param_dtype, cpu_offload):
             model.set_rope_tables(device)  # to_empty left the tables empty too
 
 
+def place_model(model, parallel, device, param_dtype, cpu_offload):
+    """Move model to device, or with parallel='fsdp' shard it over the ranks (shard_model)."""
+    if parallel == 'fsdp':
+        shard_model(model, device, param_dtype, cpu_offload)
+    else:
+        model.to(device)
+
+
 def is_sharded(model):
     fsdp = sys.modules.get('torch.distributed.fsdp')  # not imported: nothing was sharded (see above)
     return fsdp is not None and isinstance(model, fsdp.FSDPModule)

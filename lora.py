@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from checkpoint import check_compatible, save_checkpoint
 from configurator import UserError
+from fsdp import model_state_dict
 from runtime import log
 
 # LoRA (Hu et al. 2021): a frozen layer W plus a trainable low-rank update, y = W x + s B A x with
@@ -258,10 +259,12 @@ def lora_optimizer(model, weight_decay, learning_rate, betas, device_type, lorap
                              betas=betas, fused=fused)
 
 
-def save_merged(out_dir, model, state=None, **fields):
+def save_merged(out_dir, model, master, **fields):
     """out_dir/merged.pt: the adapters folded into the weights, a plain GPT checkpoint (kind 'gpt') for
-    sample.py or a later init_from; state: as in lora_state_dict; fields: the rest of it (model_args,
-    config, tokenizer, ...)."""
-    path = os.path.join(out_dir, 'merged.pt')
-    save_checkpoint(path, dict(fields, kind='gpt', model=merged_state_dict(model, state)))
-    log(f"saved {path} (adapters merged into the weights)")
+    sample.py or a later init_from; fields: the rest of it (model_args, config, tokenizer, ...). Collective
+    under FSDP (the shards are gathered whole): every rank calls it, rank 0 (master) writes."""
+    state = model_state_dict(model)
+    if master:
+        path = os.path.join(out_dir, 'merged.pt')
+        save_checkpoint(path, dict(fields, kind='gpt', model=merged_state_dict(model, state)))
+        log(f"saved {path} (adapters merged into the weights)")

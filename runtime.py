@@ -1,8 +1,9 @@
 """
 The plumbing every training script runs on, written once (after nanochat's compute_init): the
-processes and the device (torchrun's DDP), logging on rank 0, the tail of an optimizer step, the
-bookkeeping of evals and bad steps, the stop signal and the way out. Each script keeps its own
-loop (batch, forward, loss, backward, step, eval, save) and calls these for what is the same in all.
+processes and the device (torchrun's DDP), files prepared once by rank 0, the model the loop calls
+(compiled, DDP-wrapped), logging on rank 0, the tail of an optimizer step, the bookkeeping of evals
+and bad steps, the stop signal and the way out. Each script keeps its own loop (batch, forward,
+loss, backward, step, eval, save) and calls these for what is the same in all.
 """
 
 import math
@@ -58,6 +59,25 @@ def compute_cleanup(ddp, exit_code=0):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(exit_code)
+
+
+def prepare_once(prepare, master, ddp, **kwargs):
+    """prepare(**kwargs), which writes files every rank reads (the default corpus, the number tasks), on rank 0
+    only; the other ranks wait until it is done."""
+    if master:
+        prepare(**kwargs)
+    if ddp:
+        dist.barrier()
+
+
+def wrap_model(model, compile_model, ddp, local_rank, device_type):
+    """The model the training loop calls: compiled (compile_model) and DDP-wrapped (ddp; False under FSDP, which
+    shards the model in place). Checkpoints and samples use the model itself."""
+    if compile_model:
+        model = torch.compile(model)
+    if ddp:
+        model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None)
+    return model
 
 
 def log(msg):

@@ -6,14 +6,21 @@ hf_checkpoint.py), and the checks that it fits the run.
   a DPO run's reference), so that a changed base or reference is caught on resume.
 - full_model_checkpoint: the whole model a train.py run starts from (its own checkpoint, a LoRA run's
   base, or init_from); check_starting_model: its tokenizer and shape against the run's.
-- dpo_reference: a DPO run's reference, the chat model it began as.
+- run_tokenizer: the tokenizer the model brings (a published model's own), or data_dir's; run_model_args:
+  the shape of a train.py run's model.
+- dpo_reference: a DPO run's reference, the chat model it began as; frozen_model: a frozen copy of it.
 """
 import os
 
 from checkpoint import check_compatible, file_sha256, is_hf_folder, load_checkpoint, require_init_from
-from configurator import UserError
+from configurator import UserError, dataclass_args
+from data import prepare_default
+from fsdp import place_model
 from hf_checkpoint import load_hf_checkpoint, weight_files
-from model import GPT
+from hf_tokenizer import load_hf_tokenizer
+from model import GPT, GPTConfig
+from runtime import prepare_once
+from tokenizer import DEFAULT_DATA_DIR, load_tokenizer
 
 
 def check_starting_model(model_ckpt, path, model_args, tokenizer, base_tokenizer=None):
@@ -34,6 +41,35 @@ def check_starting_model(model_ckpt, path, model_args, tokenizer, base_tokenizer
     return expected['vocab_size']
 
 
+def run_tokenizer(data_dir, model_ckpt, model_path, master, ddp):
+    """(data_dir, tokenizer) of a GPT run whose model starts from model_ckpt (read from model_path; None
+    from scratch): a published model's own tokenizer, in the folder it came from; else data_dir's, or with
+    data_dir '' the embedded default corpus's (rank 0 prepares it once, the other ranks wait for it)."""
+    if hf_source(model_ckpt):
+        data_dir = model_ckpt['data_dir']
+        if not os.path.isdir(data_dir):
+            raise UserError(f"{data_dir}, the Hugging Face folder {model_path}'s model came from (named in it), no "
+                            f"longer exists, and its tokenizer is this run's. Put the folder back there.")
+        return data_dir, load_hf_tokenizer(data_dir)
+    if not data_dir:
+        prepare_once(prepare_default, master, ddp)
+        data_dir = DEFAULT_DATA_DIR
+    return data_dir, load_tokenizer(data_dir)
+
+
+def run_model_args(config, model_ckpt, model_path, tokenizer):
+    """The GPTConfig arguments of a train.py run (config: its config keys): a published model's shape is its
+    config.json's, whatever the model keys say, with the run's dropout; otherwise the model keys'. The
+    vocabulary is the tokenizer's."""
+    if not hf_source(model_ckpt):
+        return dataclass_args(GPTConfig, config, vocab_size=tokenizer.vocab_size)
+    model_args = dict(model_ckpt['model_args'], dropout=config['dropout'], vocab_size=tokenizer.vocab_size)
+    if config['block_size'] > model_args['block_size']:
+        raise UserError(f"block_size={config['block_size']} is longer than the {model_args['block_size']} positions "
+                        f"{model_path} can attend over; lower block_size and max_length.")
+    return model_args
+
+
 def model_hash(path):
     """The sha256 of a model a run depends on: a checkpoint file, or a Hugging Face folder's config and weights."""
     return file_sha256(os.path.join(path, 'config.json'), *weight_files(path)) if is_hf_folder(path) \
@@ -46,10 +82,11 @@ def load_model(path, as_stored=False):
     return load_hf_checkpoint(path, as_stored) if is_hf_folder(path) else load_checkpoint(path)
 
 
-def full_model_checkpoint(ckpt, ckpt_path, init_from, out_dir, as_stored=False):
+def full_model_checkpoint(ckpt, ckpt_path, init_from, out_dir, pretraining, as_stored=False):
     """(checkpoint, path) of the whole GPT a train.py run starts from: the continued run's own (ckpt),
     for a LoRA run its base model's (the same file or folder as when the run began), else init_from's;
-    (None, None) for a new run from scratch. as_stored: as in load_model."""
+    (None, None) for a new run from scratch. A published model is fine-tuned, never pretrained further.
+    as_stored: as in load_model."""
     if ckpt is None and init_from == 'scratch':
         return None, None
     path, model_ckpt = (ckpt_path, ckpt) if ckpt is not None else (init_from, load_model(init_from, as_stored))
@@ -69,6 +106,9 @@ def full_model_checkpoint(ckpt, ckpt_path, init_from, out_dir, as_stored=False):
             raise UserError(f"{path}, the base model of the LoRA run in {out_dir}, has changed since the run "
                             f"began, so its adapters no longer fit. Restore that file, or start a new run "
                             f"(another out_dir) from it.")
+    if pretraining and hf_source(model_ckpt):
+        raise UserError(f"{path} is a Hugging Face model; fine-tune it with training_type='sft' or 'lora' "
+                        f"(e.g. python train.py config/sft_hf.py --init_from={init_from}).")
     return model_ckpt, path
 
 
@@ -101,6 +141,19 @@ def dpo_reference(ckpt, init_from, out_dir, made_by=None, as_stored=False):
     return reference, path, reference_hash
 
 
+def starting_gpt(model_args, model_ckpt, model_path, tokenizer, base_tokenizer=None, assign=False):
+    """(the GPT a train.py run starts from, the vocabulary size it starts with): model_ckpt's (None: a new
+    model of model_args), checked with check_starting_model, its vocabulary grown to tokenizer's when the
+    run adds the chat template's tokens. assign: as in build_model."""
+    vocab_size = tokenizer.vocab_size
+    if model_ckpt is not None:  # a pretrained model being fine-tuned has the base tokenizer
+        vocab_size = check_starting_model(model_ckpt, model_path, model_args, tokenizer, base_tokenizer)
+    model = build_model(GPTConfig(**dict(model_args, vocab_size=vocab_size)), model_ckpt, assign)
+    if vocab_size < tokenizer.vocab_size:
+        model.resize_vocab(tokenizer.vocab_size)
+    return model, vocab_size
+
+
 def build_model(config, model_ckpt, assign=False):
     """The GPT of config (a GPTConfig) holding model_ckpt's weights, or initialised at random when
     model_ckpt is None. A published model's is built around its tensors (GPT.from_state_dict), so
@@ -120,3 +173,16 @@ def hf_source(model_ckpt):
     if model_ckpt is None or not model_ckpt.get('hf_config'):
         return {}
     return {k: model_ckpt[k] for k in ('hf_config', 'generation_config')}
+
+
+def frozen_model(config, state, parallel, device, param_dtype, cpu_offload):
+    """A frozen GPT of config (a GPTConfig) holding state (a DPO run's reference), in eval mode, on device; with
+    parallel='fsdp' built around state's (memory-mapped) tensors, then each rank keeps its shard."""
+    if parallel == 'fsdp':
+        model = GPT.from_state_dict(config, state)
+    else:
+        model = GPT(config)
+        model.load_state_dict(state)
+    model.requires_grad_(False).eval()
+    place_model(model, parallel, device, param_dtype, cpu_offload)
+    return model

@@ -15,30 +15,28 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from chat_data import SFTBatches, load_sft_data
-from checkpoint import (CHECKPOINT_FORMATS, check_compatible, claim_out_dir, require_init_from, restore_training_state,
-                        run_log, run_origin, run_to_continue, training_data_hash, training_state, write_checkpoint)
-from configurator import (FOLDER, POSITIVE, UserError, at_least, check_values, configure, dataclass_args, interval,
-                          one_of)
-from data import TokenBatches, eval_offsets, prepare_default
-from fsdp import PARALLEL, check_parallel, model_state_dict, same_init_on_every_rank, shard_model, whole_root
-from hf_tokenizer import load_hf_tokenizer
+from checkpoint import (CHECKPOINT_FORMATS, check_compatible, open_run, require_starting_weights,
+                        restore_training_state, run_log, run_origin, training_data_hash, training_state,
+                        write_checkpoint)
+from configurator import FOLDER, POSITIVE, UserError, at_least, check_values, configure, interval, one_of
+from data import TokenBatches, eval_offsets
+from fsdp import PARALLEL, check_parallel, place_model, same_init_on_every_rank
 from losses import check_loss_weights, combine_losses, target_weights, token_weight_table, weighted_cross_entropy, z_loss
 from memory import (GradScaler, MemoryMonitor, autocast_context, halve_micro_batch, peak_memory_bytes, pick_dtype,
                     recover_from_oom)
 from lora import apply_lora, load_adapters, lora_optimizer, lora_state_dict, save_merged
-from model import GPTConfig
 from muon import Muon, muon_param_groups
 from runtime import (StepProfiler, StopSignal, after_eval, clip_and_reduce, compute_cleanup, compute_init,
-                     gradient_sync, keep_log_until, log, patience_exhausted, rank_batches, step_or_skip)
+                     gradient_sync, keep_log_until, log, patience_exhausted, prepare_once, rank_batches, step_or_skip,
+                     wrap_model)
 from scheduler import SCHEDULES, get_lr, set_lr
-from starting_model import build_model, check_starting_model, full_model_checkpoint, hf_source, model_hash
-from tasks.exact_match import exact_match_accuracy
+from starting_model import full_model_checkpoint, hf_source, model_hash, run_model_args, run_tokenizer, starting_gpt
+from tasks.exact_match import print_sample, report_exact_match
 from tasks.number_tasks import NUMBER_TASKS_DIR, prepare_number_tasks
-from tokenizer import chat_tokenizer, load_tokenizer, prompt_and_answer
+from tokenizer import chat_tokenizer, prompt_and_answer
 
 # -----------------------------------------------------------------------------
 # I/O
@@ -152,58 +150,34 @@ autocast = autocast_context(device, ptdtype)
 check_parallel(parallel, ddp, device, ptdtype, optimizer_type, fsdp_cpu_offload)
 
 # out_dir: written and locked before any work; a checkpoint there is this run's to continue, never another's
-if master:
-    out_dir_lock = claim_out_dir(out_dir)
-ckpt_path = os.path.join(out_dir, 'ckpt.pt')
 this_run = dict(script='train.py', training_type=training_type, init_from=run_origin(init_from))
-ckpt = run_to_continue(out_dir, resume, this_run, eval_only,  # FSDP reads its shards of a sharded one
-                       whole=parallel != 'fsdp' or training_type == 'lora')
+out_dir_lock, ckpt_path, ckpt = open_run(out_dir, resume, this_run, eval_only, master,  # FSDP reads its shards
+                                         whole=parallel != 'fsdp' or training_type == 'lora')  # of a sharded one
 resuming = ckpt is not None
-if ckpt is None and init_from != 'scratch':
-    require_init_from(init_from, '`python train.py` (pretraining)' if init_from == 'out/ckpt.pt' else None, hf_folders=True)
-if eval_only and ckpt is None and init_from == 'scratch':
-    raise UserError(f"eval_only=True needs a trained model, but {ckpt_path} does not exist; point --out_dir at a run "
-                    f"or --init_from at a checkpoint.")
+require_starting_weights(ckpt, init_from, eval_only, ckpt_path, hf_folders=True,
+                         made_by='`python train.py` (pretraining)' if init_from == 'out/ckpt.pt' else None)
 if training_type == 'lora' and ckpt is None and init_from == 'scratch':
     raise UserError("training_type='lora' adapts a trained model, but there is none: set init_from to its checkpoint "
                     "(e.g. --init_from=out/ckpt.pt).")
 # the model the run starts from; a published model (or a fine-tune of one) brings its shape and tokenizer
-model_ckpt, model_ckpt_path = full_model_checkpoint(ckpt, ckpt_path, init_from, out_dir,
+model_ckpt, model_ckpt_path = full_model_checkpoint(ckpt, ckpt_path, init_from, out_dir, pretraining=not fine_tuning,
                                                     as_stored=parallel == 'fsdp')  # FSDP: each rank reads its shard
 hf_files = hf_source(model_ckpt)  # its config files, which export.py writes back
-if hf_files and not fine_tuning:
-    raise UserError(f"{model_ckpt_path} is a Hugging Face model; fine-tune it with training_type='sft' or 'lora' "
-                    f"(e.g. python train.py config/sft_hf.py --init_from={init_from}).")
 
-
-# data: rank 0 prepares the default corpus once, the others wait for it
-if hf_files:
-    data_dir = model_ckpt['data_dir']  # the model's own tokenizer, in its folder
-    if not os.path.isdir(data_dir):
-        raise UserError(f"{data_dir}, the Hugging Face folder {model_ckpt_path}'s model came from (named in it), no "
-                        f"longer exists, and its tokenizer is this run's. Put the folder back there.")
-elif not data_dir:
-    if master:
-        prepare_default()
-    if ddp:
-        dist.barrier()
-    data_dir = os.path.join('data', 'stdlib')
-tokenizer = load_hf_tokenizer(data_dir) if hf_files else load_tokenizer(data_dir)
+# data: the model's own tokenizer (a published model), else data_dir's; rank 0 prepares the default corpus once
+data_dir, tokenizer = run_tokenizer(data_dir, model_ckpt, model_ckpt_path, master, ddp)
 if not fine_tuning:
     train_batches = TokenBatches(os.path.join(data_dir, 'train.bin'), block_size, seed)
     val_batches = TokenBatches(os.path.join(data_dir, 'val.bin'), block_size, seed)
     val_indices = eval_offsets(val_batches.n_tokens, block_size, eval_iters * batch_size)
-    sample_prompt = tokenizer.encode('\n')
+    sample_prompt, exact_match_prompts = tokenizer.encode('\n'), []
 else:
     # chat examples in the model's own chat template, or in nanotrain's, whose special tokens the tokenizer gains
     base_tokenizer, tokenizer = tokenizer, chat_tokenizer(tokenizer)
     if max_length > block_size:
         raise UserError(f"max_length={max_length} is longer than block_size={block_size}; lower max_length.")
     if not sft_data:
-        if master:
-            prepare_number_tasks()
-        if ddp:
-            dist.barrier()
+        prepare_once(prepare_number_tasks, master, ddp)
         sft_data = NUMBER_TASKS_DIR
     train_examples, val_examples, held_out = load_sft_data(sft_data, tokenizer, max_length, overlong, skip_malformed)
     exact_match_prompts = [prompt_and_answer(tokenizer, messages) for messages in held_out[:exact_match_examples]]
@@ -215,25 +189,14 @@ else:
     train_data_hash = training_data_hash(os.path.join(sft_data, 'train.jsonl'), ckpt, out_dir, 'sft_data')
 
 # model, from scratch, from a checkpoint (shape and tokenizer must match the config), or a published model
-if hf_files:  # its shape is its config.json's, whatever the model keys above say
-    model_args = dict(model_ckpt['model_args'], dropout=dropout, vocab_size=tokenizer.vocab_size)
-    if block_size > model_args['block_size']:
-        raise UserError(f"block_size={block_size} is longer than the {model_args['block_size']} positions "
-                        f"{model_ckpt_path} can attend over; lower block_size and max_length.")
-else:
-    model_args = dataclass_args(GPTConfig, config, vocab_size=tokenizer.vocab_size)
-vocab_size = tokenizer.vocab_size
+model_args = run_model_args(config, model_ckpt, model_ckpt_path, tokenizer)  # a published model's is its own
 if ckpt is not None:  # checkpoints written before they recorded their run (run_to_continue) are checked here
     check_compatible({'optimizer_type': ckpt['config'].get('optimizer_type', 'adamw'),
                       'training_type': ckpt['config'].get('training_type', 'from_scratch')},
                      {'optimizer_type': optimizer_type, 'training_type': training_type}, 'optimizer', ckpt_path)
-if model_ckpt is not None:  # a pretrained model being fine-tuned has the base tokenizer: the chat tokens come below
-    vocab_size = check_starting_model(model_ckpt, model_ckpt_path, model_args, tokenizer,
-                                      base_tokenizer if fine_tuning else None)
-with same_init_on_every_rank(seed, enabled=parallel == 'fsdp'):
-    model = build_model(GPTConfig(**dict(model_args, vocab_size=vocab_size)), model_ckpt, assign=parallel == 'fsdp')
-    if vocab_size < tokenizer.vocab_size:
-        model.resize_vocab(tokenizer.vocab_size)
+with same_init_on_every_rank(seed, enabled=parallel == 'fsdp'):  # fine-tuning may add the chat tokens' rows
+    model, vocab_size = starting_gpt(model_args, model_ckpt, model_ckpt_path, tokenizer,
+                                     base_tokenizer if fine_tuning else None, assign=parallel == 'fsdp')
     if training_type == 'lora':
         added_tokens = tokenizer.vocab_size - vocab_size  # the chat tokens added above train too (none for a chat model)
         apply_lora(model, lora_r, lora_alpha, lora_dropout, lora_target_modules, use_rslora, lora_bias, added_tokens)
@@ -243,10 +206,7 @@ with same_init_on_every_rank(seed, enabled=parallel == 'fsdp'):
         else:
             lora_base = os.path.abspath(init_from), model_hash(init_from)
 model.activation_checkpointing = activation_checkpointing
-if parallel == 'fsdp':
-    shard_model(model, device, ptdtype, fsdp_cpu_offload)
-else:
-    model.to(device)
+place_model(model, parallel, device, ptdtype, fsdp_cpu_offload)
 raw_model = model  # what we save and sample from: never compiled or DDP-wrapped (under FSDP: sharded)
 
 if training_type == 'lora' and optimizer_type != 'adamw':
@@ -270,10 +230,7 @@ if ckpt is not None:
                                                                                 rank, world_size, raw_model)
 ckpt = model_ckpt = None  # free memory
 
-if compile:
-    model = torch.compile(model)
-if ddp and parallel == 'ddp':
-    model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None)
+model = wrap_model(model, compile, ddp and parallel == 'ddp', local_rank, device_type)
 
 device_name = torch.cuda.get_device_name(device) if device_type == 'cuda' else device_type
 global_batch_size = batch_size * gradient_accumulation_steps * world_size  # windows, or examples when fine-tuning
@@ -372,19 +329,11 @@ def train_step(indices):
 
 record, writer = run_log(out_dir, master, tensorboard, keep_log_until(eval_only, resuming, iter_num))
 
-
-def report_exact_match():
-    if fine_tuning and exact_match_prompts:
-        accuracy = exact_match_accuracy(raw_model, tokenizer, exact_match_prompts, autocast)
-        log(f"step {iter_num}: exact match {accuracy:.1%} on {len(exact_match_prompts)} held-out prompts")
-        record(dict(step=iter_num, exact_match=accuracy))
-
-
 if eval_only:
     val_loss = evaluate()
     log(f"step {iter_num}: val loss {val_loss:.4f}, perplexity {math.exp(val_loss):.2f}")
     record(dict(step=iter_num, val_loss=val_loss, val_ppl=math.exp(val_loss)))
-    report_exact_match()
+    report_exact_match(raw_model, tokenizer, exact_match_prompts, autocast, iter_num, record)
     compute_cleanup(ddp)
     sys.exit(0)
 
@@ -394,7 +343,7 @@ if iter_num == 0:
     val_loss = evaluate()
     log(f"step 0: val loss {val_loss:.4f}")
     record(dict(step=0, val_loss=val_loss, val_ppl=math.exp(val_loss), lr=0.0))
-    report_exact_match()
+    report_exact_match(raw_model, tokenizer, exact_match_prompts, autocast, iter_num, record)
 bad_steps = 0
 window_start, window_tokens, window_labels = time.time(), 0, 0  # labels: positions through the output layer
 progress = tqdm(total=max_iters, initial=iter_num, disable=not master, dynamic_ncols=True, desc='train')
@@ -473,21 +422,13 @@ while iter_num < max_iters:
         stop.exit(ckpt_path, iter_num, ddp)
 progress.close()
 save(ckpt_path)
-report_exact_match()
+report_exact_match(raw_model, tokenizer, exact_match_prompts, autocast, iter_num, record)
 if training_type == 'lora':
-    weights = model_state_dict(raw_model)
-    if master:
-        save_merged(out_dir, raw_model, weights, model_args=model_args, config=config, iter_num=iter_num,
-                    tokenizer=tokenizer.identity(), data_dir=os.path.abspath(data_dir), **hf_files)
+    save_merged(out_dir, raw_model, master, model_args=model_args, config=config, iter_num=iter_num,
+                tokenizer=tokenizer.identity(), data_dir=os.path.abspath(data_dir), **hf_files)
 
 if sample_tokens > 0 and (master or parallel == 'fsdp'):  # under FSDP every rank computes each token along
-    raw_model.eval()
     # a fine-tuned model answers the first held-out prompt and stops at <|end|>
-    with whole_root(raw_model):
-        sample = raw_model.generate(torch.tensor([sample_prompt], device=device), sample_tokens, temperature=0.8,
-                                    top_k=50, eos_id=tokenizer.eos_id if fine_tuning else None,
-                                    generator=torch.Generator(device=device).manual_seed(seed))
-    if master:
-        print(f"--- sample (step {iter_num}, best val loss {best_val_loss:.4f}) ---")
-        print(tokenizer.decode(sample[0].tolist()))
+    print_sample(raw_model, tokenizer, sample_prompt, sample_tokens, tokenizer.eos_id if fine_tuning else None, seed,
+                 device, heading=f"--- sample (step {iter_num}, best val loss {best_val_loss:.4f}) ---")
 compute_cleanup(ddp)

@@ -15,28 +15,25 @@ from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from chat_data import PreferenceBatches, load_preference_split
-from checkpoint import (CHECKPOINT_FORMATS, cached_tensors, check_compatible, claim_out_dir, file_sha256,
-                        restore_training_state, run_log, run_origin, run_to_continue, training_data_hash, training_state,
+from checkpoint import (CHECKPOINT_FORMATS, cached_tensors, check_compatible, file_sha256, open_run,
+                        restore_training_state, run_log, run_origin, training_data_hash, training_state,
                         write_checkpoint)
 from configurator import FOLDER, POSITIVE, UserError, at_least, check_values, configure, interval, one_of
-from data import prepare_default
-from fsdp import PARALLEL, check_parallel, model_state_dict, same_init_on_every_rank, shard_model
-from hf_tokenizer import load_hf_tokenizer
+from fsdp import PARALLEL, check_parallel, place_model, same_init_on_every_rank
 from losses import DPO_LOSS_TYPES, dpo_loss, sequence_logps
 from memory import GradScaler, autocast_context, peak_memory_bytes, pick_dtype
 from lora import LORA_SETTINGS, apply_lora, disable_adapters, lora_optimizer, lora_state_dict, save_merged
-from model import GPT, GPTConfig
+from model import GPTConfig
 from runtime import (StopSignal, after_eval, clip_and_reduce, compute_cleanup, compute_init, keep_log_until, log,
-                     gradient_sync, patience_exhausted, rank_batches, step_or_skip)
+                     gradient_sync, patience_exhausted, prepare_once, rank_batches, step_or_skip, wrap_model)
 from scheduler import SCHEDULES, get_lr, set_lr
-from starting_model import build_model, dpo_reference, hf_source, load_model
-from tasks.exact_match import exact_match_accuracy
+from starting_model import build_model, dpo_reference, frozen_model, hf_source, load_model, run_tokenizer
+from tasks.exact_match import report_exact_match
 from tasks.number_tasks import PREFERENCES_DIR, prepare_number_tasks
-from tokenizer import chat_tokenizer, load_tokenizer
+from tokenizer import chat_tokenizer
 
 # -----------------------------------------------------------------------------
 # I/O
@@ -139,31 +136,22 @@ autocast = autocast_context(device, ptdtype)
 check_parallel(parallel, ddp, device, ptdtype, 'adamw', fsdp_cpu_offload)
 
 # out_dir: written and locked before any work; a checkpoint there is this run's to continue, never another's
-if master:
-    out_dir_lock = claim_out_dir(out_dir)
-ckpt_path = os.path.join(out_dir, 'ckpt.pt')
 this_run = dict(script='train_dpo.py', init_from=run_origin(init_from), use_lora=use_lora)
-ckpt = run_to_continue(out_dir, resume, this_run, eval_only, whole=parallel != 'fsdp' or use_lora)  # FSDP: its shards
+out_dir_lock, ckpt_path, ckpt = open_run(out_dir, resume, this_run, eval_only, master,
+                                         whole=parallel != 'fsdp' or use_lora)  # FSDP: its shards
 resuming = ckpt is not None
 reference_ckpt, reference_path, reference_hash = dpo_reference(
     ckpt, init_from, out_dir, made_by="`python train.py` (pretraining, out/ckpt.pt) then `python train.py "
                                       "config/sft.py` (SFT)" if init_from == 'out-sft/ckpt.pt' else None,
     as_stored=parallel == 'fsdp')
 
-# data: rank 0 prepares the default tokenizer and pairs once, the others wait
+# data: a published model's own tokenizer and chat template, else data_dir's; rank 0 prepares the defaults once
 hf_files = hf_source(reference_ckpt)  # a published model's config files, which export.py writes back
-if hf_files:
-    data_dir = reference_ckpt['data_dir']  # a published model's own tokenizer and chat template
-if master:
-    if not data_dir:
-        prepare_default()
-    if not dpo_data:
-        prepare_number_tasks(PREFERENCES_DIR, seed=1, preferences=True)
-if ddp:
-    dist.barrier()
-data_dir = data_dir or os.path.join('data', 'stdlib')
-dpo_data = dpo_data or PREFERENCES_DIR
-tokenizer = chat_tokenizer(load_hf_tokenizer(data_dir) if hf_files else load_tokenizer(data_dir))
+data_dir, tokenizer = run_tokenizer(data_dir, reference_ckpt, reference_path, master, ddp)
+tokenizer = chat_tokenizer(tokenizer)
+if not dpo_data:
+    prepare_once(prepare_number_tasks, master, ddp, out_dir=PREFERENCES_DIR, seed=1, preferences=True)
+    dpo_data = PREFERENCES_DIR
 check_compatible(reference_ckpt['tokenizer'], tokenizer.identity(), 'tokenizer', reference_path,
                  fix="Point data_dir at the tokenizer folder the model was trained with ('' for the default).")
 model_args = dict(reference_ckpt['model_args'], dropout=dropout)
@@ -184,21 +172,11 @@ val_batches = PreferenceBatches(val_pairs, seed, tokenizer.eos_id, max_length, p
 val_indices = torch.arange(min(len(val_pairs), eval_pairs))
 train_data_hash = training_data_hash(train_path, ckpt, out_dir, 'dpo_data')
 
-
-def frozen_copy(state):
-    if parallel == 'fsdp':  # built around the (memory-mapped) tensors, then each rank keeps its shard
-        net = GPT.from_state_dict(GPTConfig(**model_args), state).requires_grad_(False).eval()
-        shard_model(net, device, ptdtype, fsdp_cpu_offload)
-        return net
-    net = GPT(GPTConfig(**model_args))
-    net.load_state_dict(state)
-    return net.requires_grad_(False).eval().to(device)
-
-
 # policy, and the reference: a frozen copy when training all weights, the policy itself with its
 # adapters disabled when training LoRA, or none in memory with precomputed log-probs
 model = build_model(GPTConfig(**model_args), reference_ckpt, assign=parallel == 'fsdp')
-reference = frozen_copy(reference_ckpt['model']) if not (use_lora or reference_free or precompute_ref_logps) else None
+reference = (frozen_model(GPTConfig(**model_args), reference_ckpt['model'], parallel, device, ptdtype, fsdp_cpu_offload)
+             if not (use_lora or reference_free or precompute_ref_logps) else None)
 if use_lora:
     with same_init_on_every_rank(seed, enabled=parallel == 'fsdp'):
         apply_lora(model, lora_r, lora_alpha, lora_dropout, lora_target_modules, use_rslora, lora_bias)
@@ -210,10 +188,7 @@ if ckpt:
     if 'shards' not in ckpt:  # a sharded checkpoint's are read into the shards (restore_training_state)
         model.load_state_dict({**model.state_dict(), **ckpt['model']})  # strict: all weights, or every adapter
 model.activation_checkpointing = activation_checkpointing
-if parallel == 'fsdp':
-    shard_model(model, device, ptdtype, fsdp_cpu_offload)
-else:
-    model.to(device)
+place_model(model, parallel, device, ptdtype, fsdp_cpu_offload)
 raw_model = model  # what we save and generate with: never compiled or DDP-wrapped (under FSDP: sharded)
 reference_ckpt = None
 
@@ -254,8 +229,10 @@ def reference_pass():
     """Every train and val pair's reference log-probs ((n_pairs, 2): chosen, rejected), each rank computing
     its share."""
     # once the policy has moved away from the reference, load the reference for this pass
-    net = (frozen_copy(load_model(reference_path, as_stored=parallel == 'fsdp')['model'])
-           if not use_lora and iter_num > 0 else None)
+    net = None
+    if not use_lora and iter_num > 0:
+        state = load_model(reference_path, as_stored=parallel == 'fsdp')['model']
+        net = frozen_model(GPTConfig(**model_args), state, parallel, device, ptdtype, fsdp_cpu_offload)
     cache = {}
     for name, batches in (('train', train_batches), ('val', val_batches)):
         logps = torch.zeros(batches.n_pairs, 2, device=device)
@@ -280,10 +257,7 @@ if precompute_ref_logps:
     ref_cache = cached_tensors(out_dir, 'ref_logps', depends_on, shapes, reference_pass, master, 'reference log-probs')
     reference = None
 
-if compile:
-    model = torch.compile(model)
-if ddp and parallel == 'ddp':
-    model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None)
+model = wrap_model(model, compile, ddp and parallel == 'ddp', local_rank, device_type)
 global_batch_size = batch_size * gradient_accumulation_steps * world_size
 log(f"device {device}, dtype {ptdtype}, {world_size} process(es), {raw_model.get_num_params() / 1e6:.2f}M params, "
     f"{global_batch_size} pairs per step, reference: "
@@ -385,17 +359,9 @@ def train_step(global_batch):
 
 record, writer = run_log(out_dir, master, tensorboard, keep_log_until(eval_only, resuming, iter_num))
 
-
-def report_exact_match():
-    if exact_match_prompts:
-        accuracy = exact_match_accuracy(raw_model, tokenizer, exact_match_prompts, autocast)
-        log(f"step {iter_num}: exact match {accuracy:.1%} on {len(exact_match_prompts)} held-out prompts")
-        record(dict(step=iter_num, exact_match=accuracy))
-
-
 if eval_only or iter_num == 0:
     evaluate()
-    report_exact_match()
+    report_exact_match(raw_model, tokenizer, exact_match_prompts, autocast, iter_num, record)
 if eval_only:
     compute_cleanup(ddp)
     sys.exit(0)
@@ -449,10 +415,8 @@ while iter_num < max_iters:
         stop.exit(ckpt_path, iter_num, ddp)
 progress.close()
 save(ckpt_path)
-report_exact_match()
+report_exact_match(raw_model, tokenizer, exact_match_prompts, autocast, iter_num, record)
 if use_lora:
-    weights = model_state_dict(raw_model)
-    if master:
-        save_merged(out_dir, raw_model, weights, model_args=model_args, config=dict(config, training_type='dpo'),
-                    iter_num=iter_num, tokenizer=tokenizer.identity(), data_dir=os.path.abspath(data_dir), **hf_files)
+    save_merged(out_dir, raw_model, master, model_args=model_args, config=dict(config, training_type='dpo'),
+                iter_num=iter_num, tokenizer=tokenizer.identity(), data_dir=os.path.abspath(data_dir), **hf_files)
 compute_cleanup(ddp)

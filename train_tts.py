@@ -16,8 +16,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from checkpoint import (check_compatible, claim_out_dir, load_checkpoint, require_init_from, restore_training_state,
-                        rng_state, run_log, run_origin, run_to_continue, save_checkpoint, set_rng_state, training_state)
+from checkpoint import (check_compatible, load_checkpoint, open_run, require_starting_weights, restore_training_state,
+                        rng_state, run_log, run_origin, save_checkpoint, set_rng_state, training_state)
 from configurator import (EMPTY_OR_FOLDER, FOLDER, POSITIVE, UserError, at_least, check_values, configure,
                           dataclass_args, interval, one_of)
 from memory import GradScaler, MemoryMonitor, autocast_context, peak_memory_bytes, pick_dtype, recover_from_oom
@@ -125,17 +125,10 @@ ptdtype = pick_dtype(device, dtype)
 autocast = autocast_context(device, ptdtype)
 
 # out_dir: written and locked before any work; a checkpoint there is this run's to continue, never another's
-if master:
-    out_dir_lock = claim_out_dir(out_dir)
-ckpt_path = os.path.join(out_dir, 'ckpt.pt')
 this_run = dict(script='train_tts.py', init_from=run_origin(init_from))
-ckpt = run_to_continue(out_dir, resume, this_run, eval_only)
+out_dir_lock, ckpt_path, ckpt = open_run(out_dir, resume, this_run, eval_only, master)
 resuming = ckpt is not None
-if not resuming and init_from != 'scratch':
-    require_init_from(init_from)
-if eval_only and not resuming and init_from == 'scratch':
-    raise UserError(f"eval_only=True needs a trained model, but {ckpt_path} does not exist; point --out_dir at a run "
-                    f"or --init_from at a TTS checkpoint.")
+require_starting_weights(ckpt, init_from, eval_only, ckpt_path, what='a TTS checkpoint')
 
 
 # data: held-out split by id; rank 0 computes and caches the mel features, the others then read them
@@ -187,14 +180,7 @@ model.to(device)
 raw_model = model  # what we save and synthesize with: never compiled or DDP-wrapped
 mel_mean, mel_std = raw_model.mel_mean.item(), raw_model.mel_std.item()
 
-# the decoder's groups run at decoder_lr_scale times the lr (scheduler.set_lr); no weight decay on norms and biases
-decoder_params = set(model.decoder.parameters())
-param_groups = []
-for params, lr_scale in (([p for p in model.parameters() if p not in decoder_params], 1.0),
-                         (list(model.decoder.parameters()), decoder_lr_scale)):
-    param_groups += [dict(params=[p for p in params if p.dim() >= 2], weight_decay=weight_decay, lr_scale=lr_scale),
-                     dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0, lr_scale=lr_scale)]
-optimizer = torch.optim.AdamW(param_groups, lr=learning_rate, betas=(beta1, beta2), fused=device_type == 'cuda')
+optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), decoder_lr_scale, device_type)
 scaler = GradScaler(enabled=ptdtype == torch.float16)
 iter_num, best_val_loss, evals_without_improvement, batch_splits = 0, float('inf'), 0, 1
 if resuming:

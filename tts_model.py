@@ -345,6 +345,18 @@ class TTSModel(nn.Module):
     def get_num_params(self):
         return sum(p.numel() for p in self.parameters())
 
+    def configure_optimizers(self, weight_decay, learning_rate, betas, decoder_lr_scale, device_type):
+        """AdamW; the decoder's groups run at decoder_lr_scale times the lr (scheduler.set_lr reads lr_scale),
+        and norms and biases get no weight decay."""
+        decoder_params = set(self.decoder.parameters())
+        param_groups = []
+        for params, lr_scale in (([p for p in self.parameters() if p not in decoder_params], 1.0),
+                                 (list(self.decoder.parameters()), decoder_lr_scale)):
+            param_groups += [dict(params=[p for p in params if p.dim() >= 2], weight_decay=weight_decay,
+                                  lr_scale=lr_scale),
+                             dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0, lr_scale=lr_scale)]
+        return torch.optim.AdamW(param_groups, lr=learning_rate, betas=betas, fused=device_type == 'cuda')
+
     def encode(self, x, x_lengths):
         x_mask = sequence_mask(x_lengths, x.shape[1])[:, None, :].float()
         h, mu_x = self.encoder(x, x_mask)

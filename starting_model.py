@@ -177,12 +177,11 @@ def hf_source(model_ckpt):
 
 def frozen_model(config, state, parallel, device, param_dtype, cpu_offload):
     """A frozen GPT of config (a GPTConfig) holding state (a DPO run's reference), in eval mode, on device; with
-    parallel='fsdp' built around state's (memory-mapped) tensors, then each rank keeps its shard."""
-    if parallel == 'fsdp':
-        model = GPT.from_state_dict(config, state)
-    else:
-        model = GPT(config)
-        model.load_state_dict(state)
+    parallel='fsdp' built around state's (memory-mapped) tensors, then each rank keeps its shard, else around
+    a copy of them (the policy may be built around the same tensors)."""
+    if parallel != 'fsdp':  # its own copy, made on the device, never first initialised at random (seconds for 1B)
+        state = {name: tensor.to(device, copy=True) for name, tensor in state.items()}
+    model = GPT.from_state_dict(config, state)
     model.requires_grad_(False).eval()
     place_model(model, parallel, device, param_dtype, cpu_offload)
     return model

@@ -21,6 +21,7 @@ from chat_data import PreferenceBatches, load_preference_split
 from configurator import UserError
 from losses import DPO_LOSS_TYPES, dpo_loss, sequence_logps
 from model import GPT, GPTConfig
+from starting_model import frozen_model
 from tasks.number_tasks import prepare_number_tasks
 from tokenizer import ChatTokenizer, load_tokenizer
 
@@ -76,6 +77,18 @@ def hand_completion_logps(model, prompt, completion):
 
 def log_sigmoid(z):
     return -math.log1p(math.exp(-z))
+
+
+def test_frozen_reference_is_its_own_copy_of_the_weights():
+    """The reference is built around a copy of the checkpoint's tensors (never a random model first): the same
+    values, frozen, and no storage shared with the state the policy may be built around."""
+    config = GPTConfig(block_size=8, vocab_size=32, n_layer=2, n_head=2, n_embd=16)
+    state = GPT(config).state_dict()
+    reference = frozen_model(config, state, 'ddp', 'cpu', torch.float32, False)
+    mine = reference.state_dict()
+    assert mine.keys() == state.keys() and all(torch.equal(mine[k], state[k]) for k in state)
+    assert not {t.data_ptr() for t in mine.values()} & {t.data_ptr() for t in state.values()}
+    assert not any(p.requires_grad for p in reference.parameters()) and not reference.training
 
 
 @pytest.mark.parametrize('loss_type,eps', [('sigmoid', 0.0), ('sigmoid', 0.2), ('robust', 0.2), ('robust', 0.0),

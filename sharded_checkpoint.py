@@ -72,7 +72,8 @@ def shard_folder(ckpt, path):
 def unreadable(folder, error, what='could not be read'):
     if isinstance(error, CheckpointException):  # (error, traceback) of each rank that failed: the first one's
         error = next(iter(error.failures.values()))[0]
-    return UserError(f"the shards in {folder} {what} ({type(error).__name__}: {str(error).splitlines()[0][:200]}): "
+    first_line = str(error).split('\n')[0][:200]  # may be empty: a file cut short can raise a bare EOFError
+    return UserError(f"the shards in {folder} {what} ({type(error).__name__}: {first_line}): "
                      f"a file there is corrupt or cut short, or it was written for another model. Restore the folder "
                      f"from a backup, or start a new run (another out_dir, or --resume=False).")
 

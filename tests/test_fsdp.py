@@ -10,6 +10,7 @@ from checkpoint import load_checkpoint
 from configurator import UserError
 from fsdp import check_parallel
 from safetensors.torch import load_file, save_file
+from sharded_checkpoint import unreadable
 from tasks.number_tasks import prepare_number_tasks
 from test_dpo import TRAIN_METRICS, dpo, dpo_env, evals, train_metrics  # noqa: F401 (dpo_env is a fixture)
 from test_hf_model import fixture
@@ -215,3 +216,10 @@ def test_sharded_checkpoints_resume_exactly_on_any_world_size_and_convert_to_one
     shutil.rmtree(shards)
     with pytest.raises(UserError, match='missing or incomplete'):
         load_checkpoint(str(by_one_rank / 'ckpt.pt'))
+
+
+def test_unreadable_shards_are_explained_even_by_an_error_without_a_message():
+    """A shard file cut short can raise a bare EOFError (DCP writes the items in another order where CUDA is
+    present: seen on a GPU machine); the message must still be the one-paragraph explanation."""
+    error = unreadable('out/ckpt-000006.dcp', EOFError())
+    assert isinstance(error, UserError) and 'EOFError' in str(error) and 'corrupt or cut short' in str(error)

@@ -325,3 +325,11 @@ def halve_micro_batch(batch_size, grad_accum):
                         f"global batch ({batch_size} x {grad_accum} accumulation steps). Set batch_size to a power "
                         f"of two (and raise gradient_accumulation_steps to keep the global batch), or lower it yourself.")
     return batch_size // 2, grad_accum * 2
+
+
+def resumed_micro_batch(ckpt, batch_size, grad_accum):
+    """(batch_size, grad_accum) a resumed run continues with: its checkpoint's split, which an OOM may have
+    halved (halve_micro_batch), when the global batch is unchanged; else the config's."""
+    if ckpt['batch_size'] * ckpt['gradient_accumulation_steps'] == batch_size * grad_accum:
+        return ckpt['batch_size'], ckpt['gradient_accumulation_steps']
+    return batch_size, grad_accum

@@ -82,12 +82,15 @@ def load_model(path, as_stored=False):
     return load_hf_checkpoint(path, as_stored) if is_hf_folder(path) else load_checkpoint(path)
 
 
-def full_model_checkpoint(ckpt, ckpt_path, init_from, out_dir, pretraining, as_stored=False):
-    """(checkpoint, path) of the whole GPT a train.py run starts from: the continued run's own (ckpt),
-    for a LoRA run its base model's (the same file or folder as when the run began), else init_from's;
-    (None, None) for a new run from scratch. A published model is fine-tuned, never pretrained further.
-    as_stored: as in load_model."""
+def full_model_checkpoint(ckpt, ckpt_path, init_from, out_dir, training_type, as_stored=False):
+    """(checkpoint, path) of the whole GPT a train.py run of training_type starts from: the continued run's
+    own (ckpt), for a LoRA run its base model's (the same file or folder as when the run began), else
+    init_from's; (None, None) for a new run from scratch, which a LoRA run cannot be. A published model is
+    fine-tuned, never pretrained further. as_stored: as in load_model."""
     if ckpt is None and init_from == 'scratch':
+        if training_type == 'lora':
+            raise UserError("training_type='lora' adapts a trained model, but there is none: set init_from to its "
+                            "checkpoint (e.g. --init_from=out/ckpt.pt).")
         return None, None
     path, model_ckpt = (ckpt_path, ckpt) if ckpt is not None else (init_from, load_model(init_from, as_stored))
     if model_ckpt['kind'] not in ('gpt', 'lora'):
@@ -106,7 +109,7 @@ def full_model_checkpoint(ckpt, ckpt_path, init_from, out_dir, pretraining, as_s
             raise UserError(f"{path}, the base model of the LoRA run in {out_dir}, has changed since the run "
                             f"began, so its adapters no longer fit. Restore that file, or start a new run "
                             f"(another out_dir) from it.")
-    if pretraining and hf_source(model_ckpt):
+    if training_type == 'from_scratch' and hf_source(model_ckpt):
         raise UserError(f"{path} is a Hugging Face model; fine-tune it with training_type='sft' or 'lora' "
                         f"(e.g. python train.py config/sft_hf.py --init_from={init_from}).")
     return model_ckpt, path

@@ -17,26 +17,22 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from chat_data import SFTBatches, load_sft_data
 from checkpoint import (CHECKPOINT_FORMATS, check_compatible, open_run, require_starting_weights,
-                        restore_training_state, run_log, run_origin, training_data_hash, training_state,
-                        write_checkpoint)
+                        restore_training_state, run_log, run_origin, training_state, write_checkpoint)
 from configurator import FOLDER, POSITIVE, UserError, at_least, check_values, configure, interval, one_of
-from data import TokenBatches, eval_offsets
 from fsdp import PARALLEL, check_parallel, place_model, same_init_on_every_rank
 from losses import check_loss_weights, combine_losses, target_weights, token_weight_table, weighted_cross_entropy, z_loss
 from memory import (GradScaler, MemoryMonitor, autocast_context, halve_micro_batch, peak_memory_bytes, pick_dtype,
-                    recover_from_oom)
-from lora import apply_lora, load_adapters, lora_optimizer, lora_state_dict, save_merged
-from muon import Muon, muon_param_groups
+                    recover_from_oom, resumed_micro_batch)
+from lora import apply_lora, load_adapters, lora_state_dict, save_merged
+from muon import gpt_optimizer
+from run_data import gpt_run_data
 from runtime import (StepProfiler, StopSignal, after_eval, clip_and_reduce, compute_cleanup, compute_init,
-                     gradient_sync, keep_log_until, log, patience_exhausted, prepare_once, rank_batches, step_or_skip,
-                     wrap_model)
+                     gradient_sync, keep_log_until, log, patience_exhausted, rank_batches, step_or_skip, wrap_model)
 from scheduler import SCHEDULES, get_lr, set_lr
 from starting_model import full_model_checkpoint, hf_source, model_hash, run_model_args, run_tokenizer, starting_gpt
 from tasks.exact_match import print_sample, report_exact_match
-from tasks.number_tasks import NUMBER_TASKS_DIR, prepare_number_tasks
-from tokenizer import chat_tokenizer, prompt_and_answer
+from tokenizer import chat_tokenizer
 
 # -----------------------------------------------------------------------------
 # I/O
@@ -156,37 +152,17 @@ out_dir_lock, ckpt_path, ckpt = open_run(out_dir, resume, this_run, eval_only, m
 resuming = ckpt is not None
 require_starting_weights(ckpt, init_from, eval_only, ckpt_path, hf_folders=True,
                          made_by='`python train.py` (pretraining)' if init_from == 'out/ckpt.pt' else None)
-if training_type == 'lora' and ckpt is None and init_from == 'scratch':
-    raise UserError("training_type='lora' adapts a trained model, but there is none: set init_from to its checkpoint "
-                    "(e.g. --init_from=out/ckpt.pt).")
 # the model the run starts from; a published model (or a fine-tune of one) brings its shape and tokenizer
-model_ckpt, model_ckpt_path = full_model_checkpoint(ckpt, ckpt_path, init_from, out_dir, pretraining=not fine_tuning,
+model_ckpt, model_ckpt_path = full_model_checkpoint(ckpt, ckpt_path, init_from, out_dir, training_type,
                                                     as_stored=parallel == 'fsdp')  # FSDP: each rank reads its shard
 hf_files = hf_source(model_ckpt)  # its config files, which export.py writes back
 
-# data: the model's own tokenizer (a published model), else data_dir's; rank 0 prepares the default corpus once
-data_dir, tokenizer = run_tokenizer(data_dir, model_ckpt, model_ckpt_path, master, ddp)
-if not fine_tuning:
-    train_batches = TokenBatches(os.path.join(data_dir, 'train.bin'), block_size, seed)
-    val_batches = TokenBatches(os.path.join(data_dir, 'val.bin'), block_size, seed)
-    val_indices = eval_offsets(val_batches.n_tokens, block_size, eval_iters * batch_size)
-    sample_prompt, exact_match_prompts = tokenizer.encode('\n'), []
-else:
-    # chat examples in the model's own chat template, or in nanotrain's, whose special tokens the tokenizer gains
-    base_tokenizer, tokenizer = tokenizer, chat_tokenizer(tokenizer)
-    if max_length > block_size:
-        raise UserError(f"max_length={max_length} is longer than block_size={block_size}; lower max_length.")
-    if not sft_data:
-        prepare_once(prepare_number_tasks, master, ddp)
-        sft_data = NUMBER_TASKS_DIR
-    train_examples, val_examples, held_out = load_sft_data(sft_data, tokenizer, max_length, overlong, skip_malformed)
-    exact_match_prompts = [prompt_and_answer(tokenizer, messages) for messages in held_out[:exact_match_examples]]
-    sample_prompt = prompt_and_answer(tokenizer, held_out[0])[0]
-    train_batches = SFTBatches(train_examples, seed, tokenizer.eos_id, max_length, pack, bucket_batches)
-    val_batches = SFTBatches(val_examples, seed, tokenizer.eos_id, max_length, pack)
-    val_indices = torch.arange(min(len(val_examples), eval_iters * batch_size))
-    shortest = int(train_batches.lengths.min())
-    train_data_hash = training_data_hash(os.path.join(sft_data, 'train.jsonl'), ckpt, out_dir, 'sft_data')
+# data: the model's own tokenizer (a published model), else data_dir's; rank 0 prepares the default data once
+data_dir, base_tokenizer = run_tokenizer(data_dir, model_ckpt, model_ckpt_path, master, ddp)
+# fine-tuning: chat examples in the model's own chat template, or in nanotrain's, whose special tokens it gains
+tokenizer = chat_tokenizer(base_tokenizer) if fine_tuning else base_tokenizer
+train_batches, val_batches, val_indices, sample_prompt, exact_match_prompts, train_data_hash = gpt_run_data(
+    config, data_dir, tokenizer, ckpt, master, ddp)
 
 # model, from scratch, from a checkpoint (shape and tokenizer must match the config), or a published model
 model_args = run_model_args(config, model_ckpt, model_ckpt_path, tokenizer)  # a published model's is its own
@@ -209,23 +185,12 @@ model.activation_checkpointing = activation_checkpointing
 place_model(model, parallel, device, ptdtype, fsdp_cpu_offload)
 raw_model = model  # what we save and sample from: never compiled or DDP-wrapped (under FSDP: sharded)
 
-if training_type == 'lora' and optimizer_type != 'adamw':
-    raise UserError("training_type='lora' trains its adapters with AdamW; set optimizer_type='adamw'.")
-if optimizer_type == 'muon':
-    optimizer = Muon(muon_param_groups(raw_model, learning_rate, weight_decay, (beta1, beta2), muon_lr, muon_momentum))
-elif optimizer_type == 'adamw':  # only trainable parameters: with LoRA, the adapters
-    optimizer = (lora_optimizer(raw_model, weight_decay, learning_rate, (beta1, beta2), device_type, loraplus_lr_ratio)
-                 if training_type == 'lora' else
-                 raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type))
-else:
-    raise UserError(f"optimizer_type={optimizer_type!r} is not supported; use 'adamw' or 'muon'.")
+optimizer = gpt_optimizer(raw_model, config, device_type)  # only trainable parameters: with LoRA, the adapters
 scaler = GradScaler(enabled=ptdtype == torch.float16)
 iter_num, best_val_loss, evals_without_improvement = 0, float('inf'), 0
 if ckpt is not None:
     train_batches.load_state_dict(ckpt['train_batches'])
-    # an earlier OOM may have shrunk the micro-batch; keep that split if the global batch is unchanged
-    if ckpt['batch_size'] * ckpt['gradient_accumulation_steps'] == batch_size * gradient_accumulation_steps:
-        batch_size, gradient_accumulation_steps = ckpt['batch_size'], ckpt['gradient_accumulation_steps']
+    batch_size, gradient_accumulation_steps = resumed_micro_batch(ckpt, batch_size, gradient_accumulation_steps)
     iter_num, best_val_loss, evals_without_improvement = restore_training_state(ckpt, ckpt_path, optimizer, scaler,
                                                                                 rank, world_size, raw_model)
 ckpt = model_ckpt = None  # free memory
@@ -281,7 +246,7 @@ def checkpoint_state():
                  kind='gpt', model=weights, model_args=model_args, tokenizer=tokenizer.identity(),
                  data_dir=os.path.abspath(data_dir), train_batches=train_batches.state_dict(), batch_size=batch_size,
                  gradient_accumulation_steps=gradient_accumulation_steps,
-                 train_data_hash=train_data_hash if fine_tuning else None, **hf_files)
+                 train_data_hash=train_data_hash, **hf_files)
     if training_type == 'lora':  # adapters only: the frozen base stays in its own checkpoint, named by path and hash
         state.update(kind='lora', model=lora_state_dict(raw_model, weights), base_checkpoint=lora_base[0],
                      base_hash=lora_base[1])
@@ -357,6 +322,7 @@ while iter_num < max_iters:
         # length curriculum: the longest example allowed grows linearly from the shortest to max_length
         limit = max_length
         if iter_num < curriculum_iters:
+            shortest = int(train_batches.lengths.min())
             limit = shortest + (max_length - shortest) * iter_num // curriculum_iters
         global_batch = train_batches.sample(global_batch_size, limit)
         step_tokens = train_batches.count_tokens(global_batch)

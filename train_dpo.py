@@ -11,28 +11,26 @@ overridden by a config file or --key=value (`--help` lists them).
 import os
 import sys
 import time
-from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from chat_data import PreferenceBatches, load_preference_split
-from checkpoint import (CHECKPOINT_FORMATS, cached_tensors, check_compatible, file_sha256, open_run,
-                        restore_training_state, run_log, run_origin, training_data_hash, training_state,
-                        write_checkpoint)
+from checkpoint import (CHECKPOINT_FORMATS, check_compatible, file_sha256, open_run, restore_training_state,
+                        run_log, run_origin, training_state, write_checkpoint)
 from configurator import FOLDER, POSITIVE, UserError, at_least, check_values, configure, interval, one_of
+from dpo_logps import completion_logps, precomputed_reference_logps, reference_logps
 from fsdp import PARALLEL, check_parallel, place_model, same_init_on_every_rank
-from losses import DPO_LOSS_TYPES, dpo_loss, sequence_logps
+from losses import DPO_LOSS_TYPES, dpo_loss
 from memory import GradScaler, autocast_context, peak_memory_bytes, pick_dtype
-from lora import LORA_SETTINGS, apply_lora, disable_adapters, lora_optimizer, lora_state_dict, save_merged
+from lora import LORA_SETTINGS, apply_lora, lora_optimizer, lora_state_dict, save_merged
 from model import GPTConfig
+from run_data import preference_run_data
 from runtime import (StopSignal, after_eval, clip_and_reduce, compute_cleanup, compute_init, keep_log_until, log,
-                     gradient_sync, patience_exhausted, prepare_once, rank_batches, step_or_skip, wrap_model)
+                     gradient_sync, patience_exhausted, rank_batches, step_or_skip, wrap_model)
 from scheduler import SCHEDULES, get_lr, set_lr
-from starting_model import build_model, dpo_reference, frozen_model, hf_source, load_model, run_tokenizer
+from starting_model import build_model, dpo_reference, frozen_model, hf_source, run_tokenizer
 from tasks.exact_match import report_exact_match
-from tasks.number_tasks import PREFERENCES_DIR, prepare_number_tasks
 from tokenizer import chat_tokenizer
 
 # -----------------------------------------------------------------------------
@@ -149,28 +147,11 @@ reference_ckpt, reference_path, reference_hash = dpo_reference(
 hf_files = hf_source(reference_ckpt)  # a published model's config files, which export.py writes back
 data_dir, tokenizer = run_tokenizer(data_dir, reference_ckpt, reference_path, master, ddp)
 tokenizer = chat_tokenizer(tokenizer)
-if not dpo_data:
-    prepare_once(prepare_number_tasks, master, ddp, out_dir=PREFERENCES_DIR, seed=1, preferences=True)
-    dpo_data = PREFERENCES_DIR
 check_compatible(reference_ckpt['tokenizer'], tokenizer.identity(), 'tokenizer', reference_path,
                  fix="Point data_dir at the tokenizer folder the model was trained with ('' for the default).")
 model_args = dict(reference_ckpt['model_args'], dropout=dropout)
-if max_length > model_args['block_size']:
-    raise UserError(f"max_length={max_length} is longer than the model's block_size={model_args['block_size']}; "
-                    f"lower max_length.")
-if max_prompt_length >= max_length:
-    raise UserError(f"max_prompt_length={max_prompt_length} must leave room for a completion in max_length={max_length}; "
-                    f"lower it.")
-train_path, val_path, test_path = (os.path.join(dpo_data, f'{name}.jsonl') for name in ('train', 'val', 'test'))
-_, train_pairs = load_preference_split(train_path, tokenizer, max_length, max_prompt_length, skip_malformed)
-val_references, val_pairs = load_preference_split(val_path, tokenizer, max_length, max_prompt_length, skip_malformed)
-held_out = (load_preference_split(test_path, tokenizer, max_length, max_prompt_length, skip_malformed)[0]
-            if exact_match_examples and os.path.exists(test_path) else val_references)
-exact_match_prompts = held_out[:exact_match_examples]
-train_batches = PreferenceBatches(train_pairs, seed, tokenizer.eos_id, max_length, pack)
-val_batches = PreferenceBatches(val_pairs, seed, tokenizer.eos_id, max_length, pack)
-val_indices = torch.arange(min(len(val_pairs), eval_pairs))
-train_data_hash = training_data_hash(train_path, ckpt, out_dir, 'dpo_data')
+train_batches, val_batches, val_indices, exact_match_prompts, train_data_hash, val_path = preference_run_data(
+    config, tokenizer, model_args['block_size'], ckpt, master, ddp)
 
 # policy, and the reference: a frozen copy when training all weights, the policy itself with its
 # adapters disabled when training LoRA, or none in memory with precomputed log-probs
@@ -203,58 +184,15 @@ if ckpt:
 ckpt = None
 
 
-def completion_logps(net, batch, n):
-    """Log-probs of the completions of a batch of n pairs (PreferenceBatches.get) under net:
-    per-sequence sums (2n,), per-token (N,), and the logits (N, V) of the N scored positions (the
-    only ones whose logits are computed: prompts and padding never reach the output layer)."""
-    logits, _ = net(batch['x'], positions=batch['positions'], mask=batch['mask'],
-                    logits_at=(batch['rows'], batch['cols']))
-    sums, token_logps = sequence_logps(logits, batch['targets'], batch['owners'], 2 * n)
-    return sums, token_logps, logits
-
-
-@torch.no_grad()
-def reference_logps(batch, n, net):
-    """The reference's (per-sequence sums, logits at the completion positions) for a batch: net, the
-    frozen copy, if there is one, else the policy (in eval mode, adapters disabled under LoRA)."""
-    training = raw_model.training
-    raw_model.eval()
-    with disable_adapters(raw_model) if use_lora else nullcontext(), autocast:
-        sums, _, logits = completion_logps(raw_model if net is None else net, batch, n)
-    raw_model.train(training)
-    return sums, logits
-
-
-def reference_pass():
-    """Every train and val pair's reference log-probs ((n_pairs, 2): chosen, rejected), each rank computing
-    its share."""
-    # once the policy has moved away from the reference, load the reference for this pass
-    net = None
-    if not use_lora and iter_num > 0:
-        state = load_model(reference_path, as_stored=parallel == 'fsdp')['model']
-        net = frozen_model(GPTConfig(**model_args), state, parallel, device, ptdtype, fsdp_cpu_offload)
-    cache = {}
-    for name, batches in (('train', train_batches), ('val', val_batches)):
-        logps = torch.zeros(batches.n_pairs, 2, device=device)
-        for indices, counted in rank_batches(torch.arange(batches.n_pairs), batch_size, rank, world_size,
-                                             lockstep=parallel == 'fsdp'):
-            pair_logps = reference_logps(batches.get(indices, device), len(indices), net)[0].view(2, -1).T
-            if counted:
-                logps[indices] = pair_logps
-        if ddp:
-            dist.all_reduce(logps)  # each rank filled its share
-        cache[name] = logps.cpu()
-    return cache
-
-
 # precomputed reference log-probs: one pass over the data before training, cached in out_dir under a hash
 # of everything they depend on; training then needs no reference in memory
 ref_cache = None
 if precompute_ref_logps:
     depends_on = [reference_hash, train_data_hash, file_sha256(val_path), tokenizer.identity(), max_length,
                   max_prompt_length, str(ptdtype)]
-    shapes = {'train': (train_batches.n_pairs, 2), 'val': (val_batches.n_pairs, 2)}
-    ref_cache = cached_tensors(out_dir, 'ref_logps', depends_on, shapes, reference_pass, master, 'reference log-probs')
+    ref_cache = precomputed_reference_logps(config, depends_on, raw_model, iter_num > 0, reference_path, model_args,
+                                            {'train': train_batches, 'val': val_batches}, device, ptdtype, autocast,
+                                            rank, world_size, ddp)
     reference = None
 
 model = wrap_model(model, compile, ddp and parallel == 'ddp', local_rank, device_type)
@@ -276,7 +214,7 @@ def pair_terms(net, batches, indices, cache, batch_counts):
     elif cache is not None:
         ref_sums = cache[indices].to(device).T.flatten()  # chosen of every pair, then rejected
     else:
-        ref_sums, ref_logits = reference_logps(batch, n, reference)
+        ref_sums, ref_logits = reference_logps(raw_model, reference, batch, n, use_lora, autocast)
     with autocast:
         sums, token_logps, logits = completion_logps(net, batch, n)
     chosen_pos, pairs, chosen_tokens, rejected_tokens = batch['owners'] < n, *batch_counts

@@ -345,7 +345,7 @@ def test_packed_pair_shares_its_prompt():
 
 
 def test_packed_and_padded_batches_give_the_same_sequence_logps():
-    """Through a tiny GPT (as train_dpo.completion_logps does it), packed rows (prompts shared, several
+    """Through a tiny GPT (as dpo_logps.completion_logps does it), packed rows (prompts shared, several
     pairs per row) and padded rows give each sequence the log-prob it has alone, to ~1e-5."""
     torch.manual_seed(0)
     pairs = random_pairs(6, seed=1)

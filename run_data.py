@@ -1,0 +1,84 @@
+"""
+The data a GPT run trains and evaluates on, set up from its config keys before the loop starts:
+
+- gpt_run_data: train.py's, token windows of data_dir (pretraining) or chat examples of sft_data
+  (training_type 'sft' | 'lora', the embedded number tasks when sft_data is '').
+- preference_run_data: train_dpo.py's, the preference pairs of dpo_data (the embedded number-task pairs
+  when dpo_data is '').
+
+Each gives the batches, the fixed held-out indices an eval scores, and the held-out prompts exact match
+answers; a fine-tuning run also the hash of its training file, which a resumed run must still match.
+"""
+import os
+
+import torch
+
+from chat_data import PreferenceBatches, SFTBatches, load_preference_split, load_sft_data
+from checkpoint import training_data_hash
+from configurator import UserError
+from data import TokenBatches, eval_offsets
+from runtime import prepare_once
+from tasks.number_tasks import NUMBER_TASKS_DIR, PREFERENCES_DIR, prepare_number_tasks
+from tokenizer import prompt_and_answer
+
+
+def gpt_run_data(config, data_dir, tokenizer, ckpt, master, ddp):
+    """(train batches, val batches, val indices, sample prompt, exact-match prompts, train data hash) of a
+    train.py run (config: its config keys; ckpt: the continued run's checkpoint, or None). Pretraining samples
+    data_dir's token windows, starts its sample from a newline and has no exact-match prompts nor data hash;
+    fine-tuning reads chat examples with tokenizer (a chat tokenizer) and samples from the first held-out prompt.
+    Rank 0 prepares the embedded number tasks once (master, ddp)."""
+    seed, eval_examples = config['seed'], config['eval_iters'] * config['batch_size']
+    if config['training_type'] == 'from_scratch':
+        block_size = config['block_size']
+        train_batches = TokenBatches(os.path.join(data_dir, 'train.bin'), block_size, seed)
+        val_batches = TokenBatches(os.path.join(data_dir, 'val.bin'), block_size, seed)
+        val_indices = eval_offsets(val_batches.n_tokens, block_size, eval_examples)
+        return train_batches, val_batches, val_indices, tokenizer.encode('\n'), [], None
+    max_length, sft_data = config['max_length'], config['sft_data']
+    if max_length > config['block_size']:
+        raise UserError(f"max_length={max_length} is longer than block_size={config['block_size']}; lower max_length.")
+    if not sft_data:
+        prepare_once(prepare_number_tasks, master, ddp)
+        sft_data = NUMBER_TASKS_DIR
+    train_examples, val_examples, held_out = load_sft_data(sft_data, tokenizer, max_length, config['overlong'],
+                                                           config['skip_malformed'])
+    exact_match_prompts = [prompt_and_answer(tokenizer, messages)
+                           for messages in held_out[:config['exact_match_examples']]]
+    sample_prompt = prompt_and_answer(tokenizer, held_out[0])[0]
+    train_batches = SFTBatches(train_examples, seed, tokenizer.eos_id, max_length, config['pack'],
+                               config['bucket_batches'])
+    val_batches = SFTBatches(val_examples, seed, tokenizer.eos_id, max_length, config['pack'])
+    val_indices = torch.arange(min(len(val_examples), eval_examples))
+    train_data_hash = training_data_hash(os.path.join(sft_data, 'train.jsonl'), ckpt, config['out_dir'], 'sft_data')
+    return train_batches, val_batches, val_indices, sample_prompt, exact_match_prompts, train_data_hash
+
+
+def preference_run_data(config, tokenizer, block_size, ckpt, master, ddp):
+    """(train batches, val batches, val indices, exact-match prompts, train data hash, val file path) of a
+    train_dpo.py run (config: its config keys; tokenizer: the chat tokenizer; block_size: the model's; ckpt:
+    the continued run's checkpoint, or None). Rank 0 prepares the embedded number-task pairs once (master, ddp)."""
+    max_length, max_prompt_length, dpo_data = config['max_length'], config['max_prompt_length'], config['dpo_data']
+    if not dpo_data:
+        prepare_once(prepare_number_tasks, master, ddp, out_dir=PREFERENCES_DIR, seed=1, preferences=True)
+        dpo_data = PREFERENCES_DIR
+    if max_length > block_size:
+        raise UserError(f"max_length={max_length} is longer than the model's block_size={block_size}; "
+                        f"lower max_length.")
+    if max_prompt_length >= max_length:
+        raise UserError(f"max_prompt_length={max_prompt_length} must leave room for a completion in "
+                        f"max_length={max_length}; lower it.")
+
+    def load_split(path):
+        return load_preference_split(path, tokenizer, max_length, max_prompt_length, config['skip_malformed'])
+
+    train_path, val_path, test_path = (os.path.join(dpo_data, f'{name}.jsonl') for name in ('train', 'val', 'test'))
+    _, train_pairs = load_split(train_path)
+    val_references, val_pairs = load_split(val_path)
+    exact_match_examples = config['exact_match_examples']
+    held_out = (load_split(test_path)[0] if exact_match_examples and os.path.exists(test_path) else val_references)
+    train_batches = PreferenceBatches(train_pairs, config['seed'], tokenizer.eos_id, max_length, config['pack'])
+    val_batches = PreferenceBatches(val_pairs, config['seed'], tokenizer.eos_id, max_length, config['pack'])
+    val_indices = torch.arange(min(len(val_pairs), config['eval_pairs']))
+    train_data_hash = training_data_hash(train_path, ckpt, config['out_dir'], 'dpo_data')
+    return train_batches, val_batches, val_indices, held_out[:exact_match_examples], train_data_hash, val_path

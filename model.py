@@ -21,6 +21,12 @@ CHOICES = dict(pos_emb=('rope', 'learned'), norm=('rmsnorm', 'layernorm'), mlp=(
 ROPE_SCALING_KEYS = ('factor', 'low_freq_factor', 'high_freq_factor', 'original_max_position_embeddings')
 
 
+def weight_flops(weight):
+    """Training FLOPs per token of a weight's matmul: 2 per element forward, 2 for the gradient of its input and
+    2 for its own gradient; a frozen weight (a LoRA run's base) has no gradient of its own, so 4."""
+    return (6 if weight.requires_grad else 4) * weight.numel()
+
+
 @dataclass
 class GPTConfig:
     block_size: int = 256
@@ -427,13 +433,19 @@ class GPT(nn.Module):
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
 
     def flops_per_token(self, output_fraction=1.0, context=None):
-        """Training FLOPs per token (forward + backward): 6N for the matmuls plus attention over context
-        tokens (None: block_size; a published model's block_size is its longest context, not the run's).
-        The output layer's share of 6N (6 * n_embd * vocab_size) counts only for output_fraction of the
-        tokens, those whose logits are computed (fine-tuning: the labelled ones, see forward's logits_at)."""
+        """Training FLOPs per token (forward + backward): the matmuls' (weight_flops over the weights that do
+        matmul work, get_num_params' set) plus attention over context tokens (None: block_size; a published
+        model's block_size is its longest context, not the run's). The output layer's share counts only for
+        output_fraction of the tokens, those whose logits are computed (fine-tuning: the labelled ones, see
+        forward's logits_at)."""
         c = self.config
-        head = 6 * c.n_embd * c.vocab_size
-        return (6 * self.get_num_params() - head + head * output_fraction
+        matmuls = sum(weight_flops(p) for p in self.parameters())
+        if c.pos_emb == 'learned':
+            matmuls -= weight_flops(self.transformer.wpe.weight)
+        if not c.tie_embeddings:
+            matmuls -= weight_flops(self.transformer.wte.weight)
+        head = weight_flops(self.lm_head.weight)
+        return (matmuls - head + head * output_fraction
                 + 12 * c.n_layer * c.n_head * c.head_size * (context or c.block_size))
 
     def estimate_mfu(self, tokens_per_sec, device_name=None, output_fraction=1.0, context=None):

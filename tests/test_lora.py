@@ -314,3 +314,18 @@ def test_lora_ddp_with_activation_checkpointing_matches_single_process(tmp_path,
     for key in ('train_loss', 'grad_norm', 'val_loss'):
         a, b = ({e['step']: e[key] for e in read_log(out) if key in e} for out in (single, ddp))
         assert b == pytest.approx(a, rel=1e-6), (key, a, b)
+
+
+def test_mfu_counts_a_frozen_weight_as_forward_and_input_gradient_only():
+    """Per token, a trained weight costs 6 FLOPs per element (forward, input gradient, weight gradient) and a
+    frozen one 4 (no weight gradient): a LoRA run's MFU counts its frozen base at 4, not at full training's 6."""
+    model = GPT(GPTConfig(block_size=8, vocab_size=32, n_layer=2, n_head=2, n_embd=16))
+    attention = 12 * 2 * 2 * 8 * 8  # n_layer * n_head * head_dim * block_size
+    base = sum(p.numel() for p in model.parameters())  # tied, rope: every weight does matmul work
+    assert model.flops_per_token() == 6 * base + attention
+    apply_lora(model, r=4, lora_alpha=8, target_modules='attn.q,attn.v')
+    adapters = 2 * 2 * (4 * 16 + 16 * 4)  # two layers, q and v, A and B
+    assert sum(p.numel() for p in model.parameters() if p.requires_grad) == adapters
+    assert model.flops_per_token() == 4 * base + 6 * adapters + attention
+    head = 4 * 16 * 32
+    assert model.flops_per_token(output_fraction=0.25) == 4 * base - head + head / 4 + 6 * adapters + attention

@@ -21,10 +21,15 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from configurator import UserError
+from tokenizer_json import from_sentencepiece
 
 # the named special tokens transformers reads from tokenizer_config.json and passes to the template
 SPECIAL_TOKEN_NAMES = ('bos_token', 'eos_token', 'unk_token', 'sep_token', 'pad_token', 'cls_token', 'mask_token')
 GENERATION_TAG = re.compile(r'\{%-?\s*generation\s*-?%\}')  # as transformers detects {% generation %} markers
+# the tokenizer classes whose tokenizer.model transformers converts as from_sentencepiece does, and the
+# tokenizer_config.json settings that conversion reads
+SENTENCEPIECE_CLASSES = ('LlamaTokenizer', 'LlamaTokenizerFast')
+CONVERSION_SETTINGS = ('legacy', 'add_prefix_space', 'add_bos_token', 'add_eos_token', 'added_tokens_decoder')
 PROBE_CHAT = [{'role': 'user', 'content': 'Hi'}, {'role': 'assistant', 'content': 'Hello'}]
 
 
@@ -146,24 +151,24 @@ class HFTokenizer:
 
     def __init__(self, folder, template_variables=None):
         self.folder = folder
+        tokenizer_config = read_json(folder, 'tokenizer_config.json') or {}
+        self.special_tokens = read_special_tokens(tokenizer_config, read_json(folder, 'special_tokens_map.json') or {})
         path = os.path.join(folder, 'tokenizer.json')
-        if not os.path.isfile(path):
-            other = ' (it has only a sentencepiece tokenizer.model, which nanotrain does not read yet)' \
-                if os.path.isfile(os.path.join(folder, 'tokenizer.model')) else ''
-            raise UserError(f"{path} is missing{other}. Point at a Hugging Face model folder with its tokenizer.json; "
-                            f"transformers writes one: AutoTokenizer.from_pretrained(folder).save_pretrained(folder).")
-        with open(path, 'rb') as f:
-            self.tokenizer_bytes = f.read()
-        try:
-            self.tokenizer = Tokenizer.from_str(self.tokenizer_bytes.decode('utf-8'))
-        except Exception as e:  # the Rust side raises plain Exception for malformed files
-            raise UserError(f"{path} is corrupt ({e}); download the model folder again.") from None
+        if os.path.isfile(path):
+            with open(path, 'rb') as f:
+                self.tokenizer_bytes = f.read()
+            try:
+                self.tokenizer = Tokenizer.from_str(self.tokenizer_bytes.decode('utf-8'))
+            except Exception as e:  # the Rust side raises plain Exception for malformed files
+                raise UserError(f"{path} is corrupt ({e}); download the model folder again.") from None
+        else:
+            self.tokenizer, self.tokenizer_bytes = read_sentencepiece_folder(folder, tokenizer_config, self.special_tokens)
+        # as transformers: a folder may ask for special-token text in a text to be read as plain text
+        self.tokenizer.encode_special_tokens = bool(tokenizer_config.get('split_special_tokens', False))
         # ids count up to the model's embedding rows, which may outnumber the tokens (Qwen2.5 pads them to a
         # multiple of 128): nanotrain's chat tokens (ChatTokenizer) then go after the rows, not into them
         model_rows = (read_json(folder, 'config.json') or {}).get('vocab_size', 0)
         self.vocab_size = max(self.tokenizer.get_vocab_size(with_added_tokens=True), model_rows)
-        tokenizer_config = read_json(folder, 'tokenizer_config.json') or {}
-        self.special_tokens = read_special_tokens(tokenizer_config, read_json(folder, 'special_tokens_map.json') or {})
         self.template_variables = {**self.special_tokens, **(template_variables or {})}
         self.chat_template, self.template_source = read_chat_template(folder, tokenizer_config)
         self.template = None if self.chat_template is None else compile_chat_template(self.chat_template, self.template_source)
@@ -176,9 +181,12 @@ class HFTokenizer:
         pad = self.token_id('pad_token')
         self.pad_id = pad if pad is not None else self.eos_id
         # the tokens tokenizer.json's post-processor puts before a text (Llama's and Mistral's BOS), as
-        # transformers' tokenizer(text) gives them; a chat template writes its own
-        with_specials = self.tokenizer.encode('a', add_special_tokens=True).ids
-        self.document_prefix = with_specials[:with_specials.index(self.encode('a')[0])]
+        # transformers' tokenizer(text) gives them; a chat template writes its own. The probe text is the
+        # first ordinary token's (a character tokenizer may not know 'a')
+        added = self.tokenizer.get_added_tokens_decoder()
+        probe = self.decode([next(i for i in range(self.vocab_size) if i not in added)])
+        with_specials = self.tokenizer.encode(probe, add_special_tokens=True).ids
+        self.document_prefix = with_specials[:with_specials.index(self.encode(probe)[0])]
 
     def token_id(self, name):
         """The id of a named special token ('eos_token', ...), None if the configs name none."""
@@ -288,6 +296,31 @@ class HFTokenizer:
     def encode_prompt(self, messages):
         """The conversation so far plus the generation prompt that starts the next assistant turn."""
         return self.encode(self.render(messages, add_generation_prompt=True))
+
+
+def read_sentencepiece_folder(folder, tokenizer_config, special_tokens):
+    """(tokenizers.Tokenizer, the bytes its identity hashes) of a folder that has a sentencepiece
+    tokenizer.model but no tokenizer.json, converted as transformers' LlamaTokenizer converts it."""
+    path = os.path.join(folder, 'tokenizer.model')
+    if not os.path.isfile(path):
+        raise UserError(f"{os.path.join(folder, 'tokenizer.json')} is missing, and so is a sentencepiece tokenizer.model. "
+                        f"Point at a Hugging Face model folder with its tokenizer files.")
+    # AutoTokenizer picks the class from tokenizer_config.json, else from config.json's model_type
+    tokenizer_class = tokenizer_config.get('tokenizer_class')
+    model_type = (read_json(folder, 'config.json') or {}).get('model_type')
+    if tokenizer_class not in SENTENCEPIECE_CLASSES and not (tokenizer_class is None and model_type in ('llama', 'mistral')):
+        raise UserError(f"{path}: nanotrain converts a sentencepiece tokenizer.model the way transformers' "
+                        f"LlamaTokenizer does (Llama 2, Mistral v0.1), not for tokenizer_class {tokenizer_class} "
+                        f"(model_type {model_type}). Give the folder its "
+                        f"tokenizer.json: AutoTokenizer.from_pretrained(folder).save_pretrained(folder) in transformers.")
+    with open(path, 'rb') as f:
+        model_bytes = f.read()
+    try:
+        tokenizer = from_sentencepiece(model_bytes, tokenizer_config, special_tokens, source=path)
+    except (ValueError, IndexError, KeyError) as e:  # a truncated or foreign file
+        raise UserError(f"{path} is not a sentencepiece model ({e!r}); download the model folder again.") from None
+    recipe = {name: tokenizer_config.get(name) for name in CONVERSION_SETTINGS}
+    return tokenizer, model_bytes + json.dumps(recipe, sort_keys=True).encode()
 
 
 def load_hf_tokenizer(folder, template_variables=None):

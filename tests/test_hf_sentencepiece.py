@@ -1,0 +1,138 @@
+"""Sentencepiece tokenizers as Hugging Face tokenizers: a published folder with only a tokenizer.model
+(tests/fixtures/hf/sentencepiece, its expected.json written by transformers' AutoTokenizer) and the
+tokenizer.json / tokenizer_config.json that tokenizer_json.write_tokenizer_files writes for nanotrain's own
+tokenizers, read back by hf_tokenizer.py."""
+import json
+import os
+import shutil
+
+import pytest
+
+from configurator import UserError
+from hf_tokenizer import load_hf_tokenizer
+from tokenizer import BPETokenizer, CharTokenizer, ChatTokenizer, train_bpe
+from tokenizer_json import from_sentencepiece, write_tokenizer_files
+
+FOLDER = os.path.join(os.path.dirname(__file__), 'fixtures', 'hf', 'sentencepiece')
+with open(os.path.join(FOLDER, 'expected.json'), encoding='utf-8') as f:
+    EXPECTED = json.load(f)
+
+
+def test_sentencepiece_folder_encodes_as_transformers():
+    tokenizer = load_hf_tokenizer(FOLDER)
+    assert tokenizer.vocab_size == EXPECTED['vocab_size']
+    assert tokenizer.document_prefix == [1]  # add_bos_token: <s>
+    for text, ids, with_specials, decoded, decoded_with_specials in zip(
+            EXPECTED['texts'], EXPECTED['ids'], EXPECTED['ids_with_special_tokens'], EXPECTED['decoded'],
+            EXPECTED['decoded_with_special_tokens']):
+        assert tokenizer.encode(text) == ids, text
+        assert tokenizer.document_prefix + tokenizer.encode(text) == with_specials, text
+        assert tokenizer.decode(ids) == decoded and tokenizer.decode(with_specials) == decoded_with_specials, text
+
+
+@pytest.mark.parametrize('variant', sorted(EXPECTED['variants']))
+def test_sentencepiece_settings_as_transformers(variant):
+    """legacy and add_prefix_space of tokenizer_config.json change where the dummy-prefix space goes."""
+    with open(os.path.join(FOLDER, 'tokenizer.model'), 'rb') as f:
+        model_bytes = f.read()
+    with open(os.path.join(FOLDER, 'tokenizer_config.json'), encoding='utf-8') as f:
+        config = {**json.load(f), **EXPECTED['variants'][variant]['kwargs']}
+    tokenizer = from_sentencepiece(model_bytes, config)
+    for text, ids, decoded in zip(EXPECTED['texts'], EXPECTED['variants'][variant]['ids'],
+                                  EXPECTED['variants'][variant]['decoded']):
+        assert tokenizer.encode(text, add_special_tokens=False).ids == ids, text
+        assert tokenizer.decode(ids, skip_special_tokens=False) == decoded, text
+
+
+@pytest.mark.parametrize('case', EXPECTED['chat'], ids=[c['case'] for c in EXPECTED['chat']])
+def test_sentencepiece_chat_as_transformers(case):
+    tokenizer = load_hf_tokenizer(FOLDER)
+    if 'text' in case:
+        assert tokenizer.render(case['messages'], case['add_generation_prompt']) == case['text']
+    assert tokenizer.encode(tokenizer.render(case['messages'], case['add_generation_prompt'])) == case['ids']
+    if case.get('assistant_mask') is not None:
+        ids, labels = tokenizer.encode_chat(case['messages'])
+        assert ids == case['ids']
+        assert [int(label != -100) for label in labels] == case['assistant_mask']
+
+
+def test_sentencepiece_identity_follows_the_settings(tmp_path):
+    for name in ('tokenizer.model', 'special_tokens_map.json'):
+        shutil.copy(os.path.join(FOLDER, name), tmp_path)
+    with open(os.path.join(FOLDER, 'tokenizer_config.json'), encoding='utf-8') as f:
+        config = json.load(f)
+    (tmp_path / 'tokenizer_config.json').write_text(json.dumps({**config, 'legacy': True}))
+    assert load_hf_tokenizer(str(tmp_path)).identity() != load_hf_tokenizer(FOLDER).identity()
+
+
+def test_sentencepiece_folder_errors(tmp_path):
+    shutil.copy(os.path.join(FOLDER, 'tokenizer.model'), tmp_path)
+    (tmp_path / 'tokenizer_config.json').write_text(json.dumps({'tokenizer_class': 'T5Tokenizer'}))
+    with pytest.raises(UserError, match='T5Tokenizer'):
+        load_hf_tokenizer(str(tmp_path))
+    (tmp_path / 'tokenizer_config.json').write_text(json.dumps({'tokenizer_class': 'LlamaTokenizer'}))
+    (tmp_path / 'tokenizer.model').write_bytes(b'not a model')
+    with pytest.raises(UserError, match='not a sentencepiece model'):
+        load_hf_tokenizer(str(tmp_path))
+    (tmp_path / 'tokenizer.model').unlink()
+    with pytest.raises(UserError, match='tokenizer.json is missing, and so is a sentencepiece tokenizer.model'):
+        load_hf_tokenizer(str(tmp_path))
+
+
+# -----------------------------------------------------------------------------
+# nanotrain's own tokenizers written as Hugging Face files
+
+CORPUS = ("def add(a, b):\n    return a + b\n\n\nclass Point:\n\tx = 1\n\ty = 22\n\n"
+          "Hello there, how are you? I am fine, thanks. 3.14159 and 2024-01-02, 5678.\n"
+          "The quick brown fox jumps over the lazy dog.  Two  spaces.   Three.\n") * 4
+HOSTILE = ["", " ", "   ", "Hello there", " Hello", "  two leading", "trailing  ", "a  b   c", "\n", "\n\n  x\n",
+           "\tindent\ttabs\t", "def add(a, b):\n    return a + b\n", "1234567890 3.14", "x" * 30]
+BPE_ONLY = ["naïve café — 東京 🙂", "</s>", "<unk>", "a</s>b", "<|end|>", "<|user|>hi", "\r\n", "\u2581x"]
+MESSAGES = [
+    [{'role': 'user', 'content': 'Hello there'}, {'role': 'assistant', 'content': 'I am fine, thanks.'}],
+    [{'role': 'system', 'content': '  two leading'}, {'role': 'user', 'content': 'def add(a, b):\n'},
+     {'role': 'assistant', 'content': '    return a + b\n'}, {'role': 'user', 'content': '3.14 '},
+     {'role': 'assistant', 'content': ''}],
+]
+
+
+@pytest.fixture(scope='module')
+def bpe():
+    return BPETokenizer(train_bpe([CORPUS], vocab_size=360))
+
+
+def written(tmp_path, tokenizer):
+    generation = write_tokenizer_files(tokenizer, str(tmp_path))
+    (tmp_path / 'generation_config.json').write_text(json.dumps(generation))
+    return generation, load_hf_tokenizer(str(tmp_path))
+
+
+@pytest.mark.parametrize('kind', ['char', 'bpe'])
+def test_written_base_tokenizer_encodes_as_nanotrain(tmp_path, bpe, kind):
+    tokenizer = bpe if kind == 'bpe' else CharTokenizer(sorted(set(CORPUS)))
+    generation, hf = written(tmp_path, tokenizer)
+    assert generation == ({'eos_token_id': 1} if kind == 'bpe' else {})
+    assert hf.vocab_size == tokenizer.vocab_size and hf.document_prefix == []
+    for text in HOSTILE + (BPE_ONLY if kind == 'bpe' else []):
+        ids = tokenizer.encode(text)
+        assert hf.encode(text) == ids, text
+        assert hf.decode(ids) == tokenizer.decode(ids), text
+        assert hf.decode(ids) == text.replace('\u2581', ' '), text  # sentencepiece writes a space as '▁'
+    if kind == 'char':  # a character outside the vocabulary is an error, as in nanotrain
+        with pytest.raises(Exception, match='<unk>'):
+            hf.encode('🙂')
+
+
+@pytest.mark.parametrize('kind', ['char', 'bpe'])
+def test_written_chat_tokenizer_encodes_as_nanotrain(tmp_path, bpe, kind):
+    tokenizer = ChatTokenizer(bpe if kind == 'bpe' else CharTokenizer(sorted(set(CORPUS))))
+    generation, hf = written(tmp_path, tokenizer)
+    assert generation == {'eos_token_id': tokenizer.eos_id}
+    assert hf.vocab_size == tokenizer.vocab_size and hf.eos_id == tokenizer.eos_id and hf.stop_ids == [tokenizer.eos_id]
+    for messages in MESSAGES:
+        assert hf.encode_chat(messages) == tokenizer.encode_chat(messages)
+        assert hf.encode_prompt(messages[:-1]) == tokenizer.encode_prompt(messages[:-1])
+        ids = tokenizer.encode_chat(messages)[0]
+        assert hf.decode(ids) == tokenizer.decode(ids)
+    for text in HOSTILE:
+        assert hf.encode(text) == tokenizer.encode(text), text

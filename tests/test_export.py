@@ -17,6 +17,7 @@ from data import prepare
 from hf_checkpoint import gpt_config, hf_model, read_hf_weights, save_hf_model
 from lora import apply_lora, lora_state_dict, save_merged
 from model import GPT, GPTConfig, mlp_hidden_size
+from hf_tokenizer import load_hf_tokenizer
 from tokenizer import ChatTokenizer, load_tokenizer
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -129,6 +130,8 @@ def test_export_py_writes_the_default_model_as_arcee(tmp_path, data_dir):
     x = torch.randint(0, tokenizer.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(exported(x)[0], model(x)[0])  # as in the test above
+    text = "Reverse 321: 123.\n"
+    assert load_hf_tokenizer(str(tmp_path / 'hf')).encode(text) == tokenizer.encode(text)
 
 
 def test_a_lora_runs_merged_model_exports_and_its_adapters_alone_do_not(tmp_path, data_dir):
@@ -148,6 +151,10 @@ def test_a_lora_runs_merged_model_exports_and_its_adapters_alone_do_not(tmp_path
     x = torch.randint(0, chat.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():  # the adapters folded into the weights: equal up to float32 rounding of the fold
         torch.testing.assert_close(exported(x)[0], base(x)[0], atol=1e-5, rtol=0)
+    chat_turns = [{'role': 'user', 'content': 'What is 12+34?'}, {'role': 'assistant', 'content': '46.'}]
+    exported_tokenizer = load_hf_tokenizer(str(tmp_path / 'hf'))  # the chat template and its tokens came along
+    assert exported_tokenizer.encode_chat(chat_turns) == chat.encode_chat(chat_turns)
+    assert exported_tokenizer.stop_ids == [chat.eos_id]
     save_checkpoint(str(tmp_path / 'ckpt.pt'), dict(kind='lora', model=lora_state_dict(base), config={},
                                                     base_checkpoint=str(tmp_path / 'base.pt')))
     p = run(['export.py', str(tmp_path / 'ckpt.pt'), str(tmp_path / 'adapter')], check=False)

@@ -1,13 +1,24 @@
 """
-Export a fine-tuned published model as a Hugging Face folder that transformers, vLLM and lm-eval load
-as is: `python export.py out-sft/ckpt.pt /models/my-sft`. The checkpoint is one train.py wrote for a
-model it loaded from a Hugging Face folder (init_from): an SFT run's ckpt.pt or best.pt, or a LoRA
-run's merged.pt (the adapters folded into the weights). The folder gets the source model's
-config.json, its weights in the dtype it was published in (tied embeddings stay tied; sharded with an
-index above 5 GB), generation_config.json and the tokenizer files with their chat template (a base
-model fine-tuned in nanotrain's template gets that template, its four tokens and <|end|> as the stop).
-A LoRA run's ckpt.pt (adapters only) becomes a PEFT adapter folder instead, which peft loads onto the
-base model: `python export.py out-lora-hf/ckpt.pt /models/my-adapter`.
+Export a model as a Hugging Face folder that transformers, vLLM and lm-eval load as is:
+`python export.py out-sft/ckpt.pt /models/my-sft`. The checkpoint is a train.py (or train_dpo.py) GPT
+checkpoint, ckpt.pt or best.pt, or a LoRA run's merged.pt (the adapters folded into the weights).
+
+A fine-tune of a published model (init_from a Hugging Face folder) gets the source model's config.json, its
+weights in the dtype it was published in (tied embeddings stay tied; sharded with an index above 5 GB),
+generation_config.json and the tokenizer files with their chat template (a base model fine-tuned in
+nanotrain's template gets that template, its four tokens and <|end|> as the stop). A LoRA run's ckpt.pt
+(adapters only) on such a model becomes a PEFT adapter folder instead, which peft loads onto the base
+model: `python export.py out-lora-hf/ckpt.pt /models/my-adapter`.
+
+A model nanotrain trained itself is written as the family that computes the same function, in float32
+(hf_checkpoint.hf_model), with its tokenizer (chat template and <|end|> after SFT, LoRA or DPO):
+- pos_emb='rope', norm='rmsnorm', mlp 'gelu' / 'gelu_tanh' / 'relu2': ArceeForCausalLM (Llama with a plain
+  MLP). This is the default `python train.py` model, so its SFT, LoRA and DPO runs (config/sft.py,
+  config/lora.py, config/dpo.py) and config/shakespeare_char.py export as Arcee.
+- the same with mlp='swiglu': LlamaForCausalLM; with qkv_bias Qwen2ForCausalLM; with qk_norm Qwen3ForCausalLM.
+- pos_emb='learned', norm='layernorm', mlp 'gelu' / 'gelu_tanh': GPT2LMHeadModel (zero biases if bias=False).
+Any other model is refused, naming the settings no family has: config/speedrun_cpu.py's (qk_norm with a
+GELU MLP), logit_softcap, RoPE with LayerNorm, learned positions with RMSNorm.
 """
 import os
 import shutil
@@ -16,9 +27,10 @@ import tempfile
 
 from checkpoint import is_hf_folder, load_checkpoint
 from configurator import UserError, install_excepthook
-from hf_checkpoint import save_chat_tokenizer, save_hf_model, save_peft_adapter
+from hf_checkpoint import hf_model, save_chat_tokenizer, save_hf_model, save_peft_adapter
 from hf_tokenizer import load_hf_tokenizer
-from tokenizer import ChatTokenizer
+from tokenizer import ChatTokenizer, load_tokenizer
+from tokenizer_json import write_tokenizer_files
 
 install_excepthook()
 if len(sys.argv) != 3 or sys.argv[1].startswith('-'):
@@ -32,19 +44,25 @@ if os.path.exists(out_folder) and not (os.path.isdir(out_folder) and not os.list
     raise UserError(f"{out_folder} exists and is not an empty folder; export into a new folder (nothing there was "
                     f"changed).")
 ckpt = load_checkpoint(ckpt_path)
-if ckpt.get('kind') not in ('gpt', 'lora') or not ckpt.get('hf_config'):
-    raise UserError(f"{ckpt_path} is not a fine-tune of a Hugging Face model (it was not trained with "
-                    f"--init_from=<model folder>); export.py writes only such models back.")
+if ckpt.get('kind') not in ('gpt', 'lora'):
+    raise UserError(f"{ckpt_path} is a {ckpt.get('kind')!r} checkpoint; export.py writes GPT models (train.py and "
+                    f"train_dpo.py checkpoints).")
 if ckpt['kind'] == 'lora' and not is_hf_folder(ckpt['base_checkpoint']):
     raise UserError(f"the adapters in {ckpt_path} were trained on {ckpt['base_checkpoint']}, a nanotrain checkpoint, "
                     f"and a PEFT adapter must name a Hugging Face base. Export merged.pt from the same run instead "
                     f"(the adapters folded in), or export that base first and load the adapters onto it yourself.")
+published = bool(ckpt.get('hf_config'))  # a fine-tune of a published model: written back as its own family
+if not published:
+    hf_config, state = hf_model(ckpt['model'], ckpt['model_args'])  # first: a model that cannot export writes nothing
 tokenizer_folder = ckpt['data_dir']
-tokenizer = load_hf_tokenizer(tokenizer_folder)
+if not os.path.isdir(tokenizer_folder):
+    raise UserError(f"{tokenizer_folder}, the folder of the tokenizer {ckpt_path} was trained with (named in it), no "
+                    f"longer exists; put it back there: its tokenizer is written into the export.")
+tokenizer = load_hf_tokenizer(tokenizer_folder) if published else load_tokenizer(tokenizer_folder)
 chat_tokens_added = ChatTokenizer(tokenizer).identity() == ckpt['tokenizer']  # a base model, given nanotrain's template
 if tokenizer.identity() != ckpt['tokenizer'] and not chat_tokens_added:
     raise UserError(f"the tokenizer in {tokenizer_folder} has changed since {ckpt_path} was trained with it; put "
-                    f"that model folder back as it was.")
+                    f"that folder back as it was.")
 
 # written to a temporary folder next to out_folder and renamed at the end: a failed export leaves nothing behind
 parent = os.path.dirname(os.path.abspath(out_folder))
@@ -54,12 +72,17 @@ try:
     if ckpt['kind'] == 'lora':
         save_peft_adapter(ckpt['model'], ckpt['config'], ckpt['hf_config'], ckpt['base_checkpoint'], staging)
         what = f"the adapters of {ckpt_path} (PEFT LoRA on {ckpt['base_checkpoint']})"
-    else:
+    elif published:
         hf_config = dict(ckpt['hf_config'], vocab_size=ckpt['model_args']['vocab_size'])
         save_hf_model(ckpt['model'], hf_config, staging, tokenizer_folder, ckpt.get('generation_config'))
         if chat_tokens_added:
             save_chat_tokenizer(tokenizer, staging, ckpt.get('generation_config'))
         what = f"{ckpt_path} ({hf_config['architectures'][0]})"
+    else:
+        generation = write_tokenizer_files(ChatTokenizer(tokenizer) if chat_tokens_added else tokenizer, staging)
+        hf_config.update({k: generation.get(k) for k in ('bos_token_id', 'eos_token_id')})
+        save_hf_model(state, hf_config, staging, None, generation)
+        what = f"{ckpt_path} ({hf_config['architectures'][0]}, float32)"
     os.chmod(staging, 0o755)  # mkdtemp makes it 0700
     if os.path.isdir(out_folder):
         os.rmdir(out_folder)  # empty, checked above

@@ -3,7 +3,8 @@ Hugging Face checkpoints in and out. A folder with config.json and model.safeten
 model.safetensors.index.json, or pytorch_model.bin) of one of the ARCHITECTURES becomes a GPT of
 model.py, and a GPT of such a shape is written back as a folder transformers / vLLM load as is.
 
-- gpt_config: config.json -> GPTConfig fields.
+- gpt_config: config.json -> GPTConfig fields; hf_model, the other way: the config.json of the family that
+  computes what a GPT nanotrain trained itself computes (export.py), or a UserError saying why none does.
 - load_hf_checkpoint: the folder as a train.py checkpoint; its weights are read one file at a time
   into one copy of the model (float32, nanotrain's training precision: a float32 file stays
   memory-mapped), and GPT.from_state_dict builds the model around them on the meta device, so host
@@ -25,15 +26,20 @@ from tokenizers import Tokenizer
 
 from configurator import UserError
 from hf_tokenizer import load_hf_tokenizer, read_json
-from model import GPT, ROPE_SCALING_KEYS, GPTConfig
+from model import GPT, ROPE_SCALING_KEYS, GPTConfig, mlp_hidden_size
 from tokenizer import CHAT_SPECIAL_TOKENS, CHAT_TEMPLATE_JINJA
 
-ARCHITECTURES = ('LlamaForCausalLM', 'MistralForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM', 'GPT2LMHeadModel')
+ARCHITECTURES = ('LlamaForCausalLM', 'MistralForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM', 'ArceeForCausalLM',
+                 'GPT2LMHeadModel')
+# a non-gated MLP's activation (Arcee's hidden_act, GPT-2's activation_function) -> nanotrain's mlp; Hugging Face's
+# 'gelu' is the exact (erf) GELU, 'gelu_new' and 'gelu_pytorch_tanh' the tanh approximation, 'relu2' relu(x)**2
+MLP_OF_ACTIVATION = {'gelu': 'gelu', 'gelu_new': 'gelu_tanh', 'gelu_pytorch_tanh': 'gelu_tanh', 'relu2': 'relu2'}
+ACTIVATION_OF_MLP = {'gelu': 'gelu', 'gelu_tanh': 'gelu_pytorch_tanh', 'relu2': 'relu2'}  # the same PyTorch ops
 TOKENIZER_FILES = ('tokenizer.json', 'tokenizer.model', 'tokenizer_config.json', 'special_tokens_map.json',
                    'added_tokens.json', 'vocab.json', 'merges.txt', 'chat_template.jinja', 'chat_template.json')
 
 # nanotrain module -> Hugging Face module ('{}' is the layer number); weights and biases follow their module
-LLAMA_NAMES = {  # Llama, Mistral, Qwen2, Qwen3
+LLAMA_NAMES = {  # Llama, Mistral, Qwen2, Qwen3, Arcee (no gate)
     'transformer.wte': 'model.embed_tokens',
     'transformer.h.{}.ln_1': 'model.layers.{}.input_layernorm',
     'transformer.h.{}.attn.q': 'model.layers.{}.self_attn.q_proj',
@@ -87,9 +93,10 @@ def gpt_config(hf, folder):
                         f"{', '.join(ARCHITECTURES)}.")
     if arch == 'GPT2LMHeadModel':
         require_keys(hf, ('n_positions', 'vocab_size', 'n_layer', 'n_head', 'n_embd'), arch, folder)
-        if hf.get('activation_function', 'gelu_new') not in ('gelu_new', 'gelu_pytorch_tanh'):
-            raise UserError(f"{folder}/config.json: activation_function={hf['activation_function']!r} is not "
-                            f"supported; GPT-2 models use 'gelu_new'.")
+        activation = hf.get('activation_function', 'gelu_new')
+        if activation not in MLP_OF_ACTIVATION:
+            raise UserError(f"{folder}/config.json: activation_function={activation!r} is not supported; nanotrain "
+                            f"loads GPT-2 models with {', '.join(map(repr, MLP_OF_ACTIVATION))}.")
         if hf.get('scale_attn_by_inverse_layer_idx') or hf.get('reorder_and_upcast_attn') \
                 or not hf.get('scale_attn_weights', True):
             raise UserError(f"{folder}/config.json: scale_attn_by_inverse_layer_idx, reorder_and_upcast_attn or "
@@ -98,11 +105,19 @@ def gpt_config(hf, folder):
         return dict(block_size=hf['n_positions'], vocab_size=hf['vocab_size'], n_layer=hf['n_layer'],
                     n_head=hf['n_head'], n_embd=hf['n_embd'], mlp_hidden=hf.get('n_inner') or 0, bias=True,
                     pos_emb='learned', norm='layernorm', norm_eps=hf.get('layer_norm_epsilon', 1e-5),
-                    mlp='gelu_tanh', tie_embeddings=ties_embeddings(hf))
-    if hf.get('hidden_act', 'silu') != 'silu' or hf.get('attention_bias') or hf.get('mlp_bias'):
-        raise UserError(f"{folder}/config.json: hidden_act={hf.get('hidden_act')!r}, attention_bias="
-                        f"{hf.get('attention_bias')}, mlp_bias={hf.get('mlp_bias')} is not supported; nanotrain "
-                        f"loads {arch} models with hidden_act 'silu' and no attention or MLP biases.")
+                    mlp=MLP_OF_ACTIVATION[activation], tie_embeddings=ties_embeddings(hf))
+    arcee = arch == 'ArceeForCausalLM'
+    activation, supported = hf.get('hidden_act', 'relu2' if arcee else 'silu'), MLP_OF_ACTIVATION if arcee else ['silu']
+    if activation not in supported:
+        raise UserError(f"{folder}/config.json: hidden_act={activation!r} is not supported; nanotrain loads {arch} "
+                        f"models with hidden_act {', '.join(map(repr, supported))}.")
+    # nanotrain's bias=True puts a bias on every linear layer: Llama's and Arcee's attention_bias and mlp_bias together
+    bias = bool(hf.get('attention_bias')) and bool(hf.get('mlp_bias'))
+    biased_families = ('LlamaForCausalLM', 'ArceeForCausalLM')
+    if (hf.get('attention_bias') or hf.get('mlp_bias')) and not (bias and arch in biased_families):
+        raise UserError(f"{folder}/config.json: attention_bias={hf.get('attention_bias')}, mlp_bias="
+                        f"{hf.get('mlp_bias')} is not supported; nanotrain loads {arch} models without biases (a Llama "
+                        f"or Arcee model may have both).")
     require_keys(hf, ('max_position_embeddings', 'vocab_size', 'num_hidden_layers', 'num_attention_heads',
                       'hidden_size', 'intermediate_size'), arch, folder)
     rope = hf.get('rope_parameters') or hf.get('rope_scaling') or {}  # transformers 5 names it rope_parameters
@@ -118,13 +133,83 @@ def gpt_config(hf, folder):
         context = min(context, hf.get('sliding_window') or context)
     return dict(block_size=context, vocab_size=hf['vocab_size'], n_layer=hf['num_hidden_layers'],
                 n_head=hf['num_attention_heads'], n_kv_head=hf.get('num_key_value_heads') or 0,
-                n_embd=hf['hidden_size'], head_dim=hf.get('head_dim') or 0, mlp='swiglu',
-                mlp_hidden=hf['intermediate_size'], bias=False, qkv_bias=arch == 'Qwen2ForCausalLM',
-                pos_emb='rope', norm='rmsnorm', norm_eps=hf.get('rms_norm_eps', 1e-6),
+                n_embd=hf['hidden_size'], head_dim=hf.get('head_dim') or 0,
+                mlp=MLP_OF_ACTIVATION[activation] if arcee else 'swiglu', mlp_hidden=hf['intermediate_size'],
+                bias=bias, qkv_bias=arch == 'Qwen2ForCausalLM',
+                pos_emb='rope', norm='rmsnorm', norm_eps=hf.get('rms_norm_eps', 1e-5 if arcee else 1e-6),
                 tie_embeddings=ties_embeddings(hf),
                 rope_theta=float(hf.get('rope_theta') or rope.get('rope_theta', 10000.0)),
                 rope_scaling={k: rope[k] for k in ROPE_SCALING_KEYS} if rope_type == 'llama3' else {},
                 qk_norm=arch == 'Qwen3ForCausalLM')
+
+
+EXPORTABLE = ("pos_emb='rope', norm='rmsnorm' and mlp='swiglu' (LlamaForCausalLM; with qkv_bias Qwen2ForCausalLM, with "
+              "qk_norm Qwen3ForCausalLM); pos_emb='rope', norm='rmsnorm' and mlp 'gelu', 'gelu_tanh' or 'relu2' "
+              "(ArceeForCausalLM, as nanotrain's default model); pos_emb='learned', norm='layernorm' and mlp 'gelu', "
+              "'gelu_tanh' or 'relu2' (GPT2LMHeadModel); all without logit_softcap")
+
+
+def export_problems(c):
+    """The settings of c (a GPTConfig) that no supported Hugging Face family has, as phrases; [] if one has them all."""
+    problems = [f"logit_softcap={c.logit_softcap} (no family caps its logits)"] if c.logit_softcap else []
+    if c.pos_emb == 'learned':  # GPT-2, the one family with learned positions
+        problems += [f"{setting} with pos_emb='learned' (GPT-2 {has})" for setting, has, wrong in (
+            ("norm='rmsnorm'", "normalizes with LayerNorm", c.norm != 'layernorm'),
+            (f"mlp={c.mlp!r}", "has no gated MLP", c.mlp not in ACTIVATION_OF_MLP),
+            ("qk_norm=True", "has no q/k norms", c.qk_norm),
+            (f"n_kv_head={c.n_kv_head}", "has no grouped-query attention", c.kv_heads != c.n_head),
+            (f"head_dim={c.head_dim}", "has heads of n_embd / n_head", c.head_size * c.n_head != c.n_embd)) if wrong]
+        return problems
+    if c.norm != 'rmsnorm':
+        problems.append("norm='layernorm' with pos_emb='rope' (the RoPE families normalize with RMSNorm)")
+    if c.qk_norm and c.mlp != 'swiglu':
+        problems.append(f"qk_norm=True with mlp={c.mlp!r} (Qwen3, the family with q/k norms, has a SwiGLU MLP)")
+    if c.qk_norm and (c.bias or c.qkv_bias):
+        problems.append("qk_norm=True with bias or qkv_bias (Qwen3 has no q/k/v-only or MLP biases)")
+    if c.qkv_bias and not c.bias and c.mlp != 'swiglu':
+        problems.append(f"qkv_bias=True with mlp={c.mlp!r} (Qwen2, the family with q/k/v biases, has a SwiGLU MLP)")
+    if c.n_embd % c.n_head and not c.qk_norm:
+        problems.append(f"n_embd={c.n_embd} not a multiple of n_head={c.n_head} (Llama and Arcee configs refuse it)")
+    return problems
+
+
+def hf_model(state, model_args):
+    """(config.json, state dict) of the Hugging Face model that computes what the GPT of model_args (GPTConfig
+    fields) holding state computes: a model nanotrain trained itself, written out by export.py. GPT-2 gets zero
+    biases where the GPT has none (bias=False), which changes nothing. A UserError names the settings no family has."""
+    c = GPTConfig(**model_args)
+    problems = export_problems(c)
+    if problems:
+        raise UserError(f"this model has {'; '.join(problems)}: no Hugging Face model computes the same function, so "
+                        f"export.py cannot write it as a Hugging Face folder (sample.py and init_from still use the "
+                        f"checkpoint). Models that export: {EXPORTABLE}; train one with those model settings.")
+    dtype = 'float32'  # nanotrain's models are trained in float32 (their master weights): written as they are
+    # bos/eos_token_id: None, not the family's defaults (ids of its published vocabulary); export.py sets ours
+    if c.pos_emb == 'learned':
+        hf = dict(architectures=['GPT2LMHeadModel'], model_type='gpt2', vocab_size=c.vocab_size,
+                  n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer, n_head=c.n_head,
+                  n_inner=mlp_hidden_size(c), activation_function=ACTIVATION_OF_MLP[c.mlp],
+                  layer_norm_epsilon=c.norm_eps or 1e-5, tie_word_embeddings=c.tie_embeddings,
+                  resid_pdrop=c.dropout, embd_pdrop=c.dropout, attn_pdrop=c.dropout, torch_dtype=dtype,
+                  bos_token_id=None, eos_token_id=None)
+        with torch.device('meta'):  # GPT-2 has every bias: the GPT of its config holds them all
+            shapes = GPT(GPTConfig(**gpt_config(hf, 'export'))).state_dict()
+        return hf, dict(state, **{k: torch.zeros(v.shape) for k, v in shapes.items() if k not in state})
+    arch = ('Qwen3ForCausalLM' if c.qk_norm else 'Qwen2ForCausalLM' if c.qkv_bias and not c.bias
+            else 'LlamaForCausalLM' if c.mlp == 'swiglu' else 'ArceeForCausalLM')
+    hf = dict(architectures=[arch], model_type=arch.removesuffix('ForCausalLM').lower(), vocab_size=c.vocab_size,
+              hidden_size=c.n_embd, num_hidden_layers=c.n_layer, num_attention_heads=c.n_head,
+              num_key_value_heads=c.kv_heads, head_dim=c.head_size, intermediate_size=mlp_hidden_size(c),
+              hidden_act='silu' if c.mlp == 'swiglu' else ACTIVATION_OF_MLP[c.mlp],
+              max_position_embeddings=c.block_size, rms_norm_eps=c.norm_eps or 1e-6, rope_theta=c.rope_theta,
+              rope_scaling=dict(rope_type='llama3', **c.rope_scaling) if c.rope_scaling else None,
+              tie_word_embeddings=c.tie_embeddings, attention_dropout=c.dropout, torch_dtype=dtype,
+              bos_token_id=None, eos_token_id=None)
+    if arch in ('LlamaForCausalLM', 'ArceeForCausalLM'):
+        hf.update(attention_bias=c.bias, mlp_bias=c.bias)
+    else:
+        hf.update(use_sliding_window=False)
+    return hf, state
 
 
 def is_gpt2(hf_config):
@@ -282,7 +367,7 @@ def save_hf_model(state, hf_config, out_folder, tokenizer_folder, generation_con
                   max_shard_bytes=5 * 2**30):
     """Write a Hugging Face folder: config.json (hf_config), the weights of state (a GPT state dict) in
     hf_config's torch_dtype, sharded above max_shard_bytes, generation_config and the tokenizer files
-    found in tokenizer_folder."""
+    found in tokenizer_folder (None: the caller writes them)."""
     dtype = getattr(torch, hf_config.get('torch_dtype') or hf_config.get('dtype') or 'float32')
     tensors = hf_state_dict(state, hf_config, dtype)
     os.makedirs(out_folder, exist_ok=True)
@@ -310,7 +395,7 @@ def save_hf_model(state, hf_config, out_folder, tokenizer_folder, generation_con
     if generation_config is not None:
         with open(os.path.join(out_folder, 'generation_config.json'), 'w') as f:
             json.dump(generation_config, f, indent=2)
-    for name in TOKENIZER_FILES:
+    for name in TOKENIZER_FILES if tokenizer_folder else ():
         if os.path.isfile(os.path.join(tokenizer_folder, name)):
             shutil.copyfile(os.path.join(tokenizer_folder, name), os.path.join(out_folder, name))
 

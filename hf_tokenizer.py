@@ -30,7 +30,6 @@ GENERATION_TAG = re.compile(r'\{%-?\s*generation\s*-?%\}')  # as transformers de
 # tokenizer_config.json settings that conversion reads
 SENTENCEPIECE_CLASSES = ('LlamaTokenizer', 'LlamaTokenizerFast')
 CONVERSION_SETTINGS = ('legacy', 'add_prefix_space', 'add_bos_token', 'add_eos_token', 'added_tokens_decoder')
-PROBE_CHAT = [{'role': 'user', 'content': 'Hi'}, {'role': 'assistant', 'content': 'Hello'}]
 
 
 def read_json(folder, name):
@@ -173,6 +172,13 @@ class HFTokenizer:
         self.chat_template, self.template_source = read_chat_template(folder, tokenizer_config)
         self.template = None if self.chat_template is None else compile_chat_template(self.chat_template, self.template_source)
         self.marks_generation = bool(self.chat_template and GENERATION_TAG.search(self.chat_template))
+        # text of the first ordinary token, which any vocabulary can encode (a character tokenizer may not know 'a')
+        added = self.tokenizer.get_added_tokens_decoder()
+        self.probe_text = self.decode([next(i for i in range(self.vocab_size) if i not in added)])
+        # the tokens tokenizer.json's post-processor puts before a text (Llama's and Mistral's BOS), as
+        # transformers' tokenizer(text) gives them; a chat template writes its own
+        with_specials = self.tokenizer.encode(self.probe_text, add_special_tokens=True).ids
+        self.document_prefix = with_specials[:with_specials.index(self.encode(self.probe_text)[0])]
         tokenizer_eos = self.token_id('eos_token')
         self.stop_ids = generation_eos_ids(folder)
         if tokenizer_eos is not None and tokenizer_eos not in self.stop_ids:
@@ -180,13 +186,6 @@ class HFTokenizer:
         self.eos_id = (self.stop_ids or [None])[0] if self.template is None else self.end_of_turn_id()
         pad = self.token_id('pad_token')
         self.pad_id = pad if pad is not None else self.eos_id
-        # the tokens tokenizer.json's post-processor puts before a text (Llama's and Mistral's BOS), as
-        # transformers' tokenizer(text) gives them; a chat template writes its own. The probe text is the
-        # first ordinary token's (a character tokenizer may not know 'a')
-        added = self.tokenizer.get_added_tokens_decoder()
-        probe = self.decode([next(i for i in range(self.vocab_size) if i not in added)])
-        with_specials = self.tokenizer.encode(probe, add_special_tokens=True).ids
-        self.document_prefix = with_specials[:with_specials.index(self.encode(probe)[0])]
 
     def token_id(self, name):
         """The id of a named special token ('eos_token', ...), None if the configs name none."""
@@ -236,8 +235,9 @@ class HFTokenizer:
 
     def end_of_turn_id(self):
         """The stop token that closes an assistant turn in this template, e.g. <|eot_id|> or <|im_end|>."""
-        prompt = self.render(PROBE_CHAT[:1], add_generation_prompt=True)
-        text = self.render(PROBE_CHAT)
+        probe_chat = [{'role': 'user', 'content': self.probe_text}, {'role': 'assistant', 'content': self.probe_text}]
+        prompt = self.render(probe_chat[:1], add_generation_prompt=True)
+        text = self.render(probe_chat)
         encoding = self.tokenizer.encode(text, add_special_tokens=False)
         start = encoding.char_to_token(len(prompt)) if text.startswith(prompt) else None
         stops = set(self.stop_ids)

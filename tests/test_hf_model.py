@@ -19,7 +19,7 @@ from lora import apply_lora, lora_state_dict, merged_state_dict
 from model import GPT, GPTConfig
 
 FIXTURES = os.path.join(os.path.dirname(__file__), 'fixtures', 'hf')
-FAMILIES = ['llama', 'smollm2', 'qwen2', 'qwen2_sharded', 'mistral', 'qwen3', 'gpt2']
+FAMILIES = ['llama', 'smollm2', 'qwen2', 'qwen2_sharded', 'mistral', 'qwen3', 'gpt2', 'arcee', 'arcee_relu2']
 
 
 def read_json_file(path):
@@ -95,7 +95,7 @@ def stored_tensors(folder):
     return {k: v for k, v in tensors.items() if not k.endswith(('attn.bias', 'attn.masked_bias'))}
 
 
-@pytest.mark.parametrize('name', ['llama', 'smollm2', 'qwen2', 'mistral', 'qwen3', 'gpt2'])
+@pytest.mark.parametrize('name', ['llama', 'smollm2', 'qwen2', 'mistral', 'qwen3', 'gpt2', 'arcee', 'arcee_relu2'])
 def test_export_round_trip_is_bit_identical(tmp_path, name):
     source = fixture(name)
     ckpt = load_hf_checkpoint(source)

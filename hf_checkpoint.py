@@ -436,7 +436,12 @@ def save_chat_tokenizer(source, out_folder, generation_config):
     with nanotrain's chat template and its special tokens added after the vocabulary, as ChatTokenizer
     numbers them, and <|end|> as the token generation stops at."""
     tokenizer_folder = source.folder
-    tokenizer = Tokenizer.from_file(os.path.join(tokenizer_folder, 'tokenizer.json'))
+    spec = json.loads(source.tokenizer.to_str())  # (for a tokenizer.model: the converted one)
+    # ChatTokenizer encodes each message on its own, so a sentencepiece-style space prefix opens every message;
+    # transformers encodes the rendered text in pieces between special tokens: the prefix must open each piece
+    if (spec.get('pre_tokenizer') or {}).get('type') == 'Metaspace' and spec['pre_tokenizer'].get('prepend_scheme') == 'first':
+        spec['pre_tokenizer']['prepend_scheme'] = 'always'
+    tokenizer = Tokenizer.from_str(json.dumps(spec))
     first = source.vocab_size
     if tokenizer.get_vocab_size(with_added_tokens=True) != first:
         raise UserError(f"the model in {tokenizer_folder} has more embedding rows than its tokenizer has tokens, so "

@@ -9,6 +9,7 @@ import shutil
 import pytest
 
 from configurator import UserError
+from hf_checkpoint import save_chat_tokenizer
 from hf_tokenizer import load_hf_tokenizer
 from tokenizer import BPETokenizer, CharTokenizer, ChatTokenizer, train_bpe
 from tokenizer_json import from_sentencepiece, write_tokenizer_files
@@ -136,3 +137,22 @@ def test_written_chat_tokenizer_encodes_as_nanotrain(tmp_path, bpe, kind):
         assert hf.decode(ids) == tokenizer.decode(ids)
     for text in HOSTILE:
         assert hf.encode(text) == tokenizer.encode(text), text
+
+
+def test_a_sentencepiece_base_model_exports_in_nanotrains_template(tmp_path):
+    """A base model (no chat template) with only a tokenizer.model, fine-tuned in nanotrain's template: its
+    exported tokenizer (the converted one plus the template's tokens) encodes as the ChatTokenizer it trained with."""
+    base_folder, out = tmp_path / 'base', tmp_path / 'export'
+    base_folder.mkdir()
+    for name in ('tokenizer.model', 'special_tokens_map.json'):
+        shutil.copy(os.path.join(FOLDER, name), base_folder)
+    with open(os.path.join(FOLDER, 'tokenizer_config.json'), encoding='utf-8') as f:
+        config = {k: v for k, v in json.load(f).items() if k != 'chat_template'}
+    (base_folder / 'tokenizer_config.json').write_text(json.dumps(config))
+    base = load_hf_tokenizer(str(base_folder))
+    out.mkdir()
+    save_chat_tokenizer(base, str(out), {})
+    exported, chat = load_hf_tokenizer(str(out)), ChatTokenizer(base)
+    turns = [{'role': 'user', 'content': ' What is  7+5?\n'}, {'role': 'assistant', 'content': '12 ünï'}]
+    assert exported.encode_chat(turns) == chat.encode_chat(turns)
+    assert exported.encode_prompt(turns[:1]) == chat.encode_prompt(turns[:1])

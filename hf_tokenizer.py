@@ -205,7 +205,9 @@ class HFTokenizer:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
     def identity(self):
-        recipe = json.dumps([self.chat_template, self.special_tokens, self.template_variables], sort_keys=True)
+        """The tokens, special tokens and chat template; not the template_variables a run renders with (the
+        checkpoint records those: chat_template_variables)."""
+        recipe = json.dumps([self.chat_template, self.special_tokens], sort_keys=True)
         digest = hashlib.sha256(self.tokenizer_bytes + recipe.encode()).hexdigest()
         return {'vocab_size': self.vocab_size, 'hash': digest}
 

@@ -28,6 +28,7 @@ out_dir = 'out'              # folder of the run to sample from
 ckpt_name = 'ckpt.pt'        # 'ckpt.pt' (latest) or 'best.pt'; LoRA runs: 'merged.pt'
 init_from = ''               # a Hugging Face model folder to sample from instead of out_dir's checkpoint
 data_dir = ''                # tokenizer folder; '' = the one recorded in the checkpoint
+chat_template_variables = {}  # passed to a published model's chat template, e.g. {'enable_thinking': False} (Qwen3); {} = those it was fine-tuned with
 start = '\n'                 # prompt text, or 'FILE:path.txt' to read it from a file
 num_samples = 1
 max_new_tokens = 300
@@ -56,7 +57,7 @@ check_values(config, [
     (FOLDER, ('out_dir',)),
 ])
 # keys that only one kind of checkpoint reads: setting one for the other kind is refused, not silently ignored
-GPT_KEYS = ['init_from', 'data_dir', 'start', 'num_samples', 'max_new_tokens', 'temperature', 'top_k', 'top_p', 'use_kv_cache']
+GPT_KEYS = ['init_from', 'data_dir', 'chat_template_variables', 'start', 'num_samples', 'max_new_tokens', 'temperature', 'top_k', 'top_p', 'use_kv_cache']
 TTS_KEYS = ['text', 'wav', 'n_timesteps', 'tts_temperature', 'length_scale', 'guidance']
 
 device = pick_device(device)
@@ -93,7 +94,11 @@ model.eval().to(device)
 if not data_dir and not any(os.path.isfile(os.path.join(ckpt['data_dir'], f)) for f in ('meta.json', 'config.json')):
     raise UserError(f"{ckpt_path} was trained on the dataset in {ckpt['data_dir']}, which is no longer there (moved "
                     f"or copied elsewhere?); pass --data_dir=<that dataset's folder now>.")
-tokenizer = (load_hf_tokenizer if ckpt.get('hf_config') else load_tokenizer)(data_dir or ckpt['data_dir'])
+if ckpt.get('hf_config'):
+    tokenizer = load_hf_tokenizer(data_dir or ckpt['data_dir'],
+                                  chat_template_variables or ckpt.get('chat_template_variables'))
+else:
+    tokenizer = load_tokenizer(data_dir or ckpt['data_dir'])
 chat = ckpt['config'].get('training_type', 'from_scratch') != 'from_scratch'
 if chat:
     tokenizer = chat_tokenizer(tokenizer)

@@ -41,7 +41,7 @@ def check_starting_model(model_ckpt, path, model_args, tokenizer, base_tokenizer
     return expected['vocab_size']
 
 
-def run_tokenizer(data_dir, model_ckpt, model_path, master, ddp):
+def run_tokenizer(data_dir, model_ckpt, model_path, master, ddp, chat_template_variables=None):
     """(data_dir, tokenizer) of a GPT run whose model starts from model_ckpt (read from model_path; None
     from scratch): a published model's own tokenizer, in the folder it came from; else data_dir's, or with
     data_dir '' the embedded default corpus's (rank 0 prepares it once, the other ranks wait for it)."""
@@ -50,7 +50,7 @@ def run_tokenizer(data_dir, model_ckpt, model_path, master, ddp):
         if not os.path.isdir(data_dir):
             raise UserError(f"{data_dir}, the Hugging Face folder {model_path}'s model came from (named in it), no "
                             f"longer exists, and its tokenizer is this run's. Put the folder back there.")
-        return data_dir, load_hf_tokenizer(data_dir)
+        return data_dir, load_hf_tokenizer(data_dir, chat_template_variables)
     if not data_dir:
         prepare_once(prepare_default, master, ddp)
         data_dir = DEFAULT_DATA_DIR
@@ -170,12 +170,15 @@ def build_model(config, model_ckpt, assign=False):
     return model
 
 
-def hf_source(model_ckpt):
-    """{'hf_config', 'generation_config'} of a model that came from a Hugging Face folder (its config.json
-    and generation_config.json, which export.py writes back), else {}."""
+def hf_source(model_ckpt, chat_template_variables=None):
+    """{'hf_config', 'generation_config', 'chat_template_variables'} of a model that came from a Hugging Face
+    folder (its config.json and generation_config.json, which export.py writes back, and the variables its chat
+    template is rendered with: chat_template_variables, else those it was fine-tuned with), else {}."""
     if model_ckpt is None or not model_ckpt.get('hf_config'):
         return {}
-    return {k: model_ckpt[k] for k in ('hf_config', 'generation_config')}
+    variables = chat_template_variables or model_ckpt.get('chat_template_variables') or {}
+    return dict(hf_config=model_ckpt['hf_config'], generation_config=model_ckpt['generation_config'],
+                chat_template_variables=variables)
 
 
 def frozen_model(config, state, parallel, device, param_dtype, cpu_offload):

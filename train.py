@@ -40,6 +40,7 @@ training_type = 'from_scratch'  # 'from_scratch' (token windows of data_dir) | '
 out_dir = 'out'              # checkpoints (ckpt.pt latest, best.pt best val), log.jsonl, tensorboard
 data_dir = ''                # a folder made by data.py (sft/lora: its tokenizer); '' = the embedded default (stdlib sources, data/stdlib)
 init_from = 'scratch'        # where a new run's weights start: 'scratch' | a checkpoint (sft/lora: the pretrained model) | a Hugging Face model folder (sft/lora: its own shape, tokenizer and chat template)
+chat_template_variables = {}  # passed to a published model's chat template, e.g. {'enable_thinking': False} (Qwen3); {} = those the model was fine-tuned with
 resume = True                # continue the run in out_dir when it holds one (relaunching a killed command continues it); False = start a new run there, replacing it
 eval_interval = 100          # steps between evals (and checkpoint saves)
 eval_iters = 20              # val batches per eval
@@ -155,10 +156,11 @@ require_starting_weights(ckpt, init_from, eval_only, ckpt_path, hf_folders=True,
 # the model the run starts from; a published model (or a fine-tune of one) brings its shape and tokenizer
 model_ckpt, model_ckpt_path = full_model_checkpoint(ckpt, ckpt_path, init_from, out_dir, training_type,
                                                     as_stored=parallel == 'fsdp')  # FSDP: each rank reads its shard
-hf_files = hf_source(model_ckpt)  # its config files, which export.py writes back
+hf_files = hf_source(model_ckpt, chat_template_variables)  # its config files, which export.py writes back
 
 # data: the model's own tokenizer (a published model), else data_dir's; rank 0 prepares the default data once
-data_dir, base_tokenizer = run_tokenizer(data_dir, model_ckpt, model_ckpt_path, master, ddp)
+data_dir, base_tokenizer = run_tokenizer(data_dir, model_ckpt, model_ckpt_path, master, ddp,
+                                         hf_files.get('chat_template_variables'))
 # fine-tuning: chat examples in the model's own chat template, or in nanotrain's, whose special tokens it gains
 tokenizer = chat_tokenizer(base_tokenizer) if fine_tuning else base_tokenizer
 train_batches, val_batches, val_indices, sample_prompt, exact_match_prompts, train_data_hash = gpt_run_data(

@@ -37,6 +37,7 @@ from tokenizer import chat_tokenizer
 # I/O
 out_dir = 'out-dpo'          # checkpoints (ckpt.pt latest, best.pt best eval loss), log.jsonl, tensorboard
 init_from = 'out-sft/ckpt.pt'  # the chat model the policy and reference start as: an SFT checkpoint, a LoRA run's merged.pt, or a Hugging Face chat model's folder
+chat_template_variables = {}  # passed to a published model's chat template, e.g. {'enable_thinking': False} (Qwen3); {} = those the model was fine-tuned with
 resume = True                # continue the run in out_dir when it holds one (the reference it names must be unchanged); False = start a new run there, replacing it
 data_dir = ''                # folder of the base tokenizer (made by data.py); '' = the embedded default (data/stdlib); a published model brings its own
 dpo_data = ''                # folder with train.jsonl, val.jsonl (and test.jsonl for exact match); '' = the embedded number-task pairs
@@ -144,8 +145,9 @@ reference_ckpt, reference_path, reference_hash = dpo_reference(
     as_stored=parallel == 'fsdp')
 
 # data: a published model's own tokenizer and chat template, else data_dir's; rank 0 prepares the defaults once
-hf_files = hf_source(reference_ckpt)  # a published model's config files, which export.py writes back
-data_dir, tokenizer = run_tokenizer(data_dir, reference_ckpt, reference_path, master, ddp)
+hf_files = hf_source(reference_ckpt, chat_template_variables)  # a published model's config files, which export.py writes back
+data_dir, tokenizer = run_tokenizer(data_dir, reference_ckpt, reference_path, master, ddp,
+                                    hf_files.get('chat_template_variables'))
 tokenizer = chat_tokenizer(tokenizer)
 check_compatible(reference_ckpt['tokenizer'], tokenizer.identity(), 'tokenizer', reference_path,
                  fix="Point data_dir at the tokenizer folder the model was trained with ('' for the default).")

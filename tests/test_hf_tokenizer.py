@@ -92,7 +92,10 @@ def test_template_variables_and_identity():
     default = fixture('llama')
     dated = load_hf_tokenizer(os.path.join(FIXTURES, 'llama'), {'date_string': '01 Jan 2031'})
     assert 'Today Date: 01 Jan 2031' in dated.render([{'role': 'user', 'content': 'Hi'}])
-    assert dated.identity()['hash'] != default.identity()['hash']
+    # the same tokens and template: the variables a run renders with are recorded in its checkpoint instead
+    assert dated.identity() == default.identity()
+    assert load_hf_tokenizer(os.path.join(FIXTURES, 'llama'), {'date_string': '01 Jan 2031'}).identity() != \
+        load_hf_tokenizer(os.path.join(FIXTURES, 'qwen3')).identity()
 
 
 def test_base_model_has_no_template_and_wraps_in_chat_tokenizer():

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from hf_checkpoint import load_hf_checkpoint, peft_name, save_chat_tokenizer, save_hf_model
 from hf_tokenizer import load_hf_tokenizer
 from model import GPT, GPTConfig
+from starting_model import hf_source, run_tokenizer
 from tasks.number_tasks import prepare_number_tasks
 from tokenizer import chat_tokenizer
 
@@ -212,3 +213,23 @@ def test_a_run_whose_model_folder_has_moved_names_the_folder_to_put_back(tmp_pat
              f'--sft_data={task}', *TINY, '--max_iters=4', '--lr_decay_iters=4'], check=False)
     assert p.returncode == 2 and 'Traceback' not in p.stderr
     assert f'{folder}' in p.stderr and 'no longer exists' in p.stderr and 'Put' in p.stderr
+
+
+def test_chat_template_variables_reach_the_template_and_the_checkpoint(tmp_path, task):
+    """--chat_template_variables renders a published model's template with them (Qwen3 without thinking: the empty
+    <think> block becomes part of the prompt, not of the trained answer); the checkpoint records them, and a run or
+    sample that starts from it renders with them unless it names its own."""
+    out = tmp_path / 'qwen3'
+    fine_tune(out, task, 'qwen3', "--chat_template_variables={'enable_thinking': False}", '--max_iters=2')
+    ckpt = load(out / 'ckpt.pt')
+    assert ckpt['chat_template_variables'] == {'enable_thinking': False}
+    assert hf_source(ckpt)['chat_template_variables'] == {'enable_thinking': False}
+    assert hf_source(ckpt, {'enable_thinking': True})['chat_template_variables'] == {'enable_thinking': True}
+    _, tokenizer = run_tokenizer('', ckpt, str(out / 'ckpt.pt'), True, False, hf_source(ckpt)['chat_template_variables'])
+    turns = [{'role': 'user', 'content': 'What is 2+3?'}, {'role': 'assistant', 'content': '5'}]
+    ids, labels = tokenizer.encode_chat(turns)
+    assert tokenizer.decode([i for i, label in zip(ids, labels) if label != -100]) == '5<|im_end|>'
+    assert tokenizer.decode(tokenizer.encode_prompt(turns[:1])).endswith('<think>\n\n</think>\n\n')
+    thinking = load_hf_tokenizer(fixture('qwen3'))  # the template's default: the empty <think> block is trained as the answer's start
+    ids, labels = thinking.encode_chat(turns)
+    assert thinking.decode([i for i, label in zip(ids, labels) if label != -100]).startswith('<think>')

@@ -184,8 +184,12 @@ def run_to_continue(out_dir, resume, run, eval_only, whole=True):
         return None
     ckpt = load_checkpoint(path, whole)
     saved = ckpt.get('run', {})  # older checkpoints do not say: continue them
+    # init_from may differ to evaluate, or where the model the run began from has moved (gone from where it was,
+    # there where this command says: the script checks it is the same model, by its sha256 or its tokenizer)
+    moved = saved.get('init_from', 'scratch') != 'scratch' and not os.path.exists(saved['init_from']) \
+        and os.path.exists(run.get('init_from', ''))
     diffs = [f"{k}: the run there has {saved[k]!r}, this command {run.get(k)!r}"
-             for k in saved if saved[k] != run.get(k) and not (eval_only and k == 'init_from')]
+             for k in saved if saved[k] != run.get(k) and not (k == 'init_from' and (eval_only or moved))]
     if diffs:
         raise UserError(f"{out_dir} holds another run, and this command would overwrite its checkpoints ("
                         + "; ".join(diffs) + "). Use another --out_dir, or --resume=False to start a new run there "

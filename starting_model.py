@@ -41,15 +41,17 @@ def check_starting_model(model_ckpt, path, model_args, tokenizer, base_tokenizer
     return expected['vocab_size']
 
 
-def run_tokenizer(data_dir, model_ckpt, model_path, master, ddp, chat_template_variables=None):
+def run_tokenizer(data_dir, model_ckpt, model_path, master, ddp, chat_template_variables=None, init_from=''):
     """(data_dir, tokenizer) of a GPT run whose model starts from model_ckpt (read from model_path; None
-    from scratch): a published model's own tokenizer, in the folder it came from; else data_dir's, or with
-    data_dir '' the embedded default corpus's (rank 0 prepares it once, the other ranks wait for it)."""
+    from scratch): a published model's own tokenizer, in the folder it came from (moved: the folder init_from
+    names), rendering its chat template with chat_template_variables; else data_dir's, or with data_dir '' the
+    embedded default corpus's (rank 0 prepares it once, the other ranks wait for it)."""
     if hf_source(model_ckpt):
-        data_dir = model_ckpt['data_dir']
+        data_dir = moved_to(model_ckpt['data_dir'], init_from if is_hf_folder(init_from) else '')
         if not os.path.isdir(data_dir):
             raise UserError(f"{data_dir}, the Hugging Face folder {model_path}'s model came from (named in it), no "
-                            f"longer exists, and its tokenizer is this run's. Put the folder back there.")
+                            f"longer exists, and its tokenizer is this run's. Put the folder back there (train.py: or "
+                            f"pass --init_from=<where it is now>).")
         return data_dir, load_hf_tokenizer(data_dir, chat_template_variables)
     if not data_dir:
         prepare_once(prepare_default, master, ddp)
@@ -76,6 +78,12 @@ def model_hash(path):
         else file_sha256(path)
 
 
+def moved_to(recorded, init_from):
+    """The model (file or folder) a continued run names, recorded; if it is gone, the relaunch's init_from: the
+    same model moved elsewhere (the caller checks that it is: its sha256, or its tokenizer's identity)."""
+    return recorded if os.path.exists(recorded) or init_from in ('', 'scratch') else init_from
+
+
 def load_model(path, as_stored=False):
     """A checkpoint file (memory-mapped), or a Hugging Face model folder read as a checkpoint (hf_checkpoint.py;
     as_stored: memory-mapped too, in its stored dtype, for FSDP)."""
@@ -100,15 +108,16 @@ def full_model_checkpoint(ckpt, ckpt_path, init_from, out_dir, training_type, as
         if ckpt is None:
             raise UserError(f"{path} holds LoRA adapters only; start from the merged model of that run "
                             f"(merged.pt next to it) instead.")
-        path = ckpt['base_checkpoint']
+        path = moved_to(ckpt['base_checkpoint'], init_from)
         if not os.path.exists(path):
             raise UserError(f"{path}, the base model of the LoRA run in {out_dir} (named in its ckpt.pt), no longer "
-                            f"exists. Put it back there, or start a new run (another out_dir, or --resume=False).")
+                            f"exists. Put it back there, or pass --init_from=<where it is now>, or start a new run "
+                            f"(another out_dir, or --resume=False).")
         model_ckpt = load_model(path, as_stored)
         if model_hash(path) != ckpt['base_hash']:
-            raise UserError(f"{path}, the base model of the LoRA run in {out_dir}, has changed since the run "
-                            f"began, so its adapters no longer fit. Restore that file, or start a new run "
-                            f"(another out_dir) from it.")
+            raise UserError(f"{path} is not the base model the LoRA run in {out_dir} began with "
+                            f"({ckpt['base_checkpoint']}): it has changed since, or is another model, so the adapters "
+                            f"no longer fit. Restore that model, or start a new run (another out_dir) from it.")
     if training_type == 'from_scratch' and hf_source(model_ckpt):
         raise UserError(f"{path} is a Hugging Face model; fine-tune it with training_type='sft' or 'lora' "
                         f"(e.g. python train.py config/sft_hf.py --init_from={init_from}).")
@@ -123,10 +132,11 @@ def dpo_reference(ckpt, init_from, out_dir, made_by=None, as_stored=False):
         raise UserError(f"{os.path.join(out_dir, 'ckpt.pt')} is not a DPO run's checkpoint, so there is nothing to "
                         f"resume. Use another out_dir, or --resume=False to start a new run there (its checkpoints "
                         f"are then overwritten).")
-    path = ckpt['reference_checkpoint'] if ckpt else init_from
+    path = moved_to(ckpt['reference_checkpoint'], init_from) if ckpt else init_from
     if ckpt and not os.path.exists(path):
         raise UserError(f"{path}, the reference of the DPO run in {out_dir} (named in its ckpt.pt), no longer exists. "
-                        f"Put it back there, or start a new run (another out_dir, or --resume=False).")
+                        f"Put it back there, or pass --init_from=<where it is now>, or start a new run (another "
+                        f"out_dir, or --resume=False).")
     if not ckpt:
         require_init_from(init_from, made_by, hf_folders=True)
     reference = load_model(path, as_stored)
@@ -139,8 +149,9 @@ def dpo_reference(ckpt, init_from, out_dir, made_by=None, as_stored=False):
                         f"--init_from={path}`, and start DPO from that run's checkpoint.")
     reference_hash = model_hash(path)
     if ckpt and reference_hash != ckpt['reference_hash']:
-        raise UserError(f"{path}, the reference of the DPO run in {out_dir}, has changed since the run began. "
-                        f"Restore that file, or start a new run (another out_dir, or --resume=False to overwrite).")
+        raise UserError(f"{path} is not the reference the DPO run in {out_dir} began with ({ckpt['reference_checkpoint']}"
+                        f"): it has changed since, or is another model. Restore that model, or start a new run "
+                        f"(another out_dir, or --resume=False to overwrite).")
     return reference, path, reference_hash
 
 

@@ -160,7 +160,7 @@ hf_files = hf_source(model_ckpt, chat_template_variables)  # its config files, w
 
 # data: the model's own tokenizer (a published model), else data_dir's; rank 0 prepares the default data once
 data_dir, base_tokenizer = run_tokenizer(data_dir, model_ckpt, model_ckpt_path, master, ddp,
-                                         hf_files.get('chat_template_variables'))
+                                         hf_files.get('chat_template_variables'), init_from)
 # fine-tuning: chat examples in the model's own chat template, or in nanotrain's, whose special tokens it gains
 tokenizer = chat_tokenizer(base_tokenizer) if fine_tuning else base_tokenizer
 train_batches, val_batches, val_indices, sample_prompt, exact_match_prompts, train_data_hash = gpt_run_data(
@@ -180,7 +180,7 @@ with same_init_on_every_rank(seed, enabled=parallel == 'fsdp'):  # fine-tuning m
         apply_lora(model, lora_r, lora_alpha, lora_dropout, lora_target_modules, use_rslora, lora_bias, added_tokens)
         if ckpt is not None:
             load_adapters(model, ckpt, ckpt_path, config)
-            lora_base = ckpt['base_checkpoint'], ckpt['base_hash']
+            lora_base = os.path.abspath(model_ckpt_path), ckpt['base_hash']  # where the base is now (it may have moved)
         else:
             lora_base = os.path.abspath(init_from), model_hash(init_from)
 model.activation_checkpointing = activation_checkpointing

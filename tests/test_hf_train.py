@@ -201,7 +201,7 @@ def test_plain_text_and_nanotrains_template_open_with_the_bos_transformers_adds(
 
 
 @pytest.mark.parametrize('training_type', ['sft', 'lora'])
-def test_a_run_whose_model_folder_has_moved_names_the_folder_to_put_back(tmp_path, task, training_type):
+def test_a_run_whose_model_folder_has_moved_names_the_folder_and_continues_from_its_new_place(tmp_path, task, training_type):
     folder = tmp_path / 'model'
     shutil.copytree(fixture('smollm2'), folder)
     out = tmp_path / 'run'
@@ -213,6 +213,13 @@ def test_a_run_whose_model_folder_has_moved_names_the_folder_to_put_back(tmp_pat
              f'--sft_data={task}', *TINY, '--max_iters=4', '--lr_decay_iters=4'], check=False)
     assert p.returncode == 2 and 'Traceback' not in p.stderr
     assert f'{folder}' in p.stderr and 'no longer exists' in p.stderr and 'Put' in p.stderr
+    # told where it is now, the run continues from there, and its checkpoint names the new place
+    run(['train.py', f'--training_type={training_type}', f'--init_from={tmp_path / "elsewhere"}', f'--out_dir={out}',
+         f'--sft_data={task}', *TINY, '--max_iters=4', '--lr_decay_iters=4'])
+    assert sorted(train_losses(out)) == [1, 2, 3, 4]  # one history: steps 1-2, then 3-4
+    ckpt = load(out / 'ckpt.pt')
+    assert ckpt['iter_num'] == 4
+    assert ckpt['base_checkpoint' if training_type == 'lora' else 'data_dir'] == str(tmp_path / 'elsewhere')
 
 
 def test_chat_template_variables_reach_the_template_and_the_checkpoint(tmp_path, task):

@@ -57,7 +57,7 @@ def synthesize(args):
     for utt_id in val_ids:
         recording, _ = read_wav(os.path.join(data_dir, 'wavs', utt_id + '.wav'), rate)
         audio, _ = speak(model, texts[utt_id], config['n_timesteps'], config['temperature'], config['length_scale'],
-                         config['guidance'], config['seed'])
+                         config['guidance'] if args.guidance is None else args.guidance, config['seed'])
         for kind, wav in zip(KINDS, (recording, extractor.to_waveform(extractor(recording)), audio)):
             wav = torchaudio.functional.resample(wav.float(), rate, ASR_RATE)
             write_wav(os.path.join(args.wav_dir, kind, utt_id + '.wav'), wav / max(1.0, wav.abs().max().item()),
@@ -162,6 +162,7 @@ step.add_argument('--ckpt', required=True, help='a train_tts.py checkpoint')
 step.add_argument('--data_dir', default='', help="the corpus; default: the checkpoint's")
 step.add_argument('--utterances', type=int, default=0, help='the first N held-out utterances; 0 = all')
 step.add_argument('--wav_dir', required=True)
+step.add_argument('--guidance', type=float, default=None, help="classifier-free guidance weight; default: the checkpoint's")
 step = steps.add_parser('score', help='word error rates by pocketsphinx (its venv)')
 step.add_argument('--wav_dir', required=True)
 # espeak's recordings hold stretches of exact digital silence, on which pocketsphinx's feature normalisation

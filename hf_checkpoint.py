@@ -81,6 +81,24 @@ def require_keys(hf, keys, what, folder):
                         f"incomplete: download the model folder again.")
 
 
+def sliding_window(hf, arch, folder):
+    """GPTConfig.sliding_window as transformers reads config.json: Mistral's sliding_window (4096 if absent; null, as
+    from Mistral v0.2 on, is full attention); Qwen2's and Qwen3's only with use_sliding_window, in the layers of
+    layer_types or else from layer max_window_layers on, which must be all of them or none."""
+    if arch == 'MistralForCausalLM':
+        return hf.get('sliding_window', 4096) or 0
+    window = hf.get('sliding_window', 4096) if hf.get('use_sliding_window') else None
+    if arch not in ('Qwen2ForCausalLM', 'Qwen3ForCausalLM') or not window:
+        return 0
+    n, first = hf['num_hidden_layers'], hf.get('max_window_layers', 28)
+    sliding = [kind == 'sliding_attention' for kind in hf.get('layer_types') or []] or [i >= first for i in range(n)]
+    if any(sliding) and not all(sliding):
+        raise UserError(f"{folder}/config.json: use_sliding_window with the window in {sum(sliding)} of {n} layers "
+                        f"(max_window_layers={first}, layer_types) is not supported: nanotrain attends over the "
+                        f"sliding window in every layer or in none, so it cannot load this model.")
+    return window if any(sliding) else 0
+
+
 def gpt_config(hf, folder):
     """GPTConfig fields of the model whose config.json holds hf (a dict)."""
     archs = hf.get('architectures')
@@ -127,11 +145,7 @@ def gpt_config(hf, folder):
                         f"none and Llama 3.1's 'llama3'.")
     if rope_type == 'llama3':
         require_keys(rope, ROPE_SCALING_KEYS, "rope_scaling of type 'llama3'", folder)
-    context = hf['max_position_embeddings']
-    if arch == 'MistralForCausalLM' or hf.get('use_sliding_window'):
-        # attention over a sliding window is not implemented: refuse sequences longer than the window
-        context = min(context, hf.get('sliding_window') or context)
-    return dict(block_size=context, vocab_size=hf['vocab_size'], n_layer=hf['num_hidden_layers'],
+    return dict(block_size=hf['max_position_embeddings'], vocab_size=hf['vocab_size'], n_layer=hf['num_hidden_layers'],
                 n_head=hf['num_attention_heads'], n_kv_head=hf.get('num_key_value_heads') or 0,
                 n_embd=hf['hidden_size'], head_dim=hf.get('head_dim') or 0,
                 mlp=MLP_OF_ACTIVATION[activation] if arcee else 'swiglu', mlp_hidden=hf['intermediate_size'],
@@ -140,13 +154,14 @@ def gpt_config(hf, folder):
                 tie_embeddings=ties_embeddings(hf),
                 rope_theta=float(hf.get('rope_theta') or rope.get('rope_theta', 10000.0)),
                 rope_scaling={k: rope[k] for k in ROPE_SCALING_KEYS} if rope_type == 'llama3' else {},
-                qk_norm=arch == 'Qwen3ForCausalLM')
+                qk_norm=arch == 'Qwen3ForCausalLM', sliding_window=sliding_window(hf, arch, folder))
 
 
 EXPORTABLE = ("pos_emb='rope', norm='rmsnorm' and mlp='swiglu' (LlamaForCausalLM; with qkv_bias Qwen2ForCausalLM, with "
-              "qk_norm Qwen3ForCausalLM); pos_emb='rope', norm='rmsnorm' and mlp 'gelu', 'gelu_tanh' or 'relu2' "
-              "(ArceeForCausalLM, as nanotrain's default model); pos_emb='learned', norm='layernorm' and mlp 'gelu', "
-              "'gelu_tanh' or 'relu2' (GPT2LMHeadModel); all without logit_softcap")
+              "qk_norm Qwen3ForCausalLM; with sliding_window MistralForCausalLM, or one of these two); pos_emb='rope', "
+              "norm='rmsnorm' and mlp 'gelu', 'gelu_tanh' or 'relu2' (ArceeForCausalLM, as nanotrain's default model); "
+              "pos_emb='learned', norm='layernorm' and mlp 'gelu', 'gelu_tanh' or 'relu2' (GPT2LMHeadModel); all "
+              "without logit_softcap")
 
 
 def export_problems(c):
@@ -158,7 +173,8 @@ def export_problems(c):
             (f"mlp={c.mlp!r}", "has no gated MLP", c.mlp not in ACTIVATION_OF_MLP),
             ("qk_norm=True", "has no q/k norms", c.qk_norm),
             (f"n_kv_head={c.n_kv_head}", "has no grouped-query attention", c.kv_heads != c.n_head),
-            (f"head_dim={c.head_dim}", "has heads of n_embd / n_head", c.head_size * c.n_head != c.n_embd)) if wrong]
+            (f"head_dim={c.head_dim}", "has heads of n_embd / n_head", c.head_size * c.n_head != c.n_embd),
+            (f"sliding_window={c.sliding_window}", "attends over every earlier token", c.sliding_window)) if wrong]
         return problems
     if c.norm != 'rmsnorm':
         problems.append("norm='layernorm' with pos_emb='rope' (the RoPE families normalize with RMSNorm)")
@@ -168,6 +184,10 @@ def export_problems(c):
         problems.append("qk_norm=True with bias or qkv_bias (Qwen3 has no q/k/v-only or MLP biases)")
     if c.qkv_bias and not c.bias and c.mlp != 'swiglu':
         problems.append(f"qkv_bias=True with mlp={c.mlp!r} (Qwen2, the family with q/k/v biases, has a SwiGLU MLP)")
+    if c.sliding_window and (c.bias or c.mlp != 'swiglu'):
+        other = 'bias=True' if c.bias else f'mlp={c.mlp!r}'
+        problems.append(f"sliding_window={c.sliding_window} with {other} (Mistral, Qwen2 and Qwen3, the families with "
+                        f"a sliding window, have a SwiGLU MLP and no MLP biases)")
     if c.n_embd % c.n_head and not c.qk_norm:
         problems.append(f"n_embd={c.n_embd} not a multiple of n_head={c.n_head} (Llama and Arcee configs refuse it)")
     return problems
@@ -196,6 +216,7 @@ def hf_model(state, model_args):
             shapes = GPT(GPTConfig(**gpt_config(hf, 'export'))).state_dict()
         return hf, dict(state, **{k: torch.zeros(v.shape) for k, v in shapes.items() if k not in state})
     arch = ('Qwen3ForCausalLM' if c.qk_norm else 'Qwen2ForCausalLM' if c.qkv_bias and not c.bias
+            else 'MistralForCausalLM' if c.sliding_window
             else 'LlamaForCausalLM' if c.mlp == 'swiglu' else 'ArceeForCausalLM')
     hf = dict(architectures=[arch], model_type=arch.removesuffix('ForCausalLM').lower(), vocab_size=c.vocab_size,
               hidden_size=c.n_embd, num_hidden_layers=c.n_layer, num_attention_heads=c.n_head,
@@ -207,8 +228,12 @@ def hf_model(state, model_args):
               bos_token_id=None, eos_token_id=None)
     if arch in ('LlamaForCausalLM', 'ArceeForCausalLM'):
         hf.update(attention_bias=c.bias, mlp_bias=c.bias)
-    else:
-        hf.update(use_sliding_window=False)
+    elif arch == 'MistralForCausalLM':
+        hf.update(sliding_window=c.sliding_window)
+    else:  # Qwen2 and Qwen3 attend over the window in the layers from max_window_layers on: here all of them
+        hf.update(use_sliding_window=bool(c.sliding_window))
+        if c.sliding_window:
+            hf.update(sliding_window=c.sliding_window, max_window_layers=0)
     return hf, state
 
 

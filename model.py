@@ -1,8 +1,8 @@
 """
 A GPT language model in plain PyTorch, nanoGPT style, with the common modern options:
 RoPE (with Llama 3's frequency scaling) or learned positions, RMSNorm or LayerNorm, GELU / SwiGLU /
-ReLU^2 MLP, grouped-query attention, QK-norm, logit soft-capping, tied embeddings, activation
-checkpointing and KV-cache generation. The same GPT holds the published Llama / Qwen2 / Qwen3 /
+ReLU^2 MLP, grouped-query and sliding-window attention, QK-norm, logit soft-capping, tied embeddings,
+activation checkpointing and KV-cache generation. The same GPT holds the published Llama / Qwen2 / Qwen3 /
 Mistral / GPT-2 models (hf_checkpoint.py maps their Hugging Face checkpoints onto it).
 """
 import dataclasses
@@ -51,6 +51,7 @@ class GPTConfig:
     qkv_bias: bool = False         # biases on the q/k/v projections only (Qwen2)
     norm_eps: float = 0.0          # 0 = 1e-6 for RMSNorm, 1e-5 for LayerNorm
     rope_scaling: dict = field(default_factory=dict)  # {} or Llama 3.1's: ROPE_SCALING_KEYS
+    sliding_window: int = 0        # a token attends to itself and the sliding_window - 1 before it (Mistral); 0 = all
 
     def __post_init__(self):
         for key, valid in CHOICES.items():
@@ -69,8 +70,9 @@ class GPTConfig:
         if self.rope_scaling and sorted(self.rope_scaling) != sorted(ROPE_SCALING_KEYS):
             raise UserError(f"model config: rope_scaling={self.rope_scaling} must have exactly the keys "
                              f"{', '.join(ROPE_SCALING_KEYS)} (Llama 3.1's), or be {{}}.")
-        if self.logit_softcap < 0:
-            raise UserError(f"model config: logit_softcap={self.logit_softcap} must be >= 0 (0 turns it off).")
+        for key in ('logit_softcap', 'sliding_window'):
+            if getattr(self, key) < 0:
+                raise UserError(f"model config: {key}={getattr(self, key)} must be >= 0 (0 turns it off).")
 
     @property
     def kv_heads(self):
@@ -118,11 +120,9 @@ def apply_rope(x, cos, sin):
 def attend(q, k, v, dropout_p=0.0, causal=True, mask=None):
     """(B, H, Tq, D) queries over (B, Hkv, Tk, D) keys/values, each key/value head shared by H / Hkv query
     heads. The one place attention is computed. mask (B, 1, Tq, Tk), True where attention is allowed,
-    replaces the causal mask (packed rows)."""
-    gqa = q.size(1) != k.size(1)
-    if mask is not None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
-    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal, enable_gqa=gqa)
+    replaces the causal mask (packed rows, sliding windows)."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                          is_causal=causal and mask is None, enable_gqa=q.size(1) != k.size(1))
 
 
 def document_mask(doc_ids):
@@ -131,6 +131,13 @@ def document_mask(doc_ids):
     T = doc_ids.size(1)
     causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
     return ((doc_ids[:, :, None] == doc_ids[:, None, :]) & causal)[:, None]
+
+
+def window_mask(q_pos, k_pos, window):
+    """True where a query at position q_pos may attend to a key at k_pos, (..., Tq, Tk): causal, and the key at most
+    window - 1 positions back, so a query sees window keys counting itself (transformers' sliding_window)."""
+    back = q_pos[..., :, None] - k_pos[..., None, :]
+    return (back >= 0) & (back < window)
 
 
 def document_positions(doc_ids):
@@ -368,7 +375,8 @@ class GPT(nn.Module):
         (shorthand for positions=document_positions(doc_ids), mask=document_mask(doc_ids)).
         positions (B, T) and mask (B, 1, T, T), True where attention is allowed, lay out any other
         packing (DPO shares a prompt between two completions); a row may then be longer than
-        block_size, as long as every position is below it."""
+        block_size, as long as every position is below it. With a sliding_window, a row (or cache) longer
+        than the window, and every mask, are narrowed to the window (window_mask, over positions)."""
         B, T = idx.shape
         start = caches[0].len if caches else 0
         if doc_ids is not None:
@@ -381,10 +389,13 @@ class GPT(nn.Module):
         rope = None
         if self.config.pos_emb == 'learned':
             x = x + self.transformer.wpe(pos)
-        else:
-            rope = (self.rope_cos[pos], self.rope_sin[pos])
-            if positions is not None:  # per-row positions: (B, T, D/2) -> (B, 1, T, D/2) to broadcast over heads
-                rope = (rope[0][:, None], rope[1][:, None])
+        else:  # (1 or B, 1, T, D/2): per-row positions broadcast over heads
+            rope = (self.rope_cos[pos].unsqueeze(-3), self.rope_sin[pos].unsqueeze(-3))
+        window = self.config.sliding_window
+        if window and (mask is not None or start + T > window):  # else is_causal, the fast kernel, is exact
+            keys = pos if positions is not None else torch.arange(start + T, device=idx.device)  # cached ones too
+            band = window_mask(pos, keys, window).unsqueeze(-3)  # (1 or B, 1, T, keys), broadcast over heads
+            mask = band if mask is None else mask & band
         x = self.transformer.drop(x)
         recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         for i, block in enumerate(self.transformer.h):
@@ -435,9 +446,9 @@ class GPT(nn.Module):
     def flops_per_token(self, output_fraction=1.0, context=None):
         """Training FLOPs per token (forward + backward): the matmuls' (weight_flops over the weights that do
         matmul work, get_num_params' set) plus attention over context tokens (None: block_size; a published
-        model's block_size is its longest context, not the run's). The output layer's share counts only for
-        output_fraction of the tokens, those whose logits are computed (fine-tuning: the labelled ones, see
-        forward's logits_at)."""
+        model's block_size is its longest context, not the run's), or sliding_window ones if fewer. The output
+        layer's share counts only for output_fraction of the tokens, those whose logits are computed (fine-tuning:
+        the labelled ones, see forward's logits_at)."""
         c = self.config
         matmuls = sum(weight_flops(p) for p in self.parameters())
         if c.pos_emb == 'learned':
@@ -445,8 +456,8 @@ class GPT(nn.Module):
         if not c.tie_embeddings:
             matmuls -= weight_flops(self.transformer.wte.weight)
         head = weight_flops(self.lm_head.weight)
-        return (matmuls - head + head * output_fraction
-                + 12 * c.n_layer * c.n_head * c.head_size * (context or c.block_size))
+        attended = min(context or c.block_size, c.sliding_window or math.inf)
+        return matmuls - head + head * output_fraction + 12 * c.n_layer * c.n_head * c.head_size * attended
 
     def estimate_mfu(self, tokens_per_sec, device_name=None, output_fraction=1.0, context=None):
         """Model FLOPs utilization: achieved FLOP/s per device over the device's peak bf16 FLOP/s.
@@ -474,9 +485,8 @@ class GPT(nn.Module):
             if not use_kv_cache:
                 h = self.hidden_states(idx[:, -block_size:])
             elif caches is None or idx.size(1) > block_size:
-                # (re)prefill: at the start, and at every step once the window slides, because every
-                # cached position then shifts by one and cached keys/values no longer apply
-                # no longer than this call can fill: a published model's block_size may be 128k positions
+                # (re)prefill: at the start, and at every step once block_size is passed (every cached position
+                # then shifts by one); no longer than this call fills: a published block_size may be 128k positions
                 caches = [KVCache(min(block_size, idx.size(1) + max_new_tokens)) for _ in self.transformer.h]
                 h = self.hidden_states(idx[:, -block_size:], caches)
             else:

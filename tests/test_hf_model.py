@@ -3,6 +3,7 @@ fixture models of every family (tests/fixtures/make_hf_fixtures.py wrote them wi
 and .bin weights, the export round trip, LoRA's Hugging Face target names, and clear errors for folders
 that do not fit."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -13,7 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from configurator import UserError
-from hf_checkpoint import (gpt_config, load_hf_checkpoint, peft_name, read_hf_weights, save_hf_model,
+from hf_checkpoint import (gpt_config, hf_model, load_hf_checkpoint, peft_name, read_hf_weights, save_hf_model,
                            save_peft_adapter)
 from lora import apply_lora, lora_state_dict, merged_state_dict
 from model import GPT, GPTConfig
@@ -67,7 +68,7 @@ def test_family_shapes_come_from_config_json():
     qwen3 = gpt_config(read_json_file(fixture('qwen3/config.json')), 'qwen3')
     assert qwen3['qk_norm'] and qwen3['head_dim'] * qwen3['n_head'] != qwen3['n_embd']
     mistral = read_json_file(fixture('mistral/config.json'))
-    assert gpt_config(mistral, 'mistral')['block_size'] == mistral['sliding_window']  # longer rows are refused
+    assert gpt_config(mistral, 'mistral')['block_size'] == mistral['max_position_embeddings'] > mistral['sliding_window']
     gpt2 = gpt_config(read_json_file(fixture('gpt2/config.json')), 'gpt2')
     assert (gpt2['pos_emb'], gpt2['norm'], gpt2['mlp'], gpt2['bias']) == ('learned', 'layernorm', 'gelu_tanh', True)
 
@@ -194,17 +195,58 @@ def test_missing_shard_is_named(tmp_path):
         load_hf_checkpoint(str(folder))
 
 
-def test_mistral_within_its_sliding_window_matches_and_beyond_it_is_refused():
-    # attention over a sliding window is not implemented: block_size is the window, so a longer row
-    # is refused rather than attended over in full (which transformers would not do)
+def test_mistral_attends_over_its_sliding_window_as_transformers_does():
+    # 100 tokens past sliding_window=64: within 1e-5 as test_logits_equal_transformers; attending over every
+    # earlier token instead changes the logits past the window (and only there)
     model, want = load_gpt(fixture('mistral')), expected('mistral')
-    window = model.config.block_size
-    assert want['input_ids_long'].size(1) > window
+    window = model.config.sliding_window
+    assert window == 64 < want['input_ids_long'].size(1)
+    full = GPT.from_state_dict(dataclasses.replace(model.config, sliding_window=0), model.state_dict()).eval()
     with torch.no_grad():
-        logits, _ = model(want['input_ids_long'][:, :window])
-        torch.testing.assert_close(logits, want['logits_long'][:, :window], atol=1e-5, rtol=0)
-        with pytest.raises(ValueError, match=f'block_size is {window}'):
-            model(want['input_ids_long'])
+        torch.testing.assert_close(model(want['input_ids_long'])[0], want['logits_long'], atol=1e-5, rtol=0)
+        logits = full(want['input_ids_long'])[0]
+    torch.testing.assert_close(logits[:, :window], want['logits_long'][:, :window], atol=1e-5, rtol=0)
+    assert (logits[:, window:] - want['logits_long'][:, window:]).abs().amax(-1).min() > 1e-3
+
+
+@pytest.mark.parametrize('use_kv_cache', [True, False])
+def test_mistral_greedy_tokens_past_its_sliding_window_equal_transformers(use_kv_cache):
+    # transformers' greedy (its sliding-window cache), 40 -> 100 and 80 -> 110 tokens; its top-2 logits are at
+    # least 1e-2 apart at every step (make_hf_fixtures.py prints it), far beyond the 1e-5 the logits agree to
+    model, want = load_gpt(fixture('mistral')), expected('mistral_long')
+    for key in ('', '_long'):
+        prompt, tokens = want['prompt' + key], want['greedy' + key]
+        out = model.generate(prompt, tokens.size(1) - prompt.size(1), temperature=0, use_kv_cache=use_kv_cache)
+        assert out.tolist() == tokens.tolist(), key
+
+
+def test_sliding_window_comes_from_config_json_as_transformers_reads_it():
+    mistral = read_json_file(fixture('mistral/config.json'))
+    assert gpt_config(dict(mistral, sliding_window=None), 'm')['sliding_window'] == 0  # Mistral v0.2+: full
+    assert gpt_config({k: v for k, v in mistral.items() if k != 'sliding_window'}, 'm')['sliding_window'] == 4096
+    # 2 layers, the window in those layer_types names or else from layer max_window_layers on
+    qwen2 = dict(read_json_file(fixture('qwen2/config.json')), use_sliding_window=True, sliding_window=32)
+    del qwen2['layer_types']
+    for settings, window in [(dict(use_sliding_window=False), 0), (dict(max_window_layers=0), 32),
+                             (dict(max_window_layers=2), 0), (dict(layer_types=['sliding_attention'] * 2), 32),
+                             (dict(max_window_layers=0, layer_types=['full_attention'] * 2), 0)]:
+        assert gpt_config(dict(qwen2, **settings), 'q')['sliding_window'] == window, settings
+    with pytest.raises(UserError, match='window in 1 of 2 layers'):
+        gpt_config(dict(qwen2, max_window_layers=1), 'q')
+
+
+@pytest.mark.parametrize('settings,arch', [(dict(), 'MistralForCausalLM'), (dict(qkv_bias=True), 'Qwen2ForCausalLM'),
+                                           (dict(qk_norm=True), 'Qwen3ForCausalLM')])
+def test_sliding_window_exports_to_a_family_that_has_it(settings, arch):
+    args = dict(block_size=128, vocab_size=64, n_layer=2, n_head=2, n_embd=32, mlp='swiglu', sliding_window=16,
+                **settings)
+    hf, _ = hf_model({}, args)
+    assert hf['architectures'] == [arch] and hf['sliding_window'] == 16
+    assert gpt_config(hf, 'export') == dict(gpt_config(hf, 'export'), **args)
+    with pytest.raises(UserError, match="sliding_window=16 with mlp='gelu'"):
+        hf_model({}, dict(args, mlp='gelu'))
+    with pytest.raises(UserError, match='sliding_window=16 with pos_emb'):
+        hf_model({}, dict(args, pos_emb='learned', norm='layernorm', mlp='gelu', qk_norm=False, qkv_bias=False))
 
 
 def llama_with_peft_fixture_adapter():
@@ -241,6 +283,9 @@ def test_flops_count_attention_over_the_runs_context_not_the_models_longest():
     c = model.config
     assert model.flops_per_token(context=64) == model.flops_per_token() - 12 * c.n_layer * c.n_head * c.head_size * (
         c.block_size - 64)
+    mistral = load_gpt(fixture('mistral'))  # sliding_window=64: no token attends to more
+    assert mistral.flops_per_token() == mistral.flops_per_token(context=100) == mistral.flops_per_token(context=64)
+    assert mistral.flops_per_token(context=32) < mistral.flops_per_token(context=64)
 
 
 def test_config_json_that_cannot_be_loaded_is_a_clear_error(tmp_path):

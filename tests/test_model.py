@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from memory import peak_flops
-from model import GPT, GPTConfig, apply_rope, rope_cos_sin, sample_next
+from model import GPT, GPTConfig, apply_rope, rope_cos_sin, sample_next, window_mask
 from configurator import UserError
 
 TINY = dict(block_size=8, vocab_size=32, n_layer=2, n_head=2, n_embd=16)
@@ -233,6 +233,58 @@ def test_kv_cache_decodes_one_token_per_step():
     assert seen == [3, 1, 1, 1, 1, 1, 8, 8]
 
 
+def windowed(window, **kw):
+    """tiny() in float64 (kernels differ between the masked and unmasked paths; float64 leaves ~1e-15 of rounding)
+    with a sliding_window, 32 positions."""
+    return tiny(block_size=32, sliding_window=window, **kw).double().eval()
+
+
+def test_sliding_window_at_least_the_row_is_full_causal_attention():
+    T = 12
+    assert torch.equal(window_mask(torch.arange(T), torch.arange(T), T), torch.ones(T, T, dtype=torch.bool).tril())
+    x = batch(T=T)[0]
+    with torch.no_grad():
+        full = windowed(0)(x)[0]
+        assert torch.equal(windowed(T)(x)[0], full) and torch.equal(windowed(T + 5)(x)[0], full)
+        assert not torch.allclose(windowed(T - 1)(x)[0][:, -1], full[:, -1])  # the first token leaves the window
+
+
+def test_sliding_window_counts_the_query_itself():
+    # one layer: position t's logits are full attention's over tokens t-window+1..t alone, a row of their own to
+    # RoPE (relative), up to the float32 rounding of the RoPE tables (~1e-7 relative); a token more or less differs
+    window, x = 5, batch(B=2, T=20)[0]
+    m, full = windowed(window, n_layer=1), windowed(0, n_layer=1)  # the same weights
+    with torch.no_grad():
+        logits = m(x)[0]
+        scale = logits.abs().max()
+        for t in range(window + 1, 20):
+            crops = [full(x[:, t - n + 1:t + 1])[0][:, -1] for n in (window - 1, window, window + 1)]
+            assert (crops[1] - logits[:, t]).abs().max() < 1e-6 * scale
+            assert min((crop - logits[:, t]).abs().max() for crop in (crops[0], crops[2])) > 1e-3 * scale
+
+
+def test_sliding_window_in_packed_rows_gives_each_document_its_logits_alone():
+    m, x = windowed(6), batch(B=2, T=30)[0]
+    doc_ids = torch.tensor([[0] * 17 + [1] * 13, [0] * 4 + [1] * 26])  # longer and shorter than the window
+    with torch.no_grad():
+        packed = m(x, doc_ids=doc_ids)[0]
+        for row in range(2):
+            for doc in (0, 1):
+                alone = m(x[row:row + 1, doc_ids[row] == doc])[0][0]
+                torch.testing.assert_close(packed[row, doc_ids[row] == doc], alone, rtol=0, atol=1e-12)
+
+
+def test_kv_cache_generation_attends_over_the_sliding_window():
+    m = sharp(tiny(block_size=24, sliding_window=5, qk_norm=True, mlp='swiglu'))
+    prompt = batch(B=2, T=3)[0]
+    want = reference_greedy(m, prompt, 30)  # past the window, then past block_size
+    assert torch.equal(m.generate(prompt, 30, temperature=0, use_kv_cache=True), want)
+    assert torch.equal(m.generate(prompt, 30, temperature=0, use_kv_cache=False), want)
+    assert len(set(want[:, 3:].flatten().tolist())) > 3  # non-trivial output
+    full = sharp(tiny(block_size=24, qk_norm=True, mlp='swiglu'))
+    assert not torch.equal(full.generate(prompt, 30, temperature=0), want)  # the window changes the tokens
+
+
 def test_top_k_one_is_greedy():
     m = tiny().eval()
     prompt = batch(B=2, T=3)[0]
@@ -339,6 +391,7 @@ def test_state_dict_round_trip(opts):
     (dict(pos_emb='alibi'), "pos_emb='alibi'"), (dict(mlp='geglu'), "mlp='geglu'"),
     (dict(norm='batchnorm'), "norm='batchnorm'"), (dict(n_embd=15, n_head=2), "not divisible"),
     (dict(n_embd=6, n_head=2), "even head size"), (dict(logit_softcap=-1.0), "logit_softcap"),
+    (dict(sliding_window=-1), "sliding_window=-1"),
 ])
 def test_bad_config_is_a_clear_error(bad, match):
     with pytest.raises(UserError, match=match):

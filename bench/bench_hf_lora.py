@@ -29,7 +29,9 @@ What it does (about 10 minutes on a 2-core CPU):
    AdamW (fused, both) with lr, betas, eps 1e-8, weight decay 0; gradients clipped to grad_clip
    (train.py's and the transformers Trainer's default 1.0); float32; no gradient checkpointing;
    no dropout. nanotrain's step is train.py's: model(x, logits_at=y != -100) (logits only at the labelled
-   positions), losses.weighted_cross_entropy, backward, clip, step. transformers' is a plain loop:
+   positions), losses.weighted_cross_entropy, backward, clip, step; with --pack=True on the 8 examples
+   packed into one row (doc_ids: attention within each example, no padding), with --compile=True through
+   torch.compile (its compiling happens in the warmup steps). transformers' is a plain loop:
    PeftModel(input_ids, attention_mask, labels, use_cache=False).loss, attention "sdpa", backward,
    clip, step.
 3. Speed and memory: three rows (SIDES): nanotrain in this Python, transformers + PEFT in theirs, and
@@ -88,6 +90,8 @@ beta2 = 0.95
 grad_clip = 1.0
 loss_tolerance = 1e-4        # the largest allowed difference between the two sides' step-1 losses
 seed = 1337
+pack = False                 # nanotrain's side: the examples packed into one row, attention within each (train.py's pack=True)
+compile = False              # nanotrain's side: torch.compile the model (train.py's compile=True); its compiling falls in the warmup steps
 out = os.path.join(ROOT, 'bench', 'results', 'hf_lora.json')
 batch_file = ''              # (workers) the .pt with the batch and the adapters' initial A matrices
 # -----------------------------------------------------------------------------
@@ -165,11 +169,12 @@ def nanotrain_step_fn(batch):
     net.train()
     optimizer = lora_optimizer(net, 0.0, learning_rate, (beta1, beta2), 'cpu')
     trained = [p for p in net.parameters() if p.requires_grad]
-    x, y = batch['input_ids'][:, :-1], batch['labels'][:, 1:]
+    x, y, doc_ids = (batch['packed'] if pack else (batch['input_ids'][:, :-1], batch['labels'][:, 1:], None))
+    forward = torch.compile(net) if compile else net
 
     def loss():
         labels_at = y != -100
-        logits, _ = net(x, logits_at=labels_at)
+        logits, _ = forward(x, doc_ids=doc_ids, logits_at=labels_at)
         return weighted_cross_entropy(logits, y[labels_at])
     return training_step(loss, trained, optimizer), sum(p.numel() for p in trained)
 
@@ -241,6 +246,10 @@ def prepare_batch(path):
     assert torch.equal(y, labels[:, 1:])
     inside = attention_mask[:, 1:].bool()  # x's real tokens: each example's ids but its last
     assert torch.equal(x[inside], input_ids[:, :-1][inside])
+    # pack=True: the same examples in one row (as train.py packs them), the same labelled tokens
+    packed = SFTBatches(examples, seed, tokenizer.pad_id, sum(len(ids) for ids, _ in examples), pack=True).get(
+        torch.arange(len(examples)))
+    assert packed[0].size(0) == 1 and torch.equal(packed[1][packed[1] != -100], y[y != -100])
 
     ckpt = load_hf_checkpoint(model)
     net = GPT.from_state_dict(GPTConfig(**ckpt['model_args']), ckpt['model'])
@@ -250,8 +259,8 @@ def prepare_batch(path):
     to_hf = hf_names([name + '.weight' for name in lora_A], ckpt['hf_config'])
     lora_A_hf = {to_hf[name + '.weight'].removesuffix('.weight'): a for name, a in lora_A.items()}
     torch.save(dict(input_ids=input_ids, labels=labels, attention_mask=attention_mask, lora_A=lora_A,
-                    lora_A_hf=lora_A_hf), path)
-    return dict(examples=len(examples), padded_length=T, tokens=int(attention_mask.sum()),
+                    lora_A_hf=lora_A_hf, packed=packed), path)
+    return dict(examples=len(examples), padded_length=T, packed_length=packed[0].size(1), tokens=int(attention_mask.sum()),
                 labelled=int((labels[:, 1:] != -100).sum()), lengths=[len(ids) for ids, _ in examples])
 
 
@@ -261,7 +270,8 @@ def run_worker(side, kind, path=''):
     args = [python, os.path.abspath(__file__), f'--mode={modes[kind]}', f'--model={model}', f'--threads={threads}',
             f'--batch_size={batch_size}', f'--warmup_steps={warmup_steps}', f'--timed_steps={timed_steps}',
             f'--lora_r={lora_r}', f'--lora_alpha={lora_alpha}', f'--learning_rate={learning_rate}',
-            f'--beta1={beta1}', f'--beta2={beta2}', f'--grad_clip={grad_clip}', f'--batch_file={path}']
+            f'--beta1={beta1}', f'--beta2={beta2}', f'--grad_clip={grad_clip}', f'--batch_file={path}',
+            f'--pack={pack}', f'--compile={compile}']
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM='false')
     done = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT)]
@@ -338,7 +348,7 @@ def main():
 
     print(f"\nLoRA SFT on {model}: r={lora_r}, alpha={lora_alpha:g}, {', '.join(TARGETS)}, batch {batch['examples']} x "
           f"{batch['padded_length']} tokens ({batch['labelled']} labelled), fp32, {threads} threads; medians of "
-          f"{rounds} runs of {timed_steps} timed steps")
+          f"{rounds} runs of {timed_steps} timed steps; nanotrain's side: pack={pack}, compile={compile}")
     print("| | torch | steps/s (min-max) | ms/step | peak RSS MiB: import / loaded / trained (above import) "
           "| x steps/s | x peak RSS (above import) | step-1 loss |")
     print("|---|---|---|---|---|---|---|---|")
@@ -364,7 +374,7 @@ def main():
     with open(out, 'w') as f:
         json.dump(dict(command=' '.join([sys.executable, *sys.argv]),
                        cpu=cpu_model(), cpu_count=os.cpu_count(), threads=threads, versions=versions(),
-                       settings={k: config[k] for k in ('batch_size', 'warmup_steps', 'timed_steps', 'rounds',
+                       settings={k: config[k] for k in ('batch_size', 'pack', 'compile', 'warmup_steps', 'timed_steps', 'rounds',
                                                         'load_rounds', 'lora_r', 'lora_alpha', 'learning_rate',
                                                         'beta1', 'beta2', 'grad_clip', 'seed')},
                        targets=TARGETS, batch=batch, train=summary, load=load_summary, ratios_to_transformers=ratios,

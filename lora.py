@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from checkpoint import check_compatible, save_checkpoint
 from configurator import UserError
 from fsdp import model_state_dict
+from memory import DTYPES
 from runtime import log
 
 # LoRA (Hu et al. 2021): a frozen layer W plus a trainable low-rank update, y = W x + s B A x with
@@ -115,6 +116,52 @@ class AddedRowsLinear(nn.Linear):
 
     def forward(self, x):
         return F.linear(x, with_added_rows(self))
+
+
+# The frozen base may be kept in the run's 16-bit dtype (lora_base_dtype; torchtune and litgpt keep it in bf16):
+# the Linear weights of the blocks, the bulk of a model, which autocast casts to that dtype at every use anyway, so
+# storing them so changes the memory and nothing the run computes. The rest stays float32: the token embedding,
+# whose lookup autocast does not cast (a 16-bit table would turn the residual stream 16-bit), with lm_head (tied
+# to it, or holding the added chat-token rows' start), the norms and biases (small, and some of them train), and
+# everything that trains (adapters, added rows): AdamW's masters.
+
+def frozen_base_dtype(lora_base_dtype, run_dtype, lora, parallel, lora_switch):
+    """The torch dtype a run keeps its frozen base's Linear weights in: lora_base_dtype, after checking that it
+    can work: 16 bits only in a LoRA run (lora; lora_switch: the setting that makes one) that computes in that
+    dtype (run_dtype, the resolved dtype key), not under FSDP."""
+    dtype = DTYPES[lora_base_dtype]
+    if dtype == torch.float32:
+        return dtype
+    if not lora:
+        raise UserError(f"lora_base_dtype={lora_base_dtype!r} keeps a LoRA run's frozen base in 16 bits, but this run "
+                        f"is not one: it trains every weight (in float32). Drop lora_base_dtype, or set {lora_switch}.")
+    if dtype != run_dtype:
+        raise UserError(f"lora_base_dtype={lora_base_dtype!r} needs a run that computes in {lora_base_dtype} (the frozen "
+                        f"weights are used under autocast in the run's dtype), but dtype resolves to "
+                        f"{str(run_dtype).removeprefix('torch.')} here. Set --dtype={lora_base_dtype} (on a CPU slower "
+                        f"than float32 without bf16 units), or lora_base_dtype='float32'.")
+    if parallel == 'fsdp':
+        raise UserError(f"lora_base_dtype={lora_base_dtype!r} is not supported with parallel='fsdp', which keeps its "
+                        f"shards in float32 and computes in the run's dtype by its own mixed-precision policy. Set "
+                        f"lora_base_dtype='float32', or parallel='ddp'.")
+    return dtype
+
+
+@torch.no_grad()
+def cast_frozen_base(model, dtype):
+    """The Linear weights of model's blocks in dtype (what LoRA freezes), every other parameter in float32 (see
+    above); a tensor under two names (a tied lm_head) stays one. For a model built around a checkpoint's tensors
+    in their stored dtype, before resize_vocab and apply_lora, so no float32 copy of the blocks is ever made."""
+    in_blocks = {id(m) for m in model.transformer.h.modules() if isinstance(m, nn.Linear)}
+    converted = {}
+    for module in model.modules():
+        for key, p in list(module.named_parameters(recurse=False)):
+            target = dtype if id(module) in in_blocks and key == 'weight' else torch.float32
+            copy = target == torch.float32  # even if float32 already: a view of a memory-mapped file keeps it all mapped
+            if p.dtype != target or copy:
+                if id(p) not in converted:
+                    converted[id(p)] = nn.Parameter(p.to(target, copy=copy), requires_grad=p.requires_grad)
+                setattr(module, key, converted[id(p)])
 
 
 def apply_lora(model, r=8, lora_alpha=16, lora_dropout=0.0, target_modules='attn.q,attn.k,attn.v,attn.proj',
@@ -223,8 +270,9 @@ def lora_state_dict(model, state=None):
 
 @torch.no_grad()
 def merged_state_dict(model, state=None):
-    """A plain GPT state dict with every adapter and the added rows folded into their weights; the model
-    is left as it is. state: as in lora_state_dict."""
+    """A plain float32 GPT state dict with every adapter and the added rows folded into their weights (a 16-bit
+    frozen base upcast: its values exactly, plus the update); the model is left as it is. state: as in
+    lora_state_dict."""
     state = dict(model.state_dict() if state is None else state)
     folded = {}  # a tied lm_head gets the embedding's tensor, so the checkpoint stores it once
     for name, m in model.named_modules():
@@ -237,7 +285,7 @@ def merged_state_dict(model, state=None):
             if id(m.weight) not in folded:
                 folded[id(m.weight)] = rows_replaced(state[name + '.weight'], added_rows)
             state[name + '.weight'] = folded[id(m.weight)]
-    return state
+    return {k: v.float() for k, v in state.items()}  # float32 stays the same tensor: a tied weight stays one
 
 
 def lora_param_groups(model, weight_decay, loraplus_lr_ratio=1.0):

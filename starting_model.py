@@ -12,12 +12,15 @@ hf_checkpoint.py), and the checks that it fits the run.
 """
 import os
 
+import torch
+
 from checkpoint import check_compatible, file_sha256, is_hf_folder, load_checkpoint, require_init_from
 from configurator import UserError, dataclass_args
 from data import prepare_default
 from fsdp import place_model
 from hf_checkpoint import load_hf_checkpoint, weight_files
 from hf_tokenizer import load_hf_tokenizer
+from lora import cast_frozen_base
 from model import GPT, GPTConfig
 from runtime import prepare_once
 from tokenizer import DEFAULT_DATA_DIR, load_tokenizer
@@ -155,26 +158,32 @@ def dpo_reference(ckpt, init_from, out_dir, made_by=None, as_stored=False):
     return reference, path, reference_hash
 
 
-def starting_gpt(model_args, model_ckpt, model_path, tokenizer, base_tokenizer=None, assign=False):
+def starting_gpt(model_args, model_ckpt, model_path, tokenizer, base_tokenizer=None, assign=False,
+                 linear_dtype=torch.float32):
     """(the GPT a train.py run starts from, the vocabulary size it starts with): model_ckpt's (None: a new
     model of model_args), checked with check_starting_model, its vocabulary grown to tokenizer's when the
-    run adds the chat template's tokens. assign: as in build_model."""
+    run adds the chat template's tokens. assign, linear_dtype: as in build_model."""
     vocab_size = tokenizer.vocab_size
     if model_ckpt is not None:  # a pretrained model being fine-tuned has the base tokenizer
         vocab_size = check_starting_model(model_ckpt, model_path, model_args, tokenizer, base_tokenizer)
-    model = build_model(GPTConfig(**dict(model_args, vocab_size=vocab_size)), model_ckpt, assign)
+    model = build_model(GPTConfig(**dict(model_args, vocab_size=vocab_size)), model_ckpt, assign, linear_dtype)
     if vocab_size < tokenizer.vocab_size:
         model.resize_vocab(tokenizer.vocab_size)
     return model, vocab_size
 
 
-def build_model(config, model_ckpt, assign=False):
+def build_model(config, model_ckpt, assign=False, linear_dtype=torch.float32):
     """The GPT of config (a GPTConfig) holding model_ckpt's weights, or initialised at random when
     model_ckpt is None. A published model's is built around its tensors (GPT.from_state_dict), so
     memory holds one copy; so is any checkpoint's with assign (FSDP: the tensors are memory-mapped,
-    perhaps in a stored bf16, and fsdp.shard_model makes each rank's shard float32)."""
-    if model_ckpt is not None and (assign or model_ckpt.get('hf_config')):
-        return GPT.from_state_dict(config, model_ckpt['model'])
+    perhaps in a stored bf16, and fsdp.shard_model makes each rank's shard float32) or a 16-bit
+    linear_dtype (a LoRA run's lora_base_dtype: its blocks' Linear weights go from their stored dtype
+    straight to it, the rest to float32: lora.cast_frozen_base)."""
+    if model_ckpt is not None and (assign or model_ckpt.get('hf_config') or linear_dtype != torch.float32):
+        model = GPT.from_state_dict(config, model_ckpt['model'])
+        if linear_dtype != torch.float32:
+            cast_frozen_base(model, linear_dtype)
+        return model
     model = GPT(config)
     if model_ckpt is not None:
         model.load_state_dict(model_ckpt['model'])

@@ -22,9 +22,9 @@ from checkpoint import (CHECKPOINT_FORMATS, check_compatible, open_run, require_
 from configurator import FOLDER, POSITIVE, UserError, at_least, check_values, configure, interval, one_of
 from fsdp import PARALLEL, check_parallel, place_model, same_init_on_every_rank
 from losses import check_loss_weights, combine_losses, target_weights, token_weight_table, weighted_cross_entropy, z_loss
-from memory import (GradScaler, MemoryMonitor, autocast_context, halve_micro_batch, peak_memory_bytes, pick_dtype,
-                    recover_from_oom, resumed_micro_batch)
-from lora import apply_lora, load_adapters, lora_state_dict, save_merged
+from memory import (DTYPES, GradScaler, MemoryMonitor, autocast_context, halve_micro_batch, peak_memory_bytes,
+                    pick_dtype, recover_from_oom, resumed_micro_batch)
+from lora import apply_lora, frozen_base_dtype, load_adapters, lora_state_dict, save_merged
 from muon import gpt_optimizer
 from run_data import gpt_run_data
 from runtime import (StepProfiler, StopSignal, after_eval, clip_and_reduce, compute_cleanup, compute_init,
@@ -74,6 +74,7 @@ use_rslora = False           # scale updates by lora_alpha/sqrt(r) instead of lo
 lora_target_modules = 'attn.q,attn.k,attn.v,attn.proj'  # comma-separated from attn.q/k/v/proj and mlp.fc/gate/proj (or Hugging Face's q_proj, v_proj, ...), or 'all-linear'
 lora_bias = 'none'           # biases trained too: 'none' | 'all' | 'lora_only' (those of adapted layers)
 loraplus_lr_ratio = 1.0      # LoRA+: the B matrices learn at this times the learning rate (the paper suggests 16)
+lora_base_dtype = 'float32'  # the frozen base's Linear weights: 'float32' | the run's dtype ('bfloat16' nearly halves the base's memory; embeddings, norms and adapters stay float32)
 # loss
 token_weights = {}           # token-weighted CE: {'group': (weight, [token id or single-token text, ...])}; {} = plain CE
 loss_weights = {'ce': 1.0, 'z_loss': 0.0}  # multi-objective: weight of each loss term (z_loss: PaLM's log(Z)^2, e.g. 1e-4)
@@ -130,6 +131,7 @@ check_values(config, [
     (interval('[0, 1]'), ('decay_frac',)),
     (POSITIVE, ('lora_alpha', 'loraplus_lr_ratio')),
     (one_of(SCHEDULES), ('lr_schedule',)),
+    (one_of(DTYPES), ('lora_base_dtype',)),
     (one_of(PARALLEL), ('parallel',)),
     (one_of(CHECKPOINT_FORMATS), ('checkpoint_format',)),
     (FOLDER, ('out_dir',)),
@@ -145,6 +147,7 @@ master, device_type = rank == 0, device.split(':')[0]
 ptdtype = pick_dtype(device, dtype)
 autocast = autocast_context(device, ptdtype)
 check_parallel(parallel, ddp, device, ptdtype, optimizer_type, fsdp_cpu_offload)
+base_dtype = frozen_base_dtype(lora_base_dtype, ptdtype, training_type == 'lora', parallel, "training_type='lora'")
 
 # out_dir: written and locked before any work; a checkpoint there is this run's to continue, never another's
 this_run = dict(script='train.py', training_type=training_type, init_from=run_origin(init_from))
@@ -153,9 +156,10 @@ out_dir_lock, ckpt_path, ckpt = open_run(out_dir, resume, this_run, eval_only, m
 resuming = ckpt is not None
 require_starting_weights(ckpt, init_from, eval_only, ckpt_path, hf_folders=True,
                          made_by='`python train.py` (pretraining)' if init_from == 'out/ckpt.pt' else None)
-# the model the run starts from; a published model (or a fine-tune of one) brings its shape and tokenizer
+# the model the run starts from; a published model (or a fine-tune of one) brings its shape and tokenizer. As stored
+# (memory-mapped, its file's dtype): under FSDP each rank reads its shard; a 16-bit LoRA base needs no float32 copy
 model_ckpt, model_ckpt_path = full_model_checkpoint(ckpt, ckpt_path, init_from, out_dir, training_type,
-                                                    as_stored=parallel == 'fsdp')  # FSDP: each rank reads its shard
+                                                    as_stored=parallel == 'fsdp' or base_dtype != torch.float32)
 hf_files = hf_source(model_ckpt, chat_template_variables)  # its config files, which export.py writes back
 
 # data: the model's own tokenizer (a published model), else data_dir's; rank 0 prepares the default data once
@@ -174,7 +178,7 @@ if ckpt is not None:  # checkpoints written before they recorded their run (run_
                      {'optimizer_type': optimizer_type, 'training_type': training_type}, 'optimizer', ckpt_path)
 with same_init_on_every_rank(seed, enabled=parallel == 'fsdp'):  # fine-tuning may add the chat tokens' rows
     model, vocab_size = starting_gpt(model_args, model_ckpt, model_ckpt_path, tokenizer,
-                                     base_tokenizer if fine_tuning else None, assign=parallel == 'fsdp')
+                                     base_tokenizer if fine_tuning else None, parallel == 'fsdp', base_dtype)
     if training_type == 'lora':
         added_tokens = tokenizer.vocab_size - vocab_size  # the chat tokens added above train too (none for a chat model)
         apply_lora(model, lora_r, lora_alpha, lora_dropout, lora_target_modules, use_rslora, lora_bias, added_tokens)
@@ -396,7 +400,8 @@ if training_type == 'lora':
                 tokenizer=tokenizer.identity(), data_dir=os.path.abspath(data_dir), **hf_files)
 
 if sample_tokens > 0 and (master or parallel == 'fsdp'):  # under FSDP every rank computes each token along
-    # a fine-tuned model answers the first held-out prompt and stops at <|end|>
-    print_sample(raw_model, tokenizer, sample_prompt, sample_tokens, tokenizer.eos_id if fine_tuning else None, seed,
-                 device, heading=f"--- sample (step {iter_num}, best val loss {best_val_loss:.4f}) ---")
+    # a fine-tuned model answers the first held-out prompt and stops at <|end|>; in the run's precision, as exact match
+    with autocast:  # (a 16-bit LoRA base computes only under it)
+        print_sample(raw_model, tokenizer, sample_prompt, sample_tokens, tokenizer.eos_id if fine_tuning else None,
+                     seed, device, heading=f"--- sample (step {iter_num}, best val loss {best_val_loss:.4f}) ---")
 compute_cleanup(ddp)

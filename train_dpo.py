@@ -22,8 +22,8 @@ from configurator import FOLDER, POSITIVE, UserError, at_least, check_values, co
 from dpo_logps import completion_logps, precomputed_reference_logps, reference_logps
 from fsdp import PARALLEL, check_parallel, place_model, same_init_on_every_rank
 from losses import DPO_LOSS_TYPES, dpo_loss
-from memory import GradScaler, autocast_context, peak_memory_bytes, pick_dtype
-from lora import LORA_SETTINGS, apply_lora, lora_optimizer, lora_state_dict, save_merged
+from memory import DTYPES, GradScaler, autocast_context, peak_memory_bytes, pick_dtype
+from lora import LORA_SETTINGS, apply_lora, frozen_base_dtype, lora_optimizer, lora_state_dict, save_merged
 from model import GPTConfig
 from run_data import preference_run_data
 from runtime import (StopSignal, after_eval, clip_and_reduce, compute_cleanup, compute_init, keep_log_until, log,
@@ -77,6 +77,7 @@ use_rslora = False           # scale updates by lora_alpha/sqrt(r) instead of lo
 lora_target_modules = 'all-linear'  # comma-separated from attn.q/k/v/proj and mlp.fc/gate/proj, or 'all-linear'
 lora_bias = 'none'           # 'none' | 'all' | 'lora_only'
 loraplus_lr_ratio = 1.0      # LoRA+: the B matrices learn at this times the learning rate
+lora_base_dtype = 'float32'  # the frozen base's Linear weights (the reference's too): 'float32' | the run's dtype ('bfloat16' nearly halves the base's memory; embeddings, norms and adapters stay float32)
 # model (its shape comes from init_from)
 dropout = 0.0                # off by default: the policy's log-probs should not be noisier than the reference's
 activation_checkpointing = False  # recompute activations in backward to save memory
@@ -117,6 +118,7 @@ check_values(config, [
     (interval('[0, 0.5)'), ('label_smoothing',)),  # at 0.5 the labels carry no information
     (one_of(SCHEDULES), ('lr_schedule',)),
     (one_of(DPO_LOSS_TYPES), ('loss_type',)),
+    (one_of(DTYPES), ('lora_base_dtype',)),
     (one_of(PARALLEL), ('parallel',)),
     (one_of(CHECKPOINT_FORMATS), ('checkpoint_format',)),
     (FOLDER, ('out_dir',)),
@@ -133,6 +135,7 @@ master, device_type = rank == 0, device.split(':')[0]
 ptdtype = pick_dtype(device, dtype)
 autocast = autocast_context(device, ptdtype)
 check_parallel(parallel, ddp, device, ptdtype, 'adamw', fsdp_cpu_offload)
+base_dtype = frozen_base_dtype(lora_base_dtype, ptdtype, use_lora, parallel, 'use_lora=True')
 
 # out_dir: written and locked before any work; a checkpoint there is this run's to continue, never another's
 this_run = dict(script='train_dpo.py', init_from=run_origin(init_from), use_lora=use_lora)
@@ -142,7 +145,7 @@ resuming = ckpt is not None
 reference_ckpt, reference_path, reference_hash = dpo_reference(
     ckpt, init_from, out_dir, made_by="`python train.py` (pretraining, out/ckpt.pt) then `python train.py "
                                       "config/sft.py` (SFT)" if init_from == 'out-sft/ckpt.pt' else None,
-    as_stored=parallel == 'fsdp')
+    as_stored=parallel == 'fsdp' or base_dtype != torch.float32)  # memory-mapped in its file's dtype (as train.py)
 
 # data: a published model's own tokenizer and chat template, else data_dir's; rank 0 prepares the defaults once
 hf_files = hf_source(reference_ckpt, chat_template_variables)  # a published model's config files, which export.py writes back
@@ -157,7 +160,7 @@ train_batches, val_batches, val_indices, exact_match_prompts, train_data_hash, v
 
 # policy, and the reference: a frozen copy when training all weights, the policy itself with its
 # adapters disabled when training LoRA, or none in memory with precomputed log-probs
-model = build_model(GPTConfig(**model_args), reference_ckpt, assign=parallel == 'fsdp')
+model = build_model(GPTConfig(**model_args), reference_ckpt, parallel == 'fsdp', base_dtype)
 reference = (frozen_model(GPTConfig(**model_args), reference_ckpt['model'], parallel, device, ptdtype, fsdp_cpu_offload)
              if not (use_lora or reference_free or precompute_ref_logps) else None)
 if use_lora:

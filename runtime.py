@@ -95,21 +95,13 @@ def gradient_sync(model, raw_model, sync):
     return model.no_sync() if isinstance(model, DDP) and not sync else nullcontext()
 
 
-def clip_and_reduce(optimizer, scaler, parameters, grad_clip, shares, flags, ddp, apart=()):
+def clip_and_reduce(optimizer, scaler, parameters, grad_clip, shares, flags, ddp):
     """The first half of every optimizer step: unscale fp16 gradients, clip their global norm
-    (grad_clip 0: only measure it; the parameters in apart, some of parameters, are clipped on their own, so
-    their gradients never scale the others' step), and one all-reduce of this rank's shares of the step's
-    metrics (shares add up over ranks to the global batch's values) together with flags any rank may raise
-    (a stop signal, a time limit). Returns (metrics, grad norm of all parameters, flags raised on any rank)."""
+    (grad_clip 0: only measure it), and one all-reduce of this rank's shares of the step's metrics
+    (shares add up over ranks to the global batch's values) together with flags any rank may raise
+    (a stop signal, a time limit). Returns (metrics, grad norm, flags raised on any rank)."""
     scaler.unscale_(optimizer)
-    limit = grad_clip if grad_clip > 0 else float('inf')
-    if apart:
-        apart_ids = {id(p) for p in apart}
-        norms = [torch.nn.utils.clip_grad_norm_(group, limit)
-                 for group in ([p for p in parameters if id(p) not in apart_ids], list(apart))]
-        grad_norm = torch.linalg.vector_norm(torch.stack(norms))
-    else:
-        grad_norm = torch.nn.utils.clip_grad_norm_(parameters, limit)
+    grad_norm = torch.nn.utils.clip_grad_norm_(parameters, grad_clip if grad_clip > 0 else float('inf'))
     if is_dtensor(grad_norm):  # FSDP: the norm over every rank's gradient shards
         grad_norm = grad_norm.full_tensor()
     device = next(iter(shares.values())).device  # the compute device (FSDP's CPU offload leaves grad_norm on the CPU)

@@ -78,7 +78,6 @@ weight_decay = 0.0
 beta1 = 0.9
 beta2 = 0.99
 grad_clip = 1.0              # 0 = no clipping (grad norm is still logged)
-clip_decoder_apart = False   # clip the flow decoder's gradient norm on its own: then it never scales the encoder's step
 # learning-rate schedule (scheduler.py)
 lr_schedule = 'cosine_restarts'  # 'cosine' | 'cosine_restarts' | 'noam' | 'constant' | 'linear' | 'wsd'; each peaks at learning_rate
 warmup_iters = 500           # linear rise to learning_rate, reached at this step (every schedule)
@@ -340,8 +339,7 @@ while iter_num < max_iters:
     with profiler.section('optimizer'):
         out_of_time = max_minutes > 0 and time.time() - _start_time > max_minutes * 60
         losses, grad_norm, (stop_requested, out_of_time) = clip_and_reduce(
-            optimizer, scaler, raw_model.parameters(), grad_clip, shares, [stop.requested is not None, out_of_time], ddp,
-            apart=list(raw_model.decoder.parameters()) if clip_decoder_apart else ())
+            optimizer, scaler, raw_model.parameters(), grad_clip, shares, [stop.requested is not None, out_of_time], ddp)
         prior, duration, flow = losses['prior'], losses['duration'], losses['flow']
         loss = weighted_loss(losses)
         bad_steps = step_or_skip(optimizer, scaler, loss, grad_norm, bad_steps, max_bad_steps, iter_num, out_dir)

@@ -41,25 +41,6 @@ def test_clip_and_reduce_clips_the_global_norm_and_passes_shares_and_flags():
     assert clipped == pytest.approx(0.5, rel=1e-5)
 
 
-def test_clip_and_reduce_clips_a_group_apart_on_its_own_norm():
-    """apart (train_tts.py's clip_decoder_apart): each group is clipped to grad_clip by its own norm, so the other
-    group's step is the same whatever the apart group's gradients are; the reported norm is still the global one."""
-    net, optimizer = tiny_step()
-    params = list(net.parameters())
-    apart, rest = params[1:], params[:1]  # the bias apart from the weight
-    rest_before = [p.grad.clone() for p in rest]
-    rest_norm = torch.cat([g.flatten() for g in rest_before]).norm().item()
-    with torch.no_grad():
-        apart[0].grad.mul_(1000.0)  # a huge gradient in the apart group must not shrink the rest's
-    expected = torch.cat([p.grad.flatten() for p in params]).norm().item()
-    _, grad_norm, _ = clip_and_reduce(optimizer, GradScaler(enabled=False), net.parameters(), 0.5,
-                                      {'loss': torch.tensor(1.0)}, [], False, apart=apart)
-    assert grad_norm == pytest.approx(expected, rel=1e-5)
-    for before, p in zip(rest_before, rest):  # scaled by 0.5 / their own norm only
-        torch.testing.assert_close(p.grad, before * min(1.0, 0.5 / rest_norm), rtol=1e-5, atol=0)
-    assert torch.cat([p.grad.flatten() for p in apart]).norm().item() == pytest.approx(0.5, rel=1e-5)
-
-
 def test_clip_and_reduce_unscales_fp16_gradients():
     scaler = GradScaler(enabled=True, init_scale=1024.0)
     reference, _ = tiny_step()

@@ -1,9 +1,8 @@
 """
-A GPT language model in plain PyTorch, nanoGPT style, with the common modern options:
-RoPE (with Llama 3's frequency scaling) or learned positions, RMSNorm or LayerNorm, GELU / SwiGLU /
-ReLU^2 MLP, grouped-query and sliding-window attention, QK-norm, logit soft-capping, tied embeddings,
-activation checkpointing and KV-cache generation. The same GPT holds the published Llama / Qwen2 / Qwen3 /
-Mistral / GPT-2 models (hf_checkpoint.py maps their Hugging Face checkpoints onto it).
+A GPT language model in plain PyTorch, nanoGPT style, with the common modern options: RoPE (with Llama 3's
+frequency scaling) or learned positions, RMSNorm or LayerNorm, GELU / SwiGLU / ReLU^2 MLP, grouped-query and
+sliding-window attention, QK-norm, logit soft-capping, tied embeddings, activation checkpointing and KV-cache
+generation. It holds the published Llama / Qwen2 / Qwen3 / Mistral / Arcee / GPT-2 models too (hf_checkpoint.py).
 """
 import dataclasses
 import math

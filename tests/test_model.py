@@ -285,6 +285,43 @@ def test_kv_cache_generation_attends_over_the_sliding_window():
     assert not torch.equal(full.generate(prompt, 30, temperature=0), want)  # the window changes the tokens
 
 
+def test_grouped_query_attention_with_a_mask_repeats_keys_and_values_for_a_fused_kernel(monkeypatch):
+    """On CUDA no fused kernel takes enable_gqa with a mask (the math kernel then builds (B, H, T, T) scores):
+    a packed GQA model must hand SDPA as many key/value heads as query heads, and keep enable_gqa (flash)
+    where there is no mask."""
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def recording(q, k, v, attn_mask=None, enable_gqa=False, **kw):
+        calls.append((q.size(1), k.size(1), attn_mask is not None, enable_gqa))
+        return sdpa(q, k, v, attn_mask=attn_mask, enable_gqa=enable_gqa, **kw)
+
+    monkeypatch.setattr(F, 'scaled_dot_product_attention', recording)
+    m = tiny(n_head=4, n_kv_head=2)
+    x, y = batch()
+    m(x, y)
+    assert calls and all(c == (4, 2, False, True) for c in calls)
+    calls.clear()
+    m(x, y, doc_ids=torch.tensor([[0] * 3 + [1] * 5] * 3))
+    assert calls and all(c == (4, 4, True, False) for c in calls)
+
+
+def test_grouped_query_attention_with_a_mask_is_attention_over_each_query_heads_group():
+    """attend against attention written out (float64 both sides, so agreement to rounding): query head h
+    uses key/value head h // (H / Hkv), and masked keys get no weight."""
+    from model import attend
+    g = torch.Generator().manual_seed(0)
+    B, H, Hkv, T, D = 2, 6, 2, 7, 4
+    q, k, v = (torch.randn(B, h, T, D, generator=g, dtype=torch.float64) for h in (H, Hkv, Hkv))
+    mask = torch.rand(B, 1, T, T, generator=g) < 0.6
+    mask |= torch.eye(T, dtype=torch.bool)  # every query sees at least one key
+    out = attend(q, k, v, mask=mask)
+    group = torch.arange(H) // (H // Hkv)
+    scores = (q @ k[:, group].transpose(-1, -2)) / math.sqrt(D)
+    expected = torch.softmax(scores.masked_fill(~mask, float('-inf')), dim=-1) @ v[:, group]
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+
+
 def test_top_k_one_is_greedy():
     m = tiny().eval()
     prompt = batch(B=2, T=3)[0]

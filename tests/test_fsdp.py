@@ -69,8 +69,8 @@ def uninterrupted(tmp_path_factory, data_dir):
 
 
 @pytest.mark.comparison
-def test_fsdp_matches_one_process_resumes_exactly_and_shares_checkpoints_with_ddp(tmp_path, data_dir, uninterrupted):
-    common, (single, fsdp), split = COMMON, uninterrupted, tmp_path / 'split'
+def test_fsdp_matches_one_process(uninterrupted):
+    single, fsdp = uninterrupted
     assert sorted(logged(fsdp, 'train_loss')) == list(range(1, 7))
     assert_same_run(single, fsdp)
     # the checkpoint is an unsharded run's: the same tensors (tied embeddings stored once) and optimizer layout
@@ -83,6 +83,9 @@ def test_fsdp_matches_one_process_resumes_exactly_and_shares_checkpoints_with_dd
     assert a['optimizer']['param_groups'] == b['optimizer']['param_groups']
     assert_same_adam_state(a['optimizer']['state'], b['optimizer']['state'], terms=8 * 32)  # 8 windows
 
+
+def test_fsdp_resumes_exactly_and_shares_checkpoints_with_ddp(tmp_path, data_dir, uninterrupted):
+    common, (single, fsdp), split = COMMON, uninterrupted, tmp_path / 'split'
     # stopped at step 3 and relaunched: bit for bit the uninterrupted FSDP run
     train_on_2_ranks(split, data_dir, *common, '--parallel=fsdp', '--max_iters=3')
     step3 = tmp_path / 'step3.pt'
@@ -103,7 +106,6 @@ def test_fsdp_matches_one_process_resumes_exactly_and_shares_checkpoints_with_dd
     assert_same_run(single, tmp_path / 'from_one', keys=('train_loss', 'grad_norm'))
 
 
-@pytest.mark.comparison
 def test_lora_under_fsdp_matches_one_process(tmp_path, sft_env):
     """LoRA on a frozen sharded base (with activation checkpointing, the added chat-token rows trained, exact
     match answered by both ranks together, merged.pt gathered, a sharded checkpoint of the adapters written and
@@ -131,7 +133,6 @@ def test_lora_under_fsdp_matches_one_process(tmp_path, sft_env):
     assert b['model'].keys() == a['model'].keys() and b['optimizer']['state'].keys() == a['optimizer']['state'].keys()
 
 
-@pytest.mark.comparison
 def test_dpo_under_fsdp(tmp_path, dpo_env):
     """DPO with a sharded frozen reference matches one process (tolerances: test_dpo's accumulation test), also
     when stopped after step 2 and continued from a sharded checkpoint; with LoRA and precomputed reference
@@ -171,7 +172,6 @@ def test_fsdp_settings_it_cannot_run_are_refused(tmp_path, data_dir):
     assert p.returncode != 0 and 'error: parallel' in p.stderr and 'train.py", line' not in p.stderr, p.stderr
 
 
-@pytest.mark.comparison
 def test_hugging_face_model_stored_in_bf16_under_fsdp_matches_one_process(tmp_path):
     """A published chat model's folder, its weights stored in bfloat16 and memory-mapped: one process makes the
     model float32 whole, each FSDP rank its shard block by block; both fine-tune the same weights (a chat model
@@ -206,7 +206,6 @@ def test_fsdp_skips_a_non_finite_step_and_a_killed_run_continues(tmp_path, data_
     assert steps == list(range(1, 61)) and load(out / 'ckpt.pt')['iter_num'] == 60
 
 
-@pytest.mark.comparison
 def test_sharded_checkpoints_resume_exactly_on_any_world_size_and_convert_to_one_file(tmp_path, data_dir,
                                                                                        uninterrupted):
     """checkpoint_format='sharded': each rank writes its shards (ckpt-<step>.dcp/, named by a small ckpt.pt).

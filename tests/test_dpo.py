@@ -91,6 +91,7 @@ def test_frozen_reference_is_its_own_copy_of_the_weights():
     assert not any(p.requires_grad for p in reference.parameters()) and not reference.training
 
 
+@pytest.mark.comparison
 @pytest.mark.parametrize('loss_type,eps', [('sigmoid', 0.0), ('sigmoid', 0.2), ('robust', 0.2), ('robust', 0.0),
                                            ('ipo', 0.0), ('hinge', 0.0)])
 def test_dpo_loss_matches_hand_formulas(loss_type, eps):
@@ -132,6 +133,7 @@ def test_dpo_loss_special_points_and_reference_free():
         dpo_loss(pc, pr, zero, zero, 0.1, 'kto')
 
 
+@pytest.mark.comparison
 def test_sequence_logps_is_a_per_sequence_sum_in_fp32():
     """Per-sequence sums of log-softmax gathers, against a hand loop in float64; bf16 logits are summed in fp32."""
     g = torch.Generator().manual_seed(0)
@@ -344,6 +346,7 @@ def test_packed_pair_shares_its_prompt():
     assert scored == [(2, 4, 0), (3, 5, 0), (4, 6, 0), (2, 7, 1), (5, 8, 1)]
 
 
+@pytest.mark.comparison
 def test_packed_and_padded_batches_give_the_same_sequence_logps():
     """Through a tiny GPT (as dpo_logps.completion_logps does it), packed rows (prompts shared, several
     pairs per row) and padded rows give each sequence the log-prob it has alone, to ~1e-5."""
@@ -483,6 +486,7 @@ def test_step0_precomputed_reference_is_cached_and_reused(tmp_path, dpo_env):
     assert_step0_identities(evals(out)[1], tol=1e-4, exact_ties=False)
 
 
+@pytest.mark.comparison
 def test_gradient_accumulation_and_ddp_match_one_big_batch(tmp_path, dpo_env):
     """Sums are normalized by the whole batch: 4 pairs x 1 = 1 x 4 = 2 x 2 = 2 ranks (torchrun, gloo) x 2 pairs
     give the same train metrics at every step (RPO's NLL included), the same gradient norm at the first (same

@@ -41,6 +41,7 @@ def expected(name):
     return load_file(os.path.join(FIXTURES, 'expected', f"{name.removesuffix('_sharded')}.safetensors"))
 
 
+@pytest.mark.comparison
 @pytest.mark.parametrize('name', FAMILIES)
 def test_logits_equal_transformers(name):
     # fp32 on both sides; the same operations up to summation order (fused q/k/v matmul, attention kernel):
@@ -52,6 +53,7 @@ def test_logits_equal_transformers(name):
     torch.testing.assert_close(logits, want['logits'], atol=1e-5, rtol=0)
 
 
+@pytest.mark.comparison
 @pytest.mark.parametrize('name', FAMILIES)
 @pytest.mark.parametrize('use_kv_cache', [True, False])
 def test_greedy_tokens_equal_transformers(name, use_kv_cache):
@@ -195,6 +197,7 @@ def test_missing_shard_is_named(tmp_path):
         load_hf_checkpoint(str(folder))
 
 
+@pytest.mark.comparison
 def test_mistral_attends_over_its_sliding_window_as_transformers_does():
     # 100 tokens past sliding_window=64: within 1e-5 as test_logits_equal_transformers; attending over every
     # earlier token instead changes the logits past the window (and only there)
@@ -209,6 +212,7 @@ def test_mistral_attends_over_its_sliding_window_as_transformers_does():
     assert (logits[:, window:] - want['logits_long'][:, window:]).abs().amax(-1).min() > 1e-3
 
 
+@pytest.mark.comparison
 @pytest.mark.parametrize('use_kv_cache', [True, False])
 def test_mistral_greedy_tokens_past_its_sliding_window_equal_transformers(use_kv_cache):
     # transformers' greedy (its sliding-window cache), 40 -> 100 and 80 -> 110 tokens; its top-2 logits are at
@@ -261,6 +265,7 @@ def llama_with_peft_fixture_adapter():
     return model.eval(), hf
 
 
+@pytest.mark.comparison
 def test_peft_adapter_gives_the_logits_peft_gives_and_exports_to_the_same_files(tmp_path):
     model, hf = llama_with_peft_fixture_adapter()
     want = load_file(os.path.join(FIXTURES, 'expected', 'peft_llama.safetensors'))

@@ -62,6 +62,7 @@ def test_scaling_and_update(use_rslora, scale):
     assert layer.lora_A.abs().max() <= bound and layer.lora_A.std() > bound / 4
 
 
+@pytest.mark.comparison
 def test_merged_equals_unmerged_and_merged_state_dict_is_a_plain_gpt():
     model = tiny_gpt()
     apply_lora(model, r=4, lora_alpha=8, target_modules='all-linear')
@@ -77,6 +78,7 @@ def test_merged_equals_unmerged_and_merged_state_dict_is_a_plain_gpt():
     torch.testing.assert_close(model(x)[0], unmerged, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.comparison
 def test_disabled_adapters_are_the_base_model_bit_for_bit():
     base = tiny_gpt()
     model = copy.deepcopy(base)
@@ -235,6 +237,7 @@ def test_loraplus_groups_hold_only_trainable_parameters():
     assert b['lr_scale'] == 16 and a.get('lr_scale', 1.0) == 1.0 and biases['weight_decay'] == 0.0
 
 
+@pytest.mark.comparison
 def test_activation_checkpointing_gives_the_same_gradients():
     grads = []
     for recompute in (False, True):

@@ -64,6 +64,7 @@ def test_only_the_blocks_linear_weights_are_16_bit(tie):
     assert (model.lm_head.weight is model.transformer.wte.weight) == tie and dtypes['transformer.wte.weight'] == torch.float32
 
 
+@pytest.mark.comparison
 @pytest.mark.parametrize('tie', [True, False])
 def test_training_on_a_bf16_base_is_the_float32_bases_under_the_same_autocast_bit_for_bit(tie):
     """Under bf16 autocast every Linear rounds its float32 weight to bf16 (round to nearest even, as .to() does)
@@ -90,6 +91,7 @@ def test_training_on_a_bf16_base_is_the_float32_bases_under_the_same_autocast_bi
             assert torch.equal(models[0](x)[0], models[1](x)[0])
 
 
+@pytest.mark.comparison
 @pytest.mark.parametrize('tie', [True, False])
 def test_merged_is_the_16_bit_base_upcast_plus_the_adapters(tie):
     _, model = lora_pair(tie)

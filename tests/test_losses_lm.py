@@ -38,6 +38,7 @@ def reference_weighted_ce(logits, targets, table):
     return num / den
 
 
+@pytest.mark.comparison
 def test_unweighted_is_standard_cross_entropy():
     logits, targets = batch()
     expected = F.cross_entropy(logits.view(-1, 7), targets.view(-1), ignore_index=-100)
@@ -45,6 +46,7 @@ def test_unweighted_is_standard_cross_entropy():
     torch.testing.assert_close(weighted_cross_entropy(logits, targets, torch.ones(7)), expected, rtol=2e-7, atol=0)
 
 
+@pytest.mark.comparison
 def test_weighted_matches_reference():
     logits, targets = batch(1)
     table = torch.tensor([1.0, 1.5, 1.3, 1.2, 1.2, 0.5, 2.0])
@@ -72,6 +74,7 @@ def reference_z_loss(logits, targets, table=None):
     return num / den
 
 
+@pytest.mark.comparison
 def test_z_loss_matches_reference():
     logits, targets = batch(2)
     logits = 3 * logits  # log Z well away from 0
@@ -79,6 +82,7 @@ def test_z_loss_matches_reference():
     assert z_loss(logits, targets).item() == pytest.approx(reference_z_loss(logits, targets), rel=1e-6)
 
 
+@pytest.mark.comparison
 def test_z_loss_weighs_every_label_alike_and_adds_up_over_micro_batches():
     # as train.py's train_step: token weights scale the cross-entropy only; the z-loss of each micro-batch is
     # divided by the labelled positions of the whole global batch, so the parts add up to its plain mean
@@ -93,6 +97,7 @@ def test_z_loss_weighs_every_label_alike_and_adds_up_over_micro_batches():
     assert expected != pytest.approx(reference_z_loss(logits, targets, table), rel=1e-3)  # the weights would matter
 
 
+@pytest.mark.comparison
 def test_micro_batch_losses_add_up_to_the_global_batch_loss():
     logits, targets = batch(3, B=4)
     table = torch.tensor([1.0, 1.5, 1.3, 1.2, 1.2, 0.5, 2.0])
@@ -105,6 +110,7 @@ def test_micro_batch_losses_add_up_to_the_global_batch_loss():
     assert naive.item() != pytest.approx(whole.item(), rel=1e-3)
 
 
+@pytest.mark.comparison
 def test_accumulation_1x4_gives_the_gradient_of_4x1():
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=8, vocab_size=11, n_layer=1, n_head=2, n_embd=16))

@@ -68,6 +68,7 @@ def run_scaled_training(scaler, bad_steps, clip=None, steps=14):
     return scales, skipped, [p.detach() for p in model.parameters()]
 
 
+@pytest.mark.comparison
 @pytest.mark.parametrize("clip", [None, 0.5])
 def test_grad_scaler_matches_torch(clip):
     bad = {3: float("inf"), 4: float("nan"), 9: float("-inf")}

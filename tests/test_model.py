@@ -81,6 +81,7 @@ def test_layer_names():
     assert 'transformer.h.0.mlp.gate' not in {n for n, _ in tiny().named_modules()}
 
 
+@pytest.mark.comparison
 def test_mlp_variants_compute_their_activation():
     torch.manual_seed(0)
     x = torch.randn(2, 3, 16)
@@ -91,6 +92,7 @@ def test_mlp_variants_compute_their_activation():
         torch.testing.assert_close(mlp(x), mlp.proj(act(mlp, x)))
 
 
+@pytest.mark.comparison
 def test_logit_softcap_is_cap_tanh():
     m = tiny(logit_softcap=0.05)
     x, _ = batch()
@@ -110,6 +112,7 @@ def test_init_scales_residual_projections():
     assert all(not b.attn.proj.weight.any() and not b.mlp.proj.weight.any() for b in z.transformer.h)
 
 
+@pytest.mark.comparison
 def test_rope_matches_complex_rotation():
     T, D, theta = 6, 8, 10000.0
     cos, sin = rope_cos_sin(T, D, theta)
@@ -166,6 +169,7 @@ def test_frozen_params_are_left_out_of_the_optimizer():
     assert all(p is not m.transformer.h[0].attn.q.weight for g in opt.param_groups for p in g['params'])
 
 
+@pytest.mark.comparison
 @pytest.mark.parametrize("pos_emb", ['rope', 'learned'])
 def test_activation_checkpointing_recomputes_and_gives_identical_grads(pos_emb):
     x, y = batch()
@@ -212,6 +216,7 @@ def test_greedy_generation_crops_to_block_size(pos_emb):
     assert len(set(want[:, 3:].flatten().tolist())) > 3  # non-trivial output
 
 
+@pytest.mark.comparison
 @pytest.mark.parametrize("pos_emb", ['rope', 'learned'])
 @pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=1.5), dict(temperature=0.9, top_k=10, top_p=0.9)])
 def test_kv_cache_equals_no_cache(pos_emb, sampling):
@@ -239,6 +244,7 @@ def windowed(window, **kw):
     return tiny(block_size=32, sliding_window=window, **kw).double().eval()
 
 
+@pytest.mark.comparison
 def test_sliding_window_at_least_the_row_is_full_causal_attention():
     T = 12
     assert torch.equal(window_mask(torch.arange(T), torch.arange(T), T), torch.ones(T, T, dtype=torch.bool).tril())
@@ -249,6 +255,7 @@ def test_sliding_window_at_least_the_row_is_full_causal_attention():
         assert not torch.allclose(windowed(T - 1)(x)[0][:, -1], full[:, -1])  # the first token leaves the window
 
 
+@pytest.mark.comparison
 def test_sliding_window_counts_the_query_itself():
     # one layer: position t's logits are full attention's over tokens t-window+1..t alone, a row of their own to
     # RoPE (relative), up to the float32 rounding of the RoPE tables (~1e-7 relative); a token more or less differs
@@ -263,6 +270,7 @@ def test_sliding_window_counts_the_query_itself():
             assert min((crop - logits[:, t]).abs().max() for crop in (crops[0], crops[2])) > 1e-3 * scale
 
 
+@pytest.mark.comparison
 def test_sliding_window_in_packed_rows_gives_each_document_its_logits_alone():
     m, x = windowed(6), batch(B=2, T=30)[0]
     doc_ids = torch.tensor([[0] * 17 + [1] * 13, [0] * 4 + [1] * 26])  # longer and shorter than the window
@@ -274,6 +282,7 @@ def test_sliding_window_in_packed_rows_gives_each_document_its_logits_alone():
                 torch.testing.assert_close(packed[row, doc_ids[row] == doc], alone, rtol=0, atol=1e-12)
 
 
+@pytest.mark.comparison
 def test_kv_cache_generation_attends_over_the_sliding_window():
     m = sharp(tiny(block_size=24, sliding_window=5, qk_norm=True, mlp='swiglu'))
     prompt = batch(B=2, T=3)[0]

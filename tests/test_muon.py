@@ -20,6 +20,7 @@ def svd_factors(G):
     return U, S, Vh.mT
 
 
+@pytest.mark.comparison
 @pytest.mark.parametrize('shape', [(32, 96), (96, 32), (64, 64), (256, 64)])
 def test_orthogonalize_keeps_singular_vectors_and_maps_singular_values_near_one(shape):
     torch.manual_seed(0)
@@ -40,6 +41,7 @@ def test_orthogonalize_keeps_singular_vectors_and_maps_singular_values_near_one(
     assert (X * O).sum() / (X.norm() * O.norm()) > 0.97
 
 
+@pytest.mark.comparison
 def test_orthogonalize_ignores_scale_and_batches():
     torch.manual_seed(1)
     G = torch.randn(3, 16, 48)
@@ -80,6 +82,7 @@ def test_vectors_in_a_muon_group_are_refused():
                    nesterov=True, ns_steps=5, weight_decay=0.0)])
 
 
+@pytest.mark.comparison
 def test_muon_step_is_nesterov_momentum_then_orthogonalized():
     torch.manual_seed(2)
     w = torch.nn.Parameter(torch.randn(24, 8))
@@ -104,6 +107,7 @@ def test_muon_step_is_nesterov_momentum_then_orthogonalized():
     assert s.min() > 0.06 and s.max() < 0.125
 
 
+@pytest.mark.comparison
 def test_adamw_groups_match_torch_adamw():
     torch.manual_seed(3)
     a = torch.nn.Parameter(torch.randn(5, 7))
@@ -161,6 +165,7 @@ def test_train_with_muon_learns_and_resumes_bit_exactly(tmp_path, data_dir):
     assert p.returncode != 0 and 'optimizer_type' in p.stderr and 'Traceback' not in p.stderr
 
 
+@pytest.mark.comparison
 def test_muon_under_ddp_matches_single_process_with_double_accumulation(tmp_path, data_dir):
     # DDP averages the gradients before step(), so every rank orthogonalizes the same momentum
     single, ddp = tmp_path / 'single', tmp_path / 'ddp'

@@ -29,6 +29,7 @@ def test_compute_init_without_torchrun(monkeypatch):
     assert torch.equal(draw, torch.rand(3))
 
 
+@pytest.mark.comparison
 def test_clip_and_reduce_clips_the_global_norm_and_passes_shares_and_flags():
     net, optimizer = tiny_step()
     expected = torch.cat([p.grad.flatten() for p in net.parameters()]).norm().item()

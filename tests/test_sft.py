@@ -302,6 +302,7 @@ def test_packing_fills_rows_and_numbers_documents():
         assert (row[len(real):] == -1).all()
 
 
+@pytest.mark.comparison
 @pytest.mark.parametrize('pos_emb', ['rope', 'learned'])
 def test_packed_rows_give_the_logits_of_separate_examples(pos_emb):
     torch.manual_seed(0)
@@ -373,6 +374,7 @@ def test_sft_trains_reports_exact_match_and_resumes_bit_exactly(tmp_path, sft_en
     assert ckpt['tokenizer'] == ChatTokenizer(load_tokenizer(sft_env['data_dir'])).identity()
 
 
+@pytest.mark.comparison
 def test_accumulation_and_ddp_match_one_big_batch(tmp_path, sft_env):
     """The loss is normalized by the whole global batch's token weight: 4 x 1 = 1 x 4 = 2 ranks x (1 x 2) give the
     same train loss at every step, the same gradient norm at the first (same weights: the accumulated gradient

@@ -149,6 +149,7 @@ def test_repeated_nan_aborts_and_keeps_checkpoint(tmp_path, data_dir):
     assert file_hash(out / 'ckpt.pt') == before
 
 
+@pytest.mark.comparison
 def test_oom_halves_micro_batch_and_keeps_global_batch(tmp_path, data_dir):
     ref, oom = tmp_path / 'ref', tmp_path / 'oom'
     common = ['--max_iters=4', '--eval_interval=100', '--lr_decay_iters=4']
@@ -161,6 +162,7 @@ def test_oom_halves_micro_batch_and_keeps_global_batch(tmp_path, data_dir):
     assert all(abs(a[s] - b[s]) < 1e-5 for s in a), (a, b)
 
 
+@pytest.mark.comparison
 def test_ddp_matches_single_process_with_double_accumulation(tmp_path, data_dir):
     single, ddp = tmp_path / 'single', tmp_path / 'ddp'
     common = [f'--data_dir={data_dir}', *TINY, '--max_iters=5', '--eval_interval=5', '--lr_decay_iters=5']

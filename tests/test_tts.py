@@ -118,6 +118,7 @@ def brute_force_path(value, t_x, t_y):
     return path
 
 
+@pytest.mark.comparison
 def test_mas_matches_plain_loop_reference_and_brute_force():
     for seed in range(6):
         value, mask = random_alignment_problem(seed)
@@ -166,6 +167,7 @@ def test_alignment_prior_breaks_ties_towards_the_diagonal():
 # ----------------------------------------------------------------------------- losses and metrics
 
 
+@pytest.mark.comparison
 def test_flow_matching_path_and_masked_loss():
     g = torch.Generator().manual_seed(0)
     x0, x1 = torch.randn(3, 4, 7, generator=g), torch.randn(3, 4, 7, generator=g)
@@ -256,6 +258,7 @@ def test_flow_loss_does_not_train_the_encoder(cfg_drop):
 # ----------------------------------------------------------------------------- audio and data
 
 
+@pytest.mark.comparison
 def test_mel_extraction_settings():
     n = SR // 2
     t = torch.arange(n) / SR

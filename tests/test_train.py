@@ -129,6 +129,23 @@ def test_sigterm_saves_and_exits_143(tmp_path, data_dir):
     assert ckpt['iter_num'] == max(train_losses(out))
 
 
+def test_a_closed_output_pipe_drops_the_output_and_the_run_goes_on(tmp_path, data_dir):
+    # `python train.py | head -1`: the reader leaves after the first line; every later print, tqdm line and the
+    # sample meet a closed pipe, and the run still trains, saves and logs to its files
+    out = tmp_path / 'out'
+    env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONUNBUFFERED='1')
+    proc = subprocess.Popen([sys.executable, 'train.py', f'--out_dir={out}', f'--data_dir={data_dir}', *TINY,
+                             '--max_iters=6', '--lr_decay_iters=6', '--eval_interval=3', '--tensorboard=True'],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert proc.stdout.readline().startswith(b'overriding')
+    proc.stdout.close()
+    assert proc.wait(timeout=120) == 0
+    assert load(out / 'ckpt.pt')['iter_num'] == 6
+    assert sorted(train_losses(out)) == list(range(1, 7))
+    assert [e['step'] for e in read_log(out) if 'val_loss' in e] == [0, 3, 6]
+    assert glob.glob(str(out / 'tb' / 'events.*'))
+
+
 def test_nan_step_is_skipped(tmp_path, data_dir):
     out = tmp_path / 'out'
     p = train(out, data_dir, '--max_iters=6', '--eval_interval=100', '--lr_decay_iters=6', faults='nan@2')

@@ -35,10 +35,11 @@ def data_dir(tmp_path_factory):
     return str(out)
 
 
-def run(args, env_extra=None, check=True, timeout=240):
+def run(args, env_extra=None, check=True, timeout=240, **kw):
     env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONUNBUFFERED='1')
     env.update(env_extra or {})
-    p = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    p = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+                       **kw)
     if check and p.returncode != 0:
         raise AssertionError(f"exit {p.returncode}\nSTDOUT:\n{p.stdout[-3000:]}\nSTDERR:\n{p.stderr[-3000:]}")
     return p

@@ -91,7 +91,9 @@ def test_train_smoke_and_sample(tmp_path, data_dir):
     generated = [line for line in s.stdout.splitlines() if not line.startswith('overriding')]
     assert generated[0].startswith('def') and len(''.join(generated)) > 10
     for args, message in [(['--start='], 'start is empty'), ([f'--start=FILE:{tmp_path / "none.txt"}'], 'cannot read'),
-                          (['--top_p=1.5'], 'top_p=1.5 must be in [0, 1]')]:
+                          (['--top_p=1.5'], 'top_p=1.5 must be in [0, 1]'),
+                          ([f'--out_dir={tmp_path / "none"}'], f'Train one there first (`python train.py --out_dir='),
+                          (['--ckpt_name=merged.pt'], 'holds best.pt, ckpt.pt: pick one with --ckpt_name')]:
         s = run(['sample.py', f'--out_dir={out}', '--device=cpu', *args], check=False)
         assert s.returncode == 2 and message in s.stderr and 'Traceback' not in s.stderr, (args, s.stderr)
 

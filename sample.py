@@ -60,6 +60,7 @@ check_values(config, [
 GPT_KEYS = ['init_from', 'data_dir', 'chat_template_variables', 'start', 'num_samples', 'max_new_tokens', 'temperature', 'top_k', 'top_p', 'use_kv_cache']
 TTS_KEYS = ['text', 'wav', 'n_timesteps', 'tts_temperature', 'length_scale', 'guidance']
 
+init_from = '' if init_from == 'resume' else init_from  # nanoGPT's spelling of "out_dir's checkpoint"
 device = pick_device(device)
 autocast = autocast_context(device, pick_dtype(device, dtype))
 ckpt_path = init_from or os.path.join(out_dir, ckpt_name)

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from checkpoint import (CHECKPOINT_FORMATS, check_compatible, file_sha256, open_run, restore_training_state,
-                        run_log, run_origin, training_state, write_checkpoint)
+from checkpoint import (CHECKPOINT_FORMATS, check_compatible, continued_origin, file_sha256, open_run,
+                        restore_training_state, run_log, run_origin, training_state, write_checkpoint)
 from configurator import FOLDER, POSITIVE, UserError, at_least, check_values, configure, interval, one_of
 from dpo_logps import completion_logps, precomputed_reference_logps, reference_logps
 from fsdp import PARALLEL, check_parallel, place_model, same_init_on_every_rank
@@ -138,6 +138,7 @@ check_parallel(parallel, ddp, device, ptdtype, 'adamw', fsdp_cpu_offload)
 base_dtype = frozen_base_dtype(lora_base_dtype, ptdtype, use_lora, parallel, 'use_lora=True')
 
 # out_dir: written and locked before any work; a checkpoint there is this run's to continue, never another's
+init_from = continued_origin(init_from, out_dir, resume)  # nanoGPT's 'resume': the run's own
 this_run = dict(script='train_dpo.py', init_from=run_origin(init_from), use_lora=use_lora)
 out_dir_lock, ckpt_path, ckpt = open_run(out_dir, resume, this_run, eval_only, master,
                                          whole=parallel != 'fsdp' or use_lora)  # FSDP: its shards

@@ -102,10 +102,16 @@ def test_resume_is_bit_exact(tmp_path, data_dir):
     common = ['--dropout=0.1', '--lr_decay_iters=8', '--eval_interval=100', '--gradient_accumulation_steps=2']
     straight, split = tmp_path / 'straight', tmp_path / 'split'
     train(straight, data_dir, '--max_iters=8', *common)
+    p = train(split, data_dir, '--max_iters=4', '--init_from=resume', *common, check=False)  # nanoGPT's spelling
+    assert p.returncode == 2 and "init_from='resume' continues the run in" in p.stderr, p.stderr
+    assert 'there is none' in p.stderr and not split.exists()
+    p = train(split, data_dir, '--max_iters=4', '--init_from=auto', *common, check=False)
+    assert p.returncode == 2 and "init_from='auto' is not a setting" in p.stderr, p.stderr
     train(split, data_dir, '--max_iters=4', *common)
     assert load(split / 'ckpt.pt')['iter_num'] == 4
-    p = train(split, data_dir, '--max_iters=8', *common)  # init_from='auto' resumes
+    p = train(split, data_dir, '--max_iters=8', '--init_from=resume', *common)  # as the default init_from
     assert 'resuming' in p.stdout + p.stderr
+    assert load(split / 'ckpt.pt')['run']['init_from'] == 'scratch'  # the run's own, not a file named resume
     a, b = train_losses(straight), train_losses(split)
     assert sorted(a) == sorted(b) == list(range(1, 9))
     assert all(a[s] == b[s] for s in a), (a, b)
@@ -232,8 +238,6 @@ def test_bad_inputs_exit_with_clear_errors(tmp_path, data_dir):
     assert p.returncode == 2 and 'batch_size' in p.stderr and 'Traceback' not in p.stderr
     p = run(['train.py', f'--out_dir={tmp_path / "c"}', f'--data_dir={tmp_path / "missing"}', *TINY], check=False)
     assert p.returncode != 0 and 'missing' in p.stderr and 'Traceback' not in p.stderr
-    p = train(tmp_path / 'd', data_dir, '--init_from=resume', check=False)  # the key's old meaning
-    assert p.returncode == 2 and 'resume=True' in p.stderr and 'Traceback' not in p.stderr
     p = run(['train.py', '--help'])
     assert 'learning_rate' in p.stdout and 'init_from' in p.stdout
 

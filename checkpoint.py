@@ -361,7 +361,9 @@ def restore_training_state(ckpt, ckpt_path, optimizer, scaler, rank, world_size,
     if len(ckpt['rng']) == world_size:
         set_rng_state(ckpt['rng'][rank])
     else:
-        log(f"note: checkpoint was written by {len(ckpt['rng'])} processes, now {world_size}: random streams restart")
+        written_by = len(ckpt['rng'])
+        log(f"note: checkpoint was written by {written_by} process{'es' * (written_by != 1)}, now {world_size}: "
+            f"random streams restart")
     log(f"resuming from {ckpt_path} at step {ckpt['iter_num']}")
     return ckpt['iter_num'], ckpt['best_val_loss'], ckpt['evals_without_improvement']
 

@@ -197,7 +197,10 @@ scaler = GradScaler(enabled=ptdtype == torch.float16)
 iter_num, best_val_loss, evals_without_improvement = 0, float('inf'), 0
 if ckpt is not None:
     train_batches.load_state_dict(ckpt['train_batches'])
-    batch_size, gradient_accumulation_steps = resumed_micro_batch(ckpt, batch_size, gradient_accumulation_steps)
+    batch_size, gradient_accumulation_steps, note = resumed_micro_batch(ckpt, batch_size, gradient_accumulation_steps,
+                                                                        world_size)
+    if note:
+        log(note)
     iter_num, best_val_loss, evals_without_improvement = restore_training_state(ckpt, ckpt_path, optimizer, scaler,
                                                                                 rank, world_size, raw_model)
 ckpt = model_ckpt = None  # free memory

@@ -200,6 +200,9 @@ def test_ddp_matches_single_process_with_double_accumulation(tmp_path, data_dir)
     for key in ('train_loss', 'grad_norm', 'val_loss'):
         a, b = ({e['step']: e[key] for e in read_log(out) if key in e} for out in (single, ddp))
         assert b == pytest.approx(a, rel=1e-6), (key, a, b)
+    p = run(['train.py', f'--out_dir={ddp}', *common, '--max_iters=6', '--gradient_accumulation_steps=1'])
+    assert 'global batch of 8 is kept on 1 process instead of 2' in p.stdout, p.stdout  # not halved
+    assert 'written by 2 processes, now 1' in p.stdout and load(ddp / 'ckpt.pt')['gradient_accumulation_steps'] == 2
 
 
 def test_early_stopping(tmp_path, data_dir):

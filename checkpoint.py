@@ -148,6 +148,27 @@ def claim_out_dir(out_dir):
     return lock
 
 
+def continued_origin(init_from, out_dir, resume):
+    """init_from, but for nanoGPT's init_from='resume' (continue the run in out_dir, which nanotrain does whenever
+    there is one) the init_from that run began with, so that this launch is that run; never a file named
+    'resume'. 'auto' is no setting: a UserError says what is."""
+    if init_from == 'auto':
+        raise UserError("init_from='auto' is not a setting: a run in out_dir is continued anyway (resume=True, the "
+                        "default), and init_from says where a new run's weights start: 'scratch', a checkpoint file, "
+                        "a Hugging Face folder, or 'resume' to continue the run in out_dir and nothing else.")
+    if init_from != 'resume':
+        return init_from
+    path = os.path.join(out_dir, 'ckpt.pt')
+    if not resume:
+        raise UserError("init_from='resume' continues the run in out_dir and resume=False starts a new one there; "
+                        "drop one of them.")
+    if not os.path.exists(path):
+        raise UserError(f"init_from='resume' continues the run in {out_dir}, but there is none ({path} does not "
+                        f"exist). Point --out_dir at the run's folder, or start a new run with --init_from=scratch "
+                        f"or a checkpoint.")
+    return load_checkpoint(path, whole=False).get('run', {}).get('init_from', 'scratch')
+
+
 def run_origin(init_from):
     """Where a run's weights start, as its checkpoints record it: 'scratch' or a checkpoint's absolute path."""
     return init_from if init_from == 'scratch' else os.path.abspath(init_from)
@@ -165,9 +186,6 @@ def require_init_from(init_from, made_by=None, hf_folders=False):
     if os.path.isfile(init_from) or hf_folders and is_hf_folder(init_from):
         return
     how = f"It is made by {made_by}; run that first, or point" if made_by else "Check the path, or point"
-    if init_from in ('auto', 'resume'):
-        how = ("init_from is 'scratch' or a checkpoint's path; the run in out_dir is continued by resume=True (the "
-               "default). Drop --init_from, or point")
     what = "a checkpoint file or a Hugging Face model folder (one with a config.json)" if hf_folders else "a checkpoint file"
     raise UserError(f"init_from={init_from!r} is not {what}. {how} --init_from at the checkpoint this run should "
                     f"start from.")
@@ -343,7 +361,9 @@ def restore_training_state(ckpt, ckpt_path, optimizer, scaler, rank, world_size,
     if len(ckpt['rng']) == world_size:
         set_rng_state(ckpt['rng'][rank])
     else:
-        log(f"note: checkpoint was written by {len(ckpt['rng'])} processes, now {world_size}: random streams restart")
+        written_by = len(ckpt['rng'])
+        log(f"note: checkpoint was written by {written_by} process{'es' * (written_by != 1)}, now {world_size}: "
+            f"random streams restart")
     log(f"resuming from {ckpt_path} at step {ckpt['iter_num']}")
     return ckpt['iter_num'], ckpt['best_val_loss'], ckpt['evals_without_improvement']
 

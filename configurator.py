@@ -68,9 +68,45 @@ def _excepthook(exc_type, exc, tb, previous=sys.excepthook):
     previous(exc_type, exc, tb)
 
 
+class ClosedPipeSafe:
+    """sys.stdout or sys.stderr, except that once its reader is gone (`train.py | head -3`) a write drops the
+    output instead of raising BrokenPipeError (Python ignores SIGPIPE, so writes raise): the run goes on,
+    saving and logging to its files, and exits 0."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+    def _call(self, method, *args):
+        try:
+            return getattr(self.stream, method)(*args)
+        except BrokenPipeError:
+            try:  # point the descriptor itself at devnull: the interpreter's last flush and C code writing
+                os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())  # to it are fine too
+            except (OSError, ValueError):  # no descriptor (a stream in memory)
+                self.stream = open(os.devnull, 'w')
+            return getattr(self.stream, method)(*args)
+
+    def write(self, text):
+        return self._call('write', text)
+
+    def writelines(self, lines):
+        return self._call('writelines', lines)
+
+    def flush(self):
+        return self._call('flush')
+
+
 def install_excepthook():
-    """Print an uncaught UserError as 'error: <message>' (no traceback) and exit with status 2."""
+    """Print an uncaught UserError as 'error: <message>' (no traceback) and exit with status 2; and keep a run
+    going when its output pipe closes (ClosedPipeSafe). Every script calls this at start-up."""
     sys.excepthook = _excepthook
+    for name in ('stdout', 'stderr'):
+        stream = getattr(sys, name)
+        if stream is not None and not isinstance(stream, ClosedPipeSafe):
+            setattr(sys, name, ClosedPipeSafe(stream))
 
 
 def fail(message):
@@ -224,13 +260,7 @@ def configure(g, argv=None):
     argv = sys.argv[1:] if argv is None else argv
     defaults = config_defaults(g)  # types are checked against these, not against a config file's values
     if '-h' in argv or '--help' in argv:
-        try:
-            print_help(g, defaults)
-            sys.stdout.flush()  # a closed pipe shows up here, not at exit
-        except BrokenPipeError:
-            # `--help | head`: the reader has what it wanted. Point stdout at devnull so the interpreter's
-            # final flush does not fail again (the recipe in Python's signal module documentation).
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        print_help(g, defaults)  # `--help | head`: ClosedPipeSafe drops the rest
         sys.exit(0)
     for arg in argv:
         if not arg.startswith('-'):

@@ -25,6 +25,8 @@ import shutil
 import sys
 import tempfile
 
+from safetensors import SafetensorError
+
 from checkpoint import is_hf_folder, load_checkpoint
 from configurator import UserError, install_excepthook
 from hf_checkpoint import hf_model, save_chat_tokenizer, save_hf_model, save_peft_adapter
@@ -43,6 +45,14 @@ if not os.path.isfile(ckpt_path):
 if os.path.exists(out_folder) and not (os.path.isdir(out_folder) and not os.listdir(out_folder)):
     raise UserError(f"{out_folder} exists and is not an empty folder; export into a new folder (nothing there was "
                     f"changed).")
+# where the export goes: the nearest folder that exists above out_folder, and the first one to create below it
+parent = os.path.dirname(os.path.abspath(out_folder))
+existing = parent
+while not os.path.lexists(existing):
+    existing, created = os.path.dirname(existing), existing
+if not os.path.isdir(existing):  # /dev/null/x, some_file/sub
+    raise UserError(f"cannot export to {out_folder}: {existing} is a file, not a folder. Export into a folder path "
+                    f"you can create, e.g. `python export.py {ckpt_path} exported-model`.")
 ckpt = load_checkpoint(ckpt_path)
 if ckpt.get('kind') not in ('gpt', 'lora'):
     raise UserError(f"{ckpt_path} is a {ckpt.get('kind')!r} checkpoint; export.py writes GPT models (train.py and "
@@ -65,10 +75,10 @@ if tokenizer.identity() != ckpt['tokenizer'] and not chat_tokens_added:
                     f"that folder back as it was.")
 
 # written to a temporary folder next to out_folder and renamed at the end: a failed export leaves nothing behind
-parent = os.path.dirname(os.path.abspath(out_folder))
-os.makedirs(parent, exist_ok=True)
-staging = tempfile.mkdtemp(dir=parent, prefix=os.path.basename(out_folder) + '.', suffix='.tmp')
+staging = None
 try:
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(dir=parent, prefix=os.path.basename(out_folder) + '.', suffix='.tmp')
     if ckpt['kind'] == 'lora':
         save_peft_adapter(ckpt['model'], ckpt['config'], ckpt['hf_config'], ckpt['base_checkpoint'], staging)
         what = f"the adapters of {ckpt_path} (PEFT LoRA on {ckpt['base_checkpoint']})"
@@ -87,6 +97,15 @@ try:
     if os.path.isdir(out_folder):
         os.rmdir(out_folder)  # empty, checked above
     os.rename(staging, out_folder)
+except (OSError, SafetensorError) as e:  # safetensors reports a failed write (disk full, ulimit -f) as its own error
+    if parent != existing:
+        shutil.rmtree(created, ignore_errors=True)  # the folders made above for it
+    detail = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0][:200]
+    raise UserError(f"cannot write the export into {parent if staging is None else out_folder} ({detail}); "
+                    f"nothing was left there. Export into a folder you can write, with room for the model (a full "
+                    f"disk or a file-size limit, ulimit -f, stops it too), e.g. `python export.py {ckpt_path} "
+                    f"exported-model`.") from None
 finally:
-    shutil.rmtree(staging, ignore_errors=True)
+    if staging:
+        shutil.rmtree(staging, ignore_errors=True)
 print(f"exported {what} to {out_folder}")

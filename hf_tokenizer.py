@@ -198,6 +198,11 @@ class HFTokenizer:
                             f"tokenizer.json; the folder's tokenizer files do not belong together.")
         return i
 
+    def added_token_id(self, text):
+        """The id of text if tokenizer.json holds it as an added token (one piece, never split), else None."""
+        return next((i for i, token in self.tokenizer.get_added_tokens_decoder().items() if token.content == text),
+                    None)
+
     def encode(self, text):
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 

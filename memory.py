@@ -327,9 +327,27 @@ def halve_micro_batch(batch_size, grad_accum):
     return batch_size // 2, grad_accum * 2
 
 
-def resumed_micro_batch(ckpt, batch_size, grad_accum):
-    """(batch_size, grad_accum) a resumed run continues with: its checkpoint's split, which an OOM may have
-    halved (halve_micro_batch), when the global batch is unchanged; else the config's."""
-    if ckpt['batch_size'] * ckpt['gradient_accumulation_steps'] == batch_size * grad_accum:
-        return ckpt['batch_size'], ckpt['gradient_accumulation_steps']
-    return batch_size, grad_accum
+def resumed_micro_batch(ckpt, batch_size, grad_accum, world_size):
+    """(batch_size, grad_accum, note) a resumed run continues with. The same command keeps the checkpoint's global
+    batch: its split (an OOM may have halved it: halve_micro_batch), re-split over this launch's number of
+    processes (2 -> 1: twice the accumulation); note ('' or a line) says when it did, or could not. Another
+    batch_size x gradient_accumulation_steps than the command that wrote the checkpoint (its config) is taken
+    as given."""
+    command = ckpt['config']['batch_size'] * ckpt['config']['gradient_accumulation_steps']
+    saved_batch = ckpt.get('batch_size', ckpt['config']['batch_size'])
+    saved_accum = ckpt.get('gradient_accumulation_steps', ckpt['config']['gradient_accumulation_steps'])
+    saved_world = len(ckpt['rng'])  # one random state per process
+    if command != batch_size * grad_accum:
+        return batch_size, grad_accum, ''
+    if saved_world == world_size:
+        return saved_batch, saved_accum, ''
+    total = saved_batch * saved_accum * saved_world
+    if total % world_size:
+        return saved_batch, saved_accum, (
+            f"note: the global batch changes from {total} to {saved_batch * saved_accum * world_size} "
+            f"(batch_size x gradient_accumulation_steps x processes): {total} does not split over {world_size} "
+            f"processes.")
+    micro = math.gcd(total // world_size, saved_batch)  # the checkpoint's micro-batch where it divides the share
+    return micro, total // world_size // micro, (
+        f"note: the global batch of {total} is kept on {world_size} process{'es' * (world_size != 1)} instead of "
+        f"{saved_world}: micro-batch {micro} x {total // world_size // micro} accumulation steps per process.")

@@ -60,9 +60,15 @@ check_values(config, [
 GPT_KEYS = ['init_from', 'data_dir', 'chat_template_variables', 'start', 'num_samples', 'max_new_tokens', 'temperature', 'top_k', 'top_p', 'use_kv_cache']
 TTS_KEYS = ['text', 'wav', 'n_timesteps', 'tts_temperature', 'length_scale', 'guidance']
 
+init_from = '' if init_from == 'resume' else init_from  # nanoGPT's spelling of "out_dir's checkpoint"
 device = pick_device(device)
 autocast = autocast_context(device, pick_dtype(device, dtype))
 ckpt_path = init_from or os.path.join(out_dir, ckpt_name)
+if not init_from and not os.path.exists(ckpt_path):
+    found = sorted(f for f in os.listdir(out_dir) if f.endswith('.pt')) if os.path.isdir(out_dir) else []
+    raise UserError(f"no run to sample from: {ckpt_path} does not exist. " + (
+        f"{out_dir} holds {', '.join(found)}: pick one with --ckpt_name." if found else
+        f"Train one there first (`python train.py --out_dir={out_dir}`), or point --out_dir at a run's folder."))
 ckpt = load_model(init_from) if init_from else load_checkpoint(ckpt_path)
 kind, keys, other_keys = (('text-to-speech (train_tts.py)', TTS_KEYS, GPT_KEYS) if ckpt['kind'] == 'tts' else
                           ('GPT (train.py/train_dpo.py)', GPT_KEYS, TTS_KEYS))

@@ -120,12 +120,18 @@ CHAT_TEMPLATE_JINJA = ("{% for message in messages %}{{ '<|' + message['role'] +
 
 
 class ChatTokenizer:
-    """A base tokenizer plus the chat template's special tokens, numbered after its vocabulary."""
+    """A base tokenizer plus the chat template's special tokens, numbered after its vocabulary; those the
+    base already holds keep their ids (a folder export.py wrote, without the tokenizer_config.json that
+    names its template): the model was trained on them, and a second copy would be an untrained row."""
 
     def __init__(self, base):
         self.base = base
-        self.special = {token: base.vocab_size + i for i, token in enumerate(CHAT_SPECIAL_TOKENS)}
-        self.vocab_size = base.vocab_size + len(CHAT_SPECIAL_TOKENS)
+        held = getattr(base, 'added_token_id', lambda token: None)  # only a published model's tokenizer holds any
+        self.special, self.vocab_size = {}, base.vocab_size
+        for token in CHAT_SPECIAL_TOKENS:
+            self.special[token] = held(token)
+            if self.special[token] is None:
+                self.special[token], self.vocab_size = self.vocab_size, self.vocab_size + 1
         self.eos_id = self.special['<|end|>']
 
     def encode(self, text):
@@ -197,8 +203,18 @@ def dataset_file(data_dir, name):
 
 def chat_tokenizer(tokenizer):
     """The tokenizer fine-tuning encodes conversations with: a published model's own chat template, else
-    nanotrain's (ChatTokenizer) on top of tokenizer."""
-    return tokenizer if getattr(tokenizer, 'chat_template', None) else ChatTokenizer(tokenizer)
+    nanotrain's (ChatTokenizer) on top of tokenizer, which a published model's folder is told."""
+    if getattr(tokenizer, 'chat_template', None):
+        return tokenizer
+    chat = ChatTokenizer(tokenizer)
+    if hasattr(tokenizer, 'folder'):
+        from runtime import log  # torch: only when a published model is loaded anyway
+        added = chat.vocab_size - tokenizer.vocab_size
+        held = len(CHAT_SPECIAL_TOKENS) - added
+        log(f"{tokenizer.folder} has no chat template (no chat_template.jinja, no \"chat_template\" in "
+            f"tokenizer_config.json): using nanotrain's, {' '.join(CHAT_SPECIAL_TOKENS)}"
+            + (f" ({held} of these tokens already in its tokenizer.json, kept)" if held else ''))
+    return chat
 
 
 def load_tokenizer(data_dir):

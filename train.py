@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from checkpoint import (CHECKPOINT_FORMATS, check_compatible, open_run, require_starting_weights,
+from checkpoint import (CHECKPOINT_FORMATS, check_compatible, continued_origin, open_run, require_starting_weights,
                         restore_training_state, run_log, run_origin, training_state, write_checkpoint)
 from configurator import FOLDER, POSITIVE, UserError, at_least, check_values, configure, interval, one_of
 from fsdp import PARALLEL, check_parallel, place_model, same_init_on_every_rank
@@ -150,6 +150,7 @@ check_parallel(parallel, ddp, device, ptdtype, optimizer_type, fsdp_cpu_offload)
 base_dtype = frozen_base_dtype(lora_base_dtype, ptdtype, training_type == 'lora', parallel, "training_type='lora'")
 
 # out_dir: written and locked before any work; a checkpoint there is this run's to continue, never another's
+init_from = continued_origin(init_from, out_dir, resume)  # nanoGPT's 'resume': the run's own
 this_run = dict(script='train.py', training_type=training_type, init_from=run_origin(init_from))
 out_dir_lock, ckpt_path, ckpt = open_run(out_dir, resume, this_run, eval_only, master,  # FSDP reads its shards
                                          whole=parallel != 'fsdp' or training_type == 'lora')  # of a sharded one
@@ -196,7 +197,10 @@ scaler = GradScaler(enabled=ptdtype == torch.float16)
 iter_num, best_val_loss, evals_without_improvement = 0, float('inf'), 0
 if ckpt is not None:
     train_batches.load_state_dict(ckpt['train_batches'])
-    batch_size, gradient_accumulation_steps = resumed_micro_batch(ckpt, batch_size, gradient_accumulation_steps)
+    batch_size, gradient_accumulation_steps, note = resumed_micro_batch(ckpt, batch_size, gradient_accumulation_steps,
+                                                                        world_size)
+    if note:
+        log(note)
     iter_num, best_val_loss, evals_without_improvement = restore_training_state(ckpt, ckpt_path, optimizer, scaler,
                                                                                 rank, world_size, raw_model)
 ckpt = model_ckpt = None  # free memory

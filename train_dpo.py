@@ -16,13 +16,13 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from checkpoint import (CHECKPOINT_FORMATS, check_compatible, file_sha256, open_run, restore_training_state,
-                        run_log, run_origin, training_state, write_checkpoint)
+from checkpoint import (CHECKPOINT_FORMATS, check_compatible, continued_origin, file_sha256, open_run,
+                        restore_training_state, run_log, run_origin, training_state, write_checkpoint)
 from configurator import FOLDER, POSITIVE, UserError, at_least, check_values, configure, interval, one_of
 from dpo_logps import completion_logps, precomputed_reference_logps, reference_logps
 from fsdp import PARALLEL, check_parallel, place_model, same_init_on_every_rank
 from losses import DPO_LOSS_TYPES, dpo_loss
-from memory import DTYPES, GradScaler, autocast_context, peak_memory_bytes, pick_dtype
+from memory import DTYPES, GradScaler, autocast_context, peak_memory_bytes, pick_dtype, resumed_micro_batch
 from lora import LORA_SETTINGS, apply_lora, frozen_base_dtype, lora_optimizer, lora_state_dict, save_merged
 from model import GPTConfig
 from run_data import preference_run_data
@@ -138,6 +138,7 @@ check_parallel(parallel, ddp, device, ptdtype, 'adamw', fsdp_cpu_offload)
 base_dtype = frozen_base_dtype(lora_base_dtype, ptdtype, use_lora, parallel, 'use_lora=True')
 
 # out_dir: written and locked before any work; a checkpoint there is this run's to continue, never another's
+init_from = continued_origin(init_from, out_dir, resume)  # nanoGPT's 'resume': the run's own
 this_run = dict(script='train_dpo.py', init_from=run_origin(init_from), use_lora=use_lora)
 out_dir_lock, ckpt_path, ckpt = open_run(out_dir, resume, this_run, eval_only, master,
                                          whole=parallel != 'fsdp' or use_lora)  # FSDP: its shards
@@ -184,6 +185,10 @@ scaler = GradScaler(enabled=ptdtype == torch.float16)
 iter_num, best_val_loss, evals_without_improvement = 0, float('inf'), 0
 if ckpt:
     train_batches.load_state_dict(ckpt['train_batches'])
+    batch_size, gradient_accumulation_steps, note = resumed_micro_batch(ckpt, batch_size, gradient_accumulation_steps,
+                                                                        world_size)
+    if note:
+        log(note)
     iter_num, best_val_loss, evals_without_improvement = restore_training_state(ckpt, ckpt_path, optimizer, scaler,
                                                                                 rank, world_size, raw_model)
 ckpt = None
@@ -276,8 +281,8 @@ def save(path):
     state = dict(training_state(this_run, dict(config, training_type='dpo'), optimizer, scaler, iter_num,
                                 best_val_loss, evals_without_improvement),
                  kind='gpt', model=weights, model_args=model_args, tokenizer=tokenizer.identity(),
-                 data_dir=os.path.abspath(data_dir), train_batches=train_batches.state_dict(),
-                 reference_checkpoint=os.path.abspath(reference_path), reference_hash=reference_hash,
+                 data_dir=os.path.abspath(data_dir), train_batches=train_batches.state_dict(), batch_size=batch_size,
+                 gradient_accumulation_steps=gradient_accumulation_steps, reference_checkpoint=os.path.abspath(reference_path), reference_hash=reference_hash,
                  train_data_hash=train_data_hash, **hf_files)
     if use_lora:  # adapters only: the base is the reference checkpoint, named by path and hash
         state.update(kind='lora', model=lora_state_dict(raw_model, weights), base_checkpoint=state['reference_checkpoint'],

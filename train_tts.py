@@ -16,8 +16,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from checkpoint import (check_compatible, load_checkpoint, open_run, require_starting_weights, restore_training_state,
-                        rng_state, run_log, run_origin, save_checkpoint, set_rng_state, training_state)
+from checkpoint import (check_compatible, continued_origin, load_checkpoint, open_run, require_starting_weights,
+                        restore_training_state, rng_state, run_log, run_origin, save_checkpoint, set_rng_state,
+                        training_state)
 from configurator import (EMPTY_OR_FOLDER, FOLDER, POSITIVE, UserError, at_least, check_values, configure,
                           dataclass_args, interval, one_of)
 from memory import GradScaler, MemoryMonitor, autocast_context, peak_memory_bytes, pick_dtype, recover_from_oom
@@ -125,6 +126,7 @@ ptdtype = pick_dtype(device, dtype)
 autocast = autocast_context(device, ptdtype)
 
 # out_dir: written and locked before any work; a checkpoint there is this run's to continue, never another's
+init_from = continued_origin(init_from, out_dir, resume)  # nanoGPT's 'resume': the run's own
 this_run = dict(script='train_tts.py', init_from=run_origin(init_from))
 out_dir_lock, ckpt_path, ckpt = open_run(out_dir, resume, this_run, eval_only, master)
 resuming = ckpt is not None

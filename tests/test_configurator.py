@@ -19,6 +19,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(autouse=True)
 def keep_excepthook(monkeypatch):
     monkeypatch.setattr(sys, 'excepthook', sys.excepthook)  # configure() installs its own; undo after each test
+    monkeypatch.setattr(sys, 'stdout', sys.stdout)  # and wraps these (ClosedPipeSafe)
+    monkeypatch.setattr(sys, 'stderr', sys.stderr)
 
 
 def defaults():

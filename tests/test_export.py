@@ -178,6 +178,27 @@ def test_export_py_refuses_speedrun_cpus_model_and_a_missing_tokenizer_writing_n
     assert p.returncode == 2 and 'no longer exists' in p.stderr and not (tmp_path / 'out').exists()
 
 
+def test_export_into_a_folder_it_cannot_create_or_write_is_explained_leaving_nothing(tmp_path, data_dir):
+    import resource
+    import signal
+    tokenizer = load_tokenizer(data_dir)
+    ckpt = str(tmp_path / 'ckpt.pt')
+    checkpoint(ckpt, data_dir, random_gpt(model_args(vocab_size=tokenizer.vocab_size)), tokenizer)
+    (tmp_path / 'somefile').write_text('')
+    for dest, says in [('/dev/null/x', '/dev/null is a file, not a folder'),
+                       (str(tmp_path / 'somefile' / 'sub'), 'somefile is a file, not a folder'),
+                       ('/proc/x', 'cannot write the export into /proc (')]:
+        p = run(['export.py', ckpt, dest], check=False)
+        assert p.returncode == 2 and says in p.stderr and 'Traceback' not in p.stderr, (dest, p.stderr)
+
+    def file_size_limit():  # as a full disk: the weights do not fit (Python ignores SIGXFSZ; so do we, to be sure)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+    p = run(['export.py', ckpt, str(tmp_path / 'new' / 'hf')], check=False, preexec_fn=file_size_limit)
+    assert p.returncode == 2 and 'File too large' in p.stderr and 'ulimit -f' in p.stderr, p.stderr
+    assert 'Traceback' not in p.stderr and sorted(os.listdir(tmp_path)) == ['ckpt.pt', 'somefile']  # no temp folder
+
+
 def test_llama_biases_load_only_as_the_pair_nanotrains_bias_is():
     hf, _ = hf_model({}, model_args(mlp='swiglu', bias=True))
     assert (hf['attention_bias'], hf['mlp_bias']) == (True, True) and gpt_config(hf, 'llama')['bias']

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from hf_checkpoint import load_hf_checkpoint, peft_name, save_chat_tokenizer, save_hf_model
 from hf_tokenizer import load_hf_tokenizer
@@ -198,6 +198,29 @@ def test_plain_text_and_nanotrains_template_open_with_the_bos_transformers_adds(
     shutil.copytree(base, out)
     save_chat_tokenizer(load_hf_tokenizer(str(base)), str(out), None)
     assert load_hf_tokenizer(str(out)).encode_chat(conversation) == (ids, labels)
+
+
+def test_a_folder_without_its_tokenizer_config_keeps_the_chat_tokens_its_tokenizer_holds(tmp_path, task):
+    # a folder export.py wrote for a model fine-tuned in nanotrain's template, less the tokenizer_config.json that
+    # names the template: the four chat tokens are in its tokenizer.json and its weights (ids 401-404)
+    folder = tmp_path / 'chat_model'
+    shutil.copytree(fixture('arcee'), folder)
+    os.remove(folder / 'tokenizer_config.json')
+    spec = json.loads((folder / 'tokenizer.json').read_text())
+    tokens = ['<|system|>', '<|user|>', '<|assistant|>', '<|end|>']
+    spec['added_tokens'] += [dict(spec['added_tokens'][0], id=401 + i, content=t) for i, t in enumerate(tokens)]
+    (folder / 'tokenizer.json').write_text(json.dumps(spec))
+    weights = load_file(str(folder / 'model.safetensors'))
+    weights['model.embed_tokens.weight'] = torch.cat([weights['model.embed_tokens.weight']] * 2)[:405]
+    save_file(weights, str(folder / 'model.safetensors'), metadata={'format': 'pt'})
+    config = json.loads((folder / 'config.json').read_text())
+    (folder / 'config.json').write_text(json.dumps(dict(config, vocab_size=405)))
+    chat = chat_tokenizer(load_hf_tokenizer(str(folder)))
+    assert chat.vocab_size == 405 and chat.eos_id == 404 and chat.special['<|user|>'] == 402  # no second copies
+    p = run(['train.py', '--training_type=sft', f'--init_from={folder}', f'--out_dir={tmp_path / "out"}',
+             f'--sft_data={task}', *TINY, '--max_iters=1', '--lr_decay_iters=1', '--exact_match_examples=0'])
+    assert f"{folder} has no chat template" in p.stdout and '4 of these tokens already' in p.stdout, p.stdout
+    assert load(tmp_path / 'out' / 'ckpt.pt')['model_args']['vocab_size'] == 405
 
 
 @pytest.mark.parametrize('training_type', ['sft', 'lora'])

@@ -7,7 +7,8 @@ import memory
 from configurator import UserError
 from faults import faulty_scale
 from memory import (GradScaler, MemoryMonitor, autocast_context, halve_micro_batch, is_oom, memory_usage,
-                    peak_memory_bytes, pick_device, pick_dtype, pressure_level, recover_from_oom)
+                    peak_memory_bytes, pick_device, pick_dtype, pressure_level, recover_from_oom,
+                    resumed_micro_batch)
 from runtime import StepProfiler
 
 
@@ -200,6 +201,23 @@ def test_halve_micro_batch_keeps_global_batch():
         halve_micro_batch(1, 8)
     with pytest.raises(UserError, match="odd"):
         halve_micro_batch(3, 4)
+
+
+def test_a_resumed_run_keeps_its_global_batch_on_another_number_of_processes():
+    def ckpt(batch, accum, processes, command=(4, 1)):  # as train.py writes it; an OOM may halve the split
+        return {'batch_size': batch, 'gradient_accumulation_steps': accum, 'rng': [{}] * processes,
+                'config': {'batch_size': command[0], 'gradient_accumulation_steps': command[1]}}
+    assert resumed_micro_batch(ckpt(2, 2, 1), 4, 1, 1) == (2, 2, '')  # OOM-halved: kept
+    assert resumed_micro_batch(ckpt(4, 1, 2), 8, 1, 1) == (8, 1, '')  # batch_size changed: as given
+    batch, accum, note = resumed_micro_batch(ckpt(4, 1, 2), 4, 1, 1)  # a 2-process run on 1: twice the accumulation
+    assert (batch, accum) == (4, 2) and 'global batch of 8 is kept on 1 process instead of 2' in note
+    assert resumed_micro_batch(ckpt(4, 2, 1), 4, 1, 1) == (4, 2, '')  # and so on at the next relaunch
+    assert resumed_micro_batch(ckpt(4, 1, 1), 4, 1, 2)[:2] == (2, 1)  # 1 -> 2 processes: half the micro-batch
+    assert resumed_micro_batch(ckpt(2, 2, 2), 4, 1, 4)[:2] == (2, 1)
+    batch, accum, note = resumed_micro_batch(ckpt(3, 1, 1, (3, 1)), 3, 1, 2)  # 3 does not split over 2: said plainly
+    assert (batch, accum) == (3, 1) and 'global batch changes from 3 to 6' in note
+    no_split = {'rng': [{}] * 2, 'config': {'batch_size': 4, 'gradient_accumulation_steps': 1}}  # a DPO checkpoint
+    assert resumed_micro_batch(no_split, 4, 1, 1)[:2] == (4, 2)
 
 
 def test_injected_faults_fire_once_at_their_steps(monkeypatch):

@@ -35,10 +35,11 @@ def data_dir(tmp_path_factory):
     return str(out)
 
 
-def run(args, env_extra=None, check=True, timeout=240):
+def run(args, env_extra=None, check=True, timeout=240, **kw):
     env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONUNBUFFERED='1')
     env.update(env_extra or {})
-    p = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    p = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+                       **kw)
     if check and p.returncode != 0:
         raise AssertionError(f"exit {p.returncode}\nSTDOUT:\n{p.stdout[-3000:]}\nSTDERR:\n{p.stderr[-3000:]}")
     return p
@@ -90,7 +91,9 @@ def test_train_smoke_and_sample(tmp_path, data_dir):
     generated = [line for line in s.stdout.splitlines() if not line.startswith('overriding')]
     assert generated[0].startswith('def') and len(''.join(generated)) > 10
     for args, message in [(['--start='], 'start is empty'), ([f'--start=FILE:{tmp_path / "none.txt"}'], 'cannot read'),
-                          (['--top_p=1.5'], 'top_p=1.5 must be in [0, 1]')]:
+                          (['--top_p=1.5'], 'top_p=1.5 must be in [0, 1]'),
+                          ([f'--out_dir={tmp_path / "none"}'], f'Train one there first (`python train.py --out_dir='),
+                          (['--ckpt_name=merged.pt'], 'holds best.pt, ckpt.pt: pick one with --ckpt_name')]:
         s = run(['sample.py', f'--out_dir={out}', '--device=cpu', *args], check=False)
         assert s.returncode == 2 and message in s.stderr and 'Traceback' not in s.stderr, (args, s.stderr)
 
@@ -99,10 +102,16 @@ def test_resume_is_bit_exact(tmp_path, data_dir):
     common = ['--dropout=0.1', '--lr_decay_iters=8', '--eval_interval=100', '--gradient_accumulation_steps=2']
     straight, split = tmp_path / 'straight', tmp_path / 'split'
     train(straight, data_dir, '--max_iters=8', *common)
+    p = train(split, data_dir, '--max_iters=4', '--init_from=resume', *common, check=False)  # nanoGPT's spelling
+    assert p.returncode == 2 and "init_from='resume' continues the run in" in p.stderr, p.stderr
+    assert 'there is none' in p.stderr and not split.exists()
+    p = train(split, data_dir, '--max_iters=4', '--init_from=auto', *common, check=False)
+    assert p.returncode == 2 and "init_from='auto' is not a setting" in p.stderr, p.stderr
     train(split, data_dir, '--max_iters=4', *common)
     assert load(split / 'ckpt.pt')['iter_num'] == 4
-    p = train(split, data_dir, '--max_iters=8', *common)  # init_from='auto' resumes
+    p = train(split, data_dir, '--max_iters=8', '--init_from=resume', *common)  # as the default init_from
     assert 'resuming' in p.stdout + p.stderr
+    assert load(split / 'ckpt.pt')['run']['init_from'] == 'scratch'  # the run's own, not a file named resume
     a, b = train_losses(straight), train_losses(split)
     assert sorted(a) == sorted(b) == list(range(1, 9))
     assert all(a[s] == b[s] for s in a), (a, b)
@@ -127,6 +136,23 @@ def test_sigterm_saves_and_exits_143(tmp_path, data_dir):
     ckpt = load(out / 'ckpt.pt')
     assert ckpt['iter_num'] >= 3
     assert ckpt['iter_num'] == max(train_losses(out))
+
+
+def test_a_closed_output_pipe_drops_the_output_and_the_run_goes_on(tmp_path, data_dir):
+    # `python train.py | head -1`: the reader leaves after the first line; every later print, tqdm line and the
+    # sample meet a closed pipe, and the run still trains, saves and logs to its files
+    out = tmp_path / 'out'
+    env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONUNBUFFERED='1')
+    proc = subprocess.Popen([sys.executable, 'train.py', f'--out_dir={out}', f'--data_dir={data_dir}', *TINY,
+                             '--max_iters=6', '--lr_decay_iters=6', '--eval_interval=3', '--tensorboard=True'],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert proc.stdout.readline().startswith(b'overriding')
+    proc.stdout.close()
+    assert proc.wait(timeout=120) == 0
+    assert load(out / 'ckpt.pt')['iter_num'] == 6
+    assert sorted(train_losses(out)) == list(range(1, 7))
+    assert [e['step'] for e in read_log(out) if 'val_loss' in e] == [0, 3, 6]
+    assert glob.glob(str(out / 'tb' / 'events.*'))
 
 
 def test_nan_step_is_skipped(tmp_path, data_dir):
@@ -176,6 +202,9 @@ def test_ddp_matches_single_process_with_double_accumulation(tmp_path, data_dir)
     for key in ('train_loss', 'grad_norm', 'val_loss'):
         a, b = ({e['step']: e[key] for e in read_log(out) if key in e} for out in (single, ddp))
         assert b == pytest.approx(a, rel=1e-6), (key, a, b)
+    p = run(['train.py', f'--out_dir={ddp}', *common, '--max_iters=6', '--gradient_accumulation_steps=1'])
+    assert 'global batch of 8 is kept on 1 process instead of 2' in p.stdout, p.stdout  # not halved
+    assert 'written by 2 processes, now 1' in p.stdout and load(ddp / 'ckpt.pt')['gradient_accumulation_steps'] == 2
 
 
 def test_early_stopping(tmp_path, data_dir):
@@ -214,8 +243,6 @@ def test_bad_inputs_exit_with_clear_errors(tmp_path, data_dir):
     assert p.returncode == 2 and 'batch_size' in p.stderr and 'Traceback' not in p.stderr
     p = run(['train.py', f'--out_dir={tmp_path / "c"}', f'--data_dir={tmp_path / "missing"}', *TINY], check=False)
     assert p.returncode != 0 and 'missing' in p.stderr and 'Traceback' not in p.stderr
-    p = train(tmp_path / 'd', data_dir, '--init_from=resume', check=False)  # the key's old meaning
-    assert p.returncode == 2 and 'resume=True' in p.stderr and 'Traceback' not in p.stderr
     p = run(['train.py', '--help'])
     assert 'learning_rate' in p.stdout and 'init_from' in p.stdout
 

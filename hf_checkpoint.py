@@ -106,6 +106,12 @@ def gpt_config(hf, folder):
         raise UserError(f"{folder}/config.json: architectures={archs!r} must be a list of one model class, e.g. "
                         f"[\"LlamaForCausalLM\"]; the file is corrupt: download the model folder again.")
     arch = archs[0]
+    quantization = hf.get('quantization_config')
+    if quantization:  # else a failure later that blames the download (FP8) or a config/weights mismatch
+        method = quantization.get('quant_method', 'unnamed') if isinstance(quantization, dict) else quantization
+        raise UserError(f"{folder}/config.json: this model's weights are quantized (quantization_config, quant_method "
+                        f"{method!r}); nanotrain trains and exports unquantized models only: use the model's bf16, "
+                        f"fp16 or fp32 weights (its unquantized release) instead.")
     if arch not in ARCHITECTURES:
         raise UserError(f"{folder}/config.json: architecture {arch} is not supported; nanotrain loads "
                         f"{', '.join(ARCHITECTURES)}.")
@@ -138,23 +144,30 @@ def gpt_config(hf, folder):
                         f"or Arcee model may have both).")
     require_keys(hf, ('max_position_embeddings', 'vocab_size', 'num_hidden_layers', 'num_attention_heads',
                       'hidden_size', 'intermediate_size'), arch, folder)
-    rope = hf.get('rope_parameters') or hf.get('rope_scaling') or {}  # transformers 5 names it rope_parameters
-    rope_type = rope.get('rope_type', rope.get('type', 'default')) if isinstance(rope, dict) else rope
+    rope_key = 'rope_parameters' if hf.get('rope_parameters') else 'rope_scaling'  # transformers 5: rope_parameters
+    rope = hf.get(rope_key) or {}
+    if not isinstance(rope, dict):
+        raise UserError(f"{folder}/config.json: {rope_key}={rope!r} must be an object such as {{\"rope_type\": "
+                        f"\"llama3\", \"factor\": 8.0, ...}} or null; the file is corrupt: download the model folder "
+                        f"again.")
+    rope_type = rope.get('rope_type', rope.get('type', 'default'))
     if rope_type not in ('default', 'llama3'):
         raise UserError(f"{folder}/config.json: RoPE scaling {rope_type!r} is not supported; nanotrain supports "
                         f"none and Llama 3.1's 'llama3'.")
     if rope_type == 'llama3':
         require_keys(rope, ROPE_SCALING_KEYS, "rope_scaling of type 'llama3'", folder)
+    qwen3 = arch == 'Qwen3ForCausalLM'
+    # without head_dim, transformers' Qwen3Config gives 128; the other families' configs n_embd / n_head
     return dict(block_size=hf['max_position_embeddings'], vocab_size=hf['vocab_size'], n_layer=hf['num_hidden_layers'],
                 n_head=hf['num_attention_heads'], n_kv_head=hf.get('num_key_value_heads') or 0,
-                n_embd=hf['hidden_size'], head_dim=hf.get('head_dim') or 0,
+                n_embd=hf['hidden_size'], head_dim=hf.get('head_dim') or (128 if qwen3 else 0),
                 mlp=MLP_OF_ACTIVATION[activation] if arcee else 'swiglu', mlp_hidden=hf['intermediate_size'],
                 bias=bias, qkv_bias=arch == 'Qwen2ForCausalLM',
                 pos_emb='rope', norm='rmsnorm', norm_eps=hf.get('rms_norm_eps', 1e-5 if arcee else 1e-6),
                 tie_embeddings=ties_embeddings(hf),
                 rope_theta=float(hf.get('rope_theta') or rope.get('rope_theta', 10000.0)),
                 rope_scaling={k: rope[k] for k in ROPE_SCALING_KEYS} if rope_type == 'llama3' else {},
-                qk_norm=arch == 'Qwen3ForCausalLM', sliding_window=sliding_window(hf, arch, folder))
+                qk_norm=qwen3, sliding_window=sliding_window(hf, arch, folder))
 
 
 EXPORTABLE = ("pos_emb='rope', norm='rmsnorm' and mlp='swiglu' (LlamaForCausalLM; with qkv_bias Qwen2ForCausalLM, with "

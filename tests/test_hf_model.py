@@ -304,3 +304,34 @@ def test_config_json_that_cannot_be_loaded_is_a_clear_error(tmp_path):
     edit_config(gpt2, scale_attn_by_inverse_layer_idx=True)  # another attention: refused, not silently wrong
     with pytest.raises(UserError, match='scale_attn_by_inverse_layer_idx'):
         load_hf_checkpoint(str(gpt2))
+
+
+@pytest.mark.parametrize('quantization', [
+    dict(quant_method='gptq', bits=4, group_size=128), dict(quant_method='awq', bits=4, version='gemm'),
+    dict(quant_method='bitsandbytes', load_in_4bit=True), dict(quant_method='fp8', fmt='e4m3')])
+def test_a_quantized_model_is_refused_up_front_naming_its_method(tmp_path, quantization):
+    # its weights would fail later as "truncated or corrupt" (fp8) or of "different models" (packed int tensors)
+    folder = broken_copy(tmp_path)
+    edit_config(folder, quantization_config=quantization)
+    with pytest.raises(UserError, match=f"quant_method '{quantization['quant_method']}'.*unquantized"):
+        load_hf_checkpoint(str(folder))
+
+
+def test_head_dim_defaults_as_transformers_config_per_family():
+    qwen3 = {k: v for k, v in read_json_file(fixture('qwen3/config.json')).items() if k != 'head_dim'}
+    assert gpt_config(qwen3, 'qwen3')['head_dim'] == 128  # Qwen3Config's default, not 64 / 4
+    llama = {k: v for k, v in read_json_file(fixture('llama/config.json')).items() if k != 'head_dim'}
+    model_args = gpt_config(llama, 'llama')
+    assert GPTConfig(**model_args).head_size == llama['hidden_size'] // llama['num_attention_heads']
+
+
+def test_rope_settings_in_either_layout_and_malformed_ones(tmp_path):
+    config = read_json_file(fixture('llama/config.json'))
+    published = gpt_config(config, 'llama')
+    # transformers 5 writes rope_parameters, rope_theta inside it
+    v5 = dict({k: v for k, v in config.items() if k not in ('rope_scaling', 'rope_theta')},
+              rope_parameters=dict(config['rope_scaling'], rope_theta=config['rope_theta']))
+    assert gpt_config(v5, 'llama') == published
+    for key, bad in (('rope_scaling', 'linear'), ('rope_scaling', [8.0]), ('rope_parameters', 'llama3')):
+        with pytest.raises(UserError, match=f"{key}=.* must be an object"):
+            gpt_config(dict(config, **{key: bad}), 'llama')

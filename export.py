@@ -27,7 +27,7 @@ import tempfile
 
 from checkpoint import is_hf_folder, load_checkpoint
 from configurator import UserError, install_excepthook
-from hf_checkpoint import hf_model, save_chat_tokenizer, save_hf_model, save_peft_adapter
+from hf_checkpoint import hf_model, save_chat_tokenizer, save_hf_model, save_peft_adapter, set_template_defaults
 from hf_tokenizer import load_hf_tokenizer
 from tokenizer import ChatTokenizer, load_tokenizer
 from tokenizer_json import write_tokenizer_files
@@ -77,6 +77,8 @@ try:
         save_hf_model(ckpt['model'], hf_config, staging, tokenizer_folder, ckpt.get('generation_config'))
         if chat_tokens_added:
             save_chat_tokenizer(tokenizer, staging, ckpt.get('generation_config'))
+        else:  # the variables the run rendered its template with, as the template's defaults
+            set_template_defaults(staging, ckpt.get('chat_template_variables'))
         what = f"{ckpt_path} ({hf_config['architectures'][0]})"
     else:
         generation = write_tokenizer_files(ChatTokenizer(tokenizer) if chat_tokens_added else tokenizer, staging)

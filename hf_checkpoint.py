@@ -35,6 +35,8 @@ ARCHITECTURES = ('LlamaForCausalLM', 'MistralForCausalLM', 'Qwen2ForCausalLM', '
 # 'gelu' is the exact (erf) GELU, 'gelu_new' and 'gelu_pytorch_tanh' the tanh approximation, 'relu2' relu(x)**2
 MLP_OF_ACTIVATION = {'gelu': 'gelu', 'gelu_new': 'gelu_tanh', 'gelu_pytorch_tanh': 'gelu_tanh', 'relu2': 'relu2'}
 ACTIVATION_OF_MLP = {'gelu': 'gelu', 'gelu_tanh': 'gelu_pytorch_tanh', 'relu2': 'relu2'}  # the same PyTorch ops
+# tokenizer_config.json keys a tokenizer.json read as is has no use for (save_chat_tokenizer drops them)
+SENTENCEPIECE_CONFIG = ('added_tokens_decoder', 'legacy', 'add_prefix_space', 'sp_model_kwargs')
 TOKENIZER_FILES = ('tokenizer.json', 'tokenizer.model', 'tokenizer_config.json', 'special_tokens_map.json',
                    'added_tokens.json', 'vocab.json', 'merges.txt', 'chat_template.jinja', 'chat_template.json')
 
@@ -489,12 +491,57 @@ def save_chat_tokenizer(source, out_folder, generation_config):
     tokenizer.save(os.path.join(out_folder, 'tokenizer.json'))
     ids = {token: tokenizer.token_to_id(token) for token in CHAT_SPECIAL_TOKENS}
     tokenizer_config = read_json(tokenizer_folder, 'tokenizer_config.json') or {}
-    tokenizer_config = {k: v for k, v in tokenizer_config.items() if k != 'added_tokens_decoder'}
+    # a class of its own (transformers 5's LlamaTokenizer) would rebuild the spaces patched above
+    tokenizer_config = {k: v for k, v in tokenizer_config.items() if k not in SENTENCEPIECE_CONFIG}
     with open(os.path.join(out_folder, 'tokenizer_config.json'), 'w') as f:
         template = ('{{ bos_token }}' if source.document_prefix else '') + CHAT_TEMPLATE_JINJA
-        json.dump(dict(tokenizer_config, chat_template=template, eos_token='<|end|>'), f, indent=2)
+        json.dump(dict(tokenizer_config, chat_template=template, eos_token='<|end|>',
+                       tokenizer_class='PreTrainedTokenizerFast'), f, indent=2)
     for stale in ('special_tokens_map.json', 'chat_template.jinja', 'chat_template.json'):
         if os.path.isfile(os.path.join(out_folder, stale)):
             os.remove(os.path.join(out_folder, stale))
     with open(os.path.join(out_folder, 'generation_config.json'), 'w') as f:
         json.dump(dict(generation_config or {}, eos_token_id=ids['<|end|>']), f, indent=2)
+
+
+def jinja_literal(value):
+    """value (JSON data) as a Jinja expression."""
+    if value is None or isinstance(value, bool):
+        return {None: 'none', True: 'true', False: 'false'}[value]
+    if isinstance(value, (list, tuple)):
+        return '[' + ', '.join(map(jinja_literal, value)) + ']'
+    if isinstance(value, dict):
+        return '{' + ', '.join(f'{json.dumps(str(k))}: {jinja_literal(v)}' for k, v in value.items()) + '}'
+    return json.dumps(value)  # a number, or a string in escapes Jinja reads as Python's
+
+
+def set_template_defaults(out_folder, variables):
+    """Make the chat template(s) in out_folder render with variables (a run's chat_template_variables, e.g.
+    Qwen3's {'enable_thinking': False}) unless the caller passes others: transformers and vLLM render an
+    export without the run's variables, so each one is set at the top of the template when undefined."""
+    bad = [k for k in variables or {} if not (isinstance(k, str) and k.isidentifier())]
+    if bad:
+        raise UserError(f"chat_template_variables {bad} are not names a chat template can use, so the export cannot "
+                        f"carry them.")
+    prefix = ''.join(f"{{%- if {k} is not defined %}}{{%- set {k} = {jinja_literal(v)} %}}{{%- endif %}}"
+                     for k, v in (variables or {}).items())
+    if not prefix:
+        return
+    path = os.path.join(out_folder, 'chat_template.jinja')
+    if os.path.isfile(path):
+        with open(path, encoding='utf-8') as f:
+            template = f.read()
+        with open(path, 'w', encoding='utf-8') as f:
+            f.write(prefix + template)
+    for name in ('tokenizer_config.json', 'chat_template.json'):
+        config = read_json(out_folder, name)
+        template = (config or {}).get('chat_template')
+        if isinstance(template, str):
+            config['chat_template'] = prefix + template
+        elif isinstance(template, list):  # named templates: each gets them
+            config['chat_template'] = [dict(t, template=prefix + t['template']) if isinstance(t, dict) and
+                                       isinstance(t.get('template'), str) else t for t in template]
+        else:
+            continue
+        with open(os.path.join(out_folder, name), 'w', encoding='utf-8') as f:
+            json.dump(config, f, indent=2, ensure_ascii=False)

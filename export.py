@@ -1,5 +1,6 @@
 """
-Export a model as a Hugging Face folder that transformers, vLLM and lm-eval load as is:
+Export a model as a Hugging Face folder that transformers and lm-eval load as is (vLLM too, except an Arcee
+model whose hidden_act is not relu2, such as nanotrain's default gelu one: vLLM's Arcee takes relu2 only):
 `python export.py out-sft/ckpt.pt /models/my-sft`. The checkpoint is a train.py (or train_dpo.py) GPT
 checkpoint, ckpt.pt or best.pt, or a LoRA run's merged.pt (the adapters folded into the weights).
 

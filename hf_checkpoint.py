@@ -1,7 +1,8 @@
 """
 Hugging Face checkpoints in and out. A folder with config.json and model.safetensors (sharded with
 model.safetensors.index.json, or pytorch_model.bin) of one of the ARCHITECTURES becomes a GPT of
-model.py, and a GPT of such a shape is written back as a folder transformers / vLLM load as is.
+model.py, and a GPT of such a shape is written back as a folder transformers loads as is (vLLM too, but
+for Arcee only with hidden_act relu2: its Arcee takes no other activation).
 
 - gpt_config: config.json -> GPTConfig fields; hf_model, the other way: the config.json of the family that
   computes what a GPT nanotrain trained itself computes (export.py), or a UserError saying why none does.
@@ -9,7 +10,8 @@ model.py, and a GPT of such a shape is written back as a folder transformers / v
   into one copy of the model (float32, nanotrain's training precision: a float32 file stays
   memory-mapped), and GPT.from_state_dict builds the model around them on the meta device, so host
   memory holds one copy plus one file. as_stored keeps every tensor memory-mapped in its stored dtype:
-  under FSDP each rank then makes only its shard float32 (fsdp.shard_model) and reads only its pages.
+  under FSDP each rank makes float32 one block at a time and keeps its shard (fsdp.shard_model; each
+  rank still reads the whole file).
 - save_hf_model: config.json, model*.safetensors (sharded with an index above max_shard_bytes),
   generation_config.json and the tokenizer files, in the dtype the checkpoint was published in.
 The tensor names map through one table per family (LLAMA_NAMES, GPT2_NAMES).

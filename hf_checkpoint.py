@@ -457,6 +457,12 @@ def save_peft_adapter(adapters, lora_config, hf_config, base_folder, out_folder)
     if is_gpt2(hf_config):
         raise UserError("GPT-2's q, k and v are one layer (c_attn) in Hugging Face, so nanotrain's separate q/k/v "
                         "adapters have no PEFT form; export the run's merged.pt instead.")
+    rows = sorted(k for k in adapters if k.endswith('.added_rows'))
+    if rows:  # PEFT's trainable_token_indices (>= 0.15) replace rows the base has; these lie past its embedding
+        raise UserError(f"the run trained the rows of the chat tokens it added to the base's vocabulary ({rows[0]}), "
+                        f"which a PEFT adapter cannot hold: PEFT's trainable tokens replace rows the base model "
+                        f"already has, and these come after its last one, so PeftModel.from_pretrained on the "
+                        f"published base would fail. Export the run's merged.pt instead (a whole model, with them).")
     other = sorted(k for k in adapters if not k.endswith(('.lora_A', '.lora_B')))
     if other:
         raise UserError(f"the run also trained {', '.join(other[:3])}, which a PEFT LoRA adapter cannot hold "

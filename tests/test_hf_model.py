@@ -335,3 +335,14 @@ def test_rope_settings_in_either_layout_and_malformed_ones(tmp_path):
     for key, bad in (('rope_scaling', 'linear'), ('rope_scaling', [8.0]), ('rope_parameters', 'llama3')):
         with pytest.raises(UserError, match=f"{key}=.* must be an object"):
             gpt_config(dict(config, **{key: bad}), 'llama')
+
+
+def test_a_peft_adapter_refuses_added_chat_token_rows_saying_why(tmp_path):
+    # PEFT's trainable_token_indices index the base's own embedding rows; nanotrain's chat tokens come after them
+    model, hf = llama_with_peft_fixture_adapter()
+    settings = dict(lora_r=4, lora_alpha=8.0, use_rslora=False, lora_dropout=0.0)
+    state = dict(lora_state_dict(model), **{'transformer.wte.added_rows': torch.zeros(4, model.config.n_embd)})
+    with pytest.raises(UserError, match=r'added_rows.*trainable tokens replace rows the base model already has'
+                                        r'.*merged\.pt'):
+        save_peft_adapter(state, settings, hf, fixture('llama'), str(tmp_path / 'adapter'))
+    assert not (tmp_path / 'adapter').exists()

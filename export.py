@@ -1,5 +1,6 @@
 """
-Export a model as a Hugging Face folder that transformers, vLLM and lm-eval load as is:
+Export a model as a Hugging Face folder that transformers and lm-eval load as is (vLLM too, except an Arcee
+model whose hidden_act is not relu2, such as nanotrain's default gelu one: vLLM's Arcee takes relu2 only):
 `python export.py out-sft/ckpt.pt /models/my-sft`. The checkpoint is a train.py (or train_dpo.py) GPT
 checkpoint, ckpt.pt or best.pt, or a LoRA run's merged.pt (the adapters folded into the weights).
 
@@ -29,7 +30,7 @@ from safetensors import SafetensorError
 
 from checkpoint import is_hf_folder, load_checkpoint
 from configurator import UserError, install_excepthook
-from hf_checkpoint import hf_model, save_chat_tokenizer, save_hf_model, save_peft_adapter
+from hf_checkpoint import hf_model, save_chat_tokenizer, save_hf_model, save_peft_adapter, set_template_defaults
 from hf_tokenizer import load_hf_tokenizer
 from tokenizer import ChatTokenizer, load_tokenizer
 from tokenizer_json import write_tokenizer_files
@@ -87,6 +88,8 @@ try:
         save_hf_model(ckpt['model'], hf_config, staging, tokenizer_folder, ckpt.get('generation_config'))
         if chat_tokens_added:
             save_chat_tokenizer(tokenizer, staging, ckpt.get('generation_config'))
+        else:  # the variables the run rendered its template with, as the template's defaults
+            set_template_defaults(staging, ckpt.get('chat_template_variables'))
         what = f"{ckpt_path} ({hf_config['architectures'][0]})"
     else:
         generation = write_tokenizer_files(ChatTokenizer(tokenizer) if chat_tokens_added else tokenizer, staging)

@@ -45,7 +45,8 @@ def shard_model(model, device, param_dtype, cpu_offload):
     """Shard model (a GPT on the CPU) over every rank, block by block, moving each block's shards to this
     rank's device: no rank's device holds more than its shards and one block whole. Each block is made
     float32 just before (a model built around a checkpoint's memory-mapped tensors, in their stored dtype,
-    holds no float32 copy of the whole: a rank reads only its shard's pages). param_dtype: what the
+    holds no float32 copy of the whole at once; but every rank reads every block whole, each page of the
+    file, before keeping its shard). param_dtype: what the
     gathered weights compute in (bf16 halves the all-gathers); gradients are reduced in fp32 and the sharded
     weights and AdamW's moments stay fp32. cpu_offload keeps the shards and optimizer state in CPU memory,
     copied to the GPU as each block runs."""

@@ -1,7 +1,8 @@
 """
 Hugging Face checkpoints in and out. A folder with config.json and model.safetensors (sharded with
 model.safetensors.index.json, or pytorch_model.bin) of one of the ARCHITECTURES becomes a GPT of
-model.py, and a GPT of such a shape is written back as a folder transformers / vLLM load as is.
+model.py, and a GPT of such a shape is written back as a folder transformers loads as is (vLLM too, but
+for Arcee only with hidden_act relu2: its Arcee takes no other activation).
 
 - gpt_config: config.json -> GPTConfig fields; hf_model, the other way: the config.json of the family that
   computes what a GPT nanotrain trained itself computes (export.py), or a UserError saying why none does.
@@ -9,7 +10,8 @@ model.py, and a GPT of such a shape is written back as a folder transformers / v
   into one copy of the model (float32, nanotrain's training precision: a float32 file stays
   memory-mapped), and GPT.from_state_dict builds the model around them on the meta device, so host
   memory holds one copy plus one file. as_stored keeps every tensor memory-mapped in its stored dtype:
-  under FSDP each rank then makes only its shard float32 (fsdp.shard_model) and reads only its pages.
+  under FSDP each rank makes float32 one block at a time and keeps its shard (fsdp.shard_model; each
+  rank still reads the whole file).
 - save_hf_model: config.json, model*.safetensors (sharded with an index above max_shard_bytes),
   generation_config.json and the tokenizer files, in the dtype the checkpoint was published in.
 The tensor names map through one table per family (LLAMA_NAMES, GPT2_NAMES).
@@ -35,6 +37,8 @@ ARCHITECTURES = ('LlamaForCausalLM', 'MistralForCausalLM', 'Qwen2ForCausalLM', '
 # 'gelu' is the exact (erf) GELU, 'gelu_new' and 'gelu_pytorch_tanh' the tanh approximation, 'relu2' relu(x)**2
 MLP_OF_ACTIVATION = {'gelu': 'gelu', 'gelu_new': 'gelu_tanh', 'gelu_pytorch_tanh': 'gelu_tanh', 'relu2': 'relu2'}
 ACTIVATION_OF_MLP = {'gelu': 'gelu', 'gelu_tanh': 'gelu_pytorch_tanh', 'relu2': 'relu2'}  # the same PyTorch ops
+# tokenizer_config.json keys a tokenizer.json read as is has no use for (save_chat_tokenizer drops them)
+SENTENCEPIECE_CONFIG = ('added_tokens_decoder', 'legacy', 'add_prefix_space', 'sp_model_kwargs')
 TOKENIZER_FILES = ('tokenizer.json', 'tokenizer.model', 'tokenizer_config.json', 'special_tokens_map.json',
                    'added_tokens.json', 'vocab.json', 'merges.txt', 'chat_template.jinja', 'chat_template.json')
 
@@ -106,6 +110,12 @@ def gpt_config(hf, folder):
         raise UserError(f"{folder}/config.json: architectures={archs!r} must be a list of one model class, e.g. "
                         f"[\"LlamaForCausalLM\"]; the file is corrupt: download the model folder again.")
     arch = archs[0]
+    quantization = hf.get('quantization_config')
+    if quantization:  # else a failure later that blames the download (FP8) or a config/weights mismatch
+        method = quantization.get('quant_method', 'unnamed') if isinstance(quantization, dict) else quantization
+        raise UserError(f"{folder}/config.json: this model's weights are quantized (quantization_config, quant_method "
+                        f"{method!r}); nanotrain trains and exports unquantized models only: use the model's bf16, "
+                        f"fp16 or fp32 weights (its unquantized release) instead.")
     if arch not in ARCHITECTURES:
         raise UserError(f"{folder}/config.json: architecture {arch} is not supported; nanotrain loads "
                         f"{', '.join(ARCHITECTURES)}.")
@@ -138,23 +148,30 @@ def gpt_config(hf, folder):
                         f"or Arcee model may have both).")
     require_keys(hf, ('max_position_embeddings', 'vocab_size', 'num_hidden_layers', 'num_attention_heads',
                       'hidden_size', 'intermediate_size'), arch, folder)
-    rope = hf.get('rope_parameters') or hf.get('rope_scaling') or {}  # transformers 5 names it rope_parameters
-    rope_type = rope.get('rope_type', rope.get('type', 'default')) if isinstance(rope, dict) else rope
+    rope_key = 'rope_parameters' if hf.get('rope_parameters') else 'rope_scaling'  # transformers 5: rope_parameters
+    rope = hf.get(rope_key) or {}
+    if not isinstance(rope, dict):
+        raise UserError(f"{folder}/config.json: {rope_key}={rope!r} must be an object such as {{\"rope_type\": "
+                        f"\"llama3\", \"factor\": 8.0, ...}} or null; the file is corrupt: download the model folder "
+                        f"again.")
+    rope_type = rope.get('rope_type', rope.get('type', 'default'))
     if rope_type not in ('default', 'llama3'):
         raise UserError(f"{folder}/config.json: RoPE scaling {rope_type!r} is not supported; nanotrain supports "
                         f"none and Llama 3.1's 'llama3'.")
     if rope_type == 'llama3':
         require_keys(rope, ROPE_SCALING_KEYS, "rope_scaling of type 'llama3'", folder)
+    qwen3 = arch == 'Qwen3ForCausalLM'
+    # without head_dim, transformers' Qwen3Config gives 128; the other families' configs n_embd / n_head
     return dict(block_size=hf['max_position_embeddings'], vocab_size=hf['vocab_size'], n_layer=hf['num_hidden_layers'],
                 n_head=hf['num_attention_heads'], n_kv_head=hf.get('num_key_value_heads') or 0,
-                n_embd=hf['hidden_size'], head_dim=hf.get('head_dim') or 0,
+                n_embd=hf['hidden_size'], head_dim=hf.get('head_dim') or (128 if qwen3 else 0),
                 mlp=MLP_OF_ACTIVATION[activation] if arcee else 'swiglu', mlp_hidden=hf['intermediate_size'],
                 bias=bias, qkv_bias=arch == 'Qwen2ForCausalLM',
                 pos_emb='rope', norm='rmsnorm', norm_eps=hf.get('rms_norm_eps', 1e-5 if arcee else 1e-6),
                 tie_embeddings=ties_embeddings(hf),
                 rope_theta=float(hf.get('rope_theta') or rope.get('rope_theta', 10000.0)),
                 rope_scaling={k: rope[k] for k in ROPE_SCALING_KEYS} if rope_type == 'llama3' else {},
-                qk_norm=arch == 'Qwen3ForCausalLM', sliding_window=sliding_window(hf, arch, folder))
+                qk_norm=qwen3, sliding_window=sliding_window(hf, arch, folder))
 
 
 EXPORTABLE = ("pos_emb='rope', norm='rmsnorm' and mlp='swiglu' (LlamaForCausalLM; with qkv_bias Qwen2ForCausalLM, with "
@@ -440,6 +457,12 @@ def save_peft_adapter(adapters, lora_config, hf_config, base_folder, out_folder)
     if is_gpt2(hf_config):
         raise UserError("GPT-2's q, k and v are one layer (c_attn) in Hugging Face, so nanotrain's separate q/k/v "
                         "adapters have no PEFT form; export the run's merged.pt instead.")
+    rows = sorted(k for k in adapters if k.endswith('.added_rows'))
+    if rows:  # PEFT's trainable_token_indices (>= 0.15) replace rows the base has; these lie past its embedding
+        raise UserError(f"the run trained the rows of the chat tokens it added to the base's vocabulary ({rows[0]}), "
+                        f"which a PEFT adapter cannot hold: PEFT's trainable tokens replace rows the base model "
+                        f"already has, and these come after its last one, so PeftModel.from_pretrained on the "
+                        f"published base would fail. Export the run's merged.pt instead (a whole model, with them).")
     other = sorted(k for k in adapters if not k.endswith(('.lora_A', '.lora_B')))
     if other:
         raise UserError(f"the run also trained {', '.join(other[:3])}, which a PEFT LoRA adapter cannot hold "
@@ -476,12 +499,57 @@ def save_chat_tokenizer(source, out_folder, generation_config):
     tokenizer.save(os.path.join(out_folder, 'tokenizer.json'))
     ids = {token: tokenizer.token_to_id(token) for token in CHAT_SPECIAL_TOKENS}
     tokenizer_config = read_json(tokenizer_folder, 'tokenizer_config.json') or {}
-    tokenizer_config = {k: v for k, v in tokenizer_config.items() if k != 'added_tokens_decoder'}
+    # a class of its own (transformers 5's LlamaTokenizer) would rebuild the spaces patched above
+    tokenizer_config = {k: v for k, v in tokenizer_config.items() if k not in SENTENCEPIECE_CONFIG}
     with open(os.path.join(out_folder, 'tokenizer_config.json'), 'w') as f:
         template = ('{{ bos_token }}' if source.document_prefix else '') + CHAT_TEMPLATE_JINJA
-        json.dump(dict(tokenizer_config, chat_template=template, eos_token='<|end|>'), f, indent=2)
+        json.dump(dict(tokenizer_config, chat_template=template, eos_token='<|end|>',
+                       tokenizer_class='PreTrainedTokenizerFast'), f, indent=2)
     for stale in ('special_tokens_map.json', 'chat_template.jinja', 'chat_template.json'):
         if os.path.isfile(os.path.join(out_folder, stale)):
             os.remove(os.path.join(out_folder, stale))
     with open(os.path.join(out_folder, 'generation_config.json'), 'w') as f:
         json.dump(dict(generation_config or {}, eos_token_id=ids['<|end|>']), f, indent=2)
+
+
+def jinja_literal(value):
+    """value (JSON data) as a Jinja expression."""
+    if value is None or isinstance(value, bool):
+        return {None: 'none', True: 'true', False: 'false'}[value]
+    if isinstance(value, (list, tuple)):
+        return '[' + ', '.join(map(jinja_literal, value)) + ']'
+    if isinstance(value, dict):
+        return '{' + ', '.join(f'{json.dumps(str(k))}: {jinja_literal(v)}' for k, v in value.items()) + '}'
+    return json.dumps(value)  # a number, or a string in escapes Jinja reads as Python's
+
+
+def set_template_defaults(out_folder, variables):
+    """Make the chat template(s) in out_folder render with variables (a run's chat_template_variables, e.g.
+    Qwen3's {'enable_thinking': False}) unless the caller passes others: transformers and vLLM render an
+    export without the run's variables, so each one is set at the top of the template when undefined."""
+    bad = [k for k in variables or {} if not (isinstance(k, str) and k.isidentifier())]
+    if bad:
+        raise UserError(f"chat_template_variables {bad} are not names a chat template can use, so the export cannot "
+                        f"carry them.")
+    prefix = ''.join(f"{{%- if {k} is not defined %}}{{%- set {k} = {jinja_literal(v)} %}}{{%- endif %}}"
+                     for k, v in (variables or {}).items())
+    if not prefix:
+        return
+    path = os.path.join(out_folder, 'chat_template.jinja')
+    if os.path.isfile(path):
+        with open(path, encoding='utf-8') as f:
+            template = f.read()
+        with open(path, 'w', encoding='utf-8') as f:
+            f.write(prefix + template)
+    for name in ('tokenizer_config.json', 'chat_template.json'):
+        config = read_json(out_folder, name)
+        template = (config or {}).get('chat_template')
+        if isinstance(template, str):
+            config['chat_template'] = prefix + template
+        elif isinstance(template, list):  # named templates: each gets them
+            config['chat_template'] = [dict(t, template=prefix + t['template']) if isinstance(t, dict) and
+                                       isinstance(t.get('template'), str) else t for t in template]
+        else:
+            continue
+        with open(os.path.join(out_folder, name), 'w', encoding='utf-8') as f:
+            json.dump(config, f, indent=2, ensure_ascii=False)

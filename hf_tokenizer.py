@@ -21,7 +21,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from configurator import UserError
-from tokenizer_json import from_sentencepiece
+from tokenizer_json import as_transformers_llama, from_sentencepiece
 
 # the named special tokens transformers reads from tokenizer_config.json and passes to the template
 SPECIAL_TOKEN_NAMES = ('bos_token', 'eos_token', 'unk_token', 'sep_token', 'pad_token', 'cls_token', 'mask_token')
@@ -29,6 +29,8 @@ GENERATION_TAG = re.compile(r'\{%-?\s*generation\s*-?%\}')  # as transformers de
 # the tokenizer classes whose tokenizer.model transformers converts as from_sentencepiece does, and the
 # tokenizer_config.json settings that conversion reads
 SENTENCEPIECE_CLASSES = ('LlamaTokenizer', 'LlamaTokenizerFast')
+# model types whose AutoTokenizer class wins over a tokenizer_class LlamaTokenizer (transformers 5.24)
+LLAMA_CLASS_OVERRIDDEN = ('mistral', 'qwen2')
 CONVERSION_SETTINGS = ('legacy', 'add_prefix_space', 'add_bos_token', 'add_eos_token', 'added_tokens_decoder')
 
 
@@ -160,6 +162,10 @@ class HFTokenizer:
                 self.tokenizer = Tokenizer.from_str(self.tokenizer_bytes.decode('utf-8'))
             except Exception as e:  # the Rust side raises plain Exception for malformed files
                 raise UserError(f"{path} is corrupt ({e}); download the model folder again.") from None
+            if rebuilt_as_llama(folder, tokenizer_config, self.tokenizer_bytes):
+                as_transformers_llama(self.tokenizer, tokenizer_config, self.special_tokens)
+                recipe = {name: tokenizer_config.get(name) for name in CONVERSION_SETTINGS}
+                self.tokenizer_bytes += json.dumps(recipe, sort_keys=True).encode()
         else:
             self.tokenizer, self.tokenizer_bytes = read_sentencepiece_folder(folder, tokenizer_config, self.special_tokens)
         # as transformers: a folder may ask for special-token text in a text to be read as plain text
@@ -303,6 +309,15 @@ class HFTokenizer:
     def encode_prompt(self, messages):
         """The conversation so far plus the generation prompt that starts the next assistant turn."""
         return self.encode(self.render(messages, add_generation_prompt=True))
+
+
+def rebuilt_as_llama(folder, tokenizer_config, tokenizer_json):
+    """Whether transformers 5's AutoTokenizer reads this folder's tokenizer.json as a LlamaTokenizer, which
+    rebuilds its spaces (tokenizer_json.as_transformers_llama): tokenizer_class LlamaTokenizer(Fast), no
+    custom code, not a byte-level BPE (Llama 3 style), and not a Mistral model (that file is read as is)."""
+    return (str(tokenizer_config.get('tokenizer_class')).removesuffix('Fast') == 'LlamaTokenizer'
+            and 'auto_map' not in tokenizer_config and b'"ByteLevel"' not in tokenizer_json
+            and (read_json(folder, 'config.json') or {}).get('model_type') not in LLAMA_CLASS_OVERRIDDEN)
 
 
 def read_sentencepiece_folder(folder, tokenizer_config, special_tokens):

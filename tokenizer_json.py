@@ -105,11 +105,7 @@ def from_sentencepiece(model_bytes, tokenizer_config=None, special_tokens=None, 
     special_tokens = {**LLAMA_SPECIAL_TOKENS, **(special_tokens or {})}
     pieces, vocab, merges = sentencepiece_vocab(model_bytes, source)
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True))
-    add_prefix_space = config.get('add_prefix_space') is not False
-    prepend = 'never' if not add_prefix_space else 'always' if config.get('legacy') else 'first'
-    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPACE, prepend_scheme=prepend, split=False)
-    strip = [decoders.Strip(content=' ', left=1)] if add_prefix_space else []  # the dummy prefix
-    tokenizer.decoder = decoders.Sequence([decoders.Replace(SPACE, ' '), decoders.ByteFallback(), decoders.Fuse()] + strip)
+    set_llama_spaces(tokenizer, config)
     # control pieces (<s>, </s>) and named special tokens are matched in text; user-defined pieces too,
     # but as ordinary tokens; then the folder's added_tokens_decoder, with its own flags and ids
     tokenizer.add_special_tokens([AddedToken(piece, normalized=False, special=True)
@@ -125,14 +121,39 @@ def from_sentencepiece(model_bytes, tokenizer_config=None, special_tokens=None, 
             raise UserError(f"tokenizer_config.json's added_tokens_decoder gives {added.content!r} id {i}, but after the "
                             f"{len(pieces)} pieces of {source} it is {tokenizer.token_to_id(added.content)}; the folder's "
                             f"tokenizer files do not belong together.")
-    # BOS / EOS around a text, as transformers' update_post_processor puts them
+    set_bos_eos(tokenizer, config, special_tokens)
+    return tokenizer
+
+
+def set_llama_spaces(tokenizer, config):
+    """Give tokenizer the normalizer, pre-tokenizer and decoder transformers 5's LlamaTokenizer builds
+    whatever its files hold: the dummy-prefix space by tokenizer_config's legacy and add_prefix_space."""
+    add_prefix_space = config.get('add_prefix_space') is not False
+    prepend = 'never' if not add_prefix_space else 'always' if config.get('legacy') else 'first'
+    tokenizer.normalizer = None
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPACE, prepend_scheme=prepend, split=False)
+    strip = [decoders.Strip(content=' ', left=1)] if add_prefix_space else []  # the dummy prefix
+    tokenizer.decoder = decoders.Sequence([decoders.Replace(SPACE, ' '), decoders.ByteFallback(), decoders.Fuse()] + strip)
+
+
+def set_bos_eos(tokenizer, config, special_tokens):
+    """BOS / EOS around a text by tokenizer_config's add_bos_token and add_eos_token, as transformers'
+    update_post_processor puts them. special_tokens: {'bos_token': '<s>', 'eos_token': '</s>', ...}."""
     bos = [special_tokens['bos_token']] if config.get('add_bos_token') else []
     eos = [special_tokens['eos_token']] if config.get('add_eos_token') else []
     tokenizer.post_processor = processors.TemplateProcessing(
         single=[f'{t}:0' for t in bos] + ['$A:0'] + [f'{t}:0' for t in eos],
         pair=[f'{t}:{k}' for k, seq in ((0, '$A'), (1, '$B')) for t in bos + [seq] + eos],
         special_tokens=[(t, tokenizer.token_to_id(t)) for t in dict.fromkeys(bos + eos)])
-    return tokenizer
+
+
+def as_transformers_llama(tokenizer, config, special_tokens):
+    """A LlamaTokenizer folder's tokenizer.json (tokenizer) as transformers 5 rebuilds it: its vocabulary,
+    merges and added tokens with set_llama_spaces' pipeline (an older file's Prepend('▁') normalizer is
+    dropped), and its post-processor unless tokenizer_config names add_bos_token or add_eos_token."""
+    set_llama_spaces(tokenizer, config)
+    if 'add_bos_token' in config or 'add_eos_token' in config:
+        set_bos_eos(tokenizer, config, {**LLAMA_SPECIAL_TOKENS, **special_tokens})
 
 
 # -----------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import torch
 from checkpoint import save_checkpoint
 from configurator import UserError
 from data import prepare
-from hf_checkpoint import gpt_config, hf_model, read_hf_weights, save_hf_model
+from hf_checkpoint import gpt_config, hf_model, load_hf_checkpoint, read_hf_weights, save_hf_model
 from lora import apply_lora, lora_state_dict, save_merged
 from model import GPT, GPTConfig, mlp_hidden_size
 from hf_tokenizer import load_hf_tokenizer
@@ -204,3 +204,25 @@ def test_llama_biases_load_only_as_the_pair_nanotrains_bias_is():
     assert (hf['attention_bias'], hf['mlp_bias']) == (True, True) and gpt_config(hf, 'llama')['bias']
     with pytest.raises(UserError, match='attention_bias=True, mlp_bias=False is not supported'):
         gpt_config(dict(hf, mlp_bias=False), 'llama')
+
+
+def test_a_runs_chat_template_variables_are_the_exported_templates_defaults(tmp_path):
+    """A Qwen3 fine-tune rendered with enable_thinking=False exports a template that transformers (and vLLM) render
+    that way without being told; the text and ids are transformers' on the same export (exports.json, written by
+    tests/fixtures/make_export_fixtures.py), and a caller's own enable_thinking still wins."""
+    fixtures = os.path.join(os.path.dirname(__file__), 'fixtures', 'hf')
+    with open(os.path.join(fixtures, 'expected', 'exports.json'), encoding='utf-8') as f:
+        expected = next(e for e in json.load(f) if e['base'] == 'qwen3')
+    ckpt = load_hf_checkpoint(os.path.join(fixtures, 'qwen3'))
+    save_checkpoint(str(tmp_path / 'ckpt.pt'), dict(ckpt, chat_template_variables=expected['chat_template_variables'],
+                                                    config={'training_type': 'sft'}))
+    run(['export.py', str(tmp_path / 'ckpt.pt'), str(tmp_path / 'hf')])
+    with open(tmp_path / 'hf' / 'tokenizer_config.json', encoding='utf-8') as f:
+        template = json.load(f)['chat_template']
+    assert template == expected['chat_template'], 'not the one transformers rendered (if intended: re-run the fixture)'
+    exported = load_hf_tokenizer(str(tmp_path / 'hf'))  # no variables, as transformers renders it
+    thinking = load_hf_tokenizer(str(tmp_path / 'hf'), {'enable_thinking': True})
+    for case in expected['cases']:
+        text = exported.render(case['messages'], case['add_generation_prompt'])
+        assert text == case['text'] and exported.encode(text) == case['ids'], case['case']
+        assert thinking.render(case['messages'], case['add_generation_prompt']) == case['thinking_text']

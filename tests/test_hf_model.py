@@ -309,3 +309,45 @@ def test_config_json_that_cannot_be_loaded_is_a_clear_error(tmp_path):
     edit_config(gpt2, scale_attn_by_inverse_layer_idx=True)  # another attention: refused, not silently wrong
     with pytest.raises(UserError, match='scale_attn_by_inverse_layer_idx'):
         load_hf_checkpoint(str(gpt2))
+
+
+@pytest.mark.parametrize('quantization', [
+    dict(quant_method='gptq', bits=4, group_size=128), dict(quant_method='awq', bits=4, version='gemm'),
+    dict(quant_method='bitsandbytes', load_in_4bit=True), dict(quant_method='fp8', fmt='e4m3')])
+def test_a_quantized_model_is_refused_up_front_naming_its_method(tmp_path, quantization):
+    # its weights would fail later as "truncated or corrupt" (fp8) or of "different models" (packed int tensors)
+    folder = broken_copy(tmp_path)
+    edit_config(folder, quantization_config=quantization)
+    with pytest.raises(UserError, match=f"quant_method '{quantization['quant_method']}'.*unquantized"):
+        load_hf_checkpoint(str(folder))
+
+
+def test_head_dim_defaults_as_transformers_config_per_family():
+    qwen3 = {k: v for k, v in read_json_file(fixture('qwen3/config.json')).items() if k != 'head_dim'}
+    assert gpt_config(qwen3, 'qwen3')['head_dim'] == 128  # Qwen3Config's default, not 64 / 4
+    llama = {k: v for k, v in read_json_file(fixture('llama/config.json')).items() if k != 'head_dim'}
+    model_args = gpt_config(llama, 'llama')
+    assert GPTConfig(**model_args).head_size == llama['hidden_size'] // llama['num_attention_heads']
+
+
+def test_rope_settings_in_either_layout_and_malformed_ones(tmp_path):
+    config = read_json_file(fixture('llama/config.json'))
+    published = gpt_config(config, 'llama')
+    # transformers 5 writes rope_parameters, rope_theta inside it
+    v5 = dict({k: v for k, v in config.items() if k not in ('rope_scaling', 'rope_theta')},
+              rope_parameters=dict(config['rope_scaling'], rope_theta=config['rope_theta']))
+    assert gpt_config(v5, 'llama') == published
+    for key, bad in (('rope_scaling', 'linear'), ('rope_scaling', [8.0]), ('rope_parameters', 'llama3')):
+        with pytest.raises(UserError, match=f"{key}=.* must be an object"):
+            gpt_config(dict(config, **{key: bad}), 'llama')
+
+
+def test_a_peft_adapter_refuses_added_chat_token_rows_saying_why(tmp_path):
+    # PEFT's trainable_token_indices index the base's own embedding rows; nanotrain's chat tokens come after them
+    model, hf = llama_with_peft_fixture_adapter()
+    settings = dict(lora_r=4, lora_alpha=8.0, use_rslora=False, lora_dropout=0.0)
+    state = dict(lora_state_dict(model), **{'transformer.wte.added_rows': torch.zeros(4, model.config.n_embd)})
+    with pytest.raises(UserError, match=r'added_rows.*trainable tokens replace rows the base model already has'
+                                        r'.*merged\.pt'):
+        save_peft_adapter(state, settings, hf, fixture('llama'), str(tmp_path / 'adapter'))
+    assert not (tmp_path / 'adapter').exists()

@@ -156,3 +156,62 @@ def test_a_sentencepiece_base_model_exports_in_nanotrains_template(tmp_path):
     turns = [{'role': 'user', 'content': ' What is  7+5?\n'}, {'role': 'assistant', 'content': '12 ünï'}]
     assert exported.encode_chat(turns) == chat.encode_chat(turns)
     assert exported.encode_prompt(turns[:1]) == chat.encode_prompt(turns[:1])
+
+
+OLD_LLAMA = os.path.join(os.path.dirname(FOLDER), 'sentencepiece_json')  # tests/fixtures/make_export_fixtures.py
+with open(os.path.join(OLD_LLAMA, 'expected.json'), encoding='utf-8') as f:
+    OLD_LLAMA_EXPECTED = json.load(f)
+with open(os.path.join(os.path.dirname(FOLDER), 'expected', 'exports.json'), encoding='utf-8') as f:
+    EXPORTS = {export['base']: export for export in json.load(f)}
+
+
+@pytest.mark.parametrize('variant', sorted(OLD_LLAMA_EXPECTED))
+def test_an_older_llama_tokenizer_json_encodes_as_transformers_5_rebuilds_it(tmp_path, variant):
+    """A Llama 2 / TinyLlama tokenizer.json with a Prepend('▁') normalizer: transformers 5's LlamaTokenizer drops
+    it for a Metaspace by legacy (false: '[INST]' after <s> has no '▁'); a Mistral model's is read as is."""
+    expected = OLD_LLAMA_EXPECTED[variant]
+    for name in ('tokenizer.json', 'special_tokens_map.json'):
+        shutil.copy(os.path.join(OLD_LLAMA, name), tmp_path)
+    with open(os.path.join(OLD_LLAMA, 'tokenizer_config.json'), encoding='utf-8') as f:
+        (tmp_path / 'tokenizer_config.json').write_text(json.dumps({**json.load(f), **expected['tokenizer_config']}))
+    if expected['config_json'] is not None:
+        (tmp_path / 'config.json').write_text(json.dumps(expected['config_json']))
+    tokenizer = load_hf_tokenizer(str(tmp_path))
+    for text, ids in zip(expected['texts'], expected['ids']):
+        assert tokenizer.document_prefix + tokenizer.encode(text) == ids, text
+    for case, chat in expected['chats'].items():
+        assert tokenizer.encode(tokenizer.render(chat['messages'])) == chat['ids'], case
+
+
+def base_model_folder(folder, source):
+    """source's tokenizer files without the chat template, as make_export_fixtures.py makes them."""
+    for name in ('tokenizer.json', 'tokenizer.model', 'special_tokens_map.json'):
+        if os.path.isfile(os.path.join(source, name)):
+            shutil.copy(os.path.join(source, name), folder)
+    with open(os.path.join(source, 'tokenizer_config.json'), encoding='utf-8') as f:
+        config = {k: v for k, v in json.load(f).items() if k != 'chat_template'}
+    (folder / 'tokenizer_config.json').write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize('base', ['sentencepiece', 'sentencepiece_json'])
+def test_an_exported_chat_tokenizer_encodes_in_transformers_as_the_run_trained(tmp_path, base):
+    """transformers' AutoTokenizer + apply_chat_template on save_chat_tokenizer's export of a sentencepiece base
+    (its ids in exports.json) gives ChatTokenizer's ids: no message loses its leading '▁' (a LlamaTokenizer class
+    in the export would rebuild the pre-tokenizer to prefix only the first)."""
+    expected = EXPORTS[base]
+    (tmp_path / 'base').mkdir()
+    (tmp_path / 'export').mkdir()
+    base_model_folder(tmp_path / 'base', os.path.join(os.path.dirname(FOLDER), base))
+    tokenizer = load_hf_tokenizer(str(tmp_path / 'base'))
+    save_chat_tokenizer(tokenizer, str(tmp_path / 'export'), {})
+    with open(tmp_path / 'export' / 'tokenizer.json', encoding='utf-8') as f:
+        spec = json.load(f)
+    with open(tmp_path / 'export' / 'tokenizer_config.json', encoding='utf-8') as f:
+        spec['tokenizer_config'] = json.load(f)
+    for key in ('tokenizer_config', 'normalizer', 'pre_tokenizer', 'post_processor'):  # as transformers read them
+        assert spec[key] == expected[key], f'{key} changed (if intended: re-run make_export_fixtures.py)'
+    chat = ChatTokenizer(tokenizer)
+    for case in expected['cases']:
+        ids = chat.encode_prompt(case['messages']) if case['add_generation_prompt'] else \
+            chat.encode_chat(case['messages'])[0]
+        assert ids == case['ids'], case['case']

@@ -41,7 +41,7 @@ def check_parallel(parallel, distributed, device, dtype, optimizer_type, cpu_off
                         "`torchrun --nproc_per_node=N` (N=1 also works, e.g. for fsdp_cpu_offload), or drop --parallel.")
 
 
-def shard_model(model, device, param_dtype, cpu_offload):
+def shard_model(model, device, param_dtype, cpu_offload, frozen=False):
     """Shard model (a GPT on the CPU) over every rank, block by block, moving each block's shards to this
     rank's device: no rank's device holds more than its shards and one block whole. Each block is made
     float32 just before (a model built around a checkpoint's memory-mapped tensors, in their stored dtype,
@@ -49,25 +49,35 @@ def shard_model(model, device, param_dtype, cpu_offload):
     file, before keeping its shard). param_dtype: what the
     gathered weights compute in (bf16 halves the all-gathers); gradients are reduced in fp32 and the sharded
     weights and AdamW's moments stay fp32. cpu_offload keeps the shards and optimizer state in CPU memory,
-    copied to the GPU as each block runs."""
+    copied to the GPU as each block runs. frozen (DPO's reference: no gradients, no optimizer): the
+    shards are kept in param_dtype, which every gathered weight (the embedding's too) is cast to
+    anyway, so the same log-probs from half the shard memory in a bf16 run."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     mesh = init_device_mesh(device.split(':')[0], (dist.get_world_size(),))
     settings = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
                     offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
-    for block in model.transformer.h:
-        fully_shard(block.float(), **settings)
-    fully_shard(model.float(), **settings)
+    for module in (*model.transformer.h, model):  # each block, then the rest
+        fully_shard(parameters_in(module, param_dtype) if frozen else module.float(), **settings)
     if any(p.is_meta for p in model.parameters()):  # a sharded checkpoint's placeholders (load_checkpoint): each
         model.to_empty(device='cpu' if cpu_offload else device)  # rank's shards, filled by restore_training_state
         if model.config.pos_emb == 'rope':
             model.set_rope_tables(device)  # to_empty left the tables empty too
 
 
-def place_model(model, parallel, device, param_dtype, cpu_offload):
-    """Move model to device, or with parallel='fsdp' shard it over the ranks (shard_model)."""
+def parameters_in(module, dtype):
+    """module with its parameters not yet sharded in dtype; buffers (RoPE's tables) stay float32."""
+    for p in module.parameters():
+        if not is_dtensor(p) and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+    return module
+
+
+def place_model(model, parallel, device, param_dtype, cpu_offload, frozen=False):
+    """Move model to device, or with parallel='fsdp' shard it over the ranks (shard_model, frozen:
+    as there)."""
     if parallel == 'fsdp':
-        shard_model(model, device, param_dtype, cpu_offload)
+        shard_model(model, device, param_dtype, cpu_offload, frozen)
     else:
         model.to(device)
 

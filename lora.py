@@ -148,19 +148,21 @@ def frozen_base_dtype(lora_base_dtype, run_dtype, lora, parallel, lora_switch):
 
 
 @torch.no_grad()
-def cast_frozen_base(model, dtype):
+def cast_frozen_base(model, dtype, device=None):
     """The Linear weights of model's blocks in dtype (what LoRA freezes), every other parameter in float32 (see
     above); a tensor under two names (a tied lm_head) stays one. For a model built around a checkpoint's tensors
-    in their stored dtype, before resize_vocab and apply_lora, so no float32 copy of the blocks is ever made."""
+    in their stored dtype, before resize_vocab and apply_lora, so no float32 copy of the blocks is ever made.
+    device: every parameter becomes its own copy there (DPO's reference: frozen_model)."""
     in_blocks = {id(m) for m in model.transformer.h.modules() if isinstance(m, nn.Linear)}
     converted = {}
     for module in model.modules():
         for key, p in list(module.named_parameters(recurse=False)):
             target = dtype if id(module) in in_blocks and key == 'weight' else torch.float32
-            copy = target == torch.float32  # even if float32 already: a view of a memory-mapped file keeps it all mapped
+            # a copy even if float32 already: a view of a memory-mapped file keeps it all mapped
+            copy = target == torch.float32 or device is not None
             if p.dtype != target or copy:
                 if id(p) not in converted:
-                    converted[id(p)] = nn.Parameter(p.to(target, copy=copy), requires_grad=p.requires_grad)
+                    converted[id(p)] = nn.Parameter(p.to(device, target, copy=copy), requires_grad=p.requires_grad)
                 setattr(module, key, converted[id(p)])
 
 

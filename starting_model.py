@@ -202,12 +202,15 @@ def hf_source(model_ckpt, chat_template_variables=None):
 
 
 def frozen_model(config, state, parallel, device, param_dtype, cpu_offload):
-    """A frozen GPT of config (a GPTConfig) holding state (a DPO run's reference), in eval mode, on device; with
-    parallel='fsdp' built around state's (memory-mapped) tensors, then each rank keeps its shard, else around
-    a copy of them (the policy may be built around the same tensors)."""
-    if parallel != 'fsdp':  # its own copy, made on the device, never first initialised at random (seconds for 1B)
-        state = {name: tensor.to(device, copy=True) for name, tensor in state.items()}
-    model = GPT.from_state_dict(config, state)
+    """A frozen GPT of config (a GPTConfig) holding state (a DPO run's reference), in eval mode, on
+    device; with parallel='fsdp' built around state's (memory-mapped) tensors, then each rank keeps
+    its shard (in a bf16 run in bf16: fsdp.shard_model), else around a copy of them (the policy may
+    be built around the same tensors) whose blocks' Linear weights are in param_dtype
+    (lora.cast_frozen_base: half their memory in a 16-bit run, the same log-probs under its
+    autocast, which casts them so at every use anyway)."""
+    model = GPT.from_state_dict(config, state)  # never first initialised at random (seconds for 1B)
+    if parallel != 'fsdp':  # its own copy, made on the device
+        cast_frozen_base(model, param_dtype, device)
     model.requires_grad_(False).eval()
-    place_model(model, parallel, device, param_dtype, cpu_offload)
+    place_model(model, parallel, device, param_dtype, cpu_offload, frozen=True)
     return model

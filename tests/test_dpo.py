@@ -19,6 +19,7 @@ import torch
 
 from chat_data import PreferenceBatches, load_preference_split
 from configurator import UserError
+from dpo_logps import reference_logps
 from losses import DPO_LOSS_TYPES, dpo_loss, sequence_logps
 from model import GPT, GPTConfig
 from starting_model import frozen_model
@@ -89,6 +90,40 @@ def test_frozen_reference_is_its_own_copy_of_the_weights():
     assert mine.keys() == state.keys() and all(torch.equal(mine[k], state[k]) for k in state)
     assert not {t.data_ptr() for t in mine.values()} & {t.data_ptr() for t in state.values()}
     assert not any(p.requires_grad for p in reference.parameters()) and not reference.training
+
+
+REFERENCE = GPTConfig(block_size=16, vocab_size=10, n_layer=2, n_head=2, n_embd=64, bias=True, mlp='swiglu',
+                      pos_emb='rope')  # tied
+
+
+def parameter_bytes(model):
+    """Bytes of model's parameters (a tied weight counted once; under FSDP this rank's shards)."""
+    local = [p.to_local() if hasattr(p, 'to_local') else p for p in model.parameters()]
+    return sum(t.numel() * t.element_size() for t in local)
+
+
+def reference_logps_under_bf16_autocast(model):
+    """(per-sequence sums, logits) of a fixed packed batch of 4 pairs, scored as in a bf16 run."""
+    batch = PreferenceBatches(random_pairs(6, seed=1), 0, 0, 16, pack=True).get(torch.tensor([5, 1, 2, 0]))
+    return reference_logps(model, model, batch, 4, False, torch.autocast('cpu', dtype=torch.bfloat16))
+
+
+@pytest.mark.comparison
+def test_frozen_reference_of_a_bf16_run_has_16_bit_linear_weights_and_the_same_logps_bit_for_bit():
+    """A bf16 run's reference holds its blocks' Linear weights in bf16 (lora.cast_frozen_base),
+    which autocast casts them to at every use anyway: the same log-probs under it, ~half the
+    bytes."""
+    torch.manual_seed(0)
+    state = GPT(REFERENCE).state_dict()
+    f32, bf16 = [frozen_model(REFERENCE, state, 'ddp', 'cpu', dtype, False)
+                 for dtype in (torch.float32, torch.bfloat16)]
+    linear = {n for n, _ in bf16.named_parameters() if ('.attn.' in n or '.mlp.' in n) and n.endswith('.weight')}
+    assert {n for n, p in bf16.named_parameters() if p.dtype == torch.bfloat16} == linear and len(linear) == 14
+    assert bf16.lm_head.weight is bf16.transformer.wte.weight  # still tied, and float32
+    saved = sum(p.numel() * 2 for n, p in bf16.named_parameters() if n in linear)
+    assert parameter_bytes(bf16) == parameter_bytes(f32) - saved < 0.55 * parameter_bytes(f32)
+    (sums, logits), (sums16, logits16) = map(reference_logps_under_bf16_autocast, (f32, bf16))
+    assert torch.equal(sums, sums16) and torch.equal(logits, logits16)
 
 
 @pytest.mark.comparison
@@ -553,6 +588,26 @@ def test_resume_is_bit_exact(tmp_path, dpo_env):
     assert ca['iter_num'] == cb['iter_num'] == 4
     for key in ('model', 'optimizer', 'train_batches', 'best_val_loss', 'reference_hash'):
         assert_same_state(ca[key], cb[key], key)
+
+
+def test_bf16_run_with_16_bit_reference_starts_at_exact_ties_and_resumes_bit_exactly(tmp_path, dpo_env):
+    """--dtype=bfloat16: the reference's Linear weights are bf16 (frozen_model), the policy's
+    float32, yet at step 0 every margin is exactly 0 (the same log-probs under autocast); stopped
+    after step 2 and continued (the reference rebuilt so), the run is the straight one's bit for
+    bit."""
+    common = ['--dtype=bfloat16', '--eval_interval=2', '--batch_size=2']
+    straight, split = tmp_path / 'straight', tmp_path / 'split'
+    dpo(dpo_env, straight, '--max_iters=4', *common)
+    dpo(dpo_env, split, '--max_iters=2', *common)
+    p = dpo(dpo_env, split, '--max_iters=4', *common)
+    assert 'resuming' in p.stdout + p.stderr
+    step0, step1 = evals(straight)[0], train_metrics(straight)[1]
+    assert_step0_identities(step0)
+    assert step0['eval/rewards/chosen'] == step0['eval/rewards/rejected'] == step1['rewards/margins'] == 0
+    a, b = train_metrics(straight), train_metrics(split)
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4] and a[4]['rewards/margins'] != 0  # it trained
+    assert all(a[s][k] == b[s][k] for s in a for k in TRAIN_METRICS), (a, b)
+    assert evals(straight)[1:] == evals(split)[1:]
 
 
 def test_resume_refuses_changed_data_reference_or_cache(tmp_path, dpo_env):

@@ -5,14 +5,18 @@ import shutil
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from checkpoint import load_checkpoint
 from configurator import UserError
-from fsdp import check_parallel
+from fsdp import check_parallel, shard_model
+from model import GPT
 from safetensors.torch import load_file, save_file
 from sharded_checkpoint import unreadable
+from starting_model import frozen_model
 from tasks.number_tasks import prepare_number_tasks
-from test_dpo import TRAIN_METRICS, dpo, dpo_env, evals, train_metrics  # noqa: F401 (dpo_env is a fixture)
+from test_dpo import (REFERENCE, TRAIN_METRICS, dpo, dpo_env, evals, parameter_bytes,  # noqa: F401
+                      reference_logps_under_bf16_autocast, train_metrics)  # (dpo_env: a fixture)
 from test_hf_model import fixture
 from test_hf_train import TINY as HF_TINY
 from test_sft import sft_args, sft_env  # noqa: F401 (sft_env is a fixture)
@@ -154,6 +158,26 @@ def test_dpo_under_fsdp(tmp_path, dpo_env):
         ranks=2)
     assert evals(lora)[0]['eval/loss'] == pytest.approx(math.log(2), abs=1e-6)
     assert (lora / 'merged.pt').exists() and evals(lora)[1]['eval/loss'] < math.log(2)
+
+
+def test_frozen_reference_shards_of_a_bf16_run_are_bf16_and_give_the_same_logps(tmp_path):
+    """Under FSDP a bf16 run gathers every weight in bf16 (its mixed-precision policy), embeddings
+    and norms too, so the reference's shards are kept in bf16 (fsdp.shard_model frozen): the same
+    log-probs as from float32 shards, from half the bytes. One rank, in this process."""
+    dist.init_process_group('gloo', init_method=f'file://{tmp_path / "store"}', rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        state = GPT(REFERENCE).state_dict()
+        before = GPT.from_state_dict(REFERENCE, state).requires_grad_(False).eval()
+        shard_model(before, 'cpu', torch.bfloat16, cpu_offload=False)  # float32 shards, as before
+        after = frozen_model(REFERENCE, state, 'fsdp', 'cpu', torch.bfloat16, False)
+        assert {p.dtype for p in before.parameters()} == {torch.float32}
+        assert {p.dtype for p in after.parameters()} == {torch.bfloat16} and after.rope_cos.dtype == torch.float32
+        assert parameter_bytes(after) * 2 == parameter_bytes(before)
+        (sums, logits), (sums16, logits16) = map(reference_logps_under_bf16_autocast, (before, after))
+        assert torch.equal(sums, sums16) and torch.equal(logits, logits16)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_fsdp_settings_it_cannot_run_are_refused(tmp_path, data_dir):

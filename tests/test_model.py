@@ -315,6 +315,7 @@ def test_grouped_query_attention_with_a_mask_repeats_keys_and_values_for_a_fused
     assert calls and all(c == (4, 4, True, False) for c in calls)
 
 
+@pytest.mark.comparison
 def test_grouped_query_attention_with_a_mask_is_attention_over_each_query_heads_group():
     """attend against attention written out (float64 both sides, so agreement to rounding): query head h
     uses key/value head h // (H / Hkv), and masked keys get no weight."""

@@ -1,6 +1,6 @@
 """
-Pretraining data: corpus preparation and batch sampling (the tokenizers are in tokenizer.py,
-fine-tuning's chat and preference data in chat_data.py).
+Pretraining data: corpus preparation and batch sampling (the tokenizers are in lm/tokenizer.py,
+fine-tuning's chat and preference data in lm/chat_data.py).
 
 Prepare a dataset once; training then reads random windows of the token files:
 
@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from configurator import UserError, install_excepthook, require_writable_folder
-from tokenizer import DEFAULT_DATA_DIR, BPETokenizer, CharTokenizer, dataset_file, read_meta, train_bpe
+from lm.tokenizer import DEFAULT_DATA_DIR, BPETokenizer, CharTokenizer, dataset_file, read_meta, train_bpe
 
 # folders of the standard library that are not library code (test suites, installed packages)
 STDLIB_SKIP = {'test', 'tests', 'idle_test', 'site-packages', 'dist-packages', '__pycache__'}

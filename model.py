@@ -2,7 +2,7 @@
 A GPT language model in plain PyTorch, nanoGPT style, with the common modern options: RoPE (with Llama 3's
 frequency scaling) or learned positions, RMSNorm or LayerNorm, GELU / SwiGLU / ReLU^2 MLP, grouped-query and
 sliding-window attention, QK-norm, logit soft-capping, tied embeddings, activation checkpointing and KV-cache
-generation. It holds the published Llama / Qwen2 / Qwen3 / Mistral / Arcee / GPT-2 models too (hf_checkpoint.py).
+generation. It holds the published Llama / Qwen2 / Qwen3 / Mistral / Arcee / GPT-2 models too (hf/checkpoint.py).
 """
 import dataclasses
 import math
@@ -314,7 +314,7 @@ class GPT(nn.Module):
 
     def set_rope_tables(self, device=None):
         """RoPE's cos/sin tables; derived from the config, so not saved: the state dict holds only trained
-        weights. (A model built on the meta device, hf_checkpoint.py, computes them after loading.)"""
+        weights. (A model built on the meta device, hf/checkpoint.py, computes them after loading.)"""
         c = self.config
         cos, sin = rope_cos_sin(c.block_size, c.head_size, c.rope_theta, c.rope_scaling)
         self.register_buffer('rope_cos', cos.to(device), persistent=False)
@@ -323,7 +323,7 @@ class GPT(nn.Module):
     @classmethod
     def from_state_dict(cls, config, state):
         """A GPT whose weights are state's tensors themselves, built on the meta device, so no other
-        weights are ever allocated: host memory holds one copy of the model (hf_checkpoint.py)."""
+        weights are ever allocated: host memory holds one copy of the model (hf/checkpoint.py)."""
         with torch.device('meta'):
             model = cls(config)
         model.load_state_dict(state, assign=True)

@@ -17,22 +17,22 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from checkpoint import (CHECKPOINT_FORMATS, check_compatible, continued_origin, open_run, require_starting_weights,
+from run.checkpoint import (CHECKPOINT_FORMATS, check_compatible, continued_origin, open_run, require_starting_weights,
                         restore_training_state, run_log, run_origin, training_state, write_checkpoint)
 from configurator import FOLDER, POSITIVE, UserError, at_least, check_values, configure, interval, one_of
-from fsdp import PARALLEL, check_parallel, place_model, same_init_on_every_rank
+from run.fsdp import PARALLEL, check_parallel, place_model, same_init_on_every_rank
 from losses import check_loss_weights, combine_losses, target_weights, token_weight_table, weighted_cross_entropy, z_loss
 from memory import (DTYPES, GradScaler, MemoryMonitor, autocast_context, halve_micro_batch, peak_memory_bytes,
                     pick_dtype, recover_from_oom, resumed_micro_batch)
-from lora import apply_lora, frozen_base_dtype, load_adapters, lora_state_dict, save_merged
-from muon import gpt_optimizer
-from run_data import gpt_run_data
-from runtime import (StepProfiler, StopSignal, after_eval, clip_and_reduce, compute_cleanup, compute_init,
+from lm.lora import apply_lora, frozen_base_dtype, load_adapters, lora_state_dict, save_merged
+from lm.muon import gpt_optimizer
+from run.run_data import gpt_run_data
+from run.runtime import (StepProfiler, StopSignal, after_eval, clip_and_reduce, compute_cleanup, compute_init,
                      gradient_sync, keep_log_until, log, patience_exhausted, rank_batches, step_or_skip, wrap_model)
 from scheduler import SCHEDULES, get_lr, set_lr
-from starting_model import full_model_checkpoint, hf_source, model_hash, run_model_args, run_tokenizer, starting_gpt
+from run.starting_model import full_model_checkpoint, hf_source, model_hash, run_model_args, run_tokenizer, starting_gpt
 from tasks.exact_match import print_sample, report_exact_match
-from tokenizer import chat_tokenizer
+from lm.tokenizer import chat_tokenizer
 
 # -----------------------------------------------------------------------------
 # I/O
@@ -57,7 +57,7 @@ seed = 1337
 batch_size = 16              # micro-batch size per process
 block_size = 128             # context length
 gradient_accumulation_steps = 1  # micro-batches per optimizer step per process
-# fine-tuning data (training_type 'sft' | 'lora'; chat template: see tokenizer.py, JSONL formats: chat_data.py)
+# fine-tuning data (training_type 'sft' | 'lora'; chat template: see lm/tokenizer.py, JSONL formats: lm/chat_data.py)
 sft_data = ''                # folder with train.jsonl, val.jsonl (and test.jsonl for exact match); '' = the embedded number tasks
 max_length = 128             # longest example in tokens (<= block_size); longer ones follow overlong
 overlong = 'truncate'        # examples over max_length: 'truncate' (keep the first max_length tokens) | 'drop'
@@ -99,7 +99,7 @@ weight_decay = 0.1
 beta1 = 0.9
 beta2 = 0.95
 grad_clip = 1.0              # 0 = no clipping (grad norm is still logged)
-optimizer_type = 'adamw'     # 'adamw' | 'muon' (muon.py: Muon for the blocks' matrices, AdamW for the rest)
+optimizer_type = 'adamw'     # 'adamw' | 'muon' (lm/muon.py: Muon for the blocks' matrices, AdamW for the rest)
 muon_lr = 0.02               # Muon's peak lr; it follows the lr schedule in proportion (muon_lr / learning_rate)
 muon_momentum = 0.95
 # learning-rate schedule (scheduler.py)
@@ -114,9 +114,9 @@ decay_frac = 0.2             # 'wsd': the last fraction of lr_decay_iters, decay
 device = 'auto'              # 'auto' | 'cpu' | 'cuda' | 'cuda:1' | 'mps'
 dtype = 'auto'               # 'auto' (bf16 where supported, else fp16 + loss scaling) | 'bfloat16' | 'float16' | 'float32'
 compile = False              # torch.compile the model
-parallel = 'ddp'             # under torchrun: 'ddp' (each rank holds the whole model) | 'fsdp' (fsdp.py: weights, gradients and optimizer state sharded over the ranks)
+parallel = 'ddp'             # under torchrun: 'ddp' (each rank holds the whole model) | 'fsdp' (run/fsdp.py: weights, gradients and optimizer state sharded over the ranks)
 fsdp_cpu_offload = False     # parallel='fsdp' on GPUs: keep the shards and optimizer state in CPU memory
-checkpoint_format = 'file'   # 'file': ckpt.pt holds everything (under FSDP gathered onto rank 0) | 'sharded': each rank writes its shards to ckpt-<step>.dcp/, which ckpt.pt names (sharded_checkpoint.py), for models one host's memory cannot hold whole
+checkpoint_format = 'file'   # 'file': ckpt.pt holds everything (under FSDP gathered onto rank 0) | 'sharded': each rank writes its shards to ckpt-<step>.dcp/, which ckpt.pt names (run/sharded_checkpoint.py), for models one host's memory cannot hold whole
 num_threads = 0              # CPU threads for torch ops (torch.set_num_threads); 0 = torch's default
 # -----------------------------------------------------------------------------
 config = configure(globals())
@@ -141,7 +141,7 @@ if training_type not in ('from_scratch', 'sft', 'lora'):
     raise UserError(f"training_type={training_type!r} is not supported; use 'from_scratch', 'sft' or 'lora'.")
 fine_tuning = training_type != 'from_scratch'
 
-# processes and device (runtime.py: one process per GPU under torchrun), precision
+# processes and device (run/runtime.py: one process per GPU under torchrun), precision
 ddp, rank, local_rank, world_size, device = compute_init(device, seed, num_threads)
 master, device_type = rank == 0, device.split(':')[0]
 ptdtype = pick_dtype(device, dtype)

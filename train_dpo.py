@@ -16,22 +16,22 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from checkpoint import (CHECKPOINT_FORMATS, check_compatible, continued_origin, file_sha256, open_run,
+from run.checkpoint import (CHECKPOINT_FORMATS, check_compatible, continued_origin, file_sha256, open_run,
                         restore_training_state, run_log, run_origin, training_state, write_checkpoint)
 from configurator import FOLDER, POSITIVE, UserError, at_least, check_values, configure, interval, one_of
-from dpo_logps import completion_logps, precomputed_reference_logps, reference_logps
-from fsdp import PARALLEL, check_parallel, place_model, same_init_on_every_rank
+from lm.dpo import completion_logps, precomputed_reference_logps, reference_logps
+from run.fsdp import PARALLEL, check_parallel, place_model, same_init_on_every_rank
 from losses import DPO_LOSS_TYPES, dpo_loss
 from memory import DTYPES, GradScaler, autocast_context, peak_memory_bytes, pick_dtype, resumed_micro_batch
-from lora import LORA_SETTINGS, apply_lora, frozen_base_dtype, lora_optimizer, lora_state_dict, save_merged
+from lm.lora import LORA_SETTINGS, apply_lora, frozen_base_dtype, lora_optimizer, lora_state_dict, save_merged
 from model import GPTConfig
-from run_data import preference_run_data
-from runtime import (StopSignal, after_eval, clip_and_reduce, compute_cleanup, compute_init, keep_log_until, log,
+from run.run_data import preference_run_data
+from run.runtime import (StopSignal, after_eval, clip_and_reduce, compute_cleanup, compute_init, keep_log_until, log,
                      gradient_sync, patience_exhausted, rank_batches, step_or_skip, wrap_model)
 from scheduler import SCHEDULES, get_lr, set_lr
-from starting_model import build_model, dpo_reference, frozen_model, hf_source, run_tokenizer
+from run.starting_model import build_model, dpo_reference, frozen_model, hf_source, run_tokenizer
 from tasks.exact_match import report_exact_match
-from tokenizer import chat_tokenizer
+from lm.tokenizer import chat_tokenizer
 
 # -----------------------------------------------------------------------------
 # I/O
@@ -100,9 +100,9 @@ decay_frac = 0.2             # 'wsd': the last fraction of lr_decay_iters, decay
 device = 'auto'              # 'auto' | 'cpu' | 'cuda' | 'cuda:1' | 'mps'
 dtype = 'auto'               # 'auto' (float32 on CPU, bf16 on GPUs that have it, else fp16 + loss scaling) | 'bfloat16' | 'float16' | 'float32'
 compile = False              # torch.compile the policy
-parallel = 'ddp'             # under torchrun: 'ddp' (each rank holds the whole model) | 'fsdp' (fsdp.py: policy and reference sharded over the ranks)
+parallel = 'ddp'             # under torchrun: 'ddp' (each rank holds the whole model) | 'fsdp' (run/fsdp.py: policy and reference sharded over the ranks)
 fsdp_cpu_offload = False     # parallel='fsdp' on GPUs: keep the shards and optimizer state in CPU memory
-checkpoint_format = 'file'   # 'file': ckpt.pt holds everything (under FSDP gathered onto rank 0) | 'sharded': each rank writes its shards to ckpt-<step>.dcp/, which ckpt.pt names (sharded_checkpoint.py), for models one host's memory cannot hold whole
+checkpoint_format = 'file'   # 'file': ckpt.pt holds everything (under FSDP gathered onto rank 0) | 'sharded': each rank writes its shards to ckpt-<step>.dcp/, which ckpt.pt names (run/sharded_checkpoint.py), for models one host's memory cannot hold whole
 num_threads = 0              # CPU threads for torch ops (torch.set_num_threads); 0 = torch's default
 # -----------------------------------------------------------------------------
 config = configure(globals())
@@ -129,7 +129,7 @@ if label_smoothing and loss_type not in ('sigmoid', 'robust'):
 if reference_free and precompute_ref_logps:
     raise UserError("reference_free=True has no reference to precompute; drop precompute_ref_logps.")
 
-# processes and device (runtime.py: one process per GPU under torchrun), precision
+# processes and device (run/runtime.py: one process per GPU under torchrun), precision
 ddp, rank, local_rank, world_size, device = compute_init(device, seed, num_threads)
 master, device_type = rank == 0, device.split(':')[0]
 ptdtype = pick_dtype(device, dtype)

@@ -16,19 +16,19 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from checkpoint import (check_compatible, continued_origin, load_checkpoint, open_run, require_starting_weights,
+from run.checkpoint import (check_compatible, continued_origin, load_checkpoint, open_run, require_starting_weights,
                         restore_training_state, rng_state, run_log, run_origin, save_checkpoint, set_rng_state,
                         training_state)
 from configurator import (EMPTY_OR_FOLDER, FOLDER, POSITIVE, UserError, at_least, check_values, configure,
                           dataclass_args, interval, one_of)
 from memory import GradScaler, MemoryMonitor, autocast_context, peak_memory_bytes, pick_dtype, recover_from_oom
-from runtime import (StepProfiler, StopSignal, after_eval, clip_and_reduce, compute_cleanup, compute_init,
+from run.runtime import (StepProfiler, StopSignal, after_eval, clip_and_reduce, compute_cleanup, compute_init,
                      keep_log_until, log, patience_exhausted, step_or_skip)
 from scheduler import SCHEDULES, get_lr, set_lr
-import tts_data
-from tts_data import FrameBudgetSampler, LJSpeechDataset, build_symbols, eval_batches, read_metadata, split_ids
-from tts_eval import evaluate_synthesis, print_synthesis_report, record_media
-from tts_model import TTSConfig, TTSModel
+from tts import data as tts_data
+from tts.data import FrameBudgetSampler, LJSpeechDataset, build_symbols, eval_batches, read_metadata, split_ids
+from tts.eval import evaluate_synthesis, print_synthesis_report, record_media
+from tts.model import TTSConfig, TTSModel
 
 _start_time = time.time()
 # -----------------------------------------------------------------------------
@@ -119,7 +119,7 @@ check_values(config, [
 mel_settings = tts_data.MEL_SETTINGS  # fixed feature settings (not config keys: set after configure)
 sample_rate = mel_settings['sample_rate']
 
-# processes and device (runtime.py: one process per GPU under torchrun), precision
+# processes and device (run/runtime.py: one process per GPU under torchrun), precision
 ddp, rank, local_rank, world_size, device = compute_init(device, seed)
 master, device_type = rank == 0, device.split(':')[0]
 ptdtype = pick_dtype(device, dtype)

@@ -432,12 +432,12 @@ def run(name, round_):
 
 def prepare_everything():
     """The pairs, the char tokenizer, our token ids, the random model as init.pt and a logits check batch."""
-    from chat_data import PreferenceBatches, encode_pair, load_preference_split
-    from checkpoint import save_checkpoint
+    from lm.chat_data import PreferenceBatches, encode_pair, load_preference_split
+    from run.checkpoint import save_checkpoint
     from data import prepare
     from model import GPT, GPTConfig
     from tasks.number_tasks import prepare_number_tasks
-    from tokenizer import ChatTokenizer, load_tokenizer
+    from lm.tokenizer import ChatTokenizer, load_tokenizer
 
     prepare_number_tasks(paths['pairs'], seed=1, preferences=True)  # train_dpo.py's default pairs
     text = ''.join(''.join(pair) for split in ('train', 'val', 'test') for pair in read_pairs(split))
@@ -473,9 +473,9 @@ def our_version():
     """The commit, and with uncommitted changes the sha256 of train_dpo.py as it ran."""
     git = lambda *args: subprocess.run(['git', *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     try:
-        head, dirty = git('rev-parse', '--short', 'HEAD'), git('status', '--porcelain', 'train_dpo.py', 'chat_data.py',
-                                                               'tokenizer.py', 'losses.py', 'model.py', 'lora.py',
-                                                               'runtime.py')
+        head, dirty = git('rev-parse', '--short', 'HEAD'), git('status', '--porcelain', 'train_dpo.py', 'lm/chat_data.py',
+                                                               'lm/tokenizer.py', 'losses.py', 'model.py', 'lm/lora.py',
+                                                               'run/runtime.py')
     except OSError:
         head, dirty = 'unknown', 'unknown'
     with open(os.path.join(ROOT, 'train_dpo.py'), 'rb') as f:

@@ -1,5 +1,5 @@
 """
-DDP against FSDP (fsdp.py) at the same global batch: what each rank holds of the parameters, gradients
+DDP against FSDP (run/fsdp.py) at the same global batch: what each rank holds of the parameters, gradients
 and AdamW state (bytes of the tensors on that rank, counted exactly), and the median step time. Both
 modes run in the same torchrun job, alternating blocks of steps, on the same model and batches.
 `torchrun --nproc_per_node=2 bench/bench_fsdp.py` (CPU: gloo), or e.g. on GPUs
@@ -20,10 +20,10 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from configurator import at_least, check_values, configure
-from fsdp import shard_model
+from run.fsdp import shard_model
 from memory import autocast_context, pick_dtype, synchronize
 from model import GPT, GPTConfig
-from runtime import compute_cleanup, compute_init, log
+from run.runtime import compute_cleanup, compute_init, log
 
 # -----------------------------------------------------------------------------
 batch_size = 4               # micro-batch per rank

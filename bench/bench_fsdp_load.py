@@ -1,6 +1,6 @@
 """
 Host memory of each rank while it loads a checkpoint the way train.py does, under DDP (every rank builds the
-whole model and copies the checkpoint in) and under FSDP (fsdp.py: built around the memory-mapped checkpoint,
+whole model and copies the checkpoint in) and under FSDP (run/fsdp.py: built around the memory-mapped checkpoint,
 each rank copying out its shard). `python bench/bench_fsdp_load.py` writes a checkpoint of the given shape
 (fp32) once, then runs one torchrun job per mode (CPU, gloo, `ranks` processes) and prints, per rank: the
 peak resident set size above what it was just before loading (mapped checkpoint pages included), and after
@@ -17,14 +17,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 import torch.distributed as dist
 
-from checkpoint import is_hf_folder, save_checkpoint
+from run.checkpoint import is_hf_folder, save_checkpoint
 from configurator import at_least, check_values, configure
-from fsdp import shard_model
-from hf_checkpoint import weight_files
+from run.fsdp import shard_model
+from hf.checkpoint import weight_files
 from memory import _max_rss_bytes
 from model import GPT, GPTConfig
-from runtime import compute_cleanup, compute_init
-from starting_model import build_model, load_model
+from run.runtime import compute_cleanup, compute_init
+from run.starting_model import build_model, load_model
 
 # -----------------------------------------------------------------------------
 checkpoint = '/tmp/nanotrain_fsdp_load.pt'  # written when missing

@@ -1,7 +1,7 @@
 """
-What saving and resuming an FSDP run costs each rank, in the two checkpoint formats (checkpoint.py's
+What saving and resuming an FSDP run costs each rank, in the two checkpoint formats (run/checkpoint.py's
 write_checkpoint): 'file' gathers every shard of the weights and AdamW state whole onto rank 0, which writes
-one ckpt.pt; 'sharded' (sharded_checkpoint.py) has every rank write its own shards. Resuming reads the file
+one ckpt.pt; 'sharded' (run/sharded_checkpoint.py) has every rank write its own shards. Resuming reads the file
 whole on every rank and keeps its shard, or each rank reads its shards only. Per rank: the peak resident
 memory above what it was just before (sampled every 2 ms; mapped checkpoint pages included), and the
 seconds taken. Saving and resuming run in separate torchrun jobs, so each starts from a fresh process.
@@ -22,16 +22,16 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint  # noqa: F401  imported before measuring (fsdp.py and checkpoint.py import
+import torch.distributed.checkpoint  # noqa: F401  imported before measuring (run/fsdp.py and run/checkpoint.py import
 import torch.distributed.fsdp  # noqa: F401         these when first needed, ~130 MB)
 
-from checkpoint import load_checkpoint, restore_training_state, write_checkpoint
+from run.checkpoint import load_checkpoint, restore_training_state, write_checkpoint
 from configurator import at_least, check_values, configure
-from fsdp import same_init_on_every_rank, shard_model
+from run.fsdp import same_init_on_every_rank, shard_model
 from memory import GradScaler
 from model import GPTConfig
-from runtime import compute_cleanup, compute_init
-from starting_model import build_model
+from run.runtime import compute_cleanup, compute_init
+from run.starting_model import build_model
 
 # -----------------------------------------------------------------------------
 out_dir = '/tmp/nanotrain_fsdp_save'

@@ -17,7 +17,7 @@ import torch
 
 from configurator import at_least, check_values, configure
 from memory import autocast_context, peak_memory_bytes, pick_device, pick_dtype
-from lora import apply_lora, cast_frozen_base
+from lm.lora import apply_lora, cast_frozen_base
 from model import GPT, GPTConfig
 
 # -----------------------------------------------------------------------------

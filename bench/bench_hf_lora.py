@@ -123,7 +123,7 @@ def report(result):
 # workers: one run each, in a fresh process
 
 def load_nanotrain():
-    from hf_checkpoint import load_hf_checkpoint
+    from hf.checkpoint import load_hf_checkpoint
     from model import GPT, GPTConfig
     ckpt = load_hf_checkpoint(model)
     return GPT.from_state_dict(GPTConfig(**ckpt['model_args']), ckpt['model'])
@@ -158,7 +158,7 @@ def training_step(compute_loss, trained, optimizer):
 
 def nanotrain_step_fn(batch):
     """The model with adapters and train.py's LoRA step on the batch."""
-    from lora import LoRALinear, apply_lora, lora_optimizer
+    from lm.lora import LoRALinear, apply_lora, lora_optimizer
     from losses import weighted_cross_entropy
     net = load_nanotrain()
     apply_lora(net, lora_r, lora_alpha, 0.0, ','.join(TARGETS))
@@ -224,10 +224,10 @@ def run_train(make_step):
 def prepare_batch(path):
     """The batch (input_ids, labels, attention_mask) and the adapters' initial A matrices, under
     nanotrain's names and under transformers' module names, saved to path."""
-    from chat_data import SFTBatches, load_sft_split
-    from hf_checkpoint import hf_names, load_hf_checkpoint
-    from hf_tokenizer import load_hf_tokenizer
-    from lora import LoRALinear, apply_lora
+    from lm.chat_data import SFTBatches, load_sft_split
+    from hf.checkpoint import hf_names, load_hf_checkpoint
+    from hf.tokenizer import load_hf_tokenizer
+    from lm.lora import LoRALinear, apply_lora
     from model import GPT, GPTConfig
     from tasks.number_tasks import prepare_number_tasks
     tokenizer = load_hf_tokenizer(model)
@@ -392,8 +392,8 @@ if __name__ == '__main__':
         from peft import get_peft_model  # noqa: F401
         from transformers import AutoModelForCausalLM, LlamaForCausalLM  # noqa: F401
     elif mode != 'all':
-        import hf_checkpoint  # noqa: F401
-        import lora  # noqa: F401
+        from hf import checkpoint as hf_checkpoint  # noqa: F401
+        from lm import lora  # noqa: F401
     if mode == 'all':
         main()
     elif mode in ('nano_train', 'hf_train'):

@@ -18,7 +18,7 @@ import torch
 
 from configurator import POSITIVE, at_least, check_values, configure
 from memory import autocast_context, peak_memory_bytes, pick_device, pick_dtype, synchronize
-from lora import apply_lora, lora_optimizer
+from lm.lora import apply_lora, lora_optimizer
 from model import GPT, GPTConfig
 
 # -----------------------------------------------------------------------------

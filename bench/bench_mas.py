@@ -13,7 +13,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tts_model import maximum_path_reference, monotonic_alignment_search  # noqa: E402
+from tts.model import maximum_path_reference, monotonic_alignment_search  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument('--batch', type=int, default=16)

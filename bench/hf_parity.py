@@ -1,5 +1,5 @@
 """
-nanotrain against transformers on published Hugging Face checkpoints (hf_checkpoint.py, hf_tokenizer.py).
+nanotrain against transformers on published Hugging Face checkpoints (hf/checkpoint.py, hf/tokenizer.py).
 
 1. Parity on a real model (SmolLM2-135M-Instruct, float32): for fixed chat prompts, nanotrain's chat
    template ids == apply_chat_template(add_generation_prompt=True) ids; max |logits difference| over every
@@ -108,7 +108,7 @@ class PeakSampler:
 def measure(mode, folder):
     """Load the folder the way mode names in this (fresh) process; time, memory and parameter bytes."""
     if mode == 'nanotrain':
-        from hf_checkpoint import load_hf_checkpoint
+        from hf.checkpoint import load_hf_checkpoint
         from model import GPT, GPTConfig
     else:
         from transformers import AutoModelForCausalLM
@@ -230,8 +230,8 @@ def hf_chat_ids(tokenizer, messages):
 def parity(folder):
     """Token ids, logits and greedy answers of nanotrain vs transformers on each of PROMPTS."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from hf_checkpoint import load_hf_checkpoint
-    from hf_tokenizer import load_hf_tokenizer
+    from hf.checkpoint import load_hf_checkpoint
+    from hf.tokenizer import load_hf_tokenizer
     from model import GPT, GPTConfig
     ckpt = load_hf_checkpoint(folder)
     nano = GPT.from_state_dict(GPTConfig(**ckpt['model_args']), ckpt['model']).eval()

@@ -29,7 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
-from checkpoint import file_sha256, load_checkpoint  # noqa: E402
+from run.checkpoint import file_sha256, load_checkpoint  # noqa: E402
 from configurator import configure  # noqa: E402
 
 # -----------------------------------------------------------------------------

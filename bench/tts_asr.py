@@ -39,8 +39,8 @@ def synthesize(args):
     import torch
     import torchaudio
     sys.path.insert(0, ROOT)
-    from tts_data import MEL_SETTINGS, MelExtractor, read_metadata, read_wav, split_ids, write_wav
-    from tts_model import load_tts, synthesize as speak
+    from tts.data import MEL_SETTINGS, MelExtractor, read_metadata, read_wav, split_ids, write_wav
+    from tts.model import load_tts, synthesize as speak
 
     ckpt = torch.load(args.ckpt, map_location='cpu', weights_only=False)
     config = ckpt['config']

@@ -21,9 +21,9 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from tts_data import LJSpeechDataset, read_metadata, split_ids  # noqa: E402
-from tts_eval import alignment_stats  # noqa: E402
-from tts_model import load_tts  # noqa: E402
+from tts.data import LJSpeechDataset, read_metadata, split_ids  # noqa: E402
+from tts.eval import alignment_stats  # noqa: E402
+from tts.model import load_tts  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
 parser.add_argument('--data_dir', required=True, help='the espeak corpus (LJSpeech layout)')

@@ -9,8 +9,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from fsdp import is_sharded, whole_root
-from runtime import log
+from run.fsdp import is_sharded, whole_root
+from run.runtime import log
 
 
 @torch.no_grad()

@@ -1,6 +1,6 @@
 """
 The embedded number tasks: a synthetic, verifiable instruction set that fine-tuning uses when no data of
-one's own is given. prepare_number_tasks writes it as JSONL in chat_data.py's formats: questions and
+one's own is given. prepare_number_tasks writes it as JSONL in lm/chat_data.py's formats: questions and
 answers for SFT (train.py training_type='sft' | 'lora'), or questions with the answer and a plausible
 wrong answer as preference pairs for DPO (train_dpo.py).
 """

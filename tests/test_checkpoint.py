@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from checkpoint import check_compatible, load_checkpoint, rng_state, run_log, save_checkpoint, set_rng_state
+from run.checkpoint import check_compatible, load_checkpoint, rng_state, run_log, save_checkpoint, set_rng_state
 from configurator import UserError
-from runtime import StopSignal
+from run.runtime import StopSignal
 
 
 def test_save_load_round_trip(tmp_path):

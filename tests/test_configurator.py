@@ -331,7 +331,7 @@ def test_configurator_names_no_script_key():
     with open(os.path.join(REPO, 'configurator.py'), encoding='utf-8') as f:
         tree = ast.parse(f.read())
     strings = {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)}
-    # out_dir: the default key of require_writable_folder, which checkpoint.py and data.py call without one
+    # out_dir: the default key of require_writable_folder, which run/checkpoint.py and data.py call without one
     assert strings & keys <= {'out_dir'}
     imported = ({alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
                 | {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)})

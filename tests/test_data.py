@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import data
-from chat_data import read_jsonl
+from lm.chat_data import read_jsonl
 from configurator import UserError
-from tokenizer import load_tokenizer, read_meta
+from lm.tokenizer import load_tokenizer, read_meta
 
 TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak. Ünïcödé ✓\n" * 13
 CODE = ''.join(f"def f{i}(x):\n    return x * {i} + 1  # twice\n\n" for i in range(150))

@@ -1,5 +1,5 @@
 """Direct Preference Optimization: the loss formulas and sequence log-probs (losses.py), preference
-pairs from JSONL and their batching (chat_data.py), the embedded number-task pairs, and train_dpo.py end
+pairs from JSONL and their batching (lm/chat_data.py), the embedded number-task pairs, and train_dpo.py end
 to end through subprocesses (step-0 identities for every reference kind, accumulation invariance,
 bit-exact resume, RPO/IPO, clear errors)."""
 
@@ -17,14 +17,14 @@ import time
 import pytest
 import torch
 
-from chat_data import PreferenceBatches, load_preference_split
+from lm.chat_data import PreferenceBatches, load_preference_split
 from configurator import UserError
-from dpo_logps import reference_logps
+from lm.dpo import reference_logps
 from losses import DPO_LOSS_TYPES, dpo_loss, sequence_logps
 from model import GPT, GPTConfig
-from starting_model import frozen_model
+from run.starting_model import frozen_model
 from tasks.number_tasks import prepare_number_tasks
-from tokenizer import ChatTokenizer, load_tokenizer
+from lm.tokenizer import ChatTokenizer, load_tokenizer
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_sft import (ANSWERS, WORKING, _saved, char_tokenizer, checked_answer, sft, sft_env,  # noqa: E402,F401

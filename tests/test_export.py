@@ -11,14 +11,14 @@ import sys
 import pytest
 import torch
 
-from checkpoint import save_checkpoint
+from run.checkpoint import save_checkpoint
 from configurator import UserError
 from data import prepare
-from hf_checkpoint import gpt_config, hf_model, load_hf_checkpoint, read_hf_weights, save_hf_model
-from lora import apply_lora, lora_state_dict, save_merged
+from hf.checkpoint import gpt_config, hf_model, load_hf_checkpoint, read_hf_weights, save_hf_model
+from lm.lora import apply_lora, lora_state_dict, save_merged
 from model import GPT, GPTConfig, mlp_hidden_size
-from hf_tokenizer import load_hf_tokenizer
-from tokenizer import ChatTokenizer, load_tokenizer
+from hf.tokenizer import load_hf_tokenizer
+from lm.tokenizer import ChatTokenizer, load_tokenizer
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_train import ROOT, run  # noqa: E402

@@ -1,4 +1,4 @@
-"""parallel='fsdp' (fsdp.py) on CPU with gloo, 2 ranks: the same losses as one process with the same global
+"""parallel='fsdp' (run/fsdp.py) on CPU with gloo, 2 ranks: the same losses as one process with the same global
 batch, bit-exact resume, and one checkpoint format that one process, DDP and FSDP all continue from."""
 import math
 import shutil
@@ -7,13 +7,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from checkpoint import load_checkpoint
+from run.checkpoint import load_checkpoint
 from configurator import UserError
-from fsdp import check_parallel, shard_model
+from run.fsdp import check_parallel, shard_model
 from model import GPT
 from safetensors.torch import load_file, save_file
-from sharded_checkpoint import unreadable
-from starting_model import frozen_model
+from run.sharded_checkpoint import unreadable
+from run.starting_model import frozen_model
 from tasks.number_tasks import prepare_number_tasks
 from test_dpo import (REFERENCE, TRAIN_METRICS, dpo, dpo_env, evals, parameter_bytes,  # noqa: F401
                       reference_logps_under_bf16_autocast, train_metrics)  # (dpo_env: a fixture)
@@ -242,7 +242,7 @@ def test_sharded_checkpoints_resume_exactly_on_any_world_size_and_convert_to_one
     p = train_on_2_ranks(sharded, data_dir, *COMMON, '--parallel=fsdp', '--checkpoint_format=sharded')
     assert 'at step 3' in p.stdout and logged(sharded, 'train_loss') == logged(fsdp, 'train_loss')
     assert 'model' not in load(sharded / 'ckpt.pt') and len(list(sharded.glob('ckpt-*.dcp'))) == 1  # older removed
-    run(['sharded_checkpoint.py', str(sharded / 'ckpt.pt'), str(tmp_path / 'whole.pt')])
+    run(['-m', 'run.sharded_checkpoint', str(sharded / 'ckpt.pt'), str(tmp_path / 'whole.pt')])
     for whole in (load_checkpoint(str(sharded / 'ckpt.pt')), load(tmp_path / 'whole.pt')):
         expected = load(fsdp / 'ckpt.pt')
         assert whole.keys() == expected.keys() and whole['optimizer'].keys() == expected['optimizer'].keys()

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints (hf_checkpoint.py): logits and greedy tokens equal to transformers' on the
+"""Hugging Face checkpoints (hf/checkpoint.py): logits and greedy tokens equal to transformers' on the
 fixture models of every family (tests/fixtures/make_hf_fixtures.py wrote them with transformers), sharded
 and .bin weights, the export round trip, LoRA's Hugging Face target names, and clear errors for folders
 that do not fit."""
@@ -14,9 +14,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from configurator import UserError
-from hf_checkpoint import (gpt_config, hf_model, load_hf_checkpoint, peft_name, read_hf_weights, save_hf_model,
+from hf.checkpoint import (gpt_config, hf_model, load_hf_checkpoint, peft_name, read_hf_weights, save_hf_model,
                            save_peft_adapter)
-from lora import apply_lora, lora_state_dict, merged_state_dict
+from lm.lora import apply_lora, lora_state_dict, merged_state_dict
 from model import GPT, GPTConfig
 
 FIXTURES = os.path.join(os.path.dirname(__file__), 'fixtures', 'hf')

@@ -1,7 +1,7 @@
 """Sentencepiece tokenizers as Hugging Face tokenizers: a published folder with only a tokenizer.model
 (tests/fixtures/hf/sentencepiece, its expected.json written by transformers' AutoTokenizer) and the
 tokenizer.json / tokenizer_config.json that tokenizer_json.write_tokenizer_files writes for nanotrain's own
-tokenizers, read back by hf_tokenizer.py."""
+tokenizers, read back by hf/tokenizer.py."""
 import json
 import os
 import shutil
@@ -9,10 +9,10 @@ import shutil
 import pytest
 
 from configurator import UserError
-from hf_checkpoint import save_chat_tokenizer
-from hf_tokenizer import load_hf_tokenizer
-from tokenizer import BPETokenizer, CharTokenizer, ChatTokenizer, train_bpe
-from tokenizer_json import from_sentencepiece, write_tokenizer_files
+from hf.checkpoint import save_chat_tokenizer
+from hf.tokenizer import load_hf_tokenizer
+from lm.tokenizer import BPETokenizer, CharTokenizer, ChatTokenizer, train_bpe
+from hf.tokenizer_json import from_sentencepiece, write_tokenizer_files
 
 FOLDER = os.path.join(os.path.dirname(__file__), 'fixtures', 'hf', 'sentencepiece')
 with open(os.path.join(FOLDER, 'expected.json'), encoding='utf-8') as f:

@@ -1,4 +1,4 @@
-"""hf_tokenizer.py against transformers' own output (tests/fixtures/hf/expected/chat.json, written by
+"""hf/tokenizer.py against transformers' own output (tests/fixtures/hf/expected/chat.json, written by
 transformers' apply_chat_template for each fixture model folder), and its errors."""
 import json
 import os
@@ -6,10 +6,10 @@ import shutil
 
 import pytest
 
-from chat_data import encode_pair
+from lm.chat_data import encode_pair
 from configurator import UserError
-from hf_tokenizer import load_hf_tokenizer
-from tokenizer import ChatTokenizer, prompt_and_answer
+from hf.tokenizer import load_hf_tokenizer
+from lm.tokenizer import ChatTokenizer, prompt_and_answer
 
 FIXTURES = os.path.join(os.path.dirname(__file__), 'fixtures', 'hf')
 with open(os.path.join(FIXTURES, 'expected', 'chat.json')) as f:

@@ -8,7 +8,8 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SOURCES = sorted(glob.glob(os.path.join(ROOT, '*.py')) + glob.glob(os.path.join(ROOT, 'tasks', '*.py')))
+PACKAGES = ('.', 'lm', 'hf', 'run', 'tts', 'tasks')
+SOURCES = sorted(path for folder in PACKAGES for path in glob.glob(os.path.join(ROOT, folder, '*.py')))
 
 
 def test_no_lambda_is_named():
@@ -21,7 +22,7 @@ def test_no_lambda_is_named():
 
 
 def test_gpt_side_does_not_import_torchaudio():
-    modules = 'model, lora, losses, data, tokenizer, chat_data, checkpoint, runtime, memory, scheduler, muon'
+    modules = 'model, lm.lora, losses, data, lm.tokenizer, lm.chat_data, run.checkpoint, run.runtime, memory, scheduler, lm.muon'
     code = f"import sys; import {modules}; import tasks.number_tasks, tasks.exact_match; print('torchaudio' in sys.modules)"
     p = subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert p.stdout.strip() == 'False'

@@ -1,4 +1,4 @@
-"""LoRA (lora.py) against independent computations, and train.py with training_type='lora' through
+"""LoRA (lm/lora.py) against independent computations, and train.py with training_type='lora' through
 subprocesses: adapter checkpoints, bit-exact resume, merged checkpoints for sample.py, DDP."""
 
 import copy
@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from configurator import UserError
-from lora import (LoRALinear, apply_lora, disable_adapters, lora_optimizer, lora_param_groups, lora_state_dict,
+from lm.lora import (LoRALinear, apply_lora, disable_adapters, lora_optimizer, lora_param_groups, lora_state_dict,
                   merge_lora, merged_state_dict, unmerge_lora)
 from model import GPT, GPTConfig
 from test_sft import SFT, TINY, load, read_log, run, sft, sft_env, train_losses  # noqa: F401 (sft_env is a fixture)

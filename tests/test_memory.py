@@ -9,7 +9,7 @@ from faults import faulty_scale
 from memory import (GradScaler, MemoryMonitor, autocast_context, halve_micro_batch, is_oom, memory_usage,
                     peak_memory_bytes, pick_device, pick_dtype, pressure_level, recover_from_oom,
                     resumed_micro_batch)
-from runtime import StepProfiler
+from run.runtime import StepProfiler
 
 
 # ---------------------------------------------------------------------------- device, dtype, autocast

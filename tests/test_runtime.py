@@ -1,4 +1,4 @@
-"""Unit tests of the plumbing the training scripts share (runtime.py, checkpoint.training_state); the
+"""Unit tests of the plumbing the training scripts share (run/runtime.py, checkpoint.training_state); the
 scripts' end-to-end tests (DDP, resume, SIGTERM, non-finite steps) run it through all three."""
 
 import math
@@ -7,9 +7,9 @@ import random
 import pytest
 import torch
 
-from checkpoint import restore_training_state, training_state
+from run.checkpoint import restore_training_state, training_state
 from memory import GradScaler
-from runtime import after_eval, clip_and_reduce, compute_init, patience_exhausted, rank_batches, step_or_skip
+from run.runtime import after_eval, clip_and_reduce, compute_init, patience_exhausted, rank_batches, step_or_skip
 
 
 def tiny_step(loss_scale=1.0):

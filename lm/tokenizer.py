@@ -2,7 +2,7 @@
 Tokenizers: one token per character (CharTokenizer) or sentencepiece BPE (BPETokenizer, trained by
 train_bpe), the chat template's special tokens on top of either (ChatTokenizer), and the tokenizer
 that a prepared dataset folder holds (load_tokenizer). data.py prepares those folders. A Hugging Face
-model folder's own tokenizer and chat template: hf_tokenizer.py.
+model folder's own tokenizer and chat template: hf/tokenizer.py.
 """
 
 import hashlib
@@ -102,7 +102,7 @@ def train_bpe(docs, vocab_size):
 
 
 # -----------------------------------------------------------------------------
-# chat template (fine-tuning: train.py training_type='sft' | 'lora' and train_dpo.py; data: chat_data.py)
+# chat template (fine-tuning: train.py training_type='sft' | 'lora' and train_dpo.py; data: lm/chat_data.py)
 #
 # Every example becomes a conversation of turns, each written as
 #     <|role|> content <|end|>        role: system | user | assistant
@@ -156,7 +156,7 @@ class ChatTokenizer:
     def encode_chat(self, messages):
         """Token ids and labels of a conversation: labels are the ids of the assistant turns' content
         and closing <|end|>, -100 everywhere else."""
-        ids = list(self.base.document_prefix)  # a published base model's BOS (hf_tokenizer.py)
+        ids = list(self.base.document_prefix)  # a published base model's BOS (hf/tokenizer.py)
         labels = [-100] * len(ids)
         for m in messages:
             content = self.encode(m['content'])
@@ -208,7 +208,7 @@ def chat_tokenizer(tokenizer):
         return tokenizer
     chat = ChatTokenizer(tokenizer)
     if hasattr(tokenizer, 'folder'):
-        from runtime import log  # torch: only when a published model is loaded anyway
+        from run.runtime import log  # torch: only when a published model is loaded anyway
         added = chat.vocab_size - tokenizer.vocab_size
         held = len(CHAT_SPECIAL_TOKENS) - added
         log(f"{tokenizer.folder} has no chat template (no chat_template.jinja, no \"chat_template\" in "
@@ -218,7 +218,7 @@ def chat_tokenizer(tokenizer):
 
 
 def load_tokenizer(data_dir):
-    """The tokenizer of a dataset folder prepared by data.py (a Hugging Face model's: hf_tokenizer.py)."""
+    """The tokenizer of a dataset folder prepared by data.py (a Hugging Face model's: hf/tokenizer.py)."""
     meta = read_meta(data_dir)
     if meta['tokenizer'] == 'char':
         return CharTokenizer(meta['chars'])

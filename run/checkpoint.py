@@ -3,7 +3,7 @@ Checkpoints that survive crashes, preemption and mistakes.
 
 - save_checkpoint writes to a temp file in the same folder, fsyncs it and renames it over the
   target, so a crash mid-save leaves the previous checkpoint intact. write_checkpoint: a training
-  script's checkpoint, one file gathered onto rank 0, or every rank's shards (sharded_checkpoint.py).
+  script's checkpoint, one file gathered onto rank 0, or every rank's shards (run/sharded_checkpoint.py).
 - load_checkpoint uses torch.load(weights_only=True): a checkpoint can hold tensors, numbers,
   strings, lists and dicts, never arbitrary pickled objects. Everything we store is of that kind.
   Its tensors are memory-mapped: read from disk as they are used, so a rank that keeps only its
@@ -20,7 +20,7 @@ Checkpoints that survive crashes, preemption and mistakes.
 - run_log is what every training script writes besides checkpoints: out_dir/log.jsonl and TensorBoard.
 - training_data_hash: a continued run must read the training file it began with; cached_tensors:
   values computed once per run and kept in out_dir (DPO's reference log-probs).
-(The model a GPT run starts from, a checkpoint or a Hugging Face folder: starting_model.py.)
+(The model a GPT run starts from, a checkpoint or a Hugging Face folder: run/starting_model.py.)
 """
 
 import fcntl
@@ -40,10 +40,10 @@ import torch
 import torch.distributed as dist
 
 from configurator import UserError, require_writable_folder
-from fsdp import full_state_dict, shard_optimizer_state
-from runtime import log
+from run.fsdp import full_state_dict, shard_optimizer_state
+from run.runtime import log
 
-CHECKPOINT_FORMATS = ('file', 'sharded')  # one file, or a folder of every rank's shards (sharded_checkpoint.py)
+CHECKPOINT_FORMATS = ('file', 'sharded')  # one file, or a folder of every rank's shards (run/sharded_checkpoint.py)
 
 
 def save_checkpoint(path, state):
@@ -78,10 +78,10 @@ def save_checkpoint(path, state):
 def write_checkpoint(path, state, sharded, master):
     """Write a training script's checkpoint, state, whose model and optimizer state dicts are as the run holds
     them (sharded under FSDP): one file, every sharded tensor gathered whole onto rank 0 (full_state_dict), or
-    with sharded a folder of every rank's shards that the file names (sharded_checkpoint.py). Shard folders of
+    with sharded a folder of every rank's shards that the file names (run/sharded_checkpoint.py). Shard folders of
     earlier saves are removed once path is written. Collective under DDP and FSDP: every rank must call it."""
     if sharded:
-        from sharded_checkpoint import write_shards  # imports torch.distributed.checkpoint (0.2 s): only if used
+        from run.sharded_checkpoint import write_shards  # imports torch.distributed.checkpoint (0.2 s): only if used
         state = write_shards(path, state)
     else:
         state = full_state_dict(state)
@@ -122,7 +122,7 @@ def load_checkpoint(path, whole=True):
                         f"without it: point --init_from at another checkpoint, or start a new run (another out_dir, "
                         f"or --resume=False to replace the run in this one).") from None
     if isinstance(ckpt, dict) and 'shards' in ckpt:
-        from sharded_checkpoint import placeholders, read_whole
+        from run.sharded_checkpoint import placeholders, read_whole
         return read_whole(ckpt, path) if whole else placeholders(ckpt, path)
     return ckpt
 
@@ -175,7 +175,7 @@ def run_origin(init_from):
 
 
 def is_hf_folder(path):
-    """A Hugging Face model folder: one with a config.json (hf_checkpoint.py reads it)."""
+    """A Hugging Face model folder: one with a config.json (hf/checkpoint.py reads it)."""
     return os.path.isfile(os.path.join(path, 'config.json'))
 
 
@@ -322,7 +322,7 @@ def run_log(out_dir, enabled, tensorboard, keep_until):
             for k, v in event.items():
                 if k != 'step' and isinstance(v, (int, float)):
                     writer.add_scalar(k, v, event['step'])
-            writer.flush()  # on disk now, like log.jsonl: a torchrun process ends without closing it (runtime.py)
+            writer.flush()  # on disk now, like log.jsonl: a torchrun process ends without closing it (run/runtime.py)
     return record, writer
 
 
@@ -341,7 +341,7 @@ def training_state(run, config, optimizer, scaler, iter_num, best_val_loss, eval
     """What every training script's checkpoint holds besides its model and data position: the run it
     belongs to, its config, the optimizer and loss-scaler state, the step counters, and every rank's
     random streams (collective under DDP and FSDP: every rank must call it). An FSDP run's optimizer state is
-    its shards: write_checkpoint gathers them whole (fsdp.py), so any run can continue from it, or writes them."""
+    its shards: write_checkpoint gathers them whole (run/fsdp.py), so any run can continue from it, or writes them."""
     return dict(run=run, config=config, optimizer=optimizer.state_dict(), scaler=scaler.state_dict(),
                 iter_num=iter_num, best_val_loss=best_val_loss, evals_without_improvement=evals_without_improvement,
                 rng=all_rng_states())
@@ -353,7 +353,7 @@ def restore_training_state(ckpt, ckpt_path, optimizer, scaler, rank, world_size,
     when the world size is the same, so the run continues bit for bit. A sharded checkpoint read not whole
     (load_checkpoint) fills the sharded model's weights too."""
     if 'shards' in ckpt:
-        from sharded_checkpoint import read_shards
+        from run.sharded_checkpoint import read_shards
         read_shards(ckpt, model, optimizer)
     else:
         optimizer.load_state_dict(shard_optimizer_state(optimizer, ckpt['optimizer']))

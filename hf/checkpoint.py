@@ -27,9 +27,9 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
 from configurator import UserError
-from hf_tokenizer import load_hf_tokenizer, read_json
+from hf.tokenizer import load_hf_tokenizer, read_json
 from model import GPT, ROPE_SCALING_KEYS, GPTConfig, mlp_hidden_size
-from tokenizer import CHAT_SPECIAL_TOKENS, CHAT_TEMPLATE_JINJA
+from lm.tokenizer import CHAT_SPECIAL_TOKENS, CHAT_TEMPLATE_JINJA
 
 ARCHITECTURES = ('LlamaForCausalLM', 'MistralForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM', 'ArceeForCausalLM',
                  'GPT2LMHeadModel')

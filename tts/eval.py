@@ -11,9 +11,9 @@ import torch
 import torchaudio
 from tqdm import tqdm
 
-from losses import prior_loss
-from tts_data import BLANK_ID, MelExtractor, eval_batches, write_wav
-from tts_model import gaussian_log_likelihood, pad_to_even, sequence_mask, synthesize
+from tts.losses import prior_loss
+from tts.data import BLANK_ID, MelExtractor, eval_batches, write_wav
+from tts.model import gaussian_log_likelihood, pad_to_even, sequence_mask, synthesize
 
 # -----------------------------------------------------------------------------
 # metrics

@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from configurator import install_excepthook
-from fsdp import is_dtensor, is_sharded
+from run.fsdp import is_dtensor, is_sharded
 from memory import pick_device, step_unless_nonfinite, synchronize
 
 

@@ -13,13 +13,13 @@ import os
 
 import torch
 
-from chat_data import PreferenceBatches, SFTBatches, load_preference_split, load_sft_data
-from checkpoint import training_data_hash
+from lm.chat_data import PreferenceBatches, SFTBatches, load_preference_split, load_sft_data
+from run.checkpoint import training_data_hash
 from configurator import UserError
 from data import TokenBatches, eval_offsets
-from runtime import prepare_once
+from run.runtime import prepare_once
 from tasks.number_tasks import NUMBER_TASKS_DIR, PREFERENCES_DIR, prepare_number_tasks
-from tokenizer import prompt_and_answer
+from lm.tokenizer import prompt_and_answer
 
 
 def gpt_run_data(config, data_dir, tokenizer, ckpt, master, ddp):

@@ -8,12 +8,12 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
-from checkpoint import cached_tensors
+from run.checkpoint import cached_tensors
 from losses import sequence_logps
-from lora import disable_adapters
+from lm.lora import disable_adapters
 from model import GPTConfig
-from runtime import rank_batches
-from starting_model import frozen_model, load_model
+from run.runtime import rank_batches
+from run.starting_model import frozen_model, load_model
 
 
 def completion_logps(net, batch, n):

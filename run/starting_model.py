@@ -1,6 +1,6 @@
 """
 The model a GPT run starts from: a train.py checkpoint or a Hugging Face model folder (read as one by
-hf_checkpoint.py), and the checks that it fits the run.
+hf/checkpoint.py), and the checks that it fits the run.
 
 - load_model / model_hash: either kind of source, and the sha256 a run names it by (a LoRA run's base,
   a DPO run's reference), so that a changed base or reference is caught on resume.
@@ -14,16 +14,16 @@ import os
 
 import torch
 
-from checkpoint import check_compatible, file_sha256, is_hf_folder, load_checkpoint, require_init_from
+from run.checkpoint import check_compatible, file_sha256, is_hf_folder, load_checkpoint, require_init_from
 from configurator import UserError, dataclass_args
 from data import prepare_default
-from fsdp import place_model
-from hf_checkpoint import load_hf_checkpoint, weight_files
-from hf_tokenizer import load_hf_tokenizer
-from lora import cast_frozen_base
+from run.fsdp import place_model
+from hf.checkpoint import load_hf_checkpoint, weight_files
+from hf.tokenizer import load_hf_tokenizer
+from lm.lora import cast_frozen_base
 from model import GPT, GPTConfig
-from runtime import prepare_once
-from tokenizer import DEFAULT_DATA_DIR, load_tokenizer
+from run.runtime import prepare_once
+from lm.tokenizer import DEFAULT_DATA_DIR, load_tokenizer
 
 
 def check_starting_model(model_ckpt, path, model_args, tokenizer, base_tokenizer=None):
@@ -88,7 +88,7 @@ def moved_to(recorded, init_from):
 
 
 def load_model(path, as_stored=False):
-    """A checkpoint file (memory-mapped), or a Hugging Face model folder read as a checkpoint (hf_checkpoint.py;
+    """A checkpoint file (memory-mapped), or a Hugging Face model folder read as a checkpoint (hf/checkpoint.py;
     as_stored: memory-mapped too, in its stored dtype, for FSDP)."""
     return load_hf_checkpoint(path, as_stored) if is_hf_folder(path) else load_checkpoint(path)
 

@@ -7,7 +7,7 @@ another: a block's weights are gathered whole just before it runs and freed afte
 Checkpoints stay the same file whoever writes them: full_state_dict gathers the sharded tensors onto rank
 0 as an unsharded run's state_dict() holds them, and shard_optimizer_state cuts a saved optimizer state to
 this rank's shards, so a ckpt.pt moves freely between one process, DDP and FSDP and across world sizes.
-(checkpoint_format='sharded' has every rank write its own shards instead: sharded_checkpoint.py.)
+(checkpoint_format='sharded' has every rank write its own shards instead: run/sharded_checkpoint.py.)
 
 torch.distributed.fsdp and DTensor are imported only by shard_model: importing them takes 0.4 s (sympy and
 more), which every launch of every script would pay; no model is sharded and no tensor is a DTensor before.

@@ -21,7 +21,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from configurator import UserError
-from tokenizer_json import as_transformers_llama, from_sentencepiece
+from hf.tokenizer_json import as_transformers_llama, from_sentencepiece
 
 # the named special tokens transformers reads from tokenizer_config.json and passes to the template
 SPECIAL_TOKEN_NAMES = ('bos_token', 'eos_token', 'unk_token', 'sep_token', 'pad_token', 'cls_token', 'mask_token')

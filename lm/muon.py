@@ -14,7 +14,7 @@ gpt_optimizer picks a train.py run's optimizer: this one, AdamW, or LoRA's AdamW
 import torch
 
 from configurator import UserError
-from lora import lora_optimizer
+from lm.lora import lora_optimizer
 
 
 def orthogonalize(G, steps=5, eps=1e-7):
@@ -46,7 +46,7 @@ class Muon(torch.optim.Optimizer):
     def __init__(self, param_groups):
         for group in param_groups:
             if group['use_muon'] and any(p.dim() != 2 for p in group['params']):
-                raise ValueError("muon.py: a use_muon group holds a parameter that is not a 2-D matrix; "
+                raise ValueError("lm/muon.py: a use_muon group holds a parameter that is not a 2-D matrix; "
                                  "put vectors and scalars in an AdamW group (use_muon=False).")
         super().__init__(param_groups, dict())
 

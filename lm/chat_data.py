@@ -1,7 +1,7 @@
 r"""
 Fine-tuning data: chat examples for supervised fine-tuning (train.py training_type='sft' | 'lora')
 and preference pairs for DPO (train_dpo.py), read from JSONL, encoded with the chat template of
-tokenizer.py, and batched padded or packed.
+lm/tokenizer.py, and batched padded or packed.
 
 SFT examples, one per line; the three JSONL formats map to turns as:
     {"prompt": P, "response": R}                   -> user P, assistant R
@@ -27,7 +27,7 @@ import torch
 
 from configurator import UserError
 from data import to_device
-from tokenizer import CHAT_ROLES
+from lm.tokenizer import CHAT_ROLES
 
 
 # -----------------------------------------------------------------------------

@@ -9,7 +9,7 @@ system.
 
 Reading one: an FSDP run continuing its own run reads only its shards, on any number of ranks
 (read_shards); everything else (one process, DDP, sample.py, export.py, a new run's init_from) reads
-the folder whole through checkpoint.load_checkpoint, as one file. `python sharded_checkpoint.py
+the folder whole through checkpoint.load_checkpoint, as one file. `python -m run.sharded_checkpoint
 out/ckpt.pt out/whole.pt` writes that one file.
 
 The optimizer state is kept as optimizer.state_dict() has it, by parameter position, as in a one-file
@@ -25,7 +25,7 @@ from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from checkpoint import load_checkpoint, save_checkpoint, shard_folders
+from run.checkpoint import load_checkpoint, save_checkpoint, shard_folders
 from configurator import UserError
 
 
@@ -132,6 +132,6 @@ def read_shards(ckpt, model, optimizer):
 
 if __name__ == '__main__':
     if len(sys.argv) != 3:
-        sys.exit("usage: python sharded_checkpoint.py <sharded ckpt.pt> <one-file checkpoint to write>")
+        sys.exit("usage: python -m run.sharded_checkpoint <sharded ckpt.pt> <one-file checkpoint to write>")
     save_checkpoint(sys.argv[2], load_checkpoint(sys.argv[1]))
     print(f"wrote {sys.argv[2]}")

@@ -1,5 +1,5 @@
 """
-LoRA fine-tuning of a GPT (model.py), in the spirit of litgpt's lora.py: the adapter layer LoRALinear,
+LoRA fine-tuning of a GPT (model.py), in the spirit of litgpt's lm/lora.py: the adapter layer LoRALinear,
 apply_lora to wrap a model's Linear layers (and train the chat-token rows resize_vocab added), merging
 adapters into the weights and back, disabling them (DPO's reference model), the adapter checkpoint's
 state dict, a merged plain-GPT state dict, and the optimizer over the adapters (LoRA+).
@@ -12,11 +12,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from checkpoint import check_compatible, save_checkpoint
+from run.checkpoint import check_compatible, save_checkpoint
 from configurator import UserError
-from fsdp import model_state_dict
+from run.fsdp import model_state_dict
 from memory import DTYPES
-from runtime import log
+from run.runtime import log
 
 # LoRA (Hu et al. 2021): a frozen layer W plus a trainable low-rank update, y = W x + s B A x with
 # A (r, in), B (out, r), s = lora_alpha / r (or lora_alpha / sqrt(r) with rsLoRA, Kalajdzievski 2023,

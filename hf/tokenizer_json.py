@@ -6,7 +6,7 @@ tokenizer.model (Llama 2, Mistral 7B v0.1, TinyLlama kept without tokenizer.json
 transformers 5 converts it for LlamaTokenizer, so that it encodes token for token as transformers does.
 
 write_tokenizer_files(tokenizer, out_folder): tokenizer.json and tokenizer_config.json of nanotrain's own
-CharTokenizer, BPETokenizer or ChatTokenizer, so that transformers' AutoTokenizer (and hf_tokenizer.py)
+CharTokenizer, BPETokenizer or ChatTokenizer, so that transformers' AutoTokenizer (and hf/tokenizer.py)
 encode as nanotrain does; export.py writes them into the Hugging Face folders it exports.
 """
 
@@ -16,7 +16,7 @@ import os
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from configurator import UserError
-from tokenizer import CHAT_TEMPLATE_JINJA, BPETokenizer, CharTokenizer, ChatTokenizer
+from lm.tokenizer import CHAT_TEMPLATE_JINJA, BPETokenizer, CharTokenizer, ChatTokenizer
 
 SPACE = '\u2581'  # '▁': sentencepiece's spelling of a space inside a piece
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # sentencepiece's piece types

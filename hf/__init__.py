@@ -1,0 +1,1 @@
+"""Published Hugging Face models in and out: checkpoints, tokenizers, chat templates."""

@@ -1,0 +1,1 @@
+"""The language-model side's library: tokenizers, chat data, LoRA, Muon, DPO log-probs."""

@@ -1,0 +1,1 @@
+"""The run plumbing the training scripts share: processes, devices, checkpoints, FSDP, the start."""

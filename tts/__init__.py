@@ -1,0 +1,1 @@
+"""Text to speech: the acoustic model, its data and its evaluation (train_tts.py)."""

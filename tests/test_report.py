@@ -1,4 +1,4 @@
-"""The README's results table is bench/report.py's: the same table as the committed bench/report.md, and every
+"""bench/RESULTS.md's generated table is bench/report.py's: the same table as the committed bench/report.md, and every
 median and range in it recomputed from the per-seed values in bench/report.json. No training."""
 
 import json
@@ -19,10 +19,10 @@ def read(path):
         return f.read()
 
 
-def test_readme_results_table_is_the_committed_report():
-    readme, report_md, report = read('README.md'), read('bench/report.md'), json.loads(read('bench/report.json'))
-    assert readme.count(BEGIN) == 1 and readme.count(END) == 1
-    block = readme.split(BEGIN)[1].split(END)[0]
+def test_results_table_is_the_committed_report():
+    results, report_md, report = read('bench/RESULTS.md'), read('bench/report.md'), json.loads(read('bench/report.json'))
+    assert results.count(BEGIN) == 1 and results.count(END) == 1
+    block = results.split(BEGIN)[1].split(END)[0]
     assert report['commit'].split()[0] in block and report['date'] in block
     rows = table_rows(block)
     assert rows == table_rows(report_md.split('## ')[0])  # the report's main table, not its sweep

@@ -9,6 +9,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from lm.metrics import normalize_answer
 from run.fsdp import is_sharded, whole_root
 from run.runtime import log
 
@@ -16,9 +17,10 @@ from run.runtime import log
 @torch.no_grad()
 def exact_match_accuracy(model, tokenizer, prompts, autocast):
     """Fraction of prompts, (prompt ids, reference text) pairs, that the model (in eval mode, under the
-    autocast context) answers greedily with exactly the reference, then tokenizer.eos_id. It may
-    generate one token more than the reference: a right answer must stop there. Under DDP each rank
-    answers its share and the counts are summed: every rank must call it."""
+    autocast context) answers greedily with exactly the reference, then tokenizer.eos_id; both sides
+    normalised as lm.metrics.exact_match does (normalize_answer: ends stripped, inner whitespace one
+    space). It may generate one token more than the reference: a right answer must stop there. Under
+    DDP each rank answers its share and the counts are summed: every rank must call it."""
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     mine = prompts if is_sharded(model) else prompts[rank::world_size]  # all: the sum below keeps the ratio
     device = next(model.parameters()).device
@@ -30,7 +32,8 @@ def exact_match_accuracy(model, tokenizer, prompts, autocast):
             out = model.generate(torch.tensor([prompt], device=device), len(tokenizer.encode(reference)) + 1,
                                  temperature=0, eos_id=tokenizer.eos_id)[0, len(prompt):].tolist()
             end = tokenizer.eos_id
-            hits += end in out and tokenizer.decode(out[:out.index(end)]).strip() == reference.strip()
+            hits += end in out and (normalize_answer(tokenizer.decode(out[:out.index(end)]))
+                                    == normalize_answer(reference))
     model.train(training)
     total = torch.tensor([hits, len(mine)], device=device, dtype=torch.float)
     if dist.is_initialized():

@@ -1,0 +1,159 @@
+"""lm/metrics.py against sacreBLEU's and rouge-score's own outputs
+(tests/fixtures/metrics/expected.json, written by tests/fixtures/make_metrics_fixtures.py in their
+environment), pass@k against exact combinatorics and a count over every draw, and exact match's
+normalisation, the one chat models are scored with in training too."""
+import contextlib
+import itertools
+import json
+import math
+import os
+from fractions import Fraction
+
+import pytest
+import torch
+
+from lm import metrics
+from tasks.exact_match import exact_match_accuracy
+
+with open(os.path.join(os.path.dirname(__file__), 'fixtures', 'metrics', 'expected.json')) as f:
+    EXPECTED = json.load(f)
+CASES, CORPORA = EXPECTED['cases'], EXPECTED['corpora']
+# Ours repeats the libraries' float operations on the same integer counts in their order: the
+# values are bit-equal here; 1e-9 (scores up to 100) leaves room for another libm's log/exp ulp.
+TOL = 1e-9
+
+
+@pytest.mark.comparison
+@pytest.mark.parametrize('case', CASES, ids=[c['name'] for c in CASES])
+def test_case_matches_libraries(case):
+    hyp, refs = case['hypothesis'], case['references']
+    assert metrics.tokenize_13a(hyp) == case['tokens_13a']
+    assert metrics.tokenize_rouge(hyp) == case['tokens_rouge']
+    assert metrics.corpus_bleu([hyp], [refs]) == pytest.approx(case['bleu_corpus'], abs=TOL, rel=0)
+    assert metrics.sentence_bleu(hyp, refs) == pytest.approx(case['bleu_sentence'], abs=TOL, rel=0)
+    assert metrics.sentence_chrf(hyp, refs) == pytest.approx(case['chrf'], abs=TOL, rel=0)
+    for kind, value in metrics.rouge_scores(hyp, refs).items():
+        assert value == pytest.approx(case[kind], abs=TOL, rel=0), kind
+
+
+@pytest.mark.comparison
+@pytest.mark.parametrize('corpus', CORPORA,
+                         ids=[f"{c['cases'][0]}+{len(c['cases'])}" for c in CORPORA])
+def test_corpus_matches_libraries(corpus):
+    cases = [c for c in CASES if c['name'] in corpus['cases']]
+    hyps, refs = [c['hypothesis'] for c in cases], [c['references'] for c in cases]
+    assert metrics.corpus_bleu(hyps, refs) == pytest.approx(corpus['bleu'], abs=TOL, rel=0)
+    assert metrics.corpus_chrf(hyps, refs) == pytest.approx(corpus['chrf'], abs=TOL, rel=0)
+    for kind, value in metrics.rouge(hyps, refs).items():
+        assert value == pytest.approx(corpus[kind], abs=TOL, rel=0), kind
+
+
+def test_fixtures_cover_the_hostile_cases():
+    names = {c['name'] for c in CASES}
+    assert 30 <= len(CASES) <= 60 and len(names) == len(CASES)
+    assert any(c['hypothesis'] == '' for c in CASES) and any('' in c['references'] for c in CASES)
+    assert any(len(c['references']) > 2 for c in CASES)
+    assert any(len(c['hypothesis']) > 2000 for c in CASES)
+    assert not all(c['bleu_corpus'] == c['bleu_sentence'] for c in CASES)  # effective order shows
+
+
+def test_single_reference_string_is_one_reference():
+    assert metrics.sentence_bleu('a b c', 'a b d') == metrics.sentence_bleu('a b c', ['a b d'])
+    assert metrics.corpus_chrf(['abc'], ['abd']) == metrics.corpus_chrf(['abc'], [['abd']])
+
+
+def test_inputs_are_checked():
+    with pytest.raises(ValueError, match='2 hypotheses but 1 references'):
+        metrics.corpus_bleu(['a', 'b'], ['a'])
+    with pytest.raises(ValueError, match='no examples'):
+        metrics.rouge([], [])
+    with pytest.raises(ValueError, match='no reference'):
+        metrics.corpus_chrf(['a'], [[]])
+
+
+def test_exact_match_normalisation():
+    assert metrics.normalize_answer('  12 +\t5\n=  17 ') == '12 + 5 = 17'
+    assert metrics.normalize_answer(' Paris ', lowercase=True) == 'paris'
+    preds = [' 108', 'Paris', 'the answer is 5', '1,000', 'b']
+    refs = ['108', ['London', 'paris'], '5', '1000', ['a', ' b ']]
+    assert metrics.exact_match(preds, refs) == 2 / 5  # case, extra words and number formats count
+    assert metrics.exact_match(preds, refs, lowercase=True) == 3 / 5
+
+
+def exact_pass_at_k(n, c, k):
+    return 1 - Fraction(math.comb(n - c, k), math.comb(n, k))
+
+
+@pytest.mark.comparison
+def test_pass_at_k_equals_exact_combinatorics():
+    for n in range(1, 41):
+        for c in range(n + 1):
+            for k in range(1, n + 1):
+                # each of the c factors 1 - k/i is off by two roundings (<= 2^-53), which moves a
+                # product of numbers <= 1 by no more; c - 1 products and 1 - P add one each
+                tol = (3 * c + 1) * 2.0 ** -53
+                exact = float(exact_pass_at_k(n, c, k))
+                assert metrics.pass_at_k(n, c, k) == pytest.approx(exact, abs=tol, rel=0)
+
+
+@pytest.mark.comparison
+def test_pass_at_k_equals_count_over_every_draw():
+    for n in range(1, 9):
+        for c in range(n + 1):
+            correct = set(range(c))  # which samples are correct does not matter, only how many
+            for k in range(1, n + 1):
+                draws = list(itertools.combinations(range(n), k))
+                share = Fraction(sum(bool(correct.intersection(d)) for d in draws), len(draws))
+                assert metrics.pass_at_k(n, c, k) == pytest.approx(float(share), abs=1e-15, rel=0)
+
+
+def test_pass_at_k_edges():
+    assert metrics.pass_at_k(10, 0, 5) == 0.0
+    assert metrics.pass_at_k(10, 10, 1) == 1.0
+    assert metrics.pass_at_k(10, 6, 5) == 1.0  # k > n - c: every draw of 5 holds a correct sample
+    assert metrics.pass_at_k(10, 3, 1) == pytest.approx(0.3, abs=1e-15)
+    assert metrics.pass_at_k(200, 1, 200) == 1.0
+    assert 0 < metrics.pass_at_k(1000, 1, 1) < 1  # large n: the product form overflows nothing
+    mean = metrics.mean_pass_at_k([(10, 0), (10, 10), (4, 2)], 2)
+    assert mean == pytest.approx((0 + 1 + 5 / 6) / 3, abs=1e-15)
+    for n, c, k in [(5, 6, 1), (5, -1, 1), (5, 2, 0), (5, 2, 6)]:
+        with pytest.raises(ValueError):
+            metrics.pass_at_k(n, c, k)
+    with pytest.raises(ValueError):
+        metrics.mean_pass_at_k([], 1)
+
+
+class CharTokenizer:
+    """Characters as ids; 0 ends a turn."""
+    eos_id = 0
+
+    def encode(self, text):
+        return [ord(ch) for ch in text]
+
+    def decode(self, ids):
+        return ''.join(map(chr, ids))
+
+
+class Answers(torch.nn.Module):
+    """A stand-in chat model that answers each prompt with the text given for it, then stops."""
+
+    def __init__(self, answers):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.answers = answers
+
+    def generate(self, idx, max_new_tokens, temperature, eos_id):
+        answer = CharTokenizer().encode(self.answers[CharTokenizer().decode(idx[0].tolist())]) + [eos_id]
+        return torch.cat([idx, torch.tensor([answer[:max_new_tokens]])], dim=1)
+
+
+def test_chat_exact_match_uses_the_same_normaliser():
+    tokenizer = CharTokenizer()
+    # within the one token more than the reference that the model may generate
+    answers = {'q1': '6+2=8,\n9+1=10, so 108', 'q2': '5', 'q3': 'Paris'}
+    prompts = [(tokenizer.encode('q1'), '6+2=8, 9+1=10, so 108'), (tokenizer.encode('q2'), ' 5 '),
+               (tokenizer.encode('q3'), 'paris')]
+    accuracy = exact_match_accuracy(Answers(answers), tokenizer, prompts, contextlib.nullcontext())
+    assert accuracy == pytest.approx(2 / 3)
+    preds, refs = [answers[q] for q in ('q1', 'q2', 'q3')], [ref for _, ref in prompts]
+    assert metrics.exact_match(preds, refs) == pytest.approx(accuracy)

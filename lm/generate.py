@@ -1,0 +1,103 @@
+"""
+Batched generation with the KV cache, for evaluation and online RL: prompts of different lengths at
+once, greedy or sampled (model.sample_next), each row stopping at its own first stop token.
+
+Prompts are left-padded to the longest, so every row's last prompt token sits in the same slot and
+the batch decodes one slot per step. Slot j of row b holds the token at position j - starts[b]
+(starts[b]: row b's padding); RoPE or learned positions see each prompt from position 0, and a mask
+hides the padding. With num_samples = G the prompts are prefilled once and their cache rows copied G
+times. Rows that finish are dropped from the batch (and their cache rows with them), so a long
+completion does not keep finished rows computing.
+"""
+import torch
+
+from model import KVCache, sample_next, window_mask
+
+
+def check_prompts(prompts, max_new_tokens, block_size):
+    """Every position generation needs must be below block_size: batched rows cannot slide
+    their context as GPT.generate crops equal rows, so a prompt that would need it is an error."""
+    for i, prompt in enumerate(prompts):
+        if not prompt:
+            raise ValueError(f"generate_batch: prompt {i} is empty; each prompt needs at least one token "
+                             f"(e.g. BOS) to predict the next from.")
+        fed = len(prompt) + max(max_new_tokens - 1, 0)  # the last new token is never fed back
+        if fed > block_size:
+            raise ValueError(f"generate_batch: prompt {i} has {len(prompt)} tokens; with max_new_tokens="
+                             f"{max_new_tokens} the model would see {fed} positions but block_size is "
+                             f"{block_size}; shorten the prompt or lower max_new_tokens.")
+
+
+def left_pad(prompts, device):
+    """(B, P) tokens, each prompt at the right end of its row (padding is token 0, masked), and
+    starts (B,): how many padding slots open each row."""
+    width = max(map(len, prompts))
+    idx = torch.zeros(len(prompts), width, dtype=torch.long)
+    for row, prompt in zip(idx, prompts):
+        row[width - len(prompt):] = torch.tensor(prompt)
+    starts = torch.tensor([width - len(p) for p in prompts])
+    return idx.to(device), starts.to(device)
+
+
+def padded_mask(q_slots, n_keys, starts, window):
+    """(B, 1, Tq, n_keys), True where a query may attend: causal and within the window over slots (a
+    row's positions are its slots shifted, so the distances are the same), never to padding keys."""
+    k_slots = torch.arange(n_keys, device=starts.device)
+    allowed = window_mask(q_slots, k_slots, window or n_keys) & (k_slots >= starts[:, None, None])
+    # a padding query sees itself: with no key at all some kernels give NaN (CPU's math one 0),
+    # which its cached values would carry into the real rows' attention (a masked NaN: 0 * NaN)
+    return (allowed | (q_slots[:, None] == k_slots))[:, None]
+
+
+def next_logits(model, idx, starts, caches):
+    """Logits (B, V) after the last token of idx (B, T), which continues the caches' rows."""
+    first = caches[0].len
+    if not starts.any():  # no padding: plain causal attention, GPT.generate's path, fused kernels
+        h = model.hidden_states(idx, caches)
+    else:
+        q_slots = torch.arange(first, first + idx.size(1), device=idx.device)
+        positions = (q_slots - starts[:, None]).clamp(min=0)  # padding at 0: never attended to
+        mask = padded_mask(q_slots, first + idx.size(1), starts, model.config.sliding_window)
+        h = model.hidden_states(idx, caches, positions=positions, mask=mask)
+    return model.logits(h[:, -1])
+
+
+def keep_rows(caches, keep):
+    """Select the caches' rows by keep, a (B,) bool mask or row indices (a repeat copies a row);
+    the copy costs about what one decode step reads."""
+    for cache in caches:
+        cache.k, cache.v = cache.k[keep], cache.v[keep]
+
+
+@torch.no_grad()
+def generate_batch(model, prompts, max_new_tokens, temperature=0.0, top_k=None, top_p=None, stop_ids=(),
+                   num_samples=1, generator=None):
+    """Completions of prompts (lists of token ids), num_samples per prompt in prompt order:
+    prompt i's are entries i * num_samples ... (i + 1) * num_samples - 1. Each is at most
+    max_new_tokens ids, without the prompt, ending with the first of stop_ids it produced (shared
+    by all rows). temperature 0 is greedy; sampling draws from generator (model.sample_next).
+    Call model.eval() first."""
+    check_prompts(prompts, max_new_tokens, model.config.block_size)
+    completions = [[] for _ in range(len(prompts) * num_samples)]
+    if not prompts or max_new_tokens == 0:
+        return completions
+    idx, starts = left_pad(prompts, model.lm_head.weight.device)
+    caches = [KVCache(idx.size(1) + max_new_tokens - 1) for _ in model.transformer.h]
+    logits = next_logits(model, idx, starts, caches).repeat_interleave(num_samples, dim=0)
+    starts = starts.repeat_interleave(num_samples)
+    keep_rows(caches, torch.arange(len(prompts), device=idx.device).repeat_interleave(num_samples))
+    stops = torch.tensor(list(stop_ids), dtype=torch.long, device=idx.device)
+    rows = list(range(len(completions)))  # the completion each batch row writes to
+    for step in range(max_new_tokens):
+        token = sample_next(logits, temperature, top_k, top_p, generator)
+        for row, t in zip(rows, token[:, 0].tolist()):
+            completions[row].append(t)
+        running = ~torch.isin(token[:, 0], stops)
+        if step == max_new_tokens - 1 or not running.any():
+            break
+        if not running.all():
+            keep_rows(caches, running)
+            rows = [row for row, r in zip(rows, running.tolist()) if r]
+            token, starts = token[running], starts[running]
+        logits = next_logits(model, token, starts, caches)
+    return completions

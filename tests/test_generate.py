@@ -1,0 +1,141 @@
+import pytest
+import torch
+
+from lm.generate import generate_batch
+from model import GPT, GPTConfig
+
+PROMPTS = [[5, 9, 1], [7], [3, 3, 8, 2, 11, 30, 4], [12, 6]]  # different lengths: padding in play
+
+
+def sharp_model(**kw):
+    """A tiny float64 GPT with 20x its init weights: predictions depend on the context (at
+    init it repeats one token), and float64 keeps padding's kernels from flipping a greedy choice."""
+    torch.manual_seed(0)
+    m = GPT(GPTConfig(**{**dict(block_size=32, vocab_size=32, n_layer=2, n_head=2, n_embd=16), **kw}))
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(20 if p.dim() == 2 else 1)
+    return m.double().eval()
+
+
+def one_at_a_time(m, prompts, n, **sampling):
+    """Each prompt through GPT.generate alone: the reference the batch must match."""
+    return [m.generate(torch.tensor([p]), n, **sampling)[0, len(p):].tolist() for p in prompts]
+
+
+def count_fed(m):
+    """The (rows, tokens) of every forward pass m makes from now on."""
+    seen = []
+    m.transformer.wte.register_forward_hook(lambda mod, inp, out: seen.append(tuple(inp[0].shape)))
+    return seen
+
+
+@pytest.mark.comparison
+@pytest.mark.parametrize("opts", [dict(), dict(n_head=4, n_kv_head=2), dict(sliding_window=3),
+                                  dict(pos_emb='learned'),
+                                  dict(n_head=4, n_kv_head=1, sliding_window=4, qk_norm=True, mlp='swiglu')])
+def test_greedy_batch_equals_one_prompt_at_a_time(opts):
+    m = sharp_model(**opts)
+    got = generate_batch(m, PROMPTS, 12)
+    assert got == one_at_a_time(m, PROMPTS, 12, temperature=0)
+    assert all(len(c) == 12 for c in got)
+    assert len({tuple(c) for c in got}) == len(PROMPTS)  # the prompts lead to different tokens
+
+
+@pytest.mark.comparison
+def test_each_row_stops_after_its_first_stop_id_and_leaves_the_batch():
+    m = sharp_model()
+    free = generate_batch(m, PROMPTS, 12)
+    stops = (free[0][2], free[2][5])
+
+    def cut(c):
+        first = min((i for i, t in enumerate(c) if t in stops), default=len(c) - 1)
+        return c[:first + 1]
+    want = [cut(c) for c in free]
+    assert len(want[0]) <= 3 and len(want[2]) <= 6 and max(map(len, want)) == 12  # some run on
+    seen = count_fed(m)
+    assert generate_batch(m, PROMPTS, 12, stop_ids=stops) == want
+    # a row is fed every token but its last; finished rows are no longer computed
+    assert [rows for rows, _ in seen[1:]] == [sum(len(c) > step for c in want) for step in range(1, 12)]
+
+
+def test_all_rows_stopping_ends_generation():
+    m = sharp_model()
+    free = generate_batch(m, PROMPTS, 8)
+    seen = count_fed(m)
+    assert generate_batch(m, PROMPTS, 8, stop_ids=[c[0] for c in free]) == [c[:1] for c in free]
+    assert len(seen) == 1  # the prefill only
+
+
+def test_samples_share_one_prefill_per_prompt():
+    m = sharp_model()
+    seen = count_fed(m)
+    generate_batch(m, PROMPTS, 4, temperature=1.0, num_samples=5, generator=torch.Generator().manual_seed(0))
+    assert seen == [(4, 7)] + [(20, 1)] * 3  # 4 padded prompts once, then 4 x 5 rows a token a step
+
+
+@pytest.mark.comparison
+def test_greedy_samples_are_copies_of_the_greedy_completion():
+    m = sharp_model()
+    got = generate_batch(m, PROMPTS, 10, num_samples=3)
+    assert got == [c for c in generate_batch(m, PROMPTS, 10) for _ in range(3)]
+
+
+@pytest.mark.comparison
+def test_top_k_one_is_greedy_for_every_sample():
+    m = sharp_model()
+    got = generate_batch(m, PROMPTS, 10, temperature=1.0, top_k=1, num_samples=3,
+                         generator=torch.Generator().manual_seed(3))
+    assert got == [c for c in generate_batch(m, PROMPTS, 10) for _ in range(3)]
+
+
+@pytest.mark.comparison
+@pytest.mark.parametrize("sampling", [dict(temperature=1.5), dict(temperature=0.9, top_k=10, top_p=0.9)])
+def test_sampling_equal_prompts_draws_what_generate_draws(sampling):
+    # no padding, one sample each: the same logits and the same sample_next calls on one generator
+    m = sharp_model()
+    prompts = [[5, 9, 1], [3, 8, 2]]
+    got = generate_batch(m, prompts, 12, generator=torch.Generator().manual_seed(7), **sampling)
+    want = m.generate(torch.tensor(prompts), 12, generator=torch.Generator().manual_seed(7), **sampling)
+    assert got == want[:, 3:].tolist()
+    assert len(set(got[0] + got[1])) > 3  # non-trivial output
+
+
+@pytest.mark.comparison
+def test_samples_follow_each_prompts_next_token_distribution():
+    m = sharp_model()
+    prompts, n = [[5, 9, 1], [7]], 4000
+    got = generate_batch(m, prompts, 1, temperature=1.0, num_samples=n, generator=torch.Generator().manual_seed(0))
+    for i, p in enumerate(prompts):
+        probs = torch.softmax(m(torch.tensor([p]))[0][0, -1], dim=-1)
+        drawn = torch.tensor([c[0] for c in got[i * n:(i + 1) * n]])
+        freq = torch.bincount(drawn, minlength=len(probs)).double() / n
+        torch.testing.assert_close(freq, probs, rtol=0, atol=0.03)  # 4.5 standard errors at p = 0.5
+
+
+def test_a_different_seed_draws_different_samples():
+    m = sharp_model()
+    draw = lambda seed: generate_batch(m, PROMPTS, 10, temperature=1.5, num_samples=2,
+                                       generator=torch.Generator().manual_seed(seed))
+    assert draw(1) == draw(1) != draw(2)
+    assert draw(1)[0] != draw(1)[1]  # a prompt's samples differ
+
+
+def test_nothing_to_generate():
+    m = sharp_model()
+    seen = count_fed(m)
+    assert generate_batch(m, PROMPTS, 0, num_samples=2) == [[]] * 8
+    assert generate_batch(m, [], 5) == []
+    assert seen == []
+
+
+@pytest.mark.comparison
+def test_prompts_may_fill_block_size_but_not_pass_it():
+    m = sharp_model(block_size=10)
+    # 6 prompt tokens and 5 new: the last new token is never fed back, so 10 positions are used
+    assert generate_batch(m, [[1, 2, 3, 4, 5, 6], [7]], 5) == one_at_a_time(m, [[1, 2, 3, 4, 5, 6], [7]], 5,
+                                                                            temperature=0)
+    with pytest.raises(ValueError, match=r"prompt 1 has 10 tokens.*11 positions but block_size is 10"):
+        generate_batch(m, [[1], list(range(10))], 2)
+    with pytest.raises(ValueError, match="prompt 0 is empty"):
+        generate_batch(m, [[]], 2)

@@ -120,9 +120,10 @@ def attend(q, k, v, dropout_p=0.0, causal=True, mask=None):
     """(B, H, Tq, D) queries over (B, Hkv, Tk, D) keys/values, each key/value head shared by H / Hkv query
     heads. The one place attention is computed. mask (B, 1, Tq, Tk), True where attention is allowed,
     replaces the causal mask (packed rows, sliding windows)."""
-    if mask is not None and q.size(1) != k.size(1):
-        # no fused CUDA kernel takes GQA with a mask (flash takes no mask, memory-efficient no GQA): the math
-        # kernel would build (B, H, Tq, Tk) scores; repeating keys/values costs (B, H, Tk, D), as transformers does
+    if mask is not None and q.size(1) != k.size(1) and q.size(2) > 1:
+        # only cuDNN's fused kernel takes GQA with a mask (flash takes no mask, memory-efficient no GQA); elsewhere
+        # math would build (B, H, Tq, Tk) scores. Repeated keys/values cost (B, H, Tk, D), as in transformers. One
+        # query (decoding) has (B, H, 1, Tk) scores: no copy of the whole cache for that
         k, v = (t.repeat_interleave(q.size(1) // k.size(1), dim=1) for t in (k, v))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                           is_causal=causal and mask is None, enable_gqa=q.size(1) != k.size(1))
@@ -379,7 +380,8 @@ class GPT(nn.Module):
         positions (B, T) and mask (B, 1, T, T), True where attention is allowed, lay out any other
         packing (DPO shares a prompt between two completions); a row may then be longer than
         block_size, as long as every position is below it. With a sliding_window, a row (or cache) longer
-        than the window, and every mask, are narrowed to the window (window_mask, over positions)."""
+        than the window, and every mask, are narrowed to the window (window_mask, over positions), except
+        that positions continuing a filled cache leave the window to the mask, which must then be given."""
         B, T = idx.shape
         start = caches[0].len if caches else 0
         if doc_ids is not None:
@@ -396,9 +398,14 @@ class GPT(nn.Module):
             rope = (self.rope_cos[pos].unsqueeze(-3), self.rope_sin[pos].unsqueeze(-3))
         window = self.config.sliding_window
         if window and (mask is not None or start + T > window):  # else is_causal, the fast kernel, is exact
-            keys = pos if positions is not None else torch.arange(start + T, device=idx.device)  # cached ones too
-            band = window_mask(pos, keys, window).unsqueeze(-3)  # (1 or B, 1, T, keys), broadcast over heads
-            mask = band if mask is None else mask & band
+            if positions is not None and start:  # the cached keys' positions are the caller's (lm/generate.py)
+                if mask is None:
+                    raise ValueError("model.py: positions that continue a KV cache under a sliding window need a "
+                                     "mask holding the window over the cached keys (lm/generate.py's padded_mask).")
+            else:
+                keys = pos if positions is not None else torch.arange(start + T, device=idx.device)  # cached too
+                band = window_mask(pos, keys, window).unsqueeze(-3)  # (1 or B, 1, T, keys), broadcast over heads
+                mask = band if mask is None else mask & band
         x = self.transformer.drop(x)
         recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         for i, block in enumerate(self.transformer.h):

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from memory import peak_flops
-from model import GPT, GPTConfig, apply_rope, rope_cos_sin, sample_next, window_mask
+from model import GPT, GPTConfig, KVCache, apply_rope, rope_cos_sin, sample_next, window_mask
 from configurator import UserError
 
 TINY = dict(block_size=8, vocab_size=32, n_layer=2, n_head=2, n_embd=16)
@@ -283,6 +283,17 @@ def test_sliding_window_in_packed_rows_gives_each_document_its_logits_alone():
 
 
 @pytest.mark.comparison
+def test_positions_continuing_a_cache_under_a_window_need_the_callers_mask():
+    """The cached keys' positions are not known to hidden_states: a window over them is the caller's mask,
+    never a band over the new tokens alone (which would let a decoded token see every cached key)."""
+    m = tiny(sliding_window=3)
+    caches = [KVCache(8) for _ in m.transformer.h]
+    x, _ = batch()
+    m.hidden_states(x[:, :5], caches)
+    with pytest.raises(ValueError, match='mask holding the window'):
+        m.hidden_states(x[:, 5:6], caches, positions=torch.full((3, 1), 5))
+
+
 def test_kv_cache_generation_attends_over_the_sliding_window():
     m = sharp(tiny(block_size=24, sliding_window=5, qk_norm=True, mlp='swiglu'))
     prompt = batch(B=2, T=3)[0]
@@ -313,6 +324,12 @@ def test_grouped_query_attention_with_a_mask_repeats_keys_and_values_for_a_fused
     calls.clear()
     m(x, y, doc_ids=torch.tensor([[0] * 3 + [1] * 5] * 3))
     assert calls and all(c == (4, 4, True, False) for c in calls)
+    calls.clear()  # one query (decoding) has no T x T scores to spare: the cache is not copied to every head
+    caches = [KVCache(8) for _ in m.transformer.h]
+    m.hidden_states(x[:, :4], caches)
+    calls.clear()
+    m.hidden_states(x[:, 4:5], caches, positions=torch.full((3, 1), 4), mask=torch.ones(3, 1, 1, 5, dtype=torch.bool))
+    assert calls and all(c == (4, 2, True, True) for c in calls)
 
 
 @pytest.mark.comparison

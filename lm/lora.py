@@ -1,5 +1,5 @@
 """
-LoRA fine-tuning of a GPT (model.py), in the spirit of litgpt's lm/lora.py: the adapter layer LoRALinear,
+LoRA fine-tuning of a GPT (model.py), in the spirit of litgpt's lora.py: the adapter layer LoRALinear,
 apply_lora to wrap a model's Linear layers (and train the chat-token rows resize_vocab added), merging
 adapters into the weights and back, disabling them (DPO's reference model), the adapter checkpoint's
 state dict, a merged plain-GPT state dict, and the optimizer over the adapters (LoRA+).

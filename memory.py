@@ -186,19 +186,6 @@ class GradScaler:
         self.growth_interval = state["growth_interval"]
 
 
-def step_unless_nonfinite(optimizer, scaler, loss, grad_norm):
-    """The optimizer step of the training scripts: taken through the scaler unless the loss or grad norm is
-    non-finite, then scaler.update() and zero_grad. fp16 overflow is the scaler's business (it skips the
-    step and backs off); anything else non-finite is a bad step. Returns False for a bad step, for the
-    caller to count, log and eventually abort on."""
-    good = math.isfinite(loss) and (math.isfinite(grad_norm) or scaler.is_enabled())
-    if good:
-        scaler.step(optimizer)
-    scaler.update()
-    optimizer.zero_grad(set_to_none=True)
-    return good
-
-
 # ---------------------------------------------------------------------------- memory
 
 
@@ -325,6 +312,15 @@ def halve_micro_batch(batch_size, grad_accum):
                         f"global batch ({batch_size} x {grad_accum} accumulation steps). Set batch_size to a power "
                         f"of two (and raise gradient_accumulation_steps to keep the global batch), or lower it yourself.")
     return batch_size // 2, grad_accum * 2
+
+
+def split_micro_batches(splits, longest, iter_num):
+    """After an OOM with a frame-budget sampler's batches (train_tts.py): split each micro-batch into twice as
+    many chunks, the same batch; longest: utterances in the largest micro-batch, which a chunk cannot go under."""
+    if splits >= longest:
+        raise UserError(f"out of memory with one utterance per micro-batch (step {iter_num}); lower "
+                        f"frame_budget, use a smaller model, or use a device with more memory.")
+    return splits * 2
 
 
 def resumed_micro_batch(ckpt, batch_size, grad_accum, world_size):

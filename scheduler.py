@@ -3,12 +3,12 @@ Learning-rate schedules as pure functions of the optimizer step (0-based).
 
 Every schedule starts with the same linear warmup, max_lr*(step+1)/(warmup_iters+1) (nanoGPT's:
 step 0 already gets a small nonzero lr, so no step is wasted), peaks at max_lr at step warmup_iters,
-then follows its own shape. get_lr is the single entry point the training scripts call; it takes
-every schedule's parameters, named like the scripts' config keys, without defaults, so a script
-cannot leave one hidden.
+then follows its own shape. LRSchedule is the single entry point the training scripts use: built once
+from every schedule's config keys (`get_lr = LRSchedule.from_config(config)`), called as get_lr(step).
 """
 
 import math
+from dataclasses import dataclass, fields
 
 SCHEDULES = ("cosine", "cosine_restarts", "noam", "constant", "linear", "wsd")
 
@@ -78,23 +78,40 @@ def wsd_lr(step, max_lr, min_lr, warmup_iters, decay_iters, decay_frac):
     return max_lr + ratio * (min_lr - max_lr)
 
 
-def get_lr(step, lr_schedule, learning_rate, min_lr, warmup_iters, lr_decay_iters, restart_iters, restart_mult,
-           decay_frac):
-    """The lr at optimizer step `step` (0-based); the other arguments are the scripts' config keys."""
-    if lr_schedule == "cosine":
-        return cosine_lr(step, learning_rate, min_lr, warmup_iters, lr_decay_iters)
-    elif lr_schedule == "cosine_restarts":
-        return cosine_restarts_lr(step, learning_rate, min_lr, warmup_iters, restart_iters, restart_mult)
-    elif lr_schedule == "noam":
-        return noam_lr(step, learning_rate, min_lr, warmup_iters)
-    elif lr_schedule == "constant":
-        return constant_lr(step, learning_rate, warmup_iters)
-    elif lr_schedule == "linear":
-        return linear_lr(step, learning_rate, min_lr, warmup_iters, lr_decay_iters)
-    elif lr_schedule == "wsd":
-        return wsd_lr(step, learning_rate, min_lr, warmup_iters, lr_decay_iters, decay_frac)
-    raise ValueError(f"unknown lr schedule {lr_schedule!r}; valid schedules are: {', '.join(SCHEDULES)}. "
-                     f"Set the schedule in the config to one of them.")
+@dataclass(frozen=True)
+class LRSchedule:
+    """A run's schedule, built once from its config keys (LRSchedule.from_config(config)); called with the
+    optimizer step (0-based) it gives that step's lr. Fields are named like the keys, without defaults,
+    so a script cannot leave one hidden."""
+    lr_schedule: str
+    learning_rate: float
+    min_lr: float
+    warmup_iters: int
+    lr_decay_iters: int
+    restart_iters: int
+    restart_mult: int
+    decay_frac: float
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**{field.name: config[field.name] for field in fields(cls)})
+
+    def __call__(self, step):
+        schedule, max_lr, min_lr, warmup = self.lr_schedule, self.learning_rate, self.min_lr, self.warmup_iters
+        if schedule == "cosine":
+            return cosine_lr(step, max_lr, min_lr, warmup, self.lr_decay_iters)
+        elif schedule == "cosine_restarts":
+            return cosine_restarts_lr(step, max_lr, min_lr, warmup, self.restart_iters, self.restart_mult)
+        elif schedule == "noam":
+            return noam_lr(step, max_lr, min_lr, warmup)
+        elif schedule == "constant":
+            return constant_lr(step, max_lr, warmup)
+        elif schedule == "linear":
+            return linear_lr(step, max_lr, min_lr, warmup, self.lr_decay_iters)
+        elif schedule == "wsd":
+            return wsd_lr(step, max_lr, min_lr, warmup, self.lr_decay_iters, self.decay_frac)
+        raise ValueError(f"unknown lr schedule {schedule!r}; valid schedules are: {', '.join(SCHEDULES)}. "
+                         f"Set the schedule in the config to one of them.")
 
 
 def set_lr(optimizer, lr):

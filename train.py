@@ -27,9 +27,10 @@ from memory import (DTYPES, GradScaler, MemoryMonitor, autocast_context, halve_m
 from lm.lora import apply_lora, frozen_base_dtype, load_adapters, lora_state_dict, save_merged
 from lm.muon import gpt_optimizer
 from run.run_data import gpt_run_data
-from run.runtime import (StepProfiler, StopSignal, after_eval, clip_and_reduce, compute_cleanup, compute_init,
-                     gradient_sync, keep_log_until, log, patience_exhausted, rank_batches, step_or_skip, wrap_model)
-from scheduler import SCHEDULES, get_lr, set_lr
+from run.runtime import (StepProfiler, StopSignal, after_eval, all_reduce_metrics, bad_step, clip_grad_norm,
+                     compute_cleanup, compute_init, gradient_sync, keep_log_until, log, patience_exhausted,
+                     rank_batches, wrap_model)
+from scheduler import SCHEDULES, LRSchedule, set_lr
 from run.starting_model import full_model_checkpoint, hf_source, model_hash, run_model_args, run_tokenizer, starting_gpt
 from tasks.exact_match import print_sample, report_exact_match
 from lm.tokenizer import chat_tokenizer
@@ -194,6 +195,7 @@ raw_model = model  # what we save and sample from: never compiled or DDP-wrapped
 
 optimizer = gpt_optimizer(raw_model, config, device_type)  # only trainable parameters: with LoRA, the adapters
 scaler = GradScaler(enabled=ptdtype == torch.float16)
+get_lr = LRSchedule.from_config(config)
 iter_num, best_val_loss, evals_without_improvement = 0, float('inf'), 0
 if ckpt is not None:
     train_batches.load_state_dict(ckpt['train_batches'])
@@ -323,8 +325,7 @@ bad_steps = 0
 window_start, window_tokens, window_labels = time.time(), 0, 0  # labels: positions through the output layer
 progress = tqdm(total=max_iters, initial=iter_num, disable=not master, dynamic_ncols=True, desc='train')
 while iter_num < max_iters:
-    lr = get_lr(iter_num, lr_schedule, learning_rate, min_lr, warmup_iters, lr_decay_iters, restart_iters,
-                restart_mult, decay_frac)
+    lr = get_lr(iter_num)
     set_lr(optimizer, lr)
 
     # the whole global batch is drawn on every rank; each rank trains on its slice
@@ -350,10 +351,18 @@ while iter_num < max_iters:
             log(f"step {iter_num}: out of memory, retrying with micro-batch {batch_size} x {gradient_accumulation_steps} accumulation")
 
     with profiler.section('optimizer'):
-        losses, grad_norm, (stop_requested,) = clip_and_reduce(optimizer, scaler, raw_model.parameters(), grad_clip,
-                                                               shares, [stop.requested is not None], ddp)
+        scaler.unscale_(optimizer)
+        grad_norm = clip_grad_norm(raw_model.parameters(), grad_clip)
+        losses, (stop_requested,) = all_reduce_metrics(shares, [stop.requested is not None], ddp)
         loss = losses['loss']
-        bad_steps = step_or_skip(optimizer, scaler, loss, grad_norm, bad_steps, max_bad_steps, iter_num, out_dir)
+        # fp16: a non-finite grad norm is an overflow, which scaler.step skips (and update backs off)
+        if math.isfinite(loss) and (math.isfinite(grad_norm) or scaler.is_enabled()):
+            scaler.step(optimizer)
+            bad_steps = 0
+        else:
+            bad_steps = bad_step(bad_steps, max_bad_steps, iter_num, loss, grad_norm, out_dir)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
     iter_num += 1
     progress.update(1)
     window_tokens += step_tokens

@@ -8,6 +8,7 @@ number-task pairs (a correct answer chosen, a near miss rejected) into out-dpo/;
 overridden by a config file or --key=value (`--help` lists them).
 """
 
+import math
 import os
 import sys
 import time
@@ -26,10 +27,10 @@ from memory import DTYPES, GradScaler, autocast_context, peak_memory_bytes, pick
 from lm.lora import LORA_SETTINGS, apply_lora, frozen_base_dtype, lora_optimizer, lora_state_dict, save_merged
 from model import GPTConfig
 from run.run_data import preference_run_data
-from run.runtime import (StopSignal, after_eval, clip_and_reduce, compute_cleanup, compute_init, keep_log_until, log,
-                     gradient_sync, patience_exhausted, rank_batches, step_or_skip, wrap_model)
-from scheduler import SCHEDULES, get_lr, set_lr
-from run.starting_model import build_model, dpo_reference, frozen_model, hf_source, run_tokenizer
+from run.runtime import (StopSignal, after_eval, all_reduce_metrics, bad_step, clip_grad_norm, compute_cleanup,
+                     compute_init, gradient_sync, keep_log_until, log, patience_exhausted, rank_batches, wrap_model)
+from scheduler import SCHEDULES, LRSchedule, set_lr
+from run.starting_model import build_model, dpo_reference, frozen_model, hf_source, load_model, run_tokenizer
 from tasks.exact_match import report_exact_match
 from lm.tokenizer import chat_tokenizer
 
@@ -130,7 +131,8 @@ if reference_free and precompute_ref_logps:
     raise UserError("reference_free=True has no reference to precompute; drop precompute_ref_logps.")
 
 # processes and device (run/runtime.py: one process per GPU under torchrun), precision
-ddp, rank, local_rank, world_size, device = compute_init(device, seed, num_threads)
+compute = compute_init(device, seed, num_threads)
+ddp, rank, local_rank, world_size, device = compute
 master, device_type = rank == 0, device.split(':')[0]
 ptdtype = pick_dtype(device, dtype)
 autocast = autocast_context(device, ptdtype)
@@ -182,6 +184,7 @@ reference_ckpt = None
 optimizer = (lora_optimizer(raw_model, weight_decay, learning_rate, (beta1, beta2), device_type, loraplus_lr_ratio)
              if use_lora else raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type))
 scaler = GradScaler(enabled=ptdtype == torch.float16)
+get_lr = LRSchedule.from_config(config)
 iter_num, best_val_loss, evals_without_improvement = 0, float('inf'), 0
 if ckpt:
     train_batches.load_state_dict(ckpt['train_batches'])
@@ -200,9 +203,14 @@ ref_cache = None
 if precompute_ref_logps:
     depends_on = [reference_hash, train_data_hash, file_sha256(val_path), tokenizer.identity(), max_length,
                   max_prompt_length, str(ptdtype)]
-    ref_cache = precomputed_reference_logps(config, depends_on, raw_model, iter_num > 0, reference_path, model_args,
-                                            {'train': train_batches, 'val': val_batches}, device, ptdtype, autocast,
-                                            rank, world_size, ddp)
+
+    def load_reference():  # the policy has trained, so it is no longer the reference: read it again
+        weights = load_model(reference_path, as_stored=parallel == 'fsdp')['model']
+        return frozen_model(GPTConfig(**model_args), weights, parallel, device, ptdtype, fsdp_cpu_offload)
+
+    ref_cache = precomputed_reference_logps(config, depends_on, raw_model, {'train': train_batches, 'val': val_batches},
+                                            load_reference if iter_num > 0 and not use_lora else None, autocast,
+                                            compute)
     reference = None
 
 model = wrap_model(model, compile, ddp and parallel == 'ddp', local_rank, device_type)
@@ -318,17 +326,24 @@ bad_steps = 0
 window_start, window_tokens, window_steps = time.time(), 0, 0
 progress = tqdm(total=max_iters, initial=iter_num, disable=not master, dynamic_ncols=True, desc='dpo')
 while iter_num < max_iters:
-    lr = get_lr(iter_num, lr_schedule, learning_rate, min_lr, warmup_iters, lr_decay_iters, restart_iters,
-                restart_mult, decay_frac)
+    lr = get_lr(iter_num)
     set_lr(optimizer, lr)
 
     # the whole global batch is drawn on every rank; each rank trains on its slice
     global_batch = train_batches.sample(global_batch_size)
     shares = train_step(global_batch)
-    metrics, grad_norm, (stop_requested,) = clip_and_reduce(optimizer, scaler, raw_model.parameters(), grad_clip,
-                                                             shares, [stop.requested is not None], ddp)
+    scaler.unscale_(optimizer)
+    grad_norm = clip_grad_norm(raw_model.parameters(), grad_clip)
+    metrics, (stop_requested,) = all_reduce_metrics(shares, [stop.requested is not None], ddp)
     loss = metrics['loss']
-    bad_steps = step_or_skip(optimizer, scaler, loss, grad_norm, bad_steps, max_bad_steps, iter_num, out_dir)
+    # fp16: a non-finite grad norm is an overflow, which scaler.step skips (and update backs off)
+    if math.isfinite(loss) and (math.isfinite(grad_norm) or scaler.is_enabled()):
+        scaler.step(optimizer)
+        bad_steps = 0
+    else:
+        bad_steps = bad_step(bad_steps, max_bad_steps, iter_num, loss, grad_norm, out_dir)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
     iter_num += 1
     progress.update(1)
     window_tokens += train_batches.count_tokens(global_batch)

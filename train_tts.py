@@ -6,28 +6,29 @@ command resumes; `--eval_only=True` evaluates the checkpoint (val losses, MCD-DT
 Every config key below can be overridden by a config file or --key=value (`--help` lists them).
 """
 
+import math
 import os
 import sys
 import time
-from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from run.checkpoint import (check_compatible, continued_origin, load_checkpoint, open_run, require_starting_weights,
-                        restore_training_state, rng_state, run_log, run_origin, save_checkpoint, set_rng_state,
-                        training_state)
+                        restore_training_state, rng_state, run_log, run_origin, set_rng_state, training_state,
+                        write_checkpoint)
 from configurator import (EMPTY_OR_FOLDER, FOLDER, POSITIVE, UserError, at_least, check_values, configure,
                           dataclass_args, interval, one_of)
-from memory import GradScaler, MemoryMonitor, autocast_context, peak_memory_bytes, pick_dtype, recover_from_oom
-from run.runtime import (StepProfiler, StopSignal, after_eval, clip_and_reduce, compute_cleanup, compute_init,
-                     keep_log_until, log, patience_exhausted, step_or_skip)
-from scheduler import SCHEDULES, get_lr, set_lr
+from memory import (GradScaler, MemoryMonitor, autocast_context, peak_memory_bytes, pick_dtype, recover_from_oom,
+                    split_micro_batches)
+from run.runtime import (StepProfiler, StopSignal, after_eval, all_reduce_metrics, bad_step, clip_grad_norm,
+                     compute_cleanup, compute_init, gradient_sync, keep_log_until, log, patience_exhausted,
+                     wrap_model)
+from scheduler import SCHEDULES, LRSchedule, set_lr
 from tts import data as tts_data
 from tts.data import FrameBudgetSampler, LJSpeechDataset, build_symbols, eval_batches, read_metadata, split_ids
-from tts.eval import evaluate_synthesis, print_synthesis_report, record_media
+from tts.eval import SynthesisEval, evaluate_synthesis, print_synthesis_report, record_media
 from tts.model import TTSConfig, TTSModel
 
 _start_time = time.time()
@@ -184,6 +185,7 @@ mel_mean, mel_std = raw_model.mel_mean.item(), raw_model.mel_std.item()
 
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), decoder_lr_scale, device_type)
 scaler = GradScaler(enabled=ptdtype == torch.float16)
+get_lr = LRSchedule.from_config(config)
 iter_num, best_val_loss, evals_without_improvement, batch_splits = 0, float('inf'), 0, 1
 if resuming:
     sampler.load_state_dict(ckpt['sampler'])
@@ -195,8 +197,7 @@ ckpt = None  # free memory
 if compile:  # in place, so state dict keys stay clean; MAS (a Python loop) stays eager
     raw_model.encoder.compile(dynamic=True)
     raw_model.decoder.compile(dynamic=True)
-if ddp:
-    model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None)
+model = wrap_model(model, False, ddp, local_rank, device_type)  # compiled in place above
 log(f"device {device}, dtype {ptdtype}, {world_size} process(es), {raw_model.get_num_params() / 1e6:.2f}M params, "
     f"frame budget {frame_budget} x {gradient_accumulation_steps} accumulation")
 
@@ -249,9 +250,7 @@ def checkpoint_state():
 
 
 def save(path):
-    state = checkpoint_state()  # collective under DDP: every rank must call it
-    if master:
-        save_checkpoint(path, state)
+    write_checkpoint(path, checkpoint_state(), False, master)  # collective under DDP: every rank calls it
 
 
 profiler = StepProfiler(device, enabled=profile)
@@ -275,7 +274,7 @@ def train_step(batches, align_prior):
             token_share = sum(len(train_set.text_ids[i]) for i in chunk) / tokens
             last = micro_step == len(batches) - 1 and chunk_index == len(chunks) - 1
             # only the last chunk of the last micro-batch all-reduces gradients
-            with model.no_sync() if ddp and not last else nullcontext():
+            with gradient_sync(model, raw_model, sync=last):
                 with profiler.section('forward'), autocast:
                     losses = model(x, x_lengths, y, y_lengths, align_prior)
                 losses = {k: v * (token_share if k == 'duration' else frame_share) for k, v in losses.items()}
@@ -287,14 +286,14 @@ def train_step(batches, align_prior):
 
 
 record, writer = run_log(out_dir, master, tensorboard, keep_log_until(eval_only, resuming, iter_num))
+synthesis = SynthesisEval(**dataclass_args(SynthesisEval, config, texts=texts))  # speech from held-out text
 
 
 def final_report(step):
     if not master:
         return
     ids = val_ids[:eval_utterances or len(val_ids)]
-    result = evaluate_synthesis(raw_model, val_set, train_set, texts, ids, out_dir, audio_samples, mel_settings,
-                                n_timesteps, temperature, length_scale, guidance, seed)
+    result = evaluate_synthesis(raw_model, val_set, train_set, ids, synthesis)
     record(dict(step=step, **result))
     print_synthesis_report(result, n_timesteps, out_dir)
 
@@ -320,8 +319,7 @@ bad_steps = 0
 window_start, window_frames = time.time(), 0
 progress = tqdm(total=max_iters, initial=iter_num, disable=not master, dynamic_ncols=True, desc='train')
 while iter_num < max_iters:
-    lr = get_lr(iter_num, lr_schedule, learning_rate, min_lr, warmup_iters, lr_decay_iters, restart_iters,
-                restart_mult, decay_frac)
+    lr = get_lr(iter_num)
     set_lr(optimizer, lr)
     align_prior = max(0.0, 1.0 - iter_num / align_prior_iters) if align_prior_iters else 0.0
 
@@ -332,19 +330,25 @@ while iter_num < max_iters:
             break
         except RuntimeError as error:  # CUDA raises torch.OutOfMemoryError, MPS a plain RuntimeError
             recover_from_oom(error, ddp, optimizer, device)
-            if batch_splits >= max(len(b) for b in batches):
-                raise UserError(f"out of memory with one utterance per micro-batch (step {iter_num}); lower "
-                                f"frame_budget, use a smaller model, or use a device with more memory.")
-            batch_splits *= 2
+            batch_splits = split_micro_batches(batch_splits, max(len(b) for b in batches), iter_num)
             log(f"step {iter_num}: out of memory, retrying with each batch split into {batch_splits} micro-batches")
 
     with profiler.section('optimizer'):
         out_of_time = max_minutes > 0 and time.time() - _start_time > max_minutes * 60
-        losses, grad_norm, (stop_requested, out_of_time) = clip_and_reduce(
-            optimizer, scaler, raw_model.parameters(), grad_clip, shares, [stop.requested is not None, out_of_time], ddp)
+        scaler.unscale_(optimizer)
+        grad_norm = clip_grad_norm(raw_model.parameters(), grad_clip)
+        losses, (stop_requested, out_of_time) = all_reduce_metrics(shares, [stop.requested is not None, out_of_time],
+                                                                   ddp)
         prior, duration, flow = losses['prior'], losses['duration'], losses['flow']
         loss = weighted_loss(losses)
-        bad_steps = step_or_skip(optimizer, scaler, loss, grad_norm, bad_steps, max_bad_steps, iter_num, out_dir)
+        # fp16: a non-finite grad norm is an overflow, which scaler.step skips (and update backs off)
+        if math.isfinite(loss) and (math.isfinite(grad_norm) or scaler.is_enabled()):
+            scaler.step(optimizer)
+            bad_steps = 0
+        else:
+            bad_steps = bad_step(bad_steps, max_bad_steps, iter_num, loss, grad_norm, out_dir)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
     iter_num += 1
     progress.update(1)
     window_frames += sum(train_set.lengths[i] for b in batches for i in b) * world_size
@@ -368,8 +372,7 @@ while iter_num < max_iters:
                                                                         evals_without_improvement)
         log_eval(iter_num, result, " (best)" if improved else f" (no improvement for {evals_without_improvement} evals)")
         if master:
-            record_media(writer, raw_model, val_set, texts, val_ids[:audio_samples], iter_num, n_timesteps, temperature,
-                         length_scale, guidance, seed, sample_rate)
+            record_media(writer, raw_model, val_set, iter_num, synthesis)
         if improved:
             save(os.path.join(out_dir, 'best.pt'))
         if improved or always_save_checkpoint:

@@ -11,9 +11,7 @@ import torch.distributed as dist
 from run.checkpoint import cached_tensors
 from losses import sequence_logps
 from lm.lora import disable_adapters
-from model import GPTConfig
 from run.runtime import rank_batches
-from run.starting_model import frozen_model, load_model
 
 
 def completion_logps(net, batch, n):
@@ -38,30 +36,26 @@ def reference_logps(policy, reference, batch, n, use_lora, autocast):
     return sums, logits
 
 
-def precomputed_reference_logps(config, depends_on, policy, started, reference_path, model_args, batches, device,
-                                param_dtype, autocast, rank, world_size, ddp):
+def precomputed_reference_logps(config, depends_on, policy, batches, load_reference, autocast, compute):
     """{'train', 'val'}: every pair's reference log-probs ((n_pairs, 2): chosen, rejected) of batches (the same
     keys), read from out_dir's cache when it holds those of depends_on (everything they depend on), else
-    computed in one pass, each rank its share, and cached. config: the run's config keys; started: the policy
-    has trained, so it is no longer the reference, which is then loaded from reference_path for the pass."""
-    lockstep = config['parallel'] == 'fsdp'
+    computed in one pass, each rank its share (compute: runtime.Compute), and cached. config: the run's config
+    keys; load_reference: None while the policy is the reference (untrained, or LoRA with its adapters
+    disabled), else a function that loads the frozen reference for the pass."""
+    rank, world_size, lockstep = compute.rank, compute.world_size, config['parallel'] == 'fsdp'
 
     def reference_pass():
-        reference = None
-        if not config['use_lora'] and started:
-            state = load_model(reference_path, as_stored=lockstep)['model']
-            reference = frozen_model(GPTConfig(**model_args), state, config['parallel'], device, param_dtype,
-                                     config['fsdp_cpu_offload'])
+        reference = load_reference() if load_reference else None
         cache = {}
         for name, pairs in batches.items():
-            logps = torch.zeros(pairs.n_pairs, 2, device=device)
+            logps = torch.zeros(pairs.n_pairs, 2, device=compute.device)
             for indices, counted in rank_batches(torch.arange(pairs.n_pairs), config['batch_size'], rank, world_size,
                                                  lockstep):
-                sums, _ = reference_logps(policy, reference, pairs.get(indices, device), len(indices),
+                sums, _ = reference_logps(policy, reference, pairs.get(indices, compute.device), len(indices),
                                           config['use_lora'], autocast)
                 if counted:
                     logps[indices] = sums.view(2, -1).T
-            if ddp:
+            if compute.ddp:
                 dist.all_reduce(logps)  # each rank filled its share
             cache[name] = logps.cpu()
         return cache

@@ -10,6 +10,7 @@ Each gives the batches, the fixed held-out indices an eval scores, and the held-
 answers; a fine-tuning run also the hash of its training file, which a resumed run must still match.
 """
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -22,19 +23,36 @@ from tasks.number_tasks import NUMBER_TASKS_DIR, PREFERENCES_DIR, prepare_number
 from lm.tokenizer import prompt_and_answer
 
 
+class GPTRunData(NamedTuple):
+    train_batches: object  # TokenBatches, or SFTBatches when fine-tuning
+    val_batches: object
+    val_indices: torch.Tensor  # the fixed held-out windows or examples an eval scores
+    sample_prompt: list  # the token ids the final sample starts from
+    exact_match_prompts: list  # (prompt ids, reference text) pairs
+    train_data_hash: str  # None when pretraining
+
+
+class PreferenceRunData(NamedTuple):
+    train_batches: PreferenceBatches
+    val_batches: PreferenceBatches
+    val_indices: torch.Tensor
+    exact_match_prompts: list
+    train_data_hash: str
+    val_path: str  # val.jsonl, whose hash the precomputed reference log-probs depend on
+
+
 def gpt_run_data(config, data_dir, tokenizer, ckpt, master, ddp):
-    """(train batches, val batches, val indices, sample prompt, exact-match prompts, train data hash) of a
-    train.py run (config: its config keys; ckpt: the continued run's checkpoint, or None). Pretraining samples
-    data_dir's token windows, starts its sample from a newline and has no exact-match prompts nor data hash;
-    fine-tuning reads chat examples with tokenizer (a chat tokenizer) and samples from the first held-out prompt.
-    Rank 0 prepares the embedded number tasks once (master, ddp)."""
+    """The GPTRunData of a train.py run (config: its config keys; ckpt: the continued run's checkpoint, or
+    None). Pretraining samples data_dir's token windows, starts its sample from a newline and has no
+    exact-match prompts nor data hash; fine-tuning reads chat examples with tokenizer (a chat tokenizer) and
+    samples from the first held-out prompt. Rank 0 prepares the embedded number tasks once (master, ddp)."""
     seed, eval_examples = config['seed'], config['eval_iters'] * config['batch_size']
     if config['training_type'] == 'from_scratch':
         block_size = config['block_size']
         train_batches = TokenBatches(os.path.join(data_dir, 'train.bin'), block_size, seed)
         val_batches = TokenBatches(os.path.join(data_dir, 'val.bin'), block_size, seed)
         val_indices = eval_offsets(val_batches.n_tokens, block_size, eval_examples)
-        return train_batches, val_batches, val_indices, tokenizer.encode('\n'), [], None
+        return GPTRunData(train_batches, val_batches, val_indices, tokenizer.encode('\n'), [], None)
     max_length, sft_data = config['max_length'], config['sft_data']
     if max_length > config['block_size']:
         raise UserError(f"max_length={max_length} is longer than block_size={config['block_size']}; lower max_length.")
@@ -51,13 +69,13 @@ def gpt_run_data(config, data_dir, tokenizer, ckpt, master, ddp):
     val_batches = SFTBatches(val_examples, seed, tokenizer.eos_id, max_length, config['pack'])
     val_indices = torch.arange(min(len(val_examples), eval_examples))
     train_data_hash = training_data_hash(os.path.join(sft_data, 'train.jsonl'), ckpt, config['out_dir'], 'sft_data')
-    return train_batches, val_batches, val_indices, sample_prompt, exact_match_prompts, train_data_hash
+    return GPTRunData(train_batches, val_batches, val_indices, sample_prompt, exact_match_prompts, train_data_hash)
 
 
 def preference_run_data(config, tokenizer, block_size, ckpt, master, ddp):
-    """(train batches, val batches, val indices, exact-match prompts, train data hash, val file path) of a
-    train_dpo.py run (config: its config keys; tokenizer: the chat tokenizer; block_size: the model's; ckpt:
-    the continued run's checkpoint, or None). Rank 0 prepares the embedded number-task pairs once (master, ddp)."""
+    """The PreferenceRunData of a train_dpo.py run (config: its config keys; tokenizer: the chat tokenizer;
+    block_size: the model's; ckpt: the continued run's checkpoint, or None). Rank 0 prepares the embedded
+    number-task pairs once (master, ddp)."""
     max_length, max_prompt_length, dpo_data = config['max_length'], config['max_prompt_length'], config['dpo_data']
     if not dpo_data:
         prepare_once(prepare_number_tasks, master, ddp, out_dir=PREFERENCES_DIR, seed=1, preferences=True)
@@ -81,4 +99,5 @@ def preference_run_data(config, tokenizer, block_size, ckpt, master, ddp):
     val_batches = PreferenceBatches(val_pairs, config['seed'], tokenizer.eos_id, max_length, config['pack'])
     val_indices = torch.arange(min(len(val_pairs), config['eval_pairs']))
     train_data_hash = training_data_hash(train_path, ckpt, config['out_dir'], 'dpo_data')
-    return train_batches, val_batches, val_indices, held_out[:exact_match_examples], train_data_hash, val_path
+    return PreferenceRunData(train_batches, val_batches, val_indices, held_out[:exact_match_examples], train_data_hash,
+                             val_path)

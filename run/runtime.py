@@ -1,9 +1,10 @@
 """
 The plumbing every training script runs on, written once (after nanochat's compute_init): the
 processes and the device (torchrun's DDP), files prepared once by rank 0, the model the loop calls
-(compiled, DDP-wrapped), logging on rank 0, the tail of an optimizer step, the bookkeeping of evals
-and bad steps, the stop signal and the way out. Each script keeps its own loop (batch, forward,
-loss, backward, step, eval, save) and calls these for what is the same in all.
+(compiled, DDP-wrapped), logging on rank 0, the parts of an optimizer step torch does not give (FSDP's
+gradient norm, one all-reduce of the step's metrics and stop flags, bad steps), the bookkeeping of
+evals, the stop signal and the way out. Each script keeps its own loop (batch, forward, loss, backward,
+unscale, clip, step, eval, save) and calls these for what is the same in all.
 """
 
 import math
@@ -13,6 +14,7 @@ import sys
 import time
 from collections import defaultdict
 from contextlib import contextmanager, nullcontext
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -21,11 +23,20 @@ from tqdm import tqdm
 
 from configurator import install_excepthook
 from run.fsdp import is_dtensor, is_sharded
-from memory import pick_device, step_unless_nonfinite, synchronize
+from memory import pick_device, synchronize
+
+
+class Compute(NamedTuple):
+    """This process's share of the run (compute_init)."""
+    ddp: bool  # under torchrun
+    rank: int
+    local_rank: int
+    world_size: int
+    device: str
 
 
 def compute_init(device, seed, num_threads=0):
-    """Start this process's share of the run: (ddp, rank, local_rank, world_size, device). torchrun
+    """Start this process's share of the run: a Compute (ddp, rank, local_rank, world_size, device). torchrun
     sets RANK/LOCAL_RANK/WORLD_SIZE: then each process takes its GPU and joins the group (nccl on
     CUDA, gloo elsewhere). Seeds torch with seed + rank: different dropout masks and noise on each rank."""
     ddp = int(os.environ.get('RANK', -1)) != -1
@@ -45,7 +56,7 @@ def compute_init(device, seed, num_threads=0):
     if device.startswith('cuda'):
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    return ddp, rank, local_rank, world_size, device
+    return Compute(ddp, rank, local_rank, world_size, device)
 
 
 def compute_cleanup(ddp, exit_code=0):
@@ -95,29 +106,30 @@ def gradient_sync(model, raw_model, sync):
     return model.no_sync() if isinstance(model, DDP) and not sync else nullcontext()
 
 
-def clip_and_reduce(optimizer, scaler, parameters, grad_clip, shares, flags, ddp):
-    """The first half of every optimizer step: unscale fp16 gradients, clip their global norm
-    (grad_clip 0: only measure it), and one all-reduce of this rank's shares of the step's metrics
-    (shares add up over ranks to the global batch's values) together with flags any rank may raise
-    (a stop signal, a time limit). Returns (metrics, grad norm, flags raised on any rank)."""
-    scaler.unscale_(optimizer)
+def clip_grad_norm(parameters, grad_clip):
+    """clip_grad_norm_ to grad_clip (0: only measure) that returns the norm before clipping as a float;
+    under FSDP the norm over every rank's gradient shards (a DTensor, gathered here)."""
     grad_norm = torch.nn.utils.clip_grad_norm_(parameters, grad_clip if grad_clip > 0 else float('inf'))
-    if is_dtensor(grad_norm):  # FSDP: the norm over every rank's gradient shards
+    if is_dtensor(grad_norm):
         grad_norm = grad_norm.full_tensor()
-    device = next(iter(shares.values())).device  # the compute device (FSDP's CPU offload leaves grad_norm on the CPU)
+    return grad_norm.item()
+
+
+def all_reduce_metrics(shares, flags, ddp):
+    """One all-reduce of this rank's shares of the step's metrics (shares add up over ranks to the global
+    batch's values) together with flags any rank may raise (a stop signal, a time limit). Returns
+    (metrics, [each flag raised on any rank])."""
+    device = next(iter(shares.values())).device
     stats = torch.stack([*shares.values(), *(torch.tensor(float(flag), device=device) for flag in flags)])
     if ddp:
         dist.all_reduce(stats)
     values = stats.tolist()
-    return dict(zip(shares, values)), grad_norm.item(), [value > 0 for value in values[len(shares):]]
+    return dict(zip(shares, values)), [value > 0 for value in values[len(shares):]]
 
 
-def step_or_skip(optimizer, scaler, loss, grad_norm, bad_steps, max_bad_steps, iter_num, out_dir):
-    """The second half: step unless the loss or gradient norm is non-finite (memory.step_unless_nonfinite).
-    Returns the count of consecutive skipped steps; ends the run after max_bad_steps of them, leaving
-    the last good checkpoint as it is."""
-    if step_unless_nonfinite(optimizer, scaler, loss, grad_norm):
-        return 0
+def bad_step(bad_steps, max_bad_steps, iter_num, loss, grad_norm, out_dir):
+    """A step skipped for a non-finite loss or gradient norm, after bad_steps in a row: logs it and returns
+    the new count; ends the run at max_bad_steps, leaving the last good checkpoint as it is."""
     bad_steps += 1
     log(f"step {iter_num}: non-finite loss {loss} / grad norm {grad_norm}, step skipped ({bad_steps}/{max_bad_steps})")
     if bad_steps >= max_bad_steps:

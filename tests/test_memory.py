@@ -8,7 +8,7 @@ from configurator import UserError
 from faults import faulty_scale
 from memory import (GradScaler, MemoryMonitor, autocast_context, halve_micro_batch, is_oom, memory_usage,
                     peak_memory_bytes, pick_device, pick_dtype, pressure_level, recover_from_oom,
-                    resumed_micro_batch)
+                    resumed_micro_batch, split_micro_batches)
 from run.runtime import StepProfiler
 
 
@@ -203,6 +203,12 @@ def test_halve_micro_batch_keeps_global_batch():
         halve_micro_batch(3, 4)
 
 
+def test_split_micro_batches_doubles_the_chunks_until_one_utterance_each():
+    assert split_micro_batches(1, 5, 3) == 2 and split_micro_batches(4, 5, 3) == 8
+    with pytest.raises(UserError, match=r"one utterance per micro-batch \(step 3\)"):
+        split_micro_batches(8, 5, 3)
+
+
 def test_a_resumed_run_keeps_its_global_batch_on_another_number_of_processes():
     def ckpt(batch, accum, processes, command=(4, 1)):  # as train.py writes it; an OOM may halve the split
         return {'batch_size': batch, 'gradient_accumulation_steps': accum, 'rng': [{}] * processes,
@@ -260,26 +266,6 @@ def test_step_profiler_disabled_records_nothing():
     with prof.section("forward"):
         pass
     assert prof.summary() == {}
-
-
-def test_step_unless_nonfinite_skips_bad_steps_and_leaves_fp16_overflow_to_the_scaler():
-    w = torch.nn.Parameter(torch.ones(2))
-    opt = torch.optim.SGD([w], lr=0.5)
-
-    def step(loss, grad_norm, scaler):
-        w.grad = torch.ones(2)
-        return memory.step_unless_nonfinite(opt, scaler, loss, grad_norm)
-
-    fp32 = GradScaler(enabled=False)
-    assert step(1.0, 1.0, fp32) and torch.equal(w.detach(), torch.full((2,), 0.5)) and w.grad is None
-    assert not step(float('nan'), 1.0, fp32) and not step(1.0, float('inf'), fp32)
-    assert torch.equal(w.detach(), torch.full((2,), 0.5)) and w.grad is None  # skipped, gradients cleared
-    fp16 = GradScaler(enabled=True)
-    scale = fp16.get_scale()
-    w.grad = torch.full((2,), float('inf'))  # an overflow: the scaler's unscale finds it, skips and backs off
-    fp16.unscale_(opt)
-    assert memory.step_unless_nonfinite(opt, fp16, 1.0, float('inf'))
-    assert torch.equal(w.detach(), torch.full((2,), 0.5)) and fp16.get_scale() < scale
 
 
 def test_recover_from_oom_frees_or_reraises():

@@ -1,7 +1,9 @@
 """Unit tests of the plumbing the training scripts share (run/runtime.py, checkpoint.training_state); the
 scripts' end-to-end tests (DDP, resume, SIGTERM, non-finite steps) run it through all three."""
 
+import ast
 import math
+import os
 import random
 
 import pytest
@@ -9,7 +11,11 @@ import torch
 
 from run.checkpoint import restore_training_state, training_state
 from memory import GradScaler
-from run.runtime import after_eval, clip_and_reduce, compute_init, patience_exhausted, rank_batches, step_or_skip
+from run.runtime import (after_eval, all_reduce_metrics, bad_step, clip_grad_norm, compute_init, patience_exhausted,
+                     rank_batches)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = ('train.py', 'train_dpo.py', 'train_tts.py')
 
 
 def tiny_step(loss_scale=1.0):
@@ -22,47 +28,88 @@ def tiny_step(loss_scale=1.0):
 
 def test_compute_init_without_torchrun(monkeypatch):
     monkeypatch.delenv('RANK', raising=False)
-    ddp, rank, local_rank, world_size, device = compute_init('cpu', seed=5)
-    assert (ddp, rank, local_rank, world_size, device) == (False, 0, 0, 1, 'cpu')
+    compute = compute_init('cpu', seed=5)
+    assert compute == (False, 0, 0, 1, 'cpu') and (compute.ddp, compute.world_size, compute.device) == (False, 1, 'cpu')
     draw = torch.rand(3)
     torch.manual_seed(5)  # seed + rank
     assert torch.equal(draw, torch.rand(3))
 
 
 @pytest.mark.comparison
-def test_clip_and_reduce_clips_the_global_norm_and_passes_shares_and_flags():
-    net, optimizer = tiny_step()
+def test_clip_grad_norm_clips_the_global_norm_and_returns_it_before_clipping():
+    net, _ = tiny_step()
     expected = torch.cat([p.grad.flatten() for p in net.parameters()]).norm().item()
-    shares = {'loss': torch.tensor(1.5), 'ce': torch.tensor(0.25)}
-    metrics, grad_norm, flags = clip_and_reduce(optimizer, GradScaler(enabled=False), net.parameters(), 0.5, shares,
-                                                [True, False], ddp=False)
-    assert metrics == {'loss': 1.5, 'ce': 0.25} and flags == [True, False]
+    grad_norm = clip_grad_norm(net.parameters(), 0.5)
     assert grad_norm == pytest.approx(expected, rel=1e-6)  # the norm before clipping, as torch reports it
     clipped = torch.cat([p.grad.flatten() for p in net.parameters()]).norm().item()
     assert clipped == pytest.approx(0.5, rel=1e-5)
+    assert clip_grad_norm(net.parameters(), 0.0) == pytest.approx(0.5, rel=1e-5)  # 0: measured, not clipped
+    assert torch.cat([p.grad.flatten() for p in net.parameters()]).norm().item() == pytest.approx(0.5, rel=1e-5)
 
 
-def test_clip_and_reduce_unscales_fp16_gradients():
+def test_clip_grad_norm_after_unscaling_fp16_gradients():
     scaler = GradScaler(enabled=True, init_scale=1024.0)
     reference, _ = tiny_step()
     net, optimizer = tiny_step(loss_scale=1024.0)  # what scaler.scale(loss).backward() leaves
-    _, grad_norm, _ = clip_and_reduce(optimizer, scaler, net.parameters(), 0.0, {'loss': torch.tensor(1.0)}, [], False)
-    assert grad_norm == pytest.approx(torch.cat([p.grad.flatten() for p in reference.parameters()]).norm().item(),
-                                      rel=1e-6)
+    scaler.unscale_(optimizer)
+    assert clip_grad_norm(net.parameters(), 0.0) == pytest.approx(
+        torch.cat([p.grad.flatten() for p in reference.parameters()]).norm().item(), rel=1e-6)
 
 
-def test_step_or_skip_counts_bad_steps_and_ends_the_run(tmp_path):
-    net, optimizer = tiny_step()
-    before = [p.detach().clone() for p in net.parameters()]
-    scaler = GradScaler(enabled=False)
-    assert step_or_skip(optimizer, scaler, math.nan, 1.0, 0, 3, 7, str(tmp_path)) == 1
-    assert all(torch.equal(a, b) for a, b in zip(before, net.parameters()))  # skipped
-    assert step_or_skip(optimizer, scaler, 1.0, math.inf, 1, 3, 8, str(tmp_path)) == 2
-    with pytest.raises(SystemExit, match='3 consecutive steps.*last at step 9'):
-        step_or_skip(optimizer, scaler, math.nan, 1.0, 2, 3, 9, str(tmp_path))
-    net.weight.grad = torch.ones_like(net.weight)
-    assert step_or_skip(optimizer, scaler, 1.0, 1.0, 2, 3, 10, str(tmp_path)) == 0  # a good step resets the count
-    assert not torch.equal(before[0], net.weight)
+def test_all_reduce_metrics_passes_shares_and_flags():
+    shares = {'loss': torch.tensor(1.5), 'ce': torch.tensor(0.25)}
+    metrics, flags = all_reduce_metrics(shares, [True, False], ddp=False)
+    assert metrics == {'loss': 1.5, 'ce': 0.25} and flags == [True, False]
+    assert all_reduce_metrics({'loss': torch.tensor(2.0)}, [], ddp=False) == ({'loss': 2.0}, [])
+
+
+def test_bad_step_counts_bad_steps_and_ends_the_run(tmp_path):
+    assert bad_step(0, 3, 7, math.nan, 1.0, str(tmp_path)) == 1
+    assert bad_step(1, 3, 8, 1.0, math.inf, str(tmp_path)) == 2
+    with pytest.raises(SystemExit, match=f'3 consecutive steps.*last at step 9.*checkpoint in {tmp_path} was left'):
+        bad_step(2, 3, 9, math.nan, 1.0, str(tmp_path))
+
+
+def script_step(script):
+    """The optimizer step of a training script's loop, from `if math.isfinite(loss)` to zero_grad, compiled."""
+    with open(os.path.join(REPO, script), encoding='utf-8') as f:
+        source = f.read()
+    for node in ast.walk(ast.parse(source)):
+        body = getattr(node, 'body', None)
+        for i, statement in enumerate(body if isinstance(body, list) else []):
+            if isinstance(statement, ast.If) and ast.unparse(statement.test).startswith('math.isfinite(loss)'):
+                block = ast.Module(body=body[i:i + 3], type_ignores=[])
+                assert ast.unparse(block.body[1:]) == 'scaler.update()\noptimizer.zero_grad(set_to_none=True)'
+                return compile(block, script, 'exec')
+    raise AssertionError(f'{script}: no optimizer step found')
+
+
+@pytest.mark.parametrize('script', SCRIPTS)
+def test_each_script_skips_bad_steps_and_leaves_fp16_overflow_to_the_scaler(script, tmp_path):
+    step = script_step(script)
+    w = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([w], lr=0.5)
+
+    def run(loss, grad_norm, scaler, bad_steps=0, grad=1.0):
+        w.grad = torch.full((2,), grad)
+        if scaler.is_enabled():
+            scaler.unscale_(optimizer)
+        scope = dict(math=math, scaler=scaler, optimizer=optimizer, loss=loss, grad_norm=grad_norm,
+                     bad_steps=bad_steps, bad_step=bad_step, max_bad_steps=3, iter_num=7, out_dir=str(tmp_path))
+        exec(step, scope)
+        return scope['bad_steps']
+
+    fp32 = GradScaler(enabled=False)
+    assert run(1.0, 1.0, fp32, bad_steps=2) == 0  # a good step resets the count
+    assert torch.equal(w.detach(), torch.full((2,), 0.5)) and w.grad is None
+    assert run(math.nan, 1.0, fp32) == 1 and run(1.0, math.inf, fp32, bad_steps=1) == 2
+    assert torch.equal(w.detach(), torch.full((2,), 0.5)) and w.grad is None  # skipped, gradients cleared
+    with pytest.raises(SystemExit, match='3 consecutive steps'):
+        run(math.nan, 1.0, fp32, bad_steps=2)
+    fp16 = GradScaler(enabled=True)
+    scale = fp16.get_scale()
+    assert run(1.0, math.inf, fp16, grad=math.inf) == 0  # an overflow: the scaler skips the step and backs off
+    assert torch.equal(w.detach(), torch.full((2,), 0.5)) and fp16.get_scale() < scale and w.grad is None
 
 
 def test_eval_bookkeeping():

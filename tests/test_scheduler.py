@@ -1,5 +1,5 @@
 import ast
-import inspect
+import dataclasses
 import math
 import os
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from configurator import assignment_lines, configure
-from scheduler import SCHEDULES, get_lr, set_lr
+from scheduler import SCHEDULES, LRSchedule, set_lr
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = ('train.py', 'train_dpo.py', 'train_tts.py')
@@ -15,7 +15,7 @@ MAX, MIN, WARM, DECAY = 1.0, 0.1, 10, 110
 
 
 def lr(step, schedule, max_lr=MAX, min_lr=MIN, warmup=WARM, restart_iters=1000, restart_mult=1, decay_frac=0.2):
-    return get_lr(step, schedule, max_lr, min_lr, warmup, DECAY, restart_iters, restart_mult, decay_frac)
+    return LRSchedule(schedule, max_lr, min_lr, warmup, DECAY, restart_iters, restart_mult, decay_frac)(step)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -98,20 +98,20 @@ def script_defaults(script):
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_scripts_set_and_pass_every_schedule_parameter(script):
-    # get_lr's parameters are named like the config keys and have no defaults: each must be a key at the top
-    # of the script, and the script's call must pass that key, in its place
-    parameters = list(inspect.signature(get_lr).parameters)[1:]  # all but the step
-    assert all(p.default is inspect.Parameter.empty for p in inspect.signature(get_lr).parameters.values())
+    # LRSchedule's fields are named like the config keys and have no defaults: each must be a key at the top
+    # of the script, which builds its schedule from its config once and calls it with the step
+    parameters = [field.name for field in dataclasses.fields(LRSchedule)]
+    assert all(field.default is dataclasses.MISSING for field in dataclasses.fields(LRSchedule))
     lines = assignment_lines(os.path.join(REPO, script))
     config_end = lines['config']  # config = configure(globals()) ends the config block
     assert all(lines.get(name, config_end) < config_end for name in parameters), script
     with open(os.path.join(REPO, script), encoding='utf-8') as f:
-        calls = [node for node in ast.walk(ast.parse(f.read()))
-                 if isinstance(node, ast.Call) and getattr(node.func, 'id', None) == 'get_lr']
-    assert len(calls) == 1
-    passed = [arg.id for arg in calls[0].args[1:]] + [k.value.id for k in calls[0].keywords]
-    named = parameters[:len(calls[0].args) - 1] + [k.arg for k in calls[0].keywords]
-    assert passed == named == parameters
+        calls = [ast.unparse(node) for node in ast.walk(ast.parse(f.read()))
+                 if isinstance(node, ast.Call) and 'LRSchedule' in ast.unparse(node.func)
+                 or isinstance(node, ast.Call) and getattr(node.func, 'id', None) == 'get_lr']
+    assert sorted(calls) == ['LRSchedule.from_config(config)', 'get_lr(iter_num)']
+    with pytest.raises(KeyError, match='decay_frac'):  # a key missing from the config is no hidden default
+        LRSchedule.from_config({k: v for k, v in script_defaults(script).items() if k != 'decay_frac'})
     # and the keys can be set (--restart_iters was once rejected as unknown)
     config = configure(script_defaults(script), ['--lr_schedule=cosine_restarts', '--restart_iters=5',
                                                  '--restart_mult=2', '--decay_frac=0.5'])

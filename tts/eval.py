@@ -6,13 +6,14 @@ real-time factor, sample WAVs), and TensorBoard media (mel images, synthesized a
 import math
 import os
 import time
+from dataclasses import dataclass
 
 import torch
 import torchaudio
 from tqdm import tqdm
 
 from tts.losses import prior_loss
-from tts.data import BLANK_ID, MelExtractor, eval_batches, write_wav
+from tts.data import BLANK_ID, MEL_SETTINGS, MelExtractor, eval_batches, write_wav
 from tts.model import gaussian_log_likelihood, pad_to_even, sequence_mask, synthesize
 
 # -----------------------------------------------------------------------------
@@ -94,45 +95,63 @@ def mel_image(mel):
     return ((mel.float().cpu() - math.log(1e-5)) / (mel.max().item() - math.log(1e-5))).clamp(0, 1).flip(0)[None]
 
 
-def record_media(writer, model, val_set, texts, ids, step, n_timesteps, temperature, length_scale, guidance, seed,
-                 sample_rate):
+@dataclass(frozen=True)
+class SynthesisEval:
+    """How evaluation speaks held-out text (train_tts.py's config keys): tts_model.synthesize's settings, and
+    where the first audio_samples held-out utterances go as WAVs (out_dir/samples) and to TensorBoard."""
+    texts: dict  # utterance id -> text
+    n_timesteps: int
+    temperature: float
+    length_scale: float
+    guidance: float
+    seed: int
+    audio_samples: int
+    out_dir: str
+
+    def synthesize(self, model, utt_id):
+        return synthesize(model, self.texts[utt_id], self.n_timesteps, self.temperature, self.length_scale,
+                          self.guidance, self.seed)
+
+
+def record_media(writer, model, val_set, step, setup):
     """TensorBoard: teacher-forced vs target mel of the first held-out utterance, and speech
-    synthesized from text (predicted durations) for the utterances ids."""
+    synthesized from text (predicted durations) for the first setup.audio_samples held-out utterances."""
     if not writer:
         return
     model.eval()
     device = model.mel_mean.device
     collated = val_set.collate([0], model.mel_mean.item(), model.mel_std.item())
     x, x_lengths, y, y_lengths = [t.to(device) for t in collated]
-    mel, _ = model.teacher_forced(x, x_lengths, y, y_lengths, n_timesteps=n_timesteps, temperature=temperature,
-                                  generator=torch.Generator(device=device).manual_seed(seed))
+    mel, _ = model.teacher_forced(x, x_lengths, y, y_lengths, n_timesteps=setup.n_timesteps,
+                                  temperature=setup.temperature,
+                                  generator=torch.Generator(device=device).manual_seed(setup.seed))
     pred, target = model.denormalize(mel[0, :, :y.shape[2]]), model.denormalize(y[0])
     writer.add_image('mel/teacher_forced_over_target', torch.cat([mel_image(pred), mel_image(target)], dim=1), step)
-    for utt_id in ids:
-        audio, log_mel = synthesize(model, texts[utt_id], n_timesteps, temperature, length_scale, guidance, seed)
-        writer.add_audio(f'audio/{utt_id}', audio.clamp(-1, 1)[None], step, sample_rate=sample_rate)
+    for utt_id in val_set.ids[:setup.audio_samples]:
+        audio, log_mel = setup.synthesize(model, utt_id)
+        writer.add_audio(f'audio/{utt_id}', audio.clamp(-1, 1)[None], step, sample_rate=MEL_SETTINGS['sample_rate'])
         writer.add_image(f'mel/synthesized_{utt_id}', mel_image(log_mel), step)
     model.train()
 
 
-def evaluate_synthesis(model, val_set, train_set, texts, ids, out_dir, audio_samples, mel_settings, n_timesteps,
-                       temperature, length_scale, guidance, seed):
+def evaluate_synthesis(model, val_set, train_set, ids, setup):
     """Held-out speech from text alone: MCD-DTW of the synthesized mel against the reference, of the
     mel re-analysed from its Griffin-Lim audio, of the reference itself through Griffin-Lim (the
     vocoder's floor) and of a trivial baseline (the training set's mean mel frame repeated for the
     reference's length); real-time factor. Scores the held-out utterances ids; writes the first
-    audio_samples as WAVs to out_dir/samples."""
+    setup.audio_samples as WAVs to setup.out_dir/samples."""
     model.eval()
-    sample_rate = mel_settings['sample_rate']
-    extractor = MelExtractor(**mel_settings)
+    sample_rate = MEL_SETTINGS['sample_rate']
+    extractor = MelExtractor(**MEL_SETTINGS)
     mean_frame = train_set.mean_mel()
-    os.makedirs(os.path.join(out_dir, 'samples'), exist_ok=True)
+    samples_dir = os.path.join(setup.out_dir, 'samples')
+    os.makedirs(samples_dir, exist_ok=True)
     scores = {k: [] for k in ('model', 'model_audio', 'reference_audio', 'baseline')}
     model_seconds = audio_seconds = duration_ratio = 0.0
     for n, utt_id in enumerate(tqdm(ids, desc='synthesis eval', dynamic_ncols=True, leave=False)):
         reference = val_set.mels[val_set.ids.index(utt_id)]
         t0 = time.perf_counter()
-        audio, log_mel = synthesize(model, texts[utt_id], n_timesteps, temperature, length_scale, guidance, seed)
+        audio, log_mel = setup.synthesize(model, utt_id)
         model_seconds += time.perf_counter() - t0
         audio_seconds += len(audio) / sample_rate
         duration_ratio += log_mel.shape[1] / reference.shape[1] / len(ids)
@@ -140,8 +159,8 @@ def evaluate_synthesis(model, val_set, train_set, texts, ids, out_dir, audio_sam
         scores['model_audio'].append(mel_cepstral_distortion(extractor(audio), reference))
         scores['reference_audio'].append(mel_cepstral_distortion(extractor(extractor.to_waveform(reference)), reference))
         scores['baseline'].append(mel_cepstral_distortion(mean_frame[:, None].expand_as(reference), reference))
-        if n < audio_samples:
-            write_wav(os.path.join(out_dir, 'samples', f'{utt_id}.wav'), audio, sample_rate)
+        if n < setup.audio_samples:
+            write_wav(os.path.join(samples_dir, f'{utt_id}.wav'), audio, sample_rate)
     model.train()
     result = {f'mcd_{k}': sum(v) / len(v) for k, v in scores.items()}
     result.update(rtf=model_seconds / audio_seconds, duration_ratio=duration_ratio, eval_utterances=len(ids))

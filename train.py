@@ -17,23 +17,24 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from run.checkpoint import (CHECKPOINT_FORMATS, check_compatible, continued_origin, open_run, require_starting_weights,
-                        restore_training_state, run_log, run_origin, training_state, write_checkpoint)
 from configurator import FOLDER, POSITIVE, UserError, at_least, check_values, configure, interval, one_of
-from run.fsdp import PARALLEL, check_parallel, place_model, same_init_on_every_rank
+from lm.lora import apply_lora, frozen_base_dtype, load_adapters, lora_state_dict, save_merged
+from lm.muon import gpt_optimizer
+from lm.tokenizer import chat_tokenizer
 from losses import check_loss_weights, combine_losses, target_weights, token_weight_table, weighted_cross_entropy, z_loss
 from memory import (DTYPES, GradScaler, MemoryMonitor, autocast_context, halve_micro_batch, peak_memory_bytes,
                     pick_dtype, recover_from_oom, resumed_micro_batch)
-from lm.lora import apply_lora, frozen_base_dtype, load_adapters, lora_state_dict, save_merged
-from lm.muon import gpt_optimizer
+from run.checkpoint import (CHECKPOINT_FORMATS, check_compatible, restore_training_state, training_state,
+                            write_checkpoint)
+from run.fsdp import PARALLEL, check_parallel, place_model, same_init_on_every_rank
 from run.run_data import gpt_run_data
+from run.run_folder import continued_origin, open_run, require_starting_weights, run_log, run_origin
 from run.runtime import (StepProfiler, StopSignal, after_eval, all_reduce_metrics, bad_step, clip_grad_norm,
-                     compute_cleanup, compute_init, gradient_sync, keep_log_until, log, patience_exhausted,
-                     rank_batches, wrap_model)
-from scheduler import SCHEDULES, LRSchedule, set_lr
+                         compute_cleanup, compute_init, gradient_sync, keep_log_until, log, patience_exhausted,
+                         rank_batches, wrap_model)
 from run.starting_model import full_model_checkpoint, hf_source, model_hash, run_model_args, run_tokenizer, starting_gpt
+from scheduler import SCHEDULES, LRSchedule, set_lr
 from tasks.exact_match import print_sample, report_exact_match
-from lm.tokenizer import chat_tokenizer
 
 # -----------------------------------------------------------------------------
 # I/O

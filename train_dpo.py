@@ -17,22 +17,23 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from run.checkpoint import (CHECKPOINT_FORMATS, check_compatible, continued_origin, file_sha256, open_run,
-                        restore_training_state, run_log, run_origin, training_state, write_checkpoint)
 from configurator import FOLDER, POSITIVE, UserError, at_least, check_values, configure, interval, one_of
 from lm.dpo import completion_logps, precomputed_reference_logps, reference_logps
-from run.fsdp import PARALLEL, check_parallel, place_model, same_init_on_every_rank
+from lm.lora import LORA_SETTINGS, apply_lora, frozen_base_dtype, lora_optimizer, lora_state_dict, save_merged
+from lm.tokenizer import chat_tokenizer
 from losses import DPO_LOSS_TYPES, dpo_loss
 from memory import DTYPES, GradScaler, autocast_context, peak_memory_bytes, pick_dtype, resumed_micro_batch
-from lm.lora import LORA_SETTINGS, apply_lora, frozen_base_dtype, lora_optimizer, lora_state_dict, save_merged
 from model import GPTConfig
+from run.checkpoint import (CHECKPOINT_FORMATS, check_compatible, file_sha256, restore_training_state, training_state,
+                            write_checkpoint)
+from run.fsdp import PARALLEL, check_parallel, place_model, same_init_on_every_rank
 from run.run_data import preference_run_data
+from run.run_folder import continued_origin, open_run, run_log, run_origin
 from run.runtime import (StopSignal, after_eval, all_reduce_metrics, bad_step, clip_grad_norm, compute_cleanup,
-                     compute_init, gradient_sync, keep_log_until, log, patience_exhausted, rank_batches, wrap_model)
-from scheduler import SCHEDULES, LRSchedule, set_lr
+                         compute_init, gradient_sync, keep_log_until, log, patience_exhausted, rank_batches, wrap_model)
 from run.starting_model import build_model, dpo_reference, frozen_model, hf_source, load_model, run_tokenizer
+from scheduler import SCHEDULES, LRSchedule, set_lr
 from tasks.exact_match import report_exact_match
-from lm.tokenizer import chat_tokenizer
 
 # -----------------------------------------------------------------------------
 # I/O

@@ -15,16 +15,16 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from run.checkpoint import (check_compatible, continued_origin, load_checkpoint, open_run, require_starting_weights,
-                        restore_training_state, rng_state, run_log, run_origin, set_rng_state, training_state,
-                        write_checkpoint)
 from configurator import (EMPTY_OR_FOLDER, FOLDER, POSITIVE, UserError, at_least, check_values, configure,
                           dataclass_args, interval, one_of)
 from memory import (GradScaler, MemoryMonitor, autocast_context, peak_memory_bytes, pick_dtype, recover_from_oom,
                     split_micro_batches)
+from run.checkpoint import (check_compatible, load_checkpoint, restore_training_state, rng_state, set_rng_state,
+                            training_state, write_checkpoint)
+from run.run_folder import continued_origin, open_run, require_starting_weights, run_log, run_origin
 from run.runtime import (StepProfiler, StopSignal, after_eval, all_reduce_metrics, bad_step, clip_grad_norm,
-                     compute_cleanup, compute_init, gradient_sync, keep_log_until, log, patience_exhausted,
-                     wrap_model)
+                         compute_cleanup, compute_init, gradient_sync, keep_log_until, log, patience_exhausted,
+                         wrap_model)
 from scheduler import SCHEDULES, LRSchedule, set_lr
 from tts import data as tts_data
 from tts.data import FrameBudgetSampler, LJSpeechDataset, build_symbols, eval_batches, read_metadata, split_ids

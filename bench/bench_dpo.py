@@ -24,11 +24,11 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from run.checkpoint import save_checkpoint
 from configurator import at_least, check_values, configure
 from data import prepare_default
-from model import GPT, GPTConfig
 from lm.tokenizer import ChatTokenizer, load_tokenizer
+from model import GPT, GPTConfig
+from run.checkpoint import save_checkpoint
 
 # -----------------------------------------------------------------------------
 n_layer = 4

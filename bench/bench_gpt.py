@@ -16,8 +16,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 
 from configurator import at_least, check_values, configure
-from memory import autocast_context, peak_memory_bytes, pick_device, pick_dtype
 from lm.lora import apply_lora, cast_frozen_base
+from memory import autocast_context, peak_memory_bytes, pick_device, pick_dtype
 from model import GPT, GPTConfig
 
 # -----------------------------------------------------------------------------

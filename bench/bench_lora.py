@@ -17,8 +17,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 
 from configurator import POSITIVE, at_least, check_values, configure
-from memory import autocast_context, peak_memory_bytes, pick_device, pick_dtype, synchronize
 from lm.lora import apply_lora, lora_optimizer
+from memory import autocast_context, peak_memory_bytes, pick_device, pick_dtype, synchronize
 from model import GPT, GPTConfig
 
 # -----------------------------------------------------------------------------

@@ -30,8 +30,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
-from run.checkpoint import file_sha256, load_checkpoint  # noqa: E402
 from configurator import configure  # noqa: E402
+from run.checkpoint import file_sha256, load_checkpoint  # noqa: E402
 
 # -----------------------------------------------------------------------------
 seeds = (1337, 1338, 1339)   # one run of every stage per seed

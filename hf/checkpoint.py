@@ -28,8 +28,8 @@ from tokenizers import Tokenizer
 
 from configurator import UserError
 from hf.tokenizer import load_hf_tokenizer, read_json
-from model import GPT, ROPE_SCALING_KEYS, GPTConfig, mlp_hidden_size
 from lm.tokenizer import CHAT_SPECIAL_TOKENS, CHAT_TEMPLATE_JINJA
+from model import GPT, ROPE_SCALING_KEYS, GPTConfig, mlp_hidden_size
 
 ARCHITECTURES = ('LlamaForCausalLM', 'MistralForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM', 'ArceeForCausalLM',
                  'GPT2LMHeadModel')

@@ -8,9 +8,9 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
-from run.checkpoint import cached_tensors
-from losses import sequence_logps
 from lm.lora import disable_adapters
+from losses import sequence_logps
+from run.run_folder import cached_tensors
 from run.runtime import rank_batches
 
 

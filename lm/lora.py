@@ -12,10 +12,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from run.checkpoint import check_compatible, save_checkpoint
 from configurator import UserError
-from run.fsdp import model_state_dict
 from memory import DTYPES
+from run.checkpoint import check_compatible, save_checkpoint
+from run.fsdp import model_state_dict
 from run.runtime import log
 
 # LoRA (Hu et al. 2021): a frozen layer W plus a trainable low-rank update, y = W x + s B A x with

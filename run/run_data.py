@@ -14,13 +14,13 @@ from typing import NamedTuple
 
 import torch
 
-from lm.chat_data import PreferenceBatches, SFTBatches, load_preference_split, load_sft_data
-from run.checkpoint import training_data_hash
 from configurator import UserError
 from data import TokenBatches, eval_offsets
+from lm.chat_data import PreferenceBatches, SFTBatches, load_preference_split, load_sft_data
+from lm.tokenizer import prompt_and_answer
+from run.run_folder import training_data_hash
 from run.runtime import prepare_once
 from tasks.number_tasks import NUMBER_TASKS_DIR, PREFERENCES_DIR, prepare_number_tasks
-from lm.tokenizer import prompt_and_answer
 
 
 class GPTRunData(NamedTuple):

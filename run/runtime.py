@@ -22,8 +22,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from configurator import install_excepthook
-from run.fsdp import is_dtensor, is_sharded
 from memory import pick_device, synchronize
+from run.fsdp import is_dtensor, is_sharded
 
 
 class Compute(NamedTuple):

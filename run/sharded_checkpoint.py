@@ -25,8 +25,8 @@ from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from run.checkpoint import load_checkpoint, save_checkpoint, shard_folders
 from configurator import UserError
+from run.checkpoint import load_checkpoint, save_checkpoint, shard_folders
 
 
 def without_aliases(weights):

@@ -14,16 +14,17 @@ import os
 
 import torch
 
-from run.checkpoint import check_compatible, file_sha256, is_hf_folder, load_checkpoint, require_init_from
 from configurator import UserError, dataclass_args
 from data import prepare_default
-from run.fsdp import place_model
 from hf.checkpoint import load_hf_checkpoint, weight_files
 from hf.tokenizer import load_hf_tokenizer
 from lm.lora import cast_frozen_base
-from model import GPT, GPTConfig
-from run.runtime import prepare_once
 from lm.tokenizer import DEFAULT_DATA_DIR, load_tokenizer
+from model import GPT, GPTConfig
+from run.checkpoint import check_compatible, file_sha256, load_checkpoint
+from run.fsdp import place_model
+from run.run_folder import is_hf_folder, require_init_from
+from run.runtime import prepare_once
 
 
 def check_starting_model(model_ckpt, path, model_args, tokenizer, base_tokenizer=None):

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from run.checkpoint import check_compatible, load_checkpoint, rng_state, run_log, save_checkpoint, set_rng_state
 from configurator import UserError
+from run.checkpoint import check_compatible, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from run.run_folder import run_log
 from run.runtime import StopSignal
 
 

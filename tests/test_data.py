@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import data
-from lm.chat_data import read_jsonl
 from configurator import UserError
+from lm.chat_data import read_jsonl
 from lm.tokenizer import load_tokenizer, read_meta
 
 TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak. Ünïcödé ✓\n" * 13

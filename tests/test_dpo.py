@@ -17,14 +17,14 @@ import time
 import pytest
 import torch
 
-from lm.chat_data import PreferenceBatches, load_preference_split
 from configurator import UserError
+from lm.chat_data import PreferenceBatches, load_preference_split
 from lm.dpo import reference_logps
+from lm.tokenizer import ChatTokenizer, load_tokenizer
 from losses import DPO_LOSS_TYPES, dpo_loss, sequence_logps
 from model import GPT, GPTConfig
 from run.starting_model import frozen_model
 from tasks.number_tasks import prepare_number_tasks
-from lm.tokenizer import ChatTokenizer, load_tokenizer
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_sft import (ANSWERS, WORKING, _saved, char_tokenizer, checked_answer, sft, sft_env,  # noqa: E402,F401

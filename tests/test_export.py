@@ -11,14 +11,14 @@ import sys
 import pytest
 import torch
 
-from run.checkpoint import save_checkpoint
 from configurator import UserError
 from data import prepare
 from hf.checkpoint import gpt_config, hf_model, load_hf_checkpoint, read_hf_weights, save_hf_model
-from lm.lora import apply_lora, lora_state_dict, save_merged
-from model import GPT, GPTConfig, mlp_hidden_size
 from hf.tokenizer import load_hf_tokenizer
+from lm.lora import apply_lora, lora_state_dict, save_merged
 from lm.tokenizer import ChatTokenizer, load_tokenizer
+from model import GPT, GPTConfig, mlp_hidden_size
+from run.checkpoint import save_checkpoint
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_train import ROOT, run  # noqa: E402

@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from run.checkpoint import load_checkpoint
 from configurator import UserError
-from run.fsdp import check_parallel, shard_model
 from model import GPT
+from run.checkpoint import load_checkpoint
+from run.fsdp import check_parallel, shard_model
 from safetensors.torch import load_file, save_file
 from run.sharded_checkpoint import unreadable
 from run.starting_model import frozen_model

@@ -11,8 +11,8 @@ import pytest
 from configurator import UserError
 from hf.checkpoint import save_chat_tokenizer
 from hf.tokenizer import load_hf_tokenizer
-from lm.tokenizer import BPETokenizer, CharTokenizer, ChatTokenizer, train_bpe
 from hf.tokenizer_json import from_sentencepiece, write_tokenizer_files
+from lm.tokenizer import BPETokenizer, CharTokenizer, ChatTokenizer, train_bpe
 
 FOLDER = os.path.join(os.path.dirname(__file__), 'fixtures', 'hf', 'sentencepiece')
 with open(os.path.join(FOLDER, 'expected.json'), encoding='utf-8') as f:

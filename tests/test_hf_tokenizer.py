@@ -6,9 +6,9 @@ import shutil
 
 import pytest
 
-from lm.chat_data import encode_pair
 from configurator import UserError
 from hf.tokenizer import load_hf_tokenizer
+from lm.chat_data import encode_pair
 from lm.tokenizer import ChatTokenizer, prompt_and_answer
 
 FIXTURES = os.path.join(os.path.dirname(__file__), 'fixtures', 'hf')

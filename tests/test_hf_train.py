@@ -16,10 +16,10 @@ from safetensors.torch import load_file, save_file
 
 from hf.checkpoint import load_hf_checkpoint, peft_name, save_chat_tokenizer, save_hf_model
 from hf.tokenizer import load_hf_tokenizer
+from lm.tokenizer import chat_tokenizer
 from model import GPT, GPTConfig
 from run.starting_model import hf_source, run_tokenizer
 from tasks.number_tasks import prepare_number_tasks
-from lm.tokenizer import chat_tokenizer
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_hf_model import fixture, load_gpt  # noqa: E402

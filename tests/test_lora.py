@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from configurator import UserError
 from lm.lora import (LoRALinear, apply_lora, disable_adapters, lora_optimizer, lora_param_groups, lora_state_dict,
-                  merge_lora, merged_state_dict, unmerge_lora)
+                     merge_lora, merged_state_dict, unmerge_lora)
 from model import GPT, GPTConfig
 from test_sft import SFT, TINY, load, read_log, run, sft, sft_env, train_losses  # noqa: F401 (sft_env is a fixture)
 

@@ -13,7 +13,7 @@ import torch
 from configurator import UserError
 from hf.checkpoint import load_hf_checkpoint
 from lm.lora import (apply_lora, cast_frozen_base, disable_adapters, frozen_base_dtype, low_rank_delta, lora_optimizer,
-                  lora_state_dict, merged_state_dict)
+                     lora_state_dict, merged_state_dict)
 from model import GPT, GPTConfig
 
 sys.path.insert(0, os.path.dirname(__file__))

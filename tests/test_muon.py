@@ -8,8 +8,8 @@ import sys
 import pytest
 import torch
 
-from model import GPT, GPTConfig
 from lm.muon import Muon, muon_param_groups, orthogonalize
+from model import GPT, GPTConfig
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_train import TINY, data_dir, load, run, train, train_losses  # noqa: E402,F401  (data_dir is a fixture)

@@ -9,10 +9,10 @@ import random
 import pytest
 import torch
 
-from run.checkpoint import restore_training_state, training_state
 from memory import GradScaler
+from run.checkpoint import restore_training_state, training_state
 from run.runtime import (after_eval, all_reduce_metrics, bad_step, clip_grad_norm, compute_init, patience_exhausted,
-                     rank_batches)
+                         rank_batches)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = ('train.py', 'train_dpo.py', 'train_tts.py')

@@ -11,13 +11,13 @@ import sys
 import pytest
 import torch
 
-from lm import chat_data
-from lm.chat_data import SFTBatches, load_sft_split
 from configurator import UserError
 from data import prepare
+from lm import chat_data
+from lm.chat_data import SFTBatches, load_sft_split
+from lm.tokenizer import ChatTokenizer, CharTokenizer, load_tokenizer, prompt_and_answer
 from model import GPT, GPTConfig
 from tasks.number_tasks import addition_working, digit_copies, prepare_number_tasks, subtraction_working
-from lm.tokenizer import ChatTokenizer, CharTokenizer, load_tokenizer, prompt_and_answer
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_train import kill_and_relaunch, load, read_log, run, train_losses  # noqa: E402  (the subprocess helpers)

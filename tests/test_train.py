@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from run.checkpoint import logged_step
+from run.run_folder import logged_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ['--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=32', '--batch_size=4', '--eval_iters=2',

@@ -20,10 +20,10 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(__file__))
 
 from configurator import UserError  # noqa: E402
-from tts.losses import duration_loss, flow_matching_loss, flow_matching_path, prior_loss  # noqa: E402
 from tts.data import (MEL_SETTINGS, FrameBudgetSampler, LJSpeechDataset, MelExtractor, encode_text, make_espeak_corpus,  # noqa: E402
                       read_metadata, read_wav, split_ids, write_wav)
 from tts.eval import alignment_stats, dtw_mean_cost, mel_cepstral_distortion  # noqa: E402
+from tts.losses import duration_loss, flow_matching_loss, flow_matching_path, prior_loss  # noqa: E402
 from tts.model import (TTSConfig, TTSModel, durations_to_path, load_tts, log_beta_binomial_prior,  # noqa: E402
                        maximum_path_reference, monotonic_alignment_search, synthesize)
 from test_train import kill_and_relaunch  # noqa: E402  (the preemption helper)

@@ -12,8 +12,8 @@ import torch
 import torchaudio
 from tqdm import tqdm
 
-from tts.losses import prior_loss
 from tts.data import BLANK_ID, MEL_SETTINGS, MelExtractor, eval_batches, write_wav
+from tts.losses import prior_loss
 from tts.model import gaussian_log_likelihood, pad_to_even, sequence_mask, synthesize
 
 # -----------------------------------------------------------------------------

@@ -14,8 +14,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from configurator import UserError
-from tts.losses import duration_loss, flow_matching_loss, flow_matching_path, prior_loss
 from tts.data import BLANK_ID, MEL_SETTINGS, MelExtractor, encode_text
+from tts.losses import duration_loss, flow_matching_loss, flow_matching_path, prior_loss
 
 
 @dataclass

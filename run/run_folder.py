@@ -1,0 +1,207 @@
+"""
+The run folder (out_dir): what a training script does with it besides writing checkpoints.
+
+- claim_out_dir checks out_dir can be written and locks it for the run's lifetime; run_to_continue
+  decides whether a launch continues the run out_dir holds, so that relaunching the same command
+  after a kill continues it and a different run never overwrites it; open_run does both, as every
+  training script starts. require_starting_weights: a new run's init_from must be there.
+- run_log is what every training script writes besides checkpoints: out_dir/log.jsonl and TensorBoard.
+- training_data_hash: a continued run must read the training file it began with; cached_tensors:
+  values computed once per run and kept in out_dir (DPO's reference log-probs).
+(The checkpoint files themselves: run/checkpoint.py.)
+"""
+import fcntl
+import glob
+import hashlib
+import json
+import math
+import os
+
+from configurator import UserError, require_writable_folder
+from run.checkpoint import file_sha256, load_checkpoint, save_checkpoint
+from run.runtime import log
+
+
+def claim_out_dir(out_dir):
+    """Create out_dir, check that files can be written in it, and lock it for the life of this process
+    (the lock goes with the process, so a killed run leaves none behind). Temporaries of a save that
+    was killed are removed. Returns the open lock file: keep a reference to it."""
+    require_writable_folder(out_dir)
+    lock = open(os.path.join(out_dir, 'run.lock'), 'a+')
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or 'unknown'
+        raise UserError(f"another run (process {holder}) is training in {out_dir}. Wait for it to end, stop it, or "
+                        f"pick another --out_dir.") from None
+    lock.truncate(0)
+    lock.write(f"{os.getpid()}\n")
+    lock.flush()
+    for stale in glob.glob(os.path.join(glob.escape(out_dir), '*.tmp')):
+        os.remove(stale)
+    return lock
+
+
+def continued_origin(init_from, out_dir, resume):
+    """init_from, but for nanoGPT's init_from='resume' (continue the run in out_dir, which nanotrain does whenever
+    there is one) the init_from that run began with, so that this launch is that run; never a file named
+    'resume'. 'auto' is no setting: a UserError says what is."""
+    if init_from == 'auto':
+        raise UserError("init_from='auto' is not a setting: a run in out_dir is continued anyway (resume=True, the "
+                        "default), and init_from says where a new run's weights start: 'scratch', a checkpoint file, "
+                        "a Hugging Face folder, or 'resume' to continue the run in out_dir and nothing else.")
+    if init_from != 'resume':
+        return init_from
+    path = os.path.join(out_dir, 'ckpt.pt')
+    if not resume:
+        raise UserError("init_from='resume' continues the run in out_dir and resume=False starts a new one there; "
+                        "drop one of them.")
+    if not os.path.exists(path):
+        raise UserError(f"init_from='resume' continues the run in {out_dir}, but there is none ({path} does not "
+                        f"exist). Point --out_dir at the run's folder, or start a new run with --init_from=scratch "
+                        f"or a checkpoint.")
+    return load_checkpoint(path, whole=False).get('run', {}).get('init_from', 'scratch')
+
+
+def run_origin(init_from):
+    """Where a run's weights start, as its checkpoints record it: 'scratch' or a checkpoint's absolute path."""
+    return init_from if init_from == 'scratch' else os.path.abspath(init_from)
+
+
+def is_hf_folder(path):
+    """A Hugging Face model folder: one with a config.json (hf/checkpoint.py reads it)."""
+    return os.path.isfile(os.path.join(path, 'config.json'))
+
+
+def require_init_from(init_from, made_by=None, hf_folders=False):
+    """A UserError unless init_from is a checkpoint file (or, with hf_folders, a Hugging Face model
+    folder); made_by: the command that writes it, when init_from is where a documented command writes
+    its model."""
+    if os.path.isfile(init_from) or hf_folders and is_hf_folder(init_from):
+        return
+    how = f"It is made by {made_by}; run that first, or point" if made_by else "Check the path, or point"
+    what = "a checkpoint file or a Hugging Face model folder (one with a config.json)" if hf_folders else "a checkpoint file"
+    raise UserError(f"init_from={init_from!r} is not {what}. {how} --init_from at the checkpoint this run should "
+                    f"start from.")
+
+
+def run_to_continue(out_dir, resume, run, eval_only, whole=True):
+    """The checkpoint of the run in out_dir when this launch continues it, else None (a new run); whole as in
+    load_checkpoint.
+    run: what identifies this launch's run (script, training type, where its weights start); a
+    checkpoint recorded by another run is refused unless resume=False (which replaces that run).
+    eval_only evaluates whatever run of this script is there, wherever its weights started."""
+    path = os.path.join(out_dir, 'ckpt.pt')
+    if not resume or not os.path.exists(path):
+        return None
+    ckpt = load_checkpoint(path, whole)
+    saved = ckpt.get('run', {})  # older checkpoints do not say: continue them
+    # init_from may differ to evaluate, or where the model the run began from has moved (gone from where it was,
+    # there where this command says: the script checks it is the same model, by its sha256 or its tokenizer)
+    moved = saved.get('init_from', 'scratch') != 'scratch' and not os.path.exists(saved['init_from']) \
+        and os.path.exists(run.get('init_from', ''))
+    diffs = [f"{k}: the run there has {saved[k]!r}, this command {run.get(k)!r}"
+             for k in saved if saved[k] != run.get(k) and not (k == 'init_from' and (eval_only or moved))]
+    if diffs:
+        raise UserError(f"{out_dir} holds another run, and this command would overwrite its checkpoints ("
+                        + "; ".join(diffs) + "). Use another --out_dir, or --resume=False to start a new run there "
+                        "in its place.")
+    return ckpt
+
+
+def open_run(out_dir, resume, run, eval_only, master, whole=True):
+    """What every training script does first with out_dir: rank 0 claims it before any work (claim_out_dir), and
+    a checkpoint there is this run's to continue, never another's (run_to_continue). Returns (the lock, None on
+    the other ranks: keep a reference to it; the checkpoint's path; the checkpoint to continue, or None)."""
+    lock = claim_out_dir(out_dir) if master else None
+    return lock, os.path.join(out_dir, 'ckpt.pt'), run_to_continue(out_dir, resume, run, eval_only, whole)
+
+
+def require_starting_weights(ckpt, init_from, eval_only, ckpt_path, made_by=None, hf_folders=False,
+                             what='a checkpoint'):
+    """A UserError unless a new run (ckpt None) has weights to start from: init_from must be there (as in
+    require_init_from), and eval_only needs a trained model (what: the kind init_from should point at)."""
+    if ckpt is not None:
+        return
+    if init_from != 'scratch':
+        require_init_from(init_from, made_by, hf_folders)
+    elif eval_only:
+        raise UserError(f"eval_only=True needs a trained model, but {ckpt_path} does not exist; point --out_dir at a "
+                        f"run or --init_from at {what}.")
+
+
+def logged_step(line):
+    """The step of a log.jsonl line; None for a line cut short by a kill."""
+    try:
+        return json.loads(line)['step']
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def run_log(out_dir, enabled, tensorboard, keep_until):
+    """(record, writer): record(event) appends a dict with a 'step' to out_dir/log.jsonl and writes its
+    numbers to TensorBoard (writer, None when tensorboard=False). keep_until: the existing log keeps
+    its events up to this step: a continued run's step (the events a killed run wrote past its
+    checkpoint are done again), -1 for a new run (an empty log), math.inf to append (eval_only).
+    Not enabled (every rank but 0): record does nothing and writer is None."""
+    if not enabled:
+        return (lambda event: None), None
+    log_path = os.path.join(out_dir, 'log.jsonl')
+    kept = []
+    if os.path.exists(log_path):
+        with open(log_path) as f:
+            kept = [line for line in f if (step := logged_step(line)) is not None and step <= keep_until]
+    with open(log_path + '.tmp', 'w') as f:
+        f.writelines(kept)
+    os.replace(log_path + '.tmp', log_path)
+    log_file = open(log_path, 'a')
+    writer = None
+    if tensorboard:
+        from torch.utils.tensorboard import SummaryWriter
+        writer = SummaryWriter(os.path.join(out_dir, 'tb'),
+                               purge_step=None if keep_until == math.inf else max(keep_until, 0))
+
+    def record(event):
+        log_file.write(json.dumps(event) + '\n')
+        log_file.flush()
+        if writer:
+            for k, v in event.items():
+                if k != 'step' and isinstance(v, (int, float)):
+                    writer.add_scalar(k, v, event['step'])
+            writer.flush()  # on disk now, like log.jsonl: a torchrun process ends without closing it (run/runtime.py)
+    return record, writer
+
+
+def training_data_hash(path, ckpt, out_dir, setting):
+    """sha256 of a run's training data file; a continued run's (ckpt) must be the file it began with.
+    setting: the config key that names the data, for the message."""
+    data_hash = file_sha256(path)
+    if ckpt and data_hash != ckpt.get('train_data_hash', data_hash):  # older checkpoints: unknown
+        raise UserError(f"{path} has changed since the run in {out_dir} began; resuming would go on with other "
+                        f"examples. Restore the file (or {setting}), or start a new run (another out_dir, or "
+                        f"--resume=False to replace it).")
+    return data_hash
+
+
+def cached_tensors(out_dir, name, key, shapes, compute, master, what):
+    """{name: tensor} computed once and cached in out_dir, in a file named by name and a hash of key (everything
+    the tensors depend on, JSON): read back when it is there, else compute() (on every rank) and saved by master.
+    shapes: the {name: shape} the cached tensors must have; what: what they are, for messages."""
+    path = os.path.join(out_dir, f"{name}_{hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]}.pt")
+    if not os.path.exists(path):
+        tensors = compute()
+        if master:
+            save_checkpoint(path, tensors)
+        log(f"{what} computed, cached in {path}")
+        return tensors
+    try:
+        tensors = load_checkpoint(path)
+        fits = {k: tensors[k].shape for k in shapes} == shapes
+    except (UserError, KeyError, AttributeError, TypeError):
+        fits = False
+    if not fits:
+        raise UserError(f"{path}, the cached {what}, is unreadable or does not fit the data. Delete it: it is "
+                        f"computed again.")
+    log(f"{what} from {path}")
+    return tensors

@@ -4,12 +4,23 @@ with an out-of-memory error or a NaN loss injected at the named training steps:
 
     python tests/faults.py nan@2,oom@1 train.py --max_iters=6 ...
 
-Every training script scales each micro-batch's loss with memory.GradScaler.scale right before
-backward, so that is where the faults go in: oom@N raises torch.OutOfMemoryError there (inside
-train_step, before backward: the script's OOM retry catches it), nan@N makes the loss going into
-backward NaN (the gradients and their norm turn NaN: a non-finite step, skipped; the logged loss
-stays finite, and under float16 the scaler takes it for an overflow). N is the script's own
-iter_num. Each fault fires once, so the step retried after an injected OOM goes through.
+N in oom@N / nan@N is the script's iter_num: the step the run started at, plus the training steps it
+has finished since. The scripts have no code for this; before the script runs, three library functions
+that every training script calls are wrapped (each still does all it did):
+
+- checkpoint.restore_training_state: a resumed run's step counters; the count starts at the iter_num it
+  returns (at 0 in a run that starts afresh and never calls it).
+- memory.GradScaler.update: called exactly once at the end of every training step, taken or skipped
+  (each script's step block), never in an evaluation or between an OOM and its retry; each call
+  counts one step.
+- memory.GradScaler.scale: scales each micro-batch's loss right before backward, inside the script's
+  train_step, so that is where the faults go in. oom@N raises torch.OutOfMemoryError there (before
+  backward: the script's OOM retry catches it), nan@N makes the loss going into backward NaN (the
+  gradients and their norm turn NaN: a non-finite step, skipped; the logged loss stays finite, and under
+  float16 the scaler takes it for an overflow).
+
+Each fault fires once, at the first micro-batch of its step, so the step retried after an injected OOM
+goes through. Under torchrun every rank runs this file and counts its own steps.
 """
 
 import os
@@ -20,32 +31,54 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository's modules
 import memory  # noqa: E402
+from run import checkpoint  # noqa: E402
 
 
-def faulty_scale(spec, scale=memory.GradScaler.scale):
-    """GradScaler.scale with the faults of spec ("oom@3,nan@5") injected, each once."""
-    faults = set()
-    for fault in spec.replace(' ', '').split(','):
-        name, _, step = fault.partition('@')
-        assert name in ('oom', 'nan') and step.isdigit(), f"fault {fault!r}: expected oom@N or nan@N"
-        faults.add((name, int(step)))
+class Faults:
+    """The faults of a spec ("oom@3,nan@5"), each to fire once, and the step they are matched against."""
 
-    def scale_with_faults(self, loss):
-        step = sys._getframe(1).f_globals['iter_num']  # the caller is the script's train_step
-        if ('oom', step) in faults:
-            faults.remove(('oom', step))
-            raise torch.OutOfMemoryError('injected OOM')
-        scaled = scale(self, loss)
-        if ('nan', step) in faults:
-            faults.remove(('nan', step))
-            return scaled * float('nan')
-        return scaled
+    def __init__(self, spec):
+        self.pending = set()
+        for fault in spec.replace(' ', '').split(','):
+            name, _, step = fault.partition('@')
+            assert name in ('oom', 'nan') and step.isdigit(), f"fault {fault!r}: expected oom@N or nan@N"
+            self.pending.add((name, int(step)))
+        self.step = 0  # the script's iter_num
 
-    return scale_with_faults
+    def fires(self, name):
+        if (name, self.step) in self.pending:
+            self.pending.remove((name, self.step))
+            return True
+        return False
+
+    def install(self, patch=setattr):
+        """Wrap the three functions the module docstring names. patch: setattr, or a test's
+        monkeypatch.setattr (undone after the test)."""
+        scale, update, restore = memory.GradScaler.scale, memory.GradScaler.update, checkpoint.restore_training_state
+
+        def scale_with_faults(scaler, loss):
+            if self.fires('oom'):
+                raise torch.OutOfMemoryError(f'injected OOM at step {self.step}')
+            scaled = scale(scaler, loss)
+            return scaled * float('nan') if self.fires('nan') else scaled
+
+        def update_and_count(scaler):
+            update(scaler)
+            self.step += 1
+
+        def restore_and_start_there(*args, **kwargs):
+            counters = restore(*args, **kwargs)
+            self.step = counters[0]
+            return counters
+
+        patch(memory.GradScaler, 'scale', scale_with_faults)
+        patch(memory.GradScaler, 'update', update_and_count)
+        patch(checkpoint, 'restore_training_state', restore_and_start_there)  # before the script imports it
+        return self
 
 
 if __name__ == '__main__':
     spec, script, *args = sys.argv[1:]
-    memory.GradScaler.scale = faulty_scale(spec)
+    Faults(spec).install()
     sys.argv = [script, *args]
     runpy.run_path(script, run_name='__main__')

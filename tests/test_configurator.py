@@ -11,9 +11,8 @@ import pytest
 
 from configurator import (EMPTY_OR_FOLDER, FOLDER, POSITIVE, assignment_lines, at_least, check_values, configure,
                           dataclass_args, interval, one_of)
+from conftest import ROOT
 from scheduler import SCHEDULES
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(autouse=True)
@@ -48,10 +47,11 @@ def test_upper_case_constants_are_not_keys():
     assert set(config) == set(configure(defaults(), []))
 
 
+@pytest.mark.slow
 def test_scripts_configs_hold_only_plain_values():
     # a checkpoint stores its config and is read back with weights_only=True: no functions, no imported constants
     for script in ('train.py', 'train_dpo.py', 'train_tts.py'):
-        p = subprocess.run([sys.executable, script, '--help'], cwd=REPO, capture_output=True, text=True, check=True)
+        p = subprocess.run([sys.executable, script, '--help'], cwd=ROOT, capture_output=True, text=True, check=True)
         assert not re.search(r'^ *--[A-Z]', p.stdout, re.M), p.stdout
 
 
@@ -156,11 +156,11 @@ def test_missing_config_file(capsys):
 
 def test_shakespeare_config_fits_train_py():
     # train.py's own defaults (its top-level literal assignments), so keys and types are the real ones
-    with open(os.path.join(REPO, 'train.py')) as f:
+    with open(os.path.join(ROOT, 'train.py')) as f:
         tree = ast.parse(f.read())
     train_globals = {node.targets[0].id: node.value.value for node in tree.body
                      if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)}
-    configure(train_globals, [os.path.join(REPO, 'config', 'shakespeare_char.py')])
+    configure(train_globals, [os.path.join(ROOT, 'config', 'shakespeare_char.py')])
     assert train_globals['data_dir'] == 'data/shakespeare_char'
     assert (train_globals['n_layer'], train_globals['n_embd'], train_globals['block_size']) == (6, 384, 256)
 
@@ -185,7 +185,7 @@ print('ran', batch_size)
 def run_script(tmp_path, *args):
     path = tmp_path / 'script.py'
     path.write_text(textwrap.dedent(SCRIPT))
-    env = {**os.environ, 'PYTHONPATH': REPO}
+    env = {**os.environ, 'PYTHONPATH': ROOT}
     return subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True, env=env)
 
 
@@ -202,9 +202,9 @@ def test_script_help(tmp_path):
 def help_with_closed_pipe(path):
     """Run `python path --help`, read 100 bytes of its output, close the pipe (like `| head -c 100`);
     return (exit status, stderr)."""
-    env = {**os.environ, 'PYTHONPATH': REPO}
+    env = {**os.environ, 'PYTHONPATH': ROOT}
     p = subprocess.Popen([sys.executable, str(path), '--help'], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         env=env, cwd=REPO)
+                         env=env, cwd=ROOT)
     assert len(p.stdout.read(100)) == 100
     p.stdout.close()
     err = p.stderr.read().decode()
@@ -224,7 +224,7 @@ def test_help_into_closed_pipe_exits_quietly(tmp_path):
 
 @pytest.mark.parametrize('script', ['train.py', 'sample.py'])
 def test_real_script_help_into_closed_pipe_exits_quietly(script):
-    status, err = help_with_closed_pipe(os.path.join(REPO, script))
+    status, err = help_with_closed_pipe(os.path.join(ROOT, script))
     assert 'Traceback' not in err and 'BrokenPipeError' not in err and status == 0
 
 
@@ -321,14 +321,14 @@ def script_config_keys(path):
 
 
 CONFIGURED_SCRIPTS = ['train.py', 'train_dpo.py', 'train_tts.py', 'sample.py'] + sorted(
-    os.path.relpath(path, REPO) for path in glob.glob(os.path.join(REPO, 'bench', '*.py'))
+    os.path.relpath(path, ROOT) for path in glob.glob(os.path.join(ROOT, 'bench', '*.py'))
     if 'configure(globals())' in open(path, encoding='utf-8').read())
 
 
 def test_configurator_names_no_script_key():
-    keys = set().union(*(script_config_keys(os.path.join(REPO, script)) for script in CONFIGURED_SCRIPTS))
+    keys = set().union(*(script_config_keys(os.path.join(ROOT, script)) for script in CONFIGURED_SCRIPTS))
     assert {'batch_size', 'lr_schedule', 'top_p', 'cfg_drop', 'beta'} <= keys
-    with open(os.path.join(REPO, 'configurator.py'), encoding='utf-8') as f:
+    with open(os.path.join(ROOT, 'configurator.py'), encoding='utf-8') as f:
         tree = ast.parse(f.read())
     strings = {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)}
     # out_dir: the default key of require_writable_folder, which run/checkpoint.py and data.py call without one
@@ -340,7 +340,7 @@ def test_configurator_names_no_script_key():
 
 @pytest.mark.parametrize('script', CONFIGURED_SCRIPTS)
 def test_scripts_check_only_their_own_keys(script):
-    path = os.path.join(REPO, script)
+    path = os.path.join(ROOT, script)
     with open(path, encoding='utf-8') as f:
         calls = [node for node in ast.walk(ast.parse(f.read()))
                  if isinstance(node, ast.Call) and getattr(node.func, 'id', None) == 'check_values']
@@ -360,5 +360,5 @@ def test_scripts_check_only_their_own_keys(script):
     ('sample.py', '--top_p=2', 'top_p=2.0 must be in [0, 1].'),
     ('bench/bench_gpt.py', '--n_head=0', 'n_head=0 must be at least 1.')])
 def test_scripts_refuse_meaningless_values_at_start_up(script, arg, message):
-    r = subprocess.run([sys.executable, script, arg], cwd=REPO, capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, script, arg], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.startswith('config error: ') and message in r.stderr, r.stderr

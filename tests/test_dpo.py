@@ -9,61 +9,22 @@ import math
 import os
 import re
 import shutil
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
 
 from configurator import UserError
 from lm.chat_data import PreferenceBatches, load_preference_split
-from lm.dpo import reference_logps
+from conftest import (ANSWERS, REFERENCE, TRAIN_METRICS, WORKING, assert_user_error, char_tokenizer, checked_answer,
+                      dpo, dpo_args, evals, kill_and_relaunch, load, parameter_bytes, random_pairs,
+                      reference_logps_under_bf16_autocast, sigterm_after_steps, torch_saved, train_metrics, write_jsonl)
 from lm.tokenizer import ChatTokenizer, load_tokenizer
 from losses import DPO_LOSS_TYPES, dpo_loss, sequence_logps
 from model import GPT, GPTConfig
 from run.starting_model import frozen_model
 from tasks.number_tasks import prepare_number_tasks
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_sft import (ANSWERS, WORKING, _saved, char_tokenizer, checked_answer, sft, sft_env,  # noqa: E402,F401
-                      write_jsonl)  # (sft_env: a fixture)
-from test_train import ROOT, kill_and_relaunch, load, read_log, run  # noqa: E402  (the subprocess helpers)
-
 LN2 = math.log(2)
-DPO = ['--device=cpu', '--dtype=float32', '--tensorboard=False', '--max_length=40', '--max_prompt_length=32',
-       '--batch_size=4', '--eval_pairs=8', '--exact_match_examples=0', '--log_interval=1', '--warmup_iters=0',
-       '--learning_rate=1e-2', '--loss_type=sigmoid', '--beta=0.1', '--label_smoothing=0']  # rpo_alpha: default, 0
-TRAIN_METRICS = ('loss', 'rewards/chosen', 'rewards/rejected', 'rewards/margins', 'rewards/accuracies',
-                 'logps/chosen', 'logps/rejected', 'nll/chosen', 'kl')
-
-
-@pytest.fixture(scope='module')
-def dpo_env(sft_env, tmp_path_factory):
-    """test_sft's char corpus and base model, a tiny SFT checkpoint trained from it, and number-task pairs."""
-    root = tmp_path_factory.mktemp('dpo')
-    sft(sft_env, root / 'sft', '--max_iters=3', '--eval_interval=3', '--lr_decay_iters=3', '--exact_match_examples=0')
-    pairs = prepare_number_tasks(str(root / 'pairs'), n_train=40, n_eval=8, seed=1, preferences=True)
-    return dict(sft_env, sft=str(root / 'sft' / 'ckpt.pt'), pairs=pairs)
-
-
-def dpo_args(env, out_dir, *extra, ranks=1):
-    launch = ['-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={ranks}'] if ranks > 1 else []
-    return [*launch, 'train_dpo.py', f'--out_dir={out_dir}', f'--data_dir={env["data_dir"]}',
-            f'--dpo_data={env["pairs"]}', f'--init_from={env["sft"]}', *DPO, *extra]
-
-
-def dpo(env, out_dir, *extra, ranks=1, **kw):
-    return run(dpo_args(env, out_dir, *extra, ranks=ranks), **kw)
-
-
-def evals(out_dir):
-    return [e for e in read_log(out_dir) if 'eval/loss' in e]
-
-
-def train_metrics(out_dir):
-    return {e['step']: e for e in read_log(out_dir) if 'lr' in e}
 
 
 def hand_completion_logps(model, prompt, completion):
@@ -90,22 +51,6 @@ def test_frozen_reference_is_its_own_copy_of_the_weights():
     assert mine.keys() == state.keys() and all(torch.equal(mine[k], state[k]) for k in state)
     assert not {t.data_ptr() for t in mine.values()} & {t.data_ptr() for t in state.values()}
     assert not any(p.requires_grad for p in reference.parameters()) and not reference.training
-
-
-REFERENCE = GPTConfig(block_size=16, vocab_size=10, n_layer=2, n_head=2, n_embd=64, bias=True, mlp='swiglu',
-                      pos_emb='rope')  # tied
-
-
-def parameter_bytes(model):
-    """Bytes of model's parameters (a tied weight counted once; under FSDP this rank's shards)."""
-    local = [p.to_local() if hasattr(p, 'to_local') else p for p in model.parameters()]
-    return sum(t.numel() * t.element_size() for t in local)
-
-
-def reference_logps_under_bf16_autocast(model):
-    """(per-sequence sums, logits) of a fixed packed batch of 4 pairs, scored as in a bf16 run."""
-    batch = PreferenceBatches(random_pairs(6, seed=1), 0, 0, 16, pack=True).get(torch.tensor([5, 1, 2, 0]))
-    return reference_logps(model, model, batch, 4, False, torch.autocast('cpu', dtype=torch.bfloat16))
 
 
 @pytest.mark.comparison
@@ -338,12 +283,6 @@ def test_truncation_keeps_prompt_end_and_completion_start(tmp_path, capsys):
 
 # -- batching ------------------------------------------------------------------------------------
 
-def random_pairs(n, seed=0, vocab=10):
-    g = torch.Generator().manual_seed(seed)
-    draw = lambda lo, hi: torch.randint(vocab, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()  # noqa: E731
-    return [(draw(1, 8), draw(1, 6), draw(1, 6)) for _ in range(n)]
-
-
 def test_preference_batches_layout():
     """Padded rows: the chosen sequences of the pairs, then their rejected ones, right-padded; exactly the
     completion tokens are scored, chosen k owned by k and rejected k by n + k."""
@@ -415,7 +354,7 @@ def test_preference_sampling_epochs_and_state_dict_round_trip():
     state = a.state_dict()
     expected = [a.sample(4).tolist() for _ in range(6)]  # crosses epoch boundaries
     b = PreferenceBatches(pairs, seed=99, pad_id=0, max_length=16)
-    b.load_state_dict(torch.load(_saved(state), weights_only=True))
+    b.load_state_dict(torch.load(torch_saved(state), weights_only=True))
     assert [b.sample(4).tolist() for _ in range(6)] == expected and b.batches_drawn == a.batches_drawn
     with pytest.raises(UserError, match='training data changed'):
         PreferenceBatches(pairs[:9], seed=3, pad_id=0, max_length=16).load_state_dict(state)
@@ -467,6 +406,7 @@ def assert_step0_identities(e, tol=1e-6, exact_ties=True):
     assert e['eval/rewards/accuracies'] == 0.0 or not exact_ties, e
 
 
+@pytest.mark.slow
 def test_step0_frozen_reference_is_ln2_and_logs_hand_logps(step0, dpo_env):
     """Frozen-copy reference at step 0: loss ln 2, rewards 0, accuracy 0 (all ties), KL 0; the logged mean log-probs
     and NLL of the chosen completions match the SFT model run on each pair alone."""
@@ -488,6 +428,7 @@ def test_step0_frozen_reference_is_ln2_and_logs_hand_logps(step0, dpo_env):
     assert e['eval/nll/chosen'] == pytest.approx(-sum(chosen) / sum(len(c) for _, c, _ in pairs), abs=1e-5)
 
 
+@pytest.mark.slow
 def test_step0_lora_reference_is_the_model_with_adapters_disabled(tmp_path, dpo_env):
     """LoRA: B starts at zero, so policy == base == reference (adapters disabled) and the step-0 loss is ln 2;
     after training, the adapters' checkpoint and a merged.pt are written."""
@@ -501,10 +442,11 @@ def test_step0_lora_reference_is_the_model_with_adapters_disabled(tmp_path, dpo_
     assert ckpt['kind'] == 'lora' and all('lora_' in k for k in ckpt['model']) and (out / 'merged.pt').exists()
     # resuming with another adapter scale would silently rescale the trained adapters
     p = dpo(dpo_env, out, '--use_lora=True', '--lora_r=2', '--lora_alpha=64', '--max_iters=2', check=False)
-    assert p.returncode == 2 and 'lora_alpha: checkpoint has 16.0' in p.stderr and 'Traceback' not in p.stderr
+    assert_user_error(p, 'lora_alpha: checkpoint has 16.0')
     assert load(out / 'ckpt.pt')['iter_num'] == ckpt['iter_num']
 
 
+@pytest.mark.slow
 def test_step0_precomputed_reference_is_cached_and_reused(tmp_path, dpo_env):
     """precompute_ref_logps: ln 2 at step 0 (to 1e-4: the cache was computed with other batches' padding), the
     cache file is written in out_dir and a second run reads it instead of recomputing."""
@@ -521,6 +463,7 @@ def test_step0_precomputed_reference_is_cached_and_reused(tmp_path, dpo_env):
     assert_step0_identities(evals(out)[1], tol=1e-4, exact_ties=False)
 
 
+@pytest.mark.slow
 @pytest.mark.comparison
 def test_gradient_accumulation_and_ddp_match_one_big_batch(tmp_path, dpo_env):
     """Sums are normalized by the whole batch: 4 pairs x 1 = 1 x 4 = 2 x 2 = 2 ranks (torchrun, gloo) x 2 pairs
@@ -570,6 +513,7 @@ def assert_same_state(a, b, where='state'):
         assert a == b, where
 
 
+@pytest.mark.slow
 def test_resume_is_bit_exact(tmp_path, dpo_env):
     """4 steps straight = 2 steps, then resumed to 4 (dropout, packing, accumulation): train metrics, weights,
     optimizer state and sampler state all equal exactly."""
@@ -590,6 +534,7 @@ def test_resume_is_bit_exact(tmp_path, dpo_env):
         assert_same_state(ca[key], cb[key], key)
 
 
+@pytest.mark.slow
 def test_bf16_run_with_16_bit_reference_starts_at_exact_ties_and_resumes_bit_exactly(tmp_path, dpo_env):
     """--dtype=bfloat16: the reference's Linear weights are bf16 (frozen_model), the policy's
     float32, yet at step 0 every margin is exactly 0 (the same log-probs under autocast); stopped
@@ -610,6 +555,7 @@ def test_bf16_run_with_16_bit_reference_starts_at_exact_ties_and_resumes_bit_exa
     assert evals(straight)[1:] == evals(split)[1:]
 
 
+@pytest.mark.slow
 def test_resume_refuses_changed_data_reference_or_cache(tmp_path, dpo_env):
     """Resuming checks what the run began with: other training pairs (same count), a reference no longer where
     the checkpoint names it, an unreadable reference cache: exit 2 naming the file, the checkpoint untouched."""
@@ -634,11 +580,12 @@ def test_resume_refuses_changed_data_reference_or_cache(tmp_path, dpo_env):
             assert p.returncode == 0 and 'resuming' in p.stdout + p.stderr, p.stderr
             saved = (out / 'ckpt.pt').read_bytes()  # its final save
             continue
-        assert p.returncode == 2 and 'Traceback' not in p.stderr, p.stderr
+        assert_user_error(p)
         assert all(m in p.stderr for m in messages), (messages, p.stderr)
         assert (out / 'ckpt.pt').read_bytes() == saved
 
 
+@pytest.mark.slow
 def test_bad_inputs_are_clear_errors_and_keep_checkpoints(tmp_path, dpo_env):
     """A missing init_from, a pretrained (not fine-tuned) init_from, a malformed pair and out-of-range settings:
     exit 2 with a message naming the file (and line) or key, no traceback, and the out_dir's checkpoint
@@ -661,11 +608,12 @@ def test_bad_inputs_are_clear_errors_and_keep_checkpoints(tmp_path, dpo_env):
         out.mkdir()
         (out / 'ckpt.pt').write_bytes(b'an earlier run')
         p = dpo(dpo_env, out, '--resume=False', *args, check=False)
-        assert p.returncode == 2 and 'Traceback' not in p.stderr, (args, p.stderr)
+        assert_user_error(p)
         assert all(m in p.stderr for m in messages), (messages, p.stderr)
         assert set(os.listdir(out)) - {'run.lock'} == {'ckpt.pt'} and (out / 'ckpt.pt').read_bytes() == b'an earlier run'
 
 
+@pytest.mark.slow
 def test_rpo_adds_alpha_times_chosen_nll_and_ipo_starts_at_its_target(step0, tmp_path, dpo_env):
     """rpo_alpha: the step-0 loss is the plain loss plus alpha * the chosen completions' per-token NLL; length-
     normalized IPO at step 0 (h = 0) is (1 / (2 beta))^2."""
@@ -679,26 +627,18 @@ def test_rpo_adds_alpha_times_chosen_nll_and_ipo_starts_at_its_target(step0, tmp
     assert ipo['eval/rewards/margins'] == 0 and ipo['eval/rewards/accuracies'] == 0.0
 
 
+@pytest.mark.slow
 def test_sigterm_saves_and_exits_143(tmp_path, dpo_env):
     """SIGTERM mid-run: the step finishes, ckpt.pt is saved at that step, exit 143; the run then resumes."""
     out = tmp_path / 'out'
-    env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONUNBUFFERED='1')
-    proc = subprocess.Popen([sys.executable, 'train_dpo.py', f'--out_dir={out}', f'--data_dir={dpo_env["data_dir"]}',
-                             f'--dpo_data={dpo_env["pairs"]}', f'--init_from={dpo_env["sft"]}', *DPO,
-                             '--max_iters=100000', '--eval_interval=100000'],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 120
-    while time.time() < deadline and not (os.path.exists(out / 'log.jsonl') and len(train_metrics(out)) >= 3):
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    output, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 143, output
+    sigterm_after_steps(dpo_args(dpo_env, out, '--max_iters=100000', '--eval_interval=100000'), out, 'lr')
     ckpt = load(out / 'ckpt.pt')
     assert ckpt['iter_num'] >= 3 and ckpt['iter_num'] == max(train_metrics(out))
     p = dpo(dpo_env, out, f'--max_iters={ckpt["iter_num"] + 1}', '--eval_interval=100000')
     assert f'resuming from {out / "ckpt.pt"} at step {ckpt["iter_num"]}' in p.stdout + p.stderr
 
 
+@pytest.mark.slow
 def test_relaunch_after_sigkill_continues_the_run(tmp_path, dpo_env):
     out = tmp_path / 'out'
     args = dpo_args(dpo_env, out, '--max_iters=150', '--eval_interval=10', '--lr_decay_iters=150', '--eval_pairs=4')

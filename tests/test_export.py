@@ -6,12 +6,12 @@ by hand, the numbers in the README.)"""
 
 import json
 import os
-import sys
 
 import pytest
 import torch
 
 from configurator import UserError
+from conftest import ROOT, assert_user_error, run
 from data import prepare
 from hf.checkpoint import gpt_config, hf_model, load_hf_checkpoint, read_hf_weights, save_hf_model
 from hf.tokenizer import load_hf_tokenizer
@@ -20,8 +20,6 @@ from lm.tokenizer import ChatTokenizer, load_tokenizer
 from model import GPT, GPTConfig, mlp_hidden_size
 from run.checkpoint import save_checkpoint
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_train import ROOT, run  # noqa: E402
 
 TINY = dict(block_size=32, n_layer=2, n_head=4, n_embd=32)
 LLAMA3 = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8)
@@ -134,6 +132,7 @@ def test_export_py_writes_the_default_model_as_arcee(tmp_path, data_dir):
     assert load_hf_tokenizer(str(tmp_path / 'hf')).encode(text) == tokenizer.encode(text)
 
 
+@pytest.mark.slow
 def test_a_lora_runs_merged_model_exports_and_its_adapters_alone_do_not(tmp_path, data_dir):
     chat = ChatTokenizer(load_tokenizer(data_dir))  # a fine-tune: the chat template's tokens after the base's
     base = random_gpt(model_args(vocab_size=chat.vocab_size, mlp='swiglu'))
@@ -158,9 +157,11 @@ def test_a_lora_runs_merged_model_exports_and_its_adapters_alone_do_not(tmp_path
     save_checkpoint(str(tmp_path / 'ckpt.pt'), dict(kind='lora', model=lora_state_dict(base), config={},
                                                     base_checkpoint=str(tmp_path / 'base.pt')))
     p = run(['export.py', str(tmp_path / 'ckpt.pt'), str(tmp_path / 'adapter')], check=False)
-    assert p.returncode == 2 and 'Export merged.pt' in p.stderr and not (tmp_path / 'adapter').exists()
+    assert_user_error(p, 'Export merged.pt')
+    assert not (tmp_path / 'adapter').exists()
 
 
+@pytest.mark.slow
 def test_export_py_refuses_speedrun_cpus_model_and_a_missing_tokenizer_writing_nothing(tmp_path, data_dir):
     with open(os.path.join(ROOT, 'config', 'speedrun_cpu.py')) as f:
         settings = {}
@@ -170,14 +171,16 @@ def test_export_py_refuses_speedrun_cpus_model_and_a_missing_tokenizer_writing_n
     args = dict({k: v for k, v in settings.items() if k in fields}, vocab_size=tokenizer.vocab_size)
     checkpoint(tmp_path / 'speedrun.pt', data_dir, GPT(GPTConfig(**args)), tokenizer)
     p = run(['export.py', str(tmp_path / 'speedrun.pt'), str(tmp_path / 'out' / 'hf')], check=False)
-    assert p.returncode == 2 and 'qk_norm=True' in p.stderr and 'Traceback' not in p.stderr
+    assert_user_error(p, 'qk_norm=True')
     assert not (tmp_path / 'out').exists()
     checkpoint(tmp_path / 'moved.pt', tmp_path / 'gone', random_gpt(model_args(vocab_size=tokenizer.vocab_size)),
                tokenizer)  # its dataset folder moved away since
     p = run(['export.py', str(tmp_path / 'moved.pt'), str(tmp_path / 'out' / 'hf')], check=False)
-    assert p.returncode == 2 and 'no longer exists' in p.stderr and not (tmp_path / 'out').exists()
+    assert_user_error(p, 'no longer exists')
+    assert not (tmp_path / 'out').exists()
 
 
+@pytest.mark.slow
 def test_export_into_a_folder_it_cannot_create_or_write_is_explained_leaving_nothing(tmp_path, data_dir):
     import resource
     import signal
@@ -189,13 +192,13 @@ def test_export_into_a_folder_it_cannot_create_or_write_is_explained_leaving_not
                        (str(tmp_path / 'somefile' / 'sub'), 'somefile is a file, not a folder'),
                        ('/proc/x', 'cannot write the export into /proc (')]:
         p = run(['export.py', ckpt, dest], check=False)
-        assert p.returncode == 2 and says in p.stderr and 'Traceback' not in p.stderr, (dest, p.stderr)
+        assert_user_error(p, says)
 
     def file_size_limit():  # as a full disk: the weights do not fit (Python ignores SIGXFSZ; so do we, to be sure)
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
     p = run(['export.py', ckpt, str(tmp_path / 'new' / 'hf')], check=False, preexec_fn=file_size_limit)
-    assert p.returncode == 2 and 'File too large' in p.stderr and 'ulimit -f' in p.stderr, p.stderr
+    assert_user_error(p, 'File too large', 'ulimit -f')
     assert 'Traceback' not in p.stderr and sorted(os.listdir(tmp_path)) == ['ckpt.pt', 'somefile']  # no temp folder
 
 
@@ -206,6 +209,7 @@ def test_llama_biases_load_only_as_the_pair_nanotrains_bias_is():
         gpt_config(dict(hf, mlp_bias=False), 'llama')
 
 
+@pytest.mark.slow
 def test_a_runs_chat_template_variables_are_the_exported_templates_defaults(tmp_path):
     """A Qwen3 fine-tune rendered with enable_thinking=False exports a template that transformers (and vLLM) render
     that way without being told; the text and ids are transformers' on the same export (exports.json, written by

@@ -8,29 +8,22 @@ import torch
 import torch.distributed as dist
 
 from configurator import UserError
-from model import GPT
 from run.checkpoint import load_checkpoint
+from conftest import (HF_TINY, REFERENCE, TINY, TRAIN_METRICS, assert_user_error, dpo, evals, hf_fixture,
+                      kill_and_relaunch, load, logged, parameter_bytes, reference_logps_under_bf16_autocast, run,
+                      sft_args, torchrun, train, train_metrics)
+from model import GPT
 from run.fsdp import check_parallel, shard_model
 from safetensors.torch import load_file, save_file
 from run.sharded_checkpoint import unreadable
 from run.starting_model import frozen_model
 from tasks.number_tasks import prepare_number_tasks
-from test_dpo import (REFERENCE, TRAIN_METRICS, dpo, dpo_env, evals, parameter_bytes,  # noqa: F401
-                      reference_logps_under_bf16_autocast, train_metrics)  # (dpo_env: a fixture)
-from test_hf_model import fixture
-from test_hf_train import TINY as HF_TINY
-from test_sft import sft_args, sft_env  # noqa: F401 (sft_env is a fixture)
-from test_train import TINY, data_dir, kill_and_relaunch, load, read_log, run, train  # noqa: F401 (data_dir is a fixture)
 
-TORCHRUN = ['-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2']
-
-
-def logged(out_dir, key):
-    return {e['step']: e[key] for e in read_log(out_dir) if key in e}
+TORCHRUN = torchrun(2)
 
 
 def train_on_2_ranks(out_dir, data_dir, *extra, **kw):
-    return run([*TORCHRUN, 'train.py', f'--out_dir={out_dir}', f'--data_dir={data_dir}', *TINY, *extra], **kw)
+    return train(out_dir, data_dir, *extra, ranks=2, **kw)
 
 
 def assert_same_run(a, b, keys=('train_loss', 'grad_norm', 'val_loss')):
@@ -72,6 +65,7 @@ def uninterrupted(tmp_path_factory, data_dir):
     return single, fsdp
 
 
+@pytest.mark.slow
 @pytest.mark.comparison
 def test_fsdp_matches_one_process(uninterrupted):
     single, fsdp = uninterrupted
@@ -88,6 +82,7 @@ def test_fsdp_matches_one_process(uninterrupted):
     assert_same_adam_state(a['optimizer']['state'], b['optimizer']['state'], terms=8 * 32)  # 8 windows
 
 
+@pytest.mark.slow
 def test_fsdp_resumes_exactly_and_shares_checkpoints_with_ddp(tmp_path, data_dir, uninterrupted):
     common, (single, fsdp), split = COMMON, uninterrupted, tmp_path / 'split'
     # stopped at step 3 and relaunched: bit for bit the uninterrupted FSDP run
@@ -110,6 +105,7 @@ def test_fsdp_resumes_exactly_and_shares_checkpoints_with_ddp(tmp_path, data_dir
     assert_same_run(single, tmp_path / 'from_one', keys=('train_loss', 'grad_norm'))
 
 
+@pytest.mark.slow
 def test_lora_under_fsdp_matches_one_process(tmp_path, sft_env):
     """LoRA on a frozen sharded base (with activation checkpointing, the added chat-token rows trained, exact
     match answered by both ranks together, merged.pt gathered, a sharded checkpoint of the adapters written and
@@ -137,6 +133,7 @@ def test_lora_under_fsdp_matches_one_process(tmp_path, sft_env):
     assert b['model'].keys() == a['model'].keys() and b['optimizer']['state'].keys() == a['optimizer']['state'].keys()
 
 
+@pytest.mark.slow
 def test_dpo_under_fsdp(tmp_path, dpo_env):
     """DPO with a sharded frozen reference matches one process (tolerances: test_dpo's accumulation test), also
     when stopped after step 2 and continued from a sharded checkpoint; with LoRA and precomputed reference
@@ -180,6 +177,7 @@ def test_frozen_reference_shards_of_a_bf16_run_are_bf16_and_give_the_same_logps(
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_fsdp_settings_it_cannot_run_are_refused(tmp_path, data_dir):
     for args, message in [(['cpu', torch.float16, 'adamw', False], 'bfloat16'), (['cpu', torch.float32, 'muon', False],
                           'AdamW'), (['cpu', torch.float32, 'adamw', True], 'already')]:
@@ -188,7 +186,7 @@ def test_fsdp_settings_it_cannot_run_are_refused(tmp_path, data_dir):
     check_parallel('ddp', False, 'cpu', torch.float16, 'muon', False)
     for args, message in [(['--parallel=fsdp'], 'torchrun')]:
         p = train(tmp_path / 'out', data_dir, '--max_iters=1', *args, check=False)
-        assert p.returncode == 2 and message in p.stderr and 'Traceback' not in p.stderr, (args, p.stderr)
+        assert_user_error(p, message)
     # under torchrun too (init_process_group wraps the hook that prints it); torchrun then reports the failed
     # ranks with a traceback of its own, but none comes from train.py
     p = train_on_2_ranks(tmp_path / 'out', data_dir, '--max_iters=1', '--parallel=fsdp', '--optimizer_type=muon',
@@ -196,12 +194,13 @@ def test_fsdp_settings_it_cannot_run_are_refused(tmp_path, data_dir):
     assert p.returncode != 0 and 'error: parallel' in p.stderr and 'train.py", line' not in p.stderr, p.stderr
 
 
+@pytest.mark.slow
 def test_hugging_face_model_stored_in_bf16_under_fsdp_matches_one_process(tmp_path):
     """A published chat model's folder, its weights stored in bfloat16 and memory-mapped: one process makes the
     model float32 whole, each FSDP rank its shard block by block; both fine-tune the same weights (a chat model
     draws none), so the losses agree (tolerance: assert_same_run)."""
     folder = tmp_path / 'smollm2-bf16'
-    shutil.copytree(fixture('smollm2'), folder)
+    shutil.copytree(hf_fixture('smollm2'), folder)
     save_file({k: v.bfloat16() for k, v in load_file(str(folder / 'model.safetensors')).items()},
               str(folder / 'model.safetensors'), metadata={'format': 'pt'})
     task = prepare_number_tasks(str(tmp_path / 'task'), n_train=32, n_eval=8)
@@ -213,12 +212,13 @@ def test_hugging_face_model_stored_in_bf16_under_fsdp_matches_one_process(tmp_pa
     assert logged(tmp_path / 'fsdp', 'exact_match') == logged(tmp_path / 'single', 'exact_match')
 
 
+@pytest.mark.slow
 def test_fsdp_skips_a_non_finite_step_and_a_killed_run_continues(tmp_path, data_dir):
     """The loop's rules hold under FSDP as under DDP: a NaN step is skipped on every rank (the gathered
     gradient norm is NaN on all), and a torchrun job killed with SIGKILL continues from its checkpoint."""
     nan = tmp_path / 'nan'
-    p = run([*TORCHRUN, 'tests/faults.py', 'nan@2', 'train.py', f'--out_dir={nan}', f'--data_dir={data_dir}', *TINY,
-             '--max_iters=4', '--eval_interval=100', '--lr_decay_iters=4', '--parallel=fsdp'])
+    p = train_on_2_ranks(nan, data_dir, '--max_iters=4', '--eval_interval=100', '--lr_decay_iters=4', '--parallel=fsdp',
+                         faults='nan@2')
     assert 'step 2: non-finite loss' in p.stdout + p.stderr
     ckpt = load(nan / 'ckpt.pt')
     assert ckpt['iter_num'] == 4 and all(torch.isfinite(v).all() for v in ckpt['model'].values())
@@ -230,6 +230,7 @@ def test_fsdp_skips_a_non_finite_step_and_a_killed_run_continues(tmp_path, data_
     assert steps == list(range(1, 61)) and load(out / 'ckpt.pt')['iter_num'] == 60
 
 
+@pytest.mark.slow
 def test_sharded_checkpoints_resume_exactly_on_any_world_size_and_convert_to_one_file(tmp_path, data_dir,
                                                                                        uninterrupted):
     """checkpoint_format='sharded': each rank writes its shards (ckpt-<step>.dcp/, named by a small ckpt.pt).
@@ -242,7 +243,7 @@ def test_sharded_checkpoints_resume_exactly_on_any_world_size_and_convert_to_one
     p = train_on_2_ranks(sharded, data_dir, *COMMON, '--parallel=fsdp', '--checkpoint_format=sharded')
     assert 'at step 3' in p.stdout and logged(sharded, 'train_loss') == logged(fsdp, 'train_loss')
     assert 'model' not in load(sharded / 'ckpt.pt') and len(list(sharded.glob('ckpt-*.dcp'))) == 1  # older removed
-    run(['-m', 'run.sharded_checkpoint', str(sharded / 'ckpt.pt'), str(tmp_path / 'whole.pt')])
+    run(['run/sharded_checkpoint.py', str(sharded / 'ckpt.pt'), str(tmp_path / 'whole.pt')])
     for whole in (load_checkpoint(str(sharded / 'ckpt.pt')), load(tmp_path / 'whole.pt')):
         expected = load(fsdp / 'ckpt.pt')
         assert whole.keys() == expected.keys() and whole['optimizer'].keys() == expected['optimizer'].keys()
@@ -252,8 +253,8 @@ def test_sharded_checkpoints_resume_exactly_on_any_world_size_and_convert_to_one
         assert whole['optimizer']['param_groups'] == expected['optimizer']['param_groups']
         assert all(torch.equal(whole['optimizer']['state'][i][k], expected['optimizer']['state'][i][k])
                    for i in expected['optimizer']['state'] for k in expected['optimizer']['state'][i])
-    run([*TORCHRUN[:-1], '--nproc_per_node=1', 'train.py', f'--out_dir={by_one_rank}', f'--data_dir={data_dir}', *TINY,
-         *COMMON, '--gradient_accumulation_steps=2', '--parallel=fsdp', '--checkpoint_format=sharded'])
+    run([*torchrun(1), 'train.py', f'--out_dir={by_one_rank}', f'--data_dir={data_dir}', *TINY, *COMMON,
+         '--gradient_accumulation_steps=2', '--parallel=fsdp', '--checkpoint_format=sharded'])
     assert_same_run(single, by_one_rank, keys=('train_loss', 'grad_norm'))
     shards = next(by_one_rank.glob('ckpt-*.dcp'))
     with open(shards / '__0_0.distcp', 'r+b') as f:

@@ -14,31 +14,16 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from configurator import UserError
-from hf.checkpoint import (gpt_config, hf_model, load_hf_checkpoint, peft_name, read_hf_weights, save_hf_model,
-                           save_peft_adapter)
+from conftest import HF_FIXTURES, hf_fixture, load_gpt, read_json_file
+from hf.checkpoint import gpt_config, hf_model, load_hf_checkpoint, peft_name, save_hf_model, save_peft_adapter
 from lm.lora import apply_lora, lora_state_dict, merged_state_dict
 from model import GPT, GPTConfig
 
-FIXTURES = os.path.join(os.path.dirname(__file__), 'fixtures', 'hf')
 FAMILIES = ['llama', 'smollm2', 'qwen2', 'qwen2_sharded', 'mistral', 'qwen3', 'gpt2', 'arcee', 'arcee_relu2']
 
 
-def read_json_file(path):
-    with open(path) as f:
-        return json.load(f)
-
-
-def fixture(name):
-    return os.path.join(FIXTURES, name)
-
-
-def load_gpt(folder):
-    hf = read_json_file(os.path.join(folder, 'config.json'))
-    return GPT.from_state_dict(GPTConfig(**gpt_config(hf, folder)), read_hf_weights(folder, hf)).eval()
-
-
 def expected(name):
-    return load_file(os.path.join(FIXTURES, 'expected', f"{name.removesuffix('_sharded')}.safetensors"))
+    return load_file(os.path.join(HF_FIXTURES, 'expected', f"{name.removesuffix('_sharded')}.safetensors"))
 
 
 @pytest.mark.comparison
@@ -46,7 +31,7 @@ def expected(name):
 def test_logits_equal_transformers(name):
     # fp32 on both sides; the same operations up to summation order (fused q/k/v matmul, attention kernel):
     # differences are a few float32 ulps of logits of size ~1, far below 1e-5
-    model, want = load_gpt(fixture(name)), expected(name)
+    model, want = load_gpt(hf_fixture(name)), expected(name)
     with torch.no_grad():
         logits, _ = model(want['input_ids'])
     assert want['logits'].abs().max() > 0.5  # not a degenerate model whose logits all agree anyway
@@ -57,33 +42,33 @@ def test_logits_equal_transformers(name):
 @pytest.mark.parametrize('name', FAMILIES)
 @pytest.mark.parametrize('use_kv_cache', [True, False])
 def test_greedy_tokens_equal_transformers(name, use_kv_cache):
-    model, want = load_gpt(fixture(name)), expected(name)
+    model, want = load_gpt(hf_fixture(name)), expected(name)
     new_tokens = want['greedy'].size(1) - want['prompt'].size(1)
     out = model.generate(want['prompt'], new_tokens, temperature=0, use_kv_cache=use_kv_cache)
     assert out.tolist() == want['greedy'].tolist()
 
 
 def test_family_shapes_come_from_config_json():
-    llama = gpt_config(read_json_file(fixture('llama/config.json')), 'llama')
+    llama = gpt_config(read_json_file(hf_fixture('llama/config.json')), 'llama')
     assert llama['n_kv_head'] < llama['n_head'] and llama['rope_scaling']['factor'] > 1 and not llama['tie_embeddings']
-    assert gpt_config(read_json_file(fixture('qwen2/config.json')), 'qwen2')['qkv_bias']
-    qwen3 = gpt_config(read_json_file(fixture('qwen3/config.json')), 'qwen3')
+    assert gpt_config(read_json_file(hf_fixture('qwen2/config.json')), 'qwen2')['qkv_bias']
+    qwen3 = gpt_config(read_json_file(hf_fixture('qwen3/config.json')), 'qwen3')
     assert qwen3['qk_norm'] and qwen3['head_dim'] * qwen3['n_head'] != qwen3['n_embd']
-    mistral = read_json_file(fixture('mistral/config.json'))
+    mistral = read_json_file(hf_fixture('mistral/config.json'))
     assert gpt_config(mistral, 'mistral')['block_size'] == mistral['max_position_embeddings'] > mistral['sliding_window']
-    gpt2 = gpt_config(read_json_file(fixture('gpt2/config.json')), 'gpt2')
+    gpt2 = gpt_config(read_json_file(hf_fixture('gpt2/config.json')), 'gpt2')
     assert (gpt2['pos_emb'], gpt2['norm'], gpt2['mlp'], gpt2['bias']) == ('learned', 'layernorm', 'gelu_tanh', True)
 
 
 def test_tied_embeddings_load_as_one_parameter():
-    model = load_gpt(fixture('smollm2'))
+    model = load_gpt(hf_fixture('smollm2'))
     assert model.lm_head.weight is model.transformer.wte.weight
-    assert not load_gpt(fixture('llama')).lm_head.weight is load_gpt(fixture('llama')).transformer.wte.weight
+    assert not load_gpt(hf_fixture('llama')).lm_head.weight is load_gpt(hf_fixture('llama')).transformer.wte.weight
 
 
 def test_sharded_and_single_file_weights_are_the_same():
-    single, sharded = load_gpt(fixture('qwen2')).state_dict(), load_gpt(fixture('qwen2_sharded')).state_dict()
-    assert len(os.listdir(fixture('qwen2_sharded'))) > len(os.listdir(fixture('qwen2')))
+    single, sharded = load_gpt(hf_fixture('qwen2')).state_dict(), load_gpt(hf_fixture('qwen2_sharded')).state_dict()
+    assert len(os.listdir(hf_fixture('qwen2_sharded'))) > len(os.listdir(hf_fixture('qwen2')))
     assert single.keys() == sharded.keys() and all(torch.equal(single[k], sharded[k]) for k in single)
 
 
@@ -100,7 +85,7 @@ def stored_tensors(folder):
 
 @pytest.mark.parametrize('name', ['llama', 'smollm2', 'qwen2', 'mistral', 'qwen3', 'gpt2', 'arcee', 'arcee_relu2'])
 def test_export_round_trip_is_bit_identical(tmp_path, name):
-    source = fixture(name)
+    source = hf_fixture(name)
     ckpt = load_hf_checkpoint(source)
     save_hf_model(ckpt['model'], ckpt['hf_config'], str(tmp_path), source, ckpt['generation_config'])
     before, after = stored_tensors(source), stored_tensors(str(tmp_path))
@@ -112,17 +97,17 @@ def test_export_round_trip_is_bit_identical(tmp_path, name):
 
 
 def test_export_shards_above_the_size_limit(tmp_path):
-    ckpt = load_hf_checkpoint(fixture('llama'))
-    save_hf_model(ckpt['model'], ckpt['hf_config'], str(tmp_path), fixture('llama'), max_shard_bytes=100_000)
+    ckpt = load_hf_checkpoint(hf_fixture('llama'))
+    save_hf_model(ckpt['model'], ckpt['hf_config'], str(tmp_path), hf_fixture('llama'), max_shard_bytes=100_000)
     index = read_json_file(str(tmp_path / 'model.safetensors.index.json'))
     assert len(set(index['weight_map'].values())) > 1
     reloaded = load_gpt(str(tmp_path)).state_dict()
-    assert all(torch.equal(reloaded[k], v) for k, v in load_gpt(fixture('llama')).state_dict().items())
+    assert all(torch.equal(reloaded[k], v) for k, v in load_gpt(hf_fixture('llama')).state_dict().items())
 
 
 def test_bfloat16_weights_load_to_float32_and_export_back_in_bfloat16(tmp_path):
     folder = tmp_path / 'bf16'
-    shutil.copytree(fixture('smollm2'), folder)
+    shutil.copytree(hf_fixture('smollm2'), folder)
     tensors = load_file(str(folder / 'model.safetensors'))
     save_file({k: v.bfloat16() for k, v in tensors.items()}, str(folder / 'model.safetensors'))
     config = read_json_file(str(folder / 'config.json'))
@@ -137,19 +122,19 @@ def test_bfloat16_weights_load_to_float32_and_export_back_in_bfloat16(tmp_path):
 
 
 def test_lora_accepts_hugging_face_target_names():
-    model = load_gpt(fixture('llama'))
+    model = load_gpt(hf_fixture('llama'))
     assert apply_lora(model, 4, 8, target_modules='q_proj,v_proj') == \
         [f'transformer.h.{i}.attn.{m}' for i in range(model.config.n_layer) for m in ('q', 'v')]
-    gpt2 = load_gpt(fixture('gpt2'))
+    gpt2 = load_gpt(hf_fixture('gpt2'))
     wrapped = apply_lora(gpt2, 4, 8, target_modules='c_attn,c_proj')
     assert sorted({w.split('.', 3)[-1] for w in wrapped}) == ['attn.k', 'attn.proj', 'attn.q', 'attn.v', 'mlp.proj']
     with pytest.raises(UserError, match='q_proj'):
-        apply_lora(load_gpt(fixture('llama')), 4, 8, target_modules='query')
+        apply_lora(load_gpt(hf_fixture('llama')), 4, 8, target_modules='query')
 
 
 def broken_copy(tmp_path, name='llama'):
     folder = tmp_path / name
-    shutil.copytree(fixture(name), folder)
+    shutil.copytree(hf_fixture(name), folder)
     return folder
 
 
@@ -179,7 +164,7 @@ def test_missing_unexpected_misshapen_and_truncated_weights_are_clear_errors(tmp
     edit_config(folder, intermediate_size=read_json_file(str(folder / 'config.json'))['intermediate_size'] + 8)
     with pytest.raises(UserError, match=r'tensor model\.layers\.0\.mlp\.\w+_proj\.weight has shape'):
         load_hf_checkpoint(str(folder))
-    shutil.copy(fixture('llama/config.json'), folder / 'config.json')
+    shutil.copy(hf_fixture('llama/config.json'), folder / 'config.json')
     data = open(weights, 'rb').read()
     open(weights, 'wb').write(data[:len(data) // 2])
     with pytest.raises(UserError, match=r'model\.safetensors .*truncated or corrupt'):
@@ -201,7 +186,7 @@ def test_missing_shard_is_named(tmp_path):
 def test_mistral_attends_over_its_sliding_window_as_transformers_does():
     # 100 tokens past sliding_window=64: within 1e-5 as test_logits_equal_transformers; attending over every
     # earlier token instead changes the logits past the window (and only there)
-    model, want = load_gpt(fixture('mistral')), expected('mistral')
+    model, want = load_gpt(hf_fixture('mistral')), expected('mistral')
     window = model.config.sliding_window
     assert window == 64 < want['input_ids_long'].size(1)
     full = GPT.from_state_dict(dataclasses.replace(model.config, sliding_window=0), model.state_dict()).eval()
@@ -217,7 +202,7 @@ def test_mistral_attends_over_its_sliding_window_as_transformers_does():
 def test_mistral_greedy_tokens_past_its_sliding_window_equal_transformers(use_kv_cache):
     # transformers' greedy (its sliding-window cache), 40 -> 100 and 80 -> 110 tokens; its top-2 logits are at
     # least 1e-2 apart at every step (make_hf_fixtures.py prints it), far beyond the 1e-5 the logits agree to
-    model, want = load_gpt(fixture('mistral')), expected('mistral_long')
+    model, want = load_gpt(hf_fixture('mistral')), expected('mistral_long')
     for key in ('', '_long'):
         prompt, tokens = want['prompt' + key], want['greedy' + key]
         out = model.generate(prompt, tokens.size(1) - prompt.size(1), temperature=0, use_kv_cache=use_kv_cache)
@@ -225,11 +210,11 @@ def test_mistral_greedy_tokens_past_its_sliding_window_equal_transformers(use_kv
 
 
 def test_sliding_window_comes_from_config_json_as_transformers_reads_it():
-    mistral = read_json_file(fixture('mistral/config.json'))
+    mistral = read_json_file(hf_fixture('mistral/config.json'))
     assert gpt_config(dict(mistral, sliding_window=None), 'm')['sliding_window'] == 0  # Mistral v0.2+: full
     assert gpt_config({k: v for k, v in mistral.items() if k != 'sliding_window'}, 'm')['sliding_window'] == 4096
     # 2 layers, the window in those layer_types names or else from layer max_window_layers on
-    qwen2 = dict(read_json_file(fixture('qwen2/config.json')), use_sliding_window=True, sliding_window=32)
+    qwen2 = dict(read_json_file(hf_fixture('qwen2/config.json')), use_sliding_window=True, sliding_window=32)
     del qwen2['layer_types']
     for settings, window in [(dict(use_sliding_window=False), 0), (dict(max_window_layers=0), 32),
                              (dict(max_window_layers=2), 0), (dict(layer_types=['sliding_attention'] * 2), 32),
@@ -255,10 +240,10 @@ def test_sliding_window_exports_to_a_family_that_has_it(settings, arch):
 
 def llama_with_peft_fixture_adapter():
     """The llama fixture with nanotrain adapters holding the PEFT fixture adapter's tensors."""
-    model = load_gpt(fixture('llama'))
+    model = load_gpt(hf_fixture('llama'))
     apply_lora(model, r=4, lora_alpha=8, target_modules='q_proj,v_proj')
-    peft = load_file(fixture('peft_llama/adapter_model.safetensors'))
-    hf = read_json_file(fixture('llama/config.json'))
+    peft = load_file(hf_fixture('peft_llama/adapter_model.safetensors'))
+    hf = read_json_file(hf_fixture('llama/config.json'))
     names = {k: peft_name(k, hf) for k in lora_state_dict(model)}
     assert sorted(names.values()) == sorted(peft)  # the same tensors under PEFT's names
     model.load_state_dict({k: peft[p] for k, p in names.items()}, strict=False)
@@ -268,27 +253,28 @@ def llama_with_peft_fixture_adapter():
 @pytest.mark.comparison
 def test_peft_adapter_gives_the_logits_peft_gives_and_exports_to_the_same_files(tmp_path):
     model, hf = llama_with_peft_fixture_adapter()
-    want = load_file(os.path.join(FIXTURES, 'expected', 'peft_llama.safetensors'))
+    want = load_file(os.path.join(HF_FIXTURES, 'expected', 'peft_llama.safetensors'))
     with torch.no_grad():
         torch.testing.assert_close(model(want['input_ids'])[0], want['logits_adapted'], atol=1e-5, rtol=0)
         merged = GPT.from_state_dict(model.config, merged_state_dict(model)).eval()
         torch.testing.assert_close(merged(want['input_ids'])[0], want['logits_merged'], atol=1e-5, rtol=0)
     settings = dict(lora_r=4, lora_alpha=8.0, use_rslora=False, lora_dropout=0.0)
-    save_peft_adapter(lora_state_dict(model), settings, hf, fixture('llama'), str(tmp_path))
+    save_peft_adapter(lora_state_dict(model), settings, hf, hf_fixture('llama'), str(tmp_path))
     ours, theirs = load_file(str(tmp_path / 'adapter_model.safetensors')), load_file(
-        fixture('peft_llama/adapter_model.safetensors'))
+        hf_fixture('peft_llama/adapter_model.safetensors'))
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
-    config, reference = read_json_file(str(tmp_path / 'adapter_config.json')), read_json_file(fixture('peft_llama/adapter_config.json'))
+    config = read_json_file(str(tmp_path / 'adapter_config.json'))
+    reference = read_json_file(hf_fixture('peft_llama/adapter_config.json'))
     for key in ('peft_type', 'task_type', 'r', 'lora_alpha', 'use_rslora', 'target_modules', 'bias', 'fan_in_fan_out'):
         assert config[key] == reference[key], key
 
 
 def test_flops_count_attention_over_the_runs_context_not_the_models_longest():
-    model = load_gpt(fixture('llama'))
+    model = load_gpt(hf_fixture('llama'))
     c = model.config
     assert model.flops_per_token(context=64) == model.flops_per_token() - 12 * c.n_layer * c.n_head * c.head_size * (
         c.block_size - 64)
-    mistral = load_gpt(fixture('mistral'))  # sliding_window=64: no token attends to more
+    mistral = load_gpt(hf_fixture('mistral'))  # sliding_window=64: no token attends to more
     assert mistral.flops_per_token() == mistral.flops_per_token(context=100) == mistral.flops_per_token(context=64)
     assert mistral.flops_per_token(context=32) < mistral.flops_per_token(context=64)
 
@@ -323,15 +309,15 @@ def test_a_quantized_model_is_refused_up_front_naming_its_method(tmp_path, quant
 
 
 def test_head_dim_defaults_as_transformers_config_per_family():
-    qwen3 = {k: v for k, v in read_json_file(fixture('qwen3/config.json')).items() if k != 'head_dim'}
+    qwen3 = {k: v for k, v in read_json_file(hf_fixture('qwen3/config.json')).items() if k != 'head_dim'}
     assert gpt_config(qwen3, 'qwen3')['head_dim'] == 128  # Qwen3Config's default, not 64 / 4
-    llama = {k: v for k, v in read_json_file(fixture('llama/config.json')).items() if k != 'head_dim'}
+    llama = {k: v for k, v in read_json_file(hf_fixture('llama/config.json')).items() if k != 'head_dim'}
     model_args = gpt_config(llama, 'llama')
     assert GPTConfig(**model_args).head_size == llama['hidden_size'] // llama['num_attention_heads']
 
 
 def test_rope_settings_in_either_layout_and_malformed_ones(tmp_path):
-    config = read_json_file(fixture('llama/config.json'))
+    config = read_json_file(hf_fixture('llama/config.json'))
     published = gpt_config(config, 'llama')
     # transformers 5 writes rope_parameters, rope_theta inside it
     v5 = dict({k: v for k, v in config.items() if k not in ('rope_scaling', 'rope_theta')},
@@ -349,5 +335,5 @@ def test_a_peft_adapter_refuses_added_chat_token_rows_saying_why(tmp_path):
     state = dict(lora_state_dict(model), **{'transformer.wte.added_rows': torch.zeros(4, model.config.n_embd)})
     with pytest.raises(UserError, match=r'added_rows.*trainable tokens replace rows the base model already has'
                                         r'.*merged\.pt'):
-        save_peft_adapter(state, settings, hf, fixture('llama'), str(tmp_path / 'adapter'))
+        save_peft_adapter(state, settings, hf, hf_fixture('llama'), str(tmp_path / 'adapter'))
     assert not (tmp_path / 'adapter').exists()

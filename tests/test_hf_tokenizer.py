@@ -7,32 +7,31 @@ import shutil
 import pytest
 
 from configurator import UserError
-from hf.tokenizer import load_hf_tokenizer
 from lm.chat_data import encode_pair
+from conftest import HF_FIXTURES, hf_fixture, read_json_file
+from hf.tokenizer import load_hf_tokenizer
 from lm.tokenizer import ChatTokenizer, prompt_and_answer
 
-FIXTURES = os.path.join(os.path.dirname(__file__), 'fixtures', 'hf')
-with open(os.path.join(FIXTURES, 'expected', 'chat.json')) as f:
-    CASES = json.load(f)
+CASES = read_json_file(os.path.join(HF_FIXTURES, 'expected', 'chat.json'))
 CHAT_MODELS = sorted({case['model'] for case in CASES})
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
           "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
 
-def fixture(model):
-    return load_hf_tokenizer(os.path.join(FIXTURES, model))
+def fixture_tokenizer(model):
+    return load_hf_tokenizer(hf_fixture(model))
 
 
 def folder_with_template(tmp_path, template, model='smollm2'):
     """A copy of a fixture's tokenizer.json with its own tokenizer_config.json and chat template."""
-    shutil.copy(os.path.join(FIXTURES, model, 'tokenizer.json'), tmp_path)
+    shutil.copy(os.path.join(hf_fixture(model), 'tokenizer.json'), tmp_path)
     (tmp_path / 'tokenizer_config.json').write_text(json.dumps({'eos_token': '<|im_end|>', 'chat_template': template}))
     return str(tmp_path)
 
 
 @pytest.mark.parametrize('case', CASES, ids=[f"{c['model']}-{c['case']}" for c in CASES])
 def test_matches_transformers(case):
-    tokenizer = fixture(case['model'])
+    tokenizer = fixture_tokenizer(case['model'])
     messages = case['messages']
     if 'error' in case:  # the template itself refuses the conversation (raise_exception)
         with pytest.raises(UserError, match='must alternate'):
@@ -58,28 +57,28 @@ def test_matches_transformers(case):
 
 @pytest.mark.parametrize('model', CHAT_MODELS + ['gpt2'])
 def test_round_trip(model):
-    tokenizer = fixture(model)
+    tokenizer = fixture_tokenizer(model)
     text = 'Hello, wörld!\n  indented\tcode() <|im_end|> 42 ✓'
     ids = tokenizer.encode(text)
     assert all(0 <= i < tokenizer.vocab_size for i in ids)
     assert tokenizer.decode(ids) == text
-    assert tokenizer.identity() == fixture(model).identity()
+    assert tokenizer.identity() == fixture_tokenizer(model).identity()
 
 
 def test_stop_ids_from_generation_config():
-    llama = fixture('llama')
-    with open(os.path.join(FIXTURES, 'llama', 'generation_config.json')) as f:
+    llama = fixture_tokenizer('llama')
+    with open(os.path.join(HF_FIXTURES, 'llama', 'generation_config.json')) as f:
         generation_eos = json.load(f)['eos_token_id']
     assert llama.stop_ids == generation_eos  # a list: each one stops generation
     assert llama.eos_id == llama.tokenizer.token_to_id('<|eot_id|>')  # the end of an assistant turn
-    qwen = fixture('qwen2')
+    qwen = fixture_tokenizer('qwen2')
     assert qwen.eos_id == qwen.tokenizer.token_to_id('<|im_end|>') and len(qwen.stop_ids) == 2
     assert qwen.pad_id == qwen.tokenizer.token_to_id('<|endoftext|>')
-    assert fixture('mistral').eos_id == fixture('mistral').tokenizer.token_to_id('</s>')
+    assert fixture_tokenizer('mistral').eos_id == fixture_tokenizer('mistral').tokenizer.token_to_id('</s>')
 
 
 def test_prompt_and_answer_and_preference_pairs():
-    tokenizer = fixture('llama')
+    tokenizer = fixture_tokenizer('llama')
     messages = [{'role': 'user', 'content': 'Capital of France?'}, {'role': 'assistant', 'content': 'Paris.'}]
     prompt, answer = prompt_and_answer(tokenizer, messages)
     assert answer == 'Paris.' and prompt == tokenizer.encode_prompt(messages[:1])
@@ -89,17 +88,17 @@ def test_prompt_and_answer_and_preference_pairs():
 
 
 def test_template_variables_and_identity():
-    default = fixture('llama')
-    dated = load_hf_tokenizer(os.path.join(FIXTURES, 'llama'), {'date_string': '01 Jan 2031'})
+    default = fixture_tokenizer('llama')
+    dated = load_hf_tokenizer(os.path.join(HF_FIXTURES, 'llama'), {'date_string': '01 Jan 2031'})
     assert 'Today Date: 01 Jan 2031' in dated.render([{'role': 'user', 'content': 'Hi'}])
     # the same tokens and template: the variables a run renders with are recorded in its checkpoint instead
     assert dated.identity() == default.identity()
-    assert load_hf_tokenizer(os.path.join(FIXTURES, 'llama'), {'date_string': '01 Jan 2031'}).identity() != \
-        load_hf_tokenizer(os.path.join(FIXTURES, 'qwen3')).identity()
+    assert load_hf_tokenizer(os.path.join(HF_FIXTURES, 'llama'), {'date_string': '01 Jan 2031'}).identity() != \
+        load_hf_tokenizer(os.path.join(HF_FIXTURES, 'qwen3')).identity()
 
 
 def test_base_model_has_no_template_and_wraps_in_chat_tokenizer():
-    base = fixture('gpt2')
+    base = fixture_tokenizer('gpt2')
     assert base.chat_template is None and base.eos_id == base.tokenizer.token_to_id('<|endoftext|>')
     with pytest.raises(UserError, match='no chat template'):
         base.encode_chat([{'role': 'user', 'content': 'Hi'}])

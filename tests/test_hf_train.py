@@ -7,13 +7,14 @@ import json
 import math
 import os
 import shutil
-import sys
 
 import pytest
 import torch
 
 from safetensors.torch import load_file, save_file
 
+from conftest import (HF_TINY, assert_user_error, fine_tune, hf_fixture, load, load_gpt, read_log, run, train_losses,
+                      val_losses)
 from hf.checkpoint import load_hf_checkpoint, peft_name, save_chat_tokenizer, save_hf_model
 from hf.tokenizer import load_hf_tokenizer
 from lm.tokenizer import chat_tokenizer
@@ -21,29 +22,9 @@ from model import GPT, GPTConfig
 from run.starting_model import hf_source, run_tokenizer
 from tasks.number_tasks import prepare_number_tasks
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_hf_model import fixture, load_gpt  # noqa: E402
-from test_train import load, read_log, run, train_losses  # noqa: E402
-
-TINY = ['--batch_size=4', '--block_size=128', '--max_length=128', '--eval_iters=2', '--eval_interval=4',
-        '--log_interval=1', '--tensorboard=False', '--sample_tokens=8', '--warmup_iters=1', '--device=cpu',
-        '--dtype=float32', '--exact_match_examples=4', '--max_iters=8', '--lr_decay_iters=8']
 
 
-@pytest.fixture(scope='module')
-def task(tmp_path_factory):
-    return prepare_number_tasks(str(tmp_path_factory.mktemp('hf') / 'task'), n_train=64, n_eval=8)
-
-
-def fine_tune(out_dir, task, model, *extra, training_type='sft', **kw):
-    return run(['train.py', f'--training_type={training_type}', f'--init_from={fixture(model)}',
-                f'--out_dir={out_dir}', f'--sft_data={task}', *TINY, *extra], **kw)
-
-
-def val_losses(out_dir):
-    return [e['val_loss'] for e in read_log(out_dir) if 'val_loss' in e]
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize('training_type', ['sft', 'lora'])
 def test_fine_tuning_a_chat_model_learns_and_resumes_bit_exactly(tmp_path, task, training_type):
     full = tmp_path / 'full'
@@ -54,7 +35,7 @@ def test_fine_tuning_a_chat_model_learns_and_resumes_bit_exactly(tmp_path, task,
     assert 'exact match' in p.stdout
     ckpt = load(full / 'ckpt.pt')
     assert ckpt['hf_config']['architectures'] == ['LlamaForCausalLM']
-    assert ckpt['model_args']['vocab_size'] == load_hf_checkpoint(fixture('smollm2'))['model_args']['vocab_size']
+    assert ckpt['model_args']['vocab_size'] == load_hf_checkpoint(hf_fixture('smollm2'))['model_args']['vocab_size']
 
     part = tmp_path / 'part'
     fine_tune(part, task, 'smollm2', lr, '--max_iters=4', training_type=training_type)
@@ -64,6 +45,7 @@ def test_fine_tuning_a_chat_model_learns_and_resumes_bit_exactly(tmp_path, task,
     assert all(torch.equal(resumed[k], v) for k, v in ckpt['model'].items())
 
 
+@pytest.mark.slow
 def test_lora_with_hugging_face_names_exports_a_merged_folder(tmp_path, task):
     out = tmp_path / 'lora'
     fine_tune(out, task, 'llama', '--lora_target_modules=q_proj,v_proj', '--learning_rate=1e-2',
@@ -79,25 +61,28 @@ def test_lora_with_hugging_face_names_exports_a_merged_folder(tmp_path, task):
     x = torch.randint(0, merged['model_args']['vocab_size'], (2, 16))
     with torch.no_grad():
         assert torch.equal(exported(x)[0], reference(x)[0])  # fp32 weights written and read back unchanged
-    changed = [k for k, v in load_gpt(fixture('llama')).state_dict().items() if not torch.equal(v, merged['model'][k])]
+    base = load_gpt(hf_fixture('llama')).state_dict()
+    changed = [k for k, v in base.items() if not torch.equal(v, merged['model'][k])]
     assert changed and all('.attn.q.' in k or '.attn.v.' in k for k in changed)
 
     run(['export.py', str(out / 'ckpt.pt'), str(tmp_path / 'adapter')])  # the adapters alone, in PEFT's format
     peft = load_file(str(tmp_path / 'adapter' / 'adapter_model.safetensors'))
-    assert sorted(peft) == sorted(load_file(fixture('peft_llama/adapter_model.safetensors')))
+    assert sorted(peft) == sorted(load_file(hf_fixture('peft_llama/adapter_model.safetensors')))
     assert all(torch.equal(peft[peft_name(k, merged['hf_config'])], v) for k, v in adapters.items())
 
 
+@pytest.mark.slow
 def test_base_model_without_template_uses_nanotrains_and_trains_its_token_rows(tmp_path, task):
     out = tmp_path / 'gpt2'
     fine_tune(out, task, 'gpt2', '--learning_rate=1e-2', '--lora_target_modules=c_attn', training_type='lora')
-    base_vocab = load_hf_checkpoint(fixture('gpt2'))['model_args']['vocab_size']
+    base_vocab = load_hf_checkpoint(hf_fixture('gpt2'))['model_args']['vocab_size']
     merged = load(out / 'merged.pt')
     assert merged['model_args']['vocab_size'] == base_vocab + 4  # <|system|> <|user|> <|assistant|> <|end|>
     assert val_losses(out)[-1] < val_losses(out)[0]
     # exported with nanotrain's template in Jinja and its tokens in tokenizer.json: the same ids and loss mask
     run(['export.py', str(out / 'merged.pt'), str(tmp_path / 'exported')])
-    exported, trained = load_hf_tokenizer(str(tmp_path / 'exported')), chat_tokenizer(load_hf_tokenizer(fixture('gpt2')))
+    exported = load_hf_tokenizer(str(tmp_path / 'exported'))
+    trained = chat_tokenizer(load_hf_tokenizer(hf_fixture('gpt2')))
     chat = [{'role': 'system', 'content': 'Be brief.'}, {'role': 'user', 'content': 'What is 2+3?'},
             {'role': 'assistant', 'content': '5'}, {'role': 'user', 'content': 'And 4+4?'},
             {'role': 'assistant', 'content': '8'}]
@@ -107,20 +92,22 @@ def test_base_model_without_template_uses_nanotrains_and_trains_its_token_rows(t
                        merged['model']['lm_head.weight'])
 
 
+@pytest.mark.slow
 def test_bad_hugging_face_runs_are_clear_errors(tmp_path, task):
-    p = run(['train.py', f'--init_from={fixture("llama")}', f'--out_dir={tmp_path / "pre"}', *TINY], check=False)
-    assert p.returncode == 2 and "training_type='sft'" in p.stderr and 'Traceback' not in p.stderr
+    p = run(['train.py', f'--init_from={hf_fixture("llama")}', f'--out_dir={tmp_path / "pre"}', *HF_TINY], check=False)
+    assert_user_error(p, "training_type='sft'")
     p = fine_tune(tmp_path / 'long', task, 'mistral', '--block_size=512', '--max_length=512', check=False)
-    assert p.returncode == 2 and 'lower block_size' in p.stderr
+    assert_user_error(p, 'lower block_size')
     p = run(['export.py', str(tmp_path / 'missing.pt'), str(tmp_path / 'x')], check=False)
-    assert p.returncode == 2 and 'not a checkpoint file' in p.stderr
+    assert_user_error(p, 'not a checkpoint file')
 
 
+@pytest.mark.slow
 def test_padded_vocabulary_fine_tunes_and_grows_after_its_rows(tmp_path, task):
     # Qwen2.5's embedding has more rows than its tokenizer has tokens; a base model's chat tokens go after the rows
     for name in ('qwen2', 'gpt2'):
         folder = tmp_path / name
-        shutil.copytree(fixture(name), folder)
+        shutil.copytree(hf_fixture(name), folder)
         config = json.loads((folder / 'config.json').read_text())
         state = load_hf_checkpoint(str(folder))
         rows = config['vocab_size'] + 11
@@ -135,15 +122,16 @@ def test_padded_vocabulary_fine_tunes_and_grows_after_its_rows(tmp_path, task):
             shutil.move(str(folder / 'padded' / f), str(folder / f))
         out = tmp_path / f'out-{name}'
         run(['train.py', '--training_type=sft', f'--init_from={folder}', f'--out_dir={out}', f'--sft_data={task}',
-             *TINY, '--max_iters=2', '--eval_interval=2', '--lr_decay_iters=2'])
+             *HF_TINY, '--max_iters=2', '--eval_interval=2', '--lr_decay_iters=2'])
         grown = 0 if name == 'qwen2' else 4  # gpt2 has no chat template: nanotrain's 4 chat tokens are added
         assert load(out / 'ckpt.pt')['model_args']['vocab_size'] == rows + grown
     # the chat tokens cannot follow the padded rows in gpt2's tokenizer.json: refused, and nothing is left behind
     p = run(['export.py', str(out / 'ckpt.pt'), str(tmp_path / 'exported')], check=False)
-    assert p.returncode == 2 and 'more embedding rows than its tokenizer' in p.stderr
+    assert_user_error(p, 'more embedding rows than its tokenizer')
     assert not os.path.exists(tmp_path / 'exported') and not list(tmp_path.glob('exported.*'))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('reference', ['frozen copy', 'lora'])
 def test_dpo_on_a_published_chat_model_starts_at_ln2_and_exports(tmp_path, reference):
     # policy == reference at step 0 (a frozen copy, or the model with zero-initialised adapters disabled):
@@ -151,7 +139,7 @@ def test_dpo_on_a_published_chat_model_starts_at_ln2_and_exports(tmp_path, refer
     pairs = prepare_number_tasks(str(tmp_path / 'pairs'), n_train=24, n_eval=8, seed=1, preferences=True)
     out = tmp_path / 'dpo'
     lora = ['--use_lora=True', '--lora_target_modules=q_proj,v_proj'] if reference == 'lora' else []
-    run(['train_dpo.py', f'--init_from={fixture("qwen2")}', f'--out_dir={out}', f'--dpo_data={pairs}',
+    run(['train_dpo.py', f'--init_from={hf_fixture("qwen2")}', f'--out_dir={out}', f'--dpo_data={pairs}',
          '--device=cpu', '--dtype=float32', '--tensorboard=False', '--max_length=128', '--max_prompt_length=112',
          '--batch_size=4', '--eval_pairs=8', '--exact_match_examples=0', '--log_interval=1', '--warmup_iters=0',
          '--max_iters=2', '--eval_interval=2', *lora])
@@ -163,31 +151,32 @@ def test_dpo_on_a_published_chat_model_starts_at_ln2_and_exports(tmp_path, refer
     assert load_gpt(str(exported)).config.qkv_bias  # a Qwen2 again
 
 
+@pytest.mark.slow
 def test_a_fine_tune_of_a_published_model_is_fine_tuned_further_and_its_adapters_need_a_published_base(tmp_path,
                                                                                                     task):
     # init_from a nanotrain checkpoint of a published model: its shape and tokenizer come with it
     fine_tune(tmp_path / 'sft', task, 'smollm2', '--max_iters=2', '--eval_interval=2', '--lr_decay_iters=2')
     out = tmp_path / 'lora'
     run(['train.py', '--training_type=lora', f'--init_from={tmp_path / "sft" / "ckpt.pt"}', f'--out_dir={out}',
-         f'--sft_data={task}', '--lora_target_modules=q_proj', *TINY, '--max_iters=2', '--eval_interval=2',
+         f'--sft_data={task}', '--lora_target_modules=q_proj', *HF_TINY, '--max_iters=2', '--eval_interval=2',
          '--lr_decay_iters=2'])
     run(['export.py', str(out / 'merged.pt'), str(tmp_path / 'merged')])
     assert load_gpt(str(tmp_path / 'merged')).config.n_kv_head == 1
     p = run(['export.py', str(out / 'ckpt.pt'), str(tmp_path / 'adapter')], check=False)
-    assert p.returncode == 2 and 'must name a Hugging Face base' in p.stderr
+    assert_user_error(p, 'must name a Hugging Face base')
     assert not (tmp_path / 'adapter').exists()
     p = run(['export.py', str(out / 'merged.pt'), str(tmp_path / 'merged' / 'config.json')], check=False)
-    assert p.returncode == 2 and 'not an empty folder' in p.stderr and 'Traceback' not in p.stderr
+    assert_user_error(p, 'not an empty folder')
 
 
 def test_plain_text_and_nanotrains_template_open_with_the_bos_transformers_adds(tmp_path):
     # transformers' tokenizer(text) runs tokenizer.json's post-processor: Llama and Mistral prepend their BOS
     for name, prefix in (('llama', [400]), ('mistral', [1]), ('gpt2', [])):
-        tokenizer = load_hf_tokenizer(fixture(name))
+        tokenizer = load_hf_tokenizer(hf_fixture(name))
         assert tokenizer.document_prefix == prefix
         assert prefix + tokenizer.encode('Hello world') == tokenizer.tokenizer.encode('Hello world').ids
     base = tmp_path / 'llama_base'  # the llama fixture without its chat template: a base model
-    shutil.copytree(fixture('llama'), base)
+    shutil.copytree(hf_fixture('llama'), base)
     config = json.loads((base / 'tokenizer_config.json').read_text())
     (base / 'tokenizer_config.json').write_text(json.dumps({k: v for k, v in config.items() if k != 'chat_template'}))
     chat = chat_tokenizer(load_hf_tokenizer(str(base)))
@@ -200,11 +189,12 @@ def test_plain_text_and_nanotrains_template_open_with_the_bos_transformers_adds(
     assert load_hf_tokenizer(str(out)).encode_chat(conversation) == (ids, labels)
 
 
+@pytest.mark.slow
 def test_a_folder_without_its_tokenizer_config_keeps_the_chat_tokens_its_tokenizer_holds(tmp_path, task):
     # a folder export.py wrote for a model fine-tuned in nanotrain's template, less the tokenizer_config.json that
     # names the template: the four chat tokens are in its tokenizer.json and its weights (ids 401-404)
     folder = tmp_path / 'chat_model'
-    shutil.copytree(fixture('arcee'), folder)
+    shutil.copytree(hf_fixture('arcee'), folder)
     os.remove(folder / 'tokenizer_config.json')
     spec = json.loads((folder / 'tokenizer.json').read_text())
     tokens = ['<|system|>', '<|user|>', '<|assistant|>', '<|end|>']
@@ -218,33 +208,35 @@ def test_a_folder_without_its_tokenizer_config_keeps_the_chat_tokens_its_tokeniz
     chat = chat_tokenizer(load_hf_tokenizer(str(folder)))
     assert chat.vocab_size == 405 and chat.eos_id == 404 and chat.special['<|user|>'] == 402  # no second copies
     p = run(['train.py', '--training_type=sft', f'--init_from={folder}', f'--out_dir={tmp_path / "out"}',
-             f'--sft_data={task}', *TINY, '--max_iters=1', '--lr_decay_iters=1', '--exact_match_examples=0'])
+             f'--sft_data={task}', *HF_TINY, '--max_iters=1', '--lr_decay_iters=1', '--exact_match_examples=0'])
     assert f"{folder} has no chat template" in p.stdout and '4 of these tokens already' in p.stdout, p.stdout
     assert load(tmp_path / 'out' / 'ckpt.pt')['model_args']['vocab_size'] == 405
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('training_type', ['sft', 'lora'])
 def test_a_run_whose_model_folder_has_moved_names_the_folder_and_continues_from_its_new_place(tmp_path, task, training_type):
     folder = tmp_path / 'model'
-    shutil.copytree(fixture('smollm2'), folder)
+    shutil.copytree(hf_fixture('smollm2'), folder)
     out = tmp_path / 'run'
     steps = ['--max_iters=2', '--eval_interval=2', '--lr_decay_iters=2']
     run(['train.py', f'--training_type={training_type}', f'--init_from={folder}', f'--out_dir={out}',
-         f'--sft_data={task}', *TINY, *steps])
+         f'--sft_data={task}', *HF_TINY, *steps])
     folder.rename(tmp_path / 'elsewhere')
     p = run(['train.py', f'--training_type={training_type}', f'--init_from={folder}', f'--out_dir={out}',
-             f'--sft_data={task}', *TINY, '--max_iters=4', '--lr_decay_iters=4'], check=False)
-    assert p.returncode == 2 and 'Traceback' not in p.stderr
+             f'--sft_data={task}', *HF_TINY, '--max_iters=4', '--lr_decay_iters=4'], check=False)
+    assert_user_error(p)
     assert f'{folder}' in p.stderr and 'no longer exists' in p.stderr and 'Put' in p.stderr
     # told where it is now, the run continues from there, and its checkpoint names the new place
     run(['train.py', f'--training_type={training_type}', f'--init_from={tmp_path / "elsewhere"}', f'--out_dir={out}',
-         f'--sft_data={task}', *TINY, '--max_iters=4', '--lr_decay_iters=4'])
+         f'--sft_data={task}', *HF_TINY, '--max_iters=4', '--lr_decay_iters=4'])
     assert sorted(train_losses(out)) == [1, 2, 3, 4]  # one history: steps 1-2, then 3-4
     ckpt = load(out / 'ckpt.pt')
     assert ckpt['iter_num'] == 4
     assert ckpt['base_checkpoint' if training_type == 'lora' else 'data_dir'] == str(tmp_path / 'elsewhere')
 
 
+@pytest.mark.slow
 def test_chat_template_variables_reach_the_template_and_the_checkpoint(tmp_path, task):
     """--chat_template_variables renders a published model's template with them (Qwen3 without thinking: the empty
     <think> block becomes part of the prompt, not of the trained answer); the checkpoint records them, and a run or
@@ -260,6 +252,7 @@ def test_chat_template_variables_reach_the_template_and_the_checkpoint(tmp_path,
     ids, labels = tokenizer.encode_chat(turns)
     assert tokenizer.decode([i for i, label in zip(ids, labels) if label != -100]) == '5<|im_end|>'
     assert tokenizer.decode(tokenizer.encode_prompt(turns[:1])).endswith('<think>\n\n</think>\n\n')
-    thinking = load_hf_tokenizer(fixture('qwen3'))  # the template's default: the empty <think> block is trained as the answer's start
+    # the template's default: the empty <think> block is trained as the answer's start
+    thinking = load_hf_tokenizer(hf_fixture('qwen3'))
     ids, labels = thinking.encode_chat(turns)
     assert thinking.decode([i for i, label in zip(ids, labels) if label != -100]).startswith('<think>')

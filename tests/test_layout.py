@@ -7,7 +7,8 @@ import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import ROOT
+
 PACKAGES = ('.', 'lm', 'hf', 'run', 'tts', 'tasks')
 SOURCES = sorted(path for folder in PACKAGES for path in glob.glob(os.path.join(ROOT, folder, '*.py')))
 

@@ -10,10 +10,10 @@ import torch
 import torch.nn as nn
 
 from configurator import UserError
+from conftest import assert_user_error, load, logged, read_log, run, sft, sft_args, torchrun, train_losses
 from lm.lora import (LoRALinear, apply_lora, disable_adapters, lora_optimizer, lora_param_groups, lora_state_dict,
                      merge_lora, merged_state_dict, unmerge_lora)
 from model import GPT, GPTConfig
-from test_sft import SFT, TINY, load, read_log, run, sft, sft_env, train_losses  # noqa: F401 (sft_env is a fixture)
 
 
 def tiny_gpt(**kw):
@@ -254,6 +254,7 @@ def test_activation_checkpointing_gives_the_same_gradients():
 
 # -- train.py ------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_lora_resumes_bit_exactly_and_merges_for_sample(tmp_path, sft_env):
     base = tmp_path / 'base.pt'
     shutil.copy(sft_env['base'], base)  # this test changes it at the end
@@ -291,31 +292,30 @@ def test_lora_resumes_bit_exactly_and_merges_for_sample(tmp_path, sft_env):
     assert '<|user|>What is 1+2?<|end|><|assistant|>' in s.stdout
 
     p = sft(env, split, '--max_iters=10', *common, '--lora_r=8', training_type='lora', check=False)
-    assert p.returncode == 2 and 'LoRA setup' in p.stderr and 'lora_r: checkpoint has 4' in p.stderr
+    assert_user_error(p, 'LoRA setup', 'lora_r: checkpoint has 4')
     older = load(split / 'ckpt.pt')  # as written before the added chat-token rows trained
     older['model'] = {k: v for k, v in older['model'].items() if 'added_rows' not in k}
     torch.save(older, split / 'ckpt.pt')
     p = sft(env, split, '--max_iters=10', *common, training_type='lora', check=False)
-    assert p.returncode == 2 and 'older nanotrain' in p.stderr and 'Traceback' not in p.stderr, p.stderr
+    assert_user_error(p, 'older nanotrain')
     torch.save(dict(load(base), iter_num=99), base)  # a different base model: the adapters no longer fit
     p = sft(env, split, '--max_iters=10', *common, training_type='lora', check=False)
-    assert p.returncode == 2 and 'has changed' in p.stderr and 'Traceback' not in p.stderr
+    assert_user_error(p, 'has changed')
 
 
+@pytest.mark.slow
 def test_lora_ddp_with_activation_checkpointing_matches_single_process(tmp_path, sft_env):
     common = ['--max_iters=3', '--eval_interval=3', '--lr_decay_iters=3', '--exact_match_examples=0',
               '--lora_dropout=0', '--activation_checkpointing=True', '--batch_size=2']
     single, ddp = tmp_path / 'single', tmp_path / 'ddp'
     sft(sft_env, single, '--gradient_accumulation_steps=2', *common, training_type='lora')
-    run(['-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', 'train.py', '--training_type=lora',
-         f'--out_dir={ddp}', f'--data_dir={sft_env["data_dir"]}', f'--sft_data={sft_env["task"]}',
-         f'--init_from={sft_env["base"]}', *TINY, *SFT, *common, '--gradient_accumulation_steps=1'])
+    run([*torchrun(2), *sft_args(sft_env, ddp, *common, '--gradient_accumulation_steps=1', training_type='lora')])
     # the same micro-batches of 2 on both sides, whose 2 gradients the all-reduce adds instead of the accumulation
     # (DDP's x2 and /2 are exact): the same float32 operations on any CPU, so equal to a few ulps (measured:
     # bit-equal, also on SSE kernels). The gradient norm catches a gradient scale error, which Adam's steps would hide.
     assert sorted(train_losses(single)) == [1, 2, 3]
     for key in ('train_loss', 'grad_norm', 'val_loss'):
-        a, b = ({e['step']: e[key] for e in read_log(out) if key in e} for out in (single, ddp))
+        a, b = (logged(out, key) for out in (single, ddp))
         assert b == pytest.approx(a, rel=1e-6), (key, a, b)
 
 

@@ -5,23 +5,17 @@ and the settings that are refused."""
 
 import copy
 import os
-import sys
 
 import pytest
 import torch
 
 from configurator import UserError
+from conftest import assert_user_error, dpo, evals, fine_tune, hf_fixture, load, load_gpt, run, train_losses, val_losses
 from hf.checkpoint import load_hf_checkpoint
 from lm.lora import (apply_lora, cast_frozen_base, disable_adapters, frozen_base_dtype, low_rank_delta, lora_optimizer,
                      lora_state_dict, merged_state_dict)
 from model import GPT, GPTConfig
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_dpo import dpo, dpo_env, evals  # noqa: E402,F401 (dpo_env is a fixture)
-from test_hf_model import fixture, load_gpt  # noqa: E402
-from test_hf_train import fine_tune, task, val_losses  # noqa: E402,F401 (task is a fixture)
-from test_sft import sft_env  # noqa: E402,F401 (a fixture dpo_env uses)
-from test_train import load, run, train_losses  # noqa: E402
 
 BF16_AUTOCAST = torch.autocast('cpu', dtype=torch.bfloat16)
 
@@ -133,10 +127,11 @@ def test_settings_that_cannot_work_are_refused():
 def test_scripts_refuse_them_with_exit_status_2(tmp_path, script, args, message):
     p = run([script, '--device=cpu', '--lora_base_dtype=bfloat16', f'--out_dir={tmp_path / "out"}', *args],
             check=False)
-    assert p.returncode == 2 and message in p.stderr and 'Traceback' not in p.stderr, p.stderr
+    assert_user_error(p, message)
     assert not os.path.exists(tmp_path / 'out')  # refused before the run touches out_dir
 
 
+@pytest.mark.slow
 def test_train_py_on_a_bf16_base_resumes_bit_exactly_matches_float32_and_exports(tmp_path, task):
     """A published model (the SmolLM2 fixture, tied) with lora_base_dtype='bfloat16', stopped at step 2 and
     continued to 4, against a float32 base trained straight to 4 under the same bf16 autocast: equal losses and
@@ -154,7 +149,7 @@ def test_train_py_on_a_bf16_base_resumes_bit_exactly_matches_float32_and_exports
     assert all(v.dtype == torch.float32 and torch.equal(v, f32_adapters[k]) for k, v in adapters.items())
 
     merged = load(bf16 / 'merged.pt')['model']
-    base = load_hf_checkpoint(fixture('smollm2'))['model']
+    base = load_hf_checkpoint(hf_fixture('smollm2'))['model']
     for name, weight in merged.items():
         upcast = base[name].to(torch.bfloat16).float() if is_linear_weight(name) else base[name]
         layer = name.removesuffix('.weight')
@@ -166,6 +161,7 @@ def test_train_py_on_a_bf16_base_resumes_bit_exactly_matches_float32_and_exports
     assert all(torch.equal(v, merged[k]) for k, v in exported.state_dict().items())
 
 
+@pytest.mark.slow
 def test_dpo_with_a_bf16_base_and_its_reference_starts_as_the_float32_bases_run(tmp_path, dpo_env):
     """train_dpo.py use_lora: the reference is the policy with its adapters disabled, so its 16-bit base too;
     under the same bf16 autocast the step-0 metrics equal the float32 base's bit for bit. (Later ones differ: for a

@@ -1,3 +1,4 @@
+import math
 import time
 
 import pytest
@@ -5,7 +6,8 @@ import torch
 
 import memory
 from configurator import UserError
-from faults import faulty_scale
+from run import checkpoint
+from faults import Faults
 from memory import (GradScaler, MemoryMonitor, autocast_context, halve_micro_batch, is_oom, memory_usage,
                     peak_memory_bytes, pick_device, pick_dtype, pressure_level, recover_from_oom,
                     resumed_micro_batch, split_micro_batches)
@@ -226,23 +228,34 @@ def test_a_resumed_run_keeps_its_global_batch_on_another_number_of_processes():
     assert resumed_micro_batch(no_split, 4, 1, 1)[:2] == (4, 2)
 
 
-def test_injected_faults_fire_once_at_their_steps(monkeypatch):
-    monkeypatch.setattr(GradScaler, "scale", faulty_scale("oom@3, nan@5"))
-    # a stand-in for a training script: train_step scales the loss, iter_num is a global of the script
-    script = {}
-    exec("def train_step(scaler, loss):\n    return scaler.scale(loss)", script)
-    scaler, loss = GradScaler(enabled=False), torch.tensor(2.0)
+def test_injected_faults_fire_once_at_the_scripts_steps(monkeypatch):
+    """faults.py counts the steps by GradScaler.update, from where restore_training_state says a run resumes."""
+    weight = torch.nn.Parameter(torch.ones(()))
+    optimizer, scaler = torch.optim.SGD([weight], lr=0.1), GradScaler(enabled=False)
 
-    def faults_at(step):
-        script["iter_num"] = step
+    def step():  # a script's training step: two micro-batches scaled into backward, then the optimizer step
         try:
-            scaled = script["train_step"](scaler, loss)
+            scaled = [scaler.scale(weight * 2) for _ in range(2)]
         except torch.OutOfMemoryError:
-            return "oom"
-        return "nan" if scaled.isnan() else None
+            optimizer.zero_grad()
+            return "oom"  # the script retries the same step, having called no update
+        sum(scaled).backward()
+        if math.isfinite(sum(scaled).item()):  # the scripts' step block: a non-finite step is skipped,
+            scaler.step(optimizer)  # and update ends every step
+        scaler.update()
+        optimizer.zero_grad()
+        return "nan" if scaled[0].isnan() else None
 
-    assert [faults_at(step) for step in range(8)] == [None, None, None, "oom", None, "nan", None, None]
-    assert faults_at(3) is None and faults_at(5) is None  # fired once, so the retried step goes through
+    faults = Faults("oom@3, nan@5").install(monkeypatch.setattr)
+    assert [step() for _ in range(4)] == [None, None, None, "oom"] and faults.step == 3
+    assert [step() for _ in range(4)] == [None, None, "nan", None]  # step 3 retried, then 4, 5, 6
+    assert faults.step == 7 and not faults.pending
+
+    monkeypatch.undo()
+    monkeypatch.setattr(checkpoint, "restore_training_state", lambda *args: (5, 1.0, 0))  # a run resumed at step 5
+    faults = Faults("nan@5").install(monkeypatch.setattr)
+    assert checkpoint.restore_training_state("ckpt", "path") == (5, 1.0, 0)
+    assert step() == "nan" and faults.step == 6
 
 
 # ---------------------------------------------------------------------------- profiler

@@ -2,17 +2,14 @@
 grouping, and train.py with optimizer_type='muon' (checkpoint round trip, bit-exact resume)."""
 
 import copy
-import os
-import sys
 
 import pytest
 import torch
 
+from conftest import load, train, train_losses
 from lm.muon import Muon, muon_param_groups, orthogonalize
 from model import GPT, GPTConfig
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_train import TINY, data_dir, load, run, train, train_losses  # noqa: E402,F401  (data_dir is a fixture)
 
 
 def svd_factors(G):
@@ -148,6 +145,7 @@ def test_state_dict_round_trip_continues_bit_exactly():
     assert all(torch.equal(p, q) for p, q in zip(m.parameters(), m2.parameters()))
 
 
+@pytest.mark.slow
 def test_train_with_muon_learns_and_resumes_bit_exactly(tmp_path, data_dir):
     common = ['--optimizer_type=muon', '--muon_lr=0.05', '--lr_decay_iters=8', '--eval_interval=100']
     straight, split = tmp_path / 'straight', tmp_path / 'split'
@@ -165,15 +163,14 @@ def test_train_with_muon_learns_and_resumes_bit_exactly(tmp_path, data_dir):
     assert p.returncode != 0 and 'optimizer_type' in p.stderr and 'Traceback' not in p.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.comparison
 def test_muon_under_ddp_matches_single_process_with_double_accumulation(tmp_path, data_dir):
     # DDP averages the gradients before step(), so every rank orthogonalizes the same momentum
     single, ddp = tmp_path / 'single', tmp_path / 'ddp'
-    common = [f'--data_dir={data_dir}', *TINY, '--max_iters=5', '--eval_interval=5', '--lr_decay_iters=5',
-              '--optimizer_type=muon', '--muon_lr=0.05']
-    run(['train.py', f'--out_dir={single}', *common, '--gradient_accumulation_steps=2'])
-    run(['-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', 'train.py', f'--out_dir={ddp}',
-         *common, '--gradient_accumulation_steps=1'])
+    common = ['--max_iters=5', '--eval_interval=5', '--lr_decay_iters=5', '--optimizer_type=muon', '--muon_lr=0.05']
+    train(single, data_dir, *common, '--gradient_accumulation_steps=2')
+    train(ddp, data_dir, *common, '--gradient_accumulation_steps=1', ranks=2)
     a, b = train_losses(single), train_losses(ddp)
     assert sorted(a) == sorted(b) == list(range(1, 6))
     assert all(abs(a[s] - b[s]) < 1e-5 for s in a), (a, b)

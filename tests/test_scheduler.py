@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from configurator import assignment_lines, configure
+from conftest import ROOT
 from scheduler import SCHEDULES, LRSchedule, set_lr
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = ('train.py', 'train_dpo.py', 'train_tts.py')
 MAX, MIN, WARM, DECAY = 1.0, 0.1, 10, 110
 
@@ -84,7 +84,7 @@ def test_noam():
 
 def script_defaults(script):
     """A training script's config keys with their default values (its top-level literal assignments)."""
-    with open(os.path.join(REPO, script), encoding='utf-8') as f:
+    with open(os.path.join(ROOT, script), encoding='utf-8') as f:
         tree = ast.parse(f.read())
     defaults = {}
     for node in tree.body:
@@ -102,10 +102,10 @@ def test_scripts_set_and_pass_every_schedule_parameter(script):
     # of the script, which builds its schedule from its config once and calls it with the step
     parameters = [field.name for field in dataclasses.fields(LRSchedule)]
     assert all(field.default is dataclasses.MISSING for field in dataclasses.fields(LRSchedule))
-    lines = assignment_lines(os.path.join(REPO, script))
+    lines = assignment_lines(os.path.join(ROOT, script))
     config_end = lines['config']  # config = configure(globals()) ends the config block
     assert all(lines.get(name, config_end) < config_end for name in parameters), script
-    with open(os.path.join(REPO, script), encoding='utf-8') as f:
+    with open(os.path.join(ROOT, script), encoding='utf-8') as f:
         calls = [ast.unparse(node) for node in ast.walk(ast.parse(f.read()))
                  if isinstance(node, ast.Call) and 'LRSchedule' in ast.unparse(node.func)
                  or isinstance(node, ast.Call) and getattr(node.func, 'id', None) == 'get_lr']

@@ -6,61 +6,19 @@ import json
 import os
 import re
 import shutil
-import sys
 
 import pytest
 import torch
 
 from configurator import UserError
-from data import prepare
 from lm import chat_data
 from lm.chat_data import SFTBatches, load_sft_split
-from lm.tokenizer import ChatTokenizer, CharTokenizer, load_tokenizer, prompt_and_answer
+from conftest import (ANSWERS, CHARS, assert_user_error, char_tokenizer, checked_answer, kill_and_relaunch, load,
+                      logged, read_log, run, sft, sft_args, torch_saved, torchrun, train_losses, write_jsonl)
+from data import prepare
+from lm.tokenizer import ChatTokenizer, load_tokenizer, prompt_and_answer
 from model import GPT, GPTConfig
 from tasks.number_tasks import addition_working, digit_copies, prepare_number_tasks, subtraction_working
-
-sys.path.insert(0, os.path.dirname(__file__))
-from test_train import kill_and_relaunch, load, read_log, run, train_losses  # noqa: E402  (the subprocess helpers)
-
-CHARS = sorted(set("What is 0123456789+-=?<|>abcdefghijklmnopqrstuvwxyz \n:,.ABCDEFGHIJKLMNOPQRSTUVWXYZ"))
-TINY = ['--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=48', '--batch_size=4', '--eval_iters=2',
-        '--log_interval=1', '--tensorboard=False', '--sample_tokens=10', '--warmup_iters=2', '--device=cpu',
-        '--dtype=float32', '--learning_rate=1e-2', '--min_lr=1e-3']
-SFT = ['--max_length=48', '--exact_match_examples=4', '--bucket_batches=2']
-
-
-def char_tokenizer():
-    return ChatTokenizer(CharTokenizer(CHARS))
-
-
-def write_jsonl(path, lines):
-    path.write_text('\n'.join(line if isinstance(line, str) else json.dumps(line) for line in lines) + '\n')
-    return str(path)
-
-
-@pytest.fixture(scope='session')
-def sft_env(tmp_path_factory):
-    """A char corpus that covers the number tasks, the tasks' JSONL files, and a tiny model pretrained on it."""
-    root = tmp_path_factory.mktemp('sft')
-    task = prepare_number_tasks(str(root / 'task'), n_train=200, n_eval=12)
-    with open(os.path.join(task, 'train.jsonl')) as f:
-        text = ''.join(f"{r['prompt']} {r['response']}\n" for r in map(json.loads, f)) * 3
-    (root / 'corpus.txt').write_text(text)
-    prepared = prepare(str(root / 'corpus.txt'), str(root / 'prepared'), tokenizer='char')
-    base = root / 'base'
-    run(['train.py', f'--out_dir={base}', f'--data_dir={prepared}', *TINY, '--max_iters=3', '--eval_interval=3',
-         '--lr_decay_iters=3'])
-    return dict(data_dir=prepared, task=task, base=str(base / 'ckpt.pt'))
-
-
-def sft_args(env, out_dir, *extra, training_type='sft'):
-    return ['train.py', f'--training_type={training_type}', f'--out_dir={out_dir}', f'--data_dir={env["data_dir"]}',
-            f'--sft_data={env["task"]}', f'--init_from={env["base"]}', *TINY, *SFT, *extra]
-
-
-def sft(env, out_dir, *extra, training_type='sft', **kw):
-    return run(sft_args(env, out_dir, *extra, training_type=training_type), **kw)
-
 
 # -- chat template -----------------------------------------------------------------------------
 
@@ -139,40 +97,6 @@ def test_overlong_examples_truncate_or_drop(tmp_path, capsys):
 
 
 # -- the embedded number tasks ------------------------------------------------------------------
-
-ANSWERS = [  # each kind of question, and how to answer it (sums and differences: the result of the working)
-    (r'What is (\d+)\+(\d+)\?', lambda a, b: int(a) + int(b)),
-    (r'What is (\d+)-(\d+)\?', lambda a, b: int(a) - int(b)),
-    (r'Reverse the digits of (\d+)\.', lambda n: n[::-1]),
-    (r'Which is larger, (\d+) or (\d+)\?', lambda a, b: max(int(a), int(b))),
-    (r'How many digits does (\d+) have\?', len),
-    (r'What comes after (\d+)\?', lambda n: int(n) + 1),
-]
-
-WORKING = r'(\d+)([+-])(\d+)=(\d+), (\d+)([+-])(\d+)((?:[+-]1)?)=(\d+), so (\d+)'
-
-
-def checked_answer(kind, match, response):
-    """The answer in a response; for a sum or difference (kinds 0 and 1) the result of its working,
-    after checking that the working is right column by column: units first, then the tens with the
-    carry (or the borrowed ten), then the result made of the two."""
-    if kind > 1:
-        return response
-    a, b = map(int, match.groups())
-    w = re.fullmatch(WORKING, response)
-    assert w, response
-    units_a, op, units_b, units, tens_a, op2, tens_b, carry, tens, result = w.groups()
-    sign = 1 if kind == 0 else -1
-    assert op == op2 == '+-'[kind]
-    assert int(units_a) % 10 == a % 10 and int(units_b) == b % 10
-    assert int(units) == int(units_a) + sign * int(units_b) and 0 <= int(units) <= 18
-    assert int(tens_a) == a // 10 and int(tens_b) == b // 10
-    carried = int(units) >= 10 if kind == 0 else int(units_a) >= 10  # a carry out, or a ten borrowed
-    assert carry == (op + '1' if carried else '') and int(units_a) < 10 + 10 * (kind == 1 and carried)
-    assert int(tens) == int(tens_a) + sign * (int(tens_b) + carried)
-    assert int(result) == 10 * int(tens) + int(units) % 10
-    return result
-
 
 def test_number_task_working_and_its_slips():
     assert addition_working(48, 26) == '8+6=14, 4+2+1=7, so 74'
@@ -269,16 +193,8 @@ def test_sampling_resumes_exactly_from_state_dict():
     state = a.state_dict()
     expected = [a.sample(8).tolist() for _ in range(10)]
     b = SFTBatches(examples, seed=99, pad_id=0, max_length=20, bucket_batches=3)
-    b.load_state_dict(torch.load(_saved(state), weights_only=True))
+    b.load_state_dict(torch.load(torch_saved(state), weights_only=True))
     assert [b.sample(8).tolist() for _ in range(10)] == expected
-
-
-def _saved(state):
-    import io
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    buffer.seek(0)
-    return buffer
 
 
 def test_curriculum_limit_skips_longer_examples():
@@ -348,6 +264,7 @@ FOUNDATION_FIELDS = {'kind', 'model', 'model_args', 'optimizer', 'scaler', 'iter
                      'batch_size', 'gradient_accumulation_steps'}
 
 
+@pytest.mark.slow
 def test_sft_trains_reports_exact_match_and_resumes_bit_exactly(tmp_path, sft_env):
     """Packing, bucketing, a length curriculum, token weights, z-loss, dropout and accumulation, all resumed exactly."""
     common = ['--dropout=0.1', '--lr_decay_iters=8', '--eval_interval=4', '--gradient_accumulation_steps=2',
@@ -374,6 +291,7 @@ def test_sft_trains_reports_exact_match_and_resumes_bit_exactly(tmp_path, sft_en
     assert ckpt['tokenizer'] == ChatTokenizer(load_tokenizer(sft_env['data_dir'])).identity()
 
 
+@pytest.mark.slow
 @pytest.mark.comparison
 def test_accumulation_and_ddp_match_one_big_batch(tmp_path, sft_env):
     """The loss is normalized by the whole global batch's token weight: 4 x 1 = 1 x 4 = 2 ranks x (1 x 2) give the
@@ -391,39 +309,39 @@ def test_accumulation_and_ddp_match_one_big_batch(tmp_path, sft_env):
     big, accumulated, ddp = tmp_path / 'big', tmp_path / 'accumulated', tmp_path / 'ddp'
     sft(sft_env, big, '--batch_size=4', '--gradient_accumulation_steps=1', *common)
     sft(sft_env, accumulated, '--batch_size=1', '--gradient_accumulation_steps=4', '--eval_iters=8', *common)
-    run(['-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', 'train.py', '--training_type=sft',
-         f'--out_dir={ddp}', f'--data_dir={sft_env["data_dir"]}', f'--sft_data={sft_env["task"]}',
-         f'--init_from={sft_env["base"]}', *TINY, *SFT, '--batch_size=1', '--gradient_accumulation_steps=2',
-         '--eval_iters=8', *common])
+    run([*torchrun(2), *sft_args(sft_env, ddp, '--batch_size=1', '--gradient_accumulation_steps=2', '--eval_iters=8',
+                                 *common)])
     for key, steps in [('train_loss', [1, 2, 3]), ('grad_norm', [1]), ('val_loss', [0, 3])]:
-        a, b, c = ({e['step']: e[key] for e in read_log(out) if key in e} for out in (big, accumulated, ddp))
+        a, b, c = (logged(out, key) for out in (big, accumulated, ddp))
         assert sorted(a) == sorted(b) == sorted(c) and set(steps) <= set(a), (key, a, b, c)
         assert all(b[s] == pytest.approx(a[s], rel=1e-5) and c[s] == pytest.approx(a[s], rel=1e-5)
                    for s in steps), (key, a, b, c)
 
 
+@pytest.mark.slow
 def test_sft_bad_inputs_are_clear_errors(tmp_path, sft_env):
     bad = tmp_path / 'bad'
     bad.mkdir()
     write_jsonl(bad / 'train.jsonl', [{'prompt': 'What is 1+1?', 'response': '2'}, '{"prompt": 1}'])
     write_jsonl(bad / 'val.jsonl', [{'prompt': 'What is 1+1?', 'response': '2'}])
     p = sft(sft_env, tmp_path / 'a', f'--sft_data={bad}', check=False)
-    assert p.returncode == 2 and 'Traceback' not in p.stderr and f'{bad / "train.jsonl"}:2:' in p.stderr
+    assert_user_error(p, f'{bad / "train.jsonl"}:2:')
     # a base model trained with another tokenizer
     (tmp_path / 'other.txt').write_text(''.join(CHARS) * 40)  # covers the task, but a larger vocabulary
     other = prepare(str(tmp_path / 'other.txt'), str(tmp_path / 'other'), 'char')
     p = sft(sft_env, tmp_path / 'b', f'--data_dir={other}', check=False)
-    assert p.returncode == 2 and 'Traceback' not in p.stderr and 'tokenizer' in p.stderr and 'vocab_size' in p.stderr
+    assert_user_error(p, 'tokenizer', 'vocab_size')
     cases = [(['--eval_only=True', '--init_from=scratch'], 'eval_only=True needs a trained model'),
              (["--loss_weights={'ce': -1.0, 'z_loss': 0.0}"], 'finite numbers >= 0'),
              (["--token_weights={'g': (-2.0, ['a'])}"], 'finite weight >= 0'),
              (["--token_weights={'g': (2.0, ['Q'])}"], "token_weights['g']: 'Q'")]  # not in this char vocabulary
     for i, (args, message) in enumerate(cases):
         p = sft(sft_env, tmp_path / f'c{i}', *args, check=False)
-        assert p.returncode == 2 and message in p.stderr and 'Traceback' not in p.stderr, (args, p.stderr)
+        assert_user_error(p, message)
         assert not (tmp_path / f'c{i}' / 'ckpt.pt').exists()
 
 
+@pytest.mark.slow
 def test_resume_refuses_changed_data_and_pretraining_a_chat_model(tmp_path, sft_env):
     """An SFT run resumed on another train.jsonl (even in another order) stops with exit 2, its checkpoint untouched;
     a chat model cannot be continued as pretraining; a TTS checkpoint is refused by kind."""
@@ -434,16 +352,17 @@ def test_resume_refuses_changed_data_and_pretraining_a_chat_model(tmp_path, sft_
     lines = (tasks / 'train.jsonl').read_text().splitlines()
     (tasks / 'train.jsonl').write_text('\n'.join(lines[1:] + lines[:1]) + '\n')
     p = sft(sft_env, out, f'--sft_data={tasks}', '--max_iters=4', check=False)
-    assert p.returncode == 2 and 'train.jsonl has changed since' in p.stderr and 'Traceback' not in p.stderr
+    assert_user_error(p, 'train.jsonl has changed since')
     assert (out / 'ckpt.pt').read_bytes() == saved
     p = run(['train.py', f'--out_dir={tmp_path / "pre"}', f'--data_dir={sft_env["data_dir"]}',
              f'--init_from={out / "ckpt.pt"}', '--max_iters=1', '--device=cpu', '--tensorboard=False'], check=False)
-    assert p.returncode == 2 and "is a chat model (training_type='sft')" in p.stderr, p.stderr
+    assert_user_error(p, "is a chat model (training_type='sft')")
     torch.save(dict(kind='tts'), tmp_path / 'tts.pt')
     p = sft(sft_env, tmp_path / 'c', f'--init_from={tmp_path / "tts.pt"}', check=False)
-    assert p.returncode == 2 and "is a 'tts' checkpoint, not a GPT's" in p.stderr
+    assert_user_error(p, "is a 'tts' checkpoint, not a GPT's")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('training_type, ranks', [('sft', 1), ('lora', 1), ('sft', 2)])
 def test_relaunch_after_sigkill_continues_the_run(tmp_path, sft_env, training_type, ranks):
     """The README's fine-tuning commands set init_from to the base model; relaunched after a kill -9 (under torchrun
@@ -452,7 +371,7 @@ def test_relaunch_after_sigkill_continues_the_run(tmp_path, sft_env, training_ty
     args = sft_args(sft_env, out, '--max_iters=120', '--eval_interval=10', '--lr_decay_iters=120',
                     '--exact_match_examples=0', training_type=training_type)
     if ranks > 1:
-        args = ['-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={ranks}', *args]
+        args = [*torchrun(ranks), *args]
     killed_at, output, steps = kill_and_relaunch(args, out)
     assert killed_at >= 10 and f'resuming from {out / "ckpt.pt"} at step {killed_at}\n' in output
     assert steps == list(range(1, 121)) and load(out / 'ckpt.pt')['iter_num'] == 120

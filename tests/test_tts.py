@@ -2,12 +2,10 @@
 generated corpora: a few short sine/noise WAVs and a metadata.csv made in tmp_path."""
 
 import itertools
-import json
 import math
 import os
 import random
 import stat
-import subprocess
 import sys
 import wave
 
@@ -15,18 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(__file__))
-
-from configurator import UserError  # noqa: E402
-from tts.data import (MEL_SETTINGS, FrameBudgetSampler, LJSpeechDataset, MelExtractor, encode_text, make_espeak_corpus,  # noqa: E402
+from configurator import UserError
+from conftest import assert_user_error, kill_and_relaunch, launch, load, read_log, run
+from tts.data import (MEL_SETTINGS, FrameBudgetSampler, LJSpeechDataset, MelExtractor, encode_text, make_espeak_corpus,
                       read_metadata, read_wav, split_ids, write_wav)
-from tts.eval import alignment_stats, dtw_mean_cost, mel_cepstral_distortion  # noqa: E402
-from tts.losses import duration_loss, flow_matching_loss, flow_matching_path, prior_loss  # noqa: E402
-from tts.model import (TTSConfig, TTSModel, durations_to_path, load_tts, log_beta_binomial_prior,  # noqa: E402
+from tts.eval import alignment_stats, dtw_mean_cost, mel_cepstral_distortion
+from tts.losses import duration_loss, flow_matching_loss, flow_matching_path, prior_loss
+from tts.model import (TTSConfig, TTSModel, durations_to_path, load_tts, log_beta_binomial_prior,
                        maximum_path_reference, monotonic_alignment_search, synthesize)
-from test_train import kill_and_relaunch  # noqa: E402  (the preemption helper)
 
 SR = MEL_SETTINGS['sample_rate']
 TINY = ['--enc_channels=32', '--enc_layers=1', '--enc_heads=2', '--enc_ff_channels=64', '--dp_channels=32',
@@ -68,28 +62,9 @@ def corpus(tmp_path_factory):
     return make_corpus(tmp_path_factory.mktemp('tts_corpus'))
 
 
-def run(args, env_extra=None, check=True):
-    env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONUNBUFFERED='1')
-    env.update(env_extra or {})
-    p = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    if check and p.returncode != 0:
-        raise AssertionError(f"exit {p.returncode}\nSTDOUT:\n{p.stdout[-3000:]}\nSTDERR:\n{p.stderr[-3000:]}")
-    return p
-
-
-def train(out_dir, data_dir, *extra, faults=None, **kw):
-    """faults: e.g. 'nan@1,oom@2', injected by tests/faults.py at those steps."""
-    launcher = ['tests/faults.py', faults] if faults else []
-    return run([*launcher, 'train_tts.py', f'--out_dir={out_dir}', f'--data_dir={data_dir}', *TINY, *extra], **kw)
-
-
-def read_log(out_dir):
-    with open(os.path.join(out_dir, 'log.jsonl')) as f:
-        return [json.loads(line) for line in f]
-
-
-def load(path):
-    return torch.load(path, map_location='cpu', weights_only=True)
+def train(out_dir, data_dir, *extra, **kw):
+    """train_tts.py on the tiny model (conftest.launch's keywords: faults, check...)."""
+    return launch('train_tts.py', out_dir, data_dir, *TINY, *extra, **kw)
 
 # ----------------------------------------------------------------------------- alignment
 
@@ -343,6 +318,7 @@ def test_sampler_equal_batches_per_rank_and_resume():
         FrameBudgetSampler(lengths, 100)
 
 
+@pytest.mark.slow
 def test_bad_dataset_rows_give_clear_errors(tmp_path):
     data = make_corpus(tmp_path / 'data', n=3)
     meta = data / 'metadata.csv'
@@ -385,7 +361,7 @@ def test_bad_dataset_rows_give_clear_errors(tmp_path):
     meta.write_text(good)
     (data / 'wavs' / 'U001.wav').write_bytes(b'RIFF garbage')
     p = train(tmp_path / 'out', data, '--max_iters=1', check=False)
-    assert p.returncode == 2 and 'U001.wav: unreadable WAV' in p.stderr and 'Traceback' not in p.stderr
+    assert_user_error(p, 'U001.wav: unreadable WAV')
 
 
 def test_espeak_corpus_command_with_a_fake_espeak(tmp_path, monkeypatch):
@@ -419,6 +395,7 @@ def straight_run(tmp_path_factory, corpus):
     return out, p.stdout + p.stderr
 
 
+@pytest.mark.slow
 def test_train_smoke_faults_and_synthesis(tmp_path, straight_run):
     out, output = straight_run
     events = read_log(out)
@@ -445,6 +422,7 @@ def test_train_smoke_faults_and_synthesis(tmp_path, straight_run):
         synthesize(model, '123')  # digits are not in this corpus' vocabulary
 
 
+@pytest.mark.slow
 def test_alignment_stats_agree_with_the_runs_held_out_prior(tmp_path, corpus, straight_run):
     # bench/tts_check.py's measures: the prior loss as train_tts.py's evaluation computes it, shares in [0, 1]
     out, _ = straight_run
@@ -458,6 +436,7 @@ def test_alignment_stats_agree_with_the_runs_held_out_prior(tmp_path, corpus, st
     assert 0 <= stats['one_frame'] <= 1 and 0 < stats['sharpness'] <= 1
 
 
+@pytest.mark.slow
 def test_resume_is_bit_exact(tmp_path, corpus, straight_run):
     straight, _ = straight_run
     split = tmp_path / 'split'
@@ -474,6 +453,7 @@ def test_resume_is_bit_exact(tmp_path, corpus, straight_run):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+@pytest.mark.slow
 def test_decoder_lr_scale_zero_trains_all_but_the_decoder(tmp_path, corpus):
     out, quick = tmp_path / 'run', ['--audio_samples=0', '--eval_utterances=1', '--decoder_lr_scale=0']
     train(out, corpus, '--max_iters=2', *RUN, *quick)
@@ -485,6 +465,7 @@ def test_decoder_lr_scale_zero_trains_all_but_the_decoder(tmp_path, corpus):
     assert not all(torch.equal(before[k], after[k]) for k in before if k.startswith('encoder.'))
 
 
+@pytest.mark.slow
 def test_settings_that_cannot_work_are_clear_errors(tmp_path, corpus, straight_run):
     """eval_only with nothing to evaluate, a model shape that does not fit together, a sample.py wav path in
     no folder: exit 2 naming the keys, before any work."""
@@ -492,31 +473,33 @@ def test_settings_that_cannot_work_are_clear_errors(tmp_path, corpus, straight_r
              (['--enc_heads=3'], 'enc_heads=3'), (['--enc_kernel=4'], 'enc_kernel=4 must be odd')]
     for args, message in cases:
         p = train(tmp_path / 'out', corpus, *args, check=False)
-        assert p.returncode == 2 and message in p.stderr and 'Traceback' not in p.stderr, p.stderr
+        assert_user_error(p, message)
     assert not (tmp_path / 'out' / 'ckpt.pt').exists()
     p = run(['sample.py', f'--out_dir={straight_run[0]}', '--device=cpu', f'--wav={tmp_path / "nowhere" / "x.wav"}'],
             check=False)
-    assert p.returncode == 2 and 'must be a file path in an existing folder' in p.stderr, p.stderr
+    assert_user_error(p, 'must be a file path in an existing folder')
 
 
+@pytest.mark.slow
 def test_sample_refuses_gpt_keys_on_a_tts_checkpoint(tmp_path, straight_run):
     """--start/--temperature/... only mean something for a GPT checkpoint; on a train_tts.py checkpoint they are an
     error naming them, instead of speaking the default sentence into out.wav."""
     wav = tmp_path / 'x.wav'
     p = run(['sample.py', f'--out_dir={straight_run[0]}', '--device=cpu', f'--wav={wav}', '--start=aa mm'],
             check=False)
-    assert p.returncode == 2 and 'Traceback' not in p.stderr, p.stderr
+    assert_user_error(p)
     assert "start='aa mm'" in p.stderr and 'text-to-speech' in p.stderr and 'text, wav' in p.stderr
     config = tmp_path / 'greedy.py'
     config.write_text('temperature = 0.0\n')
     p = run(['sample.py', str(config), f'--out_dir={straight_run[0]}', '--device=cpu', f'--wav={wav}'], check=False)
-    assert p.returncode == 2 and 'temperature=0.0' in p.stderr, p.stderr
+    assert_user_error(p, 'temperature=0.0')
     assert not wav.exists()
     p = run(['sample.py', f'--out_dir={straight_run[0]}', '--device=cpu', f'--wav={wav}', '--text=aa mm',
              '--n_timesteps=2', '--top_k=50'])  # a GPT key left at its default is no error
     assert wav.exists()
 
 
+@pytest.mark.slow
 def test_relaunch_after_sigkill_continues_the_run(tmp_path, corpus):
     out = tmp_path / 'out'
     args = ['train_tts.py', f'--out_dir={out}', f'--data_dir={corpus}', *TINY, '--max_iters=40', '--eval_interval=4',

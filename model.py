@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from configurator import UserError
-from memory import peak_flops
+from run.device import peak_flops
 
 CHOICES = dict(pos_emb=('rope', 'learned'), norm=('rmsnorm', 'layernorm'), mlp=('gelu', 'gelu_tanh', 'swiglu', 'relu2'))
 ROPE_SCALING_KEYS = ('factor', 'low_freq_factor', 'high_freq_factor', 'original_max_position_embeddings')

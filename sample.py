@@ -16,9 +16,9 @@ import torch
 from configurator import FOLDER, POSITIVE, UserError, at_least, check_values, configure, interval
 from hf.tokenizer import load_hf_tokenizer
 from lm.tokenizer import chat_tokenizer, load_tokenizer
-from memory import autocast_context, pick_device, pick_dtype
 from model import GPT, GPTConfig
 from run.checkpoint import load_checkpoint
+from run.device import autocast_context, pick_device, pick_dtype
 from run.starting_model import hf_source, load_model
 from tts.data import MEL_SETTINGS, write_wav
 from tts.model import load_tts, synthesize

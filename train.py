@@ -22,10 +22,10 @@ from lm.lora import apply_lora, frozen_base_dtype, load_adapters, lora_state_dic
 from lm.muon import gpt_optimizer
 from lm.tokenizer import chat_tokenizer
 from losses import check_loss_weights, combine_losses, target_weights, token_weight_table, weighted_cross_entropy, z_loss
-from memory import (DTYPES, GradScaler, MemoryMonitor, autocast_context, halve_micro_batch, peak_memory_bytes,
-                    pick_dtype, recover_from_oom, resumed_micro_batch)
+from memory import MemoryMonitor, halve_micro_batch, peak_memory_bytes, recover_from_oom, resumed_micro_batch
 from run.checkpoint import (CHECKPOINT_FORMATS, check_compatible, restore_training_state, training_state,
                             write_checkpoint)
+from run.device import DTYPES, GradScaler, autocast_context, pick_dtype
 from run.fsdp import PARALLEL, check_parallel, place_model, same_init_on_every_rank
 from run.run_data import gpt_run_data
 from run.run_folder import continued_origin, open_run, require_starting_weights, run_log, run_origin

@@ -22,10 +22,11 @@ from lm.dpo import completion_logps, precomputed_reference_logps, reference_logp
 from lm.lora import LORA_SETTINGS, apply_lora, frozen_base_dtype, lora_optimizer, lora_state_dict, save_merged
 from lm.tokenizer import chat_tokenizer
 from losses import DPO_LOSS_TYPES, dpo_loss
-from memory import DTYPES, GradScaler, autocast_context, peak_memory_bytes, pick_dtype, resumed_micro_batch
+from memory import peak_memory_bytes, resumed_micro_batch
 from model import GPTConfig
 from run.checkpoint import (CHECKPOINT_FORMATS, check_compatible, file_sha256, restore_training_state, training_state,
                             write_checkpoint)
+from run.device import DTYPES, GradScaler, autocast_context, pick_dtype
 from run.fsdp import PARALLEL, check_parallel, place_model, same_init_on_every_rank
 from run.run_data import preference_run_data
 from run.run_folder import continued_origin, open_run, run_log, run_origin

@@ -17,10 +17,10 @@ from tqdm import tqdm
 
 from configurator import (EMPTY_OR_FOLDER, FOLDER, POSITIVE, UserError, at_least, check_values, configure,
                           dataclass_args, interval, one_of)
-from memory import (GradScaler, MemoryMonitor, autocast_context, peak_memory_bytes, pick_dtype, recover_from_oom,
-                    split_micro_batches)
+from memory import MemoryMonitor, peak_memory_bytes, recover_from_oom, split_micro_batches
 from run.checkpoint import (check_compatible, load_checkpoint, restore_training_state, rng_state, set_rng_state,
                             training_state, write_checkpoint)
+from run.device import GradScaler, autocast_context, pick_dtype
 from run.run_folder import continued_origin, open_run, require_starting_weights, run_log, run_origin
 from run.runtime import (StepProfiler, StopSignal, after_eval, all_reduce_metrics, bad_step, clip_grad_norm,
                          compute_cleanup, compute_init, gradient_sync, keep_log_until, log, patience_exhausted,

@@ -20,8 +20,9 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from configurator import at_least, check_values, configure
-from memory import autocast_context, pick_dtype, synchronize
+from memory import synchronize
 from model import GPT, GPTConfig
+from run.device import autocast_context, pick_dtype
 from run.fsdp import shard_model
 from run.runtime import compute_cleanup, compute_init, log
 

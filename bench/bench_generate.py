@@ -16,8 +16,8 @@ import torch
 
 from configurator import at_least, check_values, configure
 from lm.generate import generate_batch
-from memory import pick_device
 from model import GPT, GPTConfig
+from run.device import pick_device
 
 # -----------------------------------------------------------------------------
 num_prompts = 16

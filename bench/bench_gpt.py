@@ -17,8 +17,9 @@ import torch
 
 from configurator import at_least, check_values, configure
 from lm.lora import apply_lora, cast_frozen_base
-from memory import autocast_context, peak_memory_bytes, pick_device, pick_dtype
+from memory import peak_memory_bytes
 from model import GPT, GPTConfig
+from run.device import autocast_context, pick_device, pick_dtype
 
 # -----------------------------------------------------------------------------
 batch_size = 16

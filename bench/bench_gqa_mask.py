@@ -19,8 +19,8 @@ import torch.nn.functional as F
 
 import model as model_module
 from configurator import configure, one_of, check_values
-from memory import autocast_context, pick_device, pick_dtype
 from model import GPT, GPTConfig
+from run.device import autocast_context, pick_device, pick_dtype
 
 # -----------------------------------------------------------------------------
 shape = 'smollm2'            # 'smollm2' (SmolLM2-135M: 30 x 576, 9 / 3 heads) | 'llama1b' (16 x 2048, 32 / 8 heads)

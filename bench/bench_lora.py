@@ -18,8 +18,9 @@ import torch
 
 from configurator import POSITIVE, at_least, check_values, configure
 from lm.lora import apply_lora, lora_optimizer
-from memory import autocast_context, peak_memory_bytes, pick_device, pick_dtype, synchronize
+from memory import peak_memory_bytes, synchronize
 from model import GPT, GPTConfig
+from run.device import autocast_context, pick_device, pick_dtype
 
 # -----------------------------------------------------------------------------
 mode = 'all'                 # 'all' (each mode below in its own process, then a table) | 'full' | 'lora'

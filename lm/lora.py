@@ -13,8 +13,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from configurator import UserError
-from memory import DTYPES
 from run.checkpoint import check_compatible, save_checkpoint
+from run.device import DTYPES
 from run.fsdp import model_state_dict
 from run.runtime import log
 

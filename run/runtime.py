@@ -22,7 +22,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from configurator import install_excepthook
-from memory import pick_device, synchronize
+from memory import synchronize
+from run.device import pick_device
 from run.fsdp import is_dtensor, is_sharded
 
 

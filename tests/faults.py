@@ -10,10 +10,10 @@ that every training script calls are wrapped (each still does all it did):
 
 - checkpoint.restore_training_state: a resumed run's step counters; the count starts at the iter_num it
   returns (at 0 in a run that starts afresh and never calls it).
-- memory.GradScaler.update: called exactly once at the end of every training step, taken or skipped
+- run/device.py's GradScaler.update: called exactly once at the end of every training step, taken or skipped
   (each script's step block), never in an evaluation or between an OOM and its retry; each call
   counts one step.
-- memory.GradScaler.scale: scales each micro-batch's loss right before backward, inside the script's
+- run/device.py's GradScaler.scale: scales each micro-batch's loss right before backward, inside the script's
   train_step, so that is where the faults go in. oom@N raises torch.OutOfMemoryError there (before
   backward: the script's OOM retry catches it), nan@N makes the loss going into backward NaN (the
   gradients and their norm turn NaN: a non-finite step, skipped; the logged loss stays finite, and under
@@ -30,7 +30,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository's modules
-import memory  # noqa: E402
+from run import device  # noqa: E402
 from run import checkpoint  # noqa: E402
 
 
@@ -54,7 +54,7 @@ class Faults:
     def install(self, patch=setattr):
         """Wrap the three functions the module docstring names. patch: setattr, or a test's
         monkeypatch.setattr (undone after the test)."""
-        scale, update, restore = memory.GradScaler.scale, memory.GradScaler.update, checkpoint.restore_training_state
+        scale, update, restore = device.GradScaler.scale, device.GradScaler.update, checkpoint.restore_training_state
 
         def scale_with_faults(scaler, loss):
             if self.fires('oom'):
@@ -71,8 +71,8 @@ class Faults:
             self.step = counters[0]
             return counters
 
-        patch(memory.GradScaler, 'scale', scale_with_faults)
-        patch(memory.GradScaler, 'update', update_and_count)
+        patch(device.GradScaler, 'scale', scale_with_faults)
+        patch(device.GradScaler, 'update', update_and_count)
         patch(checkpoint, 'restore_training_state', restore_and_start_there)  # before the script imports it
         return self
 

@@ -8,9 +8,9 @@ import memory
 from configurator import UserError
 from run import checkpoint
 from faults import Faults
-from memory import (GradScaler, MemoryMonitor, autocast_context, halve_micro_batch, is_oom, memory_usage,
-                    peak_memory_bytes, pick_device, pick_dtype, pressure_level, recover_from_oom,
-                    resumed_micro_batch, split_micro_batches)
+from memory import (MemoryMonitor, halve_micro_batch, is_oom, memory_usage, peak_memory_bytes, pressure_level,
+                    recover_from_oom, resumed_micro_batch, split_micro_batches)
+from run.device import GradScaler, autocast_context, pick_device, pick_dtype
 from run.runtime import StepProfiler
 
 

@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
-from memory import GradScaler
 from run.checkpoint import restore_training_state, training_state
+from run.device import GradScaler
 from run.runtime import (after_eval, all_reduce_metrics, bad_step, clip_grad_norm, compute_init, patience_exhausted,
                          rank_batches)
 

@@ -18,8 +18,8 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from configurator import FOLDER, POSITIVE, UserError, at_least, check_values, configure, interval, one_of
-from lm.lora import apply_lora, frozen_base_dtype, load_adapters, lora_state_dict, save_merged
-from lm.muon import gpt_optimizer
+from lm.lora import apply_lora, frozen_base_dtype, load_adapters, lora_optimizer, lora_state_dict, save_merged
+from lm.muon import Muon, muon_param_groups
 from lm.tokenizer import chat_tokenizer
 from losses import check_loss_weights, combine_losses, target_weights, token_weight_table, weighted_cross_entropy, z_loss
 from memory import MemoryMonitor, halve_micro_batch, peak_memory_bytes, recover_from_oom, resumed_micro_batch
@@ -133,6 +133,7 @@ check_values(config, [
     (interval('[0, 1]'), ('decay_frac',)),
     (POSITIVE, ('lora_alpha', 'loraplus_lr_ratio')),
     (one_of(SCHEDULES), ('lr_schedule',)),
+    (one_of(('adamw', 'muon')), ('optimizer_type',)),
     (one_of(DTYPES), ('lora_base_dtype',)),
     (one_of(PARALLEL), ('parallel',)),
     (one_of(CHECKPOINT_FORMATS), ('checkpoint_format',)),
@@ -141,6 +142,8 @@ check_values(config, [
 check_loss_weights(loss_weights)
 if training_type not in ('from_scratch', 'sft', 'lora'):
     raise UserError(f"training_type={training_type!r} is not supported; use 'from_scratch', 'sft' or 'lora'.")
+if training_type == 'lora' and optimizer_type != 'adamw':
+    raise UserError("training_type='lora' trains its adapters with AdamW; set optimizer_type='adamw'.")
 fine_tuning = training_type != 'from_scratch'
 
 # processes and device (run/runtime.py: one process per GPU under torchrun), precision
@@ -194,7 +197,13 @@ model.activation_checkpointing = activation_checkpointing
 place_model(model, parallel, device, ptdtype, fsdp_cpu_offload)
 raw_model = model  # what we save and sample from: never compiled or DDP-wrapped (under FSDP: sharded)
 
-optimizer = gpt_optimizer(raw_model, config, device_type)  # only trainable parameters: with LoRA, the adapters
+# the optimizer, over the trainable parameters only (with LoRA, the adapters)
+if optimizer_type == 'muon':  # Muon for the blocks' matrices, AdamW for the rest
+    optimizer = Muon(muon_param_groups(raw_model, learning_rate, weight_decay, (beta1, beta2), muon_lr, muon_momentum))
+elif training_type == 'lora':
+    optimizer = lora_optimizer(raw_model, weight_decay, learning_rate, (beta1, beta2), device_type, loraplus_lr_ratio)
+else:
+    optimizer = raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
 scaler = GradScaler(enabled=ptdtype == torch.float16)
 get_lr = LRSchedule.from_config(config)
 iter_num, best_val_loss, evals_without_improvement = 0, float('inf'), 0

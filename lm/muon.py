@@ -7,14 +7,9 @@ Muon keeps SGD momentum, but instead of stepping along the momentum M = U S V^T 
 U V^T: every direction the matrix can move in gets the same step size, so rare directions are not
 drowned out by the dominant ones. U V^T is approximated by a few Newton-Schulz iterations (matmuls
 only, no SVD).
-
-gpt_optimizer picks a train.py run's optimizer: this one, AdamW, or LoRA's AdamW over the adapters.
 """
 
 import torch
-
-from configurator import UserError
-from lm.lora import lora_optimizer
 
 
 def orthogonalize(G, steps=5, eps=1e-7):
@@ -119,20 +114,3 @@ def muon_param_groups(model, learning_rate, weight_decay, betas, muon_lr, muon_m
         dict(params=decay, weight_decay=weight_decay, **adamw),
         dict(params=no_decay, weight_decay=0.0, **adamw),
     ]
-
-
-def gpt_optimizer(model, config, device_type):
-    """The optimizer of a train.py run (config: its config keys) over model's trainable parameters:
-    optimizer_type 'muon' (Muon, AdamW for the rest) or 'adamw'; a LoRA run's adapters train with AdamW only."""
-    optimizer_type, learning_rate = config['optimizer_type'], config['learning_rate']
-    weight_decay, betas = config['weight_decay'], (config['beta1'], config['beta2'])
-    if config['training_type'] == 'lora' and optimizer_type != 'adamw':
-        raise UserError("training_type='lora' trains its adapters with AdamW; set optimizer_type='adamw'.")
-    if optimizer_type == 'muon':
-        return Muon(muon_param_groups(model, learning_rate, weight_decay, betas, config['muon_lr'],
-                                      config['muon_momentum']))
-    if optimizer_type != 'adamw':
-        raise UserError(f"optimizer_type={optimizer_type!r} is not supported; use 'adamw' or 'muon'.")
-    if config['training_type'] == 'lora':
-        return lora_optimizer(model, weight_decay, learning_rate, betas, device_type, config['loraplus_lr_ratio'])
-    return model.configure_optimizers(weight_decay, learning_rate, betas, device_type)

@@ -243,7 +243,7 @@ def test_sharded_checkpoints_resume_exactly_on_any_world_size_and_convert_to_one
     p = train_on_2_ranks(sharded, data_dir, *COMMON, '--parallel=fsdp', '--checkpoint_format=sharded')
     assert 'at step 3' in p.stdout and logged(sharded, 'train_loss') == logged(fsdp, 'train_loss')
     assert 'model' not in load(sharded / 'ckpt.pt') and len(list(sharded.glob('ckpt-*.dcp'))) == 1  # older removed
-    run(['run/sharded_checkpoint.py', str(sharded / 'ckpt.pt'), str(tmp_path / 'whole.pt')])
+    run(['-m', 'run.sharded_checkpoint', str(sharded / 'ckpt.pt'), str(tmp_path / 'whole.pt')])
     for whole in (load_checkpoint(str(sharded / 'ckpt.pt')), load(tmp_path / 'whole.pt')):
         expected = load(fsdp / 'ckpt.pt')
         assert whole.keys() == expected.keys() and whole['optimizer'].keys() == expected['optimizer'].keys()

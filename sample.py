@@ -26,26 +26,26 @@ from tts.model import load_tts, synthesize
 # -----------------------------------------------------------------------------
 out_dir = 'out'              # folder of the run to sample from
 ckpt_name = 'ckpt.pt'        # 'ckpt.pt' (latest) or 'best.pt'; LoRA runs: 'merged.pt'
-init_from = ''               # a Hugging Face model folder to sample from instead of out_dir's checkpoint
+init_from = ''               # a Hugging Face model folder to sample instead of out_dir's checkpoint
 data_dir = ''                # tokenizer folder; '' = the one recorded in the checkpoint
-chat_template_variables = {}  # passed to a published model's chat template, e.g. {'enable_thinking': False} (Qwen3); {} = those it was fine-tuned with
+chat_template_variables = {}  # published model's chat-template variables; {} = as it was fine-tuned
 start = '\n'                 # prompt text, or 'FILE:path.txt' to read it from a file
-num_samples = 1
-max_new_tokens = 300
+num_samples = 1              # samples to generate
+max_new_tokens = 300         # tokens generated per sample
 temperature = 0.8            # 0 = greedy
 top_k = 50                   # 0 = off
 top_p = 0.0                  # nucleus sampling; 0 = off
-use_kv_cache = True
-seed = 1337
-device = 'auto'
-dtype = 'auto'
+use_kv_cache = True          # cache keys and values while generating (same samples, faster)
+seed = 1337                  # random seed
+device = 'auto'              # 'auto' (cuda, else mps, else cpu) | 'cpu' | 'cuda' | 'cuda:1' | 'mps'
+dtype = 'auto'               # 'auto' = bf16 on GPUs with it, else fp16; fp32 on CPU
 # text-to-speech checkpoints (train_tts.py)
 text = 'I will unfold some causes of your deaths.'  # what to say
 wav = 'out.wav'              # where to write the waveform
 n_timesteps = 10             # Euler steps of the flow-matching ODE
 tts_temperature = 0.667      # scale of the starting noise
 length_scale = 1.0           # > 1 speaks slower
-guidance = 0.0               # classifier-free guidance weight (models trained with condition dropout)
+guidance = 0.0               # classifier-free guidance weight (models trained with cfg_drop > 0)
 # -----------------------------------------------------------------------------
 _defaults = dict(globals())  # to tell which keys the command line or a config file changed
 config = configure(globals())

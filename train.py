@@ -38,48 +38,48 @@ from tasks.exact_match import print_sample, report_exact_match
 
 # -----------------------------------------------------------------------------
 # I/O
-training_type = 'from_scratch'  # 'from_scratch' (token windows of data_dir) | 'sft' (chat examples from sft_data, all weights) | 'lora' (sft_data, low-rank adapters on a frozen model)
-out_dir = 'out'              # checkpoints (ckpt.pt latest, best.pt best val), log.jsonl, tensorboard
-data_dir = ''                # a folder made by data.py (sft/lora: its tokenizer); '' = the embedded default (stdlib sources, data/stdlib)
-init_from = 'scratch'        # where a new run's weights start: 'scratch' | a checkpoint (sft/lora: the pretrained model) | a Hugging Face model folder (sft/lora: its own shape, tokenizer and chat template)
-chat_template_variables = {}  # passed to a published model's chat template, e.g. {'enable_thinking': False} (Qwen3); {} = those the model was fine-tuned with
-resume = True                # continue the run in out_dir when it holds one (relaunching a killed command continues it); False = start a new run there, replacing it
+training_type = 'from_scratch'  # 'from_scratch' | 'sft' (all weights) | 'lora' (low-rank adapters)
+out_dir = 'out'              # checkpoints (ckpt.pt, best.pt), log.jsonl, tensorboard
+data_dir = ''                # a data.py folder (sft/lora: its tokenizer); '' = data/stdlib
+init_from = 'scratch'        # 'scratch' | a checkpoint | a Hugging Face model folder
+chat_template_variables = {}  # published model's chat-template variables; {} = as it was fine-tuned
+resume = True                # continue out_dir's run if any; False = start a new one, replacing it
 eval_interval = 100          # steps between evals (and checkpoint saves)
 eval_iters = 20              # val batches per eval
 log_interval = 10            # steps between train-loss log lines
 eval_only = False            # evaluate the checkpoint and exit
 always_save_checkpoint = True  # save ckpt.pt at every eval, not only when val loss improves
 early_stopping_patience = 0  # stop after this many evals without val improvement; 0 = never
-max_bad_steps = 5            # abort after this many consecutive steps with non-finite loss/grad norm
+max_bad_steps = 5            # abort after this many non-finite steps (loss/grad norm) in a row
 tensorboard = True           # write TensorBoard logs to out_dir/tb
 profile = False              # time data/forward/backward/optimizer per step (adds syncs on GPU)
 sample_tokens = 200          # tokens generated at the end of training
-seed = 1337
+seed = 1337                  # random seed
 # data
 batch_size = 16              # micro-batch size per process
 block_size = 128             # context length
 gradient_accumulation_steps = 1  # micro-batches per optimizer step per process
-# fine-tuning data (training_type 'sft' | 'lora'; chat template: see lm/tokenizer.py, JSONL formats: lm/chat_data.py)
-sft_data = ''                # folder with train.jsonl, val.jsonl (and test.jsonl for exact match); '' = the embedded number tasks
-max_length = 128             # longest example in tokens (<= block_size); longer ones follow overlong
-overlong = 'truncate'        # examples over max_length: 'truncate' (keep the first max_length tokens) | 'drop'
+# fine-tuning data (training_type 'sft' | 'lora'; docs/finetuning.md)
+sft_data = ''                # folder of train/val(/test).jsonl; '' = the embedded number tasks
+max_length = 128             # longest example in tokens (<= block_size); see overlong
+overlong = 'truncate'        # examples over max_length: 'truncate' (keep their start) | 'drop'
 skip_malformed = False       # skip and count malformed JSONL lines instead of stopping at the first
 pack = False                 # pack several examples per row (attention stays inside each example)
-bucket_batches = 1           # length bucketing: batch similar lengths from this many global batches' worth (less padding, less random batches); 1 = off
-curriculum_iters = 0         # length curriculum: the longest example allowed grows from the shortest to max_length over these steps; 0 = off
-exact_match_examples = 200   # held-out examples (test.jsonl, else val.jsonl) answered greedily and scored at start and end; 0 = skip
+bucket_batches = 1           # batch similar lengths from this many global batches' worth; 1 = off
+curriculum_iters = 0         # steps for the longest allowed example to grow to max_length; 0 = off
+exact_match_examples = 200   # held-out examples answered greedily and scored (start, end); 0 = skip
 # LoRA (training_type 'lora')
 lora_r = 8
 lora_alpha = 16.0
 lora_dropout = 0.05          # dropout on the adapters' input
 use_rslora = False           # scale updates by lora_alpha/sqrt(r) instead of lora_alpha/r
-lora_target_modules = 'attn.q,attn.k,attn.v,attn.proj'  # comma-separated from attn.q/k/v/proj and mlp.fc/gate/proj (or Hugging Face's q_proj, v_proj, ...), or 'all-linear'
-lora_bias = 'none'           # biases trained too: 'none' | 'all' | 'lora_only' (those of adapted layers)
-loraplus_lr_ratio = 1.0      # LoRA+: the B matrices learn at this times the learning rate (the paper suggests 16)
-lora_base_dtype = 'float32'  # the frozen base's Linear weights: 'float32' | the run's dtype ('bfloat16' nearly halves the base's memory; embeddings, norms and adapters stay float32)
+lora_target_modules = 'attn.q,attn.k,attn.v,attn.proj'  # comma-separated layers | 'all-linear'
+lora_bias = 'none'           # biases trained too: 'none' | 'all' | 'lora_only' (adapted layers')
+loraplus_lr_ratio = 1.0      # LoRA+: the B matrices learn at this times the learning rate
+lora_base_dtype = 'float32'  # the frozen base's Linear weights: 'float32' | the run's dtype
 # loss
-token_weights = {}           # token-weighted CE: {'group': (weight, [token id or single-token text, ...])}; {} = plain CE
-loss_weights = {'ce': 1.0, 'z_loss': 0.0}  # multi-objective: weight of each loss term (z_loss: PaLM's log(Z)^2, e.g. 1e-4)
+token_weights = {}           # token-weighted CE: {'group': (weight, [tokens])}; {} = plain CE
+loss_weights = {'ce': 1.0, 'z_loss': 0.0}  # weight of each loss term (z_loss: PaLM's, e.g. 1e-4)
 # model
 n_layer = 4
 n_head = 4
@@ -92,34 +92,34 @@ mlp = 'gelu'                 # 'gelu' | 'swiglu' | 'relu2'
 tie_embeddings = True
 qk_norm = False
 logit_softcap = 0.0          # 0 = off, else cap * tanh(logits / cap)
-zero_init_proj = False       # residual output projections start at zero (each block starts as the identity)
+zero_init_proj = False       # residual output projections start at zero (blocks start as identity)
 activation_checkpointing = False  # recompute activations in backward to save memory
 # optimizer
-learning_rate = 3e-3
-max_iters = 600
-weight_decay = 0.1
-beta1 = 0.9
-beta2 = 0.95
+learning_rate = 3e-3         # peak lr of every lr_schedule
+max_iters = 600              # optimizer steps in the run
+weight_decay = 0.1           # decoupled weight decay; 0 = none
+beta1 = 0.9                  # AdamW's momentum (first-moment decay)
+beta2 = 0.95                 # AdamW's second-moment decay
 grad_clip = 1.0              # 0 = no clipping (grad norm is still logged)
-optimizer_type = 'adamw'     # 'adamw' | 'muon' (lm/muon.py: Muon for the blocks' matrices, AdamW for the rest)
-muon_lr = 0.02               # Muon's peak lr; it follows the lr schedule in proportion (muon_lr / learning_rate)
-muon_momentum = 0.95
+optimizer_type = 'adamw'     # 'adamw' | 'muon' (Muon for the blocks' matrices, AdamW for the rest)
+muon_lr = 0.02               # Muon's peak lr; scheduled in proportion to learning_rate
+muon_momentum = 0.95         # Muon's momentum
 # learning-rate schedule (scheduler.py)
-lr_schedule = 'cosine'       # 'cosine' | 'cosine_restarts' | 'noam' | 'constant' | 'linear' | 'wsd'; each peaks at learning_rate
+lr_schedule = 'cosine'       # cosine | cosine_restarts | noam | constant | linear | wsd
 warmup_iters = 50            # linear rise to learning_rate, reached at this step (every schedule)
-lr_decay_iters = 600         # where the decay to min_lr ends (cosine, linear, wsd; usually = max_iters; not noam)
+lr_decay_iters = 600         # where the decay to min_lr ends (cosine, linear, wsd; not noam)
 min_lr = 3e-4                # the lr decays to this (noam: its floor; constant: unused)
 restart_iters = 200          # 'cosine_restarts': steps of the first cycle after warmup
 restart_mult = 1             # 'cosine_restarts': each cycle this many times longer than the last
-decay_frac = 0.2             # 'wsd': the last fraction of lr_decay_iters, decaying linearly to min_lr
+decay_frac = 0.2             # 'wsd': the last fraction of lr_decay_iters, a linear decay to min_lr
 # system
-device = 'auto'              # 'auto' | 'cpu' | 'cuda' | 'cuda:1' | 'mps'
-dtype = 'auto'               # 'auto' (bf16 where supported, else fp16 + loss scaling) | 'bfloat16' | 'float16' | 'float32'
+device = 'auto'              # 'auto' (cuda, else mps, else cpu) | 'cpu' | 'cuda' | 'cuda:1' | 'mps'
+dtype = 'auto'               # 'auto' = bf16 on GPUs with it, else fp16 + loss scaling; fp32 on CPU
 compile = False              # torch.compile the model
-parallel = 'ddp'             # under torchrun: 'ddp' (each rank holds the whole model) | 'fsdp' (run/fsdp.py: weights, gradients and optimizer state sharded over the ranks)
-fsdp_cpu_offload = False     # parallel='fsdp' on GPUs: keep the shards and optimizer state in CPU memory
-checkpoint_format = 'file'   # 'file': ckpt.pt holds everything (under FSDP gathered onto rank 0) | 'sharded': each rank writes its shards to ckpt-<step>.dcp/, which ckpt.pt names (run/sharded_checkpoint.py), for models one host's memory cannot hold whole
-num_threads = 0              # CPU threads for torch ops (torch.set_num_threads); 0 = torch's default
+parallel = 'ddp'             # under torchrun: 'ddp' (whole model per rank) | 'fsdp' (docs/fsdp.md)
+fsdp_cpu_offload = False     # 'fsdp' on GPUs: keep the shards and optimizer state in CPU memory
+checkpoint_format = 'file'   # 'file' | 'sharded' (each rank's shards; docs/checkpoints.md)
+num_threads = 0              # torch.set_num_threads for CPU ops; 0 = torch's default
 # -----------------------------------------------------------------------------
 config = configure(globals())
 check_values(config, [

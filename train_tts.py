@@ -34,21 +34,21 @@ from tts.model import TTSConfig, TTSModel
 _start_time = time.time()
 # -----------------------------------------------------------------------------
 # I/O
-out_dir = 'out-tts'          # checkpoints (ckpt.pt latest, best.pt best val), log.jsonl, tensorboard, samples/
-data_dir = ''                # LJSpeech-layout folder: metadata.csv (id|raw text|normalized text) + wavs/<id>.wav
+out_dir = 'out-tts'          # checkpoints (ckpt.pt, best.pt), log.jsonl, tensorboard, samples/
+data_dir = ''                # LJSpeech-layout folder: metadata.csv + wavs/<id>.wav (docs/tts.md)
 cache_dir = ''               # log-mel feature cache; '' = <out_dir>/mel_cache
 init_from = 'scratch'        # where a new run's weights start: 'scratch' | path to a TTS checkpoint
-resume = True                # continue the run in out_dir when it holds one (relaunching a killed command continues it); False = start a new run there, replacing it
+resume = True                # continue out_dir's run if any; False = start a new one, replacing it
 eval_interval = 200          # steps between evals (and checkpoint saves)
 log_interval = 10            # steps between train-loss log lines
 eval_only = False            # evaluate the checkpoint (val losses, MCD-DTW, RTF) and exit
 always_save_checkpoint = True  # save ckpt.pt at every eval, not only when val loss improves
 early_stopping_patience = 0  # stop after this many evals without val improvement; 0 = never
-max_bad_steps = 5            # abort after this many consecutive steps with non-finite loss/grad norm
-max_minutes = 0.0            # end training cleanly (checkpoint, final eval) after this many minutes since start; 0 = no limit
+max_bad_steps = 5            # abort after this many non-finite steps (loss/grad norm) in a row
+max_minutes = 0.0            # minutes until a clean stop (checkpoint, final eval); 0 = no limit
 tensorboard = True           # write TensorBoard logs (losses, mel images, audio) to out_dir/tb
 profile = False              # time data/forward/backward/optimizer per step (adds syncs on GPU)
-seed = 1337
+seed = 1337                  # random seed
 # data
 val_fraction = 0.05          # held-out share, chosen by a hash of the utterance id
 frame_budget = 6000          # padded mel frames per micro-batch (utterances x longest utterance)
@@ -66,38 +66,38 @@ dec_channels = 256           # U-Net width
 dec_blocks = 2               # residual blocks per U-Net level
 dec_heads = 4                # attention heads in the U-Net bottleneck; 0 = none
 sigma_min = 1e-4             # flow matching: noise left at t=1
-cfg_drop = 0.0               # classifier-free guidance: share of utterances trained without condition (e.g. 0.2)
-align_prior_iters = 1000     # steps over which the diagonal alignment prior in MAS fades from weight 1 to 0 (tts_model.log_beta_binomial_prior); 0 = none
+cfg_drop = 0.0               # CFG: share of utterances trained without condition (e.g. 0.2)
+align_prior_iters = 1000     # steps for the diagonal alignment prior in MAS to fade out; 0 = none
 # losses
 prior_weight = 1.0
 duration_weight = 1.0
 flow_weight = 1.0
 # optimizer
-learning_rate = 1e-4
-decoder_lr_scale = 1.0       # the flow decoder's lr / learning_rate; 2 shifted seed 5's alignment (README): check with bench/tts_check.py
-max_iters = 100000
-weight_decay = 0.0
-beta1 = 0.9
-beta2 = 0.99
+learning_rate = 1e-4         # peak lr of every lr_schedule
+decoder_lr_scale = 1.0       # the flow decoder's lr / learning_rate (docs/tts.md)
+max_iters = 100000           # optimizer steps in the run
+weight_decay = 0.0           # decoupled weight decay; 0 = none
+beta1 = 0.9                  # AdamW's momentum (first-moment decay)
+beta2 = 0.99                 # AdamW's second-moment decay
 grad_clip = 1.0              # 0 = no clipping (grad norm is still logged)
 # learning-rate schedule (scheduler.py)
-lr_schedule = 'cosine_restarts'  # 'cosine' | 'cosine_restarts' | 'noam' | 'constant' | 'linear' | 'wsd'; each peaks at learning_rate
+lr_schedule = 'cosine_restarts'  # cosine | cosine_restarts | noam | constant | linear | wsd
 warmup_iters = 500           # linear rise to learning_rate, reached at this step (every schedule)
 lr_decay_iters = 100000      # where the decay to min_lr ends (cosine, linear, wsd; not noam)
 min_lr = 1e-5                # the lr decays to this (noam: its floor; constant: unused)
 restart_iters = 10000        # 'cosine_restarts': steps of the first cycle after warmup
 restart_mult = 1             # 'cosine_restarts': each cycle this many times longer than the last
-decay_frac = 0.2             # 'wsd': the last fraction of lr_decay_iters, decaying linearly to min_lr
+decay_frac = 0.2             # 'wsd': the last fraction of lr_decay_iters, a linear decay to min_lr
 # inference and evaluation
 n_timesteps = 10             # Euler steps of the flow ODE
 temperature = 0.667          # scale of the starting noise
 length_scale = 1.0           # > 1 speaks slower
-guidance = 0.0               # classifier-free guidance weight at inference (needs cfg_drop > 0 in training)
+guidance = 0.0               # classifier-free guidance weight at inference (needs cfg_drop > 0)
 eval_utterances = 0          # held-out utterances for the final MCD-DTW; 0 = all
 audio_samples = 2            # held-out sentences written to out_dir/samples and TensorBoard
 # system
-device = 'auto'              # 'auto' | 'cpu' | 'cuda' | 'cuda:1' | 'mps'
-dtype = 'auto'               # 'auto' (bf16 where supported, else fp16 + loss scaling) | 'bfloat16' | 'float16' | 'float32'
+device = 'auto'              # 'auto' (cuda, else mps, else cpu) | 'cpu' | 'cuda' | 'cuda:1' | 'mps'
+dtype = 'auto'               # 'auto' = bf16 on GPUs with it, else fp16 + loss scaling; fp32 on CPU
 compile = False              # torch.compile the encoder and decoder
 # -----------------------------------------------------------------------------
 config = configure(globals())

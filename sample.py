@@ -56,11 +56,13 @@ check_values(config, [
     (POSITIVE, ('length_scale',)),
     (FOLDER, ('out_dir',)),
 ])
-# keys that only one kind of checkpoint reads: setting one for the other kind is refused, not silently ignored
+# keys that only one kind of checkpoint reads: setting
+# one for the other kind is refused, not silently ignored
 GPT_KEYS = ['init_from', 'data_dir', 'chat_template_variables', 'start', 'num_samples', 'max_new_tokens', 'temperature', 'top_k', 'top_p', 'use_kv_cache']
 TTS_KEYS = ['text', 'wav', 'n_timesteps', 'tts_temperature', 'length_scale', 'guidance']
 
-init_from = '' if init_from == 'resume' else init_from  # nanoGPT's spelling of "out_dir's checkpoint"
+# nanoGPT's spelling of "out_dir's checkpoint"
+init_from = '' if init_from == 'resume' else init_from
 device = pick_device(device)
 autocast = autocast_context(device, pick_dtype(device, dtype))
 ckpt_path = init_from or os.path.join(out_dir, ckpt_name)
@@ -118,7 +120,8 @@ if start.startswith('FILE:'):
             start = f.read()
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"start={start!r}: cannot read the prompt file ({e}); name a UTF-8 text file.") from None
-# a chat model answers start as a user turn; other text opens as the tokenizer opens a text (a published model's BOS)
+# a chat model answers start as a user turn; other text opens
+# as the tokenizer opens a text (a published model's BOS)
 ids = (tokenizer.encode_prompt([{'role': 'user', 'content': start}]) if chat
        else tokenizer.document_prefix + tokenizer.encode(start))
 if not ids:
@@ -129,6 +132,7 @@ with torch.no_grad(), autocast:
     for _ in range(num_samples):
         out = model.generate(prompt, max_new_tokens, temperature=temperature, top_k=top_k or None,
                              top_p=top_p or None, use_kv_cache=use_kv_cache, generator=generator,
-                             eos_id=tokenizer.eos_id if chat else None)  # a chat answer ends at <|end|>
+                             # a chat answer ends at <|end|>
+                             eos_id=tokenizer.eos_id if chat else None)
         print(tokenizer.decode(out[0].tolist()))
         print('---------------')

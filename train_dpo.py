@@ -139,7 +139,7 @@ autocast = autocast_context(device, ptdtype)
 check_parallel(parallel, ddp, device, ptdtype, 'adamw', fsdp_cpu_offload)
 base_dtype = frozen_base_dtype(lora_base_dtype, ptdtype, use_lora, parallel, 'use_lora=True')
 
-# out_dir: written and locked before any work; a checkpoint there is this run's to continue, never another's
+# out_dir: written and locked before any work; a checkpoint there is this run's, never another's
 init_from = continued_origin(init_from, out_dir, resume)  # nanoGPT's 'resume': the run's own
 this_run = dict(script='train_dpo.py', init_from=run_origin(init_from), use_lora=use_lora)
 out_dir_lock, ckpt_path, ckpt = open_run(out_dir, resume, this_run, eval_only, master,
@@ -148,10 +148,13 @@ resuming = ckpt is not None
 reference_ckpt, reference_path, reference_hash = dpo_reference(
     ckpt, init_from, out_dir, made_by="`python train.py` (pretraining, out/ckpt.pt) then `python train.py "
                                       "config/sft.py` (SFT)" if init_from == 'out-sft/ckpt.pt' else None,
-    as_stored=parallel == 'fsdp' or base_dtype != torch.float32)  # memory-mapped in its file's dtype (as train.py)
+    # memory-mapped in its file's dtype (as train.py)
+    as_stored=parallel == 'fsdp' or base_dtype != torch.float32)
 
-# data: a published model's own tokenizer and chat template, else data_dir's; rank 0 prepares the defaults once
-hf_files = hf_source(reference_ckpt, chat_template_variables)  # a published model's config files, which export.py writes back
+# data: a published model's own tokenizer and chat template,
+# else data_dir's; rank 0 prepares the defaults once
+# a published model's config files, which export.py writes back
+hf_files = hf_source(reference_ckpt, chat_template_variables)
 data_dir, tokenizer = run_tokenizer(data_dir, reference_ckpt, reference_path, master, ddp,
                                     hf_files.get('chat_template_variables'))
 tokenizer = chat_tokenizer(tokenizer)
@@ -174,11 +177,14 @@ if ckpt:
     check_compatible({k: ckpt['config'].get(k) for k in fixed}, {k: config[k] for k in fixed}, 'setup', ckpt_path,
                      fix="Set these keys to the checkpoint's values, or start a new run (another out_dir, or "
                          "--resume=False).")
-    if 'shards' not in ckpt:  # a sharded checkpoint's are read into the shards (restore_training_state)
-        model.load_state_dict({**model.state_dict(), **ckpt['model']})  # strict: all weights, or every adapter
+    # a sharded checkpoint's are read into the shards (restore_training_state)
+    if 'shards' not in ckpt:
+        # strict: all weights, or every adapter
+        model.load_state_dict({**model.state_dict(), **ckpt['model']})
 model.activation_checkpointing = activation_checkpointing
 place_model(model, parallel, device, ptdtype, fsdp_cpu_offload)
-raw_model = model  # what we save and generate with: never compiled or DDP-wrapped (under FSDP: sharded)
+# what we save and generate with: never compiled or DDP-wrapped (under FSDP: sharded)
+raw_model = model
 reference_ckpt = None
 
 optimizer = (lora_optimizer(raw_model, weight_decay, learning_rate, (beta1, beta2), device_type, loraplus_lr_ratio)
@@ -197,8 +203,8 @@ if ckpt:
 ckpt = None
 
 
-# precomputed reference log-probs: one pass over the data before training, cached in out_dir under a hash
-# of everything they depend on; training then needs no reference in memory
+# precomputed reference log-probs: one pass over the data before training, cached in out_dir under a
+# hash of everything they depend on; training then needs no reference in memory
 ref_cache = None
 if precompute_ref_logps:
     depends_on = [reference_hash, train_data_hash, file_sha256(val_path), tokenizer.identity(), max_length,
@@ -250,7 +256,8 @@ def pair_terms(net, batches, indices, cache, batch_counts):
         mean_logits = logits.float().mean(-1)
         metrics = {'loss': loss, 'rewards/chosen': chosen_rewards.sum() / pairs,
                    'rewards/rejected': rejected_rewards.sum() / pairs,
-                   # TRL's: chosen strictly ahead, so a tie (every pair at step 0 with a live reference) counts wrong
+                   # TRL's: chosen strictly ahead, so a tie (every pair
+                   # at step 0 with a live reference) counts wrong
                    'rewards/accuracies': (chosen_rewards > rejected_rewards).float().sum() / pairs,
                    'rewards/margins': (chosen_rewards - rejected_rewards).sum() / pairs,
                    'logps/chosen': sums[:n].sum() / pairs, 'logps/rejected': sums[n:].sum() / pairs,
@@ -285,7 +292,8 @@ def evaluate():
 
 def save(path):
     """A checkpoint of the run at path (write_checkpoint): collective under DDP and FSDP, every rank must call it."""
-    weights = raw_model.state_dict(keep_vars=True)  # under FSDP sharded: write_checkpoint gathers or writes them
+    # under FSDP sharded: write_checkpoint gathers or writes them
+    weights = raw_model.state_dict(keep_vars=True)
     state = dict(training_state(this_run, dict(config, training_type='dpo'), optimizer, scaler, iter_num,
                                 best_val_loss, evals_without_improvement),
                  kind='gpt', model=weights, model_args=model_args, tokenizer=tokenizer.identity(),
@@ -305,10 +313,12 @@ def train_step(global_batch):
     parts, sums = global_batch.tensor_split(world_size)[rank].view(gradient_accumulation_steps, batch_size), {}
     for micro_step, part in enumerate(parts):
         last = micro_step == gradient_accumulation_steps - 1
-        with gradient_sync(model, raw_model, sync=last):  # only the last micro-batch reduces gradients across ranks
+        # only the last micro-batch reduces gradients across ranks
+        with gradient_sync(model, raw_model, sync=last):
             loss, metrics = pair_terms(model, train_batches, part, ref_cache['train'] if ref_cache else None,
                                        batch_counts)
-            scaler.scale(loss * world_size).backward()  # DDP/FSDP average gradients over ranks: undo 1/world_size
+            # DDP/FSDP average gradients over ranks: undo 1/world_size
+            scaler.scale(loss * world_size).backward()
         sums = {k: sums.get(k, 0.0) + v for k, v in metrics.items()}
     return sums
 
@@ -370,7 +380,8 @@ while iter_num < max_iters:
             save(ckpt_path)
         if patience_exhausted(early_stopping_patience, evals_without_improvement):
             break
-        window_start, window_tokens, window_steps = time.time(), 0, 0  # throughput excludes eval time
+        # throughput excludes eval time
+        window_start, window_tokens, window_steps = time.time(), 0, 0
 
     if stop_requested:
         save(ckpt_path)

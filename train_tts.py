@@ -117,7 +117,8 @@ check_values(config, [
     (FOLDER, ('out_dir',)),
     (EMPTY_OR_FOLDER, ('cache_dir',)),
 ])
-mel_settings = tts_data.MEL_SETTINGS  # fixed feature settings (not config keys: set after configure)
+# fixed feature settings (not config keys: set after configure)
+mel_settings = tts_data.MEL_SETTINGS
 sample_rate = mel_settings['sample_rate']
 
 # processes and device (run/runtime.py: one process per GPU under torchrun), precision
@@ -126,7 +127,7 @@ master, device_type = rank == 0, device.split(':')[0]
 ptdtype = pick_dtype(device, dtype)
 autocast = autocast_context(device, ptdtype)
 
-# out_dir: written and locked before any work; a checkpoint there is this run's to continue, never another's
+# out_dir: written and locked before any work; a checkpoint there is this run's, never another's
 init_from = continued_origin(init_from, out_dir, resume)  # nanoGPT's 'resume': the run's own
 this_run = dict(script='train_tts.py', init_from=run_origin(init_from))
 out_dir_lock, ckpt_path, ckpt = open_run(out_dir, resume, this_run, eval_only, master)
@@ -219,7 +220,8 @@ def evaluate():
     saved_rng = rng_state()
     torch.manual_seed(seed)
     raw_model.eval()
-    sums = torch.zeros(6, device=device)  # prior, duration, flow (x frames), mel L1 sum, frames, tokens
+    # prior, duration, flow (x frames), mel L1 sum, frames, tokens
+    sums = torch.zeros(6, device=device)
     batches = eval_batches(val_set.lengths, frame_budget)
     for indices in batches[rank::world_size]:
         x, x_lengths, y, y_lengths = to_device(val_set.collate(indices, mel_mean, mel_std))
@@ -250,7 +252,8 @@ def checkpoint_state():
 
 
 def save(path):
-    write_checkpoint(path, checkpoint_state(), False, master)  # collective under DDP: every rank calls it
+    # collective under DDP: every rank calls it
+    write_checkpoint(path, checkpoint_state(), False, master)
 
 
 profiler = StepProfiler(device, enabled=profile)
@@ -286,7 +289,8 @@ def train_step(batches, align_prior):
 
 
 record, writer = run_log(out_dir, master, tensorboard, keep_log_until(eval_only, resuming, iter_num))
-synthesis = SynthesisEval(**dataclass_args(SynthesisEval, config, texts=texts))  # speech from held-out text
+# speech from held-out text
+synthesis = SynthesisEval(**dataclass_args(SynthesisEval, config, texts=texts))
 
 
 def final_report(step):
@@ -328,7 +332,8 @@ while iter_num < max_iters:
         try:
             shares = train_step(batches, align_prior)
             break
-        except RuntimeError as error:  # CUDA raises torch.OutOfMemoryError, MPS a plain RuntimeError
+        # CUDA raises torch.OutOfMemoryError, MPS a plain RuntimeError
+        except RuntimeError as error:
             recover_from_oom(error, ddp, optimizer, device)
             batch_splits = split_micro_batches(batch_splits, max(len(b) for b in batches), iter_num)
             log(f"step {iter_num}: out of memory, retrying with each batch split into {batch_splits} micro-batches")
@@ -341,7 +346,7 @@ while iter_num < max_iters:
                                                                    ddp)
         prior, duration, flow = losses['prior'], losses['duration'], losses['flow']
         loss = weighted_loss(losses)
-        # fp16: a non-finite grad norm is an overflow, which scaler.step skips (and update backs off)
+        # fp16: a non-finite grad norm is an overflow: scaler.step skips it, update backs off
         if math.isfinite(loss) and (math.isfinite(grad_norm) or scaler.is_enabled()):
             scaler.step(optimizer)
             bad_steps = 0

@@ -83,8 +83,10 @@ class ClosedPipeSafe:
         try:
             return getattr(self.stream, method)(*args)
         except BrokenPipeError:
-            try:  # point the descriptor itself at devnull: the interpreter's last flush and C code writing
-                os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())  # to it are fine too
+            # point the descriptor itself at devnull: the interpreter's last flush and C code
+            # writing to it are fine too
+            try:
+                os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
             except (OSError, ValueError):  # no descriptor (a stream in memory)
                 self.stream = open(os.devnull, 'w')
             return getattr(self.stream, method)(*args)
@@ -142,7 +144,8 @@ def check_type(key, value, default):
     """The value converted to the default's type, or None plus a message saying what was expected."""
     if default is None:
         return value, None
-    if isinstance(default, bool):  # before int: bool is a subclass of int, and 1 must not pass for True
+    # before int: bool is a subclass of int, and 1 must not pass for True
+    if isinstance(default, bool):
         ok = isinstance(value, bool)
     elif isinstance(default, float):
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -258,7 +261,8 @@ def configure(g, argv=None):
     Returns {key: value} for every config key (the resolved config)."""
     install_excepthook()
     argv = sys.argv[1:] if argv is None else argv
-    defaults = config_defaults(g)  # types are checked against these, not against a config file's values
+    # types are checked against these, not against a config file's values
+    defaults = config_defaults(g)
     if '-h' in argv or '--help' in argv:
         print_help(g, defaults)  # `--help | head`: ClosedPipeSafe drops the rest
         sys.exit(0)
@@ -285,7 +289,7 @@ def configure(g, argv=None):
     return config
 
 
-# Value rules for check_values: a rule is (test, what), what completing "{key}={value!r} must be ...".
+# Value rules for check_values: (test, what), what completing "{key}={value!r} must be ...".
 
 def at_least(low):
     def test(value):

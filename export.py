@@ -47,7 +47,8 @@ if not os.path.isfile(ckpt_path):
 if os.path.exists(out_folder) and not (os.path.isdir(out_folder) and not os.listdir(out_folder)):
     raise UserError(f"{out_folder} exists and is not an empty folder; export into a new folder (nothing there was "
                     f"changed).")
-# where the export goes: the nearest folder that exists above out_folder, and the first one to create below it
+# where the export goes: the nearest folder that exists
+# above out_folder, and the first one to create below it
 parent = os.path.dirname(os.path.abspath(out_folder))
 existing = parent
 while not os.path.lexists(existing):
@@ -63,20 +64,24 @@ if ckpt['kind'] == 'lora' and not is_hf_folder(ckpt['base_checkpoint']):
     raise UserError(f"the adapters in {ckpt_path} were trained on {ckpt['base_checkpoint']}, a nanotrain checkpoint, "
                     f"and a PEFT adapter must name a Hugging Face base. Export merged.pt from the same run instead "
                     f"(the adapters folded in), or export that base first and load the adapters onto it yourself.")
-published = bool(ckpt.get('hf_config'))  # a fine-tune of a published model: written back as its own family
+# a fine-tune of a published model: written back as its own family
+published = bool(ckpt.get('hf_config'))
 if not published:
-    hf_config, state = hf_model(ckpt['model'], ckpt['model_args'])  # first: a model that cannot export writes nothing
+    # first: a model that cannot export writes nothing
+    hf_config, state = hf_model(ckpt['model'], ckpt['model_args'])
 tokenizer_folder = ckpt['data_dir']
 if not os.path.isdir(tokenizer_folder):
     raise UserError(f"{tokenizer_folder}, the folder of the tokenizer {ckpt_path} was trained with (named in it), no "
                     f"longer exists; put it back there: its tokenizer is written into the export.")
 tokenizer = load_hf_tokenizer(tokenizer_folder) if published else load_tokenizer(tokenizer_folder)
-chat_tokens_added = ChatTokenizer(tokenizer).identity() == ckpt['tokenizer']  # a base model, given nanotrain's template
+# a base model, given nanotrain's template
+chat_tokens_added = ChatTokenizer(tokenizer).identity() == ckpt['tokenizer']
 if tokenizer.identity() != ckpt['tokenizer'] and not chat_tokens_added:
     raise UserError(f"the tokenizer in {tokenizer_folder} has changed since {ckpt_path} was trained with it; put "
                     f"that folder back as it was.")
 
-# written to a temporary folder next to out_folder and renamed at the end: a failed export leaves nothing behind
+# written to a temporary folder next to out_folder and
+# renamed at the end: a failed export leaves nothing behind
 staging = None
 try:
     os.makedirs(parent, exist_ok=True)
@@ -101,7 +106,8 @@ try:
     if os.path.isdir(out_folder):
         os.rmdir(out_folder)  # empty, checked above
     os.rename(staging, out_folder)
-except (OSError, SafetensorError) as e:  # safetensors reports a failed write (disk full, ulimit -f) as its own error
+# safetensors reports a failed write (disk full, ulimit -f) as its own error
+except (OSError, SafetensorError) as e:
     if parent != existing:
         shutil.rmtree(created, ignore_errors=True)  # the folders made above for it
     detail = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0][:200]

@@ -168,7 +168,8 @@ def resumed_micro_batch(ckpt, batch_size, grad_accum, world_size):
             f"note: the global batch changes from {total} to {saved_batch * saved_accum * world_size} "
             f"(batch_size x gradient_accumulation_steps x processes): {total} does not split over {world_size} "
             f"processes.")
-    micro = math.gcd(total // world_size, saved_batch)  # the checkpoint's micro-batch where it divides the share
+    # the checkpoint's micro-batch where it divides the share
+    micro = math.gcd(total // world_size, saved_batch)
     return micro, total // world_size // micro, (
         f"note: the global batch of {total} is kept on {world_size} process{'es' * (world_size != 1)} instead of "
         f"{saved_world}: micro-batch {micro} x {total // world_size // micro} accumulation steps per process.")

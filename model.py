@@ -37,20 +37,20 @@ class GPTConfig:
     bias: bool = False             # biases in Linear layers and LayerNorm
     pos_emb: str = 'rope'          # 'rope' | 'learned'
     norm: str = 'rmsnorm'          # 'rmsnorm' | 'layernorm'
-    mlp: str = 'gelu'              # 'gelu' | 'gelu_tanh' (GPT-2's) | 'swiglu' | 'relu2' (ReLU squared)
+    mlp: str = 'gelu'              # 'gelu' | 'gelu_tanh' (GPT-2's) | 'swiglu' | 'relu2' (ReLU^2)
     tie_embeddings: bool = True    # lm_head shares the token embedding matrix
     qk_norm: bool = False          # normalize queries and keys per head before attention
     logit_softcap: float = 0.0     # logits = cap * tanh(logits / cap); 0 turns it off
     rope_theta: float = 10000.0
     zero_init_proj: bool = False   # residual output projections start at zero
     # the shapes published models need (0 = the usual value)
-    n_kv_head: int = 0             # key/value heads, fewer than n_head for grouped-query attention; 0 = n_head
+    n_kv_head: int = 0             # key/value heads (< n_head: grouped-query attention); 0 = n_head
     head_dim: int = 0              # size of each head; 0 = n_embd // n_head
     mlp_hidden: int = 0            # MLP width; 0 = mlp_hidden_size's rule
     qkv_bias: bool = False         # biases on the q/k/v projections only (Qwen2)
     norm_eps: float = 0.0          # 0 = 1e-6 for RMSNorm, 1e-5 for LayerNorm
     rope_scaling: dict = field(default_factory=dict)  # {} or Llama 3.1's: ROPE_SCALING_KEYS
-    sliding_window: int = 0        # a token attends to itself and the sliding_window - 1 before it (Mistral); 0 = all
+    sliding_window: int = 0        # attend to self and sliding_window - 1 before (Mistral); 0 = all
 
     def __post_init__(self):
         for key, valid in CHOICES.items():
@@ -121,9 +121,10 @@ def attend(q, k, v, dropout_p=0.0, causal=True, mask=None):
     heads. The one place attention is computed. mask (B, 1, Tq, Tk), True where attention is allowed,
     replaces the causal mask (packed rows, sliding windows)."""
     if mask is not None and q.size(1) != k.size(1) and q.size(2) > 1:
-        # only cuDNN's fused kernel takes GQA with a mask (flash takes no mask, memory-efficient no GQA); elsewhere
-        # math would build (B, H, Tq, Tk) scores. Repeated keys/values cost (B, H, Tk, D), as in transformers. One
-        # query (decoding) has (B, H, 1, Tk) scores: no copy of the whole cache for that
+        # only cuDNN's fused kernel takes GQA with a mask (flash takes no mask, memory-efficient no
+        # GQA); elsewhere math would build (B, H, Tq, Tk) scores. Repeated keys/values cost (B, H,
+        # Tk, D), as in transformers. One query (decoding) has (B, H, 1, Tk) scores: no copy of the
+        # whole cache for that
         k, v = (t.repeat_interleave(q.size(1) // k.size(1), dim=1) for t in (k, v))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                           is_causal=causal and mask is None, enable_gqa=q.size(1) != k.size(1))
@@ -192,8 +193,8 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x, rope=None, cache=None, mask=None):
         B, T, C = x.shape
-        # one matmul over the three layers' stacked weights instead of three (4% of a step at nanoGPT's
-        # CPU shape); layers with an adapter (lora.LoRALinear) then add its term
+        # one matmul over the three layers' stacked weights instead of three (4% of a step at
+        # nanoGPT's CPU shape); layers with an adapter (lora.LoRALinear) then add its term
         layers = (self.q, self.k, self.v)
         bias = None if self.q.bias is None else torch.cat([m.bias for m in layers])
         qkv = F.linear(x, torch.cat([m.weight for m in layers]), bias).split([m.out_features for m in layers], dim=-1)
@@ -206,8 +207,8 @@ class CausalSelfAttention(nn.Module):
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         causal = True
         if cache is not None:
-            # generate() only prefills an empty cache or appends a single token; that token attends to
-            # every cached key (is_causal would align the mask top-left and hide all but the first)
+            # generate() only prefills an empty cache or appends a single token; that token attends
+            # to every cached key (is_causal aligns the mask top-left, hiding all but the first)
             causal = cache.len == 0
             k, v = cache.update(k, v)
         y = attend(q, k, v, self.dropout if self.training else 0.0, causal, mask)
@@ -274,7 +275,8 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None)
     if top_p is not None and top_p < 1.0:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         probs = F.softmax(sorted_logits, dim=-1)
-        drop = probs.cumsum(dim=-1) - probs >= top_p  # the mass before this token already reaches top_p
+        # the mass before this token already reaches top_p
+        drop = probs.cumsum(dim=-1) - probs >= top_p
         drop[:, 0] = False
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float('-inf')))
     return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1, generator=generator)
@@ -300,12 +302,14 @@ class GPT(nn.Module):
         if config.tie_embeddings:
             self.transformer.wte.weight = self.lm_head.weight
 
-        if not self.lm_head.weight.is_meta:  # on the meta device (from_state_dict) weights are loaded, not drawn
+        # on the meta device (from_state_dict) weights are loaded, not drawn
+        if not self.lm_head.weight.is_meta:
             self.init_weights()
 
     def init_weights(self):
         self.apply(self._init_weights)
-        # each layer adds two residual projections into the stream: scale their init by 1/sqrt(2*n_layer) (GPT-2)
+        # each layer adds two residual projections into the
+        # stream: scale their init by 1/sqrt(2*n_layer) (GPT-2)
         for name, p in self.named_parameters():
             if name.endswith('.proj.weight'):
                 if self.config.zero_init_proj:
@@ -328,7 +332,8 @@ class GPT(nn.Module):
         with torch.device('meta'):
             model = cls(config)
         model.load_state_dict(state, assign=True)
-        if config.tie_embeddings:  # assign gave lm_head its own Parameter: share the embedding's again
+        # assign gave lm_head its own Parameter: share the embedding's again
+        if config.tie_embeddings:
             model.lm_head.weight = model.transformer.wte.weight
         if config.pos_emb == 'rope':
             model.set_rope_tables()
@@ -397,20 +402,25 @@ class GPT(nn.Module):
         else:  # (1 or B, 1, T, D/2): per-row positions broadcast over heads
             rope = (self.rope_cos[pos].unsqueeze(-3), self.rope_sin[pos].unsqueeze(-3))
         window = self.config.sliding_window
-        if window and (mask is not None or start + T > window):  # else is_causal, the fast kernel, is exact
-            if positions is not None and start:  # the cached keys' positions are the caller's (lm/generate.py)
+        # else is_causal, the fast kernel, is exact
+        if window and (mask is not None or start + T > window):
+            # the cached keys' positions are the caller's (lm/generate.py)
+            if positions is not None and start:
                 if mask is None:
                     raise ValueError("model.py: positions that continue a KV cache under a sliding window need a "
                                      "mask holding the window over the cached keys (lm/generate.py's padded_mask).")
             else:
-                keys = pos if positions is not None else torch.arange(start + T, device=idx.device)  # cached too
-                band = window_mask(pos, keys, window).unsqueeze(-3)  # (1 or B, 1, T, keys), broadcast over heads
+                # cached too
+                keys = pos if positions is not None else torch.arange(start + T, device=idx.device)
+                # (1 or B, 1, T, keys), broadcast over heads
+                band = window_mask(pos, keys, window).unsqueeze(-3)
                 mask = band if mask is None else mask & band
         x = self.transformer.drop(x)
         recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         for i, block in enumerate(self.transformer.h):
             if recompute:
-                # keep only block inputs; rerun the block in backward (RNG state is replayed for dropout)
+                # keep only block inputs; rerun the block in
+                # backward (RNG state is replayed for dropout)
                 x = checkpoint(block, x, rope, None, mask, use_reentrant=False)
             else:
                 x = block(x, rope, caches[i] if caches else None, mask)
@@ -447,7 +457,8 @@ class GPT(nn.Module):
         no_decay = [p for p in params if p.dim() < 2 or id(p) in embeddings]
         print(f"num decayed parameter tensors: {len(decay)}, with {sum(p.numel() for p in decay):,} parameters")
         print(f"num non-decayed parameter tensors: {len(no_decay)}, with {sum(p.numel() for p in no_decay):,} parameters")
-        # one kernel for all parameters instead of ~10 small ops per tensor; on CPU too (bench/README.md)
+        # one kernel for all parameters instead of ~10 small
+        # ops per tensor; on CPU too (bench/README.md)
         fused = device_type in ('cuda', 'cpu')
         print(f"using fused AdamW: {fused}")
         groups = [dict(params=decay, weight_decay=weight_decay), dict(params=no_decay, weight_decay=0.0)]
@@ -495,8 +506,9 @@ class GPT(nn.Module):
             if not use_kv_cache:
                 h = self.hidden_states(idx[:, -block_size:])
             elif caches is None or idx.size(1) > block_size:
-                # (re)prefill: at the start, and at every step once block_size is passed (every cached position
-                # then shifts by one); no longer than this call fills: a published block_size may be 128k positions
+                # (re)prefill: at the start, and at every step once block_size is passed (every
+                # cached position then shifts by one); no longer than this call fills: a published
+                # block_size may be 128k positions
                 caches = [KVCache(min(block_size, idx.size(1) + max_new_tokens)) for _ in self.transformer.h]
                 h = self.hidden_states(idx[:, -block_size:], caches)
             else:

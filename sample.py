@@ -26,26 +26,26 @@ from tts.model import load_tts, synthesize
 # -----------------------------------------------------------------------------
 out_dir = 'out'              # folder of the run to sample from
 ckpt_name = 'ckpt.pt'        # 'ckpt.pt' (latest) or 'best.pt'; LoRA runs: 'merged.pt'
-init_from = ''               # a Hugging Face model folder to sample from instead of out_dir's checkpoint
+init_from = ''               # a Hugging Face model folder to sample instead of out_dir's checkpoint
 data_dir = ''                # tokenizer folder; '' = the one recorded in the checkpoint
-chat_template_variables = {}  # passed to a published model's chat template, e.g. {'enable_thinking': False} (Qwen3); {} = those it was fine-tuned with
+chat_template_variables = {}  # published model's chat-template variables; {} = as it was fine-tuned
 start = '\n'                 # prompt text, or 'FILE:path.txt' to read it from a file
-num_samples = 1
-max_new_tokens = 300
+num_samples = 1              # samples to generate
+max_new_tokens = 300         # tokens generated per sample
 temperature = 0.8            # 0 = greedy
 top_k = 50                   # 0 = off
 top_p = 0.0                  # nucleus sampling; 0 = off
-use_kv_cache = True
-seed = 1337
-device = 'auto'
-dtype = 'auto'
+use_kv_cache = True          # cache keys and values while generating (same samples, faster)
+seed = 1337                  # random seed
+device = 'auto'              # 'auto' (cuda, else mps, else cpu) | 'cpu' | 'cuda' | 'cuda:1' | 'mps'
+dtype = 'auto'               # 'auto' = bf16 on GPUs with it, else fp16; fp32 on CPU
 # text-to-speech checkpoints (train_tts.py)
 text = 'I will unfold some causes of your deaths.'  # what to say
 wav = 'out.wav'              # where to write the waveform
 n_timesteps = 10             # Euler steps of the flow-matching ODE
 tts_temperature = 0.667      # scale of the starting noise
 length_scale = 1.0           # > 1 speaks slower
-guidance = 0.0               # classifier-free guidance weight (models trained with condition dropout)
+guidance = 0.0               # classifier-free guidance weight (models trained with cfg_drop > 0)
 # -----------------------------------------------------------------------------
 _defaults = dict(globals())  # to tell which keys the command line or a config file changed
 config = configure(globals())
@@ -56,11 +56,13 @@ check_values(config, [
     (POSITIVE, ('length_scale',)),
     (FOLDER, ('out_dir',)),
 ])
-# keys that only one kind of checkpoint reads: setting one for the other kind is refused, not silently ignored
+# keys that only one kind of checkpoint reads: setting
+# one for the other kind is refused, not silently ignored
 GPT_KEYS = ['init_from', 'data_dir', 'chat_template_variables', 'start', 'num_samples', 'max_new_tokens', 'temperature', 'top_k', 'top_p', 'use_kv_cache']
 TTS_KEYS = ['text', 'wav', 'n_timesteps', 'tts_temperature', 'length_scale', 'guidance']
 
-init_from = '' if init_from == 'resume' else init_from  # nanoGPT's spelling of "out_dir's checkpoint"
+# nanoGPT's spelling of "out_dir's checkpoint"
+init_from = '' if init_from == 'resume' else init_from
 device = pick_device(device)
 autocast = autocast_context(device, pick_dtype(device, dtype))
 ckpt_path = init_from or os.path.join(out_dir, ckpt_name)
@@ -118,7 +120,8 @@ if start.startswith('FILE:'):
             start = f.read()
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"start={start!r}: cannot read the prompt file ({e}); name a UTF-8 text file.") from None
-# a chat model answers start as a user turn; other text opens as the tokenizer opens a text (a published model's BOS)
+# a chat model answers start as a user turn; other text opens
+# as the tokenizer opens a text (a published model's BOS)
 ids = (tokenizer.encode_prompt([{'role': 'user', 'content': start}]) if chat
        else tokenizer.document_prefix + tokenizer.encode(start))
 if not ids:
@@ -129,6 +132,7 @@ with torch.no_grad(), autocast:
     for _ in range(num_samples):
         out = model.generate(prompt, max_new_tokens, temperature=temperature, top_k=top_k or None,
                              top_p=top_p or None, use_kv_cache=use_kv_cache, generator=generator,
-                             eos_id=tokenizer.eos_id if chat else None)  # a chat answer ends at <|end|>
+                             # a chat answer ends at <|end|>
+                             eos_id=tokenizer.eos_id if chat else None)
         print(tokenizer.decode(out[0].tolist()))
         print('---------------')

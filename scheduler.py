@@ -35,7 +35,8 @@ def cosine_restarts_lr(step, max_lr, min_lr, warmup_iters, restart_iters, restar
     if step < warmup_iters:
         return warmup_lr(step, max_lr, warmup_iters)
     t, cycle = step - warmup_iters, restart_iters
-    while t >= cycle:  # walk whole cycles in integers: exact at the restart boundaries, unlike log()
+    # walk whole cycles in integers: exact at the restart boundaries, unlike log()
+    while t >= cycle:
         t -= cycle
         cycle *= restart_mult
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * t / cycle)) * (max_lr - min_lr)

@@ -38,48 +38,48 @@ from tasks.exact_match import print_sample, report_exact_match
 
 # -----------------------------------------------------------------------------
 # I/O
-training_type = 'from_scratch'  # 'from_scratch' (token windows of data_dir) | 'sft' (chat examples from sft_data, all weights) | 'lora' (sft_data, low-rank adapters on a frozen model)
-out_dir = 'out'              # checkpoints (ckpt.pt latest, best.pt best val), log.jsonl, tensorboard
-data_dir = ''                # a folder made by data.py (sft/lora: its tokenizer); '' = the embedded default (stdlib sources, data/stdlib)
-init_from = 'scratch'        # where a new run's weights start: 'scratch' | a checkpoint (sft/lora: the pretrained model) | a Hugging Face model folder (sft/lora: its own shape, tokenizer and chat template)
-chat_template_variables = {}  # passed to a published model's chat template, e.g. {'enable_thinking': False} (Qwen3); {} = those the model was fine-tuned with
-resume = True                # continue the run in out_dir when it holds one (relaunching a killed command continues it); False = start a new run there, replacing it
+training_type = 'from_scratch'  # 'from_scratch' | 'sft' (all weights) | 'lora' (low-rank adapters)
+out_dir = 'out'              # checkpoints (ckpt.pt, best.pt), log.jsonl, tensorboard
+data_dir = ''                # a data.py folder (sft/lora: its tokenizer); '' = data/stdlib
+init_from = 'scratch'        # 'scratch' | a checkpoint | a Hugging Face model folder
+chat_template_variables = {}  # published model's chat-template variables; {} = as it was fine-tuned
+resume = True                # continue out_dir's run if any; False = start a new one, replacing it
 eval_interval = 100          # steps between evals (and checkpoint saves)
 eval_iters = 20              # val batches per eval
 log_interval = 10            # steps between train-loss log lines
 eval_only = False            # evaluate the checkpoint and exit
 always_save_checkpoint = True  # save ckpt.pt at every eval, not only when val loss improves
 early_stopping_patience = 0  # stop after this many evals without val improvement; 0 = never
-max_bad_steps = 5            # abort after this many consecutive steps with non-finite loss/grad norm
+max_bad_steps = 5            # abort after this many non-finite steps (loss/grad norm) in a row
 tensorboard = True           # write TensorBoard logs to out_dir/tb
 profile = False              # time data/forward/backward/optimizer per step (adds syncs on GPU)
 sample_tokens = 200          # tokens generated at the end of training
-seed = 1337
+seed = 1337                  # random seed
 # data
 batch_size = 16              # micro-batch size per process
 block_size = 128             # context length
 gradient_accumulation_steps = 1  # micro-batches per optimizer step per process
-# fine-tuning data (training_type 'sft' | 'lora'; chat template: see lm/tokenizer.py, JSONL formats: lm/chat_data.py)
-sft_data = ''                # folder with train.jsonl, val.jsonl (and test.jsonl for exact match); '' = the embedded number tasks
-max_length = 128             # longest example in tokens (<= block_size); longer ones follow overlong
-overlong = 'truncate'        # examples over max_length: 'truncate' (keep the first max_length tokens) | 'drop'
+# fine-tuning data (training_type 'sft' | 'lora'; docs/finetuning.md)
+sft_data = ''                # folder of train/val(/test).jsonl; '' = the embedded number tasks
+max_length = 128             # longest example in tokens (<= block_size); see overlong
+overlong = 'truncate'        # examples over max_length: 'truncate' (keep their start) | 'drop'
 skip_malformed = False       # skip and count malformed JSONL lines instead of stopping at the first
 pack = False                 # pack several examples per row (attention stays inside each example)
-bucket_batches = 1           # length bucketing: batch similar lengths from this many global batches' worth (less padding, less random batches); 1 = off
-curriculum_iters = 0         # length curriculum: the longest example allowed grows from the shortest to max_length over these steps; 0 = off
-exact_match_examples = 200   # held-out examples (test.jsonl, else val.jsonl) answered greedily and scored at start and end; 0 = skip
+bucket_batches = 1           # batch similar lengths from this many global batches' worth; 1 = off
+curriculum_iters = 0         # steps for the longest allowed example to grow to max_length; 0 = off
+exact_match_examples = 200   # held-out examples answered greedily and scored (start, end); 0 = skip
 # LoRA (training_type 'lora')
 lora_r = 8
 lora_alpha = 16.0
 lora_dropout = 0.05          # dropout on the adapters' input
 use_rslora = False           # scale updates by lora_alpha/sqrt(r) instead of lora_alpha/r
-lora_target_modules = 'attn.q,attn.k,attn.v,attn.proj'  # comma-separated from attn.q/k/v/proj and mlp.fc/gate/proj (or Hugging Face's q_proj, v_proj, ...), or 'all-linear'
-lora_bias = 'none'           # biases trained too: 'none' | 'all' | 'lora_only' (those of adapted layers)
-loraplus_lr_ratio = 1.0      # LoRA+: the B matrices learn at this times the learning rate (the paper suggests 16)
-lora_base_dtype = 'float32'  # the frozen base's Linear weights: 'float32' | the run's dtype ('bfloat16' nearly halves the base's memory; embeddings, norms and adapters stay float32)
+lora_target_modules = 'attn.q,attn.k,attn.v,attn.proj'  # comma-separated layers | 'all-linear'
+lora_bias = 'none'           # biases trained too: 'none' | 'all' | 'lora_only' (adapted layers')
+loraplus_lr_ratio = 1.0      # LoRA+: the B matrices learn at this times the learning rate
+lora_base_dtype = 'float32'  # the frozen base's Linear weights: 'float32' | the run's dtype
 # loss
-token_weights = {}           # token-weighted CE: {'group': (weight, [token id or single-token text, ...])}; {} = plain CE
-loss_weights = {'ce': 1.0, 'z_loss': 0.0}  # multi-objective: weight of each loss term (z_loss: PaLM's log(Z)^2, e.g. 1e-4)
+token_weights = {}           # token-weighted CE: {'group': (weight, [tokens])}; {} = plain CE
+loss_weights = {'ce': 1.0, 'z_loss': 0.0}  # weight of each loss term (z_loss: PaLM's, e.g. 1e-4)
 # model
 n_layer = 4
 n_head = 4
@@ -92,34 +92,34 @@ mlp = 'gelu'                 # 'gelu' | 'swiglu' | 'relu2'
 tie_embeddings = True
 qk_norm = False
 logit_softcap = 0.0          # 0 = off, else cap * tanh(logits / cap)
-zero_init_proj = False       # residual output projections start at zero (each block starts as the identity)
+zero_init_proj = False       # residual output projections start at zero (blocks start as identity)
 activation_checkpointing = False  # recompute activations in backward to save memory
 # optimizer
-learning_rate = 3e-3
-max_iters = 600
-weight_decay = 0.1
-beta1 = 0.9
-beta2 = 0.95
+learning_rate = 3e-3         # peak lr of every lr_schedule
+max_iters = 600              # optimizer steps in the run
+weight_decay = 0.1           # decoupled weight decay; 0 = none
+beta1 = 0.9                  # AdamW's momentum (first-moment decay)
+beta2 = 0.95                 # AdamW's second-moment decay
 grad_clip = 1.0              # 0 = no clipping (grad norm is still logged)
-optimizer_type = 'adamw'     # 'adamw' | 'muon' (lm/muon.py: Muon for the blocks' matrices, AdamW for the rest)
-muon_lr = 0.02               # Muon's peak lr; it follows the lr schedule in proportion (muon_lr / learning_rate)
-muon_momentum = 0.95
+optimizer_type = 'adamw'     # 'adamw' | 'muon' (Muon for the blocks' matrices, AdamW for the rest)
+muon_lr = 0.02               # Muon's peak lr; scheduled in proportion to learning_rate
+muon_momentum = 0.95         # Muon's momentum
 # learning-rate schedule (scheduler.py)
-lr_schedule = 'cosine'       # 'cosine' | 'cosine_restarts' | 'noam' | 'constant' | 'linear' | 'wsd'; each peaks at learning_rate
+lr_schedule = 'cosine'       # cosine | cosine_restarts | noam | constant | linear | wsd
 warmup_iters = 50            # linear rise to learning_rate, reached at this step (every schedule)
-lr_decay_iters = 600         # where the decay to min_lr ends (cosine, linear, wsd; usually = max_iters; not noam)
+lr_decay_iters = 600         # where the decay to min_lr ends (cosine, linear, wsd; not noam)
 min_lr = 3e-4                # the lr decays to this (noam: its floor; constant: unused)
 restart_iters = 200          # 'cosine_restarts': steps of the first cycle after warmup
 restart_mult = 1             # 'cosine_restarts': each cycle this many times longer than the last
-decay_frac = 0.2             # 'wsd': the last fraction of lr_decay_iters, decaying linearly to min_lr
+decay_frac = 0.2             # 'wsd': the last fraction of lr_decay_iters, a linear decay to min_lr
 # system
-device = 'auto'              # 'auto' | 'cpu' | 'cuda' | 'cuda:1' | 'mps'
-dtype = 'auto'               # 'auto' (bf16 where supported, else fp16 + loss scaling) | 'bfloat16' | 'float16' | 'float32'
+device = 'auto'              # 'auto' (cuda, else mps, else cpu) | 'cpu' | 'cuda' | 'cuda:1' | 'mps'
+dtype = 'auto'               # 'auto' = bf16 on GPUs with it, else fp16 + loss scaling; fp32 on CPU
 compile = False              # torch.compile the model
-parallel = 'ddp'             # under torchrun: 'ddp' (each rank holds the whole model) | 'fsdp' (run/fsdp.py: weights, gradients and optimizer state sharded over the ranks)
-fsdp_cpu_offload = False     # parallel='fsdp' on GPUs: keep the shards and optimizer state in CPU memory
-checkpoint_format = 'file'   # 'file': ckpt.pt holds everything (under FSDP gathered onto rank 0) | 'sharded': each rank writes its shards to ckpt-<step>.dcp/, which ckpt.pt names (run/sharded_checkpoint.py), for models one host's memory cannot hold whole
-num_threads = 0              # CPU threads for torch ops (torch.set_num_threads); 0 = torch's default
+parallel = 'ddp'             # under torchrun: 'ddp' (whole model per rank) | 'fsdp' (docs/fsdp.md)
+fsdp_cpu_offload = False     # 'fsdp' on GPUs: keep the shards and optimizer state in CPU memory
+checkpoint_format = 'file'   # 'file' | 'sharded' (each rank's shards; docs/checkpoints.md)
+num_threads = 0              # torch.set_num_threads for CPU ops; 0 = torch's default
 # -----------------------------------------------------------------------------
 config = configure(globals())
 check_values(config, [
@@ -154,48 +154,59 @@ autocast = autocast_context(device, ptdtype)
 check_parallel(parallel, ddp, device, ptdtype, optimizer_type, fsdp_cpu_offload)
 base_dtype = frozen_base_dtype(lora_base_dtype, ptdtype, training_type == 'lora', parallel, "training_type='lora'")
 
-# out_dir: written and locked before any work; a checkpoint there is this run's to continue, never another's
+# out_dir: written and locked before any work; a checkpoint there is this run's, never another's
 init_from = continued_origin(init_from, out_dir, resume)  # nanoGPT's 'resume': the run's own
 this_run = dict(script='train.py', training_type=training_type, init_from=run_origin(init_from))
-out_dir_lock, ckpt_path, ckpt = open_run(out_dir, resume, this_run, eval_only, master,  # FSDP reads its shards
-                                         whole=parallel != 'fsdp' or training_type == 'lora')  # of a sharded one
+# FSDP reads its shards of a sharded checkpoint
+out_dir_lock, ckpt_path, ckpt = open_run(out_dir, resume, this_run, eval_only, master,
+                                         whole=parallel != 'fsdp' or training_type == 'lora')
 resuming = ckpt is not None
 require_starting_weights(ckpt, init_from, eval_only, ckpt_path, hf_folders=True,
                          made_by='`python train.py` (pretraining)' if init_from == 'out/ckpt.pt' else None)
-# the model the run starts from; a published model (or a fine-tune of one) brings its shape and tokenizer. As stored
-# (memory-mapped, its file's dtype): under FSDP each rank reads its shard; a 16-bit LoRA base needs no float32 copy
+# the model the run starts from; a published model (or a fine-tune of one) brings its shape and
+# tokenizer. As stored (memory-mapped, its file's dtype): under FSDP each rank reads its shard; a
+# 16-bit LoRA base needs no float32 copy
 model_ckpt, model_ckpt_path = full_model_checkpoint(ckpt, ckpt_path, init_from, out_dir, training_type,
                                                     as_stored=parallel == 'fsdp' or base_dtype != torch.float32)
-hf_files = hf_source(model_ckpt, chat_template_variables)  # its config files, which export.py writes back
+# its config files, which export.py writes back
+hf_files = hf_source(model_ckpt, chat_template_variables)
 
-# data: the model's own tokenizer (a published model), else data_dir's; rank 0 prepares the default data once
+# data: the model's own tokenizer (a published model),
+# else data_dir's; rank 0 prepares the default data once
 data_dir, base_tokenizer = run_tokenizer(data_dir, model_ckpt, model_ckpt_path, master, ddp,
                                          hf_files.get('chat_template_variables'), init_from)
-# fine-tuning: chat examples in the model's own chat template, or in nanotrain's, whose special tokens it gains
+# fine-tuning: chat examples in the model's own chat
+# template, or in nanotrain's, whose special tokens it gains
 tokenizer = chat_tokenizer(base_tokenizer) if fine_tuning else base_tokenizer
 train_batches, val_batches, val_indices, sample_prompt, exact_match_prompts, train_data_hash = gpt_run_data(
     config, data_dir, tokenizer, ckpt, master, ddp)
 
-# model, from scratch, from a checkpoint (shape and tokenizer must match the config), or a published model
-model_args = run_model_args(config, model_ckpt, model_ckpt_path, tokenizer)  # a published model's is its own
-if ckpt is not None:  # checkpoints written before they recorded their run (run_to_continue) are checked here
+# model: from scratch, a checkpoint (shape, tokenizer must match the config) or a published model
+# a published model's own
+model_args = run_model_args(config, model_ckpt, model_ckpt_path, tokenizer)
+# checkpoints written before they recorded their run (run_to_continue) are checked here
+if ckpt is not None:
     check_compatible({'optimizer_type': ckpt['config'].get('optimizer_type', 'adamw'),
                       'training_type': ckpt['config'].get('training_type', 'from_scratch')},
                      {'optimizer_type': optimizer_type, 'training_type': training_type}, 'optimizer', ckpt_path)
-with same_init_on_every_rank(seed, enabled=parallel == 'fsdp'):  # fine-tuning may add the chat tokens' rows
+# fine-tuning may add the chat tokens' rows
+with same_init_on_every_rank(seed, enabled=parallel == 'fsdp'):
     model, vocab_size = starting_gpt(model_args, model_ckpt, model_ckpt_path, tokenizer,
                                      base_tokenizer if fine_tuning else None, parallel == 'fsdp', base_dtype)
     if training_type == 'lora':
-        added_tokens = tokenizer.vocab_size - vocab_size  # the chat tokens added above train too (none for a chat model)
+        # the chat tokens added above train too (none for a chat model)
+        added_tokens = tokenizer.vocab_size - vocab_size
         apply_lora(model, lora_r, lora_alpha, lora_dropout, lora_target_modules, use_rslora, lora_bias, added_tokens)
         if ckpt is not None:
             load_adapters(model, ckpt, ckpt_path, config)
-            lora_base = os.path.abspath(model_ckpt_path), ckpt['base_hash']  # where the base is now (it may have moved)
+            # where the base is now (it may have moved)
+            lora_base = os.path.abspath(model_ckpt_path), ckpt['base_hash']
         else:
             lora_base = os.path.abspath(init_from), model_hash(init_from)
 model.activation_checkpointing = activation_checkpointing
 place_model(model, parallel, device, ptdtype, fsdp_cpu_offload)
-raw_model = model  # what we save and sample from: never compiled or DDP-wrapped (under FSDP: sharded)
+# what we save and sample from: never compiled or DDP-wrapped (under FSDP: sharded)
+raw_model = model
 
 # the optimizer, over the trainable parameters only (with LoRA, the adapters)
 if optimizer_type == 'muon':  # Muon for the blocks' matrices, AdamW for the rest
@@ -220,12 +231,13 @@ ckpt = model_ckpt = None  # free memory
 model = wrap_model(model, compile, ddp and parallel == 'ddp', local_rank, device_type)
 
 device_name = torch.cuda.get_device_name(device) if device_type == 'cuda' else device_type
-global_batch_size = batch_size * gradient_accumulation_steps * world_size  # windows, or examples when fine-tuning
+# windows, or examples when fine-tuning
+global_batch_size = batch_size * gradient_accumulation_steps * world_size
 log(f"device {device}, dtype {ptdtype}, {world_size} process(es){' (FSDP)' if parallel == 'fsdp' else ''}, "
     f"{raw_model.get_num_params() / 1e6:.2f}M params, "
     + (f"{global_batch_size} examples" if fine_tuning else f"{global_batch_size * block_size:,} tokens") + " per step")
 
-# loss: token-weighted cross-entropy (losses.py), plus the other terms given a weight in loss_weights
+# loss: token-weighted cross-entropy (losses.py), plus the terms weighted in loss_weights
 token_weight = token_weight_table(tokenizer.vocab_size, token_weights, tokenizer).to(device) if token_weights else None
 
 
@@ -262,21 +274,24 @@ def evaluate():
 
 
 def checkpoint_state():
-    weights = raw_model.state_dict(keep_vars=True)  # under FSDP sharded: write_checkpoint gathers or writes them
+    # under FSDP sharded: write_checkpoint gathers or writes them
+    weights = raw_model.state_dict(keep_vars=True)
     state = dict(training_state(this_run, config, optimizer, scaler, iter_num, best_val_loss,
                                 evals_without_improvement),
                  kind='gpt', model=weights, model_args=model_args, tokenizer=tokenizer.identity(),
                  data_dir=os.path.abspath(data_dir), train_batches=train_batches.state_dict(), batch_size=batch_size,
                  gradient_accumulation_steps=gradient_accumulation_steps,
                  train_data_hash=train_data_hash, **hf_files)
-    if training_type == 'lora':  # adapters only: the frozen base stays in its own checkpoint, named by path and hash
+    # adapters only: the frozen base stays in its own checkpoint, named by path and hash
+    if training_type == 'lora':
         state.update(kind='lora', model=lora_state_dict(raw_model, weights), base_checkpoint=lora_base[0],
                      base_hash=lora_base[1])
     return state
 
 
 def save(path):
-    write_checkpoint(path, checkpoint_state(), checkpoint_format == 'sharded', master)  # collective: every rank calls it
+    # collective: every rank calls it
+    write_checkpoint(path, checkpoint_state(), checkpoint_format == 'sharded', master)
 
 
 profiler = StepProfiler(device, enabled=profile)
@@ -300,7 +315,8 @@ def train_step(indices):
     shares = {}
     for micro_step, (x, y, doc_ids) in enumerate(micro_batches):
         last = micro_step == gradient_accumulation_steps - 1
-        with gradient_sync(model, raw_model, sync=last):  # only the last micro-batch reduces gradients across ranks
+        # only the last micro-batch reduces gradients across ranks
+        with gradient_sync(model, raw_model, sync=last):
             with profiler.section('forward'), autocast:
                 logits, targets = labelled(x, y, doc_ids)
                 terms = {'ce': weighted_cross_entropy(logits, targets, token_weight, weight_sum)}
@@ -308,7 +324,8 @@ def train_step(indices):
                     terms['z_loss'] = z_loss(logits, targets, label_count)
                 loss = combine_losses(terms, loss_weights)
             with profiler.section('backward'):
-                scaler.scale(loss * world_size).backward()  # DDP/FSDP average gradients over ranks: undo 1/world_size
+                # DDP/FSDP average gradients over ranks: undo 1/world_size
+                scaler.scale(loss * world_size).backward()
         for name, value in {'loss': loss, **terms}.items():
             shares[name] = shares.get(name, 0.0) + value.detach().float()
     return shares
@@ -332,7 +349,8 @@ if iter_num == 0:
     record(dict(step=0, val_loss=val_loss, val_ppl=math.exp(val_loss), lr=0.0))
     report_exact_match(raw_model, tokenizer, exact_match_prompts, autocast, iter_num, record)
 bad_steps = 0
-window_start, window_tokens, window_labels = time.time(), 0, 0  # labels: positions through the output layer
+# labels: positions through the output layer
+window_start, window_tokens, window_labels = time.time(), 0, 0
 progress = tqdm(total=max_iters, initial=iter_num, disable=not master, dynamic_ncols=True, desc='train')
 while iter_num < max_iters:
     lr = get_lr(iter_num)
@@ -340,7 +358,7 @@ while iter_num < max_iters:
 
     # the whole global batch is drawn on every rank; each rank trains on its slice
     if fine_tuning:
-        # length curriculum: the longest example allowed grows linearly from the shortest to max_length
+        # length curriculum: the longest example allowed grows linearly from shortest to max_length
         limit = max_length
         if iter_num < curriculum_iters:
             shortest = int(train_batches.lengths.min())
@@ -355,7 +373,8 @@ while iter_num < max_iters:
         try:
             shares = train_step(global_batch.tensor_split(world_size)[rank])
             break
-        except RuntimeError as error:  # CUDA raises torch.OutOfMemoryError, MPS a plain RuntimeError
+        # CUDA raises torch.OutOfMemoryError, MPS a plain RuntimeError
+        except RuntimeError as error:
             recover_from_oom(error, ddp, optimizer, device)
             batch_size, gradient_accumulation_steps = halve_micro_batch(batch_size, gradient_accumulation_steps)
             log(f"step {iter_num}: out of memory, retrying with micro-batch {batch_size} x {gradient_accumulation_steps} accumulation")
@@ -365,7 +384,7 @@ while iter_num < max_iters:
         grad_norm = clip_grad_norm(raw_model.parameters(), grad_clip)
         losses, (stop_requested,) = all_reduce_metrics(shares, [stop.requested is not None], ddp)
         loss = losses['loss']
-        # fp16: a non-finite grad norm is an overflow, which scaler.step skips (and update backs off)
+        # fp16: a non-finite grad norm is an overflow: scaler.step skips it, update backs off
         if math.isfinite(loss) and (math.isfinite(grad_norm) or scaler.is_enabled()):
             scaler.step(optimizer)
             bad_steps = 0
@@ -380,7 +399,8 @@ while iter_num < max_iters:
 
     if iter_num % log_interval == 0 or iter_num == max_iters:
         now = time.time()
-        tokens_per_sec = window_tokens / (now - window_start)  # all of the window's time, logging included
+        # all of the window's time, logging included
+        tokens_per_sec = window_tokens / (now - window_start)
         mfu = raw_model.estimate_mfu(tokens_per_sec / world_size, device_name, window_labels / window_tokens,
                                      block_size)
         level = monitor.check()
@@ -388,7 +408,8 @@ while iter_num < max_iters:
                      mfu=mfu, memory_level=level, memory_usage=monitor.usage, memory_check_s=monitor.overhead_s,
                      peak_memory_mb=(peak_memory_bytes(device) or 0) / 2**20,
                      loss_scale=scaler.get_scale())
-        event.update({f'train_{k}': v for k, v in losses.items() if k != 'loss'})  # each loss term separately
+        # each loss term separately
+        event.update({f'train_{k}': v for k, v in losses.items() if k != 'loss'})
         event.update({f'time_ms/{k}': v for k, v in profiler.summary().items()})
         record(event)
         progress.set_postfix(loss=f'{loss:.4f}', tok_s=f'{tokens_per_sec:,.0f}')
@@ -409,7 +430,8 @@ while iter_num < max_iters:
             save(ckpt_path)
         if patience_exhausted(early_stopping_patience, evals_without_improvement):
             break
-        window_start, window_tokens, window_labels = time.time(), 0, 0  # throughput excludes eval time
+        # throughput excludes eval time
+        window_start, window_tokens, window_labels = time.time(), 0, 0
 
     if stop_requested:
         save(ckpt_path)
@@ -422,8 +444,10 @@ if training_type == 'lora':
     save_merged(out_dir, raw_model, master, model_args=model_args, config=config, iter_num=iter_num,
                 tokenizer=tokenizer.identity(), data_dir=os.path.abspath(data_dir), **hf_files)
 
-if sample_tokens > 0 and (master or parallel == 'fsdp'):  # under FSDP every rank computes each token along
-    # a fine-tuned model answers the first held-out prompt and stops at <|end|>; in the run's precision, as exact match
+# under FSDP every rank computes each token along
+if sample_tokens > 0 and (master or parallel == 'fsdp'):
+    # a fine-tuned model answers the first held-out prompt, stopping at <|end|>; in the run's
+    # precision, as exact match does
     with autocast:  # (a 16-bit LoRA base computes only under it)
         print_sample(raw_model, tokenizer, sample_prompt, sample_tokens, tokenizer.eos_id if fine_tuning else None,
                      seed, device, heading=f"--- sample (step {iter_num}, best val loss {best_val_loss:.4f}) ---")

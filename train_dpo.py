@@ -38,75 +38,73 @@ from tasks.exact_match import report_exact_match
 
 # -----------------------------------------------------------------------------
 # I/O
-out_dir = 'out-dpo'          # checkpoints (ckpt.pt latest, best.pt best eval loss), log.jsonl, tensorboard
-init_from = 'out-sft/ckpt.pt'  # the chat model the policy and reference start as: an SFT checkpoint, a LoRA run's merged.pt, or a Hugging Face chat model's folder
-chat_template_variables = {}  # passed to a published model's chat template, e.g. {'enable_thinking': False} (Qwen3); {} = those the model was fine-tuned with
-resume = True                # continue the run in out_dir when it holds one (the reference it names must be unchanged); False = start a new run there, replacing it
-data_dir = ''                # folder of the base tokenizer (made by data.py); '' = the embedded default (data/stdlib); a published model brings its own
-dpo_data = ''                # folder with train.jsonl, val.jsonl (and test.jsonl for exact match); '' = the embedded number-task pairs
+out_dir = 'out-dpo'          # checkpoints (ckpt.pt, best.pt), log.jsonl, tensorboard
+init_from = 'out-sft/ckpt.pt'  # the chat model the policy and reference start as (docs/dpo.md)
+chat_template_variables = {}  # published model's chat-template variables; {} = as it was fine-tuned
+resume = True                # continue out_dir's run if any; False = start a new one, replacing it
+data_dir = ''                # the base tokenizer's data.py folder; '' = data/stdlib
+dpo_data = ''                # folder of train/val(/test).jsonl; '' = the embedded number-task pairs
 eval_interval = 200          # steps between evals (and checkpoint saves)
 eval_pairs = 500             # held-out pairs per eval (val.jsonl)
 log_interval = 50            # steps between train log lines
 eval_only = False            # evaluate init_from (or the resumed checkpoint) and exit
 always_save_checkpoint = True  # save ckpt.pt at every eval, not only when eval loss improves
 early_stopping_patience = 0  # stop after this many evals without eval-loss improvement; 0 = never
-max_bad_steps = 5            # abort after this many consecutive steps with non-finite loss/grad norm
+max_bad_steps = 5            # abort after this many non-finite steps (loss/grad norm) in a row
 tensorboard = True           # write TensorBoard logs to out_dir/tb
-exact_match_examples = 500   # held-out prompts (test.jsonl, else val.jsonl) answered greedily and compared with chosen; 0 = skip
-seed = 1337
+exact_match_examples = 500   # held-out prompts answered greedily, compared with chosen; 0 = skip
+seed = 1337                  # random seed
 # data
 batch_size = 32              # preference pairs per micro-batch (each pair is two sequences)
 gradient_accumulation_steps = 1  # micro-batches per optimizer step per process
 max_length = 64              # longest prompt + completion in tokens (<= the model's block_size)
 max_prompt_length = 48       # longer prompts keep their last max_prompt_length tokens
 skip_malformed = False       # skip and count malformed JSONL lines instead of stopping at the first
-pack = True                  # padding-free: pairs packed into rows, each prompt computed once for both completions
-                             # (1.6x the steps/s of padded rows on CPU, bench/bench_dpo.py); False: one sequence per row
+pack = True                  # pairs packed in rows, each prompt computed once; False = one per row
 # DPO
 beta = 0.1                   # strength of the pull towards the reference (the KL penalty's weight)
-loss_type = 'sigmoid'        # 'sigmoid' (DPO) | 'robust' (rDPO) | 'ipo' | 'hinge' (SLiC); formulas in losses.dpo_loss
-label_smoothing = 0.0        # probability that a pair's label is flipped: 'sigmoid' becomes conservative DPO, 'robust' corrects for it
-ipo_length_normalize = True  # 'ipo' on per-token mean log-probs (the IPO paper's); False: on summed log-probs
+loss_type = 'sigmoid'        # 'sigmoid' (DPO) | 'robust' (rDPO) | 'ipo' | 'hinge' (SLiC)
+label_smoothing = 0.0        # probability that a pair's label is flipped (cDPO, rDPO; docs/dpo.md)
+ipo_length_normalize = True  # 'ipo' on per-token mean log-probs (the paper's); False: summed
 reference_free = False       # no reference model: an implicit uniform reference (log-probs 0)
-rpo_alpha = 0.0              # RPO (Pang et al. 2024): add rpo_alpha * NLL of the chosen completions (per token), which keeps
-                             # them likely (plain DPO lowers chosen and rejected log-probs alike); 0 = plain DPO
-precompute_ref_logps = False  # compute the reference's log-probs once, cache them in out_dir, free the reference
+rpo_alpha = 0.0              # RPO: weight of the chosen completions' per-token NLL; 0 = plain DPO
+precompute_ref_logps = False  # cache the reference's log-probs in out_dir once, then free it
 # LoRA: train adapters on the frozen model; the reference is the same model with adapters disabled
 use_lora = False
 lora_r = 8
 lora_alpha = 16.0
 lora_dropout = 0.0           # dropout on the adapters' input
 use_rslora = False           # scale updates by lora_alpha/sqrt(r) instead of lora_alpha/r
-lora_target_modules = 'all-linear'  # comma-separated from attn.q/k/v/proj and mlp.fc/gate/proj, or 'all-linear'
-lora_bias = 'none'           # 'none' | 'all' | 'lora_only'
+lora_target_modules = 'all-linear'  # comma-separated layers | 'all-linear'
+lora_bias = 'none'           # biases trained too: 'none' | 'all' | 'lora_only' (adapted layers')
 loraplus_lr_ratio = 1.0      # LoRA+: the B matrices learn at this times the learning rate
-lora_base_dtype = 'float32'  # the frozen base's Linear weights (the reference's too): 'float32' | the run's dtype ('bfloat16' nearly halves the base's memory; embeddings, norms and adapters stay float32)
+lora_base_dtype = 'float32'  # the frozen base's Linear weights: 'float32' | the run's dtype
 # model (its shape comes from init_from)
-dropout = 0.0                # off by default: the policy's log-probs should not be noisier than the reference's
+dropout = 0.0                # 0: the policy's log-probs should not be noisier than the reference's
 activation_checkpointing = False  # recompute activations in backward to save memory
 # optimizer (AdamW)
-learning_rate = 1e-3
-max_iters = 800
-weight_decay = 0.0
-beta1 = 0.9
-beta2 = 0.95
+learning_rate = 1e-3         # peak lr of every lr_schedule
+max_iters = 800              # optimizer steps in the run
+weight_decay = 0.0           # decoupled weight decay; 0 = none
+beta1 = 0.9                  # AdamW's momentum (first-moment decay)
+beta2 = 0.95                 # AdamW's second-moment decay
 grad_clip = 1.0              # 0 = no clipping (grad norm is still logged)
-# learning-rate schedule (scheduler.py): linear warmup, then cosine decay
-lr_schedule = 'cosine'       # 'cosine' | 'cosine_restarts' | 'noam' | 'constant' | 'linear' | 'wsd'; each peaks at learning_rate
+# learning-rate schedule (scheduler.py)
+lr_schedule = 'cosine'       # cosine | cosine_restarts | noam | constant | linear | wsd
 warmup_iters = 50            # linear rise to learning_rate, reached at this step (every schedule)
 lr_decay_iters = 800         # where the decay to min_lr ends (cosine, linear, wsd; not noam)
 min_lr = 1e-4                # the lr decays to this (noam: its floor; constant: unused)
 restart_iters = 250          # 'cosine_restarts': steps of the first cycle after warmup
 restart_mult = 1             # 'cosine_restarts': each cycle this many times longer than the last
-decay_frac = 0.2             # 'wsd': the last fraction of lr_decay_iters, decaying linearly to min_lr
+decay_frac = 0.2             # 'wsd': the last fraction of lr_decay_iters, a linear decay to min_lr
 # system
-device = 'auto'              # 'auto' | 'cpu' | 'cuda' | 'cuda:1' | 'mps'
-dtype = 'auto'               # 'auto' (float32 on CPU, bf16 on GPUs that have it, else fp16 + loss scaling) | 'bfloat16' | 'float16' | 'float32'
+device = 'auto'              # 'auto' (cuda, else mps, else cpu) | 'cpu' | 'cuda' | 'cuda:1' | 'mps'
+dtype = 'auto'               # 'auto' = bf16 on GPUs with it, else fp16 + loss scaling; fp32 on CPU
 compile = False              # torch.compile the policy
-parallel = 'ddp'             # under torchrun: 'ddp' (each rank holds the whole model) | 'fsdp' (run/fsdp.py: policy and reference sharded over the ranks)
-fsdp_cpu_offload = False     # parallel='fsdp' on GPUs: keep the shards and optimizer state in CPU memory
-checkpoint_format = 'file'   # 'file': ckpt.pt holds everything (under FSDP gathered onto rank 0) | 'sharded': each rank writes its shards to ckpt-<step>.dcp/, which ckpt.pt names (run/sharded_checkpoint.py), for models one host's memory cannot hold whole
-num_threads = 0              # CPU threads for torch ops (torch.set_num_threads); 0 = torch's default
+parallel = 'ddp'             # under torchrun: 'ddp' (whole model per rank) | 'fsdp' (docs/fsdp.md)
+fsdp_cpu_offload = False     # 'fsdp' on GPUs: keep the shards and optimizer state in CPU memory
+checkpoint_format = 'file'   # 'file' | 'sharded' (each rank's shards; docs/checkpoints.md)
+num_threads = 0              # torch.set_num_threads for CPU ops; 0 = torch's default
 # -----------------------------------------------------------------------------
 config = configure(globals())
 check_values(config, [
@@ -141,7 +139,7 @@ autocast = autocast_context(device, ptdtype)
 check_parallel(parallel, ddp, device, ptdtype, 'adamw', fsdp_cpu_offload)
 base_dtype = frozen_base_dtype(lora_base_dtype, ptdtype, use_lora, parallel, 'use_lora=True')
 
-# out_dir: written and locked before any work; a checkpoint there is this run's to continue, never another's
+# out_dir: written and locked before any work; a checkpoint there is this run's, never another's
 init_from = continued_origin(init_from, out_dir, resume)  # nanoGPT's 'resume': the run's own
 this_run = dict(script='train_dpo.py', init_from=run_origin(init_from), use_lora=use_lora)
 out_dir_lock, ckpt_path, ckpt = open_run(out_dir, resume, this_run, eval_only, master,
@@ -150,10 +148,13 @@ resuming = ckpt is not None
 reference_ckpt, reference_path, reference_hash = dpo_reference(
     ckpt, init_from, out_dir, made_by="`python train.py` (pretraining, out/ckpt.pt) then `python train.py "
                                       "config/sft.py` (SFT)" if init_from == 'out-sft/ckpt.pt' else None,
-    as_stored=parallel == 'fsdp' or base_dtype != torch.float32)  # memory-mapped in its file's dtype (as train.py)
+    # memory-mapped in its file's dtype (as train.py)
+    as_stored=parallel == 'fsdp' or base_dtype != torch.float32)
 
-# data: a published model's own tokenizer and chat template, else data_dir's; rank 0 prepares the defaults once
-hf_files = hf_source(reference_ckpt, chat_template_variables)  # a published model's config files, which export.py writes back
+# data: a published model's own tokenizer and chat template,
+# else data_dir's; rank 0 prepares the defaults once
+# a published model's config files, which export.py writes back
+hf_files = hf_source(reference_ckpt, chat_template_variables)
 data_dir, tokenizer = run_tokenizer(data_dir, reference_ckpt, reference_path, master, ddp,
                                     hf_files.get('chat_template_variables'))
 tokenizer = chat_tokenizer(tokenizer)
@@ -176,11 +177,14 @@ if ckpt:
     check_compatible({k: ckpt['config'].get(k) for k in fixed}, {k: config[k] for k in fixed}, 'setup', ckpt_path,
                      fix="Set these keys to the checkpoint's values, or start a new run (another out_dir, or "
                          "--resume=False).")
-    if 'shards' not in ckpt:  # a sharded checkpoint's are read into the shards (restore_training_state)
-        model.load_state_dict({**model.state_dict(), **ckpt['model']})  # strict: all weights, or every adapter
+    # a sharded checkpoint's are read into the shards (restore_training_state)
+    if 'shards' not in ckpt:
+        # strict: all weights, or every adapter
+        model.load_state_dict({**model.state_dict(), **ckpt['model']})
 model.activation_checkpointing = activation_checkpointing
 place_model(model, parallel, device, ptdtype, fsdp_cpu_offload)
-raw_model = model  # what we save and generate with: never compiled or DDP-wrapped (under FSDP: sharded)
+# what we save and generate with: never compiled or DDP-wrapped (under FSDP: sharded)
+raw_model = model
 reference_ckpt = None
 
 optimizer = (lora_optimizer(raw_model, weight_decay, learning_rate, (beta1, beta2), device_type, loraplus_lr_ratio)
@@ -199,8 +203,8 @@ if ckpt:
 ckpt = None
 
 
-# precomputed reference log-probs: one pass over the data before training, cached in out_dir under a hash
-# of everything they depend on; training then needs no reference in memory
+# precomputed reference log-probs: one pass over the data before training, cached in out_dir under a
+# hash of everything they depend on; training then needs no reference in memory
 ref_cache = None
 if precompute_ref_logps:
     depends_on = [reference_hash, train_data_hash, file_sha256(val_path), tokenizer.identity(), max_length,
@@ -252,7 +256,8 @@ def pair_terms(net, batches, indices, cache, batch_counts):
         mean_logits = logits.float().mean(-1)
         metrics = {'loss': loss, 'rewards/chosen': chosen_rewards.sum() / pairs,
                    'rewards/rejected': rejected_rewards.sum() / pairs,
-                   # TRL's: chosen strictly ahead, so a tie (every pair at step 0 with a live reference) counts wrong
+                   # TRL's: chosen strictly ahead, so a tie (every pair
+                   # at step 0 with a live reference) counts wrong
                    'rewards/accuracies': (chosen_rewards > rejected_rewards).float().sum() / pairs,
                    'rewards/margins': (chosen_rewards - rejected_rewards).sum() / pairs,
                    'logps/chosen': sums[:n].sum() / pairs, 'logps/rejected': sums[n:].sum() / pairs,
@@ -287,7 +292,8 @@ def evaluate():
 
 def save(path):
     """A checkpoint of the run at path (write_checkpoint): collective under DDP and FSDP, every rank must call it."""
-    weights = raw_model.state_dict(keep_vars=True)  # under FSDP sharded: write_checkpoint gathers or writes them
+    # under FSDP sharded: write_checkpoint gathers or writes them
+    weights = raw_model.state_dict(keep_vars=True)
     state = dict(training_state(this_run, dict(config, training_type='dpo'), optimizer, scaler, iter_num,
                                 best_val_loss, evals_without_improvement),
                  kind='gpt', model=weights, model_args=model_args, tokenizer=tokenizer.identity(),
@@ -307,10 +313,12 @@ def train_step(global_batch):
     parts, sums = global_batch.tensor_split(world_size)[rank].view(gradient_accumulation_steps, batch_size), {}
     for micro_step, part in enumerate(parts):
         last = micro_step == gradient_accumulation_steps - 1
-        with gradient_sync(model, raw_model, sync=last):  # only the last micro-batch reduces gradients across ranks
+        # only the last micro-batch reduces gradients across ranks
+        with gradient_sync(model, raw_model, sync=last):
             loss, metrics = pair_terms(model, train_batches, part, ref_cache['train'] if ref_cache else None,
                                        batch_counts)
-            scaler.scale(loss * world_size).backward()  # DDP/FSDP average gradients over ranks: undo 1/world_size
+            # DDP/FSDP average gradients over ranks: undo 1/world_size
+            scaler.scale(loss * world_size).backward()
         sums = {k: sums.get(k, 0.0) + v for k, v in metrics.items()}
     return sums
 
@@ -372,7 +380,8 @@ while iter_num < max_iters:
             save(ckpt_path)
         if patience_exhausted(early_stopping_patience, evals_without_improvement):
             break
-        window_start, window_tokens, window_steps = time.time(), 0, 0  # throughput excludes eval time
+        # throughput excludes eval time
+        window_start, window_tokens, window_steps = time.time(), 0, 0
 
     if stop_requested:
         save(ckpt_path)

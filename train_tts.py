@@ -34,21 +34,21 @@ from tts.model import TTSConfig, TTSModel
 _start_time = time.time()
 # -----------------------------------------------------------------------------
 # I/O
-out_dir = 'out-tts'          # checkpoints (ckpt.pt latest, best.pt best val), log.jsonl, tensorboard, samples/
-data_dir = ''                # LJSpeech-layout folder: metadata.csv (id|raw text|normalized text) + wavs/<id>.wav
+out_dir = 'out-tts'          # checkpoints (ckpt.pt, best.pt), log.jsonl, tensorboard, samples/
+data_dir = ''                # LJSpeech-layout folder: metadata.csv + wavs/<id>.wav (docs/tts.md)
 cache_dir = ''               # log-mel feature cache; '' = <out_dir>/mel_cache
 init_from = 'scratch'        # where a new run's weights start: 'scratch' | path to a TTS checkpoint
-resume = True                # continue the run in out_dir when it holds one (relaunching a killed command continues it); False = start a new run there, replacing it
+resume = True                # continue out_dir's run if any; False = start a new one, replacing it
 eval_interval = 200          # steps between evals (and checkpoint saves)
 log_interval = 10            # steps between train-loss log lines
 eval_only = False            # evaluate the checkpoint (val losses, MCD-DTW, RTF) and exit
 always_save_checkpoint = True  # save ckpt.pt at every eval, not only when val loss improves
 early_stopping_patience = 0  # stop after this many evals without val improvement; 0 = never
-max_bad_steps = 5            # abort after this many consecutive steps with non-finite loss/grad norm
-max_minutes = 0.0            # end training cleanly (checkpoint, final eval) after this many minutes since start; 0 = no limit
+max_bad_steps = 5            # abort after this many non-finite steps (loss/grad norm) in a row
+max_minutes = 0.0            # minutes until a clean stop (checkpoint, final eval); 0 = no limit
 tensorboard = True           # write TensorBoard logs (losses, mel images, audio) to out_dir/tb
 profile = False              # time data/forward/backward/optimizer per step (adds syncs on GPU)
-seed = 1337
+seed = 1337                  # random seed
 # data
 val_fraction = 0.05          # held-out share, chosen by a hash of the utterance id
 frame_budget = 6000          # padded mel frames per micro-batch (utterances x longest utterance)
@@ -66,38 +66,38 @@ dec_channels = 256           # U-Net width
 dec_blocks = 2               # residual blocks per U-Net level
 dec_heads = 4                # attention heads in the U-Net bottleneck; 0 = none
 sigma_min = 1e-4             # flow matching: noise left at t=1
-cfg_drop = 0.0               # classifier-free guidance: share of utterances trained without condition (e.g. 0.2)
-align_prior_iters = 1000     # steps over which the diagonal alignment prior in MAS fades from weight 1 to 0 (tts_model.log_beta_binomial_prior); 0 = none
+cfg_drop = 0.0               # CFG: share of utterances trained without condition (e.g. 0.2)
+align_prior_iters = 1000     # steps for the diagonal alignment prior in MAS to fade out; 0 = none
 # losses
 prior_weight = 1.0
 duration_weight = 1.0
 flow_weight = 1.0
 # optimizer
-learning_rate = 1e-4
-decoder_lr_scale = 1.0       # the flow decoder's lr / learning_rate; 2 shifted seed 5's alignment (README): check with bench/tts_check.py
-max_iters = 100000
-weight_decay = 0.0
-beta1 = 0.9
-beta2 = 0.99
+learning_rate = 1e-4         # peak lr of every lr_schedule
+decoder_lr_scale = 1.0       # the flow decoder's lr / learning_rate (docs/tts.md)
+max_iters = 100000           # optimizer steps in the run
+weight_decay = 0.0           # decoupled weight decay; 0 = none
+beta1 = 0.9                  # AdamW's momentum (first-moment decay)
+beta2 = 0.99                 # AdamW's second-moment decay
 grad_clip = 1.0              # 0 = no clipping (grad norm is still logged)
 # learning-rate schedule (scheduler.py)
-lr_schedule = 'cosine_restarts'  # 'cosine' | 'cosine_restarts' | 'noam' | 'constant' | 'linear' | 'wsd'; each peaks at learning_rate
+lr_schedule = 'cosine_restarts'  # cosine | cosine_restarts | noam | constant | linear | wsd
 warmup_iters = 500           # linear rise to learning_rate, reached at this step (every schedule)
 lr_decay_iters = 100000      # where the decay to min_lr ends (cosine, linear, wsd; not noam)
 min_lr = 1e-5                # the lr decays to this (noam: its floor; constant: unused)
 restart_iters = 10000        # 'cosine_restarts': steps of the first cycle after warmup
 restart_mult = 1             # 'cosine_restarts': each cycle this many times longer than the last
-decay_frac = 0.2             # 'wsd': the last fraction of lr_decay_iters, decaying linearly to min_lr
+decay_frac = 0.2             # 'wsd': the last fraction of lr_decay_iters, a linear decay to min_lr
 # inference and evaluation
 n_timesteps = 10             # Euler steps of the flow ODE
 temperature = 0.667          # scale of the starting noise
 length_scale = 1.0           # > 1 speaks slower
-guidance = 0.0               # classifier-free guidance weight at inference (needs cfg_drop > 0 in training)
+guidance = 0.0               # classifier-free guidance weight at inference (needs cfg_drop > 0)
 eval_utterances = 0          # held-out utterances for the final MCD-DTW; 0 = all
 audio_samples = 2            # held-out sentences written to out_dir/samples and TensorBoard
 # system
-device = 'auto'              # 'auto' | 'cpu' | 'cuda' | 'cuda:1' | 'mps'
-dtype = 'auto'               # 'auto' (bf16 where supported, else fp16 + loss scaling) | 'bfloat16' | 'float16' | 'float32'
+device = 'auto'              # 'auto' (cuda, else mps, else cpu) | 'cpu' | 'cuda' | 'cuda:1' | 'mps'
+dtype = 'auto'               # 'auto' = bf16 on GPUs with it, else fp16 + loss scaling; fp32 on CPU
 compile = False              # torch.compile the encoder and decoder
 # -----------------------------------------------------------------------------
 config = configure(globals())
@@ -117,7 +117,8 @@ check_values(config, [
     (FOLDER, ('out_dir',)),
     (EMPTY_OR_FOLDER, ('cache_dir',)),
 ])
-mel_settings = tts_data.MEL_SETTINGS  # fixed feature settings (not config keys: set after configure)
+# fixed feature settings (not config keys: set after configure)
+mel_settings = tts_data.MEL_SETTINGS
 sample_rate = mel_settings['sample_rate']
 
 # processes and device (run/runtime.py: one process per GPU under torchrun), precision
@@ -126,7 +127,7 @@ master, device_type = rank == 0, device.split(':')[0]
 ptdtype = pick_dtype(device, dtype)
 autocast = autocast_context(device, ptdtype)
 
-# out_dir: written and locked before any work; a checkpoint there is this run's to continue, never another's
+# out_dir: written and locked before any work; a checkpoint there is this run's, never another's
 init_from = continued_origin(init_from, out_dir, resume)  # nanoGPT's 'resume': the run's own
 this_run = dict(script='train_tts.py', init_from=run_origin(init_from))
 out_dir_lock, ckpt_path, ckpt = open_run(out_dir, resume, this_run, eval_only, master)
@@ -219,7 +220,8 @@ def evaluate():
     saved_rng = rng_state()
     torch.manual_seed(seed)
     raw_model.eval()
-    sums = torch.zeros(6, device=device)  # prior, duration, flow (x frames), mel L1 sum, frames, tokens
+    # prior, duration, flow (x frames), mel L1 sum, frames, tokens
+    sums = torch.zeros(6, device=device)
     batches = eval_batches(val_set.lengths, frame_budget)
     for indices in batches[rank::world_size]:
         x, x_lengths, y, y_lengths = to_device(val_set.collate(indices, mel_mean, mel_std))
@@ -250,7 +252,8 @@ def checkpoint_state():
 
 
 def save(path):
-    write_checkpoint(path, checkpoint_state(), False, master)  # collective under DDP: every rank calls it
+    # collective under DDP: every rank calls it
+    write_checkpoint(path, checkpoint_state(), False, master)
 
 
 profiler = StepProfiler(device, enabled=profile)
@@ -286,7 +289,8 @@ def train_step(batches, align_prior):
 
 
 record, writer = run_log(out_dir, master, tensorboard, keep_log_until(eval_only, resuming, iter_num))
-synthesis = SynthesisEval(**dataclass_args(SynthesisEval, config, texts=texts))  # speech from held-out text
+# speech from held-out text
+synthesis = SynthesisEval(**dataclass_args(SynthesisEval, config, texts=texts))
 
 
 def final_report(step):
@@ -328,7 +332,8 @@ while iter_num < max_iters:
         try:
             shares = train_step(batches, align_prior)
             break
-        except RuntimeError as error:  # CUDA raises torch.OutOfMemoryError, MPS a plain RuntimeError
+        # CUDA raises torch.OutOfMemoryError, MPS a plain RuntimeError
+        except RuntimeError as error:
             recover_from_oom(error, ddp, optimizer, device)
             batch_splits = split_micro_batches(batch_splits, max(len(b) for b in batches), iter_num)
             log(f"step {iter_num}: out of memory, retrying with each batch split into {batch_splits} micro-batches")
@@ -341,7 +346,7 @@ while iter_num < max_iters:
                                                                    ddp)
         prior, duration, flow = losses['prior'], losses['duration'], losses['flow']
         loss = weighted_loss(losses)
-        # fp16: a non-finite grad norm is an overflow, which scaler.step skips (and update backs off)
+        # fp16: a non-finite grad norm is an overflow: scaler.step skips it, update backs off
         if math.isfinite(loss) and (math.isfinite(grad_norm) or scaler.is_enabled()):
             scaler.step(optimizer)
             bad_steps = 0

@@ -33,16 +33,20 @@ from model import GPT, ROPE_SCALING_KEYS, GPTConfig, mlp_hidden_size
 
 ARCHITECTURES = ('LlamaForCausalLM', 'MistralForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM', 'ArceeForCausalLM',
                  'GPT2LMHeadModel')
-# a non-gated MLP's activation (Arcee's hidden_act, GPT-2's activation_function) -> nanotrain's mlp; Hugging Face's
-# 'gelu' is the exact (erf) GELU, 'gelu_new' and 'gelu_pytorch_tanh' the tanh approximation, 'relu2' relu(x)**2
+# a non-gated MLP's activation (Arcee's hidden_act, GPT-2's activation_function) -> nanotrain's mlp;
+# Hugging Face's 'gelu' is the exact (erf) GELU, 'gelu_new' and 'gelu_pytorch_tanh' the tanh
+# approximation, 'relu2' relu(x)**2
 MLP_OF_ACTIVATION = {'gelu': 'gelu', 'gelu_new': 'gelu_tanh', 'gelu_pytorch_tanh': 'gelu_tanh', 'relu2': 'relu2'}
-ACTIVATION_OF_MLP = {'gelu': 'gelu', 'gelu_tanh': 'gelu_pytorch_tanh', 'relu2': 'relu2'}  # the same PyTorch ops
-# tokenizer_config.json keys a tokenizer.json read as is has no use for (save_chat_tokenizer drops them)
+# the same PyTorch ops
+ACTIVATION_OF_MLP = {'gelu': 'gelu', 'gelu_tanh': 'gelu_pytorch_tanh', 'relu2': 'relu2'}
+# tokenizer_config.json keys a tokenizer.json read as
+# is has no use for (save_chat_tokenizer drops them)
 SENTENCEPIECE_CONFIG = ('added_tokens_decoder', 'legacy', 'add_prefix_space', 'sp_model_kwargs')
 TOKENIZER_FILES = ('tokenizer.json', 'tokenizer.model', 'tokenizer_config.json', 'special_tokens_map.json',
                    'added_tokens.json', 'vocab.json', 'merges.txt', 'chat_template.jinja', 'chat_template.json')
 
-# nanotrain module -> Hugging Face module ('{}' is the layer number); weights and biases follow their module
+# nanotrain module -> Hugging Face module ('{}' is the
+# layer number); weights and biases follow their module
 LLAMA_NAMES = {  # Llama, Mistral, Qwen2, Qwen3, Arcee (no gate)
     'transformer.wte': 'model.embed_tokens',
     'transformer.h.{}.ln_1': 'model.layers.{}.input_layernorm',
@@ -74,7 +78,8 @@ GPT2_NAMES = {
     'transformer.ln_f': 'transformer.ln_f',
     'lm_head': 'lm_head',
 }
-# tensors some checkpoints carry that are not weights: GPT-2's causal-mask buffers, old Llamas' RoPE table
+# tensors some checkpoints carry that are not weights:
+# GPT-2's causal-mask buffers, old Llamas' RoPE table
 IGNORED = re.compile(r'.*\.attn\.(masked_)?bias$|.*\.rotary_emb\.inv_freq$')
 
 
@@ -111,7 +116,8 @@ def gpt_config(hf, folder):
                         f"[\"LlamaForCausalLM\"]; the file is corrupt: download the model folder again.")
     arch = archs[0]
     quantization = hf.get('quantization_config')
-    if quantization:  # else a failure later that blames the download (FP8) or a config/weights mismatch
+    # else a failure later that blames the download (FP8) or a config/weights mismatch
+    if quantization:
         method = quantization.get('quant_method', 'unnamed') if isinstance(quantization, dict) else quantization
         raise UserError(f"{folder}/config.json: this model's weights are quantized (quantization_config, quant_method "
                         f"{method!r}); nanotrain trains and exports unquantized models only: use the model's bf16, "
@@ -139,7 +145,8 @@ def gpt_config(hf, folder):
     if activation not in supported:
         raise UserError(f"{folder}/config.json: hidden_act={activation!r} is not supported; nanotrain loads {arch} "
                         f"models with hidden_act {', '.join(map(repr, supported))}.")
-    # nanotrain's bias=True puts a bias on every linear layer: Llama's and Arcee's attention_bias and mlp_bias together
+    # nanotrain's bias=True puts a bias on every linear layer:
+    # Llama's and Arcee's attention_bias and mlp_bias together
     bias = bool(hf.get('attention_bias')) and bool(hf.get('mlp_bias'))
     biased_families = ('LlamaForCausalLM', 'ArceeForCausalLM')
     if (hf.get('attention_bias') or hf.get('mlp_bias')) and not (bias and arch in biased_families):
@@ -148,7 +155,8 @@ def gpt_config(hf, folder):
                         f"or Arcee model may have both).")
     require_keys(hf, ('max_position_embeddings', 'vocab_size', 'num_hidden_layers', 'num_attention_heads',
                       'hidden_size', 'intermediate_size'), arch, folder)
-    rope_key = 'rope_parameters' if hf.get('rope_parameters') else 'rope_scaling'  # transformers 5: rope_parameters
+    # transformers 5: rope_parameters
+    rope_key = 'rope_parameters' if hf.get('rope_parameters') else 'rope_scaling'
     rope = hf.get(rope_key) or {}
     if not isinstance(rope, dict):
         raise UserError(f"{folder}/config.json: {rope_key}={rope!r} must be an object such as {{\"rope_type\": "
@@ -161,7 +169,8 @@ def gpt_config(hf, folder):
     if rope_type == 'llama3':
         require_keys(rope, ROPE_SCALING_KEYS, "rope_scaling of type 'llama3'", folder)
     qwen3 = arch == 'Qwen3ForCausalLM'
-    # without head_dim, transformers' Qwen3Config gives 128; the other families' configs n_embd / n_head
+    # without head_dim, transformers' Qwen3Config gives
+    # 128; the other families' configs n_embd / n_head
     return dict(block_size=hf['max_position_embeddings'], vocab_size=hf['vocab_size'], n_layer=hf['num_hidden_layers'],
                 n_head=hf['num_attention_heads'], n_kv_head=hf.get('num_key_value_heads') or 0,
                 n_embd=hf['hidden_size'], head_dim=hf.get('head_dim') or (128 if qwen3 else 0),
@@ -220,8 +229,10 @@ def hf_model(state, model_args):
         raise UserError(f"this model has {'; '.join(problems)}: no Hugging Face model computes the same function, so "
                         f"export.py cannot write it as a Hugging Face folder (sample.py and init_from still use the "
                         f"checkpoint). Models that export: {EXPORTABLE}; train one with those model settings.")
-    dtype = 'float32'  # nanotrain's models are trained in float32 (their master weights): written as they are
-    # bos/eos_token_id: None, not the family's defaults (ids of its published vocabulary); export.py sets ours
+    # nanotrain's models are trained in float32 (their master weights): written as they are
+    dtype = 'float32'
+    # bos/eos_token_id: None, not the family's defaults (ids
+    # of its published vocabulary); export.py sets ours
     if c.pos_emb == 'learned':
         hf = dict(architectures=['GPT2LMHeadModel'], model_type='gpt2', vocab_size=c.vocab_size,
                   n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer, n_head=c.n_head,
@@ -247,7 +258,9 @@ def hf_model(state, model_args):
         hf.update(attention_bias=c.bias, mlp_bias=c.bias)
     elif arch == 'MistralForCausalLM':
         hf.update(sliding_window=c.sliding_window)
-    else:  # Qwen2 and Qwen3 attend over the window in the layers from max_window_layers on: here all of them
+    # Qwen2 and Qwen3 attend over the window in the
+    # layers from max_window_layers on: here all of them
+    else:
         hf.update(use_sliding_window=bool(c.sliding_window))
         if c.sliding_window:
             hf.update(sliding_window=c.sliding_window, max_window_layers=0)
@@ -320,7 +333,8 @@ def read_safetensors(path):
         start, end = info['data_offsets']
         dtype = SAFETENSORS_DTYPES[info['dtype']]
         raw = data[data_start + start:data_start + end]
-        if (data_start + start) % dtype.itemsize:  # not aligned for its dtype: copied instead of viewed
+        # not aligned for its dtype: copied instead of viewed
+        if (data_start + start) % dtype.itemsize:
             raw = raw.clone()
         tensors[name] = raw.view(dtype).view(info['shape'])
     return tensors
@@ -352,7 +366,8 @@ def read_hf_weights(folder, hf, as_stored=False):
     for path in weight_files(folder):
         for hf_name, tensor in read_weights(path).items():
             if is_gpt2(hf) and not hf_name.startswith(('transformer.', 'lm_head.')):
-                hf_name = 'transformer.' + hf_name  # GPT-2's own upload names its tensors without the prefix
+                # GPT-2's own upload names its tensors without the prefix
+                hf_name = 'transformer.' + hf_name
             if IGNORED.match(hf_name) or (hf_name == 'lm_head.weight' and 'lm_head.weight' not in expected):
                 continue
             if hf_name not in nano_names:
@@ -371,7 +386,8 @@ def read_hf_weights(folder, hf, as_stored=False):
         raise UserError(f"{folder}: the weight files lack {len(missing)} tensor(s) a {hf['architectures'][0]} "
                         f"with this config.json needs: {', '.join(missing[:5])}; the download is incomplete or "
                         f"of another model.")
-    if 'lm_head.weight' not in expected:  # tied: the same tensor under both names, as in GPT.state_dict()
+    # tied: the same tensor under both names, as in GPT.state_dict()
+    if 'lm_head.weight' not in expected:
         state['lm_head.weight'] = state['transformer.wte.weight']
     return state
 
@@ -391,7 +407,8 @@ def load_hf_checkpoint(folder, as_stored=False):
 
 def write_safetensors(tensors, path):
     save_file(tensors, path, metadata={'format': 'pt'})  # transformers expects the format tag
-    os.chmod(path, 0o644)  # safetensors creates it 0600: a server running as another user could not read it
+    # safetensors creates it 0600: a server running as another user could not read it
+    os.chmod(path, 0o644)
 
 
 def hf_state_dict(state, hf_config, dtype):
@@ -458,7 +475,9 @@ def save_peft_adapter(adapters, lora_config, hf_config, base_folder, out_folder)
         raise UserError("GPT-2's q, k and v are one layer (c_attn) in Hugging Face, so nanotrain's separate q/k/v "
                         "adapters have no PEFT form; export the run's merged.pt instead.")
     rows = sorted(k for k in adapters if k.endswith('.added_rows'))
-    if rows:  # PEFT's trainable_token_indices (>= 0.15) replace rows the base has; these lie past its embedding
+    # PEFT's trainable_token_indices (>= 0.15) replace
+    # rows the base has; these lie past its embedding
+    if rows:
         raise UserError(f"the run trained the rows of the chat tokens it added to the base's vocabulary ({rows[0]}), "
                         f"which a PEFT adapter cannot hold: PEFT's trainable tokens replace rows the base model "
                         f"already has, and these come after its last one, so PeftModel.from_pretrained on the "
@@ -485,8 +504,9 @@ def save_chat_tokenizer(source, out_folder, generation_config):
     numbers them, and <|end|> as the token generation stops at."""
     tokenizer_folder = source.folder
     spec = json.loads(source.tokenizer.to_str())  # (for a tokenizer.model: the converted one)
-    # ChatTokenizer encodes each message on its own, so a sentencepiece-style space prefix opens every message;
-    # transformers encodes the rendered text in pieces between special tokens: the prefix must open each piece
+    # ChatTokenizer encodes each message on its own, so a sentencepiece-style space prefix opens
+    # every message; transformers encodes the rendered text in pieces between special tokens: the
+    # prefix must open each piece
     if (spec.get('pre_tokenizer') or {}).get('type') == 'Metaspace' and spec['pre_tokenizer'].get('prepend_scheme') == 'first':
         spec['pre_tokenizer']['prepend_scheme'] = 'always'
     tokenizer = Tokenizer.from_str(json.dumps(spec))

@@ -25,11 +25,13 @@ from hf.tokenizer_json import as_transformers_llama, from_sentencepiece
 
 # the named special tokens transformers reads from tokenizer_config.json and passes to the template
 SPECIAL_TOKEN_NAMES = ('bos_token', 'eos_token', 'unk_token', 'sep_token', 'pad_token', 'cls_token', 'mask_token')
-GENERATION_TAG = re.compile(r'\{%-?\s*generation\s*-?%\}')  # as transformers detects {% generation %} markers
-# the tokenizer classes whose tokenizer.model transformers converts as from_sentencepiece does, and the
-# tokenizer_config.json settings that conversion reads
+# as transformers detects {% generation %} markers
+GENERATION_TAG = re.compile(r'\{%-?\s*generation\s*-?%\}')
+# the tokenizer classes whose tokenizer.model transformers converts as from_sentencepiece does, and
+# the tokenizer_config.json settings that conversion reads
 SENTENCEPIECE_CLASSES = ('LlamaTokenizer', 'LlamaTokenizerFast')
-# model types whose AutoTokenizer class wins over a tokenizer_class LlamaTokenizer (transformers 5.24)
+# model types whose AutoTokenizer class wins over a
+# tokenizer_class LlamaTokenizer (transformers 5.24)
 LLAMA_CLASS_OVERRIDDEN = ('mistral', 'qwen2')
 CONVERSION_SETTINGS = ('legacy', 'add_prefix_space', 'add_bos_token', 'add_eos_token', 'added_tokens_decoder')
 
@@ -104,7 +106,8 @@ class GenerationMarkers(jinja2.ext.Extension):
 
     def __init__(self, environment):
         super().__init__(environment)
-        self.rendered = self.spans = None  # the rendered pieces so far and the spans, while tracking
+        # the rendered pieces so far and the spans, while tracking
+        self.rendered = self.spans = None
 
     def parse(self, parser):
         lineno = next(parser.stream).lineno
@@ -168,21 +171,24 @@ class HFTokenizer:
                 self.tokenizer_bytes += json.dumps(recipe, sort_keys=True).encode()
         else:
             self.tokenizer, self.tokenizer_bytes = read_sentencepiece_folder(folder, tokenizer_config, self.special_tokens)
-        # as transformers: a folder may ask for special-token text in a text to be read as plain text
+        # as transformers: a folder may ask for special-token
+        # text in a text to be read as plain text
         self.tokenizer.encode_special_tokens = bool(tokenizer_config.get('split_special_tokens', False))
-        # ids count up to the model's embedding rows, which may outnumber the tokens (Qwen2.5 pads them to a
-        # multiple of 128): nanotrain's chat tokens (ChatTokenizer) then go after the rows, not into them
+        # ids count up to the model's embedding rows, which may outnumber the tokens (Qwen2.5 pads
+        # them to a multiple of 128): nanotrain's chat tokens (ChatTokenizer) then go after the
+        # rows, not into them
         model_rows = (read_json(folder, 'config.json') or {}).get('vocab_size', 0)
         self.vocab_size = max(self.tokenizer.get_vocab_size(with_added_tokens=True), model_rows)
         self.template_variables = {**self.special_tokens, **(template_variables or {})}
         self.chat_template, self.template_source = read_chat_template(folder, tokenizer_config)
         self.template = None if self.chat_template is None else compile_chat_template(self.chat_template, self.template_source)
         self.marks_generation = bool(self.chat_template and GENERATION_TAG.search(self.chat_template))
-        # text of the first ordinary token, which any vocabulary can encode (a character tokenizer may not know 'a')
+        # text of the first ordinary token, which any vocabulary
+        # can encode (a character tokenizer may not know 'a')
         added = self.tokenizer.get_added_tokens_decoder()
         self.probe_text = self.decode([next(i for i in range(self.vocab_size) if i not in added)])
-        # the tokens tokenizer.json's post-processor puts before a text (Llama's and Mistral's BOS), as
-        # transformers' tokenizer(text) gives them; a chat template writes its own
+        # the tokens tokenizer.json's post-processor puts before a text (Llama's and Mistral's BOS),
+        # as transformers' tokenizer(text) gives them; a chat template writes its own
         with_specials = self.tokenizer.encode(self.probe_text, add_special_tokens=True).ids
         self.document_prefix = with_specials[:with_specials.index(self.encode(self.probe_text)[0])]
         tokenizer_eos = self.token_id('eos_token')
@@ -263,7 +269,8 @@ class HFTokenizer:
 
     def assistant_token_ranges(self, messages, text, encoding):
         """[(first, end)) token ranges of the assistant turns in the rendered conversation."""
-        if self.marks_generation:  # the template marks them: as transformers' return_assistant_tokens_mask
+        # the template marks them: as transformers' return_assistant_tokens_mask
+        if self.marks_generation:
             spans = []
             self.render(messages, spans=spans)
             ranges = []
@@ -292,7 +299,8 @@ class HFTokenizer:
             if end is None:
                 raise UserError(f"the chat template of {self.folder} ({self.template_source}) does not close "
                                 f"assistant turn {i} with a stop token {self.stop_ids}.")
-            ranges.append((first, end + 1))  # through the end-of-turn token: the model learns to stop
+            # through the end-of-turn token: the model learns to stop
+            ranges.append((first, end + 1))
         return ranges
 
     def encode_chat(self, messages):

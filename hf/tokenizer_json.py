@@ -19,7 +19,8 @@ from configurator import UserError
 from lm.tokenizer import CHAT_TEMPLATE_JINJA, BPETokenizer, CharTokenizer, ChatTokenizer
 
 SPACE = '\u2581'  # '▁': sentencepiece's spelling of a space inside a piece
-NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # sentencepiece's piece types
+# sentencepiece's piece types
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 UNIGRAM, BPE = 1, 2  # sentencepiece's model types
 
 
@@ -90,7 +91,8 @@ def sentencepiece_vocab(model_bytes, source):
 # -----------------------------------------------------------------------------
 # a published folder's tokenizer.model
 
-LLAMA_SPECIAL_TOKENS = {'unk_token': '<unk>', 'bos_token': '<s>', 'eos_token': '</s>'}  # LlamaTokenizer's defaults
+# LlamaTokenizer's defaults
+LLAMA_SPECIAL_TOKENS = {'unk_token': '<unk>', 'bos_token': '<s>', 'eos_token': '</s>'}
 
 
 def from_sentencepiece(model_bytes, tokenizer_config=None, special_tokens=None, source='tokenizer.model'):
@@ -106,8 +108,8 @@ def from_sentencepiece(model_bytes, tokenizer_config=None, special_tokens=None, 
     pieces, vocab, merges = sentencepiece_vocab(model_bytes, source)
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True))
     set_llama_spaces(tokenizer, config)
-    # control pieces (<s>, </s>) and named special tokens are matched in text; user-defined pieces too,
-    # but as ordinary tokens; then the folder's added_tokens_decoder, with its own flags and ids
+    # control pieces (<s>, </s>) and named special tokens are matched in text; user-defined pieces
+    # too, but as ordinary tokens; then the folder's added_tokens_decoder, its own flags and ids
     tokenizer.add_special_tokens([AddedToken(piece, normalized=False, special=True)
                                   for piece, kind in pieces if kind == CONTROL])
     tokenizer.add_tokens([AddedToken(piece, normalized=False, special=False) for piece, kind in pieces if kind == USER_DEFINED])

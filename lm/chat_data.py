@@ -84,10 +84,13 @@ def read_jsonl(path, parse, skip_malformed):
             if not line.strip():
                 continue
             try:
-                record = json.loads(line.decode('utf-8-sig' if line_no == 1 else 'utf-8'))  # a BOM is allowed
-                json.dumps(record, ensure_ascii=False).encode('utf-8')  # lone surrogates are not text
+                # a BOM is allowed
+                record = json.loads(line.decode('utf-8-sig' if line_no == 1 else 'utf-8'))
+                # lone surrogates are not text
+                json.dumps(record, ensure_ascii=False).encode('utf-8')
                 results.append(parse(record))
-            except (ValueError, RecursionError, UserError) as e:  # bad JSON or UTF-8 is a ValueError; deep nesting recurses
+            # bad JSON or UTF-8 is a ValueError; deep nesting recurses
+            except (ValueError, RecursionError, UserError) as e:
                 if not skip_malformed:
                     raise UserError(f"{path}:{line_no}: {str(e).rstrip('.')}. Fix the line, or set skip_malformed=True to skip "
                                     f"malformed lines (they are counted).") from None
@@ -110,7 +113,8 @@ def load_sft_split(path, tokenizer, max_length, overlong='truncate', skip_malfor
 
     def parse(record):
         messages = chat_messages(record)
-        return messages, *tokenizer.encode_chat(messages)  # a char tokenizer rejects unknown characters
+        # a char tokenizer rejects unknown characters
+        return messages, *tokenizer.encode_chat(messages)
     parsed, skipped = read_jsonl(path, parse, skip_malformed)
     for messages, ids, labels in parsed:
         conversations.append(messages)
@@ -183,7 +187,8 @@ class SFTBatches:
     to max_length tokens, and doc_ids keep attention inside each example."""
 
     def __init__(self, examples, seed, pad_id, max_length, pack=False, bucket_batches=1):
-        self.inputs = [torch.tensor(ids[:-1]) for ids, _ in examples]  # position t predicts labels[t + 1]
+        # position t predicts labels[t + 1]
+        self.inputs = [torch.tensor(ids[:-1]) for ids, _ in examples]
         self.targets = [torch.tensor(labels[1:]) for _, labels in examples]
         self.lengths = torch.tensor([len(ids) - 1 for ids, _ in examples])
         self.label_counts = torch.tensor([int((targets != -100).sum()) for targets in self.targets])
@@ -210,7 +215,8 @@ class SFTBatches:
 
     def sample(self, n, max_len=None):
         """Indices of the next global batch of n examples; max_len (a length curriculum) skips longer ones."""
-        if not self.pending or len(self.pending[-1]) != n:  # (a resumed run may use another global batch)
+        # (a resumed run may use another global batch)
+        if not self.pending or len(self.pending[-1]) != n:
             pool = self._take(n * self.bucket_batches, self.max_length if max_len is None else max_len)
             batches = pool[self.lengths[pool].argsort(stable=True)].split(n)
             self.pending = [batches[i] for i in torch.randperm(len(batches), generator=self.generator)]
@@ -249,7 +255,8 @@ class SFTBatches:
 # -----------------------------------------------------------------------------
 # preference pairs (train_dpo.py): a prompt with a chosen and a rejected completion
 
-HH_TURN = re.compile(r'(?:^|\n\n)(Human|Assistant):')  # where an Anthropic HH transcript's turns begin
+# where an Anthropic HH transcript's turns begin
+HH_TURN = re.compile(r'(?:^|\n\n)(Human|Assistant):')
 
 
 def hh_transcript(text, key):
@@ -364,7 +371,8 @@ def load_preference_split(path, tokenizer, max_length, max_prompt_length, skip_m
             continue
         if max(len(chosen_ids), len(rejected_ids)) > room:
             chosen_ids, rejected_ids, completions_cut = chosen_ids[:room], rejected_ids[:room], completions_cut + 1
-        if chosen_ids == rejected_ids:  # no preference to learn (identical, or alike up to where they were cut)
+        # no preference to learn (identical, or alike up to where they were cut)
+        if chosen_ids == rejected_ids:
             identical += 1
             continue
         pairs.append((prompt_ids, chosen_ids, rejected_ids))
@@ -387,15 +395,18 @@ class PreferenceBatches:
 
     def __init__(self, pairs, seed, pad_id, max_length, pack=False):
         self.pairs = pairs
-        self.inputs, self.targets = [], []  # padded layout: chosen sequences of all pairs, then rejected ones
+        # padded layout: chosen sequences of all pairs, then rejected ones
+        self.inputs, self.targets = [], []
         for completion in (1, 2):
             for pair in pairs:
                 prompt, reply = pair[0], pair[completion]
-                self.inputs.append(torch.tensor((prompt + reply)[:-1]))  # position t predicts token t + 1
+                # position t predicts token t + 1
+                self.inputs.append(torch.tensor((prompt + reply)[:-1]))
                 self.targets.append(torch.tensor(([-100] * len(prompt) + reply)[1:]))
         self.n_pairs = len(pairs)
         self.completion_tokens = torch.tensor([[len(c), len(r)] for _, c, r in pairs])  # (pairs, 2)
-        self.lengths = torch.tensor([len(x) for x in self.inputs]).view(2, -1).sum(0)  # input tokens per pair
+        # input tokens per pair
+        self.lengths = torch.tensor([len(x) for x in self.inputs]).view(2, -1).sum(0)
         self.pad_id, self.max_length, self.pack = pad_id, max_length, pack
         self.generator = torch.Generator().manual_seed(seed)
         self.order = torch.randperm(self.n_pairs, generator=self.generator)

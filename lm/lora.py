@@ -18,8 +18,8 @@ from run.device import DTYPES
 from run.fsdp import model_state_dict
 from run.runtime import log
 
-# LoRA (Hu et al. 2021): a frozen layer W plus a trainable low-rank update, y = W x + s B A x with
-# A (r, in), B (out, r), s = lora_alpha / r (or lora_alpha / sqrt(r) with rsLoRA, Kalajdzievski 2023,
+# LoRA (Hu et al. 2021): a frozen layer W plus a trainable low-rank update, y = W x + s B A x with A
+# (r, in), B (out, r), s = lora_alpha / r (or lora_alpha / sqrt(r) with rsLoRA, Kalajdzievski 2023,
 # whose update keeps its size as r grows). Written here by hand; no peft.
 
 LORA_TARGETS = ('attn.q', 'attn.k', 'attn.v', 'attn.proj', 'mlp.fc', 'mlp.gate', 'mlp.proj')
@@ -44,9 +44,11 @@ class LoRALinear(nn.Linear):
     def __init__(self, base, r, lora_alpha, lora_dropout=0.0, use_rslora=False):
         super().__init__(base.in_features, base.out_features, bias=base.bias is not None, device='meta')
         self.weight, self.bias = base.weight, base.bias
-        like = dict(device=base.weight.device, dtype=torch.float32)  # trained in fp32 whatever the base's dtype
+        # trained in fp32 whatever the base's dtype
+        like = dict(device=base.weight.device, dtype=torch.float32)
         self.lora_A = nn.Parameter(torch.empty(r, base.in_features, **like))
-        self.lora_B = nn.Parameter(torch.zeros(base.out_features, r, **like))  # zero: the model starts unchanged
+        # zero: the model starts unchanged
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, r, **like))
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # nn.Linear's own init
         self.scaling = lora_alpha / math.sqrt(r) if use_rslora else lora_alpha / r
         self.lora_dropout = nn.Dropout(lora_dropout)
@@ -78,9 +80,9 @@ class LoRALinear(nn.Linear):
             self.merged = False
 
 
-# A fine-tune of a pretrained model adds chat-token rows to the vocabulary (resize_vocab); with LoRA those
-# rows, and only those, train as well (PEFT's trainable_token_indices): the layer's weight stays frozen
-# and its last rows are replaced by a separate trainable parameter, added_rows.
+# A fine-tune of a pretrained model adds chat-token rows to the vocabulary (resize_vocab); with LoRA
+# those rows, and only those, train as well (PEFT's trainable_token_indices): the layer's weight
+# stays frozen and its last rows are replaced by a separate trainable parameter, added_rows.
 
 def with_added_rows(layer):
     """The weight the layer computes with: its frozen weight with the last rows replaced by the trained
@@ -118,12 +120,13 @@ class AddedRowsLinear(nn.Linear):
         return F.linear(x, with_added_rows(self))
 
 
-# The frozen base may be kept in the run's 16-bit dtype (lora_base_dtype; torchtune and litgpt keep it in bf16):
-# the Linear weights of the blocks, the bulk of a model, which autocast casts to that dtype at every use anyway, so
-# storing them so changes the memory and nothing the run computes. The rest stays float32: the token embedding,
-# whose lookup autocast does not cast (a 16-bit table would turn the residual stream 16-bit), with lm_head (tied
-# to it, or holding the added chat-token rows' start), the norms and biases (small, and some of them train), and
-# everything that trains (adapters, added rows): AdamW's masters.
+# The frozen base may be kept in the run's 16-bit dtype (lora_base_dtype; torchtune and litgpt keep
+# it in bf16): the Linear weights of the blocks, the bulk of a model, which autocast casts to that
+# dtype at every use anyway, so storing them so changes the memory and nothing the run computes. The
+# rest stays float32: the token embedding, whose lookup autocast does not cast (a 16-bit table would
+# turn the residual stream 16-bit), with lm_head (tied to it, or holding the added chat-token rows'
+# start), the norms and biases (small, and some of them train), and everything that trains
+# (adapters, added rows): AdamW's masters.
 
 def frozen_base_dtype(lora_base_dtype, run_dtype, lora, parallel, lora_switch):
     """The torch dtype a run keeps its frozen base's Linear weights in: lora_base_dtype, after checking that it
@@ -200,8 +203,8 @@ def apply_lora(model, r=8, lora_alpha=16, lora_dropout=0.0, target_modules='attn
         trained_bias = name.endswith('.bias') and (bias == 'all' or bias == 'lora_only' and name[:-5] in wrapped)
         p.requires_grad_(name.endswith(('lora_A', 'lora_B')) or trained_bias)
     if added_tokens:
-        # the new rows start at resize_vocab's values but are otherwise untrained: frozen, the model could
-        # neither read the chat tokens nor learn to predict <|end|>. A tied lm_head shares the same rows.
+        # the new rows start at resize_vocab's values but are otherwise untrained: frozen, the model
+        # could neither read the chat tokens nor predict <|end|>. A tied lm_head shares them.
         wte, lm_head = model.transformer.wte, model.lm_head
         model.transformer.wte = AddedRowsEmbedding(wte, nn.Parameter(wte.weight[-added_tokens:].clone()))
         tied = lm_head.weight is wte.weight
@@ -287,7 +290,8 @@ def merged_state_dict(model, state=None):
             if id(m.weight) not in folded:
                 folded[id(m.weight)] = rows_replaced(state[name + '.weight'], added_rows)
             state[name + '.weight'] = folded[id(m.weight)]
-    return {k: v.float() for k, v in state.items()}  # float32 stays the same tensor: a tied weight stays one
+    # float32 stays the same tensor: a tied weight stays one
+    return {k: v.float() for k, v in state.items()}
 
 
 def lora_param_groups(model, weight_decay, loraplus_lr_ratio=1.0):

@@ -24,7 +24,8 @@ def orthogonalize(G, steps=5, eps=1e-7):
     wide = X.size(-2) <= X.size(-1)
     if not wide:  # iterate on the wide orientation: X X^T is then the smaller square
         X = X.mT
-    X = X / (X.norm(dim=(-2, -1), keepdim=True) + eps)  # Frobenius norm >= spectral norm: all singular values <= 1
+    # Frobenius norm >= spectral norm: all singular values <= 1
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + eps)
     for _ in range(steps):
         A = X @ X.mT
         X = a * X + (b * A + c * A @ A) @ X

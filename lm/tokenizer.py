@@ -17,7 +17,8 @@ import sentencepiece as spm
 
 from configurator import UserError
 
-DEFAULT_DATA_DIR = os.path.join('data', 'stdlib')  # where plain `python data.py` prepares the default corpus
+# where plain `python data.py` prepares the default corpus
+DEFAULT_DATA_DIR = os.path.join('data', 'stdlib')
 BPE_SEED = 1337
 BPE_MAX_LINES = 200_000  # lines of text the BPE tokenizer trains on
 
@@ -83,7 +84,8 @@ class BPETokenizer:
 def train_bpe(docs, vocab_size):
     """Train a sentencepiece BPE model on the lines of docs; returns the model file's bytes."""
     lines = [line for doc in docs for line in doc.split('\n') if line]
-    if len(lines) > BPE_MAX_LINES:  # a seeded sample: fast, and sentencepiece's own sample isn't reproducible
+    # a seeded sample: fast, and sentencepiece's own sample isn't reproducible
+    if len(lines) > BPE_MAX_LINES:
         lines = random.Random(BPE_SEED).sample(lines, BPE_MAX_LINES)
     model = io.BytesIO()
     try:
@@ -94,15 +96,17 @@ def train_bpe(docs, vocab_size):
             normalization_rule_name='identity', remove_extra_whitespaces=False, add_dummy_prefix=False,
             allow_whitespace_only_pieces=True, split_digits=True,
             unk_id=0, bos_id=-1, eos_id=1, pad_id=-1,
-            num_threads=4, minloglevel=2)  # fixed: the model file records it, and its hash must not vary
-    except RuntimeError as e:  # e.g. "Vocabulary size is too high (4096). Please set it to a value <= 1234."
+            # fixed: the model file records it, and its hash must not vary
+            num_threads=4, minloglevel=2)
+    # e.g. "Vocabulary size is too high (4096). Please set it to a value <= 1234."
+    except RuntimeError as e:
         raise UserError(f"could not train a {vocab_size}-token BPE tokenizer: {e} "
                         f"Pick another --vocab_size (byte fallback alone needs 258 tokens).") from None
     return model.getvalue()
 
 
 # -----------------------------------------------------------------------------
-# chat template (fine-tuning: train.py training_type='sft' | 'lora' and train_dpo.py; data: lm/chat_data.py)
+# chat template (fine-tuning: train.py's 'sft' | 'lora' and train_dpo.py; data: lm/chat_data.py)
 #
 # Every example becomes a conversation of turns, each written as
 #     <|role|> content <|end|>        role: system | user | assistant
@@ -113,8 +117,8 @@ def train_bpe(docs, vocab_size):
 
 CHAT_ROLES = ('system', 'user', 'assistant')
 CHAT_SPECIAL_TOKENS = ('<|system|>', '<|user|>', '<|assistant|>', '<|end|>')
-# the same template in Jinja, for a Hugging Face folder export.py writes (there, as in every Jinja template,
-# special-token text inside a message is read as that token)
+# the same template in Jinja, for a Hugging Face folder export.py writes (there, as in every Jinja
+# template, special-token text inside a message is read as that token)
 CHAT_TEMPLATE_JINJA = ("{% for message in messages %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}"
                        "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
 
@@ -126,7 +130,8 @@ class ChatTokenizer:
 
     def __init__(self, base):
         self.base = base
-        held = getattr(base, 'added_token_id', lambda token: None)  # only a published model's tokenizer holds any
+        # only a published model's tokenizer holds any
+        held = getattr(base, 'added_token_id', lambda token: None)
         self.special, self.vocab_size = {}, base.vocab_size
         for token in CHAT_SPECIAL_TOKENS:
             self.special[token] = held(token)

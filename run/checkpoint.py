@@ -33,7 +33,8 @@ from configurator import UserError
 from run.fsdp import full_state_dict, shard_optimizer_state
 from run.runtime import log
 
-CHECKPOINT_FORMATS = ('file', 'sharded')  # one file, or a folder of every rank's shards (run/sharded_checkpoint.py)
+# one file, or a folder of every rank's shards (run/sharded_checkpoint.py)
+CHECKPOINT_FORMATS = ('file', 'sharded')
 
 
 def save_checkpoint(path, state):
@@ -50,7 +51,8 @@ def save_checkpoint(path, state):
     except BaseException as e:
         if os.path.exists(tmp_path):
             os.remove(tmp_path)
-        if isinstance(e, (OSError, RuntimeError)):  # torch.save reports a failed write as a RuntimeError
+        # torch.save reports a failed write as a RuntimeError
+        if isinstance(e, (OSError, RuntimeError)):
             kept = f"{path} was left as it was" if os.path.exists(path) else f"nothing was written to {path}"
             raise UserError(f"could not write checkpoint {path} ({type(e).__name__}: {str(e).splitlines()[0][:200]}). "
                             f"The disk may be full or a file-size limit (ulimit -f) reached; {kept}. Free space "
@@ -71,7 +73,8 @@ def write_checkpoint(path, state, sharded, master):
     with sharded a folder of every rank's shards that the file names (run/sharded_checkpoint.py). Shard folders of
     earlier saves are removed once path is written. Collective under DDP and FSDP: every rank must call it."""
     if sharded:
-        from run.sharded_checkpoint import write_shards  # imports torch.distributed.checkpoint (0.2 s): only if used
+        # imports torch.distributed.checkpoint (0.2 s): only if used
+        from run.sharded_checkpoint import write_shards
         state = write_shards(path, state)
     else:
         state = full_state_dict(state)
@@ -99,7 +102,8 @@ def load_checkpoint(path, whole=True):
         if not zipfile.is_zipfile(path):  # what torch.save writes (and mmap needs)
             raise EOFError()
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except pickle.UnpicklingError as e:  # torch's own text advises weights_only=False, i.e. running the file's code
+    # torch's own text advises weights_only=False, i.e. running the file's code
+    except pickle.UnpicklingError as e:
         detail = str(e).partition('WeightsUnpickler error:')[2].strip().split('\n')[0].split('. ')[0][:200]
         raise UserError(f"checkpoint {path} could not be read ({detail or 'not a checkpoint'}): it is corrupt, or it "
                         f"holds objects other than tensors and plain values, which nanotrain never writes and does not "

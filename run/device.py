@@ -31,7 +31,8 @@ def pick_device(device="auto"):
 
 def bf16_supported(device):
     kind = device.split(":")[0]
-    if kind == "cuda":  # without emulation: pre-Ampere GPUs emulate bf16 slowly, fp16 + scaling is faster there
+    # without emulation: pre-Ampere GPUs emulate bf16 slowly, fp16 + scaling is faster there
+    if kind == "cuda":
         return torch.cuda.is_bf16_supported(including_emulation=False)
     if kind == "mps":
         return torch.backends.mps.is_macos_or_newer(14, 0)
@@ -110,7 +111,8 @@ class GradScaler:
         self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
         self._scale = _f32(init_scale)
         self._growth_tracker = 0  # clean steps since the last growth or backoff
-        self._found_inf = {}  # id(optimizer) -> whether its grads had inf/nan, for optimizers unscaled this step
+        # id(optimizer) -> whether its grads had inf/nan, for optimizers unscaled this step
+        self._found_inf = {}
         self._stepped = set()
         self.skipped = False  # did the last update() see inf/nan gradients (that step was skipped)
 

@@ -59,8 +59,10 @@ def shard_model(model, device, param_dtype, cpu_offload, frozen=False):
                     offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
     for module in (*model.transformer.h, model):  # each block, then the rest
         fully_shard(parameters_in(module, param_dtype) if frozen else module.float(), **settings)
-    if any(p.is_meta for p in model.parameters()):  # a sharded checkpoint's placeholders (load_checkpoint): each
-        model.to_empty(device='cpu' if cpu_offload else device)  # rank's shards, filled by restore_training_state
+    # a sharded checkpoint's placeholders (load_checkpoint): each rank's shards, which
+    # restore_training_state fills
+    if any(p.is_meta for p in model.parameters()):
+        model.to_empty(device='cpu' if cpu_offload else device)
         if model.config.pos_emb == 'rope':
             model.set_rope_tables(device)  # to_empty left the tables empty too
 
@@ -83,14 +85,16 @@ def place_model(model, parallel, device, param_dtype, cpu_offload, frozen=False)
 
 
 def is_sharded(model):
-    fsdp = sys.modules.get('torch.distributed.fsdp')  # not imported: nothing was sharded (see above)
+    # not imported: nothing was sharded (see above)
+    fsdp = sys.modules.get('torch.distributed.fsdp')
     return fsdp is not None and isinstance(model, fsdp.FSDPModule)
 
 
 def is_dtensor(value):
     """isinstance(value, DTensor): a tensor sharded over the ranks (a parameter, gradient or optimizer state
     of a sharded model)."""
-    tensor = sys.modules.get('torch.distributed.tensor')  # not imported: no DTensor exists (see above)
+    # not imported: no DTensor exists (see above)
+    tensor = sys.modules.get('torch.distributed.tensor')
     return tensor is not None and isinstance(value, tensor.DTensor)
 
 

@@ -97,8 +97,9 @@ def run_to_continue(out_dir, resume, run, eval_only, whole=True):
         return None
     ckpt = load_checkpoint(path, whole)
     saved = ckpt.get('run', {})  # older checkpoints do not say: continue them
-    # init_from may differ to evaluate, or where the model the run began from has moved (gone from where it was,
-    # there where this command says: the script checks it is the same model, by its sha256 or its tokenizer)
+    # init_from may differ to evaluate, or where the model the run began from has moved (gone from
+    # where it was, there where this command says: the script checks it is the same model, by its
+    # sha256 or its tokenizer)
     moved = saved.get('init_from', 'scratch') != 'scratch' and not os.path.exists(saved['init_from']) \
         and os.path.exists(run.get('init_from', ''))
     diffs = [f"{k}: the run there has {saved[k]!r}, this command {run.get(k)!r}"
@@ -169,7 +170,9 @@ def run_log(out_dir, enabled, tensorboard, keep_until):
             for k, v in event.items():
                 if k != 'step' and isinstance(v, (int, float)):
                     writer.add_scalar(k, v, event['step'])
-            writer.flush()  # on disk now, like log.jsonl: a torchrun process ends without closing it (run/runtime.py)
+            # on disk now, like log.jsonl: a torchrun process
+            # ends without closing it (run/runtime.py)
+            writer.flush()
     return record, writer
 
 

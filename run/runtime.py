@@ -50,7 +50,8 @@ def compute_init(device, seed, num_threads=0):
             torch.cuda.set_device(device)
         # on GPUs gloo serves the CPU tensors (FSDP's CPU offload reduces its gradient norm there)
         dist.init_process_group(backend='cpu:gloo,cuda:nccl' if device.startswith('cuda') else 'gloo')
-        install_excepthook()  # init_process_group wraps the hook in one that loses a UserError's message
+        # init_process_group wraps the hook in one that loses a UserError's message
+        install_excepthook()
     if num_threads:
         torch.set_num_threads(num_threads)
     torch.manual_seed(seed + rank)
@@ -66,7 +67,8 @@ def compute_cleanup(ddp, exit_code=0):
     Python holds) when Python shuts down, and one that then needs the GIL aborts the process: seen at the end
     of FSDP runs on a busy CPU, 1 run in 15, the job reported failed after saving everything."""
     if ddp:
-        dist.barrier()  # leave together: a rank tearing down while another still works can abort gloo
+        # leave together: a rank tearing down while another still works can abort gloo
+        dist.barrier()
         dist.destroy_process_group()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -147,7 +149,8 @@ def rank_batches(indices, batch_size, rank, world_size, lockstep=False):
     mine = [(batch, True) for batch in indices.tensor_split(world_size)[rank].split(batch_size) if len(batch)]
     if not lockstep:
         return mine
-    most = -(-len(indices.tensor_split(world_size)[0]) // batch_size)  # the first share is the largest
+    # the first share is the largest
+    most = -(-len(indices.tensor_split(world_size)[0]) // batch_size)
     return mine + [(indices[:1], False)] * (most - len(mine))
 
 

@@ -45,7 +45,8 @@ def write_shards(path, state):
     'optimizer' state dicts as the run holds them: sharded under FSDP), each rank its shards, into a new
     folder next to path; returns what path then holds: the rest of state and the folder's name. Collective."""
     name = None
-    if not dist.is_initialized() or dist.get_rank() == 0:  # a new folder even if this step was saved before
+    # a new folder even if this step was saved before
+    if not dist.is_initialized() or dist.get_rank() == 0:
         taken = {os.path.basename(f) for f in shard_folders(path)}
         stem = f"{os.path.splitext(os.path.basename(path))[0]}-{state['iter_num']:06d}"
         name = next(n for n in [f'{stem}.dcp'] + [f'{stem}.{i}.dcp' for i in range(1, len(taken) + 1)] if n not in taken)
@@ -70,9 +71,11 @@ def shard_folder(ckpt, path):
 
 
 def unreadable(folder, error, what='could not be read'):
-    if isinstance(error, CheckpointException):  # (error, traceback) of each rank that failed: the first one's
+    # (error, traceback) of each rank that failed: the first one's
+    if isinstance(error, CheckpointException):
         error = next(iter(error.failures.values()))[0]
-    first_line = str(error).split('\n')[0][:200]  # may be empty: a file cut short can raise a bare EOFError
+    # may be empty: a file cut short can raise a bare EOFError
+    first_line = str(error).split('\n')[0][:200]
     return UserError(f"the shards in {folder} {what} ({type(error).__name__}: {first_line}): "
                      f"a file there is corrupt or cut short, or it was written for another model. Restore the folder "
                      f"from a backup, or start a new run (another out_dir, or --resume=False).")
@@ -90,7 +93,8 @@ def read_whole(ckpt, path):
     model = shards['model']
     model.update({name: model[first] for name, first in ckpt['aliases'].items()})
     rest = {k: v for k, v in ckpt.items() if k not in ('shards', 'aliases')}
-    state = {int(index): tensors for index, tensors in shards.get('optimizer', {}).items()}  # DCP keys are strings
+    # DCP keys are strings
+    state = {int(index): tensors for index, tensors in shards.get('optimizer', {}).items()}
     return dict(rest, model=model, optimizer=dict(ckpt['optimizer'], state=state))
 
 

@@ -77,7 +77,8 @@ class MelExtractor:
             f_max=f_max, norm='slaney', mel_scale='slaney')
         self.griffin_lim = torchaudio.transforms.GriffinLim(
             n_fft=n_fft, win_length=win_length, hop_length=hop_length, power=1.0,
-            n_iter=griffin_lim_iters, rand_init=False)  # zero initial phase: deterministic, no RNG used
+            # zero initial phase: deterministic, no RNG used
+            n_iter=griffin_lim_iters, rand_init=False)
 
     def __call__(self, audio):
         return torch.log(self.mel(audio).clamp(min=1e-5))
@@ -190,7 +191,8 @@ class LJSpeechDataset:
                 mel = torch.load(cached, weights_only=True)
             else:
                 audio, _ = read_wav(wav_path, MEL_SETTINGS['sample_rate'])
-                if len(audio) <= MEL_SETTINGS['n_fft'] // 2:  # the STFT's reflect padding needs more
+                # the STFT's reflect padding needs more
+                if len(audio) <= MEL_SETTINGS['n_fft'] // 2:
                     raise UserError(f"{wav_path}: only {len(audio)} samples of audio; too short for an "
                                     f"utterance, remove its row from metadata.csv")
                 mel = extractor(audio)
@@ -288,7 +290,8 @@ class FrameBudgetSampler:
                 'lengths': self.lengths}
 
     def load_state_dict(self, state):
-        began_with = state.get('frame_budget', self.frame_budget), state.get('lengths', self.lengths)  # older: unknown
+        # older: unknown
+        began_with = state.get('frame_budget', self.frame_budget), state.get('lengths', self.lengths)
         if began_with != (self.frame_budget, self.lengths):
             raise UserError(f"the run being resumed batched other utterances or frame_budget={began_with[0]}; "
                             f"resume with its frame_budget and data, or start a new run (another out_dir, or "

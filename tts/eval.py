@@ -27,7 +27,8 @@ def dtw_mean_cost(cost):
     cost = cost.tolist()
     N, M = len(cost), len(cost[0])
     inf = float('inf')
-    total = [[inf] * (M + 1) for _ in range(N + 1)]  # total[i][j]: best cost ending at frame pair (i-1, j-1)
+    # total[i][j]: best cost ending at frame pair (i-1, j-1)
+    total = [[inf] * (M + 1) for _ in range(N + 1)]
     steps = [[0] * (M + 1) for _ in range(N + 1)]
     total[0][0] = 0.0
     for i in range(1, N + 1):
@@ -87,7 +88,8 @@ def alignment_stats(model, dataset, frame_budget):
     return dict(prior=prior / frames, one_frame=one_frame / characters, sharpness=sharpness / frames)
 
 # -----------------------------------------------------------------------------
-# TensorBoard media and held-out synthesis, with the model's inference settings (tts_model.synthesize)
+# TensorBoard media and held-out synthesis, with the
+# model's inference settings (tts_model.synthesize)
 
 
 def mel_image(mel):

@@ -30,11 +30,11 @@ class TTSConfig:
     enc_kernel: int = 3            # kernel of the encoder's convolutional feed-forward
     dp_channels: int = 256         # duration predictor width
     dropout: float = 0.1           # encoder and duration predictor
-    dec_channels: int = 256        # U-Net width (full resolution; the half resolution uses the same)
+    dec_channels: int = 256        # U-Net width (the same at full and half resolution)
     dec_blocks: int = 2            # residual blocks per U-Net level
     dec_heads: int = 4             # attention heads in the U-Net bottleneck; 0 = none
     sigma_min: float = 1e-4
-    cfg_drop: float = 0.0          # fraction of utterances trained without condition (classifier-free guidance)
+    cfg_drop: float = 0.0          # share trained without condition (classifier-free guidance)
 
 
 def sequence_mask(lengths, max_length=None):
@@ -360,7 +360,8 @@ class TTSModel(nn.Module):
     def encode(self, x, x_lengths):
         x_mask = sequence_mask(x_lengths, x.shape[1])[:, None, :].float()
         h, mu_x = self.encoder(x, x_mask)
-        # durations are predicted from the detached encoder output: their loss does not shape the encoder
+        # durations are predicted from the detached encoder
+        # output: their loss does not shape the encoder
         log_durations = self.duration_predictor(h.detach(), x_mask)
         return mu_x, log_durations, x_mask
 
@@ -385,13 +386,14 @@ class TTSModel(nn.Module):
         y = pad_to_even(y)
         mu_x, log_durations, x_mask = self.encode(x, x_lengths)
         y_mask = sequence_mask(y_lengths, y.shape[2])[:, None, :].float()
-        # Early on the encoder's mu are nearly alike, so plain MAS chooses among almost equal paths by
-        # rounding: it gives most tokens one frame and a few tokens long stretches, and the encoder can
-        # learn that path for good (the prior loss stalls, issue 18). The prior breaks those near-ties
-        # towards the diagonal.
+        # Early on the encoder's mu are nearly alike, so plain MAS chooses among almost equal paths
+        # by rounding: it gives most tokens one frame and a few tokens long stretches, and the
+        # encoder can learn that path for good (the prior loss stalls, issue 18). The prior breaks
+        # those near-ties towards the diagonal.
         path = self.align(mu_x, x_mask, y, y_mask, align_prior)
         durations = path.sum(2)[:, None, :]
-        mu_y = (mu_x.float() @ path).to(mu_x.dtype)  # (B, n_mels, Ty): each frame gets its token's mu
+        # (B, n_mels, Ty): each frame gets its token's mu
+        mu_y = (mu_x.float() @ path).to(mu_x.dtype)
         # flow matching from noise to mel conditioned on mu_y (dropped for some utterances: CFG).
         # The condition is detached: the encoder learns from the prior loss alone. Letting the
         # decoder's gradient in too (as Matcha-TTS does) stalled the alignment in our short runs

@@ -25,7 +25,9 @@ from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from configurator import UserError
+if __name__ == '__main__' and not __package__:  # run by path: the modules are a folder up
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from configurator import UserError  # noqa: E402
 from run.checkpoint import load_checkpoint, save_checkpoint, shard_folders
 
 

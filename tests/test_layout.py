@@ -27,3 +27,14 @@ def test_gpt_side_does_not_import_torchaudio():
     code = f"import sys; import {modules}; import tasks.number_tasks, tasks.exact_match; print('torchaudio' in sys.modules)"
     p = subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert p.stdout.strip() == 'False'
+
+
+def test_package_commands_run_by_module_and_by_path():
+    """The two commands that live in packages run as `python -m ...` and by their path alike."""
+    for args in (['-m', 'tts.data', '--help'], ['tts/data.py', '--help']):
+        p = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True)
+        assert p.returncode == 0 and '--text_file' in p.stdout, (args, p.stderr)
+    for args in (['-m', 'run.sharded_checkpoint'], ['run/sharded_checkpoint.py']):
+        p = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True)
+        assert p.returncode == 1 and 'usage: python -m run.sharded_checkpoint' in p.stderr, (args, p.stderr)
+        assert 'Traceback' not in p.stderr

@@ -8,6 +8,7 @@ import random
 import re
 import shutil
 import subprocess
+import sys
 import wave
 
 import numpy as np
@@ -15,7 +16,9 @@ import torch
 import torchaudio
 from tqdm import tqdm
 
-from configurator import UserError
+if __name__ == '__main__' and not __package__:  # run by path: the modules are a folder up
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from configurator import UserError  # noqa: E402
 
 # -----------------------------------------------------------------------------
 # WAV I/O (torchaudio.load/save need FFmpeg, the `wave` module needs nothing)

@@ -213,12 +213,12 @@ def chat_tokenizer(tokenizer):
         return tokenizer
     chat = ChatTokenizer(tokenizer)
     if hasattr(tokenizer, 'folder'):
+        from run.runtime import log  # torch: only when a published model is loaded anyway
         added = chat.vocab_size - tokenizer.vocab_size
         held = len(CHAT_SPECIAL_TOKENS) - added
-        if int(os.environ.get('RANK', '0')) == 0:  # one line a run, as run/runtime.py's log
-            print(f"{tokenizer.folder} has no chat template (no chat_template.jinja, no \"chat_template\" in "
-                  f"tokenizer_config.json): using nanotrain's, {' '.join(CHAT_SPECIAL_TOKENS)}"
-                  + (f" ({held} of these tokens already in its tokenizer.json, kept)" if held else ''))
+        log(f"{tokenizer.folder} has no chat template (no chat_template.jinja, no \"chat_template\" in "
+            f"tokenizer_config.json): using nanotrain's, {' '.join(CHAT_SPECIAL_TOKENS)}"
+            + (f" ({held} of these tokens already in its tokenizer.json, kept)" if held else ''))
     return chat
 
 

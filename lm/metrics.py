@@ -275,3 +275,38 @@ def mean_pass_at_k(counts, k):
     if not counts:
         raise ValueError('no problems to score')
     return float(np.mean([pass_at_k(n, c, k) for n, c in counts]))
+
+
+def rouge_kind(kind):
+    """The corpus and the one-example score of one ROUGE kind, for METRICS."""
+    return (lambda preds, refs: rouge(preds, refs)[kind], lambda pred, refs: rouge_scores(pred, refs)[kind])
+
+
+# the names eval.py and train.py's eval_metrics take: corpus score and one example's score
+METRICS = {
+    'exact_match': (exact_match, lambda pred, refs: exact_match([pred], [refs])),
+    'bleu': (corpus_bleu, sentence_bleu),
+    'chrf': (corpus_chrf, sentence_chrf),
+    'rouge1': rouge_kind('rouge1'),
+    'rouge2': rouge_kind('rouge2'),
+    'rouge_l': rouge_kind('rougeL'),
+}
+
+
+def check_metric_names(names):
+    """names (a list) if each is a key of METRICS, else ValueError naming the unknown ones and the choices."""
+    unknown = [name for name in names if name not in METRICS]
+    if unknown:
+        raise ValueError(f"unknown metric {', '.join(map(repr, unknown))}; choose from {', '.join(METRICS)}")
+    return names
+
+
+def corpus_scores(names, predictions, references):
+    """{name: corpus score} for each metric name (METRICS), over all examples."""
+    return {name: METRICS[name][0](predictions, references) for name in check_metric_names(names)}
+
+
+def example_scores(names, prediction, references):
+    """{name: score} of one prediction against its reference(s): sentence BLEU/chrF, the example's
+    ROUGE F1, 1.0 or 0.0 for exact match; for comparing two checkpoints example by example."""
+    return {name: METRICS[name][1](prediction, references) for name in check_metric_names(names)}

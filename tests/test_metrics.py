@@ -157,3 +157,19 @@ def test_chat_exact_match_uses_the_same_normaliser():
     assert accuracy == pytest.approx(2 / 3)
     preds, refs = [answers[q] for q in ('q1', 'q2', 'q3')], [ref for _, ref in prompts]
     assert metrics.exact_match(preds, refs) == pytest.approx(accuracy)
+
+
+def test_metrics_by_name_are_the_functions():
+    preds, refs = ['the cat sat on the mat', 'hello world'], [['the cat sat on a mat'], ['hello', 'hello world']]
+    names = list(metrics.METRICS)
+    scores = metrics.corpus_scores(names, preds, refs)
+    assert scores['bleu'] == metrics.corpus_bleu(preds, refs)
+    assert scores['chrf'] == metrics.corpus_chrf(preds, refs)
+    assert scores['rouge_l'] == metrics.rouge(preds, refs)['rougeL']
+    assert scores['rouge2'] == metrics.rouge(preds, refs)['rouge2']
+    assert scores['exact_match'] == 0.5
+    one = metrics.example_scores(names, preds[1], refs[1])
+    assert one['exact_match'] == 1.0 and one['bleu'] == metrics.sentence_bleu(preds[1], refs[1])
+    assert one['rouge1'] == 1.0
+    with pytest.raises(ValueError, match="unknown metric 'blue'.*bleu"):
+        metrics.corpus_scores(['blue'], preds, refs)

@@ -273,7 +273,7 @@ def test_lora_resumes_bit_exactly_and_merges_for_sample(tmp_path, sft_env):
     adapters = {k for k in ckpt['model'] if 'lora_' in k}
     assert len(adapters) == 2 * 2 * 6 and set(ckpt['model']) - adapters == {'transformer.wte.added_rows'}
     assert all(torch.equal(v, load(split / 'ckpt.pt')['model'][k]) for k, v in ckpt['model'].items())
-    assert [e['step'] for e in read_log(straight) if 'exact_match' in e] == [0, 8]
+    assert [e['step'] for e in read_log(straight) if 'eval/exact_match' in e] == [0, 4, 8]
 
     merged = load(straight / 'merged.pt')
     assert merged['kind'] == 'gpt' and not any('lora_' in k for k in merged['model'])

@@ -44,9 +44,9 @@ def metric_names(value, key='eval_metrics'):
     names = list(dict.fromkeys(name.strip() for name in value.split(',') if name.strip()))
     unknown = [name for name in names if name not in METRICS]
     if unknown or not names:
-        raise UserError(f"{key}={value!r}: " + (f"unknown metric {', '.join(map(repr, unknown))}" if unknown else
-                                                 "no metric named") + f"; choose from {', '.join(METRICS)}, "
-                        f"comma-separated (e.g. --{key}=exact_match,bleu).")
+        problem = f"unknown metric {', '.join(map(repr, unknown))}" if unknown else "no metric named"
+        raise UserError(f"{key}={value!r}: {problem}; choose from {', '.join(METRICS)}, comma-separated (e.g. "
+                        f"--{key}=exact_match,bleu); exact_match_examples=0 scores none.")
     return names
 
 
@@ -63,7 +63,9 @@ def answer_budget(held_out, prompt, reference, block_size):
 
 def answer_batches(rows, batch_size, block_size):
     """rows' indices ((prompt, budget) each) in batches of at most batch_size, shortest prompts first
-    (little padding), each within generate_batch's limit: longest prompt + largest budget - 1 <= block_size."""
+    (little padding), each within generate_batch's limit: longest prompt + largest budget - 1 <= block_size.
+    Answers that may run to max_length = block_size thus share a batch only with prompts of about their
+    length: smaller batches, each row still answered as alone."""
     batches, batch = [], []
     for i in sorted(range(len(rows)), key=lambda i: len(rows[i][0])):
         grown = batch + [i]

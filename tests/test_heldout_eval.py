@@ -134,9 +134,10 @@ def test_eval_metrics_logged_recorded_and_in_tensorboard_at_every_eval(tuned):
 @pytest.mark.slow
 @pytest.mark.comparison
 def test_ddp_corpus_scores_equal_one_process(tuned, sft_env, tmp_path):
-    """The tuned run's final weights scored again by 2 ranks (gloo), which answer 2 and 1 of the 3 batches and
-    gather the answers: the corpus scores are the single process's of its last eval bit for bit (each batch
-    is computed as one process computes it, one thread each)."""
+    """The tuned run's final weights scored again by 2 ranks (gloo), which answer alternate batches (5 here:
+    the free-form answers run to max_length = block_size, so only prompts of about one length share a batch)
+    and gather the answers: the corpus scores are the single process's of its last eval bit for bit (each
+    batch is computed as one process computes it, one thread each)."""
     out = tuned[0]
     run([*torchrun(2), *sft_args(sft_env, tmp_path, '--eval_only=True', f'--init_from={out / "ckpt.pt"}',
                                  '--exact_match_examples=12', METRICS)])

@@ -93,7 +93,8 @@ def load_for_generation(path, data_dir='', chat_template_variables=None, device=
         model = GPT(GPTConfig(**ckpt['model_args']))
         model.load_state_dict(ckpt['model'])
     model.eval().to(device)
-    if not data_dir and not any(os.path.isfile(os.path.join(ckpt['data_dir'], f)) for f in ('meta.json', 'config.json')):
+    tokenizer_files = ('meta.json', 'config.json')
+    if not data_dir and not any(os.path.isfile(os.path.join(ckpt['data_dir'], f)) for f in tokenizer_files):
         raise UserError(f"{path} was trained on the dataset in {ckpt['data_dir']}, which is no longer there (moved "
                         f"or copied elsewhere?); pass --data_dir=<that dataset's folder now>.")
     if ckpt.get('hf_config'):

@@ -123,14 +123,17 @@ if generation:
         prompts.append(ids)
     generator = torch.Generator(device=device).manual_seed(seed)
     progress = tqdm(total=len(rows), desc=f"generation {os.path.basename(eval_data)}", unit='example')
+    # shortest prompts first: a batch pads its prompts to its longest
+    order = sorted(range(len(rows)), key=lambda i: len(prompts[i]))
+    examples = [None] * len(rows)
     for first in range(0, len(rows), batch_size):
-        batch = rows[first:first + batch_size]
+        batch = order[first:first + batch_size]
         with autocast:
-            completions = generate_batch(model, prompts[first:first + batch_size], max_new_tokens, temperature,
+            completions = generate_batch(model, [prompts[i] for i in batch], max_new_tokens, temperature,
                                          top_k or None, top_p or None, stop_ids, num_samples, generator)
-        for i, row in enumerate(batch, first):
-            samples = []
-            for ids in completions[(i - first) * num_samples:(i - first + 1) * num_samples]:
+        for b, i in enumerate(batch):
+            row, samples = rows[i], []
+            for ids in completions[b * num_samples:(b + 1) * num_samples]:
                 text = tokenizer.decode(ids[:-1] if ids and ids[-1] in stop_ids else ids)
                 # cut before the first stop string
                 samples.append(min((text[:text.index(s)] for s in row['stop'] if s in text), key=len, default=text))
@@ -143,7 +146,7 @@ if generation:
             if row['references']:
                 wanted = {normalize_answer(r) for r in references}
                 example['correct'] = sum(normalize_answer(s) in wanted for s in samples)
-            examples.append(example)
+            examples[i] = example
         progress.update(len(batch))
     progress.close()
     if metric_names:

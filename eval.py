@@ -108,7 +108,6 @@ def on_line(where, encode, *args):
         raise UserError(e.args[0] if str(e).startswith(where) else f"{where}: {e}") from None
 
 
-
 if generation:
     # a chat answer ends at its end-of-turn token, a continuation at EOS (a published model's stop tokens)
     stop_ids = {tokenizer.eos_id, *getattr(tokenizer, 'stop_ids', [])} - {None}

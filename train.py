@@ -18,6 +18,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from configurator import FOLDER, POSITIVE, UserError, at_least, check_values, configure, interval, one_of
+from lm.heldout_eval import HeldOut, metric_names, print_sample, report_heldout
 from lm.lora import apply_lora, frozen_base_dtype, load_adapters, lora_optimizer, lora_state_dict, save_merged
 from lm.muon import Muon, muon_param_groups
 from lm.tokenizer import chat_tokenizer
@@ -34,7 +35,6 @@ from run.runtime import (StepProfiler, StopSignal, after_eval, all_reduce_metric
                          rank_batches, wrap_model)
 from run.starting_model import full_model_checkpoint, hf_source, model_hash, run_model_args, run_tokenizer, starting_gpt
 from scheduler import SCHEDULES, LRSchedule, set_lr
-from tasks.exact_match import print_sample, report_exact_match
 
 # -----------------------------------------------------------------------------
 # I/O
@@ -67,7 +67,8 @@ skip_malformed = False       # skip and count malformed JSONL lines instead of s
 pack = False                 # pack several examples per row (attention stays inside each example)
 bucket_batches = 1           # batch similar lengths from this many global batches' worth; 1 = off
 curriculum_iters = 0         # steps for the longest allowed example to grow to max_length; 0 = off
-exact_match_examples = 200   # held-out examples answered greedily and scored (start, end); 0 = skip
+exact_match_examples = 200   # held-out examples answered greedily and scored at every eval; 0 = skip
+eval_metrics = 'exact_match'  # their metrics, comma-separated: exact_match, bleu, chrf, rouge1, rouge2, rouge_l
 # LoRA (training_type 'lora')
 lora_r = 8
 lora_alpha = 16.0
@@ -142,6 +143,7 @@ check_values(config, [
 check_loss_weights(loss_weights)
 if training_type not in ('from_scratch', 'sft', 'lora'):
     raise UserError(f"training_type={training_type!r} is not supported; use 'from_scratch', 'sft' or 'lora'.")
+eval_metric_names = metric_names(eval_metrics)
 if training_type == 'lora' and optimizer_type != 'adamw':
     raise UserError("training_type='lora' trains its adapters with AdamW; set optimizer_type='adamw'.")
 fine_tuning = training_type != 'from_scratch'
@@ -180,6 +182,8 @@ data_dir, base_tokenizer = run_tokenizer(data_dir, model_ckpt, model_ckpt_path, 
 tokenizer = chat_tokenizer(base_tokenizer) if fine_tuning else base_tokenizer
 train_batches, val_batches, val_indices, sample_prompt, exact_match_prompts, train_data_hash = gpt_run_data(
     config, data_dir, tokenizer, ckpt, master, ddp)
+# the held-out prompts answered and scored at each eval (none when pretraining)
+held_out = HeldOut(tokenizer, exact_match_prompts, eval_metric_names, batch_size, max_length)
 
 # model: from scratch, a checkpoint (shape, tokenizer must match the config) or a published model
 # a published model's own
@@ -337,7 +341,7 @@ if eval_only:
     val_loss = evaluate()
     log(f"step {iter_num}: val loss {val_loss:.4f}, perplexity {math.exp(val_loss):.2f}")
     record(dict(step=iter_num, val_loss=val_loss, val_ppl=math.exp(val_loss)))
-    report_exact_match(raw_model, tokenizer, exact_match_prompts, autocast, iter_num, record)
+    report_heldout(raw_model, held_out, autocast, iter_num, record)
     compute_cleanup(ddp)
     sys.exit(0)
 
@@ -347,7 +351,7 @@ if iter_num == 0:
     val_loss = evaluate()
     log(f"step 0: val loss {val_loss:.4f}")
     record(dict(step=0, val_loss=val_loss, val_ppl=math.exp(val_loss), lr=0.0))
-    report_exact_match(raw_model, tokenizer, exact_match_prompts, autocast, iter_num, record)
+    report_heldout(raw_model, held_out, autocast, iter_num, record)
 bad_steps = 0
 # labels: positions through the output layer
 window_start, window_tokens, window_labels = time.time(), 0, 0
@@ -424,6 +428,7 @@ while iter_num < max_iters:
         log(f"step {iter_num}: val loss {val_loss:.4f}, perplexity {math.exp(val_loss):.2f}"
             + (" (best)" if improved else f" (no improvement for {evals_without_improvement} evals)"))
         record(dict(step=iter_num, val_loss=val_loss, val_ppl=math.exp(val_loss), lr=lr))
+        report_heldout(raw_model, held_out, autocast, iter_num, record)
         if improved:
             save(os.path.join(out_dir, 'best.pt'))
         if improved or always_save_checkpoint:
@@ -439,7 +444,6 @@ while iter_num < max_iters:
         stop.exit(ckpt_path, iter_num, ddp)
 progress.close()
 save(ckpt_path)
-report_exact_match(raw_model, tokenizer, exact_match_prompts, autocast, iter_num, record)
 if training_type == 'lora':
     save_merged(out_dir, raw_model, master, model_args=model_args, config=config, iter_num=iter_num,
                 tokenizer=tokenizer.identity(), data_dir=os.path.abspath(data_dir), **hf_files)

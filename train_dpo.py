@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from configurator import FOLDER, POSITIVE, UserError, at_least, check_values, configure, interval, one_of
 from lm.dpo import completion_logps, precomputed_reference_logps, reference_logps
+from lm.heldout_eval import HeldOut, metric_names, report_heldout
 from lm.lora import LORA_SETTINGS, apply_lora, frozen_base_dtype, lora_optimizer, lora_state_dict, save_merged
 from lm.tokenizer import chat_tokenizer
 from losses import DPO_LOSS_TYPES, dpo_loss
@@ -34,7 +35,6 @@ from run.runtime import (StopSignal, after_eval, all_reduce_metrics, bad_step, c
                          compute_init, gradient_sync, keep_log_until, log, patience_exhausted, rank_batches, wrap_model)
 from run.starting_model import build_model, dpo_reference, frozen_model, hf_source, load_model, run_tokenizer
 from scheduler import SCHEDULES, LRSchedule, set_lr
-from tasks.exact_match import report_exact_match
 
 # -----------------------------------------------------------------------------
 # I/O
@@ -52,7 +52,8 @@ always_save_checkpoint = True  # save ckpt.pt at every eval, not only when eval 
 early_stopping_patience = 0  # stop after this many evals without eval-loss improvement; 0 = never
 max_bad_steps = 5            # abort after this many non-finite steps (loss/grad norm) in a row
 tensorboard = True           # write TensorBoard logs to out_dir/tb
-exact_match_examples = 500   # held-out prompts answered greedily, compared with chosen; 0 = skip
+exact_match_examples = 500   # held-out prompts answered greedily, scored against chosen each eval; 0 = skip
+eval_metrics = 'exact_match'  # their metrics, comma-separated: exact_match, bleu, chrf, rouge1, rouge2, rouge_l
 seed = 1337                  # random seed
 # data
 batch_size = 32              # preference pairs per micro-batch (each pair is two sequences)
@@ -124,6 +125,7 @@ check_values(config, [
     (one_of(CHECKPOINT_FORMATS), ('checkpoint_format',)),
     (FOLDER, ('out_dir',)),
 ])
+eval_metric_names = metric_names(eval_metrics)
 if label_smoothing and loss_type not in ('sigmoid', 'robust'):
     raise UserError(f"label_smoothing applies to loss_type 'sigmoid' (conservative DPO) and 'robust' only; "
                     f"drop it for loss_type={loss_type!r}.")
@@ -163,6 +165,7 @@ check_compatible(reference_ckpt['tokenizer'], tokenizer.identity(), 'tokenizer',
 model_args = dict(reference_ckpt['model_args'], dropout=dropout)
 train_batches, val_batches, val_indices, exact_match_prompts, train_data_hash, val_path = preference_run_data(
     config, tokenizer, model_args['block_size'], ckpt, master, ddp)
+held_out = HeldOut(tokenizer, exact_match_prompts, eval_metric_names, batch_size, max_length)
 
 # policy, and the reference: a frozen copy when training all weights, the policy itself with its
 # adapters disabled when training LoRA, or none in memory with precomputed log-probs
@@ -327,7 +330,7 @@ record, writer = run_log(out_dir, master, tensorboard, keep_log_until(eval_only,
 
 if eval_only or iter_num == 0:
     evaluate()
-    report_exact_match(raw_model, tokenizer, exact_match_prompts, autocast, iter_num, record)
+    report_heldout(raw_model, held_out, autocast, iter_num, record)
 if eval_only:
     compute_cleanup(ddp)
     sys.exit(0)
@@ -374,6 +377,7 @@ while iter_num < max_iters:
     if iter_num % eval_interval == 0 or iter_num == max_iters:
         improved, best_val_loss, evals_without_improvement = after_eval(evaluate(), best_val_loss,
                                                                         evals_without_improvement)
+        report_heldout(raw_model, held_out, autocast, iter_num, record)
         if improved:
             save(os.path.join(out_dir, 'best.pt'))
         if improved or always_save_checkpoint:
@@ -389,7 +393,6 @@ while iter_num < max_iters:
         stop.exit(ckpt_path, iter_num, ddp)
 progress.close()
 save(ckpt_path)
-report_exact_match(raw_model, tokenizer, exact_match_prompts, autocast, iter_num, record)
 if use_lora:
     save_merged(out_dir, raw_model, master, model_args=model_args, config=dict(config, training_type='dpo'),
                 iter_num=iter_num, tokenizer=tokenizer.identity(), data_dir=os.path.abspath(data_dir), **hf_files)

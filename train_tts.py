@@ -2,7 +2,7 @@
 Train a flow-matching text-to-speech model (Matcha-TTS in miniature) on an LJSpeech-layout
 corpus: `python train_tts.py config/tts_ljspeech.py --data_dir=PATH`. Relaunching the same
 command resumes; `--eval_only=True` evaluates the checkpoint (val losses, MCD-DTW, RTF);
-`python sample.py --out_dir=out-tts --text="..." --wav=out.wav` speaks.
+`python sample_tts.py --out_dir=out-tts --text="..." --wav=out.wav` speaks.
 Every config key below can be overridden by a config file or --key=value (`--help` lists them).
 """
 

@@ -92,9 +92,9 @@ def figures_of(stage, events):
     if stage == 'pretrain':
         return {'val loss': last(events, 'val_loss')}
     if stage in ('sft', 'lora'):
-        return {'exact match': last(events, 'exact_match'), 'val loss': last(events, 'val_loss')}
+        return {'exact match': last(events, 'eval/exact_match'), 'val loss': last(events, 'val_loss')}
     return {'eval rewards/accuracies': last(events, 'eval/rewards/accuracies'),
-            'exact match before': first(events, 'exact_match'), 'exact match after': last(events, 'exact_match')}
+            'exact match before': first(events, 'eval/exact_match'), 'exact match after': last(events, 'eval/exact_match')}
 
 
 def code_hash(args):

@@ -1,7 +1,7 @@
 # flow-matching TTS on LJSpeech-1.1 (13,100 utterances, 24 h; https://keithito.com/LJ-Speech-Dataset/),
 # sized like Matcha-TTS for one GPU:
 #   python train_tts.py config/tts_ljspeech.py --data_dir=/path/to/LJSpeech-1.1
-# then: python sample.py --out_dir=out-tts-ljspeech --text="Printing, in the only sense..." --wav=out.wav
+# then: python sample_tts.py --out_dir=out-tts-ljspeech --text="Printing, in the only sense..." --wav=out.wav
 # Any LJSpeech-layout corpus works (metadata.csv + wavs/); see config/tts_espeak_cpu.py for a CPU-sized run.
 
 out_dir = 'out-tts-ljspeech'

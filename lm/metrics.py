@@ -6,7 +6,7 @@ References: per example one string or a list of strings (several references).
 
 - exact_match: the share of predictions equal to one of their references after normalize_answer:
   ends stripped, every inner run of whitespace one space, lowercased on request (off by default);
-  nothing else (punctuation, articles, number formats all count). tasks/exact_match.py scores chat
+  nothing else (punctuation, articles, number formats all count). lm/heldout_eval.py scores chat
   models with the same normaliser.
 - corpus_bleu, sentence_bleu: sacreBLEU 2.x's BLEU with its defaults, on its 0-100 scale: the 13a
   tokenizer (mteval-v13a, as WMT uses), 1- to 4-grams, each n-gram's count clipped by its largest

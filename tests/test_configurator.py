@@ -222,7 +222,7 @@ def test_help_into_closed_pipe_exits_quietly(tmp_path):
     assert (status, err) == (0, '')
 
 
-@pytest.mark.parametrize('script', ['train.py', 'sample.py'])
+@pytest.mark.parametrize('script', ['train.py', 'sample.py', 'eval.py'])
 def test_real_script_help_into_closed_pipe_exits_quietly(script):
     status, err = help_with_closed_pipe(os.path.join(ROOT, script))
     assert 'Traceback' not in err and 'BrokenPipeError' not in err and status == 0
@@ -320,7 +320,7 @@ def script_config_keys(path):
     return {key for key, line in assignment_lines(path).items() if line < end and not key.startswith('_')}
 
 
-CONFIGURED_SCRIPTS = ['train.py', 'train_dpo.py', 'train_tts.py', 'sample.py'] + sorted(
+CONFIGURED_SCRIPTS = ['train.py', 'train_dpo.py', 'train_tts.py', 'sample.py', 'sample_tts.py', 'eval.py'] + sorted(
     os.path.relpath(path, ROOT) for path in glob.glob(os.path.join(ROOT, 'bench', '*.py'))
     if 'configure(globals())' in open(path, encoding='utf-8').read())
 

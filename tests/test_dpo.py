@@ -16,7 +16,7 @@ import torch
 from configurator import UserError
 from lm.chat_data import PreferenceBatches, load_preference_split
 from conftest import (ANSWERS, REFERENCE, TRAIN_METRICS, WORKING, assert_user_error, char_tokenizer, checked_answer,
-                      dpo, dpo_args, evals, kill_and_relaunch, load, parameter_bytes, random_pairs,
+                      dpo, dpo_args, evals, kill_and_relaunch, load, parameter_bytes, random_pairs, read_log,
                       reference_logps_under_bf16_autocast, sigterm_after_steps, torch_saved, train_metrics, write_jsonl)
 from lm.tokenizer import ChatTokenizer, load_tokenizer
 from losses import DPO_LOSS_TYPES, dpo_loss, sequence_logps
@@ -444,6 +444,17 @@ def test_step0_lora_reference_is_the_model_with_adapters_disabled(tmp_path, dpo_
     p = dpo(dpo_env, out, '--use_lora=True', '--lora_r=2', '--lora_alpha=64', '--max_iters=2', check=False)
     assert_user_error(p, 'lora_alpha: checkpoint has 16.0')
     assert load(out / 'ckpt.pt')['iter_num'] == ckpt['iter_num']
+
+
+@pytest.mark.slow
+def test_held_out_metrics_at_every_eval(tmp_path, dpo_env):
+    """eval_metrics: greedy answers to the held-out prompts scored against the chosen answers at step 0 and
+    every eval, as eval/<name> next to eval/loss."""
+    p = dpo(dpo_env, tmp_path, '--max_iters=2', '--eval_interval=1', '--exact_match_examples=4',
+            '--eval_metrics=exact_match,chrf')
+    held_out = [e for e in read_log(tmp_path) if 'eval/exact_match' in e]
+    assert [e['step'] for e in held_out] == [0, 1, 2] and all(0 <= e['eval/chrf'] <= 100 for e in held_out)
+    assert 'step 2: exact_match ' in p.stdout and 'on 4 held-out prompts' in p.stdout
 
 
 @pytest.mark.slow

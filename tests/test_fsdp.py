@@ -125,7 +125,7 @@ def test_lora_under_fsdp_matches_one_process(tmp_path, sft_env):
                                   '--checkpoint_format=sharded', training_type=training_type)])
         assert sorted(logged(fsdp, 'train_loss')) == [1, 2, 3]
         assert_same_run(single, fsdp)
-        assert logged(fsdp, 'exact_match') == logged(single, 'exact_match')
+        assert logged(fsdp, 'eval/exact_match') == logged(single, 'eval/exact_match')
     a, b = load(tmp_path / 'lora_single' / 'merged.pt')['model'], load(tmp_path / 'lora_fsdp' / 'merged.pt')['model']
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=0, atol=1e-6) for k in a)
     a, b = load(tmp_path / 'lora_single' / 'ckpt.pt'), load_checkpoint(str(tmp_path / 'lora_fsdp' / 'ckpt.pt'))
@@ -209,7 +209,7 @@ def test_hugging_face_model_stored_in_bf16_under_fsdp_matches_one_process(tmp_pa
     run([*args, f'--out_dir={tmp_path / "single"}', '--gradient_accumulation_steps=2'])
     run([*TORCHRUN, *args, f'--out_dir={tmp_path / "fsdp"}', '--parallel=fsdp'])
     assert_same_run(tmp_path / 'single', tmp_path / 'fsdp')
-    assert logged(tmp_path / 'fsdp', 'exact_match') == logged(tmp_path / 'single', 'exact_match')
+    assert logged(tmp_path / 'fsdp', 'eval/exact_match') == logged(tmp_path / 'single', 'eval/exact_match')
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ from conftest import (HF_TINY, assert_user_error, fine_tune, hf_fixture, load, l
                       val_losses)
 from hf.checkpoint import load_hf_checkpoint, peft_name, save_chat_tokenizer, save_hf_model
 from hf.tokenizer import load_hf_tokenizer
+from lm.loading import load_for_generation
 from lm.tokenizer import chat_tokenizer
 from model import GPT, GPTConfig
 from run.starting_model import hf_source, run_tokenizer
@@ -64,6 +65,11 @@ def test_lora_with_hugging_face_names_exports_a_merged_folder(tmp_path, task):
     base = load_gpt(hf_fixture('llama')).state_dict()
     changed = [k for k, v in base.items() if not torch.equal(v, merged['model'][k])]
     assert changed and all('.attn.q.' in k or '.attn.v.' in k for k in changed)
+    # the adapters checkpoint loads (sample.py, eval.py) as merged.pt: the published base, adapters folded in
+    loaded = load_for_generation(str(out / 'ckpt.pt')).model.state_dict()
+    assert set(loaded) == set(merged['model'])
+    for k, v in merged['model'].items():  # W + s B A, perhaps on another thread count: float32 tolerance
+        torch.testing.assert_close(loaded[k], v)
 
     run(['export.py', str(out / 'ckpt.pt'), str(tmp_path / 'adapter')])  # the adapters alone, in PEFT's format
     peft = load_file(str(tmp_path / 'adapter' / 'adapter_model.safetensors'))

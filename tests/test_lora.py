@@ -11,6 +11,7 @@ import torch.nn as nn
 
 from configurator import UserError
 from conftest import assert_user_error, load, logged, read_log, run, sft, sft_args, torchrun, train_losses
+from lm.loading import load_for_generation
 from lm.lora import (LoRALinear, apply_lora, disable_adapters, lora_optimizer, lora_param_groups, lora_state_dict,
                      merge_lora, merged_state_dict, unmerge_lora)
 from model import GPT, GPTConfig
@@ -273,7 +274,7 @@ def test_lora_resumes_bit_exactly_and_merges_for_sample(tmp_path, sft_env):
     adapters = {k for k in ckpt['model'] if 'lora_' in k}
     assert len(adapters) == 2 * 2 * 6 and set(ckpt['model']) - adapters == {'transformer.wte.added_rows'}
     assert all(torch.equal(v, load(split / 'ckpt.pt')['model'][k]) for k, v in ckpt['model'].items())
-    assert [e['step'] for e in read_log(straight) if 'exact_match' in e] == [0, 8]
+    assert [e['step'] for e in read_log(straight) if 'eval/exact_match' in e] == [0, 4, 8]
 
     merged = load(straight / 'merged.pt')
     assert merged['kind'] == 'gpt' and not any('lora_' in k for k in merged['model'])
@@ -290,6 +291,17 @@ def test_lora_resumes_bit_exactly_and_merges_for_sample(tmp_path, sft_env):
     s = run(['sample.py', f'--out_dir={straight}', '--ckpt_name=merged.pt', '--device=cpu', '--start=What is 1+2?',
              '--max_new_tokens=5'])
     assert '<|user|>What is 1+2?<|end|><|assistant|>' in s.stdout
+    # the adapters checkpoint loads as the merged model: the base it names, adapters applied and folded in
+    # (the same float32 W + s B A as merged.pt's, perhaps on another thread count: float32 tolerance)
+    loaded = load_for_generation(str(straight / 'ckpt.pt'))
+    assert loaded.chat and loaded.tokenizer.identity() == merged['tokenizer']
+    state = loaded.model.state_dict()
+    assert set(state) == set(merged['model'])
+    for k, v in merged['model'].items():
+        torch.testing.assert_close(state[k], v)
+    s = run(['sample.py', f'--init_from={straight / "ckpt.pt"}', '--device=cpu', '--start=What is 1+2?',
+             '--max_new_tokens=5'])
+    assert '<|user|>What is 1+2?<|end|><|assistant|>' in s.stdout
 
     p = sft(env, split, '--max_iters=10', *common, '--lora_r=8', training_type='lora', check=False)
     assert_user_error(p, 'LoRA setup', 'lora_r: checkpoint has 4')
@@ -301,6 +313,8 @@ def test_lora_resumes_bit_exactly_and_merges_for_sample(tmp_path, sft_env):
     torch.save(dict(load(base), iter_num=99), base)  # a different base model: the adapters no longer fit
     p = sft(env, split, '--max_iters=10', *common, training_type='lora', check=False)
     assert_user_error(p, 'has changed')
+    with pytest.raises(UserError, match='is not the base model the adapters'):
+        load_for_generation(str(straight / 'ckpt.pt'))
 
 
 @pytest.mark.slow

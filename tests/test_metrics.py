@@ -2,7 +2,6 @@
 (tests/fixtures/metrics/expected.json, written by tests/fixtures/make_metrics_fixtures.py in their
 environment), pass@k against exact combinatorics and a count over every draw, and exact match's
 normalisation, the one chat models are scored with in training too."""
-import contextlib
 import itertools
 import json
 import math
@@ -10,10 +9,9 @@ import os
 from fractions import Fraction
 
 import pytest
-import torch
 
 from lm import metrics
-from tasks.exact_match import exact_match_accuracy
+from lm.heldout_eval import score_answers
 
 with open(os.path.join(os.path.dirname(__file__), 'fixtures', 'metrics', 'expected.json')) as f:
     EXPECTED = json.load(f)
@@ -134,29 +132,16 @@ class CharTokenizer:
         return ''.join(map(chr, ids))
 
 
-class Answers(torch.nn.Module):
-    """A stand-in chat model that answers each prompt with the text given for it, then stops."""
-
-    def __init__(self, answers):
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.zeros(1))
-        self.answers = answers
-
-    def generate(self, idx, max_new_tokens, temperature, eos_id):
-        answer = CharTokenizer().encode(self.answers[CharTokenizer().decode(idx[0].tolist())]) + [eos_id]
-        return torch.cat([idx, torch.tensor([answer[:max_new_tokens]])], dim=1)
-
-
 def test_chat_exact_match_uses_the_same_normaliser():
     tokenizer = CharTokenizer()
     # within the one token more than the reference that the model may generate
     answers = {'q1': '6+2=8,\n9+1=10, so 108', 'q2': '5', 'q3': 'Paris'}
-    prompts = [(tokenizer.encode('q1'), '6+2=8, 9+1=10, so 108'), (tokenizer.encode('q2'), ' 5 '),
-               (tokenizer.encode('q3'), 'paris')]
-    accuracy = exact_match_accuracy(Answers(answers), tokenizer, prompts, contextlib.nullcontext())
+    prompts = [('q1', '6+2=8, 9+1=10, so 108'), ('q2', ' 5 '), ('q3', 'paris')]
+    generated = [tokenizer.encode(answers[q]) + [tokenizer.eos_id] for q, _ in prompts]
+    refs = [ref for _, ref in prompts]
+    accuracy = score_answers(['exact_match'], generated, refs, tokenizer)['exact_match']
     assert accuracy == pytest.approx(2 / 3)
-    preds, refs = [answers[q] for q in ('q1', 'q2', 'q3')], [ref for _, ref in prompts]
-    assert metrics.exact_match(preds, refs) == pytest.approx(accuracy)
+    assert metrics.exact_match([answers[q] for q, _ in prompts], refs) == pytest.approx(accuracy)
 
 
 def test_metrics_by_name_are_the_functions():

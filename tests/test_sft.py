@@ -272,7 +272,7 @@ def test_sft_trains_reports_exact_match_and_resumes_bit_exactly(tmp_path, sft_en
               "--loss_weights={'ce': 1.0, 'z_loss': 1e-3}"]
     straight, split = tmp_path / 'straight', tmp_path / 'split'
     p = sft(sft_env, straight, '--max_iters=8', *common)
-    assert '200 examples' in p.stdout and 'exact match' in p.stdout
+    assert '200 examples' in p.stdout and 'exact_match' in p.stdout
     sft(sft_env, split, '--max_iters=4', *common)
     p = sft(sft_env, split, '--max_iters=8', *common)
     assert 'resuming' in p.stdout + p.stderr
@@ -282,7 +282,7 @@ def test_sft_trains_reports_exact_match_and_resumes_bit_exactly(tmp_path, sft_en
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
     events = read_log(straight)
-    assert [e['step'] for e in events if 'exact_match' in e] == [0, 8]
+    assert [e['step'] for e in events if 'eval/exact_match' in e] == [0, 4, 8]
     assert all('train_ce' in e and 'train_z_loss' in e for e in events if 'train_loss' in e)
     ckpt = load(straight / 'ckpt.pt')
     assert FOUNDATION_FIELDS <= set(ckpt) and ckpt['kind'] == 'gpt'

@@ -218,21 +218,13 @@ def test_eval_only(tmp_path, data_dir):
 
 
 @pytest.mark.slow
-def test_sample_refuses_tts_keys_on_a_gpt_checkpoint(tmp_path, data_dir):
-    """--text/--wav/... (from the command line or a config file) only mean something for a train_tts.py
-    checkpoint; on a GPT checkpoint they are an error naming them, not silently dropped."""
+def test_sample_tts_refuses_a_gpt_checkpoint(tmp_path, data_dir):
+    """sample_tts.py speaks train_tts.py checkpoints only: a GPT's is an error pointing at sample.py."""
     out = tmp_path / 'out'
     train(out, data_dir, '--max_iters=2', '--eval_interval=100', '--lr_decay_iters=2')
-    s = run(['sample.py', f'--out_dir={out}', '--device=cpu', '--text=Hello there.'], check=False)
-    assert_user_error(s)
-    assert "text='Hello there.'" in s.stderr and 'GPT' in s.stderr and 'start' in s.stderr
-    config = tmp_path / 'speak.py'
-    config.write_text("wav = 'x.wav'\nguidance = 1.5\n")
-    s = run(['sample.py', str(config), f'--out_dir={out}', '--device=cpu'], check=False)
-    assert_user_error(s, "wav='x.wav', guidance=1.5")
-    # a TTS key left at its default is no error
-    s = run(['sample.py', f'--out_dir={out}', '--device=cpu', '--max_new_tokens=5', '--guidance=0'])
-    assert '---------------' in s.stdout
+    s = run(['sample_tts.py', f'--out_dir={out}', '--device=cpu', f'--wav={tmp_path / "x.wav"}'], check=False)
+    assert_user_error(s, "is a 'gpt' checkpoint, not a text-to-speech one", f'python sample.py --out_dir={out}`')
+    assert not (tmp_path / 'x.wav').exists()
 
 
 @pytest.mark.slow

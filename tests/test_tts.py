@@ -467,7 +467,7 @@ def test_decoder_lr_scale_zero_trains_all_but_the_decoder(tmp_path, corpus):
 
 @pytest.mark.slow
 def test_settings_that_cannot_work_are_clear_errors(tmp_path, corpus, straight_run):
-    """eval_only with nothing to evaluate, a model shape that does not fit together, a sample.py wav path in
+    """eval_only with nothing to evaluate, a model shape that does not fit together, a sample_tts.py wav path in
     no folder: exit 2 naming the keys, before any work."""
     cases = [(['--eval_only=True'], 'eval_only=True needs a trained model'),
              (['--enc_heads=3'], 'enc_heads=3'), (['--enc_kernel=4'], 'enc_kernel=4 must be odd')]
@@ -475,28 +475,24 @@ def test_settings_that_cannot_work_are_clear_errors(tmp_path, corpus, straight_r
         p = train(tmp_path / 'out', corpus, *args, check=False)
         assert_user_error(p, message)
     assert not (tmp_path / 'out' / 'ckpt.pt').exists()
-    p = run(['sample.py', f'--out_dir={straight_run[0]}', '--device=cpu', f'--wav={tmp_path / "nowhere" / "x.wav"}'],
-            check=False)
+    p = run(['sample_tts.py', f'--out_dir={straight_run[0]}', '--device=cpu',
+             f'--wav={tmp_path / "nowhere" / "x.wav"}'], check=False)
     assert_user_error(p, 'must be a file path in an existing folder')
 
 
 @pytest.mark.slow
-def test_sample_refuses_gpt_keys_on_a_tts_checkpoint(tmp_path, straight_run):
-    """--start/--temperature/... only mean something for a GPT checkpoint; on a train_tts.py checkpoint they are an
-    error naming them, instead of speaking the default sentence into out.wav."""
+def test_sample_tts_speaks_and_sample_points_to_it(tmp_path, straight_run):
+    """sample_tts.py speaks a train_tts.py checkpoint into a WAV file; sample.py, which generates text, refuses
+    one with the sample_tts.py command to run instead, and sample_tts.py refuses a GPT's keys."""
     wav = tmp_path / 'x.wav'
-    p = run(['sample.py', f'--out_dir={straight_run[0]}', '--device=cpu', f'--wav={wav}', '--start=aa mm'],
+    p = run(['sample.py', f'--out_dir={straight_run[0]}', '--device=cpu'], check=False)
+    assert_user_error(p, 'text-to-speech checkpoint', f'python sample_tts.py --out_dir={straight_run[0]}`')
+    p = run(['sample_tts.py', f'--out_dir={straight_run[0]}', '--device=cpu', f'--wav={wav}', '--start=aa mm'],
             check=False)
-    assert_user_error(p)
-    assert "start='aa mm'" in p.stderr and 'text-to-speech' in p.stderr and 'text, wav' in p.stderr
-    config = tmp_path / 'greedy.py'
-    config.write_text('temperature = 0.0\n')
-    p = run(['sample.py', str(config), f'--out_dir={straight_run[0]}', '--device=cpu', f'--wav={wav}'], check=False)
-    assert_user_error(p, 'temperature=0.0')
-    assert not wav.exists()
-    p = run(['sample.py', f'--out_dir={straight_run[0]}', '--device=cpu', f'--wav={wav}', '--text=aa mm',
-             '--n_timesteps=2', '--top_k=50'])  # a GPT key left at its default is no error
-    assert wav.exists()
+    assert p.returncode == 2 and 'start' in p.stderr and not wav.exists()
+    p = run(['sample_tts.py', f'--out_dir={straight_run[0]}', '--device=cpu', f'--wav={wav}', '--text=aa mm',
+             '--n_timesteps=2'])
+    assert wav.exists() and f'wrote {wav}' in p.stdout
 
 
 @pytest.mark.slow

@@ -1,0 +1,188 @@
+"""
+Measure a model on a task file: `python eval.py --init_from=out-sft/ckpt.pt --eval_data=data/my_task/test.jsonl`.
+The model is a train.py / train_dpo.py checkpoint (full, a LoRA run's adapters or its merged.pt), a run's
+folder or a Hugging Face model folder, loaded as sample.py loads it (lm/loading.py). The task file is JSONL
+(lm/eval_tasks.py; docs/eval.md), every row one kind:
+- generation ({"prompt"} or chat {"messages"}, with {"reference"} or {"references"}): the model answers each
+  prompt (a chat model in its chat template, stopping at its end of turn; a base model continues the text,
+  stopping at EOS), in batches (lm/generate.py); scored by lm/metrics.py's corpus metrics, and with
+  num_samples > 1 by pass@k (a sample is correct when it is an exact match).
+- multiple choice ({"context", "choices", "label"}): each choice scored by its summed log-likelihood after
+  the context, acc and acc_norm exactly as lm-evaluation-harness computes them.
+Prints a table and writes a JSON file with every example's prediction and scores, so that two models can
+be compared example by example.
+"""
+
+import json
+import os
+
+import torch
+from tqdm import tqdm
+
+from configurator import FOLDER, UserError, at_least, check_values, configure, interval
+from lm.eval_tasks import (GENERATION, choice_logliks, choice_predictions, choice_requests, generation_prompt,
+                           read_task)
+from lm.generate import generate_batch
+from lm.loading import load_for_generation, model_path
+from lm.metrics import check_metric_names, corpus_scores, example_scores, mean_pass_at_k, normalize_answer
+from run.device import autocast_context, pick_device, pick_dtype
+
+# -----------------------------------------------------------------------------
+init_from = ''               # a checkpoint file, a run folder or a Hugging Face folder; '' = out_dir's ckpt_name
+out_dir = 'out'              # with init_from '': the run folder to evaluate (sample.py's spelling)
+ckpt_name = 'ckpt.pt'        # with init_from '': 'ckpt.pt', 'best.pt' or a LoRA run's 'merged.pt'
+eval_data = ''               # the task file: JSONL, generation or multiple-choice rows (docs/eval.md)
+data_dir = ''                # tokenizer folder; '' = the one recorded in the checkpoint
+chat_template_variables = {}  # published model's chat-template variables; {} = as it was fine-tuned
+metrics = 'exact_match,bleu,chrf,rouge1,rouge2,rouge_l'  # generation: names in lm/metrics.METRICS ('' = none)
+max_new_tokens = 256         # generation: tokens generated per answer at most
+temperature = 0.0            # generation: 0 = greedy
+top_k = 0                    # generation: 0 = off
+top_p = 0.0                  # generation: nucleus sampling; 0 = off
+num_samples = 1              # generation: answers per prompt (n of pass@k)
+pass_k = '1'                 # generation with num_samples > 1: comma-separated k of pass@k, each <= num_samples
+target_delimiter = ' '       # multiple choice: put between the context and each choice (lm-eval's)
+batch_size = 16              # prompts per generation batch; multiple choice: sequences per forward pass
+max_examples = 0             # evaluate the first this many examples; 0 = all
+out = ''                     # the JSON file written; '' = next to eval_data: <name>.eval.<model>.json
+seed = 1337                  # random seed of sampling
+device = 'auto'              # 'auto' (cuda, else mps, else cpu) | 'cpu' | 'cuda' | 'cuda:1' | 'mps'
+dtype = 'auto'               # 'auto' = bf16 on GPUs with it, else fp16; fp32 on CPU
+# -----------------------------------------------------------------------------
+config = configure(globals())
+check_values(config, [
+    (at_least(1), ('max_new_tokens', 'num_samples', 'batch_size')),
+    (at_least(0), ('temperature', 'top_k', 'max_examples')),
+    (interval('[0, 1]'), ('top_p',)),
+    (FOLDER, ('out_dir',)),
+])
+if not eval_data:
+    raise UserError("eval_data is not set: name the task file, e.g. --eval_data=data/my_task/test.jsonl (JSONL; "
+                    "the formats are in docs/eval.md).")
+metric_names = [name.strip() for name in metrics.split(',') if name.strip()]
+try:
+    check_metric_names(metric_names)
+except ValueError as e:
+    raise UserError(f"metrics={metrics!r}: {e}.") from None
+try:
+    ks = [int(k) for k in pass_k.split(',') if k.strip()]
+except ValueError:
+    raise UserError(f"pass_k={pass_k!r} must be comma-separated whole numbers, e.g. '1,5'.") from None
+if any(not 1 <= k <= num_samples for k in ks):
+    raise UserError(f"pass_k={pass_k!r}: each k must be from 1 to num_samples={num_samples} (pass@k draws k of the "
+                    f"num_samples answers); raise num_samples or lower k.")
+if num_samples > 1 and temperature == 0:
+    raise UserError(f"num_samples={num_samples} with temperature=0: greedy decoding gives one answer "
+                    f"{num_samples} times; set temperature > 0 (e.g. 0.8) to sample.")
+
+kind, rows = read_task(eval_data, max_examples)
+generation = kind == GENERATION
+# without references (and metrics='') eval.py only generates: no scores, no pass@k
+unreferenced = [row['line'] for row in rows if generation and row['references'] is None]
+if metric_names and unreferenced:
+    raise UserError(f"{eval_data}:{unreferenced[0]} has no reference, which metrics={metrics!r} need: give it "
+                    f"\"reference\": str or \"references\": [str, ...], or pass --metrics='' to only generate.")
+device = pick_device(device)
+autocast = autocast_context(device, pick_dtype(device, dtype))
+torch.manual_seed(seed)
+model, tokenizer, chat, ckpt_path = load_for_generation(model_path(init_from, out_dir, ckpt_name), data_dir,
+                                                        chat_template_variables, device)
+block_size = model.config.block_size
+if not out:  # the model named by its folder (and its checkpoint unless ckpt.pt), so two models do not collide
+    folder, name = os.path.split(os.path.abspath(ckpt_path))
+    model_name = os.path.basename(ckpt_path.rstrip('/')) if os.path.isdir(ckpt_path) else (
+        os.path.basename(folder) + ('' if name == 'ckpt.pt' else '-' + os.path.splitext(name)[0]))
+    out = os.path.join(os.path.dirname(eval_data), f"{os.path.splitext(os.path.basename(eval_data))[0]}.eval."
+                                                   f"{model_name}.json")
+if os.path.isdir(out) or not os.path.isdir(os.path.dirname(os.path.abspath(out))):
+    raise UserError(f"out={out!r} must be a file path in an existing folder, e.g. results.json.")
+examples, scores = [], {}
+
+
+def on_line(where, encode, *args):
+    """encode(*args), a row's tokens; the tokenizer's own errors (a character a char tokenizer lacks) name the
+    row's file and line."""
+    try:
+        return encode(*args)
+    except UserError as e:
+        raise UserError(e.args[0] if str(e).startswith(where) else f"{where}: {e}") from None
+
+
+
+if generation:
+    # a chat answer ends at its end-of-turn token, a continuation at EOS (a published model's stop tokens)
+    stop_ids = {tokenizer.eos_id, *getattr(tokenizer, 'stop_ids', [])} - {None}
+    prompts = []
+    for row in rows:
+        where = f"{eval_data}:{row['line']}"
+        ids = on_line(where, generation_prompt, tokenizer, chat, row, where)
+        if len(ids) + max_new_tokens - 1 > block_size:
+            raise UserError(f"{where}: the prompt is {len(ids)} tokens; with max_new_tokens={max_new_tokens} the "
+                            f"model would see {len(ids) + max_new_tokens - 1} positions, over its block_size of "
+                            f"{block_size}. Shorten the prompt, lower max_new_tokens, or leave the example out.")
+        prompts.append(ids)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    progress = tqdm(total=len(rows), desc=f"generation {os.path.basename(eval_data)}", unit='example')
+    # shortest prompts first: a batch pads its prompts to its longest
+    order = sorted(range(len(rows)), key=lambda i: len(prompts[i]))
+    examples = [None] * len(rows)
+    for first in range(0, len(rows), batch_size):
+        batch = order[first:first + batch_size]
+        with autocast:
+            completions = generate_batch(model, [prompts[i] for i in batch], max_new_tokens, temperature,
+                                         top_k or None, top_p or None, stop_ids, num_samples, generator)
+        for b, i in enumerate(batch):
+            row, samples = rows[i], []
+            for ids in completions[b * num_samples:(b + 1) * num_samples]:
+                text = tokenizer.decode(ids[:-1] if ids and ids[-1] in stop_ids else ids)
+                # cut before the first stop string
+                samples.append(min((text[:text.index(s)] for s in row['stop'] if s in text), key=len, default=text))
+            references = row['references'] or []
+            example = dict(index=i, prompt=row['prompt'] if row['prompt'] is not None else tokenizer.decode(prompts[i]),
+                           references=references, prediction=samples[0])
+            if num_samples > 1:
+                example['samples'] = samples
+            example['scores'] = example_scores(metric_names, samples[0], references) if row['references'] else {}
+            if row['references']:
+                wanted = {normalize_answer(r) for r in references}
+                example['correct'] = sum(normalize_answer(s) in wanted for s in samples)
+            examples[i] = example
+        progress.update(len(batch))
+    progress.close()
+    if metric_names:
+        scores = corpus_scores(metric_names, [e['prediction'] for e in examples], [e['references'] for e in examples])
+    if num_samples > 1 and not unreferenced:  # a sample is correct when it is an exact match
+        scores.update({f'pass@{k}': mean_pass_at_k([(num_samples, e['correct']) for e in examples], k) for k in ks})
+else:
+    # every choice of every example, batched batch_size sequences to a forward pass
+    requests = [(i, request) for i, row in enumerate(rows) for request in on_line(
+        f"{eval_data}:{row['line']}", choice_requests, tokenizer, row, target_delimiter, block_size,
+        f"{eval_data}:{row['line']}")]
+    logliks = [[] for _ in rows]
+    progress = tqdm(total=len(rows), desc=f"multiple choice {os.path.basename(eval_data)}", unit='example')
+    for first in range(0, len(requests), batch_size):
+        batch = requests[first:first + batch_size]
+        for (i, _), loglik in zip(batch, choice_logliks(model, [r for _, r in batch], autocast)):
+            logliks[i].append(loglik)
+        done = batch[-1][0] + (len(logliks[batch[-1][0]]) == len(rows[batch[-1][0]]['choices']))
+        progress.update(done - progress.n)
+    progress.close()
+    for i, row in enumerate(rows):
+        pred, pred_norm = choice_predictions(logliks[i], row['choices'])
+        examples.append(dict(index=i, context=row['context'], choices=row['choices'], label=row['label'],
+                             logliks=logliks[i], pred=pred, pred_norm=pred_norm, acc=int(pred == row['label']),
+                             acc_norm=int(pred_norm == row['label'])))
+    scores = {name: sum(e[name] for e in examples) / len(examples) for name in ('acc', 'acc_norm')}
+
+# the table: BLEU and chrF are on sacreBLEU's 0-100 scale, everything else a 0-1 fraction
+print(f"\n{ckpt_path} on {eval_data}")
+print(f"{'metric':<14}{'value':>10}{'n':>8}  scale")
+for name, value in scores.items():
+    scale = '0-100' if name in ('bleu', 'chrf') else '0-1'
+    print(f"{name:<14}{value:>10.4f}{len(examples):>8}  {scale}")
+result = dict(init_from=ckpt_path, eval_data=eval_data, task=kind, n=len(examples), config=config, scores=scores,
+              examples=examples)
+with open(out + '.tmp', 'w', encoding='utf-8') as f:
+    json.dump(result, f, indent=1, ensure_ascii=False)
+os.replace(out + '.tmp', out)
+print(f"wrote {out}")

@@ -1,0 +1,232 @@
+"""
+The task files eval.py measures a model on, and how each kind of row becomes model input.
+
+A task file is JSONL, one example a line (blank lines skipped), every row of one kind:
+- generation: {"prompt": str} or {"messages": [{"role", "content"}, ...]} (a conversation ending with
+  a user turn; chat models only), with {"reference": str} or {"references": [str, ...]}, and
+  optionally {"stop": [str, ...]}: the prediction is cut before the first of these strings.
+- multiple choice: {"context": str, "choices": [str, ...] (two or more), "label": int (0-based)}.
+
+read_task checks every row and names the file and line of the first bad one. generation_prompt
+encodes a generation row as sample.py does (a chat model answers it as a user turn). Multiple choice
+is scored as lm-evaluation-harness v0.4.x scores an output_type multiple_choice task with its HFLM
+model (lm_eval/api/task.py, lm_eval/api/model.py, lm_eval/models/huggingface.py):
+- ConfigurableTask.construct_requests: one loglikelihood request (context, target_delimiter + choice)
+  per choice; target_delimiter ' ' by default.
+- TemplateLM._encode_pair (encode_pair here): trailing whitespace of the context moves to the front of
+  the continuation; whole = encode(context + continuation), context_enc = encode(context),
+  continuation_enc = whole[len(context_enc):]. An empty context (TemplateLM.loglikelihood) is
+  [prefix_token_id] (BOS, else EOS) with the continuation encoded alone.
+- HFLM.tok_encode: encode as the Hugging Face tokenizer does by default (add_bos_token None, lm-eval
+  >= 0.4.9.2): with the tokens its post-processor puts before a text (a Llama's BOS; none for GPT-2-style
+  tokenizers such as SmolLM2's, nor for nanotrain's own exported ones), skipped when the text already
+  starts with that token's text. Older lm-eval (add_bos_token=False) never adds them: the same scores
+  wherever the tokenizer adds none.
+- HFLM._loglikelihood_tokens (choice_logliks here): input (context_enc + continuation_enc)[-(max_length
+  + 1):][:-1], truncated from the left when too long; the summed log_softmax of the continuation's
+  tokens at its last len(continuation_enc) positions.
+- ConfigurableTask.process_results: acc = argmax of the summed log-likelihoods == label; acc_norm = argmax
+  of log-likelihood / len(choice) (characters of the choice, without the delimiter) == label; ties go to
+  the first (np.argmax).
+"""
+import json
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from configurator import UserError
+
+GENERATION, MULTIPLE_CHOICE = 'generation', 'multiple_choice'
+FORMATS = ('{"prompt": str} or {"messages": [{"role": ..., "content": ...}, ...]} with {"reference": str} or '
+           '{"references": [str, ...]} (generation), or {"context": str, "choices": [str, ...], "label": int} '
+           '(multiple choice)')
+
+
+def is_text_list(value, least=1):
+    return isinstance(value, list) and len(value) >= least and all(isinstance(v, str) for v in value)
+
+
+def generation_row(row, where):
+    """{'prompt' or 'messages', 'references' (None without), 'stop'} of a generation row, checked."""
+    if 'messages' in row:
+        messages = row['messages']
+        if not (isinstance(messages, list) and messages and all(
+                isinstance(m, dict) and isinstance(m.get('role'), str) and isinstance(m.get('content'), str)
+                for m in messages)):
+            raise UserError(f"{where}: \"messages\" must be a non-empty list of {{\"role\": str, \"content\": str}}.")
+        if messages[-1]['role'] != 'user':
+            raise UserError(f"{where}: the conversation ends with a {messages[-1]['role']!r} turn; end it with the "
+                            f"user turn the model is to answer.")
+    elif not isinstance(row['prompt'], str):
+        raise UserError(f"{where}: \"prompt\" must be a string.")
+    if 'reference' in row and 'references' in row:
+        raise UserError(f"{where}: give \"reference\" or \"references\", not both.")
+    references = row.get('references', [row['reference']] if 'reference' in row else None)
+    if references is not None and not is_text_list(references):
+        raise UserError(f"{where}: \"reference\" must be a string, \"references\" a non-empty list of strings.")
+    stop = row.get('stop', [])
+    if not is_text_list(stop, least=0) or '' in stop:
+        raise UserError(f"{where}: \"stop\" must be a list of non-empty strings.")
+    return dict(prompt=row.get('prompt'), messages=row.get('messages'), references=references, stop=stop)
+
+
+def choice_row(row, where):
+    """{'context', 'choices', 'label'} of a multiple-choice row, checked."""
+    context, choices, label = row.get('context'), row['choices'], row.get('label')
+    if not isinstance(context, str):
+        raise UserError(f"{where}: a multiple-choice row needs \"context\": str (the text the choices follow).")
+    if not is_text_list(choices, least=2):
+        raise UserError(f"{where}: \"choices\" must be a list of two or more strings (got "
+                        f"{json.dumps(choices)[:80]}).")
+    if '' in choices:
+        raise UserError(f"{where}: choice {choices.index('')} is empty; a choice needs text to score.")
+    if not isinstance(label, int) or isinstance(label, bool) or not 0 <= label < len(choices):
+        raise UserError(f"{where}: \"label\" must be the 0-based index of the right choice, an int from 0 to "
+                        f"{len(choices) - 1} (got {json.dumps(label)}).")
+    return dict(context=context, choices=choices, label=label)
+
+
+def read_task(path, max_examples=0):
+    """(kind, rows) of a task file: GENERATION or MULTIPLE_CHOICE, and its first max_examples rows (0: all),
+    checked, each with 'line', its line number in the file."""
+    try:
+        with open(path, encoding='utf-8') as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"eval_data={path!r} cannot be read ({e}); name a UTF-8 JSONL file of examples.") from None
+    kind, rows = None, []
+    for number, text in enumerate(lines, 1):
+        if not text.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            row = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{where} is not valid JSON ({e.msg} at column {e.colno}); each line must be one JSON "
+                            f"object: {FORMATS}.") from None
+        if not isinstance(row, dict):
+            raise UserError(f"{where} is a JSON {type(row).__name__}, not an object; each line must be {FORMATS}.")
+        row_kind = (MULTIPLE_CHOICE if 'choices' in row else GENERATION if 'prompt' in row or 'messages' in row
+                    else None)
+        if row_kind is None:
+            raise UserError(f"{where} has keys {', '.join(map(repr, row)) or 'none'}, which are neither kind of "
+                            f"example; each line must be {FORMATS}.")
+        if kind is not None and row_kind != kind:
+            raise UserError(f"{where} is a {row_kind.replace('_', ' ')} example but the lines before it are "
+                            f"{kind.replace('_', ' ')} ones; one file holds one kind of task.")
+        kind = row_kind
+        rows.append(dict(choice_row(row, where) if kind == MULTIPLE_CHOICE else generation_row(row, where),
+                         line=number))
+        if len(rows) == max_examples:
+            break
+    if not rows:
+        raise UserError(f"eval_data={path!r} holds no examples; write one JSON object a line: {FORMATS}.")
+    return kind, rows
+
+
+def base_tokenizer(tokenizer):
+    """The tokenizer under nanotrain's chat template (ChatTokenizer), else tokenizer itself."""
+    return getattr(tokenizer, 'base', tokenizer)
+
+
+def generation_prompt(tokenizer, chat, row, where):
+    """The token ids a generation row gives the model: a chat model answers the prompt (as a user turn) or the
+    conversation in its chat template, as sample.py does; a base model continues the prompt, opened as its
+    tokenizer opens a text (a published model's BOS)."""
+    if chat:
+        return tokenizer.encode_prompt(row['messages'] or [{'role': 'user', 'content': row['prompt']}])
+    if row['messages']:
+        raise UserError(f"{where} is a conversation (\"messages\"), but the model is not a chat model (no chat "
+                        f"template): give it a \"prompt\" to continue, or evaluate a fine-tuned model.")
+    ids = tokenizer.document_prefix + tokenizer.encode(row['prompt'])
+    if not ids:
+        raise UserError(f"{where}: the prompt is empty; a base model needs text to continue.")
+    return ids
+
+
+def encode_text(tokenizer, text):
+    """text as HFLM.tok_encode encodes it: the tokenizer's own opening tokens (a BOS), unless text already
+    starts with their text."""
+    tokenizer = base_tokenizer(tokenizer)
+    prefix = list(tokenizer.document_prefix)
+    if prefix and text.startswith(tokenizer.decode(prefix)):
+        prefix = []
+    return prefix + tokenizer.encode(text)
+
+
+def prefix_token_id(tokenizer):
+    """lm-eval's prefix_token_id, the context of an empty one: the BOS token, else the EOS token, else None."""
+    tokenizer = base_tokenizer(tokenizer)
+    if hasattr(tokenizer, 'token_id'):  # a published model's named special tokens
+        bos = tokenizer.token_id('bos_token')
+        return bos if bos is not None else tokenizer.token_id('eos_token')
+    return tokenizer.eos_id
+
+
+def encode_pair(tokenizer, context, continuation, where):
+    """(context ids, continuation ids) of a loglikelihood request, as lm-eval's TemplateLM.loglikelihood and
+    _encode_pair split them."""
+    if not context:
+        prefix = prefix_token_id(tokenizer)
+        if prefix is None:
+            raise UserError(f"{where}: the context is empty, and the tokenizer has neither a BOS nor an EOS token to "
+                            f"condition the choices on (lm-eval's prefix token); give a context.")
+        continuation_enc = base_tokenizer(tokenizer).encode(continuation)
+        if continuation_enc[:1] == [prefix]:
+            return continuation_enc[:1], continuation_enc[1:]
+        return [prefix], continuation_enc
+    spaces = len(context) - len(context.rstrip())
+    if spaces:
+        context, continuation = context[:-spaces], context[-spaces:] + continuation
+    whole = encode_text(tokenizer, context + continuation)
+    context_enc = encode_text(tokenizer, context)
+    if not context_enc:
+        raise UserError(f"{where}: the context is only whitespace; give it text, or leave it empty (\"\").")
+    return context_enc, whole[len(context_enc):]
+
+
+def choice_requests(tokenizer, row, target_delimiter, block_size, where):
+    """[(token ids, n)] of each of a row's choices: the context's and the continuation's ids, the
+    continuation the last n of them; cut from the left to block_size + 1 ids (the last one is predicted,
+    never read), as lm-eval truncates to max_length."""
+    requests = []
+    for k, choice in enumerate(row['choices']):
+        context_enc, continuation_enc = encode_pair(tokenizer, row['context'], target_delimiter + choice, where)
+        if not continuation_enc or len(continuation_enc) > block_size:
+            raise UserError(f"{where}: choice {k} is {len(continuation_enc)} tokens after the context; it must be 1 "
+                            f"to block_size={block_size} tokens to be scored.")
+        requests.append(((context_enc + continuation_enc)[-(block_size + 1):], len(continuation_enc)))
+    return requests
+
+
+@torch.no_grad()
+def choice_logliks(model, requests, autocast):
+    """Summed log-likelihood of each request's continuation (choice_requests): each of its n tokens' log-prob
+    given the ids before it, from one forward pass over all requests right-padded (causal attention: no
+    real token sees the padding); logits only where a continuation token is predicted."""
+    device = model.lm_head.weight.device
+    x = torch.zeros(len(requests), max(len(ids) for ids, _ in requests) - 1, dtype=torch.long)
+    rows, cols, targets = [], [], []
+    for r, (ids, n) in enumerate(requests):
+        x[r, :len(ids) - 1] = torch.tensor(ids[:-1])
+        rows += [r] * n
+        cols += range(len(ids) - 1 - n, len(ids) - 1)
+        targets += ids[-n:]
+    at = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+    with autocast:
+        logits, _ = model(x.to(device), logits_at=at)
+    # float32 log-softmax, summed in float32: HFLM's for a float32 model
+    logprobs = F.log_softmax(logits.float(), dim=-1).gather(1, torch.tensor(targets, device=device)[:, None])[:, 0]
+    sums, start = [], 0
+    for _, n in requests:
+        sums.append(float(logprobs[start:start + n].sum()))
+        start += n
+    return sums
+
+
+def choice_predictions(logliks, choices):
+    """(pred, pred_norm): the argmax of logliks and of logliks / len(choice), as lm-eval's process_results
+    (np.argmax: the first on a tie)."""
+    lengths = np.array([float(len(choice)) for choice in choices])
+    return int(np.argmax(logliks)), int(np.argmax(np.array(logliks) / lengths))

@@ -1,0 +1,54 @@
+"""
+Speak with a trained text-to-speech checkpoint (train_tts.py):
+`python sample_tts.py --out_dir=out-tts-espeak --text="I am as well acquainted here." --wav=out.wav`.
+GPT checkpoints and published models generate text with sample.py instead.
+"""
+
+import os
+import time
+
+from configurator import FOLDER, POSITIVE, UserError, at_least, check_values, configure
+from run.checkpoint import load_checkpoint
+from run.device import pick_device
+from tts.data import MEL_SETTINGS, write_wav
+from tts.model import load_tts, synthesize
+
+# -----------------------------------------------------------------------------
+out_dir = 'out-tts'          # folder of the train_tts.py run to speak with
+ckpt_name = 'ckpt.pt'        # 'ckpt.pt' (latest) or 'best.pt'
+text = 'I will unfold some causes of your deaths.'  # what to say
+wav = 'out.wav'              # where to write the waveform
+n_timesteps = 10             # Euler steps of the flow-matching ODE
+tts_temperature = 0.667      # scale of the starting noise
+length_scale = 1.0           # > 1 speaks slower
+guidance = 0.0               # classifier-free guidance weight (models trained with cfg_drop > 0)
+seed = 1337                  # random seed of the starting noise
+device = 'auto'              # 'auto' (cuda, else mps, else cpu) | 'cpu' | 'cuda' | 'cuda:1' | 'mps'
+# -----------------------------------------------------------------------------
+config = configure(globals())
+check_values(config, [
+    (at_least(1), ('n_timesteps',)),
+    (at_least(0), ('tts_temperature', 'guidance')),
+    (POSITIVE, ('length_scale',)),
+    (FOLDER, ('out_dir',)),
+])
+
+ckpt_path = os.path.join(out_dir, ckpt_name)
+if not os.path.isfile(ckpt_path):
+    found = sorted(f for f in os.listdir(out_dir) if f.endswith('.pt')) if os.path.isdir(out_dir) else []
+    raise UserError(f"no model to speak with: {ckpt_path} does not exist. " + (
+        f"{out_dir} holds {', '.join(found)}: pick one with --ckpt_name." if found else
+        f"Train one there first (`python train_tts.py --out_dir={out_dir}`), or point --out_dir at a run's folder."))
+if os.path.isdir(wav) or not os.path.isdir(os.path.dirname(os.path.abspath(wav))):
+    raise UserError(f"wav={wav!r} must be a file path in an existing folder, e.g. out.wav.")
+ckpt = load_checkpoint(ckpt_path)
+if ckpt['kind'] != 'tts':
+    raise UserError(f"{ckpt_path} is a {ckpt['kind']!r} checkpoint, not a text-to-speech one (train_tts.py); "
+                    f"generate text from it with `python sample.py --out_dir={out_dir}`.")
+model = load_tts(ckpt, pick_device(device))
+t0 = time.time()
+audio, _ = synthesize(model, text, n_timesteps=n_timesteps, temperature=tts_temperature,
+                      length_scale=length_scale, guidance=guidance, seed=seed)
+write_wav(wav, audio, MEL_SETTINGS['sample_rate'])
+seconds = len(audio) / MEL_SETTINGS['sample_rate']
+print(f"wrote {wav}: {seconds:.2f} s of audio, real-time factor {(time.time() - t0) / seconds:.3f}")

@@ -1,0 +1,243 @@
+"""eval.py on tiny models made here: generation scored by lm/metrics, batched greedy answers equal to
+model.generate's one prompt at a time, a chat model answering in its template, pass@k, multiple-choice
+log-likelihoods against an independent float64 computation, acc/acc_norm, and every bad input's error.
+eval.py runs in this process (runpy) so that its model and the reference share one process's kernels."""
+
+import json
+import math
+import os
+import runpy
+import sys
+from collections import Counter
+from unittest import mock
+
+import pytest
+import torch
+
+from configurator import UserError
+from conftest import CHARS, ROOT, assert_user_error, run, write_jsonl
+from data import prepare
+from lm.eval_tasks import choice_predictions
+from lm.metrics import corpus_scores, example_scores, normalize_answer
+from lm.tokenizer import ChatTokenizer, load_tokenizer
+from model import GPT, GPTConfig
+
+METRICS = ['exact_match', 'bleu', 'chrf', 'rouge1', 'rouge2', 'rouge_l']
+PROMPTS = ['What is 1+2?', 'abc', 'Which is larger, 318 or 95?', 'x', 'Reverse the digits of 4827.']
+# greedy choices this far ahead of the runner-up: float32's rounding of these logits (~1e-5: eps32 * |logit| ~ 10
+# through two layers) cannot flip them, on any CPU
+MARGIN = 1e-3
+
+
+def sharp_model(vocab_size, seed):
+    """A tiny untied GPT with 20x its init weights: its greedy answers depend on the prompt (at init it repeats
+    a token)."""
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(block_size=64, vocab_size=vocab_size, n_layer=2, n_head=2, n_embd=32, tie_embeddings=False))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(20 if p.dim() == 2 else 1)
+    return model.eval()
+
+
+def save(model, tokenizer, chat, data_dir, path):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    torch.save(dict(kind='gpt', model=model.state_dict(), model_args=model.model_args(),
+                    config=dict(training_type='sft' if chat else 'from_scratch'), tokenizer=tokenizer.identity(),
+                    data_dir=data_dir), path)
+    return path
+
+
+@pytest.fixture(scope='module')
+def models(tmp_path_factory):
+    """A char tokenizer, a base checkpoint and a chat one (nanotrain's template) whose <|end|> row is 1.2x the
+    row of a token it answers with, so that it ends some answers early."""
+    root = tmp_path_factory.mktemp('eval')
+    (root / 'corpus.txt').write_text(''.join(CHARS) * 4)
+    data_dir = prepare(str(root / 'corpus.txt'), str(root / 'prepared'), tokenizer='char')
+    tokenizer = load_tokenizer(data_dir)
+    chat_tokenizer = ChatTokenizer(tokenizer)
+    base = sharp_model(tokenizer.vocab_size, seed=1)
+    chat = sharp_model(chat_tokenizer.vocab_size, seed=3)
+    answers = [greedy(chat, chat_tokenizer.encode_prompt([{'role': 'user', 'content': p}]), 8)[0] for p in PROMPTS]
+    common = Counter(t for a in answers for t in a[2:]).most_common(1)[0][0]
+    with torch.no_grad():
+        chat.lm_head.weight[chat_tokenizer.eos_id] = 1.2 * chat.lm_head.weight[common]
+    return dict(root=root, data_dir=data_dir, tokenizer=tokenizer, chat_tokenizer=chat_tokenizer, base_model=base,
+                chat_model=chat, base=save(base, tokenizer, False, data_dir, str(root / 'base' / 'ckpt.pt')),
+                chat=save(chat, chat_tokenizer, True, data_dir, str(root / 'chat' / 'ckpt.pt')))
+
+
+def eval_py(*args):
+    """eval.py with args, in this process; its JSON output."""
+    with mock.patch.object(sys, 'argv', ['eval.py', '--device=cpu', *args]):
+        script = runpy.run_path(os.path.join(ROOT, 'eval.py'), run_name='__main__')
+    with open(script['out']) as f:
+        return json.load(f)
+
+
+def greedy(model, prompt, n, eos_id=None):
+    """(model.generate's greedy completion of prompt, alone, in float64; the smallest lead of a chosen token's
+    logit over the runner-up along it)."""
+    model64 = GPT(model.config).double().eval()
+    model64.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        out = model64.generate(torch.tensor([prompt]), n, temperature=0, eos_id=eos_id)[0].tolist()
+        logits, _ = model64(torch.tensor([out[:-1]]))
+    top2 = logits[0, len(prompt) - 1:].topk(2, dim=-1).values
+    return out[len(prompt):], float((top2[:, 0] - top2[:, 1]).min())
+
+
+@pytest.mark.comparison
+def test_generation_scores_and_batched_greedy_answers(models):
+    """A base model continues each prompt (stopping at a row's stop string); its batched greedy answers equal
+    model.generate's alone, and the scores are lm/metrics' on the predictions written."""
+    rows = [dict(prompt=p, reference=r) for p, r in zip(PROMPTS, ['3', 'abc def', 'x', '', '7284'])]
+    rows[1] = dict(prompt='abc', references=['def', 'd e f'], stop=['e', 'q'])
+    rows[3]['reference'] = 'x y'
+    data = write_jsonl(models['root'] / 'gen.jsonl', rows)
+    result = eval_py(f"--init_from={models['base']}", f'--eval_data={data}', '--max_new_tokens=12', '--batch_size=3')
+    assert result['task'] == 'generation' and result['n'] == len(rows)
+    assert result['init_from'] == models['base']
+    tokenizer = models['tokenizer']
+    for row, example in zip(rows, result['examples']):
+        answer, margin = greedy(models['base_model'], tokenizer.encode(row['prompt']), 12)
+        assert margin > MARGIN
+        text = tokenizer.decode(answer)
+        assert example['prediction'] == min([text] + [text[:text.index(s)] for s in row.get('stop', []) if s in text],
+                                            key=len)
+        assert example['references'] == row.get('references', [row.get('reference')])
+        assert example['scores'] == example_scores(METRICS, example['prediction'], example['references'])
+        assert 'samples' not in example
+    predictions = [e['prediction'] for e in result['examples']]
+    assert result['scores'] == corpus_scores(METRICS, predictions, [e['references'] for e in result['examples']])
+    assert os.path.exists(os.path.join(os.path.dirname(data), 'gen.eval.base.json'))  # the default out
+
+
+@pytest.mark.comparison
+def test_chat_model_answers_in_its_template_and_stops_at_end_of_turn(models):
+    rows = [dict(prompt=p, reference='3') for p in PROMPTS[:3]]
+    rows += [dict(messages=[{'role': 'system', 'content': 'Be brief.'}, {'role': 'user', 'content': PROMPTS[3]}],
+                  reference='x')]
+    data = write_jsonl(models['root'] / 'chat.jsonl', rows)
+    result = eval_py(f"--init_from={os.path.dirname(models['chat'])}", f'--eval_data={data}', '--max_new_tokens=10',
+                     '--metrics=exact_match', f"--out={models['root'] / 'chat.json'}")
+    tokenizer, ended = models['chat_tokenizer'], 0
+    for row, example in zip(rows, result['examples']):
+        messages = row.get('messages') or [{'role': 'user', 'content': row['prompt']}]
+        prompt = tokenizer.encode_prompt(messages)
+        answer, margin = greedy(models['chat_model'], prompt, 10, eos_id=tokenizer.eos_id)
+        assert margin > MARGIN
+        ended += answer[-1] == tokenizer.eos_id
+        assert example['prediction'] == tokenizer.decode(answer[:-1] if answer[-1] == tokenizer.eos_id else answer)
+        assert example['prompt'] == row.get('prompt', tokenizer.decode(prompt))
+    assert ended >= 1 and '<|end|>' not in json.dumps([e['prediction'] for e in result['examples']])
+    assert result['examples'][3]['prompt'].startswith('<|system|>Be brief.<|end|><|user|>x<|end|><|assistant|>')
+
+
+@pytest.mark.comparison
+def test_pass_at_k_counts_exact_matches_among_samples(models):
+    rows = [dict(prompt=p) for p in PROMPTS]
+    sampling = ['--num_samples=4', '--temperature=1.5', '--max_new_tokens=2', '--batch_size=2', '--seed=3']
+    free = eval_py(f"--init_from={models['chat']}", f"--eval_data={write_jsonl(models['root'] / 'free.jsonl', rows)}",
+                   '--metrics=', *sampling)
+    assert free['scores'] == {} and all('correct' not in e for e in free['examples'])
+    # the same draws again, now with references: the first example's first sample, another's second
+    samples = [e['samples'] for e in free['examples']]
+    for row, s in zip(rows, samples):
+        row['references'] = [s[0] + ' ', 'zz']
+    rows[2]['references'] = [s[1] for s in samples[2:3]]
+    data = write_jsonl(models['root'] / 'passk.jsonl', rows)
+    result = eval_py(f"--init_from={models['chat']}", f'--eval_data={data}', '--metrics=exact_match',
+                     '--pass_k=1,2,4', *sampling)
+    counts = []
+    for row, example, s in zip(rows, result['examples'], samples):
+        assert example['samples'] == s and example['prediction'] == s[0] and len(s) == 4
+        wanted = {normalize_answer(r) for r in row['references']}
+        counts.append(sum(normalize_answer(x) in wanted for x in s))
+        assert example['correct'] == counts[-1] >= 1
+    for k in (1, 2, 4):  # Chen et al.'s estimator, written out
+        want = sum(1 - math.comb(4 - c, k) / math.comb(4, k) for c in counts) / len(counts)
+        assert result['scores'][f'pass@{k}'] == pytest.approx(want, abs=1e-12)
+    assert result['scores']['exact_match'] == corpus_scores(['exact_match'], [s[0] for s in samples],
+                                                            [r['references'] for r in rows])['exact_match']
+
+
+def reference_loglik(model, tokenizer, context, choice):
+    """log P(' ' + choice | context) in float64 over lm-eval's split (a tokenizer that adds no BOS): the
+    context's trailing whitespace moved into the continuation, the input cut to the last block_size + 1 ids."""
+    kept = context.rstrip()
+    whole = tokenizer.encode(context + ' ' + choice)
+    n = len(whole) - len(tokenizer.encode(kept))
+    ids = whole[-(model.config.block_size + 1):]
+    model64 = GPT(model.config).double().eval()
+    model64.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model64(torch.tensor([ids[:-1]]))[0][0], dim=-1)
+    return sum(float(logprobs[j - 1, ids[j]]) for j in range(len(ids) - n, len(ids)))
+
+
+@pytest.mark.comparison
+def test_multiple_choice_logliks_and_accuracy(models):
+    rows = [dict(context='What is 1+2?', choices=['3', '4', 'three'], label=0),
+            dict(context='Which is larger, 318 or 95? ', choices=['318', '95'], label=1),  # its space moves
+            dict(context='abc ' * 20, choices=['def', 'd', 'abc abc'], label=2),  # longer than block_size: cut
+            dict(context='x\n', choices=['yes', 'no'], label=1)]
+    data = write_jsonl(models['root'] / 'mc.jsonl', rows)
+    result = eval_py(f"--init_from={models['base']}", f'--eval_data={data}', '--batch_size=3')
+    assert result['task'] == 'multiple_choice' and result['n'] == 4
+    for row, example in zip(rows, result['examples']):
+        assert {k: example[k] for k in ('context', 'choices', 'label')} == row
+        want = [reference_loglik(models['base_model'], models['tokenizer'], row['context'], c) for c in row['choices']]
+        # float32 against float64: each log-prob off by ~eps32 * |logit| (logits ~10): 1e-3 is far above it
+        assert example['logliks'] == pytest.approx(want, abs=1e-3)
+        pred, pred_norm = choice_predictions(example['logliks'], row['choices'])
+        assert (example['pred'], example['pred_norm']) == (pred, pred_norm)
+        assert (example['acc'], example['acc_norm']) == (int(pred == row['label']), int(pred_norm == row['label']))
+    assert result['scores'] == {'acc': sum(e['acc'] for e in result['examples']) / 4,
+                                'acc_norm': sum(e['acc_norm'] for e in result['examples']) / 4}
+
+
+def test_choice_predictions_are_lm_evals_argmaxes():
+    # acc picks the highest sum; acc_norm divides by the choice's characters (not its tokens)
+    assert choice_predictions([-2.0, -3.0], ['x', 'yyyyyy']) == (0, 1)
+    assert choice_predictions([-6.0, -4.0, -4.5], ['aaa', 'bb', 'ccc']) == (1, 2)
+    assert choice_predictions([-1.0, -1.0, -2.0], ['ab', 'ab', 'a']) == (0, 0)  # a tie: the first
+
+
+def bad(models, rows, *args, init_from='base'):
+    """The UserError eval.py raises on rows (a list; strings are written as they are) and args."""
+    data = models['root'] / 'bad.jsonl'
+    data.write_text(''.join((r if isinstance(r, str) else json.dumps(r)) + '\n' for r in rows))
+    with pytest.raises(UserError) as e:
+        eval_py(f'--init_from={models[init_from]}', f'--eval_data={data}', *args)
+    return str(e.value)
+
+
+def test_bad_input_is_a_clear_error(models):
+    path = models['root'] / 'bad.jsonl'
+    gen, mc = dict(prompt='abc', reference='d'), dict(context='abc', choices=['d', 'e'], label=0)
+    assert f'{path}:2 is not valid JSON' in bad(models, [gen, '{"prompt": "abc",'])
+    assert f"{path}:1 has keys 'question', 'answer'" in bad(models, [dict(question='a', answer='b')])
+    assert 'holds no examples' in bad(models, ['', ' '])
+    assert f'{path}:2 is a multiple choice example but the lines before it are generation' in bad(models, [gen, mc])
+    assert f'{path}:1: "choices" must be a list of two or more' in bad(models, [dict(mc, choices=['d'])])
+    assert f'{path}:1: "label" must be the 0-based index' in bad(models, [dict(mc, label=2)])
+    assert f'{path}:2 has no reference' in bad(models, [gen, dict(prompt='abc')])
+    assert "unknown metric 'blue'" in bad(models, [gen], '--metrics=exact_match,blue')
+    assert 'each k must be from 1 to num_samples=2' in bad(models, [gen], '--num_samples=2', '--temperature=1',
+                                                            '--pass_k=1,3')
+    assert f'{path}:1: the prompt is 61 tokens' in bad(models, [dict(prompt='a' * 61, reference='b')],
+                                                       '--max_new_tokens=8')
+    assert 'not a chat model' in bad(models, [dict(messages=[{'role': 'user', 'content': 'a'}], reference='b')])
+    assert 'ends with a \'assistant\' turn' in bad(models, [dict(messages=[{'role': 'assistant', 'content': 'a'}])],
+                                                   init_from='chat')
+    assert 'neither a BOS nor an EOS' in bad(models, [dict(mc, context='')])
+
+
+@pytest.mark.slow
+def test_bad_input_exits_2_without_traceback(models):
+    data = models['root'] / 'broken.jsonl'
+    data.write_text('{"prompt": "abc"\n')
+    p = run(['eval.py', f"--init_from={models['base']}", f'--eval_data={data}', '--device=cpu'], check=False)
+    assert_user_error(p, f'{data}:1 is not valid JSON')

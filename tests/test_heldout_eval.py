@@ -1,0 +1,153 @@
+"""lm/heldout_eval.py: held-out prompts answered in batches as the path it replaced answered them one at a
+time (GPT.generate per prompt), exact match as strict as before, the metrics of --eval_metrics at every eval
+in log.jsonl and TensorBoard, corpus scores under DDP equal to one process's, a bad metric name refused."""
+import contextlib
+import glob
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from conftest import assert_user_error, logged, read_log, run, sft, sft_args, torchrun
+from lm import metrics
+from lm.generate import generate_batch
+from lm.heldout_eval import HeldOut, answer_batches, heldout_answers, score_answers
+from model import GPT, GPTConfig
+
+PROMPTS = [[5, 9, 1], [7], [3, 3, 8, 2, 11, 30, 4], [12, 6], [1, 2, 3, 4], [20]]  # lengths differ: padding
+
+
+class Letters:
+    """Token i is the character chr(97 + i); eos_id ends a turn."""
+
+    def __init__(self, eos_id):
+        self.eos_id = eos_id
+
+    def encode(self, text):
+        return [ord(ch) - 97 for ch in text]
+
+    def decode(self, ids):
+        return ''.join(chr(97 + i) for i in ids)
+
+
+def sharp_model():
+    """tests/test_generate.py's tiny float64 GPT with 20x its init weights: answers depend on the prompt, and
+    float64 keeps padding's kernels from flipping a greedy choice."""
+    torch.manual_seed(0)
+    m = GPT(GPTConfig(block_size=32, vocab_size=32, n_layer=2, n_head=2, n_embd=16))
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(20 if p.dim() == 2 else 1)
+    return m.double()
+
+
+def old_answer(m, prompt, max_new_tokens, eos_id):
+    """The replaced path: one prompt through GPT.generate, greedy, up to and with the end of turn."""
+    out = m.generate(torch.tensor([prompt]), max_new_tokens, temperature=0, eos_id=eos_id)[0, len(prompt):].tolist()
+    return out[:out.index(eos_id) + 1] if eos_id in out else out
+
+
+def old_exact_match(answers, references, tokenizer):
+    """The replaced path's score: the end of turn generated (within the reference's tokens + 1) right after
+    the normalised reference."""
+    end, norm = tokenizer.eos_id, metrics.normalize_answer
+    return sum(end in out and norm(tokenizer.decode(out[:out.index(end)])) == norm(ref)
+               for out, ref in zip(answers, references)) / len(answers)
+
+
+@pytest.mark.comparison
+def test_batched_answers_equal_one_prompt_at_a_time():
+    m = sharp_model().eval()
+    free = generate_batch(m, PROMPTS, 12)
+    tok = Letters(eos_id=free[0][2])  # a token the model produces: some answers stop, others run on
+    # rows 0 and 1 stop right after their references (row 1's spaced: normalised), row 2 runs on past its own
+    references = [tok.decode(free[0][:2]), f' {tok.decode(free[1][:3])}  ', tok.decode(free[2][:3]), 'x', 'ab', 'q']
+    prompts = list(zip(PROMPTS, references))
+    exact = HeldOut(tok, prompts, ['exact_match'], batch_size=4, max_length=20)
+    got = heldout_answers(m, exact, contextlib.nullcontext())
+    want = [old_answer(m, p, len(ref) + 1, tok.eos_id) for p, ref in prompts]
+    assert got == want
+    assert any(a[-1] == tok.eos_id for a in got) and any(a[-1] != tok.eos_id for a in got)
+    assert score_answers(['exact_match'], got, references, tok)['exact_match'] == old_exact_match(want, references, tok)
+    # free-form metrics: answers run on to max_length (prompt included) but exact match is scored as before
+    both = exact._replace(metrics=['bleu', 'exact_match'])
+    longer = heldout_answers(m, both, contextlib.nullcontext())
+    assert longer == [old_answer(m, p, max(len(ref) + 1, 20 - len(p)), tok.eos_id) for p, ref in prompts]
+    scores = score_answers(['bleu', 'exact_match'], longer, references, tok)
+    assert scores['exact_match'] == old_exact_match(want, references, tok) == 2 / 6  # rows 0 and 1
+    texts = [tok.decode(a[:-1] if a[-1] == tok.eos_id else a) for a in longer]
+    assert scores['bleu'] == metrics.corpus_bleu(texts, references)
+    assert m.training is False and list(scores) == ['bleu', 'exact_match']
+
+
+def test_exact_match_is_strict_and_uses_the_metrics_normaliser():
+    """As before batching: normalize_answer's whitespace and case rules, and the end of turn within the
+    reference's tokens + 1, even when a free-form metric let the answer run longer."""
+    tok = Letters(eos_id=31)
+    references = ['ab c', ' d ', 'paris', 'ab', 'ab']
+    texts = ['ab\tc', 'd', 'Paris', 'ab ', 'abxyz']  # hit, hit, miss (case), miss (stops late), miss
+    answers = [tok.encode(t) + [31] for t in texts[:4]] + [tok.encode(texts[4])]  # the last never stops
+    assert score_answers(['exact_match'], answers, references, tok)['exact_match'] == 2 / 5
+    assert metrics.exact_match(texts, references) == 3 / 5  # the plain metric: 'ab ' is 'ab'
+
+
+def test_batches_fit_the_block_and_batch_size():
+    rows = [([0] * n, budget) for n, budget in [(3, 5), (10, 2), (4, 19), (1, 1), (6, 6), (2, 3)]]
+    batches = answer_batches(rows, batch_size=3, block_size=22)
+    assert sorted(i for b in batches for i in b) == list(range(len(rows)))
+    assert [len(rows[b[0]][0]) for b in batches] == sorted(len(rows[b[0]][0]) for b in batches)  # shortest first
+    for b in batches:
+        assert len(b) <= 3 and max(len(rows[i][0]) for i in b) + max(rows[i][1] for i in b) - 1 <= 22
+    assert len(batches) == 3  # (1, 2, 3); then 4+19 cannot take 6; (6, 10) fit
+
+
+# -- train.py and train_dpo.py -------------------------------------------------------------------
+
+METRICS = '--eval_metrics=exact_match,bleu,chrf,rouge_l'
+KEYS = ['eval/exact_match', 'eval/bleu', 'eval/chrf', 'eval/rouge_l']
+
+
+@pytest.fixture(scope='module')
+def tuned(sft_env, tmp_path_factory):
+    """An SFT run scoring four metrics every 2 steps, with TensorBoard."""
+    out = tmp_path_factory.mktemp('tuned')
+    p = sft(sft_env, out, '--max_iters=4', '--eval_interval=2', '--lr_decay_iters=4', '--exact_match_examples=12',
+            '--tensorboard=True', METRICS)
+    return out, p.stdout
+
+
+@pytest.mark.slow
+def test_eval_metrics_logged_recorded_and_in_tensorboard_at_every_eval(tuned):
+    out, stdout = tuned
+    for key in KEYS:
+        assert sorted(logged(out, key)) == [0, 2, 4], key
+    assert [e['step'] for e in read_log(out) if 'val_loss' in e] == [0, 2, 4]
+    assert 'step 2: exact_match 0.0%, bleu ' in stdout and ', rouge_l ' in stdout  # one line per eval
+    events = EventAccumulator(glob.glob(str(out / 'tb' / 'events.*'))[0])
+    events.Reload()
+    for key in KEYS:
+        scalars = events.Scalars(key)
+        assert [s.step for s in scalars] == [0, 2, 4]
+        assert [s.value for s in scalars] == pytest.approx([logged(out, key)[s] for s in (0, 2, 4)], rel=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.comparison
+def test_ddp_corpus_scores_equal_one_process(tuned, sft_env, tmp_path):
+    """The tuned run's final weights scored again by 2 ranks (gloo), which answer alternate batches (5 here:
+    the free-form answers run to max_length = block_size, so only prompts of about one length share a batch)
+    and gather the answers: the corpus scores are the single process's of its last eval bit for bit (each
+    batch is computed as one process computes it, one thread each)."""
+    out = tuned[0]
+    run([*torchrun(2), *sft_args(sft_env, tmp_path, '--eval_only=True', f'--init_from={out / "ckpt.pt"}',
+                                 '--exact_match_examples=12', METRICS)])
+    one, two = read_log(out)[-1], read_log(tmp_path)[-1]
+    assert one['step'] == 4 and {k: one[k] for k in KEYS} == {k: two[k] for k in KEYS}
+    assert one['eval/chrf'] > 0  # summed counts: the mean of the ranks' chrF would differ
+
+
+@pytest.mark.slow
+def test_unknown_metric_is_a_user_error(tmp_path):
+    for script in ('train.py', 'train_dpo.py'):
+        p = run([script, f'--out_dir={tmp_path}', '--eval_metrics=exact_match,blue'], check=False)
+        assert_user_error(p, "eval_metrics='exact_match,blue'", "unknown metric 'blue'", 'bleu, chrf')

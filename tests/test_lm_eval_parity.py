@@ -34,10 +34,22 @@ def tolerances(example):
     return [TOKEN_TOL * len(ids) for ids in example['continuation_ids']]
 
 
-def test_the_fixture_was_built_for_this_tolerance():
+def argmax(scores):
+    return max(range(len(scores)), key=lambda i: (scores[i], -i))  # the first of equal scores, as np.argmax
+
+
+def test_the_fixture_was_built_for_this_tolerance_and_tells_scorings_apart():
     # the fixture's margins between choices were chosen for the tolerance the test allows
     assert EXPECTED['token_tol'] == TOKEN_TOL and EXPECTED['n'] == len(EXPECTED['examples'])
     assert EXPECTED['float64_max_abs_diff_per_token'] < TOKEN_TOL / 10
+    # examples where acc != acc_norm, and where normalising by bytes, tokens or len(" " + choice) instead of the
+    # choice's characters would pick another choice: a scorer that did so fails the eval.py test
+    examples = EXPECTED['examples']
+    assert sum(e['acc'] != e['acc_norm'] for e in examples) >= 5
+    for length in (lambda e, k: len(e['choices'][k].encode()), lambda e, k: len(e['continuation_ids'][k]),
+                   lambda e, k: len(' ' + e['choices'][k])):
+        assert sum(argmax([ll / length(e, k) for k, ll in enumerate(e['logliks'])]) != e['pred_norm']
+                   for e in examples) >= 2
 
 
 @pytest.mark.comparison

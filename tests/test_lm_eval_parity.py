@@ -67,17 +67,15 @@ def test_nanotrain_gpt_gives_lm_evals_logliks_on_its_token_splits():
         inputs[row, :len(tokens) - 1] = torch.tensor(tokens[:-1])
     with torch.no_grad():
         logp = load_gpt(MODEL)(inputs)[0].float().log_softmax(-1)
-    worst = 0.0
     for row, (example, i, tokens, n) in enumerate(pairs):
         positions = torch.arange(len(tokens) - 1 - n, len(tokens) - 1)
         got = logp[row, positions, tokens[-n:]].sum().item()
         want = example['logliks'][i]
         assert abs(got - want) <= TOKEN_TOL * n, (example['index'], example['choices'][i], got, want)
-        worst = max(worst, abs(got - want) / n)
-    assert worst < TOKEN_TOL
+
 
 @pytest.mark.comparison
-@pytest.mark.skipif(not os.path.exists(os.path.join(ROOT, 'eval.py')), reason="eval.py (issue 31) is not written yet")
+@pytest.mark.slow  # a launch of eval.py
 def test_eval_py_scores_multiple_choice_as_lm_eval_does(tmp_path):
     out = tmp_path / 'result.json'
     run(['eval.py', f'--init_from={MODEL}', f'--eval_data={os.path.join(FIXTURE, "examples.jsonl")}', f'--out={out}',

@@ -193,12 +193,15 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x, rope=None, cache=None, mask=None):
         B, T, C = x.shape
-        # one matmul over the three layers' stacked weights instead of three (4% of a step at
-        # nanoGPT's CPU shape); layers with an adapter (lora.LoRALinear) then add its term
         layers = (self.q, self.k, self.v)
-        bias = None if self.q.bias is None else torch.cat([m.bias for m in layers])
-        qkv = F.linear(x, torch.cat([m.weight for m in layers]), bias).split([m.out_features for m in layers], dim=-1)
-        q, k, v = (m.add_adapter(x, y) if hasattr(m, 'add_adapter') else y for m, y in zip(layers, qkv))
+        if cache is not None and T == 1:  # a decode step: stacking the weights would copy them per token
+            q, k, v = (m(x) for m in layers)
+        else:
+            # one matmul over the three layers' stacked weights instead of three (4% of a step at
+            # nanoGPT's CPU shape); layers with an adapter (lora.LoRALinear) then add its term
+            bias = None if self.q.bias is None else torch.cat([m.bias for m in layers])
+            qkv = F.linear(x, torch.cat([m.weight for m in layers]), bias).split([m.out_features for m in layers], -1)
+            q, k, v = (m.add_adapter(x, y) if hasattr(m, 'add_adapter') else y for m, y in zip(layers, qkv))
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k, v = (y.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2) for y in (k, v))
         if self.q_norm is not None:

@@ -59,12 +59,27 @@ def shard_model(model, device, param_dtype, cpu_offload, frozen=False):
                     offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
     for module in (*model.transformer.h, model):  # each block, then the rest
         fully_shard(parameters_in(module, param_dtype) if frozen else module.float(), **settings)
-    # a sharded checkpoint's placeholders (load_checkpoint): each rank's shards, which
-    # restore_training_state fills
+    # built on the meta device: a sharded checkpoint's placeholders (load_checkpoint), each rank's shards of
+    # which restore_training_state fills, or a new model (init_seed), whose shards each rank draws now
     if any(p.is_meta for p in model.parameters()):
         model.to_empty(device='cpu' if cpu_offload else device)
         if model.config.pos_emb == 'rope':
             model.set_rope_tables(device)  # to_empty left the tables empty too
+        if model.init_seed is not None:
+            init_shards(model)
+
+
+@torch.no_grad()
+def init_shards(model):
+    """Draw a new GPT sharded on the meta device and allocated (to_empty): this rank's shard of each weight,
+    the values model.init_weights(model.init_seed) gives the whole model in one process, whatever the number
+    of ranks. Each parameter is drawn whole (GPT.initial_value: its own stream, not the shard's part alone),
+    one at a time, then cut to this rank's shard: beyond its shards a rank holds at most the largest
+    parameter (the embedding), never the model."""
+    from torch.distributed.tensor import distribute_tensor
+    for name, p in model.named_parameters():
+        whole = model.initial_value(name, model.init_seed).to(p.device)
+        p.copy_(distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None))  # no communication
 
 
 def parameters_in(module, dtype):

@@ -6,17 +6,18 @@ import shutil
 import pytest
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from configurator import UserError
 from run.checkpoint import load_checkpoint
 from conftest import (HF_TINY, REFERENCE, TINY, TRAIN_METRICS, assert_user_error, dpo, evals, hf_fixture,
                       kill_and_relaunch, load, logged, parameter_bytes, reference_logps_under_bf16_autocast, run,
                       sft_args, torchrun, train, train_metrics)
-from model import GPT
-from run.fsdp import check_parallel, shard_model
+from model import GPT, GPTConfig
+from run.fsdp import check_parallel, model_state_dict, same_init_on_every_rank, shard_model
 from safetensors.torch import load_file, save_file
 from run.sharded_checkpoint import unreadable
-from run.starting_model import frozen_model
+from run.starting_model import build_model, frozen_model
 from tasks.number_tasks import prepare_number_tasks
 
 TORCHRUN = torchrun(2)
@@ -80,6 +81,47 @@ def test_fsdp_matches_one_process(uninterrupted):
     assert b['model']['lm_head.weight'].data_ptr() == b['model']['transformer.wte.weight'].data_ptr()
     assert a['optimizer']['param_groups'] == b['optimizer']['param_groups']
     assert_same_adam_state(a['optimizer']['state'], b['optimizer']['state'], terms=8 * 32)  # 8 windows
+
+
+# untied, with biases and learned positions; 25 rows: uneven shards on 2 ranks (13 and 12)
+NEW_MODEL = GPTConfig(block_size=16, vocab_size=25, n_layer=2, n_head=2, n_embd=32, bias=True, norm='layernorm',
+                      pos_emb='learned', tie_embeddings=False)
+
+
+def draw_a_new_model_sharded(rank, world_size, folder, seed):
+    """One rank of a new FSDP model, built as train.py builds it from scratch; writes what it held, and
+    (rank 0) the whole model gathered after sharding."""
+    dist.init_process_group('gloo', init_method=f'file://{folder / "store"}', rank=rank, world_size=world_size)
+    try:
+        with same_init_on_every_rank(seed, enabled=True):
+            model = build_model(NEW_MODEL, None, assign=True)
+        # where the whole model used to be drawn on every rank
+        allocated_before_sharding = sum(p.numel() for p in model.parameters() if not p.is_meta)
+        shard_model(model, 'cpu', torch.float32, cpu_offload=False)
+        held = sum(p.to_local().numel() for p in model.parameters())
+        torch.save(dict(allocated_before_sharding=allocated_before_sharding, held=held, whole=model_state_dict(model)),
+                   folder / f'rank{rank}.pt')
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.comparison
+def test_a_new_fsdp_model_is_never_whole_on_a_rank_and_is_one_processs_model(tmp_path):
+    """From scratch under FSDP each rank allocates nothing before sharding (the meta device) and then only its
+    shards, drawn in place: gathered, they are bit for bit the model one process draws from the same seed
+    (each weight drawn from its own stream, by the same CPU kernels, in both)."""
+    mp.spawn(draw_a_new_model_sharded, args=(2, tmp_path, 1234), nprocs=2)
+    ranks = [torch.load(tmp_path / f'rank{r}.pt', weights_only=True) for r in range(2)]
+    torch.manual_seed(1234)  # as compute_init seeds a single process
+    expected = GPT(NEW_MODEL).state_dict()
+    total = sum(t.numel() for t in expected.values())
+    assert [r['allocated_before_sharding'] for r in ranks] == [0, 0]
+    assert sum(r['held'] for r in ranks) == total and all(r['held'] < 0.6 * total for r in ranks)
+    whole = ranks[0]['whole']
+    assert whole.keys() == expected.keys() and all(torch.equal(whole[k], expected[k]) for k in expected)
+    torch.manual_seed(99)  # another seed, another model
+    assert not torch.equal(GPT(NEW_MODEL).state_dict()['lm_head.weight'], expected['lm_head.weight'])
 
 
 @pytest.mark.slow

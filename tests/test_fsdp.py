@@ -7,16 +7,17 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.checkpoint import FileSystemReader
 
 from configurator import UserError
-from run.checkpoint import load_checkpoint
+from run.checkpoint import load_checkpoint, write_checkpoint
 from conftest import (HF_TINY, REFERENCE, TINY, TRAIN_METRICS, assert_user_error, dpo, evals, hf_fixture,
                       kill_and_relaunch, load, logged, parameter_bytes, reference_logps_under_bf16_autocast, run,
                       sft_args, torchrun, train, train_metrics)
 from model import GPT, GPTConfig
-from run.fsdp import check_parallel, model_state_dict, same_init_on_every_rank, shard_model
+from run.fsdp import check_parallel, full_state_dict, model_state_dict, same_init_on_every_rank, shard_model
 from safetensors.torch import load_file, save_file
-from run.sharded_checkpoint import unreadable
+from run.sharded_checkpoint import read_shards, unreadable
 from run.starting_model import build_model, frozen_model
 from tasks.number_tasks import prepare_number_tasks
 
@@ -306,6 +307,36 @@ def test_sharded_checkpoints_resume_exactly_on_any_world_size_and_convert_to_one
     shutil.rmtree(shards)
     with pytest.raises(UserError, match='missing or incomplete'):
         load_checkpoint(str(by_one_rank / 'ckpt.pt'))
+
+
+def test_a_shard_folders_metadata_is_read_once(tmp_path, monkeypatch):
+    """Continuing from a sharded checkpoint reads its folder's .metadata once (placeholders, read_shards and
+    dcp.load share one reader), and the shards read back are the ones written. One rank, in this process."""
+    dist.init_process_group('gloo', init_method=f'file://{tmp_path / "store"}', rank=0, world_size=1)
+    try:
+        with same_init_on_every_rank(0, enabled=True):
+            model = build_model(NEW_MODEL, None, assign=True)
+        shard_model(model, 'cpu', torch.float32, cpu_offload=False)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        x = torch.randint(0, NEW_MODEL.vocab_size, (2, 8))
+        model(x, x)[1].backward()
+        optimizer.step()
+        path = str(tmp_path / 'ckpt.pt')
+        write_checkpoint(path, dict(model=model.state_dict(keep_vars=True), optimizer=optimizer.state_dict(),
+                                    iter_num=1), sharded=True, master=True)
+        reads, read_metadata = [], FileSystemReader.read_metadata
+        monkeypatch.setattr(FileSystemReader, 'read_metadata', lambda *a, **kw: reads.append(1) or read_metadata(*a, **kw))
+        ckpt = load_checkpoint(path, whole=False)
+        resumed = build_model(NEW_MODEL, ckpt, assign=True)
+        shard_model(resumed, 'cpu', torch.float32, cpu_offload=False)
+        resumed_optimizer = torch.optim.AdamW(resumed.parameters(), lr=1e-2)
+        read_shards(ckpt, resumed, resumed_optimizer)
+        assert len(reads) == 1
+        a, b = model_state_dict(model), model_state_dict(resumed)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        assert torch.equal(*(full_state_dict(o.state_dict())['state'][0]['exp_avg'] for o in (optimizer, resumed_optimizer)))
+    finally:
+        dist.destroy_process_group()
 
 
 def test_unreadable_shards_are_explained_even_by_an_error_without_a_message():

@@ -76,10 +76,12 @@ def init_shards(model):
     of ranks. Each parameter is drawn whole (GPT.initial_value: its own stream, not the shard's part alone),
     one at a time, then cut to this rank's shard: beyond its shards a rank holds at most the largest
     parameter (the embedding), never the model."""
-    from torch.distributed.tensor import distribute_tensor
     for name, p in model.named_parameters():
-        whole = model.initial_value(name, model.init_seed).to(p.device)
-        p.copy_(distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None))  # no communication
+        # fully_shard cuts dim 0 into torch.chunk's pieces, one a rank (a rank past the last piece has none)
+        pieces = model.initial_value(name, model.init_seed).chunk(p.device_mesh.size())
+        rank = p.device_mesh.get_local_rank()
+        if rank < len(pieces):
+            p.to_local().copy_(pieces[rank])
 
 
 def parameters_in(module, dtype):

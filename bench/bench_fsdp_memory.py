@@ -64,7 +64,8 @@ if not case:
     results = dict(config=config, cases={})
     for name in CASES:
         shutil.rmtree(out_dir, ignore_errors=True)
-        launcher = ['-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={ranks}'] if name != 'single' else []
+        launcher = [] if name == 'single' else ['-m', 'torch.distributed.run', '--standalone',
+                                                f'--nproc_per_node={ranks}']
         args = [f'--{k}={v}' for k, v in config.items() if k not in ('case', 'ranks')]
         out = subprocess.run([sys.executable, *launcher, __file__, f'--case={name}', *args], capture_output=True,
                              text=True, check=True, env=dict(os.environ, OMP_NUM_THREADS='1'))

@@ -129,8 +129,10 @@ def same_init_on_every_rank(seed, enabled):
 @torch.no_grad()
 def full_state_dict(state):
     """state (a model's state_dict(keep_vars=True) or an optimizer's state_dict()) as an unsharded run holds
-    it: every sharded tensor (DTensor) gathered whole, onto the CPU of rank 0 (other ranks get None in its
-    place); a tensor under two names (tied embeddings) stays one tensor. Plain tensors pass through
+    it: every sharded tensor (DTensor) gathered whole, one at a time, onto the CPU of rank 0 (other ranks get
+    None in its place, and hold no more than one gathered tensor at once), as get_model_state_dict with
+    StateDictOptions(full_state_dict=True, cpu_offload=True) does, but with the optimizer state by parameter
+    position, as optimizer.state_dict() has it; a tensor under two names (tied embeddings) stays one tensor. Plain tensors pass through
     (detached). Collective under FSDP: every rank must call it."""
     keep = not dist.is_initialized() or dist.get_rank() == 0
     gathered = {}  # id -> whole tensor: tied weights are one Parameter, gathered once

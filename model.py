@@ -5,6 +5,7 @@ sliding-window attention, QK-norm, logit soft-capping, tied embeddings, activati
 generation. It holds the published Llama / Qwen2 / Qwen3 / Mistral / Arcee / GPT-2 models too (hf/checkpoint.py).
 """
 import dataclasses
+import hashlib
 import math
 from dataclasses import dataclass, field
 
@@ -80,6 +81,11 @@ class GPTConfig:
     @property
     def head_size(self):
         return self.head_dim or self.n_embd // self.n_head
+
+
+def new_seed():
+    """A seed for a model's weights, drawn from torch's global stream (GPT's init_seed)."""
+    return torch.randint(2**62, (), device='cpu').item()
 
 
 def make_norm(config, dim):
@@ -287,38 +293,61 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None)
 
 class GPT(nn.Module):
 
-    def __init__(self, config):
+    def __init__(self, config, init_seed=None):
+        """init_seed: the seed its weights are drawn from (init_weights); None: one draw of torch's global stream
+        (torch.manual_seed decides it). Built under torch.device('meta'), nothing is drawn: the weights are loaded
+        (from_state_dict), or each FSDP rank draws its shards from init_seed after sharding (run/fsdp.py)."""
         super().__init__()
         self.config = config
         self.activation_checkpointing = False  # runtime switch, not part of the config
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(config.vocab_size, config.n_embd),
-            drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
-            ln_f=make_norm(config, config.n_embd),
-        ))
-        if config.pos_emb == 'learned':
-            self.transformer.wpe = nn.Embedding(config.block_size, config.n_embd)
-        else:
-            self.set_rope_tables()
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        if config.tie_embeddings:
+        device = torch.empty(0).device  # the caller's default device
+        # built on the meta device, then drawn once: no layer's default init drawn first and overwritten
+        with torch.device('meta'):
+            self.transformer = nn.ModuleDict(dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+                ln_f=make_norm(config, config.n_embd),
+            ))
+            if config.pos_emb == 'learned':
+                self.transformer.wpe = nn.Embedding(config.block_size, config.n_embd)
+            self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if device.type != 'meta':
+            self.to_empty(device=device)
+        if config.tie_embeddings:  # after to_empty, which gives each module a Parameter of its own
             self.transformer.wte.weight = self.lm_head.weight
+        self.init_seed = init_seed
+        if device.type != 'meta':
+            self.init_weights(init_seed)
+        if config.pos_emb == 'rope':
+            self.set_rope_tables(device)
 
-        # on the meta device (from_state_dict) weights are loaded, not drawn
-        if not self.lm_head.weight.is_meta:
-            self.init_weights()
-
-    def init_weights(self):
-        self.apply(self._init_weights)
-        # each layer adds two residual projections into the
-        # stream: scale their init by 1/sqrt(2*n_layer) (GPT-2)
+    @torch.no_grad()
+    def init_weights(self, seed=None):
+        """Draw every weight (initial_value), each parameter whole; seed: as GPT's init_seed."""
+        self.init_seed = new_seed() if seed is None else seed
         for name, p in self.named_parameters():
-            if name.endswith('.proj.weight'):
-                if self.config.zero_init_proj:
-                    nn.init.zeros_(p)
-                else:
-                    nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * self.config.n_layer))
+            p.copy_(self.initial_value(name, self.init_seed))
+
+    def initial_value(self, name, seed):
+        """Parameter name's initial value, whole, float32 on the CPU (GPT-2's init): a norm's weight 1, a bias 0,
+        every other weight normal with std 0.02, the two residual projections of each layer scaled by
+        1/sqrt(2*n_layer) (or 0: zero_init_proj). Each parameter is drawn from its own stream, seeded by seed
+        and its name, so its values do not depend on which parameters are drawn before it: FSDP draws them one
+        at a time on every rank and keeps its shard (run/fsdp.py init_shards), the same model as one process."""
+        shape = self.get_parameter(name).shape
+        if name.endswith('.bias'):
+            return torch.zeros(shape)
+        if len(shape) == 1:  # a norm's weight
+            return torch.ones(shape)
+        std = 0.02
+        if name.endswith('.proj.weight'):  # each layer adds two residual projections into the stream
+            if self.config.zero_init_proj:
+                return torch.zeros(shape)
+            std /= math.sqrt(2 * self.config.n_layer)
+        # sha256: a stable seed per name in every process (Python's hash() of a str is not)
+        name_seed = int.from_bytes(hashlib.sha256(f'{seed}:{name}'.encode()).digest()[:8], 'little') >> 1
+        return torch.empty(shape).normal_(0.0, std, generator=torch.Generator().manual_seed(name_seed))
 
     def set_rope_tables(self, device=None):
         """RoPE's cos/sin tables; derived from the config, so not saved: the state dict holds only trained
@@ -341,14 +370,6 @@ class GPT(nn.Module):
         if config.pos_emb == 'rope':
             model.set_rope_tables()
         return model
-
-    def _init_weights(self, module):
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def model_args(self):
         return dataclasses.asdict(self.config)

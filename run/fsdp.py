@@ -59,12 +59,29 @@ def shard_model(model, device, param_dtype, cpu_offload, frozen=False):
                     offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
     for module in (*model.transformer.h, model):  # each block, then the rest
         fully_shard(parameters_in(module, param_dtype) if frozen else module.float(), **settings)
-    # a sharded checkpoint's placeholders (load_checkpoint): each rank's shards, which
-    # restore_training_state fills
+    # built on the meta device: a sharded checkpoint's placeholders (load_checkpoint), each rank's shards of
+    # which restore_training_state fills, or a new model (init_seed), whose shards each rank draws now
     if any(p.is_meta for p in model.parameters()):
         model.to_empty(device='cpu' if cpu_offload else device)
         if model.config.pos_emb == 'rope':
             model.set_rope_tables(device)  # to_empty left the tables empty too
+        if model.init_seed is not None:
+            init_shards(model)
+
+
+@torch.no_grad()
+def init_shards(model):
+    """Draw a new GPT sharded on the meta device and allocated (to_empty): this rank's shard of each weight,
+    the values model.init_weights(model.init_seed) gives the whole model in one process, whatever the number
+    of ranks. Each parameter is drawn whole (GPT.initial_value: its own stream, not the shard's part alone),
+    one at a time, then cut to this rank's shard: beyond its shards a rank holds at most the largest
+    parameter (the embedding), never the model."""
+    for name, p in model.named_parameters():
+        # fully_shard cuts dim 0 into torch.chunk's pieces, one a rank (a rank past the last piece has none)
+        pieces = model.initial_value(name, model.init_seed).chunk(p.device_mesh.size())
+        rank = p.device_mesh.get_local_rank()
+        if rank < len(pieces):
+            p.to_local().copy_(pieces[rank])
 
 
 def parameters_in(module, dtype):
@@ -112,8 +129,10 @@ def same_init_on_every_rank(seed, enabled):
 @torch.no_grad()
 def full_state_dict(state):
     """state (a model's state_dict(keep_vars=True) or an optimizer's state_dict()) as an unsharded run holds
-    it: every sharded tensor (DTensor) gathered whole, onto the CPU of rank 0 (other ranks get None in its
-    place); a tensor under two names (tied embeddings) stays one tensor. Plain tensors pass through
+    it: every sharded tensor (DTensor) gathered whole, one at a time, onto the CPU of rank 0 (other ranks get
+    None in its place, and hold no more than one gathered tensor at once), as get_model_state_dict with
+    StateDictOptions(full_state_dict=True, cpu_offload=True) does, but with the optimizer state by parameter
+    position, as optimizer.state_dict() has it; a tensor under two names (tied embeddings) stays one tensor. Plain tensors pass through
     (detached). Collective under FSDP: every rank must call it."""
     keep = not dist.is_initialized() or dist.get_rank() == 0
     gathered = {}  # id -> whole tensor: tied weights are one Parameter, gathered once

@@ -100,24 +100,35 @@ def read_whole(ckpt, path):
     return dict(rest, model=model, optimizer=dict(ckpt['optimizer'], state=state))
 
 
+class MetadataOnce(FileSystemReader):
+    """A shard folder's reader that reads its .metadata (the layout of every tensor's shards: large for a
+    large model) once, however often it is asked: placeholders, read_shards and dcp.load all need it."""
+
+    def read_metadata(self, *args, **kwargs):
+        if not hasattr(self, 'metadata'):
+            self.metadata = super().read_metadata(*args, **kwargs)
+        return self.metadata
+
+
 def placeholders(ckpt, path):
     """ckpt with its weights as meta tensors of the stored shapes and dtypes (a model to shard is built around
-    them; read_shards fills the shards) and the shard folder's path in 'shards'."""
+    them; read_shards fills the shards), the shard folder's path in 'shards' and its reader in 'reader'."""
     folder = shard_folder(ckpt, path)
+    reader = MetadataOnce(folder)
     try:
-        metadata = FileSystemReader(folder).read_metadata()
+        metadata = reader.read_metadata()
     except (Exception, CheckpointException) as e:  # the latter is not an Exception
         raise unreadable(folder, e) from None
     model = {key.removeprefix('model.'): torch.empty(m.size, dtype=m.properties.dtype, device='meta')
              for key, m in metadata.state_dict_metadata.items() if key.startswith('model.')}
     model.update({name: model[first] for name, first in ckpt['aliases'].items()})
-    return dict(ckpt, model=model, shards=folder)
+    return dict(ckpt, model=model, shards=folder, reader=reader)
 
 
 def read_shards(ckpt, model, optimizer):
-    """Fill a sharded model's weights and optimizer state with this rank's shards of ckpt's folder. The
-    optimizer has no state yet: its tensors are laid out like their parameters (by position)."""
-    metadata = FileSystemReader(ckpt['shards']).read_metadata()
+    """Fill a sharded model's weights and optimizer state with this rank's shards of ckpt's folder (ckpt:
+    placeholders'). The optimizer has no state yet: its tensors are laid out like their parameters (by position)."""
+    metadata = ckpt['reader'].read_metadata()
     params = [p for group in optimizer.param_groups for p in group['params']]
     weights, _ = without_aliases(model.state_dict(keep_vars=True))
     optimizer_state = {}
@@ -130,7 +141,7 @@ def read_shards(ckpt, model, optimizer):
                 else torch.empty(stored.size, dtype=stored.properties.dtype))
     shards = {'model': weights, 'optimizer': optimizer_state}
     try:
-        dcp.load(shards, checkpoint_id=ckpt['shards'])
+        dcp.load(shards, storage_reader=ckpt['reader'])
     except (Exception, CheckpointException) as e:  # the latter is not an Exception
         raise unreadable(ckpt['shards'], e, "could not be read into this run's model") from None
     optimizer.load_state_dict(dict(ckpt['optimizer'], state=shards['optimizer']))

@@ -20,7 +20,7 @@ from hf.checkpoint import load_hf_checkpoint, weight_files
 from hf.tokenizer import load_hf_tokenizer
 from lm.lora import cast_frozen_base
 from lm.tokenizer import DEFAULT_DATA_DIR, load_tokenizer
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, new_seed
 from run.checkpoint import check_compatible, file_sha256, load_checkpoint
 from run.fsdp import place_model
 from run.run_folder import is_hf_folder, require_init_from
@@ -179,7 +179,13 @@ def build_model(config, model_ckpt, assign=False, linear_dtype=torch.float32):
     memory holds one copy; so is any checkpoint's with assign (FSDP: the tensors are memory-mapped,
     perhaps in a stored bf16, and fsdp.shard_model makes each rank's shard float32) or a 16-bit
     linear_dtype (a LoRA run's lora_base_dtype: its blocks' Linear weights go from their stored dtype
-    straight to it, the rest to float32: lora.cast_frozen_base)."""
+    straight to it, the rest to float32: lora.cast_frozen_base). A new model with assign (FSDP) is built
+    on the meta device, holding no weights: fsdp.shard_model draws each rank's shards of it, the values
+    one process draws from the same seed (its init_seed, drawn here from torch's global stream)."""
+    if model_ckpt is None and assign:
+        init_seed = new_seed()
+        with torch.device('meta'):
+            return GPT(config, init_seed)
     if model_ckpt is not None and (assign or model_ckpt.get('hf_config') or linear_dtype != torch.float32):
         model = GPT.from_state_dict(config, model_ckpt['model'])
         if linear_dtype != torch.float32:

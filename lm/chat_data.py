@@ -1,7 +1,7 @@
 r"""
-Fine-tuning data: chat examples for supervised fine-tuning (train.py training_type='sft' | 'lora')
-and preference pairs for DPO (train_dpo.py), read from JSONL, encoded with the chat template of
-lm/tokenizer.py, and batched padded or packed.
+Fine-tuning data: chat examples for supervised fine-tuning (train.py training_type='sft' | 'lora'),
+preference pairs for DPO (train_dpo.py) and prompts for online RL (train_rl.py), read from JSONL,
+encoded with the chat template of lm/tokenizer.py, and batched padded or packed.
 
 SFT examples, one per line; the three JSONL formats map to turns as:
     {"prompt": P, "response": R}                   -> user P, assistant R
@@ -489,3 +489,82 @@ class PreferenceBatches:
                             f"has {self.n_pairs}: the training data changed. Restore it, or start a new run.")
         self.generator.set_state(state['generator'])
         self.order, self.position, self.batches_drawn = state['order'], state['position'], state['batches_drawn']
+
+
+# -----------------------------------------------------------------------------
+# prompts for online RL (train_rl.py): the model writes the completions, a reward function scores them
+
+def rl_prompt(record):
+    """The prompt messages of an RL JSONL record, ending in a user turn; ValueError if malformed:
+        {"prompt": P, ...}          P a string (one user turn) or a list of messages
+        {"messages": [...], ...}    the conversation; a final assistant turn (a reference answer) is left out
+    The record's other fields are the reward function's (e.g. the number tasks' "response")."""
+    if not isinstance(record, dict):
+        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+    if 'prompt' in record:
+        prompt = record['prompt']
+        if not isinstance(prompt, (str, list)):
+            raise ValueError(f'"prompt" must be a string or a list of {{"role": ..., "content": ...}} messages, '
+                             f'got {json.dumps(prompt)[:80]}')
+        messages = [{'role': 'user', 'content': prompt}] if isinstance(prompt, str) else message_list(prompt, 'prompt')
+    elif 'messages' in record:
+        messages = message_list(record['messages'], 'messages')
+        if messages and messages[-1]['role'] == 'assistant':
+            messages = messages[:-1]
+    else:
+        raise ValueError(f'an RL prompt needs "prompt" (a string or messages) or "messages"; got keys {sorted(record)}')
+    if not messages or messages[-1]['role'] != 'user':
+        raise ValueError("the prompt must end with a user turn, which the model answers")
+    return messages
+
+
+def load_prompt_split(path, tokenizer, max_prompt_length, skip_malformed=False):
+    """Read and tokenize one JSONL split of RL prompts: a list of (prompt ids, record), the ids rendered with the
+    chat template up to the assistant's turn (tokenizer.encode_prompt). A prompt longer than max_prompt_length
+    tokens is dropped (cutting it would change the question) and counted; a malformed line is an error naming
+    path:line, or with skip_malformed skipped and counted."""
+    if not os.path.isfile(path):
+        raise UserError(f"prompt file {path} does not exist. Point rl_data at a folder holding train.jsonl and "
+                        f"val.jsonl (test.jsonl optional), or leave it '' for the embedded number tasks.")
+    parsed, skipped = read_jsonl(path, lambda record: (tokenizer.encode_prompt(rl_prompt(record)), record),
+                                 skip_malformed)
+    prompts = [(ids, record) for ids, record in parsed if len(ids) <= max_prompt_length]
+    dropped = len(parsed) - len(prompts)
+    print(f"{path}: {len(prompts):,} prompts ({dropped} longer than max_prompt_length={max_prompt_length} dropped, "
+          f"{skipped} malformed lines skipped)")
+    if not prompts:
+        raise UserError(f"{path} holds no usable prompts ({skipped} malformed lines skipped, {dropped} longer than "
+                        f"max_prompt_length={max_prompt_length}). Each line must be one JSON object, e.g. "
+                        f"{{\"prompt\": \"What is 2+2?\", \"response\": \"4\"}}; raise max_prompt_length if they are "
+                        f"too long.")
+    return prompts
+
+
+class PromptSampler:
+    """Indices of the prompts of each RL step, in shuffled order, a new shuffle each epoch; every rank draws the
+    same global batch (same seed) and takes its own slice."""
+
+    def __init__(self, n_prompts, seed):
+        self.n_prompts = n_prompts
+        self.generator = torch.Generator().manual_seed(seed)
+        self.order, self.position = torch.randperm(n_prompts, generator=self.generator), 0
+
+    def sample(self, n):
+        taken = []
+        while n:
+            if self.position == self.n_prompts:
+                self.order, self.position = torch.randperm(self.n_prompts, generator=self.generator), 0
+            taken.append(self.order[self.position:self.position + n])
+            self.position += len(taken[-1])
+            n -= len(taken[-1])
+        return torch.cat(taken)
+
+    def state_dict(self):
+        return {'generator': self.generator.get_state(), 'order': self.order, 'position': self.position}
+
+    def load_state_dict(self, state):
+        if len(state['order']) != self.n_prompts:
+            raise UserError(f"the checkpoint's sampler drew from {len(state['order'])} training prompts, the data "
+                            f"now has {self.n_prompts}: the training data changed. Restore it, or start a new run.")
+        self.generator.set_state(state['generator'])
+        self.order, self.position = state['order'], state['position']

@@ -5,6 +5,7 @@ The data a GPT run trains and evaluates on, set up from its config keys before t
   (training_type 'sft' | 'lora', the embedded number tasks when sft_data is '').
 - preference_run_data: train_dpo.py's, the preference pairs of dpo_data (the embedded number-task pairs
   when dpo_data is '').
+- prompt_run_data: train_rl.py's, the prompts of rl_data (the embedded number tasks when rl_data is '').
 
 Each gives the batches, the fixed held-out indices an eval scores, and the held-out prompts exact match
 answers; a fine-tuning run also the hash of its training file, which a resumed run must still match.
@@ -16,7 +17,7 @@ import torch
 
 from configurator import UserError
 from data import TokenBatches, eval_offsets
-from lm.chat_data import PreferenceBatches, SFTBatches, load_preference_split, load_sft_data
+from lm.chat_data import PreferenceBatches, SFTBatches, load_preference_split, load_prompt_split, load_sft_data
 from lm.tokenizer import prompt_and_answer
 from run.run_folder import training_data_hash
 from run.runtime import prepare_once
@@ -101,3 +102,32 @@ def preference_run_data(config, tokenizer, block_size, ckpt, master, ddp):
     train_data_hash = training_data_hash(train_path, ckpt, config['out_dir'], 'dpo_data')
     return PreferenceRunData(train_batches, val_batches, val_indices, held_out[:exact_match_examples], train_data_hash,
                              val_path)
+
+
+class PromptRunData(NamedTuple):
+    train_prompts: list  # (prompt ids, record, where) of train.jsonl
+    eval_prompts: list  # the same of the held-out split (test.jsonl, else val.jsonl), first eval_prompts
+    exact_match_prompts: list  # (prompt ids, reference text) of held-out rows with a "response"
+    train_data_hash: str
+
+
+def prompt_run_data(config, tokenizer, ckpt, master, ddp):
+    """The PromptRunData of a train_rl.py run (config: its config keys; tokenizer: the chat tokenizer; ckpt: the
+    continued run's checkpoint, or None). Rank 0 prepares the embedded number tasks once (master, ddp)."""
+    rl_data = config['rl_data']
+    if not rl_data:
+        prepare_once(prepare_number_tasks, master, ddp)
+        rl_data = NUMBER_TASKS_DIR
+
+    def load_split(name):
+        path = os.path.join(rl_data, f'{name}.jsonl')
+        prompts = load_prompt_split(path, tokenizer, config['max_prompt_length'], config['skip_malformed'])
+        return [(ids, record, f'{path} (prompt {i + 1})') for i, (ids, record) in enumerate(prompts)]
+
+    train_path, test_path = os.path.join(rl_data, 'train.jsonl'), os.path.join(rl_data, 'test.jsonl')
+    train_prompts = load_split('train')
+    held_out = load_split('test' if os.path.exists(test_path) else 'val')
+    exact_match_prompts = [(ids, record['response']) for ids, record, _ in held_out
+                           if isinstance(record.get('response'), str)][:config['exact_match_examples']]
+    train_data_hash = training_data_hash(train_path, ckpt, config['out_dir'], 'rl_data')
+    return PromptRunData(train_prompts, held_out[:config['eval_prompts']], exact_match_prompts, train_data_hash)

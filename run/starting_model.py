@@ -128,32 +128,33 @@ def full_model_checkpoint(ckpt, ckpt_path, init_from, out_dir, training_type, as
     return model_ckpt, path
 
 
-def dpo_reference(ckpt, init_from, out_dir, made_by=None, as_stored=False):
+def dpo_reference(ckpt, init_from, out_dir, made_by=None, as_stored=False, what='DPO'):
     """(checkpoint, path, sha256) of a DPO run's reference, the chat model the run began as: init_from for a
     new run (made_by as in require_init_from); for the continued run (ckpt), the file its checkpoint names,
-    which must still be there, unchanged. as_stored: as in load_model."""
+    which must still be there, unchanged. as_stored: as in load_model; what: the kind of run, for messages
+    ('DPO', 'RL': train_rl.py's reference is the same chat model it began as)."""
     if ckpt and 'reference_hash' not in ckpt:
-        raise UserError(f"{os.path.join(out_dir, 'ckpt.pt')} is not a DPO run's checkpoint, so there is nothing to "
+        raise UserError(f"{os.path.join(out_dir, 'ckpt.pt')} is not a {what} run's checkpoint, so there is nothing to "
                         f"resume. Use another out_dir, or --resume=False to start a new run there (its checkpoints "
                         f"are then overwritten).")
     path = moved_to(ckpt['reference_checkpoint'], init_from) if ckpt else init_from
     if ckpt and not os.path.exists(path):
-        raise UserError(f"{path}, the reference of the DPO run in {out_dir} (named in its ckpt.pt), no longer exists. "
+        raise UserError(f"{path}, the reference of the {what} run in {out_dir} (named in its ckpt.pt), no longer exists. "
                         f"Put it back there, or pass --init_from=<where it is now>, or start a new run (another "
                         f"out_dir, or --resume=False).")
     if not ckpt:
         require_init_from(init_from, made_by, hf_folders=True)
     reference = load_model(path, as_stored)
     if reference['kind'] != 'gpt':
-        raise UserError(f"{path} is a {reference['kind']!r} checkpoint; DPO starts from a GPT chat model "
+        raise UserError(f"{path} is a {reference['kind']!r} checkpoint; {what} starts from a GPT chat model "
                         + ("(for a LoRA run, its merged.pt)." if reference['kind'] == 'lora' else "."))
     if reference['config'].get('training_type', 'from_scratch') == 'from_scratch':
         raise UserError(f"{path} is a pretrained model without the chat template; fine-tune it first, e.g. "
                         f"`python train.py {'config/sft_hf.py' if is_hf_folder(path) else 'config/sft.py'} "
-                        f"--init_from={path}`, and start DPO from that run's checkpoint.")
+                        f"--init_from={path}`, and start {what} from that run's checkpoint.")
     reference_hash = model_hash(path)
     if ckpt and reference_hash != ckpt['reference_hash']:
-        raise UserError(f"{path} is not the reference the DPO run in {out_dir} began with ({ckpt['reference_checkpoint']}"
+        raise UserError(f"{path} is not the reference the {what} run in {out_dir} began with ({ckpt['reference_checkpoint']}"
                         f"): it has changed since, or is another model. Restore that model, or start a new run "
                         f"(another out_dir, or --resume=False to overwrite).")
     return reference, path, reference_hash

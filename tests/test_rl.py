@@ -1,0 +1,396 @@
+"""Online RL (train_rl.py, lm/rl.py, lm/rewards.py): every loss type and advantage scaling against its formula
+written out in float64 loops, the k3 KL, clipping with epsilon_high, the plain policy gradient at ratio 1, one big
+batch = gradient accumulation, masked truncated completions, the number-task verifier, reward-function errors,
+and the script end to end (metrics in log.jsonl, bit-exact resume)."""
+
+import math
+
+import pytest
+import torch
+
+from conftest import assert_user_error, load, read_log, run, sft, sigterm_after_steps, torchrun, write_jsonl
+from lm.chat_data import rl_prompt
+from lm.rl import clipped_token_loss, completion_batches, group_advantages, k3_kl, normalized_loss, token_entropy
+from tasks.number_tasks import final_answer, number_task_reward, prepare_number_tasks
+
+
+# -- advantages and losses against hand-written float64 loops ------------------------------------------------
+
+def hand_advantages(rewards, G, scale_rewards):
+    """(r - group mean) / (std + 1e-4), std with Bessel's correction, written out."""
+    n = len(rewards)
+    out = []
+    batch_mean = sum(rewards) / n
+    batch_std = math.sqrt(sum((r - batch_mean) ** 2 for r in rewards) / (n - 1))
+    for i, r in enumerate(rewards):
+        group = rewards[i // G * G:(i // G + 1) * G]
+        mean = sum(group) / G
+        std = math.sqrt(sum((g - mean) ** 2 for g in group) / (G - 1))
+        if scale_rewards == 'none':
+            out.append(r - mean)
+        else:
+            out.append((r - mean) / ((std if scale_rewards == 'group' else batch_std) + 1e-4))
+    return out
+
+
+def hand_loss(logps, old, ref, adv, lengths, loss_type, eps, eps_high, beta, max_new_tokens):
+    """The batch loss of sequences of per-token lists (logps, old, ref), one advantage per sequence, written out."""
+    per_seq, tokens = [], 0
+    for lp, ol, rf, a in zip(logps, old, ref, adv):
+        terms = []
+        for x, o, q in zip(lp, ol, rf):
+            ratio = math.exp(x - o)
+            clipped = min(max(ratio, 1 - eps), 1 + eps_high)
+            kl = math.exp(q - x) - (q - x) - 1
+            terms.append(-min(ratio * a, clipped * a) + beta * kl)
+        per_seq.append(terms)
+        tokens += len(terms)
+    S = len(logps)
+    if loss_type == 'grpo':
+        return sum(sum(t) / max(len(t), 1) for t in per_seq) / S
+    if loss_type == 'dapo':
+        return sum(sum(t) for t in per_seq) / tokens
+    return sum(sum(t) for t in per_seq) / (S * max_new_tokens)
+
+
+def random_batch(seed, n_seq=6, max_len=5):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, max_len + 1, (n_seq,), generator=g)
+    owners = torch.repeat_interleave(torch.arange(n_seq), lengths)
+    N = len(owners)
+    logps = -torch.rand(N, generator=g, dtype=torch.float64) * 3
+    old = logps + 0.4 * torch.randn(N, generator=g, dtype=torch.float64)  # ratios well outside [0.8, 1.28]
+    ref = logps + 0.5 * torch.randn(N, generator=g, dtype=torch.float64)
+    rewards = torch.randint(0, 3, (n_seq,), generator=g).double()
+    return lengths, owners, logps, old, ref, rewards
+
+
+def split(values, lengths):
+    return [t.tolist() for t in values.split(lengths.tolist())]
+
+
+def batch_loss(logps, old, ref, owners, lengths, advantages, loss_type, beta, eps=0.2, eps_high=0.28, max_new=5):
+    token_loss, clipped = clipped_token_loss(logps, old, advantages[owners], eps, eps_high)
+    token_loss = token_loss + beta * k3_kl(logps, ref)
+    totals = (len(lengths), int(lengths.sum()), max_new)
+    return normalized_loss(token_loss, owners, lengths, loss_type, totals), clipped
+
+
+@pytest.mark.comparison
+@pytest.mark.parametrize('scale_rewards', ['group', 'batch', 'none'])
+def test_group_advantages_match_the_formula(scale_rewards):
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0, 0.5, 3.0, 0.0, 1.0], dtype=torch.float64)
+    got = group_advantages(rewards, 4, scale_rewards)
+    assert got.tolist() == pytest.approx(hand_advantages(rewards.tolist(), 4, scale_rewards), abs=1e-12)
+    assert got[4:8].abs().max() == 0  # a group of equal rewards carries no signal, and no NaN
+
+
+@pytest.mark.comparison
+@pytest.mark.parametrize('loss_type', ['grpo', 'dapo', 'dr_grpo'])
+@pytest.mark.parametrize('scale_rewards', ['group', 'batch', 'none'])
+@pytest.mark.parametrize('beta', [0.0, 0.1])
+def test_loss_matches_the_formula(loss_type, scale_rewards, beta):
+    """Clipped ratio (epsilon 0.2, epsilon_high 0.28), k3 KL and each normalisation: equal to the float64 loops."""
+    lengths, owners, logps, old, ref, rewards = random_batch(0)
+    advantages = group_advantages(rewards, 3, scale_rewards)
+    loss, clipped = batch_loss(logps, old, ref, owners, lengths, advantages, loss_type, beta)
+    expected = hand_loss(split(logps, lengths), split(old, lengths), split(ref, lengths), advantages.tolist(),
+                         lengths, loss_type, 0.2, 0.28, beta, 5)
+    assert loss.item() == pytest.approx(expected, rel=1e-12, abs=1e-12)
+    assert 0 < clipped.sum() < len(clipped)  # some tokens clipped, some not: both branches tested
+
+
+def test_clipping_bounds_are_epsilon_and_epsilon_high():
+    """A positive advantage stops gaining above 1 + epsilon_high, a negative one below 1 - epsilon; the clipped
+    tokens have no gradient."""
+    ratio = torch.tensor([0.5, 0.9, 1.2, 1.5, 0.5, 0.9, 1.2, 1.5], dtype=torch.float64)
+    advantages = torch.tensor([1.0] * 4 + [-1.0] * 4, dtype=torch.float64)
+    logps = ratio.log().requires_grad_()
+    loss, clipped = clipped_token_loss(logps, torch.zeros(8, dtype=torch.float64), advantages, 0.2, 0.3)
+    assert loss.tolist() == pytest.approx([-0.5, -0.9, -1.2, -1.3, 0.8, 0.9, 1.2, 1.5], abs=1e-12)
+    assert clipped.tolist() == [False, False, False, True, True, False, False, False]
+    loss.sum().backward()
+    assert [g == 0 for g in logps.grad.tolist()] == clipped.tolist()
+
+
+def test_k3_kl_is_its_formula_and_zero_at_the_reference():
+    logps = torch.tensor([-1.0, -2.0, -0.1], dtype=torch.float64)
+    ref = torch.tensor([-1.5, -2.0, -3.0], dtype=torch.float64)
+    expected = [math.exp(q - p) - (q - p) - 1 for p, q in zip(logps.tolist(), ref.tolist())]
+    assert k3_kl(logps, ref).tolist() == pytest.approx(expected, abs=1e-15)
+    assert k3_kl(logps, ref)[1] == 0 and (k3_kl(logps, ref) >= 0).all()
+
+
+def test_one_iteration_gradient_is_the_plain_policy_gradient():
+    """With old = logps.detach() the ratio is 1 and the gradient of the loss is that of -sum A logp / normaliser."""
+    lengths, owners, logps, _, ref, rewards = random_batch(1)
+    advantages = group_advantages(rewards, 3, 'group')
+    for loss_type in ('grpo', 'dapo', 'dr_grpo'):
+        x = logps.clone().requires_grad_()
+        loss, clipped = batch_loss(x, x.detach(), ref, owners, lengths, advantages, loss_type, 0.0)
+        loss.backward()
+        y = logps.clone().requires_grad_()
+        weights = {'grpo': 1 / (lengths[owners].double() * len(lengths)), 'dapo': 1 / lengths.sum().double(),
+                   'dr_grpo': 1 / (len(lengths) * 5)}[loss_type]
+        (-(advantages[owners] * y * weights).sum()).backward()
+        assert torch.allclose(x.grad, y.grad, rtol=1e-12, atol=1e-15) and not clipped.any(), loss_type
+
+
+@pytest.mark.comparison
+@pytest.mark.parametrize('loss_type', ['grpo', 'dapo', 'dr_grpo'])
+def test_accumulation_shares_add_up_to_the_big_batch(loss_type):
+    """The micro-batches' losses (each normalised by the whole batch's totals) sum to the big batch's loss, and
+    their gradients to its gradient: float64, the same terms added in another order (~1e-15 relative)."""
+    lengths, owners, logps, old, ref, rewards = random_batch(2, n_seq=8)
+    lengths[3] = 0  # a masked truncated completion: no tokens, still one of the S sequences
+    owners = torch.repeat_interleave(torch.arange(8), lengths)
+    N = len(owners)
+    logps, old, ref = logps[:N], old[:N], ref[:N]
+    advantages = group_advantages(rewards, 4, 'group')
+    totals = (8, int(lengths.sum()), 5)
+
+    def loss_of(x, seqs):
+        keep = (owners >= seqs[0]) & (owners < seqs[-1] + 1)
+        token_loss, _ = clipped_token_loss(x[keep], old[keep], advantages[owners[keep]], 0.2, 0.28)
+        token_loss = token_loss + 0.1 * k3_kl(x[keep], ref[keep])
+        return normalized_loss(token_loss, owners[keep] - seqs[0], lengths[seqs], loss_type, totals)
+
+    big = logps.clone().requires_grad_()
+    whole = loss_of(big, torch.arange(8))
+    whole.backward()
+    acc = logps.clone().requires_grad_()
+    total = 0.0
+    for part in torch.arange(8).split(2):
+        share = loss_of(acc, part)
+        share.backward()
+        total += share.item()
+    assert total == pytest.approx(whole.item(), rel=1e-12)
+    assert torch.allclose(acc.grad, big.grad, rtol=1e-12, atol=1e-15)
+
+
+def test_masked_truncated_sequence_adds_nothing_but_counts_in_grpo_and_dr_grpo():
+    """A sequence with no scored tokens (masked: cut at max_new_tokens) adds 0 to the sum; grpo and dr_grpo still
+    divide by all S sequences (as TRL does), dapo by the tokens left."""
+    token_loss = torch.tensor([1.0, 3.0, 2.0], dtype=torch.float64)
+    owners, lengths = torch.tensor([0, 0, 2]), torch.tensor([2, 0, 1])
+    assert normalized_loss(token_loss, owners, lengths, 'grpo', (3, 3, 4)).item() == pytest.approx((2 + 2) / 3)
+    assert normalized_loss(token_loss, owners, lengths, 'dapo', (3, 3, 4)).item() == pytest.approx(6 / 3)
+    assert normalized_loss(token_loss, owners, lengths, 'dr_grpo', (3, 3, 4)).item() == pytest.approx(6 / 12)
+
+
+def test_token_entropy():
+    logits = torch.tensor([[0.0, 0.0, 0.0, 0.0], [100.0, 0.0, 0.0, 0.0]])
+    assert token_entropy(logits).tolist() == pytest.approx([math.log(4), 0.0], abs=1e-6)
+
+
+# -- rewards and prompts ---------------------------------------------------------------------------------------
+
+def test_number_task_verifier():
+    row = {'response': '8+6=14, 4+2+1=7, so 74'}
+    assert final_answer(row['response']) == '74'
+    assert number_task_reward([], '8+6=14, 4+2+1=7, so 74', row) == 1.0
+    assert number_task_reward([], ' 74 ', row) == 1.0  # the final answer is what counts
+    assert number_task_reward([], '8+6=14, 4+2=6, so 64', row) == 0.0
+    assert number_task_reward([], '8+6=14, 4+2+1=8, so 84', row, format_weight=0.1) == pytest.approx(0.1)
+    assert number_task_reward([], '1+1=2, 1+1+1=3, so 74', row, format_weight=0.1) == pytest.approx(1.1)
+    assert number_task_reward([], '74', {'response': '75'}, format_weight=0.5) == 0.5
+
+
+def test_rl_prompt_formats():
+    user = [{'role': 'user', 'content': 'What is 1+1?'}]
+    assert rl_prompt({'prompt': 'What is 1+1?', 'response': '2'}) == user
+    assert rl_prompt({'prompt': user}) == user
+    assert rl_prompt({'messages': user + [{'role': 'assistant', 'content': '2'}]}) == user
+    for bad in ({'response': '2'}, {'prompt': 3}, {'messages': [{'role': 'assistant', 'content': '2'}]}):
+        with pytest.raises(ValueError):
+            rl_prompt(bad)
+
+
+# -- the script end to end -------------------------------------------------------------------------------------
+
+RL = ['--device=cpu', '--dtype=float32', '--tensorboard=False', '--prompts_per_step=4', '--num_generations=4',
+      '--max_prompt_length=36', '--max_new_tokens=12', '--eval_prompts=4', '--pass_k=2', '--exact_match_examples=2',
+      '--log_interval=1', '--learning_rate=1e-3']
+TRAIN_METRICS = ('loss', 'reward', 'reward_std', 'accuracy', 'frac_reward_zero_std', 'completions/mean_length',
+                 'completions/clipped_ratio', 'clip_ratio', 'entropy', 'time/generation_s', 'time/training_s',
+                 'generation/tokens_per_sec', 'grad_norm')
+
+
+@pytest.fixture(scope='module')
+def rl_env(sft_env, tmp_path_factory):
+    """sft_env's char corpus, a tiny SFT checkpoint trained from its base model, and small number-task prompts."""
+    root = tmp_path_factory.mktemp('rl')
+    sft(sft_env, root / 'sft', '--max_iters=3', '--eval_interval=3', '--lr_decay_iters=3', '--exact_match_examples=0')
+    prompts = prepare_number_tasks(str(root / 'prompts'), n_train=40, n_eval=8)
+    # rewards a tiny model earns from the start (it answers no number task right): an arbitrary function of
+    # the characters, and the share of sevens, which a working policy gradient raises
+    (root / 'rewards.py').write_text("def chars(prompt, completion, row):\n    return sum(map(ord, completion)) % 3\n\n"
+                                     "def sevens(prompt, completion, row):\n"
+                                     "    return completion.count('7') / max(len(completion), 1)\n")
+    return dict(sft_env, sft=str(root / 'sft' / 'ckpt.pt'), prompts=prompts, rewards=str(root / 'rewards.py'))
+
+
+def rl_args(env, out_dir, *extra, ranks=1):
+    return [*(torchrun(ranks) if ranks > 1 else []), 'train_rl.py', f'--out_dir={out_dir}', f'--data_dir={env["data_dir"]}', f'--rl_data={env["prompts"]}',
+            f'--init_from={env["sft"]}', *RL, *extra]
+
+
+def rl(env, out_dir, *extra, ranks=1, **kw):
+    return run(rl_args(env, out_dir, *extra, ranks=ranks), **kw)
+
+
+def train_events(out_dir):
+    return {e['step']: e for e in read_log(out_dir) if 'reward' in e}
+
+
+@pytest.mark.slow
+def test_run_logs_metrics_and_resumes_bit_exactly(tmp_path, rl_env):
+    """2 steps straight to 4 = 2 steps then resumed to 4 (sampling, two iterations per batch with the PPO clip,
+    a KL penalty against the frozen reference, accumulation): every logged metric but the timings, the weights and
+    the optimizer state equal exactly; the metrics are all in log.jsonl, with evals at 0, 2, 4."""
+    common = ['--num_iterations=2', '--beta=0.05', '--gradient_accumulation_steps=2', '--eval_interval=2',
+              '--loss_type=grpo', f'--reward={rl_env["rewards"]}:chars', '--correct_reward=2']
+    straight, split_run = tmp_path / 'straight', tmp_path / 'split'
+    rl(rl_env, straight, '--max_iters=4', *common)
+    rl(rl_env, split_run, '--max_iters=2', *common)
+    p = rl(rl_env, split_run, '--max_iters=4', *common)
+    assert 'resuming' in p.stdout + p.stderr
+    a, b = train_events(straight), train_events(split_run)
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    for step in a:
+        assert all(math.isfinite(a[step][k]) for k in TRAIN_METRICS + ('kl',)), a[step]
+        for k in TRAIN_METRICS + ('kl',):
+            if not k.startswith(('time/', 'generation/')):
+                assert a[step][k] == b[step][k], (step, k)
+    assert 0 < a[1]['accuracy'] < 1 and a[1]['completions/mean_length'] > 0 and a[1]['reward_std'] > 0
+    # the logged metrics are the 2nd iteration's, after the batch's first update: ratios off 1, some clipped
+    assert a[1]['clip_ratio'] > 0 and a[1]['kl'] > 0 and a[1]['entropy'] > 0
+    evals = [e for e in read_log(straight) if 'eval/pass@1' in e]
+    assert [e['step'] for e in evals] == [0, 2, 4] and all(0 <= e['eval/pass@2'] <= 1 for e in evals)
+    assert any('exact_match' in e for e in read_log(straight))
+    ca, cb = load(straight / 'ckpt.pt'), load(split_run / 'ckpt.pt')
+    assert ca['iter_num'] == cb['iter_num'] == 4
+    assert all(torch.equal(ca['model'][k], cb['model'][k]) for k in ca['model'])
+    start = load(rl_env['sft'])['model']
+    assert max((ca['model'][k] - start[k]).abs().max().item() for k in start) > 0  # it trained
+
+
+@pytest.mark.slow
+@pytest.mark.comparison
+@pytest.mark.parametrize('loss_type', ['grpo', 'dapo'])  # all three: test_accumulation_shares_add_up_...
+def test_gradient_accumulation_matches_one_big_batch(tmp_path, rl_env, loss_type):
+    """The same rollouts (generation does not depend on the split) trained as 1 micro-batch of 16 completions or
+    4 of 4: the same loss and gradient norm at the first step, each micro-batch's loss normalised by the whole
+    batch's totals. rel=1e-5: float32 sums of the same ~150 terms in other orders and other matmul shapes move by
+    ~n * 2^-24 of their size (~1e-5 at most); a wrong normaliser is off by a factor of 2 or more."""
+    common = ['--max_iters=1', '--eval_prompts=1', '--exact_match_examples=0', f'--loss_type={loss_type}',
+              f'--reward={rl_env["rewards"]}:chars', '--scale_rewards=batch', '--beta=0.1',
+              '--mask_truncated_completions=True']
+    rl(rl_env, tmp_path / 'big', *common)
+    rl(rl_env, tmp_path / 'acc', *common, '--gradient_accumulation_steps=4')
+    big, acc = train_events(tmp_path / 'big')[1], train_events(tmp_path / 'acc')[1]
+    assert big['reward'] == acc['reward'] and big['completions/mean_length'] == acc['completions/mean_length']
+    assert big['grad_norm'] > 0 and big['loss'] != 0
+    for k in ('loss', 'grad_norm', 'entropy', 'kl'):
+        assert acc[k] == pytest.approx(big[k], rel=1e-5, abs=1e-7), k
+
+
+@pytest.mark.slow
+def test_ddp_two_ranks_train_and_resume(tmp_path, rl_env):
+    """torchrun with 2 processes (gloo): each samples its half of the prompts, the 'batch' advantage scale sees
+    all rewards, the metrics add up over ranks, and a relaunch continues the run. (Each rank samples with its
+    own random stream, so the rollouts, and the numbers, are not a single process's.)"""
+    common = ['--scale_rewards=batch', '--beta=0.1', f'--reward={rl_env["rewards"]}:chars', '--correct_reward=2',
+              '--eval_interval=2']
+    out = tmp_path / 'ddp'
+    rl(rl_env, out, '--max_iters=2', *common, ranks=2)
+    p = rl(rl_env, out, '--max_iters=3', *common, ranks=2)
+    assert f'resuming from {out / "ckpt.pt"} at step 2' in p.stdout + p.stderr
+    events = train_events(out)
+    assert sorted(events) == [1, 2, 3] and all(math.isfinite(e[k]) for e in events.values() for k in TRAIN_METRICS)
+    assert 0 < events[1]['reward_std'] and 0 < events[1]['entropy']
+    assert load(out / 'ckpt.pt')['iter_num'] == 3
+
+
+@pytest.mark.slow
+def test_sigterm_saves_and_exits_143(tmp_path, rl_env):
+    out = tmp_path / 'out'
+    sigterm_after_steps(rl_args(rl_env, out, '--max_iters=100000', '--eval_interval=100000',
+                                f'--reward={rl_env["rewards"]}:chars'), out, 'reward')
+    ckpt = load(out / 'ckpt.pt')
+    assert ckpt['iter_num'] >= 3 and ckpt['iter_num'] == max(train_events(out))
+
+
+@pytest.mark.slow
+def test_reward_rises_on_a_tiny_model(tmp_path, rl_env):
+    """The policy gradient's sign and scale at work: 30 steps on the share of sevens in a completion lift the mean
+    reward of the last 5 steps well above that of the first 5 (deterministic: seeded sampling on the CPU)."""
+    rl(rl_env, tmp_path / 'out', f'--reward={rl_env["rewards"]}:sevens', '--max_iters=30', '--eval_interval=30',
+       '--learning_rate=3e-3', '--eval_prompts=1', '--exact_match_examples=0', '--prompts_per_step=4',
+       '--num_generations=8')
+    rewards = [e['reward'] for _, e in sorted(train_events(tmp_path / 'out').items())]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last > 2 * first + 0.05, rewards
+
+
+@pytest.mark.slow
+def test_reward_function_errors_exit_2_naming_it(tmp_path, rl_env):
+    rewards = tmp_path / 'rewards.py'
+    rewards.write_text("def boom(prompt, completion, row):\n    raise KeyError('answer')\n\n"
+                       "def text(prompt, completion, row):\n    return 'good'\n\n"
+                       "def nan(prompt, completion, row):\n    return float('nan')\n")
+    cases = [(f'{tmp_path / "missing.py"}:f', ['missing.py', 'does not exist']),
+             (f'{rewards}:absent', ['defines no function', "'absent'"]),
+             (f'{rewards}:boom', [f'{rewards}:boom', 'raised KeyError', 'train.jsonl (prompt']),
+             (f'{rewards}:text', [f'{rewards}:text', "returned 'good'", 'finite number']),
+             (f'{rewards}:nan', [f'{rewards}:nan', 'returned nan'])]
+    for i, (spec, says) in enumerate(cases):
+        p = rl(rl_env, tmp_path / f'out{i}', f'--reward={spec}', '--max_iters=1', '--eval_prompts=1', check=False)
+        assert_user_error(p, *says)
+
+
+@pytest.mark.slow
+def test_bad_prompts_and_settings_exit_2(tmp_path, rl_env):
+    bad = tmp_path / 'bad'
+    bad.mkdir()
+    write_jsonl(bad / 'train.jsonl', [{'prompt': 'What is 1+1?', 'response': '2'}, {'response': '2'}])
+    write_jsonl(bad / 'val.jsonl', [{'prompt': 'What is 1+1?', 'response': '2'}])
+    cases = [([f'--rl_data={bad}'], [f'{bad / "train.jsonl"}:2:', '"prompt"']),
+             (['--num_generations=1'], ['num_generations=1', 'at least 2']),
+             (['--prompts_per_step=3', '--gradient_accumulation_steps=5'], ['split evenly']),
+             (['--loss_type=ppo'], ['loss_type'])]
+    for i, (args, says) in enumerate(cases):
+        p = rl(rl_env, tmp_path / f'out{i}', *args, check=False)
+        assert_user_error(p, *says)
+
+
+@pytest.mark.slow
+def test_masked_truncated_completions_run_and_leave_the_loss_to_the_others(tmp_path, rl_env):
+    """max_new_tokens=1 truncates nearly every completion: masked, what is left is the few stopped ones (loss 0 and
+    no gradient when there are none); unmasked, every completion trains."""
+    (tmp_path / 'r.py').write_text("def chars(prompt, completion, row):\n    return sum(map(ord, completion)) % 3\n")
+    common = ['--max_new_tokens=1', '--max_iters=1', '--eval_prompts=1', '--exact_match_examples=0',
+              '--loss_type=dapo', '--scale_rewards=none', f'--reward={tmp_path / "r.py"}:chars']
+    rl(rl_env, tmp_path / 'masked', *common, '--mask_truncated_completions=True')
+    rl(rl_env, tmp_path / 'plain', *common)
+    masked, plain = train_events(tmp_path / 'masked')[1], train_events(tmp_path / 'plain')[1]
+    assert masked['completions/clipped_ratio'] == plain['completions/clipped_ratio'] > 0.5  # the same rollouts
+    assert plain['grad_norm'] > 0 and plain['entropy'] > 0
+    if masked['completions/clipped_ratio'] == 1:
+        assert masked['loss'] == 0 and masked['grad_norm'] == 0 and masked['entropy'] == 0
+    else:
+        assert masked['grad_norm'] != plain['grad_norm']
+
+
+def test_completion_batches_leave_masked_completions_out():
+    """Each micro-batch scores the completion tokens only, each predicted from the position before it; a masked
+    completion (scored False) keeps its row but has no scored token; lengths count what is scored."""
+    sequences = [([1, 2], [3, 4, 0]), ([5], [6]), ([7, 8, 9], [1, 2]), ([4], [5, 6, 7])]
+    batches = completion_batches(sequences, [True, False, True, True], 2, pad_id=0)
+    assert [b['first'] for b in batches] == [0, 2]
+    first, second = batches
+    assert first['x'].tolist() == [[1, 2, 3, 4], [5, 0, 0, 0]]
+    assert first['cols'].tolist() == [1, 2, 3] and first['targets'].tolist() == [3, 4, 0]
+    assert first['lengths'].tolist() == [3, 0] and first['owners'].tolist() == [0, 0, 0]
+    assert second['targets'].tolist() == [1, 2, 5, 6, 7] and second['owners'].tolist() == [0, 0, 1, 1, 1]
+    assert second['lengths'].tolist() == [2, 3] and second['rows'].tolist() == [0, 0, 1, 1, 1]

@@ -1,0 +1,419 @@
+"""
+Online reinforcement learning with verifiable rewards, the GRPO family (GRPO, DAPO, Dr. GRPO, by the names
+TRL's GRPOTrainer uses): each step samples G completions of every prompt, scores them with a reward program,
+and pushes the policy towards the completions that beat their group's mean. `python train_rl.py` trains the
+SFT model of config/sft.py (out-sft/ckpt.pt) on the embedded number tasks, their answer checker as the
+reward, into out-rl/; `python train_rl.py config/rl.py` does it with the config's settings;
+`--rl_data=folder --reward=my_rewards.py:score` trains on one's own prompts and reward; `torchrun
+--nproc_per_node=8 train_rl.py ...` runs data-parallel. Every config key below can be overridden by a
+config file or --key=value (`--help` lists them). The losses and metrics: docs/rl.md.
+"""
+
+import math
+import os
+import sys
+import time
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from configurator import FOLDER, POSITIVE, UserError, at_least, check_values, configure, interval, one_of
+from lm.chat_data import PromptSampler, rl_prompt
+from lm.generate import generate_batch
+from lm.lora import LORA_SETTINGS, apply_lora, disable_adapters, frozen_base_dtype, lora_optimizer, lora_state_dict, \
+    save_merged
+from lm.metrics import mean_pass_at_k
+from lm.rewards import load_reward, score
+from lm.rl import (LOSS_TYPES, SCALE_REWARDS, clipped_token_loss, completion_batches, group_advantages, k3_kl,
+                   normalized_loss, token_entropy)
+from lm.tokenizer import chat_tokenizer
+from memory import peak_memory_bytes
+from model import GPTConfig
+from run.checkpoint import check_compatible, restore_training_state, training_state, write_checkpoint
+from run.device import DTYPES, GradScaler, autocast_context, pick_dtype
+from run.fsdp import place_model
+from run.run_data import prompt_run_data
+from run.run_folder import continued_origin, open_run, run_log, run_origin
+from run.runtime import (StopSignal, after_eval, all_reduce_metrics, bad_step, clip_grad_norm, compute_cleanup,
+                         compute_init, gradient_sync, keep_log_until, log, wrap_model)
+from run.starting_model import build_model, dpo_reference, frozen_model, hf_source, run_tokenizer
+from scheduler import SCHEDULES, LRSchedule, set_lr
+from tasks.exact_match import report_exact_match
+
+# -----------------------------------------------------------------------------
+# I/O
+out_dir = 'out-rl'           # checkpoints (ckpt.pt, best.pt), log.jsonl, tensorboard
+init_from = 'out-sft/ckpt.pt'  # the chat model the policy (and the reference) start as
+chat_template_variables = {}  # published model's chat-template variables; {} = as it was fine-tuned
+resume = True                # continue out_dir's run if any; False = start a new one, replacing it
+data_dir = ''                # the base tokenizer's data.py folder; '' = data/stdlib
+rl_data = ''                 # folder of train/val(/test).jsonl prompts; '' = the embedded number tasks
+reward = 'number_tasks'      # 'number_tasks' (the answer's checker) | 'path.py:name': name(prompt, completion, row)
+format_reward = 0.0          # number_tasks: added when a completion is shaped like the reference answer
+correct_reward = 1.0         # a completion whose reward reaches this counts as correct (accuracy, pass@k)
+eval_interval = 50           # steps between evals (and checkpoint saves)
+eval_prompts = 100           # held-out prompts sampled pass_k times at each eval
+pass_k = 4                   # samples per held-out prompt: pass@1 and pass@pass_k
+exact_match_examples = 200   # held-out prompts with a "response" answered greedily at the start and end; 0 = skip
+log_interval = 1             # steps between train log lines
+eval_only = False            # evaluate init_from (or the resumed checkpoint) and exit
+always_save_checkpoint = True  # save ckpt.pt at every eval, not only when pass@1 improves
+max_bad_steps = 5            # abort after this many non-finite steps (loss/grad norm) in a row
+tensorboard = True           # write TensorBoard logs to out_dir/tb
+seed = 1337                  # random seed
+skip_malformed = False       # skip and count malformed JSONL lines instead of stopping at the first
+# rollouts
+prompts_per_step = 16        # prompts per step over all processes
+num_generations = 8          # G: completions sampled per prompt, the group its advantages are relative to
+max_prompt_length = 48       # longer prompts are dropped (counted)
+max_new_tokens = 32          # a completion's length limit; one that reaches it without stopping is truncated
+temperature = 1.0            # sampling temperature (> 0); the loss's log-probs are of logits / temperature, as TRL's
+top_k = 0                    # sample from the k most likely tokens; 0 = all
+top_p = 1.0                  # sample from the smallest set of tokens whose probability reaches top_p
+# loss (docs/rl.md)
+loss_type = 'dapo'           # 'grpo' (per-sequence mean) | 'dapo' (per-token, global batch) | 'dr_grpo' (constant)
+scale_rewards = 'group'      # advantages divided by the std of the 'group' | the 'batch' | 'none' (Dr. GRPO)
+beta = 0.0                   # weight of the k3 KL penalty against the reference; 0 = no reference at all
+epsilon = 0.2                # PPO clip: the ratio's lower bound is 1 - epsilon
+epsilon_high = 0.2           # the upper bound is 1 + epsilon_high (DAPO's clip-higher: 0.28)
+num_iterations = 1           # optimizer steps on each batch of rollouts (PPO's epochs, TRL's mu)
+mask_truncated_completions = False  # completions cut at max_new_tokens add nothing to the loss (DAPO)
+gradient_accumulation_steps = 1  # micro-batches per optimizer step per process (splitting its completions)
+# LoRA: train adapters on the frozen model; the reference is the same model with adapters disabled
+use_lora = False
+lora_r = 8
+lora_alpha = 16.0
+lora_dropout = 0.0           # dropout on the adapters' input
+use_rslora = False           # scale updates by lora_alpha/sqrt(r) instead of lora_alpha/r
+lora_target_modules = 'all-linear'  # comma-separated layers | 'all-linear'
+lora_bias = 'none'           # biases trained too: 'none' | 'all' | 'lora_only' (adapted layers')
+loraplus_lr_ratio = 1.0      # LoRA+: the B matrices learn at this times the learning rate
+lora_base_dtype = 'float32'  # the frozen base's Linear weights: 'float32' | the run's dtype
+# model (its shape comes from init_from)
+dropout = 0.0                # 0: the ratio to the sampling policy should be 1 at the first iteration
+# optimizer (AdamW)
+learning_rate = 1e-4         # peak lr of every lr_schedule
+max_iters = 200              # steps (rollout batches) in the run
+weight_decay = 0.0           # decoupled weight decay; 0 = none
+beta1 = 0.9                  # AdamW's momentum (first-moment decay)
+beta2 = 0.99                 # AdamW's second-moment decay
+grad_clip = 1.0              # 0 = no clipping (grad norm is still logged)
+# learning-rate schedule (scheduler.py)
+lr_schedule = 'constant'     # cosine | cosine_restarts | noam | constant | linear | wsd
+warmup_iters = 0             # linear rise to learning_rate, reached at this step (every schedule)
+lr_decay_iters = 200         # where the decay to min_lr ends (cosine, linear, wsd; not noam)
+min_lr = 1e-5                # the lr decays to this (noam: its floor; constant: unused)
+restart_iters = 250          # 'cosine_restarts': steps of the first cycle after warmup
+restart_mult = 1             # 'cosine_restarts': each cycle this many times longer than the last
+decay_frac = 0.2             # 'wsd': the last fraction of lr_decay_iters, a linear decay to min_lr
+# system
+device = 'auto'              # 'auto' (cuda, else mps, else cpu) | 'cpu' | 'cuda' | 'cuda:1' | 'mps'
+dtype = 'auto'               # 'auto' = bf16 on GPUs with it, else fp16 + loss scaling; fp32 on CPU
+compile = False              # torch.compile the policy's training forward (generation is not compiled)
+num_threads = 0              # torch.set_num_threads for CPU ops; 0 = torch's default
+# -----------------------------------------------------------------------------
+config = configure(globals())
+check_values(config, [
+    (at_least(1), ('prompts_per_step', 'max_new_tokens', 'gradient_accumulation_steps', 'max_iters', 'eval_interval',
+                   'log_interval', 'eval_prompts', 'pass_k', 'max_bad_steps', 'max_prompt_length', 'num_iterations',
+                   'lora_r', 'restart_iters', 'restart_mult')),
+    (at_least(2), ('num_generations',)),  # one completion has no group to be better than: advantage 0
+    (at_least(0), ('exact_match_examples', 'warmup_iters', 'lr_decay_iters', 'num_threads', 'learning_rate', 'min_lr',
+                   'weight_decay', 'grad_clip', 'beta', 'format_reward', 'top_k', 'epsilon_high')),
+    (interval('[0, 1)'), ('dropout', 'lora_dropout', 'beta1', 'beta2', 'epsilon')),
+    (interval('(0, 1]'), ('top_p',)),
+    (interval('[0, 1]'), ('decay_frac',)),
+    (POSITIVE, ('temperature', 'lora_alpha', 'loraplus_lr_ratio')),
+    (one_of(SCHEDULES), ('lr_schedule',)),
+    (one_of(LOSS_TYPES), ('loss_type',)),
+    (one_of(SCALE_REWARDS), ('scale_rewards',)),
+    (one_of(DTYPES), ('lora_base_dtype',)),
+    (FOLDER, ('out_dir',)),
+])
+
+# processes and device (run/runtime.py: one process per GPU under torchrun), precision
+compute = compute_init(device, seed, num_threads)
+ddp, rank, local_rank, world_size, device = compute
+master, device_type = rank == 0, device.split(':')[0]
+ptdtype = pick_dtype(device, dtype)
+autocast = autocast_context(device, ptdtype)
+base_dtype = frozen_base_dtype(lora_base_dtype, ptdtype, use_lora, 'ddp', 'use_lora=True')
+if prompts_per_step % world_size or prompts_per_step // world_size * num_generations % gradient_accumulation_steps:
+    raise UserError(f"prompts_per_step={prompts_per_step} must split evenly over the {world_size} process(es), and "
+                    f"each one's {prompts_per_step // world_size} x num_generations={num_generations} completions "
+                    f"over gradient_accumulation_steps={gradient_accumulation_steps} micro-batches; change one.")
+completions_per_rank = prompts_per_step // world_size * num_generations
+micro_batch_size = completions_per_rank // gradient_accumulation_steps
+
+# out_dir: written and locked before any work; a checkpoint there is this run's, never another's
+init_from = continued_origin(init_from, out_dir, resume)  # nanoGPT's 'resume': the run's own
+this_run = dict(script='train_rl.py', init_from=run_origin(init_from), use_lora=use_lora)
+out_dir_lock, ckpt_path, ckpt = open_run(out_dir, resume, this_run, eval_only, master)
+resuming = ckpt is not None
+reference_ckpt, reference_path, reference_hash = dpo_reference(
+    ckpt, init_from, out_dir, made_by="`python train.py` (pretraining, out/ckpt.pt) then `python train.py "
+                                      "config/sft.py` (SFT)" if init_from == 'out-sft/ckpt.pt' else None,
+    as_stored=base_dtype != torch.float32, what='RL')
+
+# data: a published model's own tokenizer and chat template, else data_dir's; rank 0 prepares the defaults once
+hf_files = hf_source(reference_ckpt, chat_template_variables)
+data_dir, tokenizer = run_tokenizer(data_dir, reference_ckpt, reference_path, master, ddp,
+                                    hf_files.get('chat_template_variables'))
+tokenizer = chat_tokenizer(tokenizer)
+check_compatible(reference_ckpt['tokenizer'], tokenizer.identity(), 'tokenizer', reference_path,
+                 fix="Point data_dir at the tokenizer folder the model was trained with ('' for the default).")
+model_args = dict(reference_ckpt['model_args'], dropout=dropout)
+if max_prompt_length + max_new_tokens > model_args['block_size']:
+    raise UserError(f"max_prompt_length={max_prompt_length} + max_new_tokens={max_new_tokens} is longer than the "
+                    f"model's block_size={model_args['block_size']}; lower one of them.")
+train_prompts, eval_prompts, exact_match_prompts, train_data_hash = prompt_run_data(config, tokenizer, ckpt, master,
+                                                                                    ddp)
+train_sampler = PromptSampler(len(train_prompts), seed)
+reward_fn, reward_name = load_reward(reward, format_reward)
+stop_ids = sorted({tokenizer.eos_id, *getattr(tokenizer, 'stop_ids', [])})  # the end of the assistant's turn
+
+# policy, and the reference (only with beta > 0): a frozen copy when training all weights, the policy
+# itself with its adapters disabled when training LoRA
+model = build_model(GPTConfig(**model_args), reference_ckpt, False, base_dtype)
+reference = (frozen_model(GPTConfig(**model_args), reference_ckpt['model'], 'ddp', device, ptdtype, False)
+             if beta > 0 and not use_lora else None)
+if use_lora:
+    apply_lora(model, lora_r, lora_alpha, lora_dropout, lora_target_modules, use_rslora, lora_bias)
+if ckpt:
+    fixed = ('use_lora',) + (LORA_SETTINGS if use_lora else ())
+    check_compatible({k: ckpt['config'].get(k) for k in fixed}, {k: config[k] for k in fixed}, 'setup', ckpt_path,
+                     fix="Set these keys to the checkpoint's values, or start a new run (another out_dir, or "
+                         "--resume=False).")
+    model.load_state_dict({**model.state_dict(), **ckpt['model']})  # strict: all weights, or every adapter
+place_model(model, 'ddp', device, ptdtype, False)
+raw_model = model  # what we save and generate with: never compiled or DDP-wrapped
+reference_ckpt = None
+
+optimizer = (lora_optimizer(raw_model, weight_decay, learning_rate, (beta1, beta2), device_type, loraplus_lr_ratio)
+             if use_lora else raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type))
+scaler = GradScaler(enabled=ptdtype == torch.float16)
+get_lr = LRSchedule.from_config(config)
+iter_num, best_val_loss, evals_without_improvement = 0, float('inf'), 0
+if ckpt:
+    if (ckpt['prompts_per_step'], ckpt['num_generations']) != (prompts_per_step, num_generations):
+        raise UserError(f"{ckpt_path} was trained with prompts_per_step={ckpt['prompts_per_step']} and "
+                        f"num_generations={ckpt['num_generations']}; resume with those, or start a new run.")
+    train_sampler.load_state_dict(ckpt['train_sampler'])
+    iter_num, best_val_loss, evals_without_improvement = restore_training_state(ckpt, ckpt_path, optimizer, scaler,
+                                                                                rank, world_size, raw_model)
+ckpt = None
+model = wrap_model(model, compile, ddp, local_rank, device_type)
+log(f"device {device}, dtype {ptdtype}, {world_size} process(es), {raw_model.get_num_params() / 1e6:.2f}M params, "
+    f"{prompts_per_step} prompts x {num_generations} completions per step, loss {loss_type}, reward {reward_name}, "
+    f"reference: " + ('none (beta=0)' if beta == 0 else 'the model with adapters disabled' if use_lora else
+                      'a frozen copy'))
+
+
+@torch.no_grad()
+def rollouts(prompts, n_samples, generator=None):
+    """n_samples completions of each of prompts ((ids, record, where) triples) sampled by the policy, and their
+    rewards: (completions (token ids), rewards (n,), stopped (n,) bool: ended with a stop token)."""
+    raw_model.eval()
+    with autocast:
+        completions = generate_batch(raw_model, [ids for ids, _, _ in prompts], max_new_tokens, temperature,
+                                     top_k or None, top_p, stop_ids, n_samples, generator)
+    raw_model.train()
+    stopped = torch.tensor([bool(c) and c[-1] in stop_ids for c in completions])
+    rewards = []
+    for i, completion in enumerate(completions):
+        ids, record, where = prompts[i // n_samples]
+        text = tokenizer.decode(completion[:-1] if stopped[i] else completion)
+        rewards.append(score(reward_fn, reward_name, rl_prompt(record), text, record, where))
+    return completions, torch.tensor(rewards, device=device), stopped
+
+
+def completion_logps(net, batch):
+    """Per-token log-probs (N,) of a micro-batch's completion tokens under net, and the logits (N, V) they come
+    from, divided by the sampling temperature (the distribution the completions were drawn from)."""
+    logits, _ = net(batch['x'], logits_at=(batch['rows'], batch['cols']))
+    logits = logits.float() / temperature
+    return -F.cross_entropy(logits, batch['targets'], reduction='none'), logits
+
+
+@torch.no_grad()
+def fixed_logps(batches, use_reference):
+    """Per micro-batch, the per-token log-probs of the policy as it sampled (the PPO ratio's denominator) or, with
+    use_reference, of the reference: the frozen copy, or the policy with its adapters disabled."""
+    net = reference if use_reference and reference is not None else raw_model
+    raw_model.eval()
+    with disable_adapters(raw_model) if use_reference and use_lora else nullcontext(), autocast:
+        logps = [completion_logps(net, batch)[0] for batch in batches]
+    raw_model.train()
+    return logps
+
+
+def train_step(batches, advantages, old_logps, ref_logps, totals):
+    """Forward/backward of this rank's micro-batches (accumulating gradients); returns its shares of the loss
+    and token metrics (shares add up over ranks). totals: (sequences, completion tokens, max_new_tokens) of
+    the whole batch over all ranks, which every normalisation divides by."""
+    shares = {}
+    for micro_step, batch in enumerate(batches):
+        # only the last micro-batch reduces gradients across ranks
+        with gradient_sync(model, raw_model, sync=micro_step == len(batches) - 1):
+            with autocast:
+                logps, logits = completion_logps(model, batch)
+            token_advantages = advantages[batch['first'] + batch['owners']]
+            old = logps.detach() if old_logps is None else old_logps[micro_step]  # one iteration: ratio 1
+            token_loss, clipped = clipped_token_loss(logps, old, token_advantages, epsilon, epsilon_high)
+            metrics = {'clip_ratio': clipped.float()}
+            if beta > 0:
+                kl = k3_kl(logps, ref_logps[micro_step])
+                token_loss = token_loss + beta * kl
+                metrics['kl'] = kl.detach()
+            loss = normalized_loss(token_loss, batch['owners'], batch['lengths'], loss_type, totals)
+            scaler.scale(loss * world_size).backward()  # DDP averages gradients over ranks: undo 1/world_size
+        metrics['entropy'] = token_entropy(logits.detach())
+        for k, v in metrics.items():  # token means over the whole batch
+            shares[k] = shares.get(k, 0.0) + v.sum() / max(totals[1], 1)
+        shares['loss'] = shares.get('loss', 0.0) + loss.detach()
+    return shares
+
+
+def gathered(tensor):
+    """tensor (n,) of every rank, concatenated in rank order."""
+    if not ddp:
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(world_size)]
+    dist.all_gather(parts, tensor)
+    return torch.cat(parts)
+
+
+@torch.no_grad()
+def evaluate():
+    """pass@1 and pass@pass_k of the held-out prompts, each sampled pass_k times (its share on each rank, the
+    same samples at every eval: a generator seeded with seed), and their mean reward; logged and recorded.
+    Returns -pass@1, the 'loss' a better checkpoint lowers."""
+    generator = torch.Generator(device=device).manual_seed(seed + rank)
+    mine, per_call = eval_prompts[rank::world_size], max(1, prompts_per_step // world_size)
+    sums = torch.zeros(4, device=device)  # pass@1, pass@k, reward, prompts
+    for start in range(0, len(mine), per_call):
+        part = mine[start:start + per_call]
+        _, rewards, _ = rollouts(part, pass_k, generator)
+        counts = [(pass_k, int(c)) for c in (rewards.view(-1, pass_k) >= correct_reward).sum(1).tolist()]
+        sums += torch.tensor([mean_pass_at_k(counts, 1) * len(part), mean_pass_at_k(counts, pass_k) * len(part),
+                              rewards.sum().item() / pass_k, len(part)], device=device)
+    if ddp:
+        dist.all_reduce(sums)
+    pass1, passk, mean_reward = (sums[:3] / sums[3]).tolist()
+    log(f"step {iter_num}: eval pass@1 {pass1:.3f}, pass@{pass_k} {passk:.3f}, reward {mean_reward:.3f} "
+        f"({int(sums[3])} held-out prompts x {pass_k})")
+    record({'step': iter_num, 'eval/pass@1': pass1, f'eval/pass@{pass_k}': passk, 'eval/reward': mean_reward})
+    return -pass1
+
+
+def save(path):
+    """A checkpoint of the run at path (write_checkpoint): collective under DDP, every rank must call it."""
+    weights = raw_model.state_dict(keep_vars=True)
+    state = dict(training_state(this_run, dict(config, training_type='rl'), optimizer, scaler, iter_num,
+                                best_val_loss, evals_without_improvement),
+                 kind='gpt', model=weights, model_args=model_args, tokenizer=tokenizer.identity(),
+                 data_dir=os.path.abspath(data_dir), train_sampler=train_sampler.state_dict(),
+                 prompts_per_step=prompts_per_step, num_generations=num_generations,
+                 reference_checkpoint=os.path.abspath(reference_path), reference_hash=reference_hash,
+                 train_data_hash=train_data_hash, **hf_files)
+    if use_lora:  # adapters only: the base is the reference checkpoint, named by path and hash
+        state.update(kind='lora', model=lora_state_dict(raw_model, weights),
+                     base_checkpoint=state['reference_checkpoint'], base_hash=reference_hash)
+    write_checkpoint(path, state, False, master)
+
+
+record, writer = run_log(out_dir, master, tensorboard, keep_log_until(eval_only, resuming, iter_num))
+
+if eval_only or iter_num == 0:
+    evaluate()
+    report_exact_match(raw_model, tokenizer, exact_match_prompts, autocast, iter_num, record)
+if eval_only:
+    compute_cleanup(ddp)
+    sys.exit(0)
+stop = StopSignal()
+bad_steps = 0
+progress = tqdm(total=max_iters, initial=iter_num, disable=not master, dynamic_ncols=True, desc='rl')
+while iter_num < max_iters:
+    lr = get_lr(iter_num)
+    set_lr(optimizer, lr)
+
+    # rollouts: this rank's slice of the step's prompts, G completions each, scored by the reward
+    t0 = time.time()
+    prompts = [train_prompts[i] for i in train_sampler.sample(prompts_per_step).tensor_split(world_size)[rank]]
+    completions, rewards, stopped = rollouts(prompts, num_generations)
+    all_rewards = gathered(rewards)  # a group is on one rank, but the 'batch' std is over all
+    advantages = group_advantages(all_rewards, num_generations, scale_rewards).view(world_size, -1)[rank]
+    sequences = [(prompts[i // num_generations][0], c) for i, c in enumerate(completions)]
+    scored = [bool(s) or not mask_truncated_completions for s in stopped.tolist()]  # DAPO's mask: truncated ones out
+    batches = completion_batches(sequences, scored, micro_batch_size, tokenizer.eos_id, device)
+    t1 = time.time()
+    old_logps = fixed_logps(batches, use_reference=False) if num_iterations > 1 else None
+    ref_logps = fixed_logps(batches, use_reference=True) if beta > 0 else None
+    lengths = torch.tensor([len(c) for c in completions], device=device, dtype=torch.float)
+    counts = gathered(torch.stack([lengths.sum(), sum(b['lengths'].sum() for b in batches).float(),
+                                   stopped.sum().to(device, torch.float)]).view(1, 3)).sum(0)
+    generated_tokens, scored_tokens, n_stopped = counts.tolist()
+    totals = (prompts_per_step * num_generations, scored_tokens, max_new_tokens)
+
+    # num_iterations optimizer steps on the batch: the first at ratio 1, the later ones clipped
+    for iteration in range(num_iterations):
+        shares = train_step(batches, advantages, old_logps, ref_logps, totals)
+        scaler.unscale_(optimizer)
+        grad_norm = clip_grad_norm(raw_model.parameters(), grad_clip)
+        metrics, (stop_requested,) = all_reduce_metrics(shares, [stop.requested is not None], ddp)
+        loss = metrics['loss']
+        # fp16: a non-finite grad norm is an overflow, which scaler.step skips (and update backs off)
+        if math.isfinite(loss) and (math.isfinite(grad_norm) or scaler.is_enabled()):
+            scaler.step(optimizer)
+            bad_steps = 0
+        else:
+            bad_steps = bad_step(bad_steps, max_bad_steps, iter_num, loss, grad_norm, out_dir)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+    iter_num += 1
+    progress.update(1)
+    t2 = time.time()
+
+    if iter_num % log_interval == 0 or iter_num == max_iters:
+        groups = all_rewards.view(-1, num_generations)
+        n_completions = len(all_rewards)
+        # metrics are the last iteration's; TRL's names where it has them
+        record(dict(step=iter_num, lr=lr, grad_norm=grad_norm, reward=all_rewards.mean().item(),
+                    reward_std=all_rewards.std().item(),
+                    accuracy=(all_rewards >= correct_reward).float().mean().item(),
+                    frac_reward_zero_std=(groups == groups[:, :1]).all(1).float().mean().item(),
+                    **{'completions/mean_length': generated_tokens / n_completions,
+                       'completions/clipped_ratio': 1 - n_stopped / n_completions,
+                       'time/generation_s': t1 - t0, 'time/training_s': t2 - t1,
+                       'generation/tokens_per_sec': generated_tokens / (t1 - t0)},
+                    peak_memory_mb=(peak_memory_bytes(device) or 0) / 2**20, **metrics))
+        progress.set_postfix(reward=f'{all_rewards.mean().item():.3f}')
+        no_signal = (groups == groups[:, :1]).all()
+        log(f"step {iter_num}: reward {all_rewards.mean().item():.3f} (std {all_rewards.std().item():.3f}), "
+            f"loss {loss:.4f}, length {generated_tokens / n_completions:.1f}, lr {lr:.2e}, grad norm {grad_norm:.3f}, "
+            f"generation {t1 - t0:.2f}s, training {t2 - t1:.2f}s" + (
+                f"; warning: every group's {num_generations} rewards were equal, so every advantage was 0 and "
+                f"nothing was learned (too hard or too easy prompts, or a constant reward)" if no_signal else ''))
+
+    if iter_num % eval_interval == 0 or iter_num == max_iters:
+        improved, best_val_loss, evals_without_improvement = after_eval(evaluate(), best_val_loss,
+                                                                        evals_without_improvement)
+        if improved:
+            save(os.path.join(out_dir, 'best.pt'))
+        if improved or always_save_checkpoint:
+            save(ckpt_path)
+
+    if stop_requested:
+        save(ckpt_path)
+        progress.close()
+        stop.exit(ckpt_path, iter_num, ddp)
+progress.close()
+save(ckpt_path)
+report_exact_match(raw_model, tokenizer, exact_match_prompts, autocast, iter_num, record)
+if use_lora:
+    save_merged(out_dir, raw_model, master, model_args=model_args, config=dict(config, training_type='rl'),
+                iter_num=iter_num, tokenizer=tokenizer.identity(), data_dir=os.path.abspath(data_dir), **hf_files)
+compute_cleanup(ddp)

@@ -4,12 +4,16 @@ batch = gradient accumulation, masked truncated completions, the number-task ver
 and the script end to end (metrics in log.jsonl, bit-exact resume)."""
 
 import math
+import re
 
 import pytest
 import torch
 
-from conftest import assert_user_error, load, read_log, run, sft, sigterm_after_steps, torchrun, write_jsonl
+from conftest import (assert_user_error, kill_and_relaunch, load, read_log, run, sft, sigterm_after_steps, torchrun,
+                      write_jsonl)
+from configurator import UserError
 from lm.chat_data import rl_prompt
+from lm.rewards import load_reward, score
 from lm.rl import clipped_token_loss, completion_batches, group_advantages, k3_kl, normalized_loss, token_entropy
 from tasks.number_tasks import final_answer, number_task_reward, prepare_number_tasks
 
@@ -231,8 +235,8 @@ def rl_env(sft_env, tmp_path_factory):
 
 
 def rl_args(env, out_dir, *extra, ranks=1):
-    return [*(torchrun(ranks) if ranks > 1 else []), 'train_rl.py', f'--out_dir={out_dir}', f'--data_dir={env["data_dir"]}', f'--rl_data={env["prompts"]}',
-            f'--init_from={env["sft"]}', *RL, *extra]
+    return [*(torchrun(ranks) if ranks > 1 else []), 'train_rl.py', f'--out_dir={out_dir}',
+            f'--data_dir={env["data_dir"]}', f'--rl_data={env["prompts"]}', f'--init_from={env["sft"]}', *RL, *extra]
 
 
 def rl(env, out_dir, *extra, ranks=1, **kw):
@@ -277,7 +281,7 @@ def test_run_logs_metrics_and_resumes_bit_exactly(tmp_path, rl_env):
 
 @pytest.mark.slow
 @pytest.mark.comparison
-@pytest.mark.parametrize('loss_type', ['grpo', 'dapo'])  # all three: test_accumulation_shares_add_up_...
+@pytest.mark.parametrize('loss_type', ['dapo'])  # its global token count; all three: test_accumulation_shares_...
 def test_gradient_accumulation_matches_one_big_batch(tmp_path, rl_env, loss_type):
     """The same rollouts (generation does not depend on the split) trained as 1 micro-batch of 16 completions or
     4 of 4: the same loss and gradient norm at the first step, each micro-batch's loss normalised by the whole
@@ -322,6 +326,16 @@ def test_sigterm_saves_and_exits_143(tmp_path, rl_env):
 
 
 @pytest.mark.slow
+def test_relaunch_after_sigkill_continues_the_run(tmp_path, rl_env):
+    out = tmp_path / 'out'
+    args = rl_args(rl_env, out, '--max_iters=40', '--eval_interval=5', '--eval_prompts=1', '--exact_match_examples=0',
+                   f'--reward={rl_env["rewards"]}:chars')
+    killed_at, output, steps = kill_and_relaunch(args, out, step_key='reward')
+    assert killed_at >= 5 and f'resuming from {out / "ckpt.pt"} at step {killed_at}\n' in output
+    assert steps == list(range(1, 41)) and load(out / 'ckpt.pt')['iter_num'] == 40
+
+
+@pytest.mark.slow
 def test_reward_rises_on_a_tiny_model(tmp_path, rl_env):
     """The policy gradient's sign and scale at work: 30 steps on the share of sevens in a completion lift the mean
     reward of the last 5 steps well above that of the first 5 (deterministic: seeded sampling on the CPU)."""
@@ -333,20 +347,45 @@ def test_reward_rises_on_a_tiny_model(tmp_path, rl_env):
     assert last > 2 * first + 0.05, rewards
 
 
-@pytest.mark.slow
-def test_reward_function_errors_exit_2_naming_it(tmp_path, rl_env):
+def test_reward_function_errors_name_it(tmp_path):
+    """A missing file or function, a raise, a non-number, a NaN: a UserError naming the function and the prompt."""
     rewards = tmp_path / 'rewards.py'
     rewards.write_text("def boom(prompt, completion, row):\n    raise KeyError('answer')\n\n"
                        "def text(prompt, completion, row):\n    return 'good'\n\n"
-                       "def nan(prompt, completion, row):\n    return float('nan')\n")
-    cases = [(f'{tmp_path / "missing.py"}:f', ['missing.py', 'does not exist']),
-             (f'{rewards}:absent', ['defines no function', "'absent'"]),
-             (f'{rewards}:boom', [f'{rewards}:boom', 'raised KeyError', 'train.jsonl (prompt']),
-             (f'{rewards}:text', [f'{rewards}:text', "returned 'good'", 'finite number']),
-             (f'{rewards}:nan', [f'{rewards}:nan', 'returned nan'])]
-    for i, (spec, says) in enumerate(cases):
-        p = rl(rl_env, tmp_path / f'out{i}', f'--reward={spec}', '--max_iters=1', '--eval_prompts=1', check=False)
-        assert_user_error(p, *says)
+                       "def nan(prompt, completion, row):\n    return float('nan')\n\n"
+                       "def fine(prompt, completion, row):\n    return len(row['response']) + (completion == 'x')\n")
+    for spec, says in [(f'{tmp_path / "missing.py"}:f', 'does not exist'), (f'{rewards}:absent', 'no function'),
+                       ('rewards:f', "neither 'number_tasks' nor 'path.py:name'")]:
+        with pytest.raises(UserError, match=says):
+            load_reward(spec)
+    for name, says in [('boom', "raised KeyError: 'answer' on the prompt of data.jsonl (prompt 3)"),
+                       ('text', "returned 'good' for the prompt of data.jsonl (prompt 3)"), ('nan', 'returned nan')]:
+        fn, spec = load_reward(f'{rewards}:{name}')
+        with pytest.raises(UserError, match=re.escape(says)) as e:
+            score(fn, spec, [], 'x', {'response': '12'}, 'data.jsonl (prompt 3)')
+        assert f'{rewards}:{name}' in str(e.value)
+    fn, spec = load_reward(f'{rewards}:fine')
+    assert score(fn, spec, [], 'x', {'response': '12'}, 'here') == 3.0
+
+
+@pytest.mark.slow
+def test_reward_function_that_raises_exits_2(tmp_path, rl_env):
+    (tmp_path / 'r.py').write_text("def boom(prompt, completion, row):\n    raise KeyError('answer')\n")
+    p = rl(rl_env, tmp_path / 'out', f'--reward={tmp_path / "r.py"}:boom', check=False)
+    assert_user_error(p, f'{tmp_path / "r.py"}:boom', 'raised KeyError', '.jsonl (prompt 1)')
+
+
+@pytest.mark.slow
+def test_constant_reward_warns_and_stays_finite(tmp_path, rl_env):
+    """A reward that never varies within a group: every advantage is 0 (no NaN from the 0 std), the loss and the
+    gradient are 0, and each step's log line says that nothing was learned."""
+    (tmp_path / 'r.py').write_text("def one(prompt, completion, row):\n    return 1\n")
+    p = rl(rl_env, tmp_path / 'out', f'--reward={tmp_path / "r.py"}:one', '--max_iters=2', '--eval_prompts=1',
+           '--exact_match_examples=0')
+    assert "warning: every group's 4 rewards were equal" in p.stdout + p.stderr
+    for e in train_events(tmp_path / 'out').values():
+        assert e['reward'] == 1 and e['reward_std'] == 0 and e['frac_reward_zero_std'] == 1
+        assert e['loss'] == 0 and e['grad_norm'] == 0 and e['accuracy'] == 1
 
 
 @pytest.mark.slow

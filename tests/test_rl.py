@@ -300,6 +300,20 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path, rl_env, loss_type
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize('use_lora', [False, True])
+def test_reference_is_the_starting_model_kl_0_at_the_first_step(tmp_path, rl_env, use_lora):
+    """beta > 0 with one iteration: at step 1 the policy is still the reference (a frozen copy, or the LoRA model
+    with its adapters disabled, B = 0), so the KL is exactly 0; after updates it is not. LoRA saves merged.pt."""
+    out = tmp_path / 'out'
+    rl(rl_env, out, '--beta=0.1', '--max_iters=3', '--eval_interval=3', f'--use_lora={use_lora}',
+       f'--reward={rl_env["rewards"]}:chars', '--eval_prompts=1', '--exact_match_examples=0')
+    events = train_events(out)
+    assert events[1]['kl'] == 0 and events[3]['kl'] > 0 and events[1]['grad_norm'] > 0
+    ckpt = load(out / 'ckpt.pt')
+    assert ckpt['kind'] == ('lora' if use_lora else 'gpt') and (out / 'merged.pt').exists() == use_lora
+
+
+@pytest.mark.slow
 def test_ddp_two_ranks_train_and_resume(tmp_path, rl_env):
     """torchrun with 2 processes (gloo): each samples its half of the prompts, the 'batch' advantage scale sees
     all rewards, the metrics add up over ranks, and a relaunch continues the run. (Each rank samples with its

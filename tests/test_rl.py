@@ -9,8 +9,8 @@ import re
 import pytest
 import torch
 
-from conftest import (assert_user_error, kill_and_relaunch, load, read_log, run, sft, sigterm_after_steps, torchrun,
-                      write_jsonl)
+from conftest import (assert_user_error, hf_fixture, kill_and_relaunch, load, read_log, run, sft, sigterm_after_steps,
+                      torchrun, write_jsonl)
 from configurator import UserError
 from lm.chat_data import rl_prompt
 from lm.rewards import load_reward, score
@@ -311,6 +311,18 @@ def test_reference_is_the_starting_model_kl_0_at_the_first_step(tmp_path, rl_env
     assert events[1]['kl'] == 0 and events[3]['kl'] > 0 and events[1]['grad_norm'] > 0
     ckpt = load(out / 'ckpt.pt')
     assert ckpt['kind'] == ('lora' if use_lora else 'gpt') and (out / 'merged.pt').exists() == use_lora
+
+
+@pytest.mark.slow
+def test_published_chat_model_with_lora(tmp_path, rl_env):
+    """A Hugging Face folder (the Qwen2 fixture: its own tokenizer, chat template and stop tokens) trained with LoRA
+    on q_proj/v_proj: the reference is the model with its adapters off (KL 0 at step 1), merged.pt at the end."""
+    out = tmp_path / 'out'
+    run(['train_rl.py', f'--init_from={hf_fixture("qwen2")}', f'--out_dir={out}', f'--rl_data={rl_env["prompts"]}',
+         *RL, '--max_prompt_length=100', '--max_new_tokens=16', '--use_lora=True',
+         '--lora_target_modules=q_proj,v_proj', '--beta=0.1', '--max_iters=2', '--eval_interval=2', f'--reward={rl_env["rewards"]}:chars'])
+    events = train_events(out)
+    assert events[1]['kl'] == 0 and events[1]['grad_norm'] > 0 and (out / 'merged.pt').exists()
 
 
 @pytest.mark.slow

@@ -320,7 +320,8 @@ def test_published_chat_model_with_lora(tmp_path, rl_env):
     out = tmp_path / 'out'
     run(['train_rl.py', f'--init_from={hf_fixture("qwen2")}', f'--out_dir={out}', f'--rl_data={rl_env["prompts"]}',
          *RL, '--max_prompt_length=100', '--max_new_tokens=16', '--use_lora=True',
-         '--lora_target_modules=q_proj,v_proj', '--beta=0.1', '--max_iters=2', '--eval_interval=2', f'--reward={rl_env["rewards"]}:chars'])
+         '--lora_target_modules=q_proj,v_proj', '--beta=0.1', '--max_iters=2', '--eval_interval=2',
+         f'--reward={rl_env["rewards"]}:chars'])
     events = train_events(out)
     assert events[1]['kl'] == 0 and events[1]['grad_norm'] > 0 and (out / 'merged.pt').exists()
 

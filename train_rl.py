@@ -23,6 +23,7 @@ from tqdm import tqdm
 from configurator import FOLDER, POSITIVE, UserError, at_least, check_values, configure, interval, one_of
 from lm.chat_data import PromptSampler, rl_prompt
 from lm.generate import generate_batch
+from lm.heldout_eval import HeldOut, report_heldout
 from lm.lora import LORA_SETTINGS, apply_lora, disable_adapters, frozen_base_dtype, lora_optimizer, lora_state_dict, \
     save_merged
 from lm.metrics import mean_pass_at_k
@@ -41,7 +42,6 @@ from run.runtime import (StopSignal, after_eval, all_reduce_metrics, bad_step, c
                          compute_init, gradient_sync, keep_log_until, log, wrap_model)
 from run.starting_model import build_model, dpo_reference, frozen_model, hf_source, run_tokenizer
 from scheduler import SCHEDULES, LRSchedule, set_lr
-from tasks.exact_match import report_exact_match
 
 # -----------------------------------------------------------------------------
 # I/O
@@ -172,6 +172,8 @@ if max_prompt_length + max_new_tokens > model_args['block_size']:
 train_prompts, eval_prompts, exact_match_prompts, train_data_hash = prompt_run_data(config, tokenizer, ckpt, master,
                                                                                     ddp)
 train_sampler = PromptSampler(len(train_prompts), seed)
+# greedy exact match on the held-out prompts that have a reference answer, at the start and the end
+held_out = HeldOut(tokenizer, exact_match_prompts, ['exact_match'], prompts_per_step, model_args['block_size'])
 reward_fn, reward_name = load_reward(reward, format_reward)
 stop_ids = sorted({tokenizer.eos_id, *getattr(tokenizer, 'stop_ids', [])})  # the end of the assistant's turn
 
@@ -329,7 +331,7 @@ record, writer = run_log(out_dir, master, tensorboard, keep_log_until(eval_only,
 
 if eval_only or iter_num == 0:
     evaluate()
-    report_exact_match(raw_model, tokenizer, exact_match_prompts, autocast, iter_num, record)
+    report_heldout(raw_model, held_out, autocast, iter_num, record)
 if eval_only:
     compute_cleanup(ddp)
     sys.exit(0)
@@ -412,7 +414,7 @@ while iter_num < max_iters:
         stop.exit(ckpt_path, iter_num, ddp)
 progress.close()
 save(ckpt_path)
-report_exact_match(raw_model, tokenizer, exact_match_prompts, autocast, iter_num, record)
+report_heldout(raw_model, held_out, autocast, iter_num, record)
 if use_lora:
     save_merged(out_dir, raw_model, master, model_args=model_args, config=dict(config, training_type='rl'),
                 iter_num=iter_num, tokenizer=tokenizer.identity(), data_dir=os.path.abspath(data_dir), **hf_files)

@@ -139,9 +139,9 @@ def dpo_reference(ckpt, init_from, out_dir, made_by=None, as_stored=False, what=
                         f"are then overwritten).")
     path = moved_to(ckpt['reference_checkpoint'], init_from) if ckpt else init_from
     if ckpt and not os.path.exists(path):
-        raise UserError(f"{path}, the reference of the {what} run in {out_dir} (named in its ckpt.pt), no longer exists. "
-                        f"Put it back there, or pass --init_from=<where it is now>, or start a new run (another "
-                        f"out_dir, or --resume=False).")
+        raise UserError(f"{path}, the reference of the {what} run in {out_dir} (named in its ckpt.pt), no longer "
+                        f"exists. Put it back there, or pass --init_from=<where it is now>, or start a new run "
+                        f"(another out_dir, or --resume=False).")
     if not ckpt:
         require_init_from(init_from, made_by, hf_folders=True)
     reference = load_model(path, as_stored)
@@ -154,9 +154,9 @@ def dpo_reference(ckpt, init_from, out_dir, made_by=None, as_stored=False, what=
                         f"--init_from={path}`, and start {what} from that run's checkpoint.")
     reference_hash = model_hash(path)
     if ckpt and reference_hash != ckpt['reference_hash']:
-        raise UserError(f"{path} is not the reference the {what} run in {out_dir} began with ({ckpt['reference_checkpoint']}"
-                        f"): it has changed since, or is another model. Restore that model, or start a new run "
-                        f"(another out_dir, or --resume=False to overwrite).")
+        raise UserError(f"{path} is not the reference the {what} run in {out_dir} began with "
+                        f"({ckpt['reference_checkpoint']}): it has changed since, or is another model. Restore that "
+                        f"model, or start a new run (another out_dir, or --resume=False to overwrite).")
     return reference, path, reference_hash
 
 

@@ -33,7 +33,7 @@ def test_fine_tuning_a_chat_model_learns_and_resumes_bit_exactly(tmp_path, task,
     p = fine_tune(full, task, 'smollm2', lr, training_type=training_type)
     losses = val_losses(full)
     assert losses[-1] < losses[0] - 0.3, losses
-    assert 'exact match' in p.stdout
+    assert 'exact_match' in p.stdout
     ckpt = load(full / 'ckpt.pt')
     assert ckpt['hf_config']['architectures'] == ['LlamaForCausalLM']
     assert ckpt['model_args']['vocab_size'] == load_hf_checkpoint(hf_fixture('smollm2'))['model_args']['vocab_size']

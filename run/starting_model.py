@@ -16,14 +16,14 @@ import torch
 
 from configurator import UserError, dataclass_args
 from data import prepare_default
-from hf.checkpoint import load_hf_checkpoint, weight_files
+from hf.checkpoint import is_hf_folder, load_hf_checkpoint, weight_files
 from hf.tokenizer import load_hf_tokenizer
 from lm.lora import cast_frozen_base
 from lm.tokenizer import DEFAULT_DATA_DIR, load_tokenizer
 from model import GPT, GPTConfig, new_seed
 from run.checkpoint import check_compatible, file_sha256, load_checkpoint
 from run.fsdp import place_model
-from run.run_folder import is_hf_folder, require_init_from
+from run.run_folder import require_init_from
 from run.runtime import prepare_once
 
 

@@ -160,8 +160,7 @@ base_dtype = frozen_base_dtype(lora_base_dtype, ptdtype, training_type == 'lora'
 init_from = continued_origin(init_from, out_dir, resume)  # nanoGPT's 'resume': the run's own
 this_run = dict(script='train.py', training_type=training_type, init_from=run_origin(init_from))
 # FSDP reads its shards of a sharded checkpoint
-out_dir_lock, ckpt_path, ckpt = open_run(out_dir, resume, this_run, eval_only, master,
-                                         whole=parallel != 'fsdp' or training_type == 'lora')
+out_dir_lock, ckpt_path, ckpt = open_run(config, this_run, master, whole=parallel != 'fsdp' or training_type == 'lora')
 resuming = ckpt is not None
 require_starting_weights(ckpt, init_from, eval_only, ckpt_path, hf_folders=True,
                          made_by='`python train.py` (pretraining)' if init_from == 'out/ckpt.pt' else None)

@@ -144,8 +144,8 @@ base_dtype = frozen_base_dtype(lora_base_dtype, ptdtype, use_lora, parallel, 'us
 # out_dir: written and locked before any work; a checkpoint there is this run's, never another's
 init_from = continued_origin(init_from, out_dir, resume)  # nanoGPT's 'resume': the run's own
 this_run = dict(script='train_dpo.py', init_from=run_origin(init_from), use_lora=use_lora)
-out_dir_lock, ckpt_path, ckpt = open_run(out_dir, resume, this_run, eval_only, master,
-                                         whole=parallel != 'fsdp' or use_lora)  # FSDP: its shards
+# FSDP reads its shards of a sharded checkpoint
+out_dir_lock, ckpt_path, ckpt = open_run(config, this_run, master, whole=parallel != 'fsdp' or use_lora)
 resuming = ckpt is not None
 reference_ckpt, reference_path, reference_hash = dpo_reference(
     ckpt, init_from, out_dir, made_by="`python train.py` (pretraining, out/ckpt.pt) then `python train.py "

@@ -157,14 +157,14 @@ reference_ckpt, reference_path, reference_hash = dpo_reference(
 # else data_dir's; rank 0 prepares the defaults once
 # a published model's config files, which export.py writes back
 hf_files = hf_source(reference_ckpt, chat_template_variables)
-data_dir, tokenizer = run_tokenizer(data_dir, reference_ckpt, reference_path, master, ddp,
+data_dir, tokenizer = run_tokenizer(data_dir, reference_ckpt, reference_path, compute,
                                     hf_files.get('chat_template_variables'))
 tokenizer = chat_tokenizer(tokenizer)
 check_compatible(reference_ckpt['tokenizer'], tokenizer.identity(), 'tokenizer', reference_path,
                  fix="Point data_dir at the tokenizer folder the model was trained with ('' for the default).")
 model_args = dict(reference_ckpt['model_args'], dropout=dropout)
 train_batches, val_batches, val_indices, exact_match_prompts, train_data_hash, val_path = preference_run_data(
-    config, tokenizer, model_args['block_size'], ckpt, master, ddp)
+    config, tokenizer, model_args['block_size'], ckpt, compute)
 held_out = HeldOut(tokenizer, exact_match_prompts, eval_metric_names, batch_size, max_length)
 
 # policy, and the reference: a frozen copy when training all weights, the policy itself with its

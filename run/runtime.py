@@ -75,12 +75,12 @@ def compute_cleanup(ddp, exit_code=0):
         os._exit(exit_code)
 
 
-def prepare_once(prepare, master, ddp, **kwargs):
+def prepare_once(prepare, compute, **kwargs):
     """prepare(**kwargs), which writes files every rank reads (the default corpus, the number tasks), on rank 0
-    only; the other ranks wait until it is done."""
-    if master:
+    only; the other ranks wait until it is done (compute: compute_init's)."""
+    if compute.rank == 0:
         prepare(**kwargs)
-    if ddp:
+    if compute.ddp:
         dist.barrier()
 
 

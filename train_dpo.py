@@ -354,7 +354,7 @@ while iter_num < max_iters:
         scaler.step(optimizer)
         bad_steps = 0
     else:
-        bad_steps = bad_step(bad_steps, max_bad_steps, iter_num, loss, grad_norm, out_dir)
+        bad_steps = bad_step(bad_steps, config, iter_num, loss, grad_norm)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
     iter_num += 1

@@ -217,9 +217,9 @@ if precompute_ref_logps:
         weights = load_model(reference_path, as_stored=parallel == 'fsdp')['model']
         return frozen_model(GPTConfig(**model_args), weights, parallel, device, ptdtype, fsdp_cpu_offload)
 
-    ref_cache = precomputed_reference_logps(config, depends_on, raw_model, {'train': train_batches, 'val': val_batches},
-                                            load_reference if iter_num > 0 and not use_lora else None, autocast,
-                                            compute)
+    ref_cache = precomputed_reference_logps(config, depends_on, {'train': train_batches, 'val': val_batches},
+                                            load_reference if iter_num > 0 and not use_lora else lambda: raw_model,
+                                            autocast, compute)
     reference = None
 
 model = wrap_model(model, compile, ddp and parallel == 'ddp', local_rank, device_type)
@@ -241,7 +241,7 @@ def pair_terms(net, batches, indices, cache, batch_counts):
     elif cache is not None:
         ref_sums = cache[indices].to(device).T.flatten()  # chosen of every pair, then rejected
     else:
-        ref_sums, ref_logits = reference_logps(raw_model, reference, batch, n, use_lora, autocast)
+        ref_sums, ref_logits = reference_logps(raw_model if reference is None else reference, batch, n, autocast)
     with autocast:
         sums, token_logps, logits = completion_logps(net, batch, n)
     chosen_pos, pairs, chosen_tokens, rejected_tokens = batch['owners'] < n, *batch_counts

@@ -112,12 +112,13 @@ class PromptRunData(NamedTuple):
     train_data_hash: str
 
 
-def prompt_run_data(config, tokenizer, ckpt, master, ddp):
+def prompt_run_data(config, tokenizer, ckpt, compute):
     """The PromptRunData of a train_rl.py run (config: its config keys; tokenizer: the chat tokenizer; ckpt: the
-    continued run's checkpoint, or None). Rank 0 prepares the embedded number tasks once (master, ddp)."""
+    continued run's checkpoint, or None). Rank 0 prepares the embedded number tasks once (compute:
+    compute_init's)."""
     rl_data = config['rl_data']
     if not rl_data:
-        prepare_once(prepare_number_tasks, master, ddp)
+        prepare_once(prepare_number_tasks, compute)
         rl_data = NUMBER_TASKS_DIR
 
     def load_split(name):

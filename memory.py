@@ -9,6 +9,7 @@ import math
 import os
 import sys
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -148,28 +149,35 @@ def split_micro_batches(splits, longest, iter_num):
     return splits * 2
 
 
+class MicroBatch(NamedTuple):
+    """The split of a step's batch a resumed run continues with (resumed_micro_batch)."""
+    batch_size: int
+    gradient_accumulation_steps: int
+    note: str  # '' or a line saying that the split changed, or could not keep the global batch
+
+
 def resumed_micro_batch(ckpt, batch_size, grad_accum, world_size):
-    """(batch_size, grad_accum, note) a resumed run continues with. The same command keeps the checkpoint's global
-    batch: its split (an OOM may have halved it: halve_micro_batch), re-split over this launch's number of
-    processes (2 -> 1: twice the accumulation); note ('' or a line) says when it did, or could not. Another
-    batch_size x gradient_accumulation_steps than the command that wrote the checkpoint (its config) is taken
-    as given."""
+    """The MicroBatch (batch_size, gradient_accumulation_steps, note) a resumed run continues with. The same
+    command keeps the checkpoint's global batch: its split (an OOM may have halved it: halve_micro_batch),
+    re-split over this launch's number of processes (2 -> 1: twice the accumulation); note says when it did,
+    or could not. Another batch_size x gradient_accumulation_steps than the command that wrote the checkpoint
+    (its config) is taken as given."""
     command = ckpt['config']['batch_size'] * ckpt['config']['gradient_accumulation_steps']
     saved_batch = ckpt.get('batch_size', ckpt['config']['batch_size'])
     saved_accum = ckpt.get('gradient_accumulation_steps', ckpt['config']['gradient_accumulation_steps'])
     saved_world = len(ckpt['rng'])  # one random state per process
     if command != batch_size * grad_accum:
-        return batch_size, grad_accum, ''
+        return MicroBatch(batch_size, grad_accum, '')
     if saved_world == world_size:
-        return saved_batch, saved_accum, ''
+        return MicroBatch(saved_batch, saved_accum, '')
     total = saved_batch * saved_accum * saved_world
     if total % world_size:
-        return saved_batch, saved_accum, (
+        return MicroBatch(saved_batch, saved_accum, (
             f"note: the global batch changes from {total} to {saved_batch * saved_accum * world_size} "
             f"(batch_size x gradient_accumulation_steps x processes): {total} does not split over {world_size} "
-            f"processes.")
+            f"processes."))
     # the checkpoint's micro-batch where it divides the share
     micro = math.gcd(total // world_size, saved_batch)
-    return micro, total // world_size // micro, (
+    return MicroBatch(micro, total // world_size // micro, (
         f"note: the global batch of {total} is kept on {world_size} process{'es' * (world_size != 1)} instead of "
-        f"{saved_world}: micro-batch {micro} x {total // world_size // micro} accumulation steps per process.")
+        f"{saved_world}: micro-batch {micro} x {total // world_size // micro} accumulation steps per process."))

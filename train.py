@@ -149,7 +149,8 @@ if training_type == 'lora' and optimizer_type != 'adamw':
 fine_tuning = training_type != 'from_scratch'
 
 # processes and device (run/runtime.py: one process per GPU under torchrun), precision
-ddp, rank, local_rank, world_size, device = compute_init(device, seed, num_threads)
+compute = compute_init(device, seed, num_threads)
+ddp, rank, local_rank, world_size, device = compute
 master, device_type = rank == 0, device.split(':')[0]
 ptdtype = pick_dtype(device, dtype)
 autocast = autocast_context(device, ptdtype)
@@ -160,8 +161,7 @@ base_dtype = frozen_base_dtype(lora_base_dtype, ptdtype, training_type == 'lora'
 init_from = continued_origin(init_from, out_dir, resume)  # nanoGPT's 'resume': the run's own
 this_run = dict(script='train.py', training_type=training_type, init_from=run_origin(init_from))
 # FSDP reads its shards of a sharded checkpoint
-out_dir_lock, ckpt_path, ckpt = open_run(out_dir, resume, this_run, eval_only, master,
-                                         whole=parallel != 'fsdp' or training_type == 'lora')
+out_dir_lock, ckpt_path, ckpt = open_run(config, this_run, master, whole=parallel != 'fsdp' or training_type == 'lora')
 resuming = ckpt is not None
 require_starting_weights(ckpt, init_from, eval_only, ckpt_path, hf_folders=True,
                          made_by='`python train.py` (pretraining)' if init_from == 'out/ckpt.pt' else None)
@@ -175,13 +175,13 @@ hf_files = hf_source(model_ckpt, chat_template_variables)
 
 # data: the model's own tokenizer (a published model),
 # else data_dir's; rank 0 prepares the default data once
-data_dir, base_tokenizer = run_tokenizer(data_dir, model_ckpt, model_ckpt_path, master, ddp,
+data_dir, base_tokenizer = run_tokenizer(data_dir, model_ckpt, model_ckpt_path, compute,
                                          hf_files.get('chat_template_variables'), init_from)
 # fine-tuning: chat examples in the model's own chat
 # template, or in nanotrain's, whose special tokens it gains
 tokenizer = chat_tokenizer(base_tokenizer) if fine_tuning else base_tokenizer
 train_batches, val_batches, val_indices, sample_prompt, exact_match_prompts, train_data_hash = gpt_run_data(
-    config, data_dir, tokenizer, ckpt, master, ddp)
+    config, data_dir, tokenizer, ckpt, compute)
 # the held-out prompts answered and scored at each eval (none when pretraining)
 held_out = HeldOut(tokenizer, exact_match_prompts, eval_metric_names, batch_size, max_length)
 
@@ -393,7 +393,7 @@ while iter_num < max_iters:
             scaler.step(optimizer)
             bad_steps = 0
         else:
-            bad_steps = bad_step(bad_steps, max_bad_steps, iter_num, loss, grad_norm, out_dir)
+            bad_steps = bad_step(bad_steps, config, iter_num, loss, grad_norm)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
     iter_num += 1

@@ -144,8 +144,8 @@ base_dtype = frozen_base_dtype(lora_base_dtype, ptdtype, use_lora, parallel, 'us
 # out_dir: written and locked before any work; a checkpoint there is this run's, never another's
 init_from = continued_origin(init_from, out_dir, resume)  # nanoGPT's 'resume': the run's own
 this_run = dict(script='train_dpo.py', init_from=run_origin(init_from), use_lora=use_lora)
-out_dir_lock, ckpt_path, ckpt = open_run(out_dir, resume, this_run, eval_only, master,
-                                         whole=parallel != 'fsdp' or use_lora)  # FSDP: its shards
+# FSDP reads its shards of a sharded checkpoint
+out_dir_lock, ckpt_path, ckpt = open_run(config, this_run, master, whole=parallel != 'fsdp' or use_lora)
 resuming = ckpt is not None
 reference_ckpt, reference_path, reference_hash = dpo_reference(
     ckpt, init_from, out_dir, made_by="`python train.py` (pretraining, out/ckpt.pt) then `python train.py "
@@ -157,14 +157,14 @@ reference_ckpt, reference_path, reference_hash = dpo_reference(
 # else data_dir's; rank 0 prepares the defaults once
 # a published model's config files, which export.py writes back
 hf_files = hf_source(reference_ckpt, chat_template_variables)
-data_dir, tokenizer = run_tokenizer(data_dir, reference_ckpt, reference_path, master, ddp,
+data_dir, tokenizer = run_tokenizer(data_dir, reference_ckpt, reference_path, compute,
                                     hf_files.get('chat_template_variables'))
 tokenizer = chat_tokenizer(tokenizer)
 check_compatible(reference_ckpt['tokenizer'], tokenizer.identity(), 'tokenizer', reference_path,
                  fix="Point data_dir at the tokenizer folder the model was trained with ('' for the default).")
 model_args = dict(reference_ckpt['model_args'], dropout=dropout)
 train_batches, val_batches, val_indices, exact_match_prompts, train_data_hash, val_path = preference_run_data(
-    config, tokenizer, model_args['block_size'], ckpt, master, ddp)
+    config, tokenizer, model_args['block_size'], ckpt, compute)
 held_out = HeldOut(tokenizer, exact_match_prompts, eval_metric_names, batch_size, max_length)
 
 # policy, and the reference: a frozen copy when training all weights, the policy itself with its
@@ -217,9 +217,9 @@ if precompute_ref_logps:
         weights = load_model(reference_path, as_stored=parallel == 'fsdp')['model']
         return frozen_model(GPTConfig(**model_args), weights, parallel, device, ptdtype, fsdp_cpu_offload)
 
-    ref_cache = precomputed_reference_logps(config, depends_on, raw_model, {'train': train_batches, 'val': val_batches},
-                                            load_reference if iter_num > 0 and not use_lora else None, autocast,
-                                            compute)
+    ref_cache = precomputed_reference_logps(config, depends_on, {'train': train_batches, 'val': val_batches},
+                                            load_reference if iter_num > 0 and not use_lora else lambda: raw_model,
+                                            autocast, compute)
     reference = None
 
 model = wrap_model(model, compile, ddp and parallel == 'ddp', local_rank, device_type)
@@ -241,7 +241,7 @@ def pair_terms(net, batches, indices, cache, batch_counts):
     elif cache is not None:
         ref_sums = cache[indices].to(device).T.flatten()  # chosen of every pair, then rejected
     else:
-        ref_sums, ref_logits = reference_logps(raw_model, reference, batch, n, use_lora, autocast)
+        ref_sums, ref_logits = reference_logps(raw_model if reference is None else reference, batch, n, autocast)
     with autocast:
         sums, token_logps, logits = completion_logps(net, batch, n)
     chosen_pos, pairs, chosen_tokens, rejected_tokens = batch['owners'] < n, *batch_counts
@@ -354,7 +354,7 @@ while iter_num < max_iters:
         scaler.step(optimizer)
         bad_steps = 0
     else:
-        bad_steps = bad_step(bad_steps, max_bad_steps, iter_num, loss, grad_norm, out_dir)
+        bad_steps = bad_step(bad_steps, config, iter_num, loss, grad_norm)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
     iter_num += 1

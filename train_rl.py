@@ -151,7 +151,7 @@ micro_batch_size = completions_per_rank // gradient_accumulation_steps
 # out_dir: written and locked before any work; a checkpoint there is this run's, never another's
 init_from = continued_origin(init_from, out_dir, resume)  # nanoGPT's 'resume': the run's own
 this_run = dict(script='train_rl.py', init_from=run_origin(init_from), use_lora=use_lora)
-out_dir_lock, ckpt_path, ckpt = open_run(out_dir, resume, this_run, eval_only, master)
+out_dir_lock, ckpt_path, ckpt = open_run(config, this_run, master)
 resuming = ckpt is not None
 reference_ckpt, reference_path, reference_hash = dpo_reference(
     ckpt, init_from, out_dir, made_by="`python train.py` (pretraining, out/ckpt.pt) then `python train.py "
@@ -160,7 +160,7 @@ reference_ckpt, reference_path, reference_hash = dpo_reference(
 
 # data: a published model's own tokenizer and chat template, else data_dir's; rank 0 prepares the defaults once
 hf_files = hf_source(reference_ckpt, chat_template_variables)
-data_dir, tokenizer = run_tokenizer(data_dir, reference_ckpt, reference_path, master, ddp,
+data_dir, tokenizer = run_tokenizer(data_dir, reference_ckpt, reference_path, compute,
                                     hf_files.get('chat_template_variables'))
 tokenizer = chat_tokenizer(tokenizer)
 check_compatible(reference_ckpt['tokenizer'], tokenizer.identity(), 'tokenizer', reference_path,
@@ -169,8 +169,7 @@ model_args = dict(reference_ckpt['model_args'], dropout=dropout)
 if max_prompt_length + max_new_tokens > model_args['block_size']:
     raise UserError(f"max_prompt_length={max_prompt_length} + max_new_tokens={max_new_tokens} is longer than the "
                     f"model's block_size={model_args['block_size']}; lower one of them.")
-train_prompts, eval_prompts, exact_match_prompts, train_data_hash = prompt_run_data(config, tokenizer, ckpt, master,
-                                                                                    ddp)
+train_prompts, eval_prompts, exact_match_prompts, train_data_hash = prompt_run_data(config, tokenizer, ckpt, compute)
 train_sampler = PromptSampler(len(train_prompts), seed)
 # greedy exact match on the held-out prompts that have a reference answer, at the start and the end
 held_out = HeldOut(tokenizer, exact_match_prompts, ['exact_match'], prompts_per_step, model_args['block_size'])
@@ -372,7 +371,7 @@ while iter_num < max_iters:
             scaler.step(optimizer)
             bad_steps = 0
         else:
-            bad_steps = bad_step(bad_steps, max_bad_steps, iter_num, loss, grad_norm, out_dir)
+            bad_steps = bad_step(bad_steps, config, iter_num, loss, grad_norm)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
     iter_num += 1

@@ -130,7 +130,7 @@ autocast = autocast_context(device, ptdtype)
 # out_dir: written and locked before any work; a checkpoint there is this run's, never another's
 init_from = continued_origin(init_from, out_dir, resume)  # nanoGPT's 'resume': the run's own
 this_run = dict(script='train_tts.py', init_from=run_origin(init_from))
-out_dir_lock, ckpt_path, ckpt = open_run(out_dir, resume, this_run, eval_only, master)
+out_dir_lock, ckpt_path, ckpt = open_run(config, this_run, master)
 resuming = ckpt is not None
 require_starting_weights(ckpt, init_from, eval_only, ckpt_path, what='a TTS checkpoint')
 
@@ -351,7 +351,7 @@ while iter_num < max_iters:
             scaler.step(optimizer)
             bad_steps = 0
         else:
-            bad_steps = bad_step(bad_steps, max_bad_steps, iter_num, loss, grad_norm, out_dir)
+            bad_steps = bad_step(bad_steps, config, iter_num, loss, grad_norm)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
     iter_num += 1

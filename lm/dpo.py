@@ -3,8 +3,6 @@ Log-probs of a DPO batch's completions (train_dpo.py): under the policy, under t
 copy, or the policy itself with its LoRA adapters disabled), and the reference's precomputed once over
 every train and val pair, cached in out_dir, so that training needs no reference in memory.
 """
-from contextlib import nullcontext
-
 import torch
 import torch.distributed as dist
 
@@ -25,34 +23,35 @@ def completion_logps(net, batch, n):
 
 
 @torch.no_grad()
-def reference_logps(policy, reference, batch, n, use_lora, autocast):
-    """The reference's (per-sequence sums, logits at the completion positions) for a batch of n pairs:
-    reference, the frozen copy, if there is one, else the policy (in eval mode, adapters disabled under LoRA)."""
-    training = policy.training
-    policy.eval()
-    with disable_adapters(policy) if use_lora else nullcontext(), autocast:
-        sums, _, logits = completion_logps(policy if reference is None else reference, batch, n)
-    policy.train(training)
+def reference_logps(reference, batch, n, autocast):
+    """The reference's (per-sequence sums, logits at the completion positions) for a batch of n pairs under
+    autocast. reference: the frozen copy, or the policy itself, scored in eval mode with its LoRA adapters
+    disabled (a model without adapters is scored as it is)."""
+    training = reference.training
+    reference.eval()
+    with disable_adapters(reference), autocast:
+        sums, _, logits = completion_logps(reference, batch, n)
+    reference.train(training)
     return sums, logits
 
 
-def precomputed_reference_logps(config, depends_on, policy, batches, load_reference, autocast, compute):
+def precomputed_reference_logps(config, depends_on, batches, load_reference, autocast, compute):
     """{'train', 'val'}: every pair's reference log-probs ((n_pairs, 2): chosen, rejected) of batches (the same
     keys), read from out_dir's cache when it holds those of depends_on (everything they depend on), else
-    computed in one pass, each rank its share (compute: runtime.Compute), and cached. config: the run's config
-    keys; load_reference: None while the policy is the reference (untrained, or LoRA with its adapters
-    disabled), else a function that loads the frozen reference for the pass."""
+    computed in one pass under autocast, each rank its share (compute: runtime.Compute), and cached. config:
+    the run's config keys; load_reference(): the model the pass scores with, as in reference_logps (the policy
+    while it is the reference: untrained, or LoRA's, its adapters disabled; else the frozen reference read
+    again), called only when the cache misses."""
     rank, world_size, lockstep = compute.rank, compute.world_size, config['parallel'] == 'fsdp'
 
     def reference_pass():
-        reference = load_reference() if load_reference else None
+        reference = load_reference()
         cache = {}
         for name, pairs in batches.items():
             logps = torch.zeros(pairs.n_pairs, 2, device=compute.device)
             for indices, counted in rank_batches(torch.arange(pairs.n_pairs), config['batch_size'], rank, world_size,
                                                  lockstep):
-                sums, _ = reference_logps(policy, reference, pairs.get(indices, compute.device), len(indices),
-                                          config['use_lora'], autocast)
+                sums, _ = reference_logps(reference, pairs.get(indices, compute.device), len(indices), autocast)
                 if counted:
                     logps[indices] = sums.view(2, -1).T
             if compute.ddp:

@@ -13,12 +13,12 @@ import os
 from typing import NamedTuple
 
 from configurator import UserError
+from hf.checkpoint import is_hf_folder
 from hf.tokenizer import load_hf_tokenizer
 from lm.lora import apply_lora, merged_state_dict
 from lm.tokenizer import chat_tokenizer, load_tokenizer
 from model import GPT, GPTConfig
 from run.checkpoint import load_checkpoint
-from run.run_folder import is_hf_folder
 from run.starting_model import build_model, hf_source, load_model, model_hash
 
 

@@ -42,11 +42,12 @@ class PreferenceRunData(NamedTuple):
     val_path: str  # val.jsonl, whose hash the precomputed reference log-probs depend on
 
 
-def gpt_run_data(config, data_dir, tokenizer, ckpt, master, ddp):
+def gpt_run_data(config, data_dir, tokenizer, ckpt, compute):
     """The GPTRunData of a train.py run (config: its config keys; ckpt: the continued run's checkpoint, or
     None). Pretraining samples data_dir's token windows, starts its sample from a newline and has no
     exact-match prompts nor data hash; fine-tuning reads chat examples with tokenizer (a chat tokenizer) and
-    samples from the first held-out prompt. Rank 0 prepares the embedded number tasks once (master, ddp)."""
+    samples from the first held-out prompt. Rank 0 prepares the embedded number tasks once (compute:
+    compute_init's)."""
     seed, eval_examples = config['seed'], config['eval_iters'] * config['batch_size']
     if config['training_type'] == 'from_scratch':
         block_size = config['block_size']
@@ -58,7 +59,7 @@ def gpt_run_data(config, data_dir, tokenizer, ckpt, master, ddp):
     if max_length > config['block_size']:
         raise UserError(f"max_length={max_length} is longer than block_size={config['block_size']}; lower max_length.")
     if not sft_data:
-        prepare_once(prepare_number_tasks, master, ddp)
+        prepare_once(prepare_number_tasks, compute)
         sft_data = NUMBER_TASKS_DIR
     train_examples, val_examples, held_out = load_sft_data(sft_data, tokenizer, max_length, config['overlong'],
                                                            config['skip_malformed'])
@@ -73,13 +74,13 @@ def gpt_run_data(config, data_dir, tokenizer, ckpt, master, ddp):
     return GPTRunData(train_batches, val_batches, val_indices, sample_prompt, exact_match_prompts, train_data_hash)
 
 
-def preference_run_data(config, tokenizer, block_size, ckpt, master, ddp):
+def preference_run_data(config, tokenizer, block_size, ckpt, compute):
     """The PreferenceRunData of a train_dpo.py run (config: its config keys; tokenizer: the chat tokenizer;
     block_size: the model's; ckpt: the continued run's checkpoint, or None). Rank 0 prepares the embedded
-    number-task pairs once (master, ddp)."""
+    number-task pairs once (compute: compute_init's)."""
     max_length, max_prompt_length, dpo_data = config['max_length'], config['max_prompt_length'], config['dpo_data']
     if not dpo_data:
-        prepare_once(prepare_number_tasks, master, ddp, out_dir=PREFERENCES_DIR, seed=1, preferences=True)
+        prepare_once(prepare_number_tasks, compute, out_dir=PREFERENCES_DIR, seed=1, preferences=True)
         dpo_data = PREFERENCES_DIR
     if max_length > block_size:
         raise UserError(f"max_length={max_length} is longer than the model's block_size={block_size}; "
@@ -111,12 +112,13 @@ class PromptRunData(NamedTuple):
     train_data_hash: str
 
 
-def prompt_run_data(config, tokenizer, ckpt, master, ddp):
+def prompt_run_data(config, tokenizer, ckpt, compute):
     """The PromptRunData of a train_rl.py run (config: its config keys; tokenizer: the chat tokenizer; ckpt: the
-    continued run's checkpoint, or None). Rank 0 prepares the embedded number tasks once (master, ddp)."""
+    continued run's checkpoint, or None). Rank 0 prepares the embedded number tasks once (compute:
+    compute_init's)."""
     rl_data = config['rl_data']
     if not rl_data:
-        prepare_once(prepare_number_tasks, master, ddp)
+        prepare_once(prepare_number_tasks, compute)
         rl_data = NUMBER_TASKS_DIR
 
     def load_split(name):

@@ -16,6 +16,7 @@ import hashlib
 import json
 import math
 import os
+from typing import NamedTuple
 
 from configurator import UserError, require_writable_folder
 from run.checkpoint import file_sha256, load_checkpoint, save_checkpoint
@@ -69,16 +70,13 @@ def run_origin(init_from):
     return init_from if init_from == 'scratch' else os.path.abspath(init_from)
 
 
-def is_hf_folder(path):
-    """A Hugging Face model folder: one with a config.json (hf/checkpoint.py reads it)."""
-    return os.path.isfile(os.path.join(path, 'config.json'))
-
-
 def require_init_from(init_from, made_by=None, hf_folders=False):
     """A UserError unless init_from is a checkpoint file (or, with hf_folders, a Hugging Face model
     folder); made_by: the command that writes it, when init_from is where a documented command writes
     its model."""
-    if os.path.isfile(init_from) or hf_folders and is_hf_folder(init_from):
+    # a Hugging Face folder has a config.json (hf.checkpoint.is_hf_folder; not imported, so that a TTS
+    # run's reader meets no Hugging Face code)
+    if os.path.isfile(init_from) or hf_folders and os.path.isfile(os.path.join(init_from, 'config.json')):
         return
     how = f"It is made by {made_by}; run that first, or point" if made_by else "Check the path, or point"
     what = "a checkpoint file or a Hugging Face model folder (one with a config.json)" if hf_folders else "a checkpoint file"
@@ -111,15 +109,24 @@ def run_to_continue(out_dir, resume, run, eval_only, whole=True):
     return ckpt
 
 
-def open_run(out_dir, resume, run, eval_only, master, whole=True):
-    """What every training script does first with out_dir: rank 0 claims it before any work (claim_out_dir), and
-    a checkpoint there is this run's to continue, never another's (run_to_continue). Returns (the lock, None on
-    the other ranks: keep a reference to it; the checkpoint's path; the checkpoint to continue, or None)."""
+class OpenRun(NamedTuple):
+    """The run folder as a training script starts in it (open_run)."""
+    lock: object  # the out_dir lock (None on every rank but 0): keep a reference to it
+    ckpt_path: str  # out_dir/ckpt.pt
+    ckpt: dict  # the checkpoint of the run this launch continues, or None (a new run)
+
+
+def open_run(config, run, master, whole=True):
+    """What every training script does first with out_dir: rank 0 (master) claims it before any work
+    (claim_out_dir), and a checkpoint there is this run's to continue, never another's (run_to_continue).
+    config: the script's config keys (out_dir, resume, eval_only); run, whole: as in run_to_continue."""
+    out_dir = config['out_dir']
     lock = claim_out_dir(out_dir) if master else None
-    return lock, os.path.join(out_dir, 'ckpt.pt'), run_to_continue(out_dir, resume, run, eval_only, whole)
+    ckpt = run_to_continue(out_dir, config['resume'], run, config['eval_only'], whole)
+    return OpenRun(lock, os.path.join(out_dir, 'ckpt.pt'), ckpt)
 
 
-def require_starting_weights(ckpt, init_from, eval_only, ckpt_path, made_by=None, hf_folders=False,
+def require_starting_weights(ckpt, init_from, eval_only, ckpt_path, *, made_by=None, hf_folders=False,
                              what='a checkpoint'):
     """A UserError unless a new run (ckpt None) has weights to start from: init_from must be there (as in
     require_init_from), and eval_only needs a trained model (what: the kind init_from should point at)."""

@@ -75,12 +75,12 @@ def compute_cleanup(ddp, exit_code=0):
         os._exit(exit_code)
 
 
-def prepare_once(prepare, master, ddp, **kwargs):
+def prepare_once(prepare, compute, **kwargs):
     """prepare(**kwargs), which writes files every rank reads (the default corpus, the number tasks), on rank 0
-    only; the other ranks wait until it is done."""
-    if master:
+    only; the other ranks wait until it is done (compute: compute_init's)."""
+    if compute.rank == 0:
         prepare(**kwargs)
-    if ddp:
+    if compute.ddp:
         dist.barrier()
 
 
@@ -130,9 +130,11 @@ def all_reduce_metrics(shares, flags, ddp):
     return dict(zip(shares, values)), [value > 0 for value in values[len(shares):]]
 
 
-def bad_step(bad_steps, max_bad_steps, iter_num, loss, grad_norm, out_dir):
+def bad_step(bad_steps, config, iter_num, loss, grad_norm):
     """A step skipped for a non-finite loss or gradient norm, after bad_steps in a row: logs it and returns
-    the new count; ends the run at max_bad_steps, leaving the last good checkpoint as it is."""
+    the new count; ends the run at max_bad_steps, leaving the last good checkpoint in out_dir as it is
+    (config: the script's config keys)."""
+    max_bad_steps, out_dir = config['max_bad_steps'], config['out_dir']
     bad_steps += 1
     log(f"step {iter_num}: non-finite loss {loss} / grad norm {grad_norm}, step skipped ({bad_steps}/{max_bad_steps})")
     if bad_steps >= max_bad_steps:

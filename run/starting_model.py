@@ -16,14 +16,14 @@ import torch
 
 from configurator import UserError, dataclass_args
 from data import prepare_default
-from hf.checkpoint import load_hf_checkpoint, weight_files
+from hf.checkpoint import is_hf_folder, load_hf_checkpoint, weight_files
 from hf.tokenizer import load_hf_tokenizer
 from lm.lora import cast_frozen_base
 from lm.tokenizer import DEFAULT_DATA_DIR, load_tokenizer
 from model import GPT, GPTConfig, new_seed
 from run.checkpoint import check_compatible, file_sha256, load_checkpoint
 from run.fsdp import place_model
-from run.run_folder import is_hf_folder, require_init_from
+from run.run_folder import require_init_from
 from run.runtime import prepare_once
 
 
@@ -45,11 +45,11 @@ def check_starting_model(model_ckpt, path, model_args, tokenizer, base_tokenizer
     return expected['vocab_size']
 
 
-def run_tokenizer(data_dir, model_ckpt, model_path, master, ddp, chat_template_variables=None, init_from=''):
+def run_tokenizer(data_dir, model_ckpt, model_path, compute, chat_template_variables=None, init_from=''):
     """(data_dir, tokenizer) of a GPT run whose model starts from model_ckpt (read from model_path; None
     from scratch): a published model's own tokenizer, in the folder it came from (moved: the folder init_from
     names), rendering its chat template with chat_template_variables; else data_dir's, or with data_dir '' the
-    embedded default corpus's (rank 0 prepares it once, the other ranks wait for it)."""
+    embedded default corpus's (rank 0 prepares it once, the other ranks wait for it; compute: compute_init's)."""
     if hf_source(model_ckpt):
         data_dir = moved_to(model_ckpt['data_dir'], init_from if is_hf_folder(init_from) else '')
         if not os.path.isdir(data_dir):
@@ -58,7 +58,7 @@ def run_tokenizer(data_dir, model_ckpt, model_path, master, ddp, chat_template_v
                             f"pass --init_from=<where it is now>).")
         return data_dir, load_hf_tokenizer(data_dir, chat_template_variables)
     if not data_dir:
-        prepare_once(prepare_default, master, ddp)
+        prepare_once(prepare_default, compute)
         data_dir = DEFAULT_DATA_DIR
     return data_dir, load_tokenizer(data_dir)
 

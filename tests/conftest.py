@@ -323,7 +323,7 @@ def parameter_bytes(model):
 def reference_logps_under_bf16_autocast(model):
     """(per-sequence sums, logits) of a fixed packed batch of 4 pairs, scored as in a bf16 run."""
     batch = PreferenceBatches(random_pairs(6, seed=1), 0, 0, 16, pack=True).get(torch.tensor([5, 1, 2, 0]))
-    return reference_logps(model, model, batch, 4, False, torch.autocast('cpu', dtype=torch.bfloat16))
+    return reference_logps(model, batch, 4, torch.autocast('cpu', dtype=torch.bfloat16))
 
 # ----------------------------------------------------------------------------- published models (tests/fixtures/hf)
 

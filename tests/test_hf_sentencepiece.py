@@ -9,6 +9,7 @@ import shutil
 import pytest
 
 from configurator import UserError
+from fixtures.tokenizer_folders import base_model_folder
 from hf.checkpoint import save_chat_tokenizer
 from hf.tokenizer import load_hf_tokenizer
 from hf.tokenizer_json import from_sentencepiece, write_tokenizer_files
@@ -181,16 +182,6 @@ def test_an_older_llama_tokenizer_json_encodes_as_transformers_5_rebuilds_it(tmp
         assert tokenizer.document_prefix + tokenizer.encode(text) == ids, text
     for case, chat in expected['chats'].items():
         assert tokenizer.encode(tokenizer.render(chat['messages'])) == chat['ids'], case
-
-
-def base_model_folder(folder, source):
-    """source's tokenizer files without the chat template, as make_export_fixtures.py makes them."""
-    for name in ('tokenizer.json', 'tokenizer.model', 'special_tokens_map.json'):
-        if os.path.isfile(os.path.join(source, name)):
-            shutil.copy(os.path.join(source, name), folder)
-    with open(os.path.join(source, 'tokenizer_config.json'), encoding='utf-8') as f:
-        config = {k: v for k, v in json.load(f).items() if k != 'chat_template'}
-    (folder / 'tokenizer_config.json').write_text(json.dumps(config))
 
 
 @pytest.mark.parametrize('base', ['sentencepiece', 'sentencepiece_json'])

@@ -64,10 +64,11 @@ def test_all_reduce_metrics_passes_shares_and_flags():
 
 
 def test_bad_step_counts_bad_steps_and_ends_the_run(tmp_path):
-    assert bad_step(0, 3, 7, math.nan, 1.0, str(tmp_path)) == 1
-    assert bad_step(1, 3, 8, 1.0, math.inf, str(tmp_path)) == 2
+    config = {'max_bad_steps': 3, 'out_dir': str(tmp_path)}
+    assert bad_step(0, config, 7, math.nan, 1.0) == 1
+    assert bad_step(1, config, 8, 1.0, math.inf) == 2
     with pytest.raises(SystemExit, match=f'3 consecutive steps.*last at step 9.*checkpoint in {tmp_path} was left'):
-        bad_step(2, 3, 9, math.nan, 1.0, str(tmp_path))
+        bad_step(2, config, 9, math.nan, 1.0)
 
 
 def script_step(script):
@@ -95,7 +96,8 @@ def test_each_script_skips_bad_steps_and_leaves_fp16_overflow_to_the_scaler(scri
         if scaler.is_enabled():
             scaler.unscale_(optimizer)
         scope = dict(math=math, scaler=scaler, optimizer=optimizer, loss=loss, grad_norm=grad_norm,
-                     bad_steps=bad_steps, bad_step=bad_step, max_bad_steps=3, iter_num=7, out_dir=str(tmp_path))
+                     bad_steps=bad_steps, bad_step=bad_step, config={'max_bad_steps': 3, 'out_dir': str(tmp_path)},
+                     iter_num=7)
         exec(step, scope)
         return scope['bad_steps']
 

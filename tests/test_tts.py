@@ -30,7 +30,7 @@ TINY = ['--enc_channels=32', '--enc_layers=1', '--enc_heads=2', '--enc_ff_channe
 
 
 def write_pcm(path, samples, sample_rate=SR, channels=1):
-    """Independent of tts_data.write_wav: int16 samples (frames x channels) straight to `wave`."""
+    """Independent of tts.data.write_wav: int16 samples (frames x channels) straight to `wave`."""
     with wave.open(str(path), 'wb') as w:
         w.setnchannels(channels)
         w.setsampwidth(2)

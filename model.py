@@ -301,7 +301,7 @@ class GPT(nn.Module):
         self.config = config
         self.activation_checkpointing = False  # runtime switch, not part of the config
         device = torch.empty(0).device  # the caller's default device
-        # built on the meta device, then drawn once: no layer's default init drawn first and overwritten
+        # built on the meta device, then drawn once: no layer's default init drawn and overwritten
         with torch.device('meta'):
             self.transformer = nn.ModuleDict(dict(
                 wte=nn.Embedding(config.vocab_size, config.n_embd),

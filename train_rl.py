@@ -158,7 +158,7 @@ reference_ckpt, reference_path, reference_hash = dpo_reference(
                                       "config/sft.py` (SFT)" if init_from == 'out-sft/ckpt.pt' else None,
     as_stored=base_dtype != torch.float32, what='RL')
 
-# data: a published model's own tokenizer and chat template, else data_dir's; rank 0 prepares the defaults once
+# data: a published model's own tokenizer and chat template, else data_dir's; rank 0 prepares them
 hf_files = hf_source(reference_ckpt, chat_template_variables)
 data_dir, tokenizer = run_tokenizer(data_dir, reference_ckpt, reference_path, compute,
                                     hf_files.get('chat_template_variables'))
@@ -176,8 +176,8 @@ held_out = HeldOut(tokenizer, exact_match_prompts, ['exact_match'], prompts_per_
 reward_fn, reward_name = load_reward(reward, format_reward)
 stop_ids = sorted({tokenizer.eos_id, *getattr(tokenizer, 'stop_ids', [])})  # the end of the assistant's turn
 
-# policy, and the reference (only with beta > 0): a frozen copy when training all weights, the policy
-# itself with its adapters disabled when training LoRA
+# policy, and the reference (only with beta > 0): a frozen copy when training all weights, the
+# policy itself with its adapters disabled when training LoRA
 model = build_model(GPTConfig(**model_args), reference_ckpt, False, base_dtype)
 reference = (frozen_model(GPTConfig(**model_args), reference_ckpt['model'], 'ddp', device, ptdtype, False)
              if beta > 0 and not use_lora else None)
@@ -366,7 +366,7 @@ while iter_num < max_iters:
         grad_norm = clip_grad_norm(raw_model.parameters(), grad_clip)
         metrics, (stop_requested,) = all_reduce_metrics(shares, [stop.requested is not None], ddp)
         loss = metrics['loss']
-        # fp16: a non-finite grad norm is an overflow, which scaler.step skips (and update backs off)
+        # fp16: a non-finite grad norm is an overflow, which scaler.step skips (update backs off)
         if math.isfinite(loss) and (math.isfinite(grad_norm) or scaler.is_enabled()):
             scaler.step(optimizer)
             bad_steps = 0

@@ -492,7 +492,7 @@ class PreferenceBatches:
 
 
 # -----------------------------------------------------------------------------
-# prompts for online RL (train_rl.py): the model writes the completions, a reward function scores them
+# prompts for online RL (train_rl.py): the model writes the completions, a reward scores them
 
 def rl_prompt(record):
     """The prompt messages of an RL JSONL record, ending in a user turn; ValueError if malformed:

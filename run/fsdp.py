@@ -59,8 +59,8 @@ def shard_model(model, device, param_dtype, cpu_offload, frozen=False):
                     offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
     for module in (*model.transformer.h, model):  # each block, then the rest
         fully_shard(parameters_in(module, param_dtype) if frozen else module.float(), **settings)
-    # built on the meta device: a sharded checkpoint's placeholders (load_checkpoint), each rank's shards of
-    # which restore_training_state fills, or a new model (init_seed), whose shards each rank draws now
+    # built on the meta device: a sharded checkpoint's placeholders (load_checkpoint), whose shards
+    # restore_training_state fills, or a new model (init_seed), whose shards each rank draws now
     if any(p.is_meta for p in model.parameters()):
         model.to_empty(device='cpu' if cpu_offload else device)
         if model.config.pos_emb == 'rope':
@@ -77,7 +77,7 @@ def init_shards(model):
     one at a time, then cut to this rank's shard: beyond its shards a rank holds at most the largest
     parameter (the embedding), never the model."""
     for name, p in model.named_parameters():
-        # fully_shard cuts dim 0 into torch.chunk's pieces, one a rank (a rank past the last piece has none)
+        # fully_shard cuts dim 0 into torch.chunk's pieces, one a rank (a rank past the last has none)
         pieces = model.initial_value(name, model.init_seed).chunk(p.device_mesh.size())
         rank = p.device_mesh.get_local_rank()
         if rank < len(pieces):

@@ -109,7 +109,7 @@ def on_line(where, encode, *args):
 
 
 if generation:
-    # a chat answer ends at its end of turn, a continuation at EOS (or a published model's stop tokens)
+    # a chat answer ends at its end of turn, a continuation at EOS (or a published model's stops)
     stop_ids = {tokenizer.eos_id, *getattr(tokenizer, 'stop_ids', [])} - {None}
     prompts = []
     for row in rows:

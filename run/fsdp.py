@@ -77,7 +77,7 @@ def init_shards(model):
     one at a time, then cut to this rank's shard: beyond its shards a rank holds at most the largest
     parameter (the embedding), never the model."""
     for name, p in model.named_parameters():
-        # fully_shard cuts dim 0 into torch.chunk's pieces, one a rank (a rank past the last has none)
+        # fully_shard cuts dim 0 into torch.chunk's pieces, one a rank (a rank past them has none)
         pieces = model.initial_value(name, model.init_seed).chunk(p.device_mesh.size())
         rank = p.device_mesh.get_local_rank()
         if rank < len(pieces):

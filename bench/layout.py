@@ -9,7 +9,7 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = ('train.py', 'train_dpo.py', 'train_tts.py', 'sample.py', 'sample_tts.py', 'eval.py', 'data.py')
+SCRIPTS = ('train.py', 'train_dpo.py', 'train_rl.py', 'train_tts.py', 'sample.py', 'sample_tts.py', 'eval.py', 'data.py')
 
 
 def own_modules():

@@ -22,9 +22,9 @@ from tqdm import tqdm
 from configurator import FOLDER, UserError, at_least, check_values, configure, interval
 from lm.eval_tasks import (GENERATION, choice_logliks, choice_predictions, choice_requests, generation_prompt,
                            read_task)
-from lm.generate import generate_batch
+from lm.generate import generate_batch, stop_tokens
 from lm.loading import load_for_generation, model_path
-from lm.metrics import check_metric_names, corpus_scores, example_scores, mean_pass_at_k, normalize_answer
+from lm.metrics import corpus_scores, exact_match, example_scores, mean_pass_at_k, parse_metric_names
 from run.device import autocast_context, pick_device, pick_dtype
 
 # -----------------------------------------------------------------------------
@@ -59,9 +59,8 @@ check_values(config, [
 if not eval_data:
     raise UserError("eval_data is not set: name the task file, e.g. --eval_data=data/my_task/test.jsonl (JSONL; "
                     "the formats are in docs/eval.md).")
-metric_names = [name.strip() for name in metrics.split(',') if name.strip()]
 try:
-    check_metric_names(metric_names)
+    metric_names = parse_metric_names(metrics)
 except ValueError as e:
     raise UserError(f"metrics={metrics!r}: {e}.") from None
 try:
@@ -110,7 +109,7 @@ def on_line(where, encode, *args):
 
 if generation:
     # a chat answer ends at its end of turn, a continuation at EOS (or a published model's stops)
-    stop_ids = {tokenizer.eos_id, *getattr(tokenizer, 'stop_ids', [])} - {None}
+    stop_ids = stop_tokens(tokenizer)
     prompts = []
     for row in rows:
         where = f"{eval_data}:{row['line']}"
@@ -143,8 +142,7 @@ if generation:
                 example['samples'] = samples
             example['scores'] = example_scores(metric_names, samples[0], references) if row['references'] else {}
             if row['references']:
-                wanted = {normalize_answer(r) for r in references}
-                example['correct'] = sum(normalize_answer(s) in wanted for s in samples)
+                example['correct'] = sum(exact_match([s], [references]) == 1.0 for s in samples)
             examples[i] = example
         progress.update(len(batch))
     progress.close()

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from configurator import FOLDER, POSITIVE, UserError, at_least, check_values, configure, interval, one_of
 from lm.chat_data import PromptSampler, rl_prompt
-from lm.generate import generate_batch
+from lm.generate import generate_batch, stop_tokens
 from lm.heldout_eval import HeldOut, report_heldout
 from lm.lora import LORA_SETTINGS, apply_lora, disable_adapters, frozen_base_dtype, lora_optimizer, lora_state_dict, \
     save_merged
@@ -174,7 +174,7 @@ train_sampler = PromptSampler(len(train_prompts), seed)
 # greedy exact match on the held-out prompts that have a reference answer, at the start and the end
 held_out = HeldOut(tokenizer, exact_match_prompts, ['exact_match'], prompts_per_step, model_args['block_size'])
 reward_fn, reward_name = load_reward(reward, format_reward)
-stop_ids = sorted({tokenizer.eos_id, *getattr(tokenizer, 'stop_ids', [])})  # the end of the assistant's turn
+stop_ids = stop_tokens(tokenizer)  # the end of the assistant's turn
 
 # policy, and the reference (only with beta > 0): a frozen copy when training all weights, the
 # policy itself with its adapters disabled when training LoRA

@@ -14,6 +14,12 @@ import torch
 from model import KVCache, sample_next, window_mask
 
 
+def stop_tokens(tokenizer):
+    """The ids that end an answer, sorted: the tokenizer's eos_id (a chat model's end of turn) and a published
+    model's other stop tokens (hf/tokenizer.py's stop_ids, from generation_config.json)."""
+    return sorted({tokenizer.eos_id, *getattr(tokenizer, 'stop_ids', [])} - {None})
+
+
 def check_prompts(prompts, max_new_tokens, block_size):
     """Every position generation needs must be below block_size: batched rows cannot slide
     their context as GPT.generate crops equal rows, so a prompt that would need it is an error."""

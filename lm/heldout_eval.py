@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from configurator import UserError
 from lm.generate import generate_batch
-from lm.metrics import METRICS, corpus_scores, exact_match
+from lm.metrics import METRICS, corpus_scores, exact_match, parse_metric_names
 from run.fsdp import is_sharded, whole_root
 from run.runtime import log
 
@@ -41,12 +41,13 @@ class HeldOut(NamedTuple):
 def metric_names(value, key='eval_metrics'):
     """The metric names of a comma-separated config value (duplicates dropped), each a key of
     lm.metrics.METRICS; else a UserError naming the key and the choices."""
-    names = list(dict.fromkeys(name.strip() for name in value.split(',') if name.strip()))
-    unknown = [name for name in names if name not in METRICS]
-    if unknown or not names:
-        problem = f"unknown metric {', '.join(map(repr, unknown))}" if unknown else "no metric named"
-        raise UserError(f"{key}={value!r}: {problem}; choose from {', '.join(METRICS)}, comma-separated (e.g. "
-                        f"--{key}=exact_match,bleu); exact_match_examples=0 scores none.")
+    try:
+        names = parse_metric_names(value)
+        if not names:
+            raise ValueError(f"no metric named; choose from {', '.join(METRICS)}")
+    except ValueError as e:
+        raise UserError(f"{key}={value!r}: {e}, comma-separated (e.g. --{key}=exact_match,bleu); "
+                        f"exact_match_examples=0 scores none.") from None
     return names
 
 

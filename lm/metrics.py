@@ -301,6 +301,12 @@ def check_metric_names(names):
     return names
 
 
+def parse_metric_names(value):
+    """The metric names of a comma-separated value (blanks and duplicates dropped; may be none), each checked
+    by check_metric_names."""
+    return check_metric_names(list(dict.fromkeys(name.strip() for name in value.split(',') if name.strip())))
+
+
 def corpus_scores(names, predictions, references):
     """{name: corpus score} for each metric name (METRICS), over all examples."""
     return {name: METRICS[name][0](predictions, references) for name in check_metric_names(names)}

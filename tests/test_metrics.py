@@ -158,3 +158,10 @@ def test_metrics_by_name_are_the_functions():
     assert one['rouge1'] == 1.0
     with pytest.raises(ValueError, match="unknown metric 'blue'.*bleu"):
         metrics.corpus_scores(['blue'], preds, refs)
+
+
+def test_metric_names_parse_from_a_comma_list():
+    assert metrics.parse_metric_names(' bleu, rouge_l,,bleu ') == ['bleu', 'rouge_l']
+    assert metrics.parse_metric_names('') == []
+    with pytest.raises(ValueError, match="unknown metric 'blue'"):
+        metrics.parse_metric_names('exact_match,blue')

@@ -2,12 +2,17 @@
 bench/RESULTS.md's generated table, regenerated: runs the documented commands as a user would (default
 pretraining, SFT, LoRA, DPO) over several seeds, reads each run's log.jsonl, and writes a report with,
 per figure, the median and the range over the seeds, every seed's value, the commit, the machine and
-the wall time (nanochat's report card: nobody types a result).
+the wall time (nanochat's report card: nobody types a result). Every model of the chain, and a published
+chat model (SmolLM2-135M-Instruct, built by ../shared/tools/make_smollm2_hf.py) as published, after a LoRA
+SFT and after RL on it, also answers the same held-out number-task prompts through `eval.py` (exact match,
+BLEU, ROUGE-L side by side). The published model's LoRA SFT runs on the first seed only (13 min on 2 cores);
+its RL runs on every seed from that one SFT model.
 
     python bench/report.py                    # the full report: bench/report.md, bench/report.json and bench/RESULTS.md's table
     python bench/report.py --table_only=True  # no runs: bench/RESULTS.md's table rewritten from the committed bench/report.json
     python bench/report.py --quick=True       # the machinery in minutes (one seed, few steps): bench/results/report-quick.*
     python bench/report.py --lora_sweep=True  # instead, the LoRA recipe sweep (first seed): bench/lora_sweep.*
+    python bench/report.py --stages=pretrain,sft --reuse=True  # some stages; finished runs are read, not rerun
 
 With a nanoGPT checkout at nanogpt_dir (`git clone https://github.com/karpathy/nanoGPT /tmp/nanoGPT`), the
 speedrun's ratios (bench/speedrun.py, its own alternating pairs) join the report; without one they are skipped.
@@ -32,6 +37,7 @@ import torch  # noqa: E402
 
 from configurator import configure  # noqa: E402
 from run.checkpoint import file_sha256, load_checkpoint  # noqa: E402
+from tasks.number_tasks import NUMBER_TASKS_DIR, prepare_number_tasks  # noqa: E402
 
 # -----------------------------------------------------------------------------
 seeds = (1337, 1338, 1339)   # one run of every stage per seed
@@ -42,6 +48,9 @@ work_dir = 'bench/results/report'  # the runs' out_dirs
 reuse = False                # a run whose out_dir holds a finished run of the same command and code is read, not run again
 results_md = True            # put the report's table into bench/RESULTS.md (between the report markers); not with quick
 table_only = False           # no runs: rewrite bench/RESULTS.md's table from the committed bench/report.json, and stop
+stages = 'pretrain,sft,lora,dpo,hf-lora,hf-rl'  # the stages run (each after the one it starts from)
+hf_model = 'models/smollm2-135m-instruct'  # the published chat model of the hf- stages; not there = they are skipped
+heldout_examples = 200       # held-out number-task prompts every model answers through eval.py (test.jsonl's first)
 # -----------------------------------------------------------------------------
 configure(globals())
 if quick:
@@ -49,17 +58,27 @@ if quick:
     work_dir = work_dir + '-quick'
 report_path = os.path.join(ROOT, 'bench', 'results', 'report-quick') if quick else os.path.join(ROOT, 'bench', 'report')
 
-# stage: (the documented command, what it starts from, quick-mode overrides)
+# stage: (the documented command, the checkpoint it starts from (stage/file), quick-mode overrides)
 STAGES = {
     'pretrain': (['train.py'], None, ['--max_iters=20', '--lr_decay_iters=20', '--eval_interval=20', '--eval_iters=2']),
-    'sft': (['train.py', 'config/sft.py'], 'pretrain',
+    'sft': (['train.py', 'config/sft.py'], 'pretrain/ckpt.pt',
             ['--max_iters=20', '--lr_decay_iters=20', '--eval_interval=20', '--exact_match_examples=20']),
-    'lora': (['train.py', 'config/lora.py'], 'pretrain',
+    'lora': (['train.py', 'config/lora.py'], 'pretrain/ckpt.pt',
              ['--max_iters=20', '--lr_decay_iters=20', '--eval_interval=20', '--exact_match_examples=20']),
-    'dpo': (['train_dpo.py', 'config/dpo.py'], 'sft',
+    'dpo': (['train_dpo.py', 'config/dpo.py'], 'sft/ckpt.pt',
             ['--max_iters=10', '--lr_decay_iters=10', '--eval_interval=10', '--eval_pairs=50',
              '--exact_match_examples=20']),
+    'hf-lora': (['train.py', 'config/lora_hf.py'], None,
+                ['--max_iters=4', '--lr_decay_iters=4', '--warmup_iters=1', '--eval_interval=4', '--eval_iters=2',
+                 '--exact_match_examples=10']),
+    'hf-rl': (['train_rl.py', 'config/rl_hf.py'], 'hf-lora/merged.pt',
+              ['--max_iters=2', '--eval_interval=2', '--eval_prompts=4', '--exact_match_examples=10']),
 }
+HF_STAGES = ('hf-lora', 'hf-rl')
+# the models that answer the held-out prompts: stage (or 'hf-base', the published model itself) -> its file
+EVALUATED = {'pretrain': 'ckpt.pt', 'sft': 'ckpt.pt', 'lora': 'ckpt.pt', 'dpo': 'ckpt.pt', 'hf-base': None,
+             'hf-lora': 'ckpt.pt', 'hf-rl': 'ckpt.pt'}
+HELDOUT_METRICS = {'exact match': 'exact_match', 'BLEU': 'bleu', 'ROUGE-L': 'rouge_l'}  # eval.py's names
 # LoRA recipes tried against config/lora.py (each: overrides of it), on the first seed
 RECIPE_KEYS = ('learning_rate', 'max_iters', 'lora_r', 'lora_alpha', 'lora_target_modules', 'loraplus_lr_ratio')
 LORA_SWEEP = {
@@ -91,8 +110,11 @@ def figures_of(stage, events):
     """{figure name: value} that a stage's log gives."""
     if stage == 'pretrain':
         return {'val loss': last(events, 'val_loss')}
-    if stage in ('sft', 'lora'):
+    if stage in ('sft', 'lora', 'hf-lora'):
         return {'exact match': last(events, 'eval/exact_match'), 'val loss': last(events, 'val_loss')}
+    if stage == 'hf-rl':
+        return {'exact match before': first(events, 'eval/exact_match'),
+                'exact match after': last(events, 'eval/exact_match'), 'eval pass@1': last(events, 'eval/pass@1')}
     return {'eval rewards/accuracies': last(events, 'eval/rewards/accuracies'),
             'exact match before': first(events, 'eval/exact_match'), 'exact match after': last(events, 'eval/exact_match')}
 
@@ -106,14 +128,23 @@ def code_hash(args):
     return file_sha256(*paths)
 
 
-def run_stage(stage, seed, starts_from, extra=(), name=None):
+def stage_dir(stage, seed):
+    if stage == 'hf-lora':
+        seed = seeds[0]  # one SFT of the published model; its RL runs on every seed
+    return os.path.join(work_dir, f'seed{seed}', stage)
+
+
+def run_stage(stage, seed, extra=(), name=None):
     """Run one stage's command; returns (its figures, its wall time in s)."""
-    command, _, quick_args = STAGES[stage]
-    out_dir = os.path.join(work_dir, f'seed{seed}', name or stage)
+    command, starts_from, quick_args = STAGES[stage]
+    out_dir = os.path.join(work_dir, f'seed{seed}', name) if name else stage_dir(stage, seed)
     args = [*command, f'--seed={seed}', f'--out_dir={out_dir}', '--resume=False', *extra,
             *(quick_args if quick else [])]
     if starts_from:
-        args.append(f'--init_from={os.path.join(work_dir, f"seed{seed}", starts_from, "ckpt.pt")}')
+        from_stage, file = starts_from.split('/')
+        args.append(f'--init_from={os.path.join(stage_dir(from_stage, seed), file)}')
+    elif stage == 'hf-lora':
+        args.append(f'--init_from={hf_model}')
     finished = os.path.join(ROOT, out_dir, 'report_run.json')  # the command, its code and wall time, once it has ended
     code = code_hash(args)
     if reuse and os.path.exists(finished):
@@ -152,10 +183,15 @@ def commit():
 
 FORMATS = {'val loss': '{:.4f}', 'exact match': '{:.1%}', 'exact match before': '{:.1%}',
            'exact match after': '{:.1%}', 'eval rewards/accuracies': '{:.3f}',
-           'wall time to nanoGPT\'s val loss, ratio': '{:.3f}', 'tokens/s at nanoGPT\'s model, ratio': '{:.2f}'}
+           'wall time to nanoGPT\'s val loss, ratio': '{:.3f}', 'tokens/s at nanoGPT\'s model, ratio': '{:.2f}',
+           'eval pass@1': '{:.3f}', 'BLEU': '{:.1f}', 'ROUGE-L': '{:.3f}'}
 COMMANDS = {'pretrain': '`python train.py`', 'sft': '`python train.py config/sft.py`',
             'lora': '`python train.py config/lora.py`', 'dpo': '`python train_dpo.py config/dpo.py`',
+            'hf-base': '(as published)', 'hf-lora': '`python train.py config/lora_hf.py` (first seed only)',
+            'hf-rl': '`python train_rl.py config/rl_hf.py` (from the hf-lora model)',
             'speedrun': '`python bench/speedrun.py` (pairs, not seeds)'}
+HELDOUT_NAMES = {'pretrain': 'base (pretrained)', 'sft': 'SFT', 'lora': 'LoRA', 'dpo': 'DPO after SFT',
+                 'hf-base': 'SmolLM2-135M-Instruct', 'hf-lora': 'SmolLM2 + LoRA SFT', 'hf-rl': 'SmolLM2 + LoRA SFT + RL'}
 
 
 def run_speedrun():
@@ -190,6 +226,17 @@ def results_table(report):
             fmt = FORMATS[figure]
             lines.append(f"| {stage}: {figure} | {COMMANDS[stage]} | {summary(values, fmt)} | "
                          f"{', '.join(fmt.format(v) for v in values)} |")
+    return '\n'.join(lines) + ('\n\n' + heldout_table(report) if report.get('heldout') else '')
+
+
+def heldout_table(report):
+    """The models side by side on the same held-out prompts, as eval.py scores them."""
+    lines = [f"Held-out answers by `eval.py` (greedy, the first {report['heldout_examples']} prompts of the number "
+             f"tasks' test split), median (range) over the seeds:\n",
+             '| model | trained by | ' + ' | '.join(HELDOUT_METRICS) + ' |', '| --- | --- |' + ' --- |' * len(HELDOUT_METRICS)]
+    for stage, figures in report['heldout'].items():
+        lines.append(f"| {HELDOUT_NAMES[stage]} | {COMMANDS[stage]} | "
+                     + ' | '.join(summary(figures[k], FORMATS[k]) for k in HELDOUT_METRICS) + ' |')
     return '\n'.join(lines)
 
 
@@ -232,15 +279,45 @@ def put_in_results(table, report):
     print("updated bench/RESULTS.md's results table")
 
 
+def heldout_file():
+    """The held-out prompts as eval.py reads them: the first heldout_examples of the number tasks' test.jsonl
+    (the split train.py's exact match answers), each with its answer as the reference."""
+    prepare_number_tasks(os.path.join(ROOT, NUMBER_TASKS_DIR))  # as train.py writes it
+    with open(os.path.join(ROOT, NUMBER_TASKS_DIR, 'test.jsonl')) as f:
+        rows = [json.loads(line) for line in f][:heldout_examples]
+    path = os.path.join(work_dir, 'heldout.jsonl')
+    os.makedirs(os.path.join(ROOT, work_dir), exist_ok=True)
+    with open(os.path.join(ROOT, path), 'w') as f:
+        f.writelines(json.dumps({'prompt': row['prompt'], 'reference': row['response']}) + '\n' for row in rows)
+    return path
+
+
+def heldout_scores(model, out, eval_data):
+    """{figure: [value]} of eval.py's greedy answers of model to the held-out prompts (HELDOUT_METRICS); with
+    reuse, read from out when it is newer than the model."""
+    if not (reuse and os.path.exists(os.path.join(ROOT, out))
+            and os.path.getmtime(os.path.join(ROOT, out)) > os.path.getmtime(os.path.join(ROOT, model))):
+        args = ['eval.py', f'--init_from={model}', f'--eval_data={eval_data}', f'--out={out}', '--max_new_tokens=48',
+                f"--metrics={','.join(HELDOUT_METRICS.values())}", '--batch_size=50',
+                *(['--max_examples=20'] if quick else [])]
+        print(f"[{time.strftime('%H:%M:%S')}] python {' '.join(args)}", flush=True)
+        done = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True)
+        if done.returncode != 0:
+            sys.exit(f"error: eval.py on {model} failed with exit {done.returncode}:\n{done.stderr[-3000:]}")
+    with open(os.path.join(ROOT, out)) as f:
+        scores = json.load(f)['scores']
+    return {figure: [scores[name]] for figure, name in HELDOUT_METRICS.items()}
+
+
 def lora_sweep_report():
     """Full SFT and every LORA_SWEEP recipe from the first seed's pretrained model: bench/lora_sweep.md/.json."""
     seed = seeds[0]
     sft_figures = {}
     for stage in ('pretrain', 'sft'):
-        sft_figures, _ = run_stage(stage, seed, STAGES[stage][1])
+        sft_figures, _ = run_stage(stage, seed)
     runs = {}
     for name, overrides in LORA_SWEEP.items():
-        figures, wall = run_stage('lora', seed, 'pretrain', overrides, name=f"lora-sweep-{len(runs)}")
+        figures, wall = run_stage('lora', seed, overrides, name=f"lora-sweep-{len(runs)}")
         config = load_checkpoint(os.path.join(ROOT, work_dir, f'seed{seed}', f'lora-sweep-{len(runs)}', 'ckpt.pt'))['config']
         recipe = {k: config[k] for k in RECIPE_KEYS}  # as run, whatever config/lora.py says later
         runs[name] = dict(figures, overrides=overrides, recipe=recipe, wall_s=wall)
@@ -274,16 +351,35 @@ if table_only:
         saved = json.load(f)
     put_in_results(results_table(saved), saved)
     sys.exit(0)
+todo = [stage.strip() for stage in stages.split(',') if stage.strip()]
+if set(todo) - set(STAGES):
+    sys.exit(f"error: stages={stages!r}: unknown {sorted(set(todo) - set(STAGES))}; the stages are {list(STAGES)}.")
+if set(todo) & set(HF_STAGES) and not os.path.exists(os.path.join(ROOT, hf_model, 'config.json')):
+    print(f"no Hugging Face model folder at hf_model={hf_model!r} (../shared/tools/make_smollm2_hf.py builds "
+          f"SmolLM2-135M-Instruct): the {', '.join(HF_STAGES)} stages are left out of the report")
+    todo = [stage for stage in todo if stage not in HF_STAGES]
 t_start = time.time()
+heldout = heldout_file()
 report = {'date': time.strftime('%Y-%m-%d'), 'commit': commit(), 'machine': machine(), 'seeds': list(seeds),
-          'figures': {stage: {} for stage in STAGES}, 'wall_s': {stage: [] for stage in STAGES}}
+          'figures': {stage: {} for stage in todo}, 'wall_s': {stage: [] for stage in todo}, 'heldout': {},
+          'heldout_examples': heldout_examples}
+if set(todo) & set(HF_STAGES):  # the published model as it is, once: greedy answers do not depend on the seed
+    report['heldout']['hf-base'] = heldout_scores(hf_model, os.path.join(work_dir, 'hf-base.eval.json'), heldout)
 for seed in seeds:
-    for stage, (_, starts_from, _) in STAGES.items():
-        figures, wall = run_stage(stage, seed, starts_from)
+    for stage in todo:
+        if stage == 'hf-lora' and seed != seeds[0]:
+            continue
+        figures, wall = run_stage(stage, seed)
         for figure, value in figures.items():
             report['figures'][stage].setdefault(figure, []).append(value)
         report['wall_s'][stage].append(wall)
+        out_dir = stage_dir(stage, seed)
+        scores = heldout_scores(os.path.join(out_dir, EVALUATED[stage]), os.path.join(out_dir, 'heldout.eval.json'),
+                                heldout)
+        for name, value in scores.items():
+            report['heldout'].setdefault(stage, {}).setdefault(name, []).append(value[0])
         print(f"  {stage}, seed {seed}: " + ', '.join(f"{k} {FORMATS[k].format(v)}" for k, v in figures.items())
+              + f"; held-out " + ', '.join(f"{k} {FORMATS[k].format(v[0])}" for k, v in scores.items())
               + f" ({wall / 60:.1f} min)", flush=True)
 if nanogpt_dir and os.path.exists(os.path.join(nanogpt_dir, 'train.py')):
     report['figures']['speedrun'], wall = run_speedrun()

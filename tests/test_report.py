@@ -29,18 +29,36 @@ def test_results_table_is_the_committed_report():
     assert rows == table_rows(report_md.split('## ')[0])  # the report's main table, not its sweep
     assert len(report['seeds']) >= 3
 
-    body = rows[2:]
-    expected = [(stage, figure, values) for stage, figures in report['figures'].items()
+    main = rows[:2 + sum(len(figures) for figures in report['figures'].values())]
+    expected = [(f'{stage}: {figure}', values) for stage, figures in report['figures'].items()
                 for figure, values in figures.items()]
-    assert len(body) == len(expected)
-    for row, (stage, figure, values) in zip(body, expected):
-        what, _, summary, each = [cell.strip() for cell in row.strip('|').split('|')]
-        assert what == f'{stage}: {figure}'
-        match = re.fullmatch(r'([\d.]+)(%?) \(([\d.]+)%?-([\d.]+)%?\)', summary)
-        assert match, row
+    check_summaries(main[2:], expected, each_column=True)
+    names = {'pretrain': 'base (pretrained)', 'sft': 'SFT', 'lora': 'LoRA', 'dpo': 'DPO after SFT',
+             'hf-base': 'SmolLM2-135M-Instruct', 'hf-lora': 'SmolLM2 + LoRA SFT', 'hf-rl': 'SmolLM2 + LoRA SFT + RL'}
+    heldout = rows[len(main):]
+    assert heldout[0].startswith('| model | trained by | exact match | BLEU | ROUGE-L |')
+    assert {'pretrain', 'sft', 'lora', 'dpo'} <= set(report['heldout'])  # the whole chain answers the prompts
+    for row, (stage, figures) in zip(heldout[2:], report['heldout'].items(), strict=True):
+        cells = [cell.strip() for cell in row.strip('|').split('|')]
+        assert cells[0] == names[stage]
+        for cell, figure in zip(cells[2:], ('exact match', 'BLEU', 'ROUGE-L'), strict=True):
+            check_summaries([f'| {figure} | | {cell} |'], [(figure, figures[figure])])
+
+
+def check_summaries(rows, expected, each_column=False):
+    """Each row's 'median (min-max)' (a lone value for one seed) is the values' as the report rounds them."""
+    assert len(rows) == len(expected)
+    for row, (what, values) in zip(rows, expected):
+        cells = [cell.strip() for cell in row.strip('|').split('|')]
+        assert cells[0] == what
+        summary = cells[2]
+        match = re.fullmatch(r'([\d.]+)(%?)(?: \(([\d.]+)%?-([\d.]+)%?\))?', summary)
+        assert match and (match.group(3) is None) == (len(values) == 1), row
         median, percent, low, high = match.groups()
         scale = 100 if percent else 1
         half_unit = 0.5 * 10 ** -len(median.split('.')[1]) + 1e-9  # the table rounds to its last digit
-        for shown, exact in ((median, statistics.median(values)), (low, min(values)), (high, max(values))):
-            assert abs(float(shown) - scale * exact) <= half_unit, row
-        assert len(each.split(', ')) == len(values)
+        shown = [(median, statistics.median(values))] + ([(low, min(values)), (high, max(values))] if low else [])
+        for text, exact in shown:
+            assert abs(float(text) - scale * exact) <= half_unit, row
+        if each_column:
+            assert len(cells[3].split(', ')) == len(values)

@@ -7,7 +7,7 @@ without padding. Formulas: docs/rl.md.
 """
 import torch
 
-from lm.chat_data import build_rows
+from data import to_device
 
 LOSS_TYPES = ('grpo', 'dapo', 'dr_grpo')
 SCALE_REWARDS = ('group', 'batch', 'none')
@@ -72,20 +72,42 @@ def token_entropy(logits):
 def completion_batches(sequences, scored, micro_batch_size, pad_id, device='cpu'):
     """Rollouts as training micro-batches of micro_batch_size sequences each. sequences: (prompt ids, completion
     ids) pairs; scored: per sequence, False to leave its completion out of the loss (a masked truncated one).
-    Each micro-batch is a dict: x (B, T) prompt + completion, right-padded with pad_id (causal attention never
-    sees the padding after a token); rows, cols (N,) the positions that predict the N completion tokens scored;
-    targets (N,) those tokens; owners (N,) the sequence (0..B-1) each belongs to; lengths (B,) the tokens scored
-    of each sequence; first: the index of its first sequence in sequences."""
-    inputs, targets = [], []
-    for (prompt, completion), keep in zip(sequences, scored):
-        inputs.append(torch.tensor((prompt + completion)[:-1]))
-        targets.append(torch.tensor(([-100] * len(prompt) + (completion if keep else [-100] * len(completion)))[1:]))
+    Consecutive sequences with the same prompt (a group's G completions) share one row: the prompt once, then
+    each scored completion, which attends to the prompt and to itself only and continues the prompt's positions
+    (train_dpo.py's padding-free pairs, G-fold). The prompt, most of the tokens when answers are short, is
+    computed once per group instead of G times, and every completion token sees what it would alone.
+    Each micro-batch is a dict: x (R, T) those rows, right-padded with pad_id; positions (R, T) and mask
+    (R, 1, T, T) their layout (GPT.forward); rows, cols (N,) the positions that predict the N completion tokens
+    scored; targets (N,) those tokens; owners (N,) the sequence (0..n-1 in the micro-batch) each belongs to;
+    lengths (n,) the tokens scored of each sequence; first: the index of its first sequence in sequences."""
     batches = []
     for first in range(0, len(sequences), micro_batch_size):
-        x, y, _, seq = build_rows([[i] for i in range(first, min(first + micro_batch_size, len(sequences)))],
-                                  inputs, targets, pad_id, device)
-        rows, cols = (y != -100).nonzero(as_tuple=True)
-        owners = seq[rows, cols] - first
-        batches.append(dict(x=x, rows=rows, cols=cols, targets=y[rows, cols], owners=owners, first=first,
-                            lengths=torch.bincount(owners, minlength=len(x))))
+        units = []  # a row each: tokens, positions, branch (0 the prompt, k + 1 sequence k), scored
+        for owner, ((prompt, completion), keep) in enumerate(zip(sequences[first:first + micro_batch_size],
+                                                                 scored[first:first + micro_batch_size])):
+            if owner == 0 or sequences[first + owner - 1][0] != prompt:
+                units.append((list(prompt), list(range(len(prompt))), [0] * len(prompt), []))
+            tokens, positions, branch, score = units[-1]
+            if keep:  # the prompt's last position predicts the first token; the last token predicts nothing
+                p, start = len(prompt), len(tokens)
+                score += [(p - 1, completion[0], owner)] + [(start + t, target, owner)
+                                                            for t, target in enumerate(completion[1:])]
+                tokens += completion[:-1]
+                positions += range(p, p + len(completion) - 1)
+                branch += [owner + 1] * (len(completion) - 1)
+        T = max(len(tokens) for tokens, _, _, _ in units)
+        x = torch.full((len(units), T), pad_id)
+        positions = torch.zeros(len(units), T, dtype=torch.long)
+        branch = torch.full((len(units), T), -1)  # -1: padding, which no real token attends to
+        scored_at = []
+        for r, (tokens, pos, br, score) in enumerate(units):
+            x[r, :len(tokens)], positions[r, :len(pos)], branch[r, :len(br)] = (torch.tensor(v) for v in (tokens, pos, br))
+            scored_at += [(r, col, target, owner) for col, target, owner in score]
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        mask = (((branch[:, None, :] == 0) | (branch[:, None, :] == branch[:, :, None])) & causal)[:, None]
+        rows, cols, targets, owners = torch.tensor(scored_at, dtype=torch.long).view(-1, 4).T
+        n = min(micro_batch_size, len(sequences) - first)
+        tensors = dict(x=x, positions=positions, mask=mask, rows=rows, cols=cols, targets=targets, owners=owners,
+                       lengths=torch.bincount(owners, minlength=n))
+        batches.append(dict(zip(tensors, to_device(tensors.values(), device)), first=first))
     return batches

@@ -15,6 +15,7 @@ from configurator import UserError
 from lm.chat_data import rl_prompt
 from lm.rewards import load_reward, score
 from lm.rl import clipped_token_loss, completion_batches, group_advantages, k3_kl, normalized_loss, token_entropy
+from model import GPT, GPTConfig
 from tasks.number_tasks import final_answer, number_task_reward, prepare_number_tasks
 
 
@@ -448,15 +449,52 @@ def test_masked_truncated_completions_run_and_leave_the_loss_to_the_others(tmp_p
         assert masked['grad_norm'] != plain['grad_norm']
 
 
-def test_completion_batches_leave_masked_completions_out():
-    """Each micro-batch scores the completion tokens only, each predicted from the position before it; a masked
-    completion (scored False) keeps its row but has no scored token; lengths count what is scored."""
-    sequences = [([1, 2], [3, 4, 0]), ([5], [6]), ([7, 8, 9], [1, 2]), ([4], [5, 6, 7])]
-    batches = completion_batches(sequences, [True, False, True, True], 2, pad_id=0)
-    assert [b['first'] for b in batches] == [0, 2]
+def test_completion_batches_share_each_prompt_and_leave_masked_completions_out():
+    """A group's completions share one row after their prompt, each predicted from the position before each
+    token (the first from the prompt's last); a masked completion (scored False) is left out of the row and
+    scores nothing; lengths count what is scored; a micro-batch boundary starts a new row."""
+    a, b = [1, 2], [7, 8, 9]
+    sequences = [(a, [3, 4, 0]), (a, [6]), (a, [5, 6, 7]), (b, [1, 2]), (b, [4, 5])]
+    batches = completion_batches(sequences, [True, False, True, True, True], 4, pad_id=0)
+    assert [batch['first'] for batch in batches] == [0, 4]
     first, second = batches
-    assert first['x'].tolist() == [[1, 2, 3, 4], [5, 0, 0, 0]]
-    assert first['cols'].tolist() == [1, 2, 3] and first['targets'].tolist() == [3, 4, 0]
-    assert first['lengths'].tolist() == [3, 0] and first['owners'].tolist() == [0, 0, 0]
-    assert second['targets'].tolist() == [1, 2, 5, 6, 7] and second['owners'].tolist() == [0, 0, 1, 1, 1]
-    assert second['lengths'].tolist() == [2, 3] and second['rows'].tolist() == [0, 0, 1, 1, 1]
+    assert first['x'].tolist() == [[1, 2, 3, 4, 5, 6], [7, 8, 9, 1, 0, 0]]
+    assert first['positions'].tolist() == [[0, 1, 2, 3, 2, 3], [0, 1, 2, 3, 0, 0]]
+    assert first['rows'].tolist() == [0, 0, 0, 0, 0, 0, 1, 1]
+    assert first['cols'].tolist() == [1, 2, 3, 1, 4, 5, 2, 3] and first['targets'].tolist() == [3, 4, 0, 5, 6, 7, 1, 2]
+    assert first['owners'].tolist() == [0, 0, 0, 2, 2, 2, 3, 3] and first['lengths'].tolist() == [3, 0, 3, 2]
+    allowed = first['mask'][0, 0]
+    assert allowed[4].tolist() == [True, True, False, False, True, False]  # the 2nd completion: prompt and itself
+    assert allowed[3].tolist() == [True, True, True, True, False, False]
+    assert second['x'].tolist() == [[7, 8, 9, 4]] and second['lengths'].tolist() == [2]
+
+
+@pytest.mark.comparison
+@pytest.mark.parametrize('pos_emb', ['rope', 'learned'])
+def test_shared_prompt_rows_give_each_completion_its_logps_alone(pos_emb):
+    """Through a tiny GPT, the shared-prompt rows give every completion token the log-prob it has when the
+    sequence runs alone (float32 attention over other, masked keys: sums in another order, ~1e-6 here)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=32, vocab_size=12, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
+                          pos_emb=pos_emb)).eval()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, 12, (n,), generator=g).tolist() for n in (3, 7, 5)]
+    sequences = [(p, torch.randint(0, 12, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist())
+                 for p in prompts for _ in range(4)]
+    scored = [i % 5 != 3 for i in range(len(sequences))]
+    for micro_batch_size in (12, 5):
+        got, want = [], []
+        for batch in completion_batches(sequences, scored, micro_batch_size, pad_id=0):
+            with torch.no_grad():
+                logits, _ = model(batch['x'], positions=batch['positions'], mask=batch['mask'],
+                                  logits_at=(batch['rows'], batch['cols']))
+            got += logits.log_softmax(-1).gather(1, batch['targets'][:, None])[:, 0].tolist()
+            for owner in range(len(batch['lengths'])):
+                prompt, completion = sequences[batch['first'] + owner]
+                if scored[batch['first'] + owner]:
+                    with torch.no_grad():
+                        alone, _ = model(torch.tensor([prompt + completion[:-1]]))
+                    logps = alone[0, len(prompt) - 1:].log_softmax(-1)
+                    want += logps.gather(1, torch.tensor(completion)[:, None])[:, 0].tolist()
+        assert len(got) == sum(len(c) for (_, c), keep in zip(sequences, scored) if keep)
+        assert got == pytest.approx(want, abs=1e-5)

@@ -234,7 +234,7 @@ def heldout_table(report):
     lines = [f"Held-out answers by `eval.py` (greedy, the first {report['heldout_examples']} prompts of the number "
              f"tasks' test split), median (range) over the seeds:\n",
              '| model | trained by | ' + ' | '.join(HELDOUT_METRICS) + ' |', '| --- | --- |' + ' --- |' * len(HELDOUT_METRICS)]
-    for stage, figures in report['heldout'].items():
+    for stage, figures in sorted(report['heldout'].items(), key=lambda item: list(HELDOUT_NAMES).index(item[0])):
         lines.append(f"| {HELDOUT_NAMES[stage]} | {COMMANDS[stage]} | "
                      + ' | '.join(summary(figures[k], FORMATS[k]) for k in HELDOUT_METRICS) + ' |')
     return '\n'.join(lines)

@@ -38,7 +38,8 @@ def test_results_table_is_the_committed_report():
     heldout = rows[len(main):]
     assert heldout[0].startswith('| model | trained by | exact match | BLEU | ROUGE-L |')
     assert {'pretrain', 'sft', 'lora', 'dpo'} <= set(report['heldout'])  # the whole chain answers the prompts
-    for row, (stage, figures) in zip(heldout[2:], report['heldout'].items(), strict=True):
+    in_order = sorted(report['heldout'].items(), key=lambda item: list(names).index(item[0]))
+    for row, (stage, figures) in zip(heldout[2:], in_order, strict=True):
         cells = [cell.strip() for cell in row.strip('|').split('|')]
         assert cells[0] == names[stage]
         for cell, figure in zip(cells[2:], ('exact match', 'BLEU', 'ROUGE-L'), strict=True):

@@ -75,6 +75,7 @@ STAGES = {
               ['--max_iters=2', '--eval_interval=2', '--eval_prompts=4', '--exact_match_examples=10']),
 }
 HF_STAGES = ('hf-lora', 'hf-rl')
+REUSED = []  # a 1 per run read back, not run (reuse)
 # the models that answer the held-out prompts: stage (or 'hf-base', the published model itself) -> its file
 EVALUATED = {'pretrain': 'ckpt.pt', 'sft': 'ckpt.pt', 'lora': 'ckpt.pt', 'dpo': 'ckpt.pt', 'hf-base': None,
              'hf-lora': 'ckpt.pt', 'hf-rl': 'ckpt.pt'}
@@ -152,6 +153,7 @@ def run_stage(stage, seed, extra=(), name=None):
             previous = json.load(f)
         if previous['args'] == args and previous['code'] == code:
             print(f"[reused] python {' '.join(args)}", flush=True)
+            REUSED.append(1)
             return figures_of(stage, read_log(os.path.join(ROOT, out_dir))), previous['wall_s']
     print(f"[{time.strftime('%H:%M:%S')}] python {' '.join(args)}", flush=True)
     t0 = time.time()
@@ -255,7 +257,9 @@ def write_report(report):
             f"`python bench/report.py{' --quick=True' if quick else ''}` on {report['date']}, commit "
             f"{report['commit']}. Machine: {m['cpu']}, {m['threads']} threads, torch {m['torch']}, "
             f"Python {m['python']}" + (f", {m['gpu']}" if m['gpu'] else ', no GPU') + '.',
-            f"Wall time per run (median over seeds): {walls}; the whole report {report['total_s'] / 60:.1f} min.\n",
+            f"Wall time per run (median over seeds): {walls}; the whole report {report['total_s'] / 60:.1f} min"
+            + (f" (all runs together; {report['reused']} of them finished before, read back with --reuse)"
+               if report.get('reused') else '') + '.\n',
             table]
     with open(report_path + '.md', 'w') as f:
         f.write('\n'.join(text) + '\n')
@@ -396,7 +400,10 @@ if nanogpt_dir and os.path.exists(os.path.join(nanogpt_dir, 'train.py')):
     report['wall_s']['speedrun'] = [wall]
 else:
     print(f"no nanoGPT checkout at nanogpt_dir={nanogpt_dir!r}: the speedrun is left out of the report")
-report['total_s'] = time.time() - t_start
+reused = sum(REUSED)
+# runs read back count with their own wall time
+report['total_s'] = time.time() - t_start + sum(sum(w) for w in report['wall_s'].values()) * bool(reused)
+report['reused'] = reused
 table = write_report(report)
 print(table)
 if results_md and not quick:

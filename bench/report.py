@@ -48,7 +48,7 @@ work_dir = 'bench/results/report'  # the runs' out_dirs
 reuse = False                # a run whose out_dir holds a finished run of the same command and code is read, not run again
 results_md = True            # put the report's table into bench/RESULTS.md (between the report markers); not with quick
 table_only = False           # no runs: rewrite bench/RESULTS.md's table from the committed bench/report.json, and stop
-stages = 'pretrain,sft,lora,dpo,hf-lora,hf-rl'  # the stages run (each after the one it starts from)
+stages = 'pretrain,sft,lora,dpo,rl,hf-lora,hf-rl'  # the stages run (each after the one it starts from)
 hf_model = 'models/smollm2-135m-instruct'  # the published chat model of the hf- stages; not there = they are skipped
 heldout_examples = 200       # held-out number-task prompts every model answers through eval.py (test.jsonl's first)
 # -----------------------------------------------------------------------------
@@ -68,6 +68,8 @@ STAGES = {
     'dpo': (['train_dpo.py', 'config/dpo.py'], 'sft/ckpt.pt',
             ['--max_iters=10', '--lr_decay_iters=10', '--eval_interval=10', '--eval_pairs=50',
              '--exact_match_examples=20']),
+    'rl': (['train_rl.py', 'config/rl.py'], 'sft/ckpt.pt',
+           ['--max_iters=2', '--eval_interval=2', '--eval_prompts=4', '--exact_match_examples=10']),
     'hf-lora': (['train.py', 'config/lora_hf.py'], None,
                 ['--max_iters=4', '--lr_decay_iters=4', '--warmup_iters=1', '--eval_interval=4', '--eval_iters=2',
                  '--exact_match_examples=10']),
@@ -77,8 +79,8 @@ STAGES = {
 HF_STAGES = ('hf-lora', 'hf-rl')
 REUSED = []  # a 1 per run read back, not run (reuse)
 # the models that answer the held-out prompts: stage (or 'hf-base', the published model itself) -> its file
-EVALUATED = {'pretrain': 'ckpt.pt', 'sft': 'ckpt.pt', 'lora': 'ckpt.pt', 'dpo': 'ckpt.pt', 'hf-base': None,
-             'hf-lora': 'ckpt.pt', 'hf-rl': 'ckpt.pt'}
+EVALUATED = {'pretrain': 'ckpt.pt', 'sft': 'ckpt.pt', 'lora': 'ckpt.pt', 'dpo': 'ckpt.pt', 'rl': 'ckpt.pt',
+             'hf-base': None, 'hf-lora': 'ckpt.pt', 'hf-rl': 'ckpt.pt'}
 HELDOUT_METRICS = {'exact match': 'exact_match', 'BLEU': 'bleu', 'ROUGE-L': 'rouge_l'}  # eval.py's names
 # LoRA recipes tried against config/lora.py (each: overrides of it), on the first seed
 RECIPE_KEYS = ('learning_rate', 'max_iters', 'lora_r', 'lora_alpha', 'lora_target_modules', 'loraplus_lr_ratio')
@@ -113,7 +115,7 @@ def figures_of(stage, events):
         return {'val loss': last(events, 'val_loss')}
     if stage in ('sft', 'lora', 'hf-lora'):
         return {'exact match': last(events, 'eval/exact_match'), 'val loss': last(events, 'val_loss')}
-    if stage == 'hf-rl':
+    if stage in ('rl', 'hf-rl'):
         return {'exact match before': first(events, 'eval/exact_match'),
                 'exact match after': last(events, 'eval/exact_match'), 'eval pass@1': last(events, 'eval/pass@1')}
     return {'eval rewards/accuracies': last(events, 'eval/rewards/accuracies'),
@@ -189,11 +191,12 @@ FORMATS = {'val loss': '{:.4f}', 'exact match': '{:.1%}', 'exact match before': 
            'eval pass@1': '{:.3f}', 'BLEU': '{:.1f}', 'ROUGE-L': '{:.3f}'}
 COMMANDS = {'pretrain': '`python train.py`', 'sft': '`python train.py config/sft.py`',
             'lora': '`python train.py config/lora.py`', 'dpo': '`python train_dpo.py config/dpo.py`',
-            'hf-base': '(as published)', 'hf-lora': '`python train.py config/lora_hf.py` (first seed only)',
+            'rl': '`python train_rl.py config/rl.py`', 'hf-base': '(as published)',
+            'hf-lora': '`python train.py config/lora_hf.py` (first seed only)',
             'hf-rl': '`python train_rl.py config/rl_hf.py` (from the hf-lora model)',
             'speedrun': '`python bench/speedrun.py` (pairs, not seeds)'}
 HELDOUT_NAMES = {'pretrain': 'base (pretrained)', 'sft': 'SFT', 'lora': 'LoRA', 'dpo': 'DPO after SFT',
-                 'hf-base': 'SmolLM2-135M-Instruct', 'hf-lora': 'SmolLM2 + LoRA SFT', 'hf-rl': 'SmolLM2 + LoRA SFT + RL'}
+                 'rl': 'RL after SFT', 'hf-base': 'SmolLM2-135M-Instruct', 'hf-lora': 'SmolLM2 + LoRA SFT', 'hf-rl': 'SmolLM2 + LoRA SFT + RL'}
 
 
 def run_speedrun():

@@ -196,7 +196,8 @@ COMMANDS = {'pretrain': '`python train.py`', 'sft': '`python train.py config/sft
             'hf-rl': '`python train_rl.py config/rl_hf.py` (from the hf-lora model)',
             'speedrun': '`python bench/speedrun.py` (pairs, not seeds)'}
 HELDOUT_NAMES = {'pretrain': 'base (pretrained)', 'sft': 'SFT', 'lora': 'LoRA', 'dpo': 'DPO after SFT',
-                 'rl': 'RL after SFT', 'hf-base': 'SmolLM2-135M-Instruct', 'hf-lora': 'SmolLM2 + LoRA SFT', 'hf-rl': 'SmolLM2 + LoRA SFT + RL'}
+                 'rl': 'RL after SFT', 'hf-base': 'SmolLM2-135M-Instruct', 'hf-lora': 'SmolLM2 + LoRA SFT',
+                 'hf-rl': 'SmolLM2 + LoRA SFT + RL'}
 
 
 def run_speedrun():

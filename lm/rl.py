@@ -101,7 +101,8 @@ def completion_batches(sequences, scored, micro_batch_size, pad_id, device='cpu'
         branch = torch.full((len(units), T), -1)  # -1: padding, which no real token attends to
         scored_at = []
         for r, (tokens, pos, br, score) in enumerate(units):
-            x[r, :len(tokens)], positions[r, :len(pos)], branch[r, :len(br)] = (torch.tensor(v) for v in (tokens, pos, br))
+            n = len(tokens)
+            x[r, :n], positions[r, :n], branch[r, :n] = torch.tensor(tokens), torch.tensor(pos), torch.tensor(br)
             scored_at += [(r, col, target, owner) for col, target, owner in score]
         causal = torch.ones(T, T, dtype=torch.bool).tril()
         mask = (((branch[:, None, :] == 0) | (branch[:, None, :] == branch[:, :, None])) & causal)[:, None]

@@ -33,7 +33,8 @@ def test_results_table_is_the_committed_report():
     expected = [(f'{stage}: {figure}', values) for stage, figures in report['figures'].items()
                 for figure, values in figures.items()]
     check_summaries(main[2:], expected, each_column=True)
-    names = {'pretrain': 'base (pretrained)', 'sft': 'SFT', 'lora': 'LoRA', 'dpo': 'DPO after SFT', 'rl': 'RL after SFT',
+    names = {'pretrain': 'base (pretrained)', 'sft': 'SFT', 'lora': 'LoRA', 'dpo': 'DPO after SFT',
+             'rl': 'RL after SFT',
              'hf-base': 'SmolLM2-135M-Instruct', 'hf-lora': 'SmolLM2 + LoRA SFT', 'hf-rl': 'SmolLM2 + LoRA SFT + RL'}
     heldout = rows[len(main):]
     assert heldout[0].startswith('| model | trained by | exact match | BLEU | ROUGE-L |')

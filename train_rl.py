@@ -234,7 +234,8 @@ def rollouts(prompts, n_samples, generator=None):
 def completion_logps(net, batch):
     """Per-token log-probs (N,) of a micro-batch's completion tokens under net, and the logits (N, V) they come
     from, divided by the sampling temperature (the distribution the completions were drawn from)."""
-    logits, _ = net(batch['x'], logits_at=(batch['rows'], batch['cols']))
+    logits, _ = net(batch['x'], logits_at=(batch['rows'], batch['cols']), positions=batch['positions'],
+                    mask=batch['mask'])
     logits = logits.float() / temperature
     return -F.cross_entropy(logits, batch['targets'], reduction='none'), logits
 

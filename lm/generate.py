@@ -69,10 +69,14 @@ def next_logits(model, idx, starts, caches):
 
 
 def keep_rows(caches, keep):
-    """Select the caches' rows by keep, a (B,) bool mask or row indices (a repeat copies a row);
-    the copy costs about what one decode step reads."""
+    """Select the caches' rows by keep, row indices (a repeat copies a row). Only the filled slots
+    are copied, into buffers as long as before: the copy costs about what one decode step reads."""
     for cache in caches:
-        cache.k, cache.v = cache.k[keep], cache.v[keep]
+        for name in ('k', 'v'):
+            old = getattr(cache, name)
+            new = old.new_empty(len(keep), *old.shape[1:])
+            new[:, :, :cache.len] = old[:, :, :cache.len].index_select(0, keep)
+            setattr(cache, name, new)
 
 
 @torch.no_grad()
@@ -102,7 +106,7 @@ def generate_batch(model, prompts, max_new_tokens, temperature=0.0, top_k=None, 
         if step == max_new_tokens - 1 or not running.any():
             break
         if not running.all():
-            keep_rows(caches, running)
+            keep_rows(caches, running.nonzero()[:, 0])
             rows = [row for row, r in zip(rows, running.tolist()) if r]
             token, starts = token[running], starts[running]
         logits = next_logits(model, token, starts, caches)

@@ -7,8 +7,6 @@ without padding. Formulas: docs/rl.md.
 """
 import torch
 
-from lm.chat_data import build_rows
-
 LOSS_TYPES = ('grpo', 'dapo', 'dr_grpo')
 SCALE_REWARDS = ('group', 'batch', 'none')
 STD_EPS = 1e-4  # TRL's: a group of equal rewards has advantage 0, not 0/0
@@ -71,21 +69,47 @@ def token_entropy(logits):
 
 def completion_batches(sequences, scored, micro_batch_size, pad_id, device='cpu'):
     """Rollouts as training micro-batches of micro_batch_size sequences each. sequences: (prompt ids, completion
-    ids) pairs; scored: per sequence, False to leave its completion out of the loss (a masked truncated one).
-    Each micro-batch is a dict: x (B, T) prompt + completion, right-padded with pad_id (causal attention never
-    sees the padding after a token); rows, cols (N,) the positions that predict the N completion tokens scored;
-    targets (N,) those tokens; owners (N,) the sequence (0..B-1) each belongs to; lengths (B,) the tokens scored
-    of each sequence; first: the index of its first sequence in sequences."""
-    inputs, targets = [], []
-    for (prompt, completion), keep in zip(sequences, scored):
-        inputs.append(torch.tensor((prompt + completion)[:-1]))
-        targets.append(torch.tensor(([-100] * len(prompt) + (completion if keep else [-100] * len(completion)))[1:]))
+    ids) pairs, the completions of one prompt consecutive (its G samples); scored: per sequence, False to leave
+    its completion out of the loss (a masked truncated one). In a micro-batch each prompt is laid out once, in
+    a row of its own, followed by its scored completions (each but its last token, which is only a target): a
+    completion attends to the prompt and to itself only and continues the prompt's positions, and the prompt's
+    last position predicts every completion's first token. So each completion token sees exactly what it would
+    in a row of its own while the prompt is computed once for its G completions (train_dpo.py's packed pairs,
+    with G branches). Each micro-batch is a dict: x (R, T) tokens, right-padded with pad_id; positions (R, T)
+    and mask (R, 1, T, T) for the model; rows, cols (N,) the positions that predict the N completion tokens
+    scored; targets (N,) those tokens; owners (N,) the sequence (0..B-1) each belongs to; lengths (B,) the
+    tokens scored of each sequence; first: the index of its first sequence in sequences."""
     batches = []
     for first in range(0, len(sequences), micro_batch_size):
-        x, y, _, seq = build_rows([[i] for i in range(first, min(first + micro_batch_size, len(sequences)))],
-                                  inputs, targets, pad_id, device)
-        rows, cols = (y != -100).nonzero(as_tuple=True)
-        owners = seq[rows, cols] - first
-        batches.append(dict(x=x, rows=rows, cols=cols, targets=y[rows, cols], owners=owners, first=first,
-                            lengths=torch.bincount(owners, minlength=len(x))))
+        rows = []  # per prompt: its tokens, their positions and branches (0: the prompt, k: its k-th completion)
+        scores = []  # per scored token: (row, the column predicting it, the token, its sequence in the micro-batch)
+        for i in range(first, min(first + micro_batch_size, len(sequences))):
+            prompt, completion = sequences[i]
+            if i == first or prompt != sequences[i - 1][0]:
+                rows.append((list(prompt), list(range(len(prompt))), [0] * len(prompt)))
+            tokens, pos, br = rows[-1]
+            if not scored[i] or not completion:
+                continue
+            p, start, k = len(prompt), len(tokens), br[-1] + 1
+            tokens += completion[:-1]
+            pos += range(p, p + len(completion) - 1)
+            br += [k] * (len(completion) - 1)
+            # token t is predicted at the prompt's last position (t = 0), else at the completion's token t - 1
+            scores += [(len(rows) - 1, start + t - 1 if t else p - 1, target, i - first)
+                       for t, target in enumerate(completion)]
+        T = max(len(tokens) for tokens, _, _ in rows)
+        x, positions, branch = (torch.full((len(rows), T), fill) for fill in (pad_id, 0, 0))
+        real = torch.zeros(len(rows), T, dtype=torch.bool)
+        for r, (tokens, pos, br) in enumerate(rows):
+            x[r, :len(tokens)], positions[r, :len(tokens)] = torch.tensor(tokens), torch.tensor(pos)
+            branch[r, :len(tokens)], real[r, :len(tokens)] = torch.tensor(br), True
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        # a query sees the prompt and its own completion; padding sees only padding (never an empty row)
+        mask = (causal & ((branch[:, None, :] == 0) | (branch[:, None, :] == branch[:, :, None]))
+                & (real[:, None, :] == real[:, :, None]))[:, None]
+        row, cols, targets, owners = torch.tensor(scores, dtype=torch.long).view(-1, 4).T
+        n = min(micro_batch_size, len(sequences) - first)
+        tensors = dict(x=x, positions=positions, mask=mask, rows=row, cols=cols, targets=targets, owners=owners,
+                       lengths=torch.bincount(owners, minlength=n))
+        batches.append(dict(zip(tensors, (t.to(device) for t in tensors.values())), first=first))
     return batches

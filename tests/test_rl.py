@@ -15,6 +15,7 @@ from configurator import UserError
 from lm.chat_data import rl_prompt
 from lm.rewards import load_reward, score
 from lm.rl import clipped_token_loss, completion_batches, group_advantages, k3_kl, normalized_loss, token_entropy
+from model import GPT, GPTConfig
 from tasks.number_tasks import final_answer, number_task_reward, prepare_number_tasks
 
 
@@ -450,7 +451,7 @@ def test_masked_truncated_completions_run_and_leave_the_loss_to_the_others(tmp_p
 
 def test_completion_batches_leave_masked_completions_out():
     """Each micro-batch scores the completion tokens only, each predicted from the position before it; a masked
-    completion (scored False) keeps its row but has no scored token; lengths count what is scored."""
+    completion (scored False) is not laid out and has no scored token; lengths count what is scored."""
     sequences = [([1, 2], [3, 4, 0]), ([5], [6]), ([7, 8, 9], [1, 2]), ([4], [5, 6, 7])]
     batches = completion_batches(sequences, [True, False, True, True], 2, pad_id=0)
     assert [b['first'] for b in batches] == [0, 2]
@@ -460,3 +461,28 @@ def test_completion_batches_leave_masked_completions_out():
     assert first['lengths'].tolist() == [3, 0] and first['owners'].tolist() == [0, 0, 0]
     assert second['targets'].tolist() == [1, 2, 5, 6, 7] and second['owners'].tolist() == [0, 0, 1, 1, 1]
     assert second['lengths'].tolist() == [2, 3] and second['rows'].tolist() == [0, 0, 1, 1, 1]
+
+
+@pytest.mark.comparison
+@pytest.mark.parametrize('pos_emb', ['rope', 'learned'])
+def test_completion_batches_share_each_prompt_and_score_what_rows_of_their_own_score(pos_emb):
+    """A prompt's consecutive completions follow one copy of it in one row, each continuing its positions and
+    seeing only the prompt and itself: every completion token's log-prob is what the prompt + completion alone
+    in a row gives (float64: the same sums over the same keys, ~1e-15 apart), and the loss is unchanged."""
+    sequences = [([1, 2, 3], [4, 5, 0]), ([1, 2, 3], [6, 0]), ([1, 2, 3], [7]), ([8, 9], [10, 11, 12, 0])]
+    batch = completion_batches(sequences, [True] * 4, 4, pad_id=0)[0]
+    assert batch['x'].tolist() == [[1, 2, 3, 4, 5, 6], [8, 9, 10, 11, 12, 0]]
+    assert batch['positions'].tolist() == [[0, 1, 2, 3, 4, 3], [0, 1, 2, 3, 4, 0]]
+    assert batch['rows'].tolist() == [0, 0, 0, 0, 0, 0, 1, 1, 1, 1]
+    assert batch['cols'].tolist() == [2, 3, 4, 2, 5, 2, 1, 2, 3, 4]
+    assert batch['owners'].tolist() == [0, 0, 0, 1, 1, 2, 3, 3, 3, 3] and batch['lengths'].tolist() == [3, 2, 1, 4]
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=16, n_layer=2, n_head=2, n_embd=16, pos_emb=pos_emb)).double()
+    logits, _ = model(batch['x'], logits_at=(batch['rows'], batch['cols']), positions=batch['positions'],
+                      mask=batch['mask'])
+    shared = torch.log_softmax(logits, -1).gather(1, batch['targets'][:, None])[:, 0]
+    alone = []
+    for prompt, completion in sequences:
+        full, _ = model(torch.tensor([prompt + completion[:-1]]))
+        alone += torch.log_softmax(full[0, len(prompt) - 1:], -1).gather(1, torch.tensor(completion)[:, None])[:, 0]
+    torch.testing.assert_close(shared, torch.stack(alone), rtol=0, atol=1e-12)

@@ -74,7 +74,7 @@ trl_python = ''              # Python of a separate environment with trl install
 rounds = 3                   # each implementation once per round, alternating which goes first
 steps = 12                   # optimizer steps per timed run
 warmup_steps = 2             # the first steps of a run are start-up, not timed
-threads = 2                  # OMP_NUM_THREADS for both implementations
+threads = 1                  # OMP_NUM_THREADS for both (on a shared machine 2 threads wait at every op's barrier)
 # model: a tiny GPT that export.py writes as Llama
 n_layer = 4
 n_head = 4

@@ -14,7 +14,7 @@ same file in a worker mode (--mode=trl_check | trl_train). One way to make it wi
     python -c "import site; print(site.getsitepackages()[0])" > /work/trlvenv/lib/python3.11/site-packages/shared.pth
     /work/trlvenv/bin/pip install trl
 
-What it does, in one invocation (about 10 minutes on a 2-core CPU):
+What it does, in one invocation (about 15 minutes on the shared 2-core CPU):
 
 1. Data: the embedded number tasks (train_rl.py's default prompts) with a character-level tokenizer made
    from their text (data.prepare, our ChatTokenizer). No prompt is dropped (max_prompt_length is above the
@@ -85,8 +85,8 @@ prompts_per_step = 16        # prompts per step
 num_generations = 8          # G
 max_new_tokens = 32          # TRL's max_completion_length
 max_prompt_length = 64       # above the longest prompt: none is dropped
-temperature = 1.0
-learning_rate = 1e-4
+temperature = 1.0            # sampling temperature (no top-k, no top-p)
+learning_rate = 1e-4         # constant, AdamW
 loss_type = 'dapo'           # the timed runs' (both sides' default)
 check_loss_types = 'dapo,grpo,dr_grpo'  # the loss types whose step-1 losses are compared
 logit_tolerance = 1e-5       # the largest allowed logit difference between our GPT and its Llama export
@@ -504,14 +504,13 @@ def main():
     print("|---|---|---|---|---|---|---|")
     for name, label in (('trl', 'TRL GRPOTrainer'), ('ours', 'train_rl.py')):
         m = median[name]
+        sampling = f"{m['sampling_s']:.3f}" if 'sampling_s' in m else '-'  # timed on TRL's side only
         print(f"| {label} | {m['steps_per_sec']:.3f} | {m['steps_per_sec'] / median['trl']['steps_per_sec']:.2f}x "
-              f"| {m['rollout_s']:.3f} | {m['sampling_s']:.3f} | {m['training_s']:.3f} | {m['mean_length']:.1f} |"
-              if 'sampling_s' in m else
-              f"| {label} | {m['steps_per_sec']:.3f} | {ratio:.2f}x | {m['rollout_s']:.3f} | - "
-              f"| {m['training_s']:.3f} | {m['mean_length']:.1f} |")
+              f"| {m['rollout_s']:.3f} | {sampling} | {m['training_s']:.3f} | {m['mean_length']:.1f} |")
     print("\nsteps/s per round: " + "; ".join(f"{name} {[round(r['steps_per_sec'], 3) for r in rows]}"
                                            for name, rows in per_round.items())
-          + f"; ratio per round {[round(x, 2) for x in round_ratios]}")
+          + f"; ratio per round {[round(x, 2) for x in round_ratios]}, median "
+            f"{statistics.median(round_ratios):.2f}x")
     print(f"\nstep-1 loss on TRL's own rollouts ({prompts_per_step} x {num_generations} completions from the starting "
           f"model), ours computed by lm/rl.py as train_rl.py does:")
     print("| loss_type | TRL loss | our loss | difference | float32 bound | rewards equal | max advantage diff "

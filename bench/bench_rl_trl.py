@@ -133,7 +133,7 @@ def step_prompts(n_prompts):
 
 
 # -----------------------------------------------------------------------------
-# TRL's side: these run in trl_python's environment (torch, and this project's lm/ for the checks, shared)
+# TRL's side: these run in trl_python's environment (torch and this project's lm/ shared with it)
 
 def grpo_config(output_dir, loss, max_steps, logging_steps):
     from trl import GRPOConfig
@@ -201,7 +201,7 @@ def recording_trainer(loss, output_dir, max_steps, logging_steps, record_logps=F
                 with torch.no_grad():
                     logps, _, _ = self._get_per_token_logps_and_entropies(model, ids, mask,
                                                                           inputs['completion_ids'].size(1))
-                # TRL shuffles the batch before training on it: the sequences with their log-probs, in its order
+                # TRL shuffles the batch before training on it: sequences and log-probs, its order
                 self.logps.append(dict(prompt_ids=unpadded(inputs['prompt_ids'], inputs['prompt_mask']),
                                        completion_ids=unpadded(inputs['completion_ids'], inputs['completion_mask']),
                                        logps=unpadded(logps, inputs['completion_mask'])))
@@ -407,7 +407,7 @@ def our_step1(model, tokenizer, theirs, loss):
     value.backward()
     entropy = token_entropy(logits.detach()).mean().item()
     grad_norm = torch.norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None])).item()
-    # each side's rounding: n summed elements (TRL sums the padded (B, C) grid) and the advantage's own
+    # each side's rounding: n summed elements (TRL sums the padded (B, C) grid), the advantages'
     summed = n * max(map(len, completions))
     magnitude = normalized_loss(token_loss.detach().abs(), batch['owners'], batch['lengths'], loss, totals).item()
     bound = 2 * (summed + 2 * num_generations + 8) * U * magnitude
@@ -494,9 +494,9 @@ def main():
     round_ratios = [o['steps_per_sec'] / t['steps_per_sec'] for o, t in zip(per_round['ours'], per_round['trl'])]
 
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"\nCPU, {threads} threads each (OMP_NUM_THREADS), torch {torch.__version__}; {n_params / 1e6:.2f}M-parameter "
-          f"GPT as Llama ({n_layer}x{n_embd}, vocab {model.config.vocab_size}, char-level); {prompts_per_step} prompts "
-          f"x G={num_generations}, max_new_tokens {max_new_tokens}, temperature {temperature}, loss {loss_type}, "
+    print(f"\nCPU, {threads} threads each (OMP_NUM_THREADS), torch {torch.__version__}; "
+          f"{n_params / 1e6:.2f}M-parameter GPT as Llama ({n_layer}x{n_embd}, vocab {model.config.vocab_size}, "
+          f"char-level); {prompts_per_step} prompts x G={num_generations}, max_new_tokens {max_new_tokens}, temperature {temperature}, loss {loss_type}, "
           f"beta 0, one iteration; {steps} steps, the first {warmup_steps} not timed; medians of {rounds} rounds; "
           f"ours: {version}; trl {trl_check['trl']}, transformers {trl_check['transformers']}")
     print("| implementation | steps/s | vs TRL | rollouts s/step | (of which sampling) | training s/step "

@@ -104,8 +104,8 @@ def generate_batch(model, prompts, max_new_tokens, temperature=0.0, top_k=None, 
         running = [row is not None for row in rows]
         if step == max_new_tokens - 1 or not any(running):
             break
-        # finished rows leave (a copy of the caches) once computing them in the steps left would cost more than
-        # one decode step of the whole batch; until then they run on, their tokens thrown away
+        # finished rows leave together (each leaving copies the caches), once computing them in the
+        # steps left would cost more than a decode step of the batch; until then, tokens thrown away
         if running.count(False) * (max_new_tokens - 1 - step) >= len(rows):
             keep = torch.tensor([i for i, r in enumerate(running) if r], device=idx.device)
             keep_rows(caches, keep)

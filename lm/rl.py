@@ -81,8 +81,8 @@ def completion_batches(sequences, scored, micro_batch_size, pad_id, device='cpu'
     tokens scored of each sequence; first: the index of its first sequence in sequences."""
     batches = []
     for first in range(0, len(sequences), micro_batch_size):
-        rows = []  # per prompt: its tokens, their positions and branches (0: the prompt, k: its k-th completion)
-        scores = []  # per scored token: (row, the column predicting it, the token, its sequence in the micro-batch)
+        rows = []  # per prompt: tokens, positions, branches (0: the prompt, k: its k-th completion)
+        scores = []  # per scored token: (row, the column predicting it, the token, its sequence)
         for i in range(first, min(first + micro_batch_size, len(sequences))):
             prompt, completion = sequences[i]
             if i == first or prompt != sequences[i - 1][0]:
@@ -94,7 +94,7 @@ def completion_batches(sequences, scored, micro_batch_size, pad_id, device='cpu'
             tokens += completion[:-1]
             pos += range(p, p + len(completion) - 1)
             br += [k] * (len(completion) - 1)
-            # token t is predicted at the prompt's last position (t = 0), else at the completion's token t - 1
+            # token t is predicted at the prompt's last position (t = 0), else at token t - 1
             scores += [(len(rows) - 1, start + t - 1 if t else p - 1, target, i - first)
                        for t, target in enumerate(completion)]
         T = max(len(tokens) for tokens, _, _ in rows)
@@ -104,7 +104,7 @@ def completion_batches(sequences, scored, micro_batch_size, pad_id, device='cpu'
             x[r, :len(tokens)], positions[r, :len(tokens)] = torch.tensor(tokens), torch.tensor(pos)
             branch[r, :len(tokens)], real[r, :len(tokens)] = torch.tensor(br), True
         causal = torch.ones(T, T, dtype=torch.bool).tril()
-        # a query sees the prompt and its own completion; padding sees only padding (never an empty row)
+        # a query sees the prompt and its own completion; padding only padding (never an empty row)
         mask = (causal & ((branch[:, None, :] == 0) | (branch[:, None, :] == branch[:, :, None]))
                 & (real[:, None, :] == real[:, :, None]))[:, None]
         row, cols, targets, owners = torch.tensor(scores, dtype=torch.long).view(-1, 4).T

@@ -496,9 +496,10 @@ def main():
     n_params = sum(p.numel() for p in model.parameters())
     print(f"\nCPU, {threads} threads each (OMP_NUM_THREADS), torch {torch.__version__}; "
           f"{n_params / 1e6:.2f}M-parameter GPT as Llama ({n_layer}x{n_embd}, vocab {model.config.vocab_size}, "
-          f"char-level); {prompts_per_step} prompts x G={num_generations}, max_new_tokens {max_new_tokens}, temperature {temperature}, loss {loss_type}, "
-          f"beta 0, one iteration; {steps} steps, the first {warmup_steps} not timed; medians of {rounds} rounds; "
-          f"ours: {version}; trl {trl_check['trl']}, transformers {trl_check['transformers']}")
+          f"char-level); {prompts_per_step} prompts x G={num_generations}, max_new_tokens {max_new_tokens}, "
+          f"temperature {temperature}, loss {loss_type}, beta 0, one iteration; {steps} steps, the first "
+          f"{warmup_steps} not timed; medians of {rounds} rounds; ours: {version}; trl {trl_check['trl']}, "
+          f"transformers {trl_check['transformers']}")
     print("| implementation | steps/s | vs TRL | rollouts s/step | (of which sampling) | training s/step "
           "| mean completion length |")
     print("|---|---|---|---|---|---|---|")

@@ -33,7 +33,9 @@ What it does, in one invocation (about 15 minutes on the shared 2-core CPU):
    with the old log-probs detached, normalized_loss) on the same starting weights, and compares. With one
    iteration the ratio is exactly 1, so the loss's value is a function of the advantages and lengths alone
    (-sum A_i |o_i| / T for dapo); the model enters through the gradient, which the grad norm and the
-   per-token log-probs check. Tolerances: rewards equal exactly (integers); the loss within the float32
+   per-token log-probs check. The loss is computed in the rollout order (each prompt shared by its G
+   completions in one row), the log-probs in the order TRL trained in (it shuffles the batch: mostly a row
+   per completion), so both of completion_batches' layouts meet TRL's numbers. Tolerances: rewards equal exactly (integers); the loss within the float32
    bound of the two computations (each side's error at most (n + 2G + 8) u times the sum of |terms| it
    normalises, n the elements summed, u = 2^-24, 2G + 8 for the advantage's mean, std, sqrt and division);
    log-probs within 2 x logit_tolerance (a log-softmax moves at most twice the largest logit difference);

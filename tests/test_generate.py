@@ -55,7 +55,7 @@ def test_each_row_stops_after_its_first_stop_id_and_leaves_the_batch():
     assert len(want[0]) <= 3 and len(want[2]) <= 6 and max(map(len, want)) == 12  # some run on
     seen = count_fed(m)
     assert generate_batch(m, PROMPTS, 12, stop_ids=stops) == want
-    # a row is fed every token but its last; finished rows are no longer computed
+    # a row is fed every token but its last; each stop here is early enough for its row to leave at once
     assert [rows for rows, _ in seen[1:]] == [sum(len(c) > step for c in want) for step in range(1, 12)]
 
 

@@ -6,8 +6,9 @@ Prompts are left-padded to the longest, so every row's last prompt token sits in
 the batch decodes one slot per step. Slot j of row b holds the token at position j - starts[b]
 (starts[b]: row b's padding); RoPE or learned positions see each prompt from position 0, and a mask
 hides the padding. With num_samples = G the prompts are prefilled once and their cache rows copied G
-times. Rows that finish are dropped from the batch (and their cache rows with them), so a long
-completion does not keep finished rows computing.
+times. Rows that finish leave the batch (and their cache rows with them), so a long completion does
+not keep finished rows computing; as leaving copies the caches, they leave together, once computing
+them in the steps left would cost more than a decode step of the whole batch.
 """
 import torch
 
@@ -69,10 +70,10 @@ def next_logits(model, idx, starts, caches):
 
 
 def keep_rows(caches, keep):
-    """Select the caches' rows by keep, a (B,) bool mask or row indices (a repeat copies a row);
-    the copy costs about what one decode step reads."""
+    """Select the caches' rows by keep, row indices (a repeat copies a row); the copy costs about
+    what one decode step reads."""
     for cache in caches:
-        cache.k, cache.v = cache.k[keep], cache.v[keep]
+        cache.k, cache.v = cache.k.index_select(0, keep), cache.v.index_select(0, keep)
 
 
 @torch.no_grad()
@@ -92,18 +93,23 @@ def generate_batch(model, prompts, max_new_tokens, temperature=0.0, top_k=None, 
     logits = next_logits(model, idx, starts, caches).repeat_interleave(num_samples, dim=0)
     starts = starts.repeat_interleave(num_samples)
     keep_rows(caches, torch.arange(len(prompts), device=idx.device).repeat_interleave(num_samples))
-    stops = torch.tensor(list(stop_ids), dtype=torch.long, device=idx.device)
-    rows = list(range(len(completions)))  # the completion each batch row writes to
+    stop_ids = set(stop_ids)
+    rows = list(range(len(completions)))  # the completion each batch row writes to; None once it stopped
     for step in range(max_new_tokens):
         token = sample_next(logits, temperature, top_k, top_p, generator)
-        for row, t in zip(rows, token[:, 0].tolist()):
-            completions[row].append(t)
-        running = ~torch.isin(token[:, 0], stops)
-        if step == max_new_tokens - 1 or not running.any():
+        for i, (row, t) in enumerate(zip(rows, token[:, 0].tolist())):
+            if row is not None:
+                completions[row].append(t)
+                rows[i] = None if t in stop_ids else row
+        running = [row is not None for row in rows]
+        if step == max_new_tokens - 1 or not any(running):
             break
-        if not running.all():
-            keep_rows(caches, running)
-            rows = [row for row, r in zip(rows, running.tolist()) if r]
-            token, starts = token[running], starts[running]
+        # finished rows leave together (each leaving copies the caches), once computing them in the
+        # steps left would cost more than a decode step of the batch; until then, tokens thrown away
+        if running.count(False) * (max_new_tokens - 1 - step) >= len(rows):
+            keep = torch.tensor([i for i, r in enumerate(running) if r], device=idx.device)
+            keep_rows(caches, keep)
+            rows = [row for row in rows if row is not None]
+            token, starts = token[keep], starts[keep]
         logits = next_logits(model, token, starts, caches)
     return completions

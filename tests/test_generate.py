@@ -55,8 +55,21 @@ def test_each_row_stops_after_its_first_stop_id_and_leaves_the_batch():
     assert len(want[0]) <= 3 and len(want[2]) <= 6 and max(map(len, want)) == 12  # some run on
     seen = count_fed(m)
     assert generate_batch(m, PROMPTS, 12, stop_ids=stops) == want
-    # a row is fed every token but its last; finished rows are no longer computed
+    # a row is fed every token but its last; each stop here is early enough for its row to leave at once
     assert [rows for rows, _ in seen[1:]] == [sum(len(c) > step for c in want) for step in range(1, 12)]
+
+
+@pytest.mark.comparison
+def test_a_row_stopping_near_the_end_runs_on_in_the_batch():
+    """Leaving the batch copies the caches: a finished row leaves once computing it in the steps left would cost
+    more than a decode step of the batch. One that stops two steps before the end (2 row-steps < 4 rows) runs
+    on, its tokens thrown away."""
+    m = sharp_model()
+    free = generate_batch(m, PROMPTS, 12)
+    assert [i for i, c in enumerate(free) if 28 in c] == [1] and free[1].index(28) == 9
+    seen = count_fed(m)
+    assert generate_batch(m, PROMPTS, 12, stop_ids=[28]) == [free[0], free[1][:10], free[2], free[3]]
+    assert [rows for rows, _ in seen[1:]] == [4] * 11
 
 
 def test_all_rows_stopping_ends_generation():

@@ -132,23 +132,42 @@ def full_state_dict(state):
     it: every sharded tensor (DTensor) gathered whole, one at a time, onto the CPU of rank 0 (other ranks get
     None in its place, and hold no more than one gathered tensor at once), as get_model_state_dict with
     StateDictOptions(full_state_dict=True, cpu_offload=True) does, but with the optimizer state by parameter
-    position, as optimizer.state_dict() has it; a tensor under two names (tied embeddings) stays one tensor. Plain tensors pass through
-    (detached). Collective under FSDP: every rank must call it."""
+    position, as optimizer.state_dict() has it; a tensor under two names (tied embeddings) stays one tensor.
+    Plain tensors pass through (detached). Collective under FSDP: every rank must call it. (Rank 0 then holds
+    the whole state: run/checkpoint.py's save_gathered writes a checkpoint without ever holding it.)"""
     keep = not dist.is_initialized() or dist.get_rank() == 0
-    gathered = {}  # id -> whole tensor: tied weights are one Parameter, gathered once
 
-    def whole(value):
+    def whole(tensor):
+        if not is_dtensor(tensor):
+            return tensor.detach()
+        gathered = tensor.full_tensor()  # collective
+        return gathered.cpu() if keep else None
+    return map_tensors(state, whole)
+
+
+def map_tensors(state, fn):
+    """state (dicts and lists of tensors and plain values) with each tensor t replaced by fn(t), called once
+    a tensor (one under two names, tied embeddings, stays one) in the order torch.save stores them."""
+    done = {}  # id -> fn(tensor)
+
+    def walk(value):
         if isinstance(value, dict):
-            return {k: whole(v) for k, v in value.items()}
+            return {k: walk(v) for k, v in value.items()}
         if isinstance(value, list):
-            return [whole(v) for v in value]
-        if is_dtensor(value):
-            if id(value) not in gathered:
-                full = value.full_tensor()
-                gathered[id(value)] = full.cpu() if keep else None
-            return gathered[id(value)]
-        return value.detach() if isinstance(value, torch.Tensor) else value
-    return whole(state)
+            return [walk(v) for v in value]
+        if isinstance(value, torch.Tensor):
+            if id(value) not in done:
+                done[id(value)] = fn(value)
+            return done[id(value)]
+        return value
+    return walk(state)
+
+
+def tensors_in(state):
+    """The tensors of state, each once, in the order torch.save stores them (map_tensors')."""
+    found = []
+    map_tensors(state, found.append)
+    return found
 
 
 def model_state_dict(model):

@@ -177,14 +177,18 @@ def model_state_dict(model):
 
 def shard_optimizer_state(optimizer, state):
     """A saved (whole) optimizer state_dict cut to this rank's shards of the optimizer's parameters, for
-    optimizer.load_state_dict; unchanged when they are not sharded."""
+    optimizer.load_state_dict; unchanged when they are not sharded. Nothing returned is a view of state's
+    tensors: one of a memory-mapped checkpoint (AdamW's step, kept as it is) would keep the whole file
+    mapped, and every page a rank read of it resident, for the rest of the run."""
     params = [p for group in optimizer.param_groups for p in group['params']]
 
     def shard_like(value, param):
-        if is_dtensor(param) and isinstance(value, torch.Tensor) and value.shape == param.shape:
+        if not (is_dtensor(param) and isinstance(value, torch.Tensor)):
+            return value
+        if value.shape == param.shape:
             from torch.distributed.tensor import distribute_tensor
             return distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
-        return value
+        return value.clone()
     return dict(state, state={i: {k: shard_like(v, params[i]) for k, v in per_param.items()}
                               for i, per_param in state['state'].items()})
 

@@ -19,8 +19,8 @@ from conftest import (HF_TINY, REFERENCE, TINY, TRAIN_METRICS, assert_user_error
                       kill_and_relaunch, load, logged, parameter_bytes, reference_logps_under_bf16_autocast, run,
                       sft_args, torchrun, train, train_metrics)
 from model import GPT, GPTConfig
-from run.fsdp import (check_parallel, full_state_dict, model_state_dict, same_init_on_every_rank, shard_model,
-                      tensors_in)
+from run.fsdp import (check_parallel, full_state_dict, is_dtensor, model_state_dict, same_init_on_every_rank,
+                      shard_model, shard_optimizer_state, tensors_in)
 from safetensors.torch import load_file, save_file
 from run.sharded_checkpoint import read_shards, unreadable
 from run.starting_model import build_model, frozen_model
@@ -132,7 +132,8 @@ def test_a_new_fsdp_model_is_never_whole_on_a_rank_and_is_one_processs_model(tmp
 
 def save_a_sharded_model_to_one_file(rank, world_size, folder):
     """One rank of a tied FSDP model after an AdamW step, saved to one file (write_checkpoint) while counting
-    the bytes of gathered (full_tensor) tensors alive at once; rank 0 also saves full_state_dict's copy."""
+    the bytes of gathered (full_tensor) tensors alive at once; rank 0 also saves full_state_dict's copy. Then
+    the optimizer state read back as a resumed run reads it, counting its views of the memory-mapped file."""
     dist.init_process_group('gloo', init_method=f'file://{folder / "store"}', rank=rank, world_size=world_size)
     try:
         with same_init_on_every_rank(0, enabled=True):
@@ -159,7 +160,13 @@ def save_a_sharded_model_to_one_file(rank, world_size, folder):
         if rank == 0:
             torch.save(whole, folder / 'reference.pt')
         sizes = [t.nbytes for t in tensors_in(whole) if rank == 0]
-        torch.save(dict(peak=peak[0], sizes=sizes), folder / f'rank{rank}.pt')
+        # resuming: the optimizer state cut to this rank's shards holds no view of the memory-mapped file
+        ckpt = load_checkpoint(str(folder / 'ckpt.pt'))
+        mapped = [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in tensors_in(ckpt)]
+        start, end = min(p for p, _ in mapped), max(p + n for p, n in mapped)
+        resumed = tensors_in(shard_optimizer_state(optimizer, ckpt['optimizer']))
+        views = sum(start <= (t.to_local() if is_dtensor(t) else t).data_ptr() < end for t in resumed)
+        torch.save(dict(peak=peak[0], sizes=sizes, views=views), folder / f'rank{rank}.pt')
     finally:
         dist.destroy_process_group()
 
@@ -170,12 +177,14 @@ def test_a_one_file_fsdp_save_never_holds_the_whole_state_and_writes_what_torch_
     """Saved to one file under FSDP, the gathered state is never whole on any rank: at most one gathered tensor
     alive at once (rank 0 writes each into the file before the next is gathered); the file is read by
     load_checkpoint and holds what torch.save of the whole state (full_state_dict, gathered by the same
-    processes) holds, tensor for tensor, the tied embedding stored once, every zip checksum right."""
+    processes) holds, tensor for tensor, the tied embedding stored once, every zip checksum right. Read back
+    into the shards, the optimizer state keeps no view of the file (which would keep it mapped all run)."""
     mp.spawn(save_a_sharded_model_to_one_file, args=(2, tmp_path), nprocs=2)
     ranks = [torch.load(tmp_path / f'rank{r}.pt', weights_only=True) for r in range(2)]
     sizes = ranks[0]['sizes']
     assert max(sizes) < sum(sizes) / 4  # the test tells one tensor from the whole state
     assert all(0 < r['peak'] <= max(sizes) for r in ranks), [r['peak'] for r in ranks]
+    assert [r['views'] for r in ranks] == [0, 0]
     saved, expected = load_checkpoint(str(tmp_path / 'ckpt.pt')), load(tmp_path / 'reference.pt')
 
     def assert_same(a, b):

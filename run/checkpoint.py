@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from configurator import UserError
-from run.fsdp import is_dtensor, map_tensors, shard_optimizer_state, tensors_in
+from run.fsdp import is_dtensor, map_tensors, pieces_on_rank0, shard_optimizer_state, tensors_in
 from run.runtime import log
 
 # one file, or a folder of every rank's shards (run/sharded_checkpoint.py)
@@ -104,9 +104,9 @@ def save_gathered(path, state, master):
     torch.save(full_state_dict(state)) writes, without any rank holding it whole. Rank 0 first writes the
     file's structure with a gap where each tensor's bytes go (torch.save under skip_data, of placeholders of
     the right shapes and dtypes that hold no memory) and reads back where each gap starts (the file loaded
-    on the meta device); then each tensor in turn is gathered whole, all ranks together, and rank 0 writes
-    it into its gap from its CPU. Beyond their shards, rank 0 holds one tensor whole at a time, the others
-    one gathered tensor at most. Collective: every rank must call it."""
+    on the meta device); then each tensor in turn comes to rank 0's CPU a shard at a time
+    (fsdp.pieces_on_rank0), which rank 0 writes into its gap. Beyond their shards, rank 0 holds one shard of
+    one tensor at a time, the other ranks nothing. Collective: every rank must call it."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     tensors = tensors_in(state)
     with (atomic_file(path) if master else nullcontext()) as f:
@@ -120,20 +120,21 @@ def save_gathered(path, state, master):
                     for t in tensors_in(torch.load(f, map_location='meta', weights_only=True))]
         checksums = {}  # a gap's offset -> the CRC-32 of the bytes written there
         for i, tensor in enumerate(tensors):
-            whole = tensor.full_tensor() if is_dtensor(tensor) else tensor  # collective
-            if master:
-                checksums[gaps[i]] = write_bytes(f, gaps[i], whole)
-            del whole  # before the next is gathered
+            for start, piece in pieces_on_rank0(tensor):  # collective
+                if master:
+                    checksums[gaps[i]] = write_bytes(f, gaps[i] + start, piece, checksums.get(gaps[i], 0))
+                del piece  # before the next comes
         if master:
             write_checksums(f, checksums)
 
 
-def write_bytes(f, offset, tensor):
-    """Write tensor's bytes (of any dtype) into f at offset, from the CPU; returns their CRC-32."""
-    data = tensor.cpu().contiguous().view(-1).view(torch.uint8).numpy()
+def write_bytes(f, offset, tensor, crc):
+    """Write tensor's bytes (of any dtype, on the CPU) into f at offset; returns crc, a CRC-32, carried over
+    them."""
+    data = tensor.contiguous().view(-1).view(torch.uint8).numpy()
     f.seek(offset)
     f.write(data)
-    return zlib.crc32(data)
+    return zlib.crc32(data, crc)
 
 
 def write_checksums(f, checksums):

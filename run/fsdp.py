@@ -12,6 +12,7 @@ this rank's shards, so a ckpt.pt moves freely between one process, DDP and FSDP 
 torch.distributed.fsdp and DTensor are imported only by shard_model: importing them takes 0.4 s (sympy and
 more), which every launch of every script would pay; no model is sharded and no tensor is a DTensor before.
 """
+import math
 import sys
 from contextlib import contextmanager
 
@@ -168,6 +169,38 @@ def tensors_in(state):
     found = []
     map_tensors(state, found.append)
     return found
+
+
+@torch.no_grad()
+def pieces_on_rank0(tensor):
+    """tensor whole on rank 0's CPU, in pieces: (byte offset in the tensor, piece) in order, each piece let go
+    before the next comes; the other ranks get (offset, None). A tensor FSDP sharded (along dim 0, into
+    torch.chunk's pieces, one a rank) comes a rank's shard at a time, sent to rank 0 alone: no rank ever holds
+    it whole. Collective: every rank must take every piece."""
+    if not is_dtensor(tensor):
+        yield 0, tensor.detach()
+        return
+    from torch.distributed.tensor import Shard
+    mesh = tensor.device_mesh
+    rank = mesh.get_local_rank()
+    if tensor.placements != (Shard(0),):  # not fully_shard's layout: gathered whole, on every rank
+        whole = tensor.full_tensor()
+        yield 0, whole.cpu() if rank == 0 else None
+        return
+    local = tensor.to_local().to(mesh.device_type).contiguous()  # (CPU offload keeps it on the CPU)
+    rows = [len(c) for c in torch.empty(tensor.shape[0], device='meta').chunk(mesh.size())]
+    offset, row_bytes = 0, math.prod(tensor.shape[1:]) * tensor.element_size()
+    for source, n in enumerate(rows):  # a rank past the pieces (a tensor of fewer rows than ranks) holds none
+        piece = None
+        if rank == 0:
+            piece = local if source == 0 else local.new_empty((n, *tensor.shape[1:]))
+            if source != 0:
+                dist.recv(piece, group_src=source, group=mesh.get_group())
+            piece = piece.cpu()
+        elif rank == source:
+            dist.send(local, group_dst=0, group=mesh.get_group())
+        yield offset, piece
+        offset += n * row_bytes
 
 
 def model_state_dict(model):

@@ -4,8 +4,9 @@ over the ranks of a torchrun job (parallel='fsdp'), for models that DDP, which g
 them, cannot hold. Each transformer block is one shard group, the rest (embeddings, final norm, head)
 another: a block's weights are gathered whole just before it runs and freed after.
 
-Checkpoints stay the same file whoever writes them: full_state_dict gathers the sharded tensors onto rank
-0 as an unsharded run's state_dict() holds them, and shard_optimizer_state cuts a saved optimizer state to
+Checkpoints stay the same file whoever writes them: pieces_on_rank0 brings each sharded tensor to rank 0 a
+shard at a time, which run/checkpoint.py's save_gathered writes into the file an unsharded run's torch.save
+writes (full_state_dict gathers the same, whole), and shard_optimizer_state cuts a saved optimizer state to
 this rank's shards, so a ckpt.pt moves freely between one process, DDP and FSDP and across world sizes.
 (checkpoint_format='sharded' has every rank write its own shards instead: run/sharded_checkpoint.py.)
 

@@ -42,7 +42,7 @@ vocab_size = 16384
 block_size = 128             # the training step's batch: 2 windows of block_size tokens
 ranks = 2
 case = ''                    # '' runs every case in its own job; 'single' | 'file' | 'sharded': one job's side
-trim = False                 # before each phase, malloc_trim: glibc keeps ~250 MB of what a training step frees
+trim = False                 # malloc_trim before each phase (glibc keeps ~250 MB a step freed)
 # -----------------------------------------------------------------------------
 config = configure(globals())
 check_values(config, [(at_least(1), ('n_layer', 'n_head', 'n_embd', 'vocab_size', 'block_size', 'ranks'))])

@@ -142,13 +142,13 @@ def write_checksums(f, checksums):
     checksums ({offset: CRC-32}), where torch.save's writer records it: in the central directory and in the
     data descriptor that follows the record's data (written under skip_data, they are a gap's)."""
     archive = zipfile.ZipFile(f)
-    entry = archive.start_dir  # the central directory: one entry a record, in infolist's order
+    entry = archive.start_dir  # the central directory: an entry a record, in infolist's order
     for info in archive.infolist():
         f.seek(info.header_offset + 26)
         name_length, extra_length = struct.unpack('<HH', f.read(4))
-        start = info.header_offset + 30 + name_length + extra_length  # the local header's fixed 30 bytes
+        start = info.header_offset + 30 + name_length + extra_length  # past the local header
         f.seek(entry + 28)
-        entry_length = 46 + sum(struct.unpack('<HHH', f.read(6)))  # with its name, extra field and comment
+        entry_length = 46 + sum(struct.unpack('<HHH', f.read(6)))  # + name, extra field, comment
         if start in checksums:
             crc = struct.pack('<I', checksums[start])
             f.seek(start + info.compress_size)

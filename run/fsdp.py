@@ -188,10 +188,11 @@ def pieces_on_rank0(tensor):
         whole = tensor.full_tensor()
         yield 0, whole.cpu() if rank == 0 else None
         return
-    local = tensor.to_local().to(mesh.device_type).contiguous()  # (CPU offload keeps it on the CPU)
+    # sent from the mesh's device (NCCL's are GPU tensors; CPU offload keeps shards on the CPU)
+    local = tensor.to_local().to(mesh.device_type).contiguous()
     rows = [len(c) for c in torch.empty(tensor.shape[0], device='meta').chunk(mesh.size())]
     offset, row_bytes = 0, math.prod(tensor.shape[1:]) * tensor.element_size()
-    for source, n in enumerate(rows):  # a rank past the pieces (a tensor of fewer rows than ranks) holds none
+    for source, n in enumerate(rows):  # (a rank past them, of a tensor with fewer rows, holds none)
         piece = None
         if rank == 0:
             piece = local if source == 0 else local.new_empty((n, *tensor.shape[1:]))

@@ -132,8 +132,9 @@ def test_a_new_fsdp_model_is_never_whole_on_a_rank_and_is_one_processs_model(tmp
 
 def save_a_sharded_model_to_one_file(rank, world_size, folder):
     """One rank of a tied FSDP model after an AdamW step, saved to one file (write_checkpoint) while counting
-    the bytes of gathered tensors (full_tensor's, or shards received) alive at once; rank 0 also saves full_state_dict's copy. Then
-    the optimizer state read back as a resumed run reads it, counting its views of the memory-mapped file."""
+    the bytes of gathered tensors (full_tensor's, or shards received) alive at once; rank 0 also saves
+    full_state_dict's copy. Then the optimizer state read back as a resumed run reads it, counting its views
+    of the memory-mapped file."""
     dist.init_process_group('gloo', init_method=f'file://{folder / "store"}', rank=rank, world_size=world_size)
     try:
         with same_init_on_every_rank(0, enabled=True):
@@ -159,8 +160,8 @@ def save_a_sharded_model_to_one_file(rank, world_size, folder):
         whole = full_state_dict(state)
         if rank == 0:
             torch.save(whole, folder / 'reference.pt')
-        sizes = [t.nbytes for t in tensors_in(whole) if rank == 0]
-        # resuming: the optimizer state cut to this rank's shards holds no view of the memory-mapped file
+        sizes = [t.nbytes for t in tensors_in(whole)]  # (none on rank 1: full_state_dict keeps them on rank 0)
+        # resuming: the optimizer state cut to this rank's shards holds no view of the mapped file
         ckpt = load_checkpoint(str(folder / 'ckpt.pt'))
         mapped = [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in tensors_in(ckpt)]
         start, end = min(p for p, _ in mapped), max(p + n for p, n in mapped)
@@ -175,11 +176,11 @@ def save_a_sharded_model_to_one_file(rank, world_size, folder):
 @pytest.mark.comparison
 def test_a_one_file_fsdp_save_never_holds_the_whole_state_and_writes_what_torch_save_writes(tmp_path):
     """Saved to one file under FSDP, the gathered state is never whole on any rank: rank 0 receives one shard
-    of one tensor at a time (at most half the largest tensor on 2 ranks) and writes it into the file before the
-    next, the other rank receives nothing; the file is read by
-    load_checkpoint and holds what torch.save of the whole state (full_state_dict, gathered by the same
-    processes) holds, tensor for tensor, the tied embedding stored once, every zip checksum right. Read back
-    into the shards, the optimizer state keeps no view of the file (which would keep it mapped all run)."""
+    of one tensor at a time (at most half the largest tensor on 2 ranks) and writes it into the file before
+    the next, the other rank receives nothing. The file is read by load_checkpoint and holds what torch.save
+    of the whole state (full_state_dict, gathered by the same processes) holds, tensor for tensor, the tied
+    embedding stored once, every zip checksum right. Read back into the shards, the optimizer state keeps no
+    view of the file (which would keep it mapped all run)."""
     mp.spawn(save_a_sharded_model_to_one_file, args=(2, tmp_path), nprocs=2)
     ranks = [torch.load(tmp_path / f'rank{r}.pt', weights_only=True) for r in range(2)]
     sizes = ranks[0]['sizes']

@@ -2,15 +2,18 @@
 What a new model costs each process's memory under FSDP against one process holding it whole: a GPT started
 from scratch as train.py starts it (one process: drawn whole; FSDP: built on the meta device, sharded, each rank
 drawing its shards), one AdamW training step, then a checkpoint saved (run/checkpoint.py's write_checkpoint:
-'file' gathers the weights and AdamW state onto rank 0's CPU, 'sharded' has each rank write its own). Per
-process and phase: the peak resident memory (VmHWM, reset before each phase through /proc/self/clear_refs), in
-all and above the process's memory before the model (PyTorch's own, ~300 MB). Each case is a fresh job.
+'file' gathers the weights and AdamW state one tensor at a time, rank 0 writing each into one file, 'sharded'
+has each rank write its own). Per process and phase: the peak resident memory (VmHWM, reset before each phase
+through /proc/self/clear_refs; with --trim=True after glibc's malloc_trim, as the step leaves ~250 MB of freed
+memory with the allocator, in one process and in each rank alike), in all and above the process's memory before
+the model (PyTorch's own, ~300 MB). Each case is a fresh job.
 
-    nice python bench/bench_fsdp_memory.py          # CPU, gloo, 2 ranks; ~2 minutes
+    nice python bench/bench_fsdp_memory.py          # CPU, gloo, 2 ranks; ~2 minutes (Linux, glibc)
 
-Writes results/fsdp_memory.json.
+Writes results/fsdp_memory.json (with --trim=True, results/fsdp_memory_trim.json).
 """
 
+import ctypes
 import json
 import os
 import shutil
@@ -39,6 +42,7 @@ vocab_size = 16384
 block_size = 128             # the training step's batch: 2 windows of block_size tokens
 ranks = 2
 case = ''                    # '' runs every case in its own job; 'single' | 'file' | 'sharded': one job's side
+trim = False                 # malloc_trim before each phase (glibc keeps ~250 MB a step freed)
 # -----------------------------------------------------------------------------
 config = configure(globals())
 check_values(config, [(at_least(1), ('n_layer', 'n_head', 'n_embd', 'vocab_size', 'block_size', 'ranks'))])
@@ -53,7 +57,10 @@ def status(key):
 
 
 def peak_of(work):
-    """work()'s result and the peak resident bytes while it ran (VmHWM, reset first)."""
+    """work()'s result and the peak resident bytes while it ran (VmHWM, reset first; with trim, after glibc
+    has given back the memory it kept of what the last phase freed)."""
+    if trim:
+        ctypes.CDLL(None).malloc_trim(0)
     with open('/proc/self/clear_refs', 'w') as f:
         f.write('5')  # VmHWM := VmRSS
     result = work()
@@ -85,7 +92,7 @@ if not case:
             cells = [cell(phases, single['ranks'][0], p) for p in ('start-up', 'step', 'save')]
             print(f"{CASES[name]:34s} {r:4d} {cells[0]:>26s} {cells[1]:>26s} {cells[2]:>26s}")
     os.makedirs(os.path.join(os.path.dirname(__file__), 'results'), exist_ok=True)
-    with open(os.path.join(os.path.dirname(__file__), 'results', 'fsdp_memory.json'), 'w') as f:
+    with open(os.path.join(os.path.dirname(__file__), 'results', f"fsdp_memory{'_trim' * trim}.json"), 'w') as f:
         json.dump(results, f, indent=1)
     sys.exit(0)
 

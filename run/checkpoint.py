@@ -22,15 +22,18 @@ import os
 import pickle
 import random
 import shutil
+import struct
 import tempfile
 import zipfile
+import zlib
+from contextlib import contextmanager, nullcontext
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from configurator import UserError
-from run.fsdp import full_state_dict, shard_optimizer_state
+from run.fsdp import is_dtensor, map_tensors, pieces_on_rank0, shard_optimizer_state, tensors_in
 from run.runtime import log
 
 # one file, or a folder of every rank's shards (run/sharded_checkpoint.py)
@@ -38,12 +41,20 @@ CHECKPOINT_FORMATS = ('file', 'sharded')
 
 
 def save_checkpoint(path, state):
+    with atomic_file(path) as f:
+        torch.save(state, f)
+
+
+@contextmanager
+def atomic_file(path):
+    """A file opened for writing, written to a temp file in path's folder, fsynced and renamed over path
+    when the block ends: a crash or error mid-write leaves the previous file intact."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     fd, tmp_path = tempfile.mkstemp(dir=folder, prefix=os.path.basename(path) + ".", suffix=".tmp")
     try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
+        with os.fdopen(fd, "w+b") as f:
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp_path, 0o644)  # mkstemp creates 0600; a checkpoint is an ordinary readable file
@@ -69,20 +80,84 @@ def save_checkpoint(path, state):
 
 def write_checkpoint(path, state, sharded, master):
     """Write a training script's checkpoint, state, whose model and optimizer state dicts are as the run holds
-    them (sharded under FSDP): one file, every sharded tensor gathered whole onto rank 0 (full_state_dict), or
-    with sharded a folder of every rank's shards that the file names (run/sharded_checkpoint.py). Shard folders of
-    earlier saves are removed once path is written. Collective under DDP and FSDP: every rank must call it."""
+    them (sharded under FSDP): one file, every sharded tensor gathered whole onto rank 0 one at a time
+    (save_gathered), or with sharded a folder of every rank's shards that the file names
+    (run/sharded_checkpoint.py). Shard folders of earlier saves are removed once path is written. Collective
+    under DDP and FSDP: every rank must call it."""
     if sharded:
         # imports torch.distributed.checkpoint (0.2 s): only if used
         from run.sharded_checkpoint import write_shards
         state = write_shards(path, state)
-    else:
-        state = full_state_dict(state)
+    if not sharded and any(is_dtensor(t) for t in tensors_in(state)):
+        save_gathered(path, state, master)
+    elif master:
+        save_checkpoint(path, map_tensors(state, torch.Tensor.detach))
     if master:
-        save_checkpoint(path, state)
         for folder in shard_folders(path):
             if os.path.basename(folder) != state.get('shards'):
                 shutil.rmtree(folder, ignore_errors=True)
+
+
+@torch.no_grad()
+def save_gathered(path, state, master):
+    """Save state, whose sharded tensors (FSDP's DTensors) each rank holds its shards of, as the one file
+    torch.save(full_state_dict(state)) writes, without any rank holding it whole. Rank 0 first writes the
+    file's structure with a gap where each tensor's bytes go (torch.save under skip_data, of placeholders of
+    the right shapes and dtypes that hold no memory) and reads back where each gap starts (the file loaded
+    on the meta device); then each tensor in turn comes to rank 0's CPU a shard at a time
+    (fsdp.pieces_on_rank0), which rank 0 writes into its gap. Beyond their shards, rank 0 holds one shard of
+    one tensor at a time, the other ranks nothing. Collective: every rank must call it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    tensors = tensors_in(state)
+    with (atomic_file(path) if master else nullcontext()) as f:
+        if master:
+            with FakeTensorMode():
+                structure = map_tensors(state, lambda t: torch.empty(t.shape, dtype=t.dtype))
+            with torch.serialization.skip_data(materialize_fake_tensors=True):
+                torch.save(structure, f)
+            f.seek(0)
+            gaps = [t.untyped_storage()._checkpoint_offset
+                    for t in tensors_in(torch.load(f, map_location='meta', weights_only=True))]
+        checksums = {}  # a gap's offset -> the CRC-32 of the bytes written there
+        for i, tensor in enumerate(tensors):
+            for start, piece in pieces_on_rank0(tensor):  # collective
+                if master:
+                    checksums[gaps[i]] = write_bytes(f, gaps[i] + start, piece, checksums.get(gaps[i], 0))
+                del piece  # before the next comes
+        if master:
+            write_checksums(f, checksums)
+
+
+def write_bytes(f, offset, tensor, crc):
+    """Write tensor's bytes (of any dtype, on the CPU) into f at offset; returns crc, a CRC-32, carried over
+    them."""
+    data = tensor.contiguous().view(-1).view(torch.uint8).numpy()
+    f.seek(offset)
+    f.write(data)
+    return zlib.crc32(data, crc)
+
+
+def write_checksums(f, checksums):
+    """Write into the zip file f (a torch.save) the CRC-32 of each record whose data starts at an offset in
+    checksums ({offset: CRC-32}), where torch.save's writer records it: in the central directory and in the
+    data descriptor that follows the record's data (written under skip_data, they are a gap's)."""
+    archive = zipfile.ZipFile(f)
+    entry = archive.start_dir  # the central directory: an entry a record, in infolist's order
+    for info in archive.infolist():
+        f.seek(info.header_offset + 26)
+        name_length, extra_length = struct.unpack('<HH', f.read(4))
+        start = info.header_offset + 30 + name_length + extra_length  # past the local header
+        f.seek(entry + 28)
+        entry_length = 46 + sum(struct.unpack('<HHH', f.read(6)))  # + name, extra field, comment
+        if start in checksums:
+            crc = struct.pack('<I', checksums[start])
+            f.seek(start + info.compress_size)
+            if f.read(4) != b'PK\x07\x08':
+                raise RuntimeError(f"{info.filename}: no data descriptor after its data (torch.save's zip changed?)")
+            f.write(crc)
+            f.seek(entry + 16)
+            f.write(crc)
+        entry += entry_length
 
 
 def shard_folders(path):

@@ -4,14 +4,16 @@ over the ranks of a torchrun job (parallel='fsdp'), for models that DDP, which g
 them, cannot hold. Each transformer block is one shard group, the rest (embeddings, final norm, head)
 another: a block's weights are gathered whole just before it runs and freed after.
 
-Checkpoints stay the same file whoever writes them: full_state_dict gathers the sharded tensors onto rank
-0 as an unsharded run's state_dict() holds them, and shard_optimizer_state cuts a saved optimizer state to
+Checkpoints stay the same file whoever writes them: pieces_on_rank0 brings each sharded tensor to rank 0 a
+shard at a time, which run/checkpoint.py's save_gathered writes into the file an unsharded run's torch.save
+writes (full_state_dict gathers the same, whole), and shard_optimizer_state cuts a saved optimizer state to
 this rank's shards, so a ckpt.pt moves freely between one process, DDP and FSDP and across world sizes.
 (checkpoint_format='sharded' has every rank write its own shards instead: run/sharded_checkpoint.py.)
 
 torch.distributed.fsdp and DTensor are imported only by shard_model: importing them takes 0.4 s (sympy and
 more), which every launch of every script would pay; no model is sharded and no tensor is a DTensor before.
 """
+import math
 import sys
 from contextlib import contextmanager
 
@@ -132,23 +134,75 @@ def full_state_dict(state):
     it: every sharded tensor (DTensor) gathered whole, one at a time, onto the CPU of rank 0 (other ranks get
     None in its place, and hold no more than one gathered tensor at once), as get_model_state_dict with
     StateDictOptions(full_state_dict=True, cpu_offload=True) does, but with the optimizer state by parameter
-    position, as optimizer.state_dict() has it; a tensor under two names (tied embeddings) stays one tensor. Plain tensors pass through
-    (detached). Collective under FSDP: every rank must call it."""
+    position, as optimizer.state_dict() has it; a tensor under two names (tied embeddings) stays one tensor.
+    Plain tensors pass through (detached). Collective under FSDP: every rank must call it. (Rank 0 then holds
+    the whole state: run/checkpoint.py's save_gathered writes a checkpoint without ever holding it.)"""
     keep = not dist.is_initialized() or dist.get_rank() == 0
-    gathered = {}  # id -> whole tensor: tied weights are one Parameter, gathered once
 
-    def whole(value):
+    def whole(tensor):
+        if not is_dtensor(tensor):
+            return tensor.detach()
+        gathered = tensor.full_tensor()  # collective
+        return gathered.cpu() if keep else None
+    return map_tensors(state, whole)
+
+
+def map_tensors(state, fn):
+    """state (dicts and lists of tensors and plain values) with each tensor t replaced by fn(t), called once
+    a tensor (one under two names, tied embeddings, stays one) in the order torch.save stores them."""
+    done = {}  # id -> fn(tensor)
+
+    def walk(value):
         if isinstance(value, dict):
-            return {k: whole(v) for k, v in value.items()}
+            return {k: walk(v) for k, v in value.items()}
         if isinstance(value, list):
-            return [whole(v) for v in value]
-        if is_dtensor(value):
-            if id(value) not in gathered:
-                full = value.full_tensor()
-                gathered[id(value)] = full.cpu() if keep else None
-            return gathered[id(value)]
-        return value.detach() if isinstance(value, torch.Tensor) else value
-    return whole(state)
+            return [walk(v) for v in value]
+        if isinstance(value, torch.Tensor):
+            if id(value) not in done:
+                done[id(value)] = fn(value)
+            return done[id(value)]
+        return value
+    return walk(state)
+
+
+def tensors_in(state):
+    """The tensors of state, each once, in the order torch.save stores them (map_tensors')."""
+    found = []
+    map_tensors(state, found.append)
+    return found
+
+
+@torch.no_grad()
+def pieces_on_rank0(tensor):
+    """tensor whole on rank 0's CPU, in pieces: (byte offset in the tensor, piece) in order, each piece let go
+    before the next comes; the other ranks get (offset, None). A tensor FSDP sharded (along dim 0, into
+    torch.chunk's pieces, one a rank) comes a rank's shard at a time, sent to rank 0 alone: no rank ever holds
+    it whole. Collective: every rank must take every piece."""
+    if not is_dtensor(tensor):
+        yield 0, tensor.detach()
+        return
+    from torch.distributed.tensor import Shard
+    mesh = tensor.device_mesh
+    rank = mesh.get_local_rank()
+    if tensor.placements != (Shard(0),):  # not fully_shard's layout: gathered whole, on every rank
+        whole = tensor.full_tensor()
+        yield 0, whole.cpu() if rank == 0 else None
+        return
+    # sent from the mesh's device (NCCL's are GPU tensors; CPU offload keeps shards on the CPU)
+    local = tensor.to_local().to(mesh.device_type).contiguous()
+    rows = [len(c) for c in torch.empty(tensor.shape[0], device='meta').chunk(mesh.size())]
+    offset, row_bytes = 0, math.prod(tensor.shape[1:]) * tensor.element_size()
+    for source, n in enumerate(rows):  # (a rank past them, of a tensor with fewer rows, holds none)
+        piece = None
+        if rank == 0:
+            piece = local if source == 0 else local.new_empty((n, *tensor.shape[1:]))
+            if source != 0:
+                dist.recv(piece, group_src=source, group=mesh.get_group())
+            piece = piece.cpu()
+        elif rank == source:
+            dist.send(local, group_dst=0, group=mesh.get_group())
+        yield offset, piece
+        offset += n * row_bytes
 
 
 def model_state_dict(model):
@@ -158,14 +212,18 @@ def model_state_dict(model):
 
 def shard_optimizer_state(optimizer, state):
     """A saved (whole) optimizer state_dict cut to this rank's shards of the optimizer's parameters, for
-    optimizer.load_state_dict; unchanged when they are not sharded."""
+    optimizer.load_state_dict; unchanged when they are not sharded. Nothing returned is a view of state's
+    tensors: one of a memory-mapped checkpoint (AdamW's step, kept as it is) would keep the whole file
+    mapped, and every page a rank read of it resident, for the rest of the run."""
     params = [p for group in optimizer.param_groups for p in group['params']]
 
     def shard_like(value, param):
-        if is_dtensor(param) and isinstance(value, torch.Tensor) and value.shape == param.shape:
+        if not (is_dtensor(param) and isinstance(value, torch.Tensor)):
+            return value
+        if value.shape == param.shape:
             from torch.distributed.tensor import distribute_tensor
             return distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
-        return value
+        return value.clone()
     return dict(state, state={i: {k: shard_like(v, params[i]) for k, v in per_param.items()}
                               for i, per_param in state['state'].items()})
 

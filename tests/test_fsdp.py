@@ -1,21 +1,26 @@
 """parallel='fsdp' (run/fsdp.py) on CPU with gloo, 2 ranks: the same losses as one process with the same global
 batch, bit-exact resume, and one checkpoint format that one process, DDP and FSDP all continue from."""
+import dataclasses
 import math
 import shutil
+import weakref
+import zipfile
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.tensor import DTensor
 
 from configurator import UserError
-from run.checkpoint import load_checkpoint, write_checkpoint
+from run.checkpoint import all_rng_states, load_checkpoint, write_checkpoint
 from conftest import (HF_TINY, REFERENCE, TINY, TRAIN_METRICS, assert_user_error, dpo, evals, hf_fixture,
                       kill_and_relaunch, load, logged, parameter_bytes, reference_logps_under_bf16_autocast, run,
                       sft_args, torchrun, train, train_metrics)
 from model import GPT, GPTConfig
-from run.fsdp import check_parallel, full_state_dict, model_state_dict, same_init_on_every_rank, shard_model
+from run.fsdp import (check_parallel, full_state_dict, is_dtensor, model_state_dict, same_init_on_every_rank,
+                      shard_model, shard_optimizer_state, tensors_in)
 from safetensors.torch import load_file, save_file
 from run.sharded_checkpoint import read_shards, unreadable
 from run.starting_model import build_model, frozen_model
@@ -123,6 +128,79 @@ def test_a_new_fsdp_model_is_never_whole_on_a_rank_and_is_one_processs_model(tmp
     assert whole.keys() == expected.keys() and all(torch.equal(whole[k], expected[k]) for k in expected)
     torch.manual_seed(99)  # another seed, another model
     assert not torch.equal(GPT(NEW_MODEL).state_dict()['lm_head.weight'], expected['lm_head.weight'])
+
+
+def save_a_sharded_model_to_one_file(rank, world_size, folder):
+    """One rank of a tied FSDP model after an AdamW step, saved to one file (write_checkpoint) while counting
+    the bytes of gathered tensors (full_tensor's, or shards received) alive at once; rank 0 also saves
+    full_state_dict's copy. Then the optimizer state read back as a resumed run reads it, counting its views
+    of the memory-mapped file."""
+    dist.init_process_group('gloo', init_method=f'file://{folder / "store"}', rank=rank, world_size=world_size)
+    try:
+        with same_init_on_every_rank(0, enabled=True):
+            model = build_model(dataclasses.replace(NEW_MODEL, tie_embeddings=True), None, assign=True)
+        shard_model(model, 'cpu', torch.float32, cpu_offload=False)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        x = torch.randint(0, NEW_MODEL.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+        model(x, x)[1].backward()
+        optimizer.step()
+        state = dict(model=model.state_dict(keep_vars=True), optimizer=optimizer.state_dict(), iter_num=1,
+                     rng=all_rng_states(), bf16=torch.arange(5.0, dtype=torch.bfloat16))
+        alive, peak, full_tensor, recv = [0], [0], DTensor.full_tensor, dist.recv
+
+        def hold(gathered):  # counted until it is freed
+            alive[0] += gathered.nbytes
+            peak[0] = max(peak[0], alive[0])
+            weakref.finalize(gathered, lambda n=gathered.nbytes: alive.__setitem__(0, alive[0] - n))
+            return gathered
+        DTensor.full_tensor = lambda self, *args, **kwargs: hold(full_tensor(self, *args, **kwargs))
+        dist.recv = lambda tensor, *args, **kwargs: recv(hold(tensor), *args, **kwargs)
+        write_checkpoint(str(folder / 'ckpt.pt'), state, sharded=False, master=rank == 0)
+        DTensor.full_tensor, dist.recv = full_tensor, recv
+        whole = full_state_dict(state)
+        if rank == 0:
+            torch.save(whole, folder / 'reference.pt')
+        sizes = [t.nbytes for t in tensors_in(whole)]  # (none on rank 1: full_state_dict keeps them on rank 0)
+        # resuming: the optimizer state cut to this rank's shards holds no view of the mapped file
+        ckpt = load_checkpoint(str(folder / 'ckpt.pt'))
+        mapped = [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in tensors_in(ckpt)]
+        start, end = min(p for p, _ in mapped), max(p + n for p, n in mapped)
+        resumed = tensors_in(shard_optimizer_state(optimizer, ckpt['optimizer']))
+        views = sum(start <= (t.to_local() if is_dtensor(t) else t).data_ptr() < end for t in resumed)
+        torch.save(dict(peak=peak[0], sizes=sizes, views=views), folder / f'rank{rank}.pt')
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.comparison
+def test_a_one_file_fsdp_save_never_holds_the_whole_state_and_writes_what_torch_save_writes(tmp_path):
+    """Saved to one file under FSDP, the gathered state is never whole on any rank: rank 0 receives one shard
+    of one tensor at a time (at most half the largest tensor on 2 ranks) and writes it into the file before
+    the next, the other rank receives nothing. The file is read by load_checkpoint and holds what torch.save
+    of the whole state (full_state_dict, gathered by the same processes) holds, tensor for tensor, the tied
+    embedding stored once, every zip checksum right. Read back into the shards, the optimizer state keeps no
+    view of the file (which would keep it mapped all run)."""
+    mp.spawn(save_a_sharded_model_to_one_file, args=(2, tmp_path), nprocs=2)
+    ranks = [torch.load(tmp_path / f'rank{r}.pt', weights_only=True) for r in range(2)]
+    sizes = ranks[0]['sizes']
+    assert max(sizes) < sum(sizes) / 4  # the test tells one tensor from the whole state
+    assert 0 < ranks[0]['peak'] <= max(sizes) / 2 and ranks[1]['peak'] == 0, [r['peak'] for r in ranks]
+    assert [r['views'] for r in ranks] == [0, 0]
+    saved, expected = load_checkpoint(str(tmp_path / 'ckpt.pt')), load(tmp_path / 'reference.pt')
+
+    def assert_same(a, b):
+        if isinstance(b, torch.Tensor):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+        elif isinstance(b, (dict, list)):
+            assert type(a) is type(b) and len(a) == len(b) and (not isinstance(b, dict) or a.keys() == b.keys())
+            for x, y in zip(a.values(), b.values()) if isinstance(b, dict) else zip(a, b):
+                assert_same(x, y)
+        else:
+            assert a == b
+    assert_same(saved, expected)
+    assert saved['model']['lm_head.weight'].data_ptr() == saved['model']['transformer.wte.weight'].data_ptr()
+    assert zipfile.ZipFile(tmp_path / 'ckpt.pt').testzip() is None
 
 
 @pytest.mark.slow

@@ -176,6 +176,34 @@ def build_rows(rows, inputs, targets, pad_id, device='cpu'):
     return to_device((x, y, doc_ids, seq), device)
 
 
+def branched_rows(units, rows, pad_id, device='cpu'):
+    """Units of a prompt shared by several completions laid out in rows (lists of unit indices, each row
+    right-padded with pad_id) as a dict of tensors for GPT.forward: x (R, T) tokens, positions (R, T), mask
+    (R, 1, T, T) and rows, cols, targets, owners (N,) of the scored tokens. A unit is (tokens, positions,
+    branch, scored): branch 0 for the prompt, k for its k-th completion, which attends to the prompt and to
+    itself only; scored: (column within the unit, target, owner) of each scored token."""
+    T = max(sum(len(units[u][0]) for u in row) for row in rows)
+    x = torch.full((len(rows), T), pad_id)
+    positions, branch = (torch.zeros(len(rows), T, dtype=torch.long) for _ in range(2))
+    unit = torch.full((len(rows), T), -1)  # which unit a position holds; -1 on padding
+    scored = []
+    for r, row in enumerate(rows):
+        t = 0
+        for u in row:
+            tokens, pos, br, score = units[u]
+            x[r, t:t + len(tokens)] = torch.tensor(tokens)
+            positions[r, t:t + len(tokens)], branch[r, t:t + len(tokens)] = torch.tensor(pos), torch.tensor(br)
+            unit[r, t:t + len(tokens)] = u
+            scored += [(r, t + offset, target, owner) for offset, target, owner in score]
+            t += len(tokens)
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    same_branch = (branch[:, None, :] == 0) | (branch[:, None, :] == branch[:, :, None])
+    mask = ((unit[:, :, None] == unit[:, None, :]) & causal & same_branch)[:, None]
+    rows, cols, targets, owners = torch.tensor(scored, dtype=torch.long).view(-1, 4).T
+    tensors = dict(x=x, positions=positions, mask=mask, rows=rows, cols=cols, targets=targets, owners=owners)
+    return dict(zip(tensors, to_device(tensors.values(), device)))
+
+
 class SFTBatches:
     """Batches of tokenized chat examples: (ids, labels) pairs.
 
@@ -458,26 +486,7 @@ class PreferenceBatches:
             scored += [(p + c + t, target, n + k) for t, target in enumerate(rejected[1:])]
             units.append((tokens, positions, branch, scored))
         packed = pack_rows(range(n), [len(u[0]) for u in units], 2 * self.max_length)
-        T = max(sum(len(units[u][0]) for u in row) for row in packed)
-        x = torch.full((len(packed), T), self.pad_id)
-        positions, branch = (torch.zeros(len(packed), T, dtype=torch.long) for _ in range(2))
-        unit = torch.full((len(packed), T), -1)  # which pair a position holds; -1 on padding
-        scored = []
-        for r, row in enumerate(packed):
-            t = 0
-            for u in row:
-                tokens, pos, br, score = units[u]
-                x[r, t:t + len(tokens)] = torch.tensor(tokens)
-                positions[r, t:t + len(tokens)], branch[r, t:t + len(tokens)] = torch.tensor(pos), torch.tensor(br)
-                unit[r, t:t + len(tokens)] = u
-                scored += [(r, t + offset, target, owner) for offset, target, owner in score]
-                t += len(tokens)
-        causal = torch.ones(T, T, dtype=torch.bool).tril()
-        same_branch = (branch[:, None, :] == 0) | (branch[:, None, :] == branch[:, :, None])
-        mask = ((unit[:, :, None] == unit[:, None, :]) & causal & same_branch)[:, None]
-        rows, cols, targets, owners = torch.tensor(scored).T
-        tensors = dict(x=x, positions=positions, mask=mask, rows=rows, cols=cols, targets=targets, owners=owners)
-        return dict(zip(tensors, to_device(tensors.values(), device)))
+        return branched_rows(units, packed, self.pad_id, device)
 
     def state_dict(self):
         return {'generator': self.generator.get_state(), 'order': self.order, 'position': self.position,

@@ -7,7 +7,7 @@ without padding. Formulas: docs/rl.md.
 """
 import torch
 
-from data import to_device
+from lm.chat_data import branched_rows
 
 LOSS_TYPES = ('grpo', 'dapo', 'dr_grpo')
 SCALE_REWARDS = ('group', 'batch', 'none')
@@ -77,9 +77,10 @@ def completion_batches(sequences, scored, micro_batch_size, pad_id, device='cpu'
     (train_dpo.py's padding-free pairs, G-fold). The prompt, most of the tokens when answers are short, is
     computed once per group instead of G times, and every completion token sees what it would alone.
     Each micro-batch is a dict: x (R, T) those rows, right-padded with pad_id; positions (R, T) and mask
-    (R, 1, T, T) their layout (GPT.forward); rows, cols (N,) the positions that predict the N completion tokens
-    scored; targets (N,) those tokens; owners (N,) the sequence (0..n-1 in the micro-batch) each belongs to;
-    lengths (n,) the tokens scored of each sequence; first: the index of its first sequence in sequences."""
+    (R, 1, T, T) their layout (lm/chat_data.branched_rows); rows, cols (N,) the positions that predict the N
+    completion tokens scored; targets (N,) those tokens; owners (N,) the sequence (0..n-1 in the micro-batch)
+    each belongs to; lengths (n,) the tokens scored of each sequence; first: the index of its first sequence in
+    sequences."""
     batches = []
     for first in range(0, len(sequences), micro_batch_size):
         units = []  # a row each: tokens, positions, branch (0 the prompt, k + 1 sequence k), scored
@@ -95,20 +96,7 @@ def completion_batches(sequences, scored, micro_batch_size, pad_id, device='cpu'
                 tokens += completion[:-1]
                 positions += range(p, p + len(completion) - 1)
                 branch += [owner + 1] * (len(completion) - 1)
-        T = max(len(tokens) for tokens, _, _, _ in units)
-        x = torch.full((len(units), T), pad_id)
-        positions = torch.zeros(len(units), T, dtype=torch.long)
-        branch = torch.full((len(units), T), -1)  # -1: padding, which no real token attends to
-        scored_at = []
-        for r, (tokens, pos, br, score) in enumerate(units):
-            n = len(tokens)
-            x[r, :n], positions[r, :n], branch[r, :n] = torch.tensor(tokens), torch.tensor(pos), torch.tensor(br)
-            scored_at += [(r, col, target, owner) for col, target, owner in score]
-        causal = torch.ones(T, T, dtype=torch.bool).tril()
-        mask = (((branch[:, None, :] == 0) | (branch[:, None, :] == branch[:, :, None])) & causal)[:, None]
-        rows, cols, targets, owners = torch.tensor(scored_at, dtype=torch.long).view(-1, 4).T
+        batch = branched_rows(units, [[u] for u in range(len(units))], pad_id, device)
         n = min(micro_batch_size, len(sequences) - first)
-        tensors = dict(x=x, positions=positions, mask=mask, rows=rows, cols=cols, targets=targets, owners=owners,
-                       lengths=torch.bincount(owners, minlength=n))
-        batches.append(dict(zip(tensors, to_device(tensors.values(), device)), first=first))
+        batches.append(dict(batch, lengths=torch.bincount(batch['owners'], minlength=n), first=first))
     return batches

@@ -6,13 +6,16 @@ the wall time (nanochat's report card: nobody types a result). Every model of th
 chat model (SmolLM2-135M-Instruct, built by ../shared/tools/make_smollm2_hf.py) as published, after a LoRA
 SFT and after RL on it, also answers the same held-out number-task prompts through `eval.py` (exact match,
 BLEU, ROUGE-L side by side). The published model's LoRA SFT runs on the first seed only (13 min on 2 cores);
-its RL runs on every seed from that one SFT model.
+its RL runs on every seed from that one SFT model. The text-to-speech recipes (espeak-ng's voice, and a natural
+one: docs/tts.md) are scored as papers do: Whisper's error rates on held-out sentences (bench/tts_asr.py, in its
+own venv at asr_python), beside the recordings and their mel through Griffin-Lim, with MCD-DTW and real-time factor.
 
     python bench/report.py                    # the full report: bench/report.md, bench/report.json and bench/RESULTS.md's table
     python bench/report.py --table_only=True  # no runs: bench/RESULTS.md's table rewritten from the committed bench/report.json
     python bench/report.py --quick=True       # the machinery in minutes (one seed, few steps): bench/results/report-quick.*
     python bench/report.py --lora_sweep=True  # instead, the LoRA recipe sweep (first seed): bench/lora_sweep.*
     python bench/report.py --stages=pretrain,sft --reuse=True  # some stages; finished runs are read, not rerun
+    python bench/report.py --stages=tts-espeak,tts-natural  # the text-to-speech table; the other stages are kept
 
 With a nanoGPT checkout at nanogpt_dir (`git clone https://github.com/karpathy/nanoGPT /tmp/nanoGPT`), the
 speedrun's ratios (bench/speedrun.py, its own alternating pairs) join the report; without one they are skipped.
@@ -48,9 +51,14 @@ work_dir = 'bench/results/report'  # the runs' out_dirs
 reuse = False                # a run whose out_dir holds a finished run of the same command and code is read, not run again
 results_md = True            # put the report's table into bench/RESULTS.md (between the report markers); not with quick
 table_only = False           # no runs: rewrite bench/RESULTS.md's table from the committed bench/report.json, and stop
-stages = 'pretrain,sft,lora,dpo,rl,hf-lora,hf-rl'  # the stages run (each after the one it starts from)
+stages = 'pretrain,sft,lora,dpo,rl,hf-lora,hf-rl,tts-espeak,tts-natural'  # the stages run (each after its start)
 hf_model = 'models/smollm2-135m-instruct'  # the published chat model of the hf- stages; not there = they are skipped
 heldout_examples = 200       # held-out number-task prompts every model answers through eval.py (test.jsonl's first)
+espeak_dir = '../shared/data/espeak-ljspeech'  # tts-espeak's corpus; its held-out split is scored
+natural_dir = '../data/piper-ipa'  # tts-natural's corpus (docs/tts.md: a Piper corpus, phonemized)
+natural_heldout_dir = '../data/piper-ipa-heldout'  # sentences tts-natural never trains on, phonemized the same way
+asr_python = '../asrvenv/bin/python'  # a python with faster-whisper (bench/tts_asr.py score); none = no WER
+whisper = '../models/whisper-base-ct2'  # Whisper base in CTranslate2 layout (../shared/tools/make_whisper_base.py)
 # -----------------------------------------------------------------------------
 configure(globals())
 if quick:
@@ -58,6 +66,8 @@ if quick:
     work_dir = work_dir + '-quick'
 report_path = os.path.join(ROOT, 'bench', 'results', 'report-quick') if quick else os.path.join(ROOT, 'bench', 'report')
 
+TTS_QUICK = ['--max_iters=20', '--lr_decay_iters=20', '--warmup_iters=2', '--align_prior_iters=10', '--eval_interval=20',
+             '--eval_utterances=2', '--audio_samples=0']
 # stage: (the documented command, the checkpoint it starts from (stage/file), quick-mode overrides)
 STAGES = {
     'pretrain': (['train.py'], None, ['--max_iters=20', '--lr_decay_iters=20', '--eval_interval=20', '--eval_iters=2']),
@@ -75,8 +85,13 @@ STAGES = {
                  '--exact_match_examples=10']),
     'hf-rl': (['train_rl.py', 'config/rl_hf.py'], 'hf-lora/merged.pt',
               ['--max_iters=2', '--eval_interval=2', '--eval_prompts=4', '--exact_match_examples=10']),
+    'tts-espeak': (['train_tts.py', 'config/tts_espeak_cpu.py'], None, TTS_QUICK),
+    'tts-natural': (['train_tts.py', 'config/tts_natural_cpu.py'], None, TTS_QUICK),
 }
 HF_STAGES = ('hf-lora', 'hf-rl')
+LM_STAGES = ('pretrain', 'sft', 'lora', 'dpo', 'rl')  # a report without all of them is partial (see the end)
+# text-to-speech stages: their corpus, and the sentences Whisper hears ('' = the checkpoint's held-out split)
+TTS_CORPORA = {'tts-espeak': (espeak_dir, ''), 'tts-natural': (natural_dir, natural_heldout_dir)}
 REUSED = []  # a 1 per run read back, not run (reuse)
 # the models that answer the held-out prompts: stage (or 'hf-base', the published model itself) -> its file
 EVALUATED = {'pretrain': 'ckpt.pt', 'sft': 'ckpt.pt', 'lora': 'ckpt.pt', 'dpo': 'ckpt.pt', 'rl': 'ckpt.pt',
@@ -115,6 +130,9 @@ def figures_of(stage, events):
         return {'val loss': last(events, 'val_loss')}
     if stage in ('sft', 'lora', 'hf-lora'):
         return {'exact match': last(events, 'eval/exact_match'), 'val loss': last(events, 'val_loss')}
+    if stage in TTS_CORPORA:  # the final evaluation's line: MCD-DTW of the model mel, real-time factor
+        return {'val loss': last(events, 'val_loss'), 'MCD-DTW, dB': last(events, 'mcd_model'),
+                'RTF': last(events, 'rtf')}
     if stage in ('rl', 'hf-rl'):
         return {'exact match before': first(events, 'eval/exact_match'),
                 'exact match after': last(events, 'eval/exact_match'), 'eval pass@1': last(events, 'eval/pass@1')}
@@ -148,6 +166,8 @@ def run_stage(stage, seed, extra=(), name=None):
         args.append(f'--init_from={os.path.join(stage_dir(from_stage, seed), file)}')
     elif stage == 'hf-lora':
         args.append(f'--init_from={hf_model}')
+    if stage in TTS_CORPORA:
+        args.append(f'--data_dir={TTS_CORPORA[stage][0]}')
     finished = os.path.join(ROOT, out_dir, 'report_run.json')  # the command, its code and wall time, once it has ended
     code = code_hash(args)
     if reuse and os.path.exists(finished):
@@ -159,13 +179,41 @@ def run_stage(stage, seed, extra=(), name=None):
             return figures_of(stage, read_log(os.path.join(ROOT, out_dir))), previous['wall_s']
     print(f"[{time.strftime('%H:%M:%S')}] python {' '.join(args)}", flush=True)
     t0 = time.time()
-    done = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True)
-    if done.returncode != 0:
-        sys.exit(f"error: {stage} (seed {seed}) failed with exit {done.returncode}:\n{done.stderr[-3000:]}")
+    run_checked([sys.executable, *args], f"{stage} (seed {seed})")
     wall = time.time() - t0
     with open(finished, 'w') as f:
         json.dump(dict(args=args, code=code, wall_s=wall), f)
     return figures_of(stage, read_log(os.path.join(ROOT, out_dir))), wall
+
+
+def run_checked(argv, what):
+    """Run a command in the repo; stop the report with its stderr's end if it fails."""
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"error: {what} failed with exit {done.returncode}:\n{done.stderr[-3000:]}")
+
+
+def whisper_scores(stage, out_dir, ckpt=''):
+    """{kind: (WER, CER)} by Whisper (bench/tts_asr.py) of the held-out sentences spoken by ckpt ('model'), or
+    without one the recordings and their mel through Griffin-Lim (the floor); with reuse, read back when newer
+    than what was spoken."""
+    corpus, held_out = TTS_CORPORA[stage]
+    kinds = 'model' if ckpt else 'reference,griffin_lim'
+    wav_dir = os.path.join(out_dir, 'asr')
+    result = os.path.join(ROOT, wav_dir, f"whisper_{kinds.replace(',', '_')}.json")
+    source = os.path.join(ROOT, ckpt) if ckpt else os.path.join(ROOT, held_out or corpus, 'metadata.csv')
+    if not (reuse and os.path.exists(result) and os.path.getmtime(result) > os.path.getmtime(source)):
+        synthesize = ['bench/tts_asr.py', 'synthesize', f'--wav_dir={wav_dir}', *([f'--ckpt={ckpt}'] if ckpt else []),
+                      f'--held_out_dir={held_out}' if held_out else f'--data_dir={corpus}',
+                      *(['--utterances=2'] if quick else [])]
+        print(f"[{time.strftime('%H:%M:%S')}] python {' '.join(synthesize)}", flush=True)
+        run_checked([sys.executable, *synthesize], f"synthesizing {stage}'s held-out sentences")
+        score = ['bench/tts_asr.py', 'score', f'--wav_dir={wav_dir}', f'--whisper={whisper}', f'--kinds={kinds}']
+        print(f"[{time.strftime('%H:%M:%S')}] {asr_python} {' '.join(score)}", flush=True)
+        run_checked([asr_python, *score], f"Whisper on {stage}'s speech")
+    with open(result) as f:
+        scores = json.load(f)
+    return {kind: (scores['wer'][kind], scores['cer'][kind]) for kind in scores['wer']}
 
 
 def machine():
@@ -188,13 +236,19 @@ def commit():
 FORMATS = {'val loss': '{:.4f}', 'exact match': '{:.1%}', 'exact match before': '{:.1%}',
            'exact match after': '{:.1%}', 'eval rewards/accuracies': '{:.3f}',
            'wall time to nanoGPT\'s val loss, ratio': '{:.3f}', 'tokens/s at nanoGPT\'s model, ratio': '{:.2f}',
-           'eval pass@1': '{:.3f}', 'BLEU': '{:.1f}', 'ROUGE-L': '{:.3f}'}
+           'eval pass@1': '{:.3f}', 'BLEU': '{:.1f}', 'ROUGE-L': '{:.3f}', 'Whisper WER': '{:.1%}',
+           'Whisper CER': '{:.1%}', 'MCD-DTW, dB': '{:.2f}', 'RTF': '{:.3f}', 'wall time, min': '{:.1f}'}
 COMMANDS = {'pretrain': '`python train.py`', 'sft': '`python train.py config/sft.py`',
             'lora': '`python train.py config/lora.py`', 'dpo': '`python train_dpo.py config/dpo.py`',
             'rl': '`python train_rl.py config/rl.py`', 'hf-base': '(as published)',
             'hf-lora': '`python train.py config/lora_hf.py` (first seed only)',
             'hf-rl': '`python train_rl.py config/rl_hf.py` (from the hf-lora model)',
-            'speedrun': '`python bench/speedrun.py` (pairs, not seeds)'}
+            'speedrun': '`python bench/speedrun.py` (pairs, not seeds)',
+            'tts-espeak': '`python train_tts.py config/tts_espeak_cpu.py`',
+            'tts-natural': '`python train_tts.py config/tts_natural_cpu.py`'}
+TTS_NAMES = {'tts-espeak': 'espeak-ng (400 utterances, 19 min; its 20 held out)',
+             'tts-natural': 'Piper "joe" in phonemes (1,000 utterances, 42.5 min; 100 other sentences)'}
+TTS_COLUMNS = ('Whisper WER', 'Whisper CER', 'MCD-DTW, dB', 'RTF', 'wall time, min')
 HELDOUT_NAMES = {'pretrain': 'base (pretrained)', 'sft': 'SFT', 'lora': 'LoRA', 'dpo': 'DPO after SFT',
                  'rl': 'RL after SFT', 'hf-base': 'SmolLM2-135M-Instruct', 'hf-lora': 'SmolLM2 + LoRA SFT',
                  'hf-rl': 'SmolLM2 + LoRA SFT + RL'}
@@ -207,9 +261,7 @@ def run_speedrun():
             f"--plot={os.path.join(out_dir, 'speedrun.png')}"] + (['--pairs=1', '--throughput_iters=50'] if quick else [])
     print(f"[{time.strftime('%H:%M:%S')}] python {' '.join(args)}", flush=True)
     t0 = time.time()
-    done = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True)
-    if done.returncode != 0:
-        sys.exit(f"error: the speedrun failed with exit {done.returncode}:\n{done.stderr[-3000:]}")
+    run_checked([sys.executable, *args], 'the speedrun')
     with open(os.path.join(ROOT, out_dir, 'results.json')) as f:
         results = json.load(f)
     return {"wall time to nanoGPT's val loss, ratio": [r['ratio'] for r in results['runs']],
@@ -232,7 +284,27 @@ def results_table(report):
             fmt = FORMATS[figure]
             lines.append(f"| {stage}: {figure} | {COMMANDS[stage]} | {summary(values, fmt)} | "
                          f"{', '.join(fmt.format(v) for v in values)} |")
-    return '\n'.join(lines) + ('\n\n' + heldout_table(report) if report.get('heldout') else '')
+    return '\n\n'.join(['\n'.join(lines)] + ([tts_table(report)] if report.get('tts') else [])
+                       + ([heldout_table(report)] if report.get('heldout') else []))
+
+
+def tts_table(report):
+    """Text-to-speech as papers report it: per corpus the floor (the recordings, their mel through Griffin-Lim)
+    and the recipe's model, median (range) over the seeds and each seed."""
+    lines = ["Text-to-speech on held-out sentences: Whisper base word and character error rates, MCD-DTW of the model "
+             "mel (the floor's: the reference mel through Griffin-Lim), real-time factor with Griffin-Lim, wall time "
+             "of the training run:\n",
+             '| corpus | speech | ' + ' | '.join(TTS_COLUMNS) + ' |', '| --- | --- |' + ' --- |' * len(TTS_COLUMNS)]
+    for stage, floor in report['tts'].items():
+        figures = dict(report['figures'][stage], **{'wall time, min': [w / 60 for w in report['wall_s'][stage]]})
+        cells = lambda values: [FORMATS[k].format(values[k]) if k in values else '' for k in TTS_COLUMNS]  # noqa: E731
+        lines.append(f"| {TTS_NAMES[stage]} | recordings | " + ' | '.join(cells(floor['reference'])) + ' |')
+        lines.append(f"| | reference mel through Griffin-Lim | " + ' | '.join(cells(floor['griffin_lim'])) + ' |')
+        lines.append(f"| | {COMMANDS[stage]}, median (range) | "
+                     + ' | '.join(summary(figures[k], FORMATS[k]) for k in TTS_COLUMNS) + ' |')
+        for i, seed in enumerate(report['seeds'] if len(report['seeds']) > 1 else []):
+            lines.append(f"| | seed {seed} | " + ' | '.join(cells({k: figures[k][i] for k in TTS_COLUMNS})) + ' |')
+    return '\n'.join(lines)
 
 
 def heldout_table(report):
@@ -250,6 +322,7 @@ RESULTS_BEGIN = '<!-- report: generated by bench/report.py, do not edit -->'
 RESULTS_END = '<!-- report end -->'
 RESULTS_PATH = os.path.join(ROOT, 'bench', 'RESULTS.md')
 README_BEGIN, README_END = '<!-- held-out: generated by bench/report.py, do not edit -->', '<!-- held-out end -->'
+README_TTS_BEGIN, README_TTS_END = '<!-- tts: generated by bench/report.py, do not edit -->', '<!-- tts end -->'
 README_PATH = os.path.join(ROOT, 'README.md')
 
 
@@ -263,7 +336,10 @@ def write_report(report):
             f"Python {m['python']}" + (f", {m['gpu']}" if m['gpu'] else ', no GPU') + '.',
             f"Wall time per run (median over seeds): {walls}; the whole report {report['total_s'] / 60:.1f} min"
             + (f" (all runs together; {report['reused']} of them finished before, read back with --reuse)"
-               if report.get('reused') else '') + '.\n',
+               if report.get('reused') else '') + '.'
+            + ''.join(f" Kept from the report of {origin} (not run here): "
+                      f"{', '.join(s for s in report['origin'] if report['origin'][s] == origin)}."
+                      for origin in dict.fromkeys(report.get('origin', {}).values())) + '\n',
             table]
     with open(report_path + '.md', 'w') as f:
         f.write('\n'.join(text) + '\n')
@@ -295,6 +371,9 @@ def put_in_results(table, report):
     if report.get('heldout'):
         put_between(README_PATH, README_BEGIN, README_END, heldout_table(report))
         print("updated README.md's held-out table")
+    if report.get('tts'):
+        put_between(README_PATH, README_TTS_BEGIN, README_TTS_END, tts_table(report))
+        print("updated README.md's text-to-speech table")
 
 
 def heldout_file():
@@ -319,9 +398,7 @@ def heldout_scores(model, out, eval_data):
                 f"--metrics={','.join(HELDOUT_METRICS.values())}", '--batch_size=50',
                 *(['--max_examples=20'] if quick else [])]
         print(f"[{time.strftime('%H:%M:%S')}] python {' '.join(args)}", flush=True)
-        done = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True)
-        if done.returncode != 0:
-            sys.exit(f"error: eval.py on {model} failed with exit {done.returncode}:\n{done.stderr[-3000:]}")
+        run_checked([sys.executable, *args], f'eval.py on {model}')
     with open(os.path.join(ROOT, out)) as f:
         scores = json.load(f)['scores']
     return {figure: [scores[name]] for figure, name in HELDOUT_METRICS.items()}
@@ -376,11 +453,20 @@ if set(todo) & set(HF_STAGES) and not os.path.exists(os.path.join(ROOT, hf_model
     print(f"no Hugging Face model folder at hf_model={hf_model!r} (../shared/tools/make_smollm2_hf.py builds "
           f"SmolLM2-135M-Instruct): the {', '.join(HF_STAGES)} stages are left out of the report")
     todo = [stage for stage in todo if stage not in HF_STAGES]
+tts_missing = [TTS_CORPORA[stage][i] for stage in todo if stage in TTS_CORPORA for i in (0, 1)
+               if TTS_CORPORA[stage][i] and not os.path.exists(os.path.join(ROOT, TTS_CORPORA[stage][i], 'metadata.csv'))]
+if tts_missing:
+    print(f"no corpus at {', '.join(tts_missing)} (docs/tts.md makes them): the text-to-speech stages are left out")
+    todo = [stage for stage in todo if stage not in TTS_CORPORA]
+asr = os.path.exists(os.path.join(ROOT, asr_python)) and os.path.exists(os.path.join(ROOT, whisper))
+if set(todo) & set(TTS_CORPORA) and not asr:
+    print(f"no faster-whisper python at asr_python={asr_python!r} or no model at whisper={whisper!r}: text-to-speech "
+          f"is reported without Whisper's error rates")
 t_start = time.time()
 heldout = heldout_file()
 report = {'date': time.strftime('%Y-%m-%d'), 'commit': commit(), 'machine': machine(), 'seeds': list(seeds),
           'figures': {stage: {} for stage in todo}, 'wall_s': {stage: [] for stage in todo}, 'heldout': {},
-          'heldout_examples': heldout_examples}
+          'heldout_examples': heldout_examples, 'tts': {}}
 if set(todo) & set(HF_STAGES):  # the published model as it is, once: greedy answers do not depend on the seed
     report['heldout']['hf-base'] = heldout_scores(hf_model, os.path.join(work_dir, 'hf-base.eval.json'), heldout)
 for seed in seeds:
@@ -392,6 +478,15 @@ for seed in seeds:
             report['figures'][stage].setdefault(figure, []).append(value)
         report['wall_s'][stage].append(wall)
         out_dir = stage_dir(stage, seed)
+        if stage in TTS_CORPORA:
+            if asr:
+                wer, cer = whisper_scores(stage, out_dir, os.path.join(out_dir, 'ckpt.pt'))['model']
+                report['figures'][stage].setdefault('Whisper WER', []).append(wer)
+                report['figures'][stage].setdefault('Whisper CER', []).append(cer)
+            print(f"  {stage}, seed {seed}: " + ', '.join(f"{k} {FORMATS[k].format(v[-1])}"
+                                                         for k, v in report['figures'][stage].items())
+                  + f" ({wall / 60:.1f} min)", flush=True)
+            continue
         scores = heldout_scores(os.path.join(out_dir, EVALUATED[stage]), os.path.join(out_dir, 'heldout.eval.json'),
                                 heldout)
         for name, value in scores.items():
@@ -399,7 +494,23 @@ for seed in seeds:
         print(f"  {stage}, seed {seed}: " + ', '.join(f"{k} {FORMATS[k].format(v)}" for k, v in figures.items())
               + f"; held-out " + ', '.join(f"{k} {FORMATS[k].format(v[0])}" for k, v in scores.items())
               + f" ({wall / 60:.1f} min)", flush=True)
-if nanogpt_dir and os.path.exists(os.path.join(nanogpt_dir, 'train.py')):
+for stage in [stage for stage in todo if stage in TTS_CORPORA and asr]:  # the floor, once per corpus
+    floor = whisper_scores(stage, os.path.join(work_dir, f'{stage}-floor'))
+    mcd = statistics.median(last(read_log(os.path.join(ROOT, stage_dir(stage, seed))), 'mcd_reference_audio')
+                            for seed in seeds)
+    report['tts'][stage] = {'reference': {'Whisper WER': floor['reference'][0], 'Whisper CER': floor['reference'][1]},
+                            'griffin_lim': {'Whisper WER': floor['griffin_lim'][0],
+                                            'Whisper CER': floor['griffin_lim'][1], 'MCD-DTW, dB': mcd}}
+if not set(LM_STAGES) <= set(todo) and os.path.exists(report_path + '.json'):  # partial: keep the other stages
+    with open(report_path + '.json') as f:
+        saved = json.load(f)
+    for key in ('figures', 'wall_s', 'heldout', 'tts'):
+        for stage, value in saved.get(key, {}).items():
+            if stage not in todo and not (key == 'heldout' and stage == 'hf-base' and 'hf-base' in report['heldout']):
+                report[key][stage] = value
+    report['origin'] = {stage: saved.get('origin', {}).get(stage, f"{saved['date']}, commit {saved['commit']}")
+                        for stage in saved['figures'] if stage not in todo}  # where each kept stage was run
+elif nanogpt_dir and os.path.exists(os.path.join(nanogpt_dir, 'train.py')):
     report['figures']['speedrun'], wall = run_speedrun()
     report['wall_s']['speedrun'] = [wall]
 else:

@@ -77,6 +77,7 @@ def synthesize(args):
         val_fraction = args.val_fraction or (ckpt['config']['val_fraction'] if ckpt else 0.05)
         _, val_ids = split_ids([utt_id for utt_id, _ in rows], val_fraction)
     texts = dict(rows)
+    words = spoken_words(data_dir, texts)
     val_ids = val_ids[:args.utterances or len(val_ids)]
     kinds = KINDS if ckpt else KINDS[:2]
     model = load_tts(ckpt) if ckpt else None
@@ -96,11 +97,22 @@ def synthesize(args):
             wav = torchaudio.functional.resample(wav.float(), rate, ASR_RATE)
             write_wav(os.path.join(args.wav_dir, kind, utt_id + '.wav'), wav / max(1.0, wav.abs().max().item()),
                       ASR_RATE)
-        print(f"{utt_id}: {texts[utt_id]}", flush=True)
+        print(f"{utt_id}: {words[utt_id]}", flush=True)
     with open(os.path.join(args.wav_dir, 'manifest.json'), 'w') as f:
         json.dump(dict(ckpt=os.path.abspath(args.ckpt) if ckpt else None, step=ckpt['iter_num'] if ckpt else None,
                        data_dir=os.path.abspath(data_dir), kinds=kinds,
-                       held_out={i: texts[i] for i in val_ids}), f, indent=1)
+                       held_out={i: words[i] for i in val_ids}), f, indent=1)
+
+
+def spoken_words(data_dir, texts):
+    """{id: the words Whisper should hear}: the text the model reads, except in a corpus that
+    bench/phonemize_corpus.py spelled in phonemes (phonemes.json beside metadata.csv), whose words are the
+    middle column."""
+    if not os.path.exists(os.path.join(data_dir, 'phonemes.json')):
+        return texts
+    with open(os.path.join(data_dir, 'metadata.csv'), encoding='utf-8-sig') as f:
+        rows = [line.rstrip('\r\n').split('|') for line in f if line.strip()]
+    return {fields[0]: fields[1] for fields in rows}
 
 
 def read_16k(path):

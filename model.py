@@ -272,9 +272,11 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
+def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None, uniform=None):
     """Pick the next token (B, 1) from last-position logits (B, V). temperature 0 is greedy;
-    top_k keeps the k most likely tokens, top_p the smallest set whose probability reaches top_p."""
+    top_k keeps the k most likely tokens, top_p the smallest set whose probability reaches top_p.
+    Sampling inverts each row's CDF at one uniform number (B,), drawn from generator unless given: a row's
+    token depends on its own logits and number only, so rows sample alike in any batch (lm/generate.py)."""
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
     logits = logits.float() / temperature
@@ -288,7 +290,12 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None)
         drop = probs.cumsum(dim=-1) - probs >= top_p
         drop[:, 0] = False
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float('-inf')))
-    return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1, generator=generator)
+    if uniform is None:
+        uniform = torch.rand(logits.size(0), generator=generator, device=logits.device, dtype=torch.float64)
+    cdf = F.softmax(logits, dim=-1).double().cumsum(dim=-1)
+    # the first token whose cumulative probability passes the number: never one of probability 0
+    token = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None].to(cdf.device), right=True)
+    return token.clamp_(max=logits.size(-1) - 1)
 
 
 class GPT(nn.Module):

@@ -213,14 +213,30 @@ log(f"device {device}, dtype {ptdtype}, {world_size} process(es), {raw_model.get
                       'a frozen copy'))
 
 
+def draws(*key):
+    """The random numbers of one batch of rollouts, the same on every rank: a generator seeded by key."""
+    return torch.Generator(device=device).manual_seed(hash((seed, *key)) & (2 ** 63 - 1))
+
+
+def my_share(n):
+    """(start, stop): this rank's contiguous share of a batch of n prompts (tensor_split's; all on one process)."""
+    start = rank * (n // world_size) + min(rank, n % world_size)
+    return start, start + n // world_size + (rank < n % world_size)
+
+
 @torch.no_grad()
-def rollouts(prompts, n_samples, generator=None):
-    """n_samples completions of each of prompts ((ids, record, where) triples) sampled by the policy, and their
-    rewards: (completions (token ids), rewards (n,), stopped (n,) bool: ended with a stop token)."""
+def rollouts(batch, n_samples, generator):
+    """n_samples completions of each of this rank's share (my_share) of a batch of prompts ((ids, record,
+    where) triples) sampled by the policy, and their rewards: (completions (token ids), rewards (n,), stopped
+    (n,) bool: ended with a stop token). Every rank draws the whole batch's numbers from generator and samples
+    its rows with its own: the rollouts are one process's, whatever the number of ranks."""
+    start, stop = my_share(len(batch))
+    prompts = batch[start:stop]
     raw_model.eval()
     with autocast:
         completions = generate_batch(raw_model, [ids for ids, _, _ in prompts], max_new_tokens, temperature,
-                                     top_k or None, top_p, stop_ids, n_samples, generator)
+                                     top_k or None, top_p, stop_ids, n_samples, generator,
+                                     rows_of=(start * n_samples, len(batch) * n_samples))
     raw_model.train()
     stopped = torch.tensor([bool(c) and c[-1] in stop_ids for c in completions])
     rewards = []
@@ -290,15 +306,16 @@ def gathered(tensor):
 
 @torch.no_grad()
 def evaluate():
-    """pass@1 and pass@pass_k of the held-out prompts, each sampled pass_k times (its share on each rank, the
-    same samples at every eval: a generator seeded with seed), and their mean reward; logged and recorded.
-    Returns -pass@1, the 'loss' a better checkpoint lowers."""
-    generator = torch.Generator(device=device).manual_seed(seed + rank)
-    mine, per_call = eval_prompts[rank::world_size], max(1, prompts_per_step // world_size)
+    """pass@1 and pass@pass_k of the held-out prompts, each sampled pass_k times (in batches of prompts_per_step,
+    each rank its share; the same samples at every eval and on any number of ranks), and their mean reward;
+    logged and recorded. Returns -pass@1, the 'loss' a better checkpoint lowers."""
     sums = torch.zeros(4, device=device)  # pass@1, pass@k, reward, prompts
-    for start in range(0, len(mine), per_call):
-        part = mine[start:start + per_call]
-        _, rewards, _ = rollouts(part, pass_k, generator)
+    for start in range(0, len(eval_prompts), prompts_per_step):
+        batch = eval_prompts[start:start + prompts_per_step]
+        part = batch[slice(*my_share(len(batch)))]
+        if not part:
+            continue
+        _, rewards, _ = rollouts(batch, pass_k, draws(1, start))
         counts = [(pass_k, int(c)) for c in (rewards.view(-1, pass_k) >= correct_reward).sum(1).tolist()]
         sums += torch.tensor([mean_pass_at_k(counts, 1) * len(part), mean_pass_at_k(counts, pass_k) * len(part),
                               rewards.sum().item() / pass_k, len(part)], device=device)
@@ -344,8 +361,9 @@ while iter_num < max_iters:
 
     # rollouts: this rank's slice of the step's prompts, G completions each, scored by the reward
     t0 = time.time()
-    prompts = [train_prompts[i] for i in train_sampler.sample(prompts_per_step).tensor_split(world_size)[rank]]
-    completions, rewards, stopped = rollouts(prompts, num_generations)
+    batch = [train_prompts[i] for i in train_sampler.sample(prompts_per_step)]
+    prompts = batch[slice(*my_share(len(batch)))]
+    completions, rewards, stopped = rollouts(batch, num_generations, draws(0, iter_num))
     all_rewards = gathered(rewards)  # a group is on one rank, but the 'batch' std is over all
     advantages = group_advantages(all_rewards, num_generations, scale_rewards).view(world_size, -1)[rank]
     sequences = [(prompts[i // num_generations][0], c) for i, c in enumerate(completions)]

@@ -78,12 +78,14 @@ def keep_rows(caches, keep):
 
 @torch.no_grad()
 def generate_batch(model, prompts, max_new_tokens, temperature=0.0, top_k=None, top_p=None, stop_ids=(),
-                   num_samples=1, generator=None):
+                   num_samples=1, generator=None, rows_of=None):
     """Completions of prompts (lists of token ids), num_samples per prompt in prompt order:
     prompt i's are entries i * num_samples ... (i + 1) * num_samples - 1. Each is at most
     max_new_tokens ids, without the prompt, ending with the first of stop_ids it produced (shared
-    by all rows). temperature 0 is greedy; sampling draws from generator (model.sample_next).
-    Call model.eval() first."""
+    by all rows). temperature 0 is greedy; sampling draws from generator one number per completion a
+    step (model.sample_next). rows_of=(first, total): these completions are rows first... of a batch of
+    total that processes split; each draws all total numbers and uses its own, so the split does not change
+    the samples (train_rl.py's ranks). Call model.eval() first."""
     check_prompts(prompts, max_new_tokens, model.config.block_size)
     completions = [[] for _ in range(len(prompts) * num_samples)]
     if not prompts or max_new_tokens == 0:
@@ -95,8 +97,12 @@ def generate_batch(model, prompts, max_new_tokens, temperature=0.0, top_k=None, 
     keep_rows(caches, torch.arange(len(prompts), device=idx.device).repeat_interleave(num_samples))
     stop_ids = set(stop_ids)
     rows = list(range(len(completions)))  # the completion each batch row writes to; None once it stopped
+    first, total = rows_of or (0, len(completions))
+    owners = torch.arange(len(completions), device=idx.device) + first  # each batch row's number in the draw
     for step in range(max_new_tokens):
-        token = sample_next(logits, temperature, top_k, top_p, generator)
+        uniform = None if temperature == 0 else torch.rand(total, generator=generator, device=idx.device,
+                                                            dtype=torch.float64)[owners]
+        token = sample_next(logits, temperature, top_k, top_p, generator, uniform)
         for i, (row, t) in enumerate(zip(rows, token[:, 0].tolist())):
             if row is not None:
                 completions[row].append(t)
@@ -110,6 +116,6 @@ def generate_batch(model, prompts, max_new_tokens, temperature=0.0, top_k=None, 
             keep = torch.tensor([i for i, r in enumerate(running) if r], device=idx.device)
             keep_rows(caches, keep)
             rows = [row for row in rows if row is not None]
-            token, starts = token[keep], starts[keep]
+            token, starts, owners = token[keep], starts[keep], owners[keep]
         logits = next_logits(model, token, starts, caches)
     return completions

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from configurator import UserError
-from lm.generate import generate_batch
+from lm.generate import generate_batch, stop_tokens
 from lm.metrics import METRICS, corpus_scores, exact_match, parse_metric_names
 from run.fsdp import is_sharded, whole_root
 from run.runtime import log
@@ -31,7 +31,7 @@ from run.runtime import log
 
 class HeldOut(NamedTuple):
     """What a run's held-out evaluation answers and how it scores it."""
-    tokenizer: object  # the chat tokenizer: its eos_id (end of turn) ends an answer
+    tokenizer: object  # the chat tokenizer: its eos_id (end of turn) and stop_ids end an answer
     prompts: list  # (prompt ids, reference text) pairs; [] = no held-out evaluation
     metrics: list  # names in lm.metrics.METRICS
     batch_size: int  # prompts answered at once
@@ -79,11 +79,11 @@ def answer_batches(rows, batch_size, block_size):
 
 
 def score_answers(names, answers, references, tokenizer):
-    """{name: score} of answers (token ids, as generated: ending at the end-of-turn token if produced)
-    against their reference texts; exact_match strict (see the top of this file)."""
-    texts, hits = [], []
+    """{name: score} of answers (token ids, as generated: ending at a stop token if produced, the end of turn
+    or a published model's others) against their reference texts; exact_match strict (see the top of this file)."""
+    texts, hits, stops = [], [], stop_tokens(tokenizer)
     for answer, reference in zip(answers, references):
-        end = answer.index(tokenizer.eos_id) if tokenizer.eos_id in answer else len(answer)
+        end = next((i for i, token in enumerate(answer) if token in stops), len(answer))
         texts.append(tokenizer.decode(answer[:end]))
         stopped = end < len(tokenizer.encode(reference)) + 1
         hits.append(stopped and exact_match([texts[-1]], [reference]) == 1.0)
@@ -107,7 +107,7 @@ def heldout_answers(model, held_out, autocast):
     with autocast, whole_root(model):
         for batch in batches[rank::world_size] if split else batches:
             completions = generate_batch(model, [rows[i][0] for i in batch], max(rows[i][1] for i in batch),
-                                         stop_ids=(held_out.tokenizer.eos_id,))
+                                         stop_ids=stop_tokens(held_out.tokenizer))
             # a row may run past its own budget while others in the batch go on
             answers.update((i, completion[:rows[i][1]]) for i, completion in zip(batch, completions))
     model.train(training)

@@ -126,6 +126,20 @@ def test_samples_follow_each_prompts_next_token_distribution():
         torch.testing.assert_close(freq, probs, rtol=0, atol=0.03)  # 4.5 standard errors at p = 0.5
 
 
+@pytest.mark.comparison
+def test_rows_split_across_calls_sample_as_one_batch():
+    """train_rl.py's ranks: each generates its share of the step's completions (rows_of=(first, total)) from
+    the same seed and gets the completions one process draws for the whole batch, although its padding and
+    batch differ (a token could flip only where a number lands within rounding of a CDF step: ~1e-7)."""
+    m = sharp_model()
+    sampling = dict(temperature=1.5, num_samples=3, stop_ids=[28])
+    whole = generate_batch(m, PROMPTS, 10, generator=torch.Generator().manual_seed(5), **sampling)
+    parts = [generate_batch(m, PROMPTS[i:i + 2], 10, generator=torch.Generator().manual_seed(5), rows_of=(3 * i, 12),
+                            **sampling) for i in (0, 2)]
+    assert parts[0] + parts[1] == whole
+    assert len(set(map(tuple, whole))) > 6 and min(map(len, whole)) < 10  # diverse, and some rows stopped early
+
+
 def test_a_different_seed_draws_different_samples():
     m = sharp_model()
     draw = lambda seed: generate_batch(m, PROMPTS, 10, temperature=1.5, num_samples=2,

@@ -90,6 +90,11 @@ def test_exact_match_is_strict_and_uses_the_metrics_normaliser():
     answers = [tok.encode(t) + [31] for t in texts[:4]] + [tok.encode(texts[4])]  # the last never stops
     assert score_answers(['exact_match'], answers, references, tok)['exact_match'] == 2 / 5
     assert metrics.exact_match(texts, references) == 3 / 5  # the plain metric: 'ab ' is 'ab'
+    tok.stop_ids = [30]  # a published model's other stop token (generation_config.json) ends an answer too
+    answers[1] = tok.encode(texts[1]) + [30]
+    assert score_answers(['exact_match'], answers, references, tok)['exact_match'] == 2 / 5
+    del tok.stop_ids
+    assert score_answers(['exact_match'], answers, references, tok)['exact_match'] == 1 / 5
 
 
 def test_batches_fit_the_block_and_batch_size():

@@ -370,6 +370,15 @@ def test_top_k_and_top_p_restrict_support_and_renormalize():
         torch.testing.assert_close(freq, want, atol=0.015, rtol=0, msg=str(kw))
 
 
+def test_sampling_never_draws_a_token_of_probability_zero():
+    """The CDF's ends: a number of 0 (or just below 1) picks the first (last) token with probability, not a
+    token top-k or top-p removed before (after) it."""
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.5, -1.0]]).expand(2, 5)
+    for kw, support in [(dict(top_k=2), {1, 3}), (dict(top_p=0.6), {1, 3}), (dict(), {0, 1, 2, 3, 4})]:
+        ends = sample_next(logits, 1.0, uniform=torch.tensor([0.0, 1 - 2 ** -53], dtype=torch.float64), **kw)
+        assert ends[0, 0].item() == min(support) and ends[1, 0].item() == max(support), kw
+
+
 def test_temperature_sharpens():
     logits = torch.tensor([[0.0, 1.0]]).expand(20000, 2)
     g = torch.Generator().manual_seed(0)

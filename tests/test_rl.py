@@ -328,19 +328,31 @@ def test_published_chat_model_with_lora(tmp_path, rl_env):
 
 
 @pytest.mark.slow
-def test_ddp_two_ranks_train_and_resume(tmp_path, rl_env):
-    """torchrun with 2 processes (gloo): each samples its half of the prompts, the 'batch' advantage scale sees
-    all rewards, the metrics add up over ranks, and a relaunch continues the run. (Each rank samples with its
-    own random stream, so the rollouts, and the numbers, are not a single process's.)"""
+@pytest.mark.comparison
+def test_ddp_two_ranks_equal_one_process_and_resume(tmp_path, rl_env):
+    """torchrun with 2 processes (gloo) = one process: each rank samples its half of the prompts with the numbers
+    one process draws for them (the same rollouts and rewards, exactly), the 'batch' advantage scale sees all
+    rewards, DAPO divides by the tokens of both ranks, and the metrics add up over ranks: the same loss, KL and
+    grad norm, the same evals. rel=1e-5 as accumulation: the same float32 sums in other orders and shapes (and
+    a gradient all-reduce); a wrong normaliser or advantage is off by far more. A relaunch continues the run."""
     common = ['--scale_rewards=batch', '--beta=0.1', f'--reward={rl_env["rewards"]}:chars', '--correct_reward=2',
               '--eval_interval=2']
-    out = tmp_path / 'ddp'
+    out, one = tmp_path / 'ddp', tmp_path / 'one'
     rl(rl_env, out, '--max_iters=2', *common, ranks=2)
+    rl(rl_env, one, '--max_iters=2', *common)
+    ddp, single = train_events(out), train_events(one)
+    for step in (1, 2):  # step 2 samples from the weights step 1 made on each side
+        for k in ('reward', 'reward_std', 'accuracy', 'frac_reward_zero_std', 'completions/mean_length'):
+            assert ddp[step][k] == single[step][k], (step, k)
+        for k in ('loss', 'grad_norm', 'entropy', 'kl'):
+            assert ddp[step][k] == pytest.approx(single[step][k], rel=1e-5, abs=1e-7), (step, k)
+    assert single[1]['reward_std'] > 0 and single[1]['grad_norm'] > 0 and single[2]['kl'] > 0
+    evals = [[e['eval/pass@1'] for e in read_log(d) if 'eval/pass@1' in e] for d in (out, one)]
+    assert evals[0] == evals[1] and len(evals[0]) == 2
     p = rl(rl_env, out, '--max_iters=3', *common, ranks=2)
     assert f'resuming from {out / "ckpt.pt"} at step 2' in p.stdout + p.stderr
     events = train_events(out)
     assert sorted(events) == [1, 2, 3] and all(math.isfinite(e[k]) for e in events.values() for k in TRAIN_METRICS)
-    assert 0 < events[1]['reward_std'] and 0 < events[1]['entropy']
     assert load(out / 'ckpt.pt')['iter_num'] == 3
 
 

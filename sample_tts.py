@@ -1,6 +1,7 @@
 """
 Speak with a trained text-to-speech checkpoint (train_tts.py):
 `python sample_tts.py --out_dir=out-tts-espeak --text="I am as well acquainted here." --wav=out.wav`.
+A model trained on phonemes (config/tts_natural_cpu.py) takes phonemes: --text="aɪɐm æz wˈɛl ɐkwˈeɪntᵻd hˈɪɹ."
 GPT checkpoints and published models generate text with sample.py instead.
 """
 
@@ -10,7 +11,7 @@ import time
 from configurator import FOLDER, POSITIVE, UserError, at_least, check_values, configure
 from run.checkpoint import load_checkpoint
 from run.device import pick_device
-from tts.data import MEL_SETTINGS, write_wav
+from tts.data import IPA_MARKS, MEL_SETTINGS, reads_phonemes, write_wav
 from tts.model import load_tts, synthesize
 
 # -----------------------------------------------------------------------------
@@ -45,6 +46,10 @@ ckpt = load_checkpoint(ckpt_path)
 if ckpt['kind'] != 'tts':
     raise UserError(f"{ckpt_path} is a {ckpt['kind']!r} checkpoint, not a text-to-speech one (train_tts.py); "
                     f"generate text from it with `python sample.py --out_dir={out_dir}`.")
+if reads_phonemes(ckpt['model_args']['symbols']) and not IPA_MARKS & set(text):
+    raise UserError(f"{ckpt_path} reads espeak-ng phonemes (it was trained on a phonemized corpus), but "
+                    f"text={text!r} is spelled: give its phonemes, which `piper-venv/bin/python "
+                    f"bench/phonemize_corpus.py --text_only=\"{text}\"` prints (docs/tts.md, a natural voice).")
 model = load_tts(ckpt, pick_device(device))
 t0 = time.time()
 audio, _ = synthesize(model, text, n_timesteps=n_timesteps, temperature=tts_temperature,

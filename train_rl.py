@@ -51,7 +51,7 @@ chat_template_variables = {}  # published model's chat-template variables; {} = 
 resume = True                # continue out_dir's run if any; False = start a new one, replacing it
 data_dir = ''                # the base tokenizer's data.py folder; '' = data/stdlib
 rl_data = ''                 # folder of train/val(/test).jsonl prompts; '' = the embedded number tasks
-reward = 'number_tasks'      # 'number_tasks' (the answer's checker) | 'path.py:name': name(prompt, completion, row)
+reward = 'number_tasks'      # 'number_tasks' (final answer) | 'number_tasks_exact' (whole answer) | 'path.py:name'
 format_reward = 0.0          # number_tasks: added when a completion is shaped like the reference answer
 correct_reward = 1.0         # a completion whose reward reaches this counts as correct (accuracy, pass@k)
 eval_interval = 50           # steps between evals (and checkpoint saves)

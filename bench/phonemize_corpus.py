@@ -8,8 +8,8 @@ espeak-ng comes from Piper's package (its phonemizer, data included), never a na
     piper-venv/bin/python bench/phonemize_corpus.py --data_dir=data/piper-ljspeech --out_dir=data/piper-ipa
 
 The copy's metadata.csv rows are 'id|original text|phonemes': train_tts.py reads the last column,
-bench/tts_asr.py scores against the original words (the middle one; phonemes.json marks the copy). wavs/ is a link to the source's.
-Text to synthesize with such a model must be phonemized the same way (--text_only prints it).
+bench/tts_asr.py scores against the original words (the middle one; phonemes.json marks the copy). wavs/
+links to the source's. Text for such a model is phonemized the same way: --text_only prints it.
 """
 
 import argparse

@@ -66,8 +66,8 @@ if quick:
     work_dir = work_dir + '-quick'
 report_path = os.path.join(ROOT, 'bench', 'results', 'report-quick') if quick else os.path.join(ROOT, 'bench', 'report')
 
-TTS_QUICK = ['--max_iters=20', '--lr_decay_iters=20', '--warmup_iters=2', '--align_prior_iters=10', '--eval_interval=20',
-             '--eval_utterances=2', '--audio_samples=0']
+TTS_QUICK = ['--max_iters=20', '--lr_decay_iters=20', '--warmup_iters=2', '--align_prior_iters=10',
+             '--eval_interval=20', '--eval_utterances=2', '--audio_samples=0']
 # stage: (the documented command, the checkpoint it starts from (stage/file), quick-mode overrides)
 STAGES = {
     'pretrain': (['train.py'], None, ['--max_iters=20', '--lr_decay_iters=20', '--eval_interval=20', '--eval_iters=2']),
@@ -90,7 +90,7 @@ STAGES = {
 }
 HF_STAGES = ('hf-lora', 'hf-rl')
 LM_STAGES = ('pretrain', 'sft', 'lora', 'dpo', 'rl')  # a report without all of them is partial (see the end)
-# text-to-speech stages: their corpus, and the sentences Whisper hears ('' = the checkpoint's held-out split)
+# text-to-speech stages: their corpus, and the sentences Whisper hears ('' = the checkpoint's held out)
 TTS_CORPORA = {'tts-espeak': (espeak_dir, ''), 'tts-natural': (natural_dir, natural_heldout_dir)}
 REUSED = []  # a 1 per run read back, not run (reuse)
 # the models that answer the held-out prompts: stage (or 'hf-base', the published model itself) -> its file
@@ -453,11 +453,11 @@ if set(todo) & set(HF_STAGES) and not os.path.exists(os.path.join(ROOT, hf_model
     print(f"no Hugging Face model folder at hf_model={hf_model!r} (../shared/tools/make_smollm2_hf.py builds "
           f"SmolLM2-135M-Instruct): the {', '.join(HF_STAGES)} stages are left out of the report")
     todo = [stage for stage in todo if stage not in HF_STAGES]
-tts_missing = [TTS_CORPORA[stage][i] for stage in todo if stage in TTS_CORPORA for i in (0, 1)
-               if TTS_CORPORA[stage][i] and not os.path.exists(os.path.join(ROOT, TTS_CORPORA[stage][i], 'metadata.csv'))]
-if tts_missing:
-    print(f"no corpus at {', '.join(tts_missing)} (docs/tts.md makes them): the text-to-speech stages are left out")
-    todo = [stage for stage in todo if stage not in TTS_CORPORA]
+for stage in [stage for stage in todo if stage in TTS_CORPORA]:
+    missing = [d for d in TTS_CORPORA[stage] if d and not os.path.exists(os.path.join(ROOT, d, 'metadata.csv'))]
+    if missing:
+        print(f"no corpus at {', '.join(missing)} (docs/tts.md makes it): the {stage} stage is left out of the report")
+        todo.remove(stage)
 asr = os.path.exists(os.path.join(ROOT, asr_python)) and os.path.exists(os.path.join(ROOT, whisper))
 if set(todo) & set(TTS_CORPORA) and not asr:
     print(f"no faster-whisper python at asr_python={asr_python!r} or no model at whisper={whisper!r}: text-to-speech "

@@ -15,14 +15,15 @@ from tasks.number_tasks import number_task_reward
 
 
 def load_reward(spec, format_weight=0.0):
-    """(the reward function, its name for messages) of the config key reward: 'number_tasks' (the verifier, with
-    format_weight for a well-formed answer) or 'path.py:name'."""
-    if spec == 'number_tasks':
-        return functools.partial(number_task_reward, format_weight=format_weight), 'number_tasks'
+    """(the reward function, its name for messages) of the config key reward: 'number_tasks' (the verifier of the
+    final answer, with format_weight for a well-formed answer), 'number_tasks_exact' (of the whole answer) or
+    'path.py:name'."""
+    if spec in ('number_tasks', 'number_tasks_exact'):
+        return functools.partial(number_task_reward, format_weight=format_weight, whole=spec.endswith('exact')), spec
     path, _, name = spec.rpartition(':')
     if not path.endswith('.py') or not name:
-        raise UserError(f"reward={spec!r} is neither 'number_tasks' nor 'path.py:name' (a Python file and the name "
-                        f"of the function in it).")
+        raise UserError(f"reward={spec!r} is neither 'number_tasks', 'number_tasks_exact' nor 'path.py:name' (a "
+                        f"Python file and the name of the function in it).")
     if not os.path.isfile(path):
         raise UserError(f"reward={spec!r}: {path} does not exist. Point reward at the Python file that defines "
                         f"{name}(prompt, completion, row).")

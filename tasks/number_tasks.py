@@ -148,10 +148,13 @@ def answer_shape(text):
     return re.sub(r'\d+', '0', normalize_answer(text))
 
 
-def number_task_reward(prompt, completion, row, format_weight=0.0):
+def number_task_reward(prompt, completion, row, format_weight=0.0, whole=False):
     """train_rl.py's verifier of the number tasks: 1 when the completion's final answer is the reference's
     (row['response']), else 0; plus format_weight when the completion is shaped as the reference is (the
-    working of a sum, one number for the others: answer_shape)."""
+    working of a sum, one number for the others: answer_shape). With whole=True the whole answer must be the
+    reference's (exact match, a sum's working included): a working that drifts while its final answer stays
+    (a carry written where there is none) earns nothing."""
     reference = row['response']
-    correct = final_answer(completion) == final_answer(reference)
+    correct = (normalize_answer(completion) == normalize_answer(reference) if whole else
+               final_answer(completion) == final_answer(reference))
     return float(correct) + format_weight * (answer_shape(completion) == answer_shape(reference))

@@ -199,6 +199,14 @@ def test_number_task_verifier():
     assert number_task_reward([], '8+6=14, 4+2+1=8, so 84', row, format_weight=0.1) == pytest.approx(0.1)
     assert number_task_reward([], '1+1=2, 1+1+1=3, so 74', row, format_weight=0.1) == pytest.approx(1.1)
     assert number_task_reward([], '74', {'response': '75'}, format_weight=0.5) == 0.5
+    # the whole answer: the working must be the reference's too (a carry added or dropped earns nothing)
+    assert number_task_reward([], ' 8+6=14,  4+2+1=7, so 74', row, whole=True) == 1.0
+    assert number_task_reward([], '1+1=2, 1+1+1=3, so 74', row, whole=True) == 0.0
+    assert number_task_reward([], '74', row, format_weight=0.1, whole=True) == 0.0
+    assert number_task_reward([], '5', {'response': '5'}, whole=True) == 1.0
+    exact, name = load_reward('number_tasks_exact', format_weight=0.1)  # train_rl.py's --reward=number_tasks_exact
+    assert name == 'number_tasks_exact' and exact(prompt=[], completion='74', row=row) == 0.0
+    assert exact(prompt=[], completion=row['response'], row=row) == pytest.approx(1.1)
 
 
 def test_rl_prompt_formats():
@@ -395,7 +403,7 @@ def test_reward_function_errors_name_it(tmp_path):
                        "def nan(prompt, completion, row):\n    return float('nan')\n\n"
                        "def fine(prompt, completion, row):\n    return len(row['response']) + (completion == 'x')\n")
     for spec, says in [(f'{tmp_path / "missing.py"}:f', 'does not exist'), (f'{rewards}:absent', 'no function'),
-                       ('rewards:f', "neither 'number_tasks' nor 'path.py:name'")]:
+                       ('rewards:f', "neither 'number_tasks', 'number_tasks_exact' nor 'path.py:name'")]:
         with pytest.raises(UserError, match=says):
             load_reward(spec)
     for name, says in [('boom', "raised KeyError: 'answer' on the prompt of data.jsonl (prompt 3)"),

@@ -15,8 +15,8 @@ import torch
 
 from configurator import UserError
 from conftest import assert_user_error, kill_and_relaunch, launch, load, read_log, run
-from tts.data import (MEL_SETTINGS, FrameBudgetSampler, LJSpeechDataset, MelExtractor, encode_text, make_espeak_corpus,
-                      read_metadata, read_wav, split_ids, write_wav)
+from tts.data import (IPA_MARKS, MEL_SETTINGS, FrameBudgetSampler, LJSpeechDataset, MelExtractor, encode_text,
+                      make_espeak_corpus, read_metadata, read_wav, reads_phonemes, split_ids, write_wav)
 from tts.eval import alignment_stats, dtw_mean_cost, mel_cepstral_distortion
 from tts.losses import duration_loss, flow_matching_loss, flow_matching_path, prior_loss
 from tts.model import (TTSConfig, TTSModel, durations_to_path, load_tts, log_beta_binomial_prior,
@@ -493,6 +493,27 @@ def test_sample_tts_speaks_and_sample_points_to_it(tmp_path, straight_run):
     p = run(['sample_tts.py', f'--out_dir={straight_run[0]}', '--device=cpu', f'--wav={wav}', '--text=aa mm',
              '--n_timesteps=2'])
     assert wav.exists() and f'wrote {wav}' in p.stdout
+
+
+def test_a_phoneme_model_refuses_spelled_text(tmp_path, straight_run):
+    """A model whose vocabulary is espeak-ng phonemes (a corpus of bench/phonemize_corpus.py) would speak
+    spelled text as nonsense: sample_tts.py names the fix instead; its phonemes it speaks."""
+    ckpt = torch.load(straight_run[0] / 'ckpt.pt', map_location='cpu', weights_only=False)
+    symbols = ckpt['model_args']['symbols']
+    assert not reads_phonemes(symbols)
+    ipa = ''.join(sorted(IPA_MARKS))[:len(symbols) - 3] + symbols[-3:]  # the same size, so the weights fit
+    ckpt['model_args']['symbols'] = ckpt['config']['symbols'] = ipa
+    assert reads_phonemes(ipa)
+    (tmp_path / 'ipa').mkdir()
+    torch.save(ckpt, tmp_path / 'ipa' / 'ckpt.pt')
+    wav = tmp_path / 'x.wav'
+    p = run(['sample_tts.py', f'--out_dir={tmp_path / "ipa"}', '--device=cpu', f'--wav={wav}', '--text=aa mm'],
+            check=False)
+    assert_user_error(p, 'reads espeak-ng phonemes', 'bench/phonemize_corpus.py --text_only=')
+    assert not wav.exists()
+    run(['sample_tts.py', f'--out_dir={tmp_path / "ipa"}', '--device=cpu', f'--wav={wav}', f'--text={ipa[:6]}',
+         '--n_timesteps=2'])
+    assert wav.exists()
 
 
 @pytest.mark.slow

@@ -105,6 +105,14 @@ def build_symbols(texts):
     return ''.join(sorted(set(''.join(normalize_text(t) for t in texts))))
 
 
+IPA_MARKS = set('ˈˌːəɪʊæɑɔɛɜʌŋθðʃʒɹɡɐᵻ')  # in every English line espeak-ng phonemizes, in no spelled one
+
+
+def reads_phonemes(symbols):
+    """Whether a model's vocabulary is espeak-ng phonemes (a corpus made by bench/phonemize_corpus.py)."""
+    return len(IPA_MARKS & set(symbols)) >= 3
+
+
 def encode_text(text, symbols, add_blank=True):
     """text -> list of ids. Characters not in `symbols` are dropped (returned second) so that
     inference on new text works; with add_blank a blank id is put between and around characters

@@ -12,8 +12,8 @@ lora_r = 16
 lora_alpha = 32.0
 lora_target_modules = 'all-linear'
 
-reward = 'number_tasks'
-format_reward = 0.1
+reward = 'number_tasks_exact'  # the whole answer; the final answer alone let wrong carries spread (RESULTS)
+format_reward = 0.0          # the whole answer has the reference's shape already
 prompts_per_step = 8
 num_generations = 8          # G
 max_prompt_length = 96       # SmolLM2's template adds a system turn: the questions are 40-60 tokens
@@ -27,10 +27,10 @@ epsilon = 0.2
 epsilon_high = 0.28
 num_iterations = 1
 
-learning_rate = 2e-4         # adapters from zero: a LoRA's usual step
+learning_rate = 1e-4         # 2e-4 lost greedy answers; 1e-4: 48.0% -> 51.0% (48 steps) -> 54.0% (96)
 lr_schedule = 'constant'
-max_iters = 60
-eval_interval = 30
+max_iters = 96               # ~29 min of steps on one thread of the 2-core CPU
+eval_interval = 48
 eval_prompts = 64
 pass_k = 4
 exact_match_examples = 200

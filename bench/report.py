@@ -514,8 +514,8 @@ if not set(LM_STAGES) <= set(todo) and os.path.exists(report_path + '.json'):  #
         saved = json.load(f)
     for key in ('figures', 'wall_s', 'heldout', 'tts'):
         for stage, value in saved.get(key, {}).items():
-            if stage not in todo and not (key == 'heldout' and stage == 'hf-base' and 'hf-base' in report['heldout']):
-                report[key][stage] = value
+            if stage not in todo:  # what this run measured itself (e.g. the published model's answers) stays
+                report[key].setdefault(stage, value)
     report['origin'] = {stage: saved.get('origin', {}).get(stage, f"{saved['date']}, commit {saved['commit']}")
                         for stage in saved['figures'] if stage not in todo}  # where each kept stage was run
 elif nanogpt_dir and os.path.exists(os.path.join(nanogpt_dir, 'train.py')):

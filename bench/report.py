@@ -150,8 +150,8 @@ def code_hash(args):
 
 
 def stage_dir(stage, seed):
-    if stage == 'hf-lora':
-        seed = seeds[0]  # one SFT of the published model; its RL runs on every seed
+    if stage == 'hf-lora':  # one SFT of the published model (the first seed's); its RL runs on every seed
+        return os.path.join(work_dir, stage)
     return os.path.join(work_dir, f'seed{seed}', stage)
 
 

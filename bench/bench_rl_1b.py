@@ -1,0 +1,126 @@
+"""
+train_rl.py on a 1B published-model shape, on a GPU: generation tokens/s, steps/s and the split of a step
+between rollouts and training. The model is Llama-3.2-1B's body (hidden 2048, 16 layers, 32 heads / 8 KV heads,
+MLP 8192) with SmolLM2's tokenizer and its 49,152-token vocabulary (1.07B parameters), random bf16 weights:
+speed and memory do not depend on the weights, and a random model never stops early, so every completion runs
+to max_new_tokens (the slowest case). Prompts are the embedded number tasks in SmolLM2's chat template; the
+reward is bench/digits_reward.py (a verifier would score every completion of a random model 0).
+
+    python bench/bench_rl_1b.py --tokenizer_folder=models/smollm2-135m-instruct      # a GPU
+    python bench/bench_rl_1b.py --tokenizer_folder=... --hidden_size=64 --layers=2 --device=cpu --steps=2
+
+Each mode runs `train_rl.py config/rl_hf.py` (the SmolLM2 recipe: LoRA r=16 on every linear layer, dapo) in a
+fresh process with the mode's flags; the process is killed (SIGKILL, no checkpoint) once its log holds
+`warmup` + `steps` steps, and the table gives the medians of the steps after the warm-up. Writes out/results.json.
+"""
+
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, 'bench'))
+
+from configurator import at_least, check_values, configure
+from hf_parity import LLAMA_1B, SHARD_BYTES, write_random_llama
+
+# -----------------------------------------------------------------------------
+tokenizer_folder = 'models/smollm2-135m-instruct'  # a Hugging Face folder whose tokenizer files are copied
+hidden_size = 2048           # the shape (Llama-3.2-1B's); smaller for a CPU check of the machinery
+layers = 16
+vocab_size = 49152           # the tokenizer's: a random model samples every id, and each must decode
+warmup = 2                   # steps at the start that are not timed (allocator, kernels, compilation)
+steps = 4                    # timed steps per mode
+modes = 'all'                # 'all' or a comma-separated subset of MODES' names
+device = 'cuda'
+timeout = 150                # seconds a mode may take
+out = os.path.join(ROOT, 'bench', 'results', 'rl_1b')
+# -----------------------------------------------------------------------------
+config = configure(globals())
+check_values(config, [(at_least(1), ('hidden_size', 'layers', 'vocab_size', 'steps', 'timeout')),
+                      (at_least(0), ('warmup',))])
+
+LARGE = ['--prompts_per_step=32', '--max_new_tokens=256', '--gradient_accumulation_steps=2']
+MODES = {  # name: (what the table calls it, flags on top of config/rl_hf.py)
+    'recipe': ('config/rl_hf.py as is: 8 prompts x 8, 32 new tokens, LoRA, float32 base', []),
+    'recipe_bf16': ('the same, bf16 base', ['--lora_base_dtype=bfloat16']),
+    'large_lora': ('32 prompts x 8, 256 new tokens, LoRA, bf16 base', LARGE + ['--lora_base_dtype=bfloat16']),
+    'large_full': ('32 prompts x 8, 256 new tokens, all weights', LARGE + ['--use_lora=False']),
+    'large_lora_compile': ('32 prompts x 8, 256 new tokens, LoRA, bf16 base, compiled training forward',
+                           LARGE + ['--lora_base_dtype=bfloat16', '--compile=True']),
+}
+chosen = list(MODES) if modes == 'all' else [m.strip() for m in modes.split(',')]
+unknown = [m for m in chosen if m not in MODES]
+if unknown:
+    sys.exit(f"unknown modes {unknown}; choose from: {', '.join(MODES)}")
+
+
+def run(name, flags, model_folder):
+    run_dir = os.path.join(out, name)
+    args = [sys.executable, 'train_rl.py', 'config/rl_hf.py', f'--init_from={model_folder}', f'--out_dir={run_dir}',
+            '--resume=False', f'--device={device}', '--log_interval=1', '--max_iters=100000',
+            '--eval_interval=100000', '--tensorboard=False', '--exact_match_examples=0', '--eval_prompts=8',
+            '--pass_k=2', '--reward=bench/digits_reward.py:digits', *flags]
+    log_path = os.path.join(run_dir, 'log.jsonl')
+    if os.path.exists(log_path):
+        os.remove(log_path)
+    t0 = time.time()
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    logged = []
+    try:
+        while proc.poll() is None and time.time() - t0 < timeout and len(logged) < warmup + steps:
+            time.sleep(0.5)
+            if os.path.exists(log_path):
+                with open(log_path) as f:
+                    logged = [e for e in map(json.loads, filter(str.strip, f)) if 'time/generation_s' in e]
+    finally:  # also when this script is stopped: a mode left running holds the GPU's memory
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the script and its compile workers (one session)
+        except ProcessLookupError:
+            pass
+    output = proc.stdout.read()
+    proc.wait()
+    if len(logged) < warmup + steps:
+        return dict(failed=f"{len(logged)} steps in {time.time() - t0:.0f} s", output=output[-1500:],
+                    command=' '.join(args[1:]))
+    timed = logged[warmup:warmup + steps]
+    generation = statistics.median(e['time/generation_s'] for e in timed)
+    training = statistics.median(e['time/training_s'] for e in timed)
+    return dict(steps_per_sec=statistics.median(1 / (e['time/generation_s'] + e['time/training_s']) for e in timed),
+                generation_s=generation, training_s=training,
+                generation_tokens_per_sec=statistics.median(e['generation/tokens_per_sec'] for e in timed),
+                completion_length=statistics.median(e['completions/mean_length'] for e in timed),
+                peak_memory_mb=timed[-1]['peak_memory_mb'], wall_s=time.time() - t0,
+                command=' '.join(['python', *args[1:]]))
+
+
+signal.signal(signal.SIGTERM, lambda *_: sys.exit('stopped (SIGTERM)'))  # run the finally above
+os.makedirs(out, exist_ok=True)
+model_folder = os.path.join(out, 'model')
+hf_config = dict(LLAMA_1B, hidden_size=hidden_size, num_hidden_layers=layers, vocab_size=vocab_size,
+                 intermediate_size=4 * hidden_size, head_dim=hidden_size // LLAMA_1B['num_attention_heads'])
+if not os.path.exists(os.path.join(model_folder, 'config.json')) or \
+        json.load(open(os.path.join(model_folder, 'config.json'))) != hf_config:
+    os.makedirs(model_folder, exist_ok=True)
+    write_random_llama(model_folder, hf_config, SHARD_BYTES, tokenizer_folder)
+results = {}
+for name in chosen:
+    results[name] = dict(mode=MODES[name][0], **run(name, MODES[name][1], model_folder))
+    print(f"{name}: {json.dumps(results[name])}", flush=True)
+    with open(os.path.join(out, 'results.json'), 'w') as f:  # after every mode: a later one may time out
+        json.dump(dict(config=config, hf_config=hf_config, results=results), f, indent=1)
+print(f"\n{device}, Llama-shaped {layers} x {hidden_size}, vocab {vocab_size}, random weights; medians of "
+      f"{steps} steps after {warmup}")
+print("| mode | steps/s | rollouts s | training s | generated tokens/s | peak memory |\n|---|---|---|---|---|---|")
+for r in results.values():
+    if 'failed' in r:
+        print(f"| {r['mode']} | failed: {r['failed']} | | | | |")
+        continue
+    print(f"| {r['mode']} | {r['steps_per_sec']:.2f} | {r['generation_s']:.2f} | {r['training_s']:.2f} | "
+          f"{r['generation_tokens_per_sec']:,.0f} | {r['peak_memory_mb'] / 1024:.1f} GiB |")

@@ -203,7 +203,8 @@ def whisper_scores(stage, out_dir, ckpt=''):
     result = os.path.join(ROOT, wav_dir, f"whisper_{kinds.replace(',', '_')}.json")
     source = os.path.join(ROOT, ckpt) if ckpt else os.path.join(ROOT, held_out or corpus, 'metadata.csv')
     if not (reuse and os.path.exists(result) and os.path.getmtime(result) > os.path.getmtime(source)):
-        synthesize = ['bench/tts_asr.py', 'synthesize', f'--wav_dir={wav_dir}', *([f'--ckpt={ckpt}'] if ckpt else []),
+        synthesize = ['bench/tts_asr.py', 'synthesize', f'--wav_dir={wav_dir}', f'--kinds={kinds}',
+                      *([f'--ckpt={ckpt}'] if ckpt else []),
                       f'--held_out_dir={held_out}' if held_out else f'--data_dir={corpus}',
                       *(['--utterances=2'] if quick else [])]
         print(f"[{time.strftime('%H:%M:%S')}] python {' '.join(synthesize)}", flush=True)

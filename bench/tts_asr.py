@@ -79,8 +79,10 @@ def synthesize(args):
     texts = dict(rows)
     words = spoken_words(data_dir, texts)
     val_ids = val_ids[:args.utterances or len(val_ids)]
-    kinds = KINDS if ckpt else KINDS[:2]
-    model = load_tts(ckpt) if ckpt else None
+    kinds = args.kinds.split(',') if args.kinds else KINDS if ckpt else KINDS[:2]
+    if set(kinds) - set(KINDS) or ('model' in kinds and not ckpt):
+        raise SystemExit(f"--kinds={args.kinds}: choose from {','.join(KINDS)}; 'model' needs --ckpt")
+    model = load_tts(ckpt) if 'model' in kinds else None
     rate = MEL_SETTINGS['sample_rate']
     extractor = MelExtractor(**MEL_SETTINGS)
     torch.manual_seed(0)  # Griffin-Lim starts from random phases
@@ -88,13 +90,15 @@ def synthesize(args):
         os.makedirs(os.path.join(args.wav_dir, kind), exist_ok=True)
     for utt_id in val_ids:
         recording, _ = read_wav(os.path.join(data_dir, 'wavs', utt_id + '.wav'), rate)
-        wavs = [recording, extractor.to_waveform(extractor(recording))]
+        wavs = {'reference': recording}
+        if 'griffin_lim' in kinds:  # the slow one: only where asked for
+            wavs['griffin_lim'] = extractor.to_waveform(extractor(recording))
         if model is not None:
             c = ckpt['config']
-            wavs.append(speak(model, texts[utt_id], c['n_timesteps'], c['temperature'], c['length_scale'],
-                              c['guidance'] if args.guidance is None else args.guidance, c['seed'])[0])
-        for kind, wav in zip(kinds, wavs):
-            wav = torchaudio.functional.resample(wav.float(), rate, ASR_RATE)
+            wavs['model'] = speak(model, texts[utt_id], c['n_timesteps'], c['temperature'], c['length_scale'],
+                                  c['guidance'] if args.guidance is None else args.guidance, c['seed'])[0]
+        for kind in kinds:
+            wav = torchaudio.functional.resample(wavs[kind].float(), rate, ASR_RATE)
             write_wav(os.path.join(args.wav_dir, kind, utt_id + '.wav'), wav / max(1.0, wav.abs().max().item()),
                       ASR_RATE)
         print(f"{utt_id}: {words[utt_id]}", flush=True)
@@ -168,6 +172,8 @@ if __name__ == '__main__':
                       'disjoint from the training corpus)')
     step.add_argument('--utterances', type=int, default=0, help='the first N held-out utterances; 0 = all')
     step.add_argument('--wav_dir', required=True)
+    step.add_argument('--kinds', default='', help="e.g. 'model' (the recordings and Griffin-Lim do not depend on "
+                      "the checkpoint); '' = all three with --ckpt, else the two without a model")
     step.add_argument('--guidance', type=float, default=None, help="classifier-free guidance weight; default: the "
                       "checkpoint's")
     step = steps.add_parser('score', help='word and character error rates by Whisper (the ASR venv)')

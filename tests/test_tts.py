@@ -2,6 +2,7 @@
 generated corpora: a few short sine/noise WAVs and a metadata.csv made in tmp_path."""
 
 import itertools
+import json
 import math
 import os
 import random
@@ -524,3 +525,22 @@ def test_relaunch_after_sigkill_continues_the_run(tmp_path, corpus):
     killed_at, output, steps = kill_and_relaunch(args, out)
     assert killed_at >= 4 and f'resuming from {out / "ckpt.pt"} at step {killed_at}\n' in output
     assert steps == list(range(1, 41)) and load(out / 'ckpt.pt')['iter_num'] == 40
+
+
+@pytest.mark.slow
+def test_asr_synthesis_writes_only_the_kinds_asked_for(tmp_path, corpus, straight_run):
+    """bench/tts_asr.py synthesize: with --kinds=model only the checkpoint speaks (the recordings and Griffin-Lim
+    do not depend on it, and bench/report.py scores them once per corpus); by default all three kinds."""
+    ckpt = straight_run[0] / 'ckpt.pt'
+    for kinds, expected in (('model', ['model']), ('', ['griffin_lim', 'model', 'reference'])):
+        wav_dir = tmp_path / (kinds or 'all')
+        run(['bench/tts_asr.py', 'synthesize', f'--ckpt={ckpt}', f'--wav_dir={wav_dir}', '--utterances=1',
+             f'--kinds={kinds}'])
+        assert sorted(json.loads((wav_dir / 'manifest.json').read_text())['kinds']) == expected
+        assert sorted(d.name for d in wav_dir.iterdir() if d.is_dir()) == expected
+        assert all(len(os.listdir(wav_dir / k)) == 1 for k in expected)
+    name = os.listdir(tmp_path / 'model' / 'model')[0]
+    assert (tmp_path / 'model' / 'model' / name).read_bytes() == (tmp_path / 'all' / 'model' / name).read_bytes()
+    p = run(['bench/tts_asr.py', 'synthesize', f'--wav_dir={tmp_path / "x"}', f'--data_dir={corpus}',
+             '--kinds=model'], check=False)
+    assert p.returncode != 0 and "'model' needs --ckpt" in p.stderr

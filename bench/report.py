@@ -5,7 +5,7 @@ per figure, the median and the range over the seeds, every seed's value, the com
 the wall time (nanochat's report card: nobody types a result). Every model of the chain, and a published
 chat model (SmolLM2-135M-Instruct, built by ../shared/tools/make_smollm2_hf.py) as published, after a LoRA
 SFT and after RL on it, also answers the same held-out number-task prompts through `eval.py` (exact match,
-BLEU, ROUGE-L side by side). The published model's LoRA SFT runs on the first seed only (13 min on 2 cores);
+BLEU, ROUGE-L side by side). The published model's LoRA SFT runs once, on the first seed (~17 min on 2 cores);
 its RL runs on every seed from that one SFT model. The text-to-speech recipes (espeak-ng's voice, and a natural
 one: docs/tts.md) are scored as papers do: Whisper's error rates on held-out sentences (bench/tts_asr.py, in its
 own venv at asr_python), beside the recordings and their mel through Griffin-Lim, with MCD-DTW and real-time factor.
@@ -242,7 +242,7 @@ FORMATS = {'val loss': '{:.4f}', 'exact match': '{:.1%}', 'exact match before': 
 COMMANDS = {'pretrain': '`python train.py`', 'sft': '`python train.py config/sft.py`',
             'lora': '`python train.py config/lora.py`', 'dpo': '`python train_dpo.py config/dpo.py`',
             'rl': '`python train_rl.py config/rl.py`', 'hf-base': '(as published)',
-            'hf-lora': '`python train.py config/lora_hf.py` (first seed only)',
+            'hf-lora': '`python train.py config/lora_hf.py` (one run, the first seed)',
             'hf-rl': '`python train_rl.py config/rl_hf.py` (from the hf-lora model)',
             'speedrun': '`python bench/speedrun.py` (pairs, not seeds)',
             'tts-espeak': '`python train_tts.py config/tts_espeak_cpu.py`',

@@ -30,7 +30,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, 'bench'))
 
 from configurator import at_least, check_values, configure
-from hf_parity import LLAMA_1B, SHARD_BYTES, write_random_llama
+from hf_parity import random_llama_folder
 
 # -----------------------------------------------------------------------------
 tokenizer_folder = 'models/smollm2-135m-instruct'  # a Hugging Face folder whose tokenizer files are copied
@@ -166,13 +166,7 @@ def run(name, flags, model_folder, sft_data, dpo_data):
 
 
 os.makedirs(out, exist_ok=True)
-model_folder = os.path.join(out, 'model')
-hf_config = dict(LLAMA_1B, hidden_size=hidden_size, num_hidden_layers=layers, vocab_size=vocab_size,
-                 intermediate_size=4 * hidden_size, head_dim=hidden_size // LLAMA_1B['num_attention_heads'])
-if not os.path.exists(os.path.join(model_folder, 'config.json')) or \
-        json.load(open(os.path.join(model_folder, 'config.json'))) != hf_config:
-    os.makedirs(model_folder, exist_ok=True)
-    write_random_llama(model_folder, hf_config, SHARD_BYTES, tokenizer_folder)
+model_folder, hf_config = random_llama_folder(out, hidden_size, layers, vocab_size, tokenizer_folder)
 sft_data, dpo_data = write_data(out)
 results = {}
 for name in chosen:

@@ -221,6 +221,19 @@ def write_random_llama(folder, hf_config, shard_bytes, tokenizer_folder=SMOLLM2)
             / 2**20}
 
 
+def random_llama_folder(out, hidden_size, layers, vocab_size, tokenizer_folder):
+    """(folder, config): out/model, a Llama-3.2-1B-shaped folder of random weights (LLAMA_1B at this width,
+    depth and vocabulary, MLP 4x), written once and reused while its config.json is the same."""
+    folder = os.path.join(out, 'model')
+    hf_config = dict(LLAMA_1B, hidden_size=hidden_size, num_hidden_layers=layers, vocab_size=vocab_size,
+                     intermediate_size=4 * hidden_size, head_dim=hidden_size // LLAMA_1B['num_attention_heads'])
+    config_path = os.path.join(folder, 'config.json')
+    if not os.path.exists(config_path) or json.load(open(config_path)) != hf_config:
+        os.makedirs(folder, exist_ok=True)
+        write_random_llama(folder, hf_config, SHARD_BYTES, tokenizer_folder)
+    return folder, hf_config
+
+
 def hf_chat_ids(tokenizer, messages):
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     return list(ids['input_ids'] if hasattr(ids, 'keys') else ids)

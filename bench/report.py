@@ -231,7 +231,7 @@ def commit():
     done = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], cwd=ROOT, capture_output=True, text=True)
     status = subprocess.run(['git', 'status', '--porcelain', '--untracked-files=no'], cwd=ROOT, capture_output=True,
                             text=True).stdout.splitlines()
-    # the files a report writes itself (a partial report's earlier runs) do not make the code it ran dirty
+    # the files a report writes itself (a partial report's earlier runs) do not make its code dirty
     dirty = [line for line in status if line[3:] not in ('bench/report.json', 'bench/report.md', 'bench/RESULTS.md',
                                                          'README.md')]
     return done.stdout.strip() + (' (with uncommitted changes)' if dirty else '')

@@ -31,7 +31,7 @@ learning_rate = 1e-3         # the alignment forms in the first ~500 steps. At 2
 align_prior_iters = 1000     # MAS leans on a diagonal prior that fades out over these steps (see train_tts.py)
 max_iters = 2000
 lr_schedule = 'cosine'
-warmup_iters = 500           # a slow start for the encoder: with 100, seed 1338 shifted (prior 1.02 at step 600);
-                             # with 500 it and seeds 1-7, 1337, 1339 aligned (0.952-0.964, bench/tts_check.py)
+warmup_iters = 500           # with 100, seed 1338's alignment shifted; with 500, 10 of 10 seeds
+                             # aligned (bench/tts_check.py, dev/LOG.md 2026-11-26)
 lr_decay_iters = 2000
 min_lr = 1e-4

@@ -1,6 +1,7 @@
 """parallel='fsdp' (run/fsdp.py) on CPU with gloo, 2 ranks: the same losses as one process with the same global
 batch, bit-exact resume, and one checkpoint format that one process, DDP and FSDP all continue from."""
 import dataclasses
+import functools
 import math
 import shutil
 import weakref
@@ -15,6 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from configurator import UserError
 from run.checkpoint import all_rng_states, load_checkpoint, write_checkpoint
+from run.runtime import compute_cleanup
 from conftest import (HF_TINY, REFERENCE, TINY, TRAIN_METRICS, assert_user_error, dpo, evals, hf_fixture,
                       kill_and_relaunch, load, logged, parameter_bytes, reference_logps_under_bf16_autocast, run,
                       sft_args, torchrun, train, train_metrics)
@@ -94,21 +96,31 @@ NEW_MODEL = GPTConfig(block_size=16, vocab_size=25, n_layer=2, n_head=2, n_embd=
                       pos_emb='learned', tie_embeddings=False)
 
 
+def gloo_rank(worker):
+    """worker(rank, world_size, folder, *args) as one rank of an mp.spawn group over gloo, ended as
+    run.runtime.compute_cleanup ends a rank: the ranks leave together and the process exits there, skipping
+    the interpreter's teardown, where a gloo thread still releasing a collective can abort it (SIGABRT,
+    'terminate called without an active exception'; seen once in this file's first test on CI's CPU)."""
+    @functools.wraps(worker)
+    def rank_of_a_group(rank, world_size, folder, *args):
+        dist.init_process_group('gloo', init_method=f'file://{folder / "store"}', rank=rank, world_size=world_size)
+        worker(rank, world_size, folder, *args)  # an exception ends the process as usual: spawn reports it
+        compute_cleanup(True)
+    return rank_of_a_group
+
+
+@gloo_rank
 def draw_a_new_model_sharded(rank, world_size, folder, seed):
     """One rank of a new FSDP model, built as train.py builds it from scratch; writes what it held, and
     (rank 0) the whole model gathered after sharding."""
-    dist.init_process_group('gloo', init_method=f'file://{folder / "store"}', rank=rank, world_size=world_size)
-    try:
-        with same_init_on_every_rank(seed, enabled=True):
-            model = build_model(NEW_MODEL, None, assign=True)
-        # where the whole model used to be drawn on every rank
-        allocated_before_sharding = sum(p.numel() for p in model.parameters() if not p.is_meta)
-        shard_model(model, 'cpu', torch.float32, cpu_offload=False)
-        held = sum(p.to_local().numel() for p in model.parameters())
-        torch.save(dict(allocated_before_sharding=allocated_before_sharding, held=held, whole=model_state_dict(model)),
-                   folder / f'rank{rank}.pt')
-    finally:
-        dist.destroy_process_group()
+    with same_init_on_every_rank(seed, enabled=True):
+        model = build_model(NEW_MODEL, None, assign=True)
+    # where the whole model used to be drawn on every rank
+    allocated_before_sharding = sum(p.numel() for p in model.parameters() if not p.is_meta)
+    shard_model(model, 'cpu', torch.float32, cpu_offload=False)
+    held = sum(p.to_local().numel() for p in model.parameters())
+    torch.save(dict(allocated_before_sharding=allocated_before_sharding, held=held, whole=model_state_dict(model)),
+               folder / f'rank{rank}.pt')
 
 
 @pytest.mark.slow
@@ -130,46 +142,43 @@ def test_a_new_fsdp_model_is_never_whole_on_a_rank_and_is_one_processs_model(tmp
     assert not torch.equal(GPT(NEW_MODEL).state_dict()['lm_head.weight'], expected['lm_head.weight'])
 
 
+@gloo_rank
 def save_a_sharded_model_to_one_file(rank, world_size, folder):
     """One rank of a tied FSDP model after an AdamW step, saved to one file (write_checkpoint) while counting
     the bytes of gathered tensors (full_tensor's, or shards received) alive at once; rank 0 also saves
     full_state_dict's copy. Then the optimizer state read back as a resumed run reads it, counting its views
     of the memory-mapped file."""
-    dist.init_process_group('gloo', init_method=f'file://{folder / "store"}', rank=rank, world_size=world_size)
-    try:
-        with same_init_on_every_rank(0, enabled=True):
-            model = build_model(dataclasses.replace(NEW_MODEL, tie_embeddings=True), None, assign=True)
-        shard_model(model, 'cpu', torch.float32, cpu_offload=False)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        x = torch.randint(0, NEW_MODEL.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
-        model(x, x)[1].backward()
-        optimizer.step()
-        state = dict(model=model.state_dict(keep_vars=True), optimizer=optimizer.state_dict(), iter_num=1,
-                     rng=all_rng_states(), bf16=torch.arange(5.0, dtype=torch.bfloat16))
-        alive, peak, full_tensor, recv = [0], [0], DTensor.full_tensor, dist.recv
+    with same_init_on_every_rank(0, enabled=True):
+        model = build_model(dataclasses.replace(NEW_MODEL, tie_embeddings=True), None, assign=True)
+    shard_model(model, 'cpu', torch.float32, cpu_offload=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = torch.randint(0, NEW_MODEL.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    model(x, x)[1].backward()
+    optimizer.step()
+    state = dict(model=model.state_dict(keep_vars=True), optimizer=optimizer.state_dict(), iter_num=1,
+                 rng=all_rng_states(), bf16=torch.arange(5.0, dtype=torch.bfloat16))
+    alive, peak, full_tensor, recv = [0], [0], DTensor.full_tensor, dist.recv
 
-        def hold(gathered):  # counted until it is freed
-            alive[0] += gathered.nbytes
-            peak[0] = max(peak[0], alive[0])
-            weakref.finalize(gathered, lambda n=gathered.nbytes: alive.__setitem__(0, alive[0] - n))
-            return gathered
-        DTensor.full_tensor = lambda self, *args, **kwargs: hold(full_tensor(self, *args, **kwargs))
-        dist.recv = lambda tensor, *args, **kwargs: recv(hold(tensor), *args, **kwargs)
-        write_checkpoint(str(folder / 'ckpt.pt'), state, sharded=False, master=rank == 0)
-        DTensor.full_tensor, dist.recv = full_tensor, recv
-        whole = full_state_dict(state)
-        if rank == 0:
-            torch.save(whole, folder / 'reference.pt')
-        sizes = [t.nbytes for t in tensors_in(whole)]  # (none on rank 1: full_state_dict keeps them on rank 0)
-        # resuming: the optimizer state cut to this rank's shards holds no view of the mapped file
-        ckpt = load_checkpoint(str(folder / 'ckpt.pt'))
-        mapped = [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in tensors_in(ckpt)]
-        start, end = min(p for p, _ in mapped), max(p + n for p, n in mapped)
-        resumed = tensors_in(shard_optimizer_state(optimizer, ckpt['optimizer']))
-        views = sum(start <= (t.to_local() if is_dtensor(t) else t).data_ptr() < end for t in resumed)
-        torch.save(dict(peak=peak[0], sizes=sizes, views=views), folder / f'rank{rank}.pt')
-    finally:
-        dist.destroy_process_group()
+    def hold(gathered):  # counted until it is freed
+        alive[0] += gathered.nbytes
+        peak[0] = max(peak[0], alive[0])
+        weakref.finalize(gathered, lambda n=gathered.nbytes: alive.__setitem__(0, alive[0] - n))
+        return gathered
+    DTensor.full_tensor = lambda self, *args, **kwargs: hold(full_tensor(self, *args, **kwargs))
+    dist.recv = lambda tensor, *args, **kwargs: recv(hold(tensor), *args, **kwargs)
+    write_checkpoint(str(folder / 'ckpt.pt'), state, sharded=False, master=rank == 0)
+    DTensor.full_tensor, dist.recv = full_tensor, recv
+    whole = full_state_dict(state)
+    if rank == 0:
+        torch.save(whole, folder / 'reference.pt')
+    sizes = [t.nbytes for t in tensors_in(whole)]  # (none on rank 1: full_state_dict keeps them on rank 0)
+    # resuming: the optimizer state cut to this rank's shards holds no view of the mapped file
+    ckpt = load_checkpoint(str(folder / 'ckpt.pt'))
+    mapped = [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in tensors_in(ckpt)]
+    start, end = min(p for p, _ in mapped), max(p + n for p, n in mapped)
+    resumed = tensors_in(shard_optimizer_state(optimizer, ckpt['optimizer']))
+    views = sum(start <= (t.to_local() if is_dtensor(t) else t).data_ptr() < end for t in resumed)
+    torch.save(dict(peak=peak[0], sizes=sizes, views=views), folder / f'rank{rank}.pt')
 
 
 @pytest.mark.slow

@@ -21,7 +21,6 @@ import os
 import random
 import signal
 import statistics
-import subprocess
 import sys
 import time
 
@@ -31,6 +30,7 @@ sys.path.insert(0, os.path.join(ROOT, 'bench'))
 
 from configurator import at_least, check_values, configure
 from hf_parity import random_llama_folder
+from logged_run import run_until_logged
 
 # -----------------------------------------------------------------------------
 tokenizer_folder = 'models/smollm2-135m-instruct'  # a Hugging Face folder whose tokenizer files are copied
@@ -104,23 +104,6 @@ def write_data(folder):
     return sft, dpo
 
 
-def descendants(pid):
-    """Process ids started by pid, at any depth (torchrun's workers run in sessions of their own)."""
-    children = {}
-    for entry in os.listdir('/proc'):
-        try:
-            with open(f'/proc/{entry}/stat') as f:
-                children.setdefault(int(f.read().rsplit(')', 1)[1].split()[1]), []).append(int(entry))
-        except (ValueError, OSError):
-            continue
-    found, todo = [], [pid]
-    while todo:
-        started = children.get(todo.pop(), [])
-        found += started
-        todo += started
-    return found
-
-
 def run(name, flags, model_folder, sft_data, dpo_data):
     run_dir = os.path.join(out, name)
     launcher, script = (TORCHRUN, flags[1:]) if flags[0] == 'torchrun' else ([sys.executable], flags)
@@ -133,25 +116,8 @@ def run(name, flags, model_folder, sft_data, dpo_data):
               '--eval_pairs=2'] if dpo else
              [f'--sft_data={sft_data}', f'--block_size={seq_len}', f'--max_length={seq_len}', '--eval_iters=1',
               '--sample_tokens=0'])
-    log_path = os.path.join(run_dir, 'log.jsonl')
-    if os.path.exists(log_path):
-        os.remove(log_path)
     t0 = time.time()
-    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    timed = []
-    while proc.poll() is None and time.time() - t0 < timeout and len(timed) < windows + 1:
-        time.sleep(0.5)
-        if os.path.exists(log_path):
-            with open(log_path) as f:
-                timed = [e for e in map(json.loads, filter(str.strip, f)) if 'tokens_per_sec' in e]
-    for pid in [proc.pid, *descendants(proc.pid)]:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    output = proc.stdout.read()
-    proc.wait()
+    timed, output = run_until_logged(args, os.path.join(run_dir, 'log.jsonl'), 'tokens_per_sec', windows + 1, timeout)
     if len(timed) < windows + 1:
         sys.exit(f"{name}: {len(timed)} logging windows in {time.time() - t0:.0f} s\n{' '.join(args)}\n"
                  f"{output[-4000:]}")
@@ -165,6 +131,7 @@ def run(name, flags, model_folder, sft_data, dpo_data):
                                   *extra_flags.split()]))
 
 
+signal.signal(signal.SIGTERM, lambda *_: sys.exit('stopped (SIGTERM)'))  # kill the running mode too
 os.makedirs(out, exist_ok=True)
 model_folder, hf_config = random_llama_folder(out, hidden_size, layers, vocab_size, tokenizer_folder)
 sft_data, dpo_data = write_data(out)

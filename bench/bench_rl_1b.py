@@ -18,7 +18,6 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import time
 
@@ -28,6 +27,7 @@ sys.path.insert(0, os.path.join(ROOT, 'bench'))
 
 from configurator import at_least, check_values, configure
 from hf_parity import random_llama_folder
+from logged_run import run_until_logged
 
 # -----------------------------------------------------------------------------
 tokenizer_folder = 'models/smollm2-135m-instruct'  # a Hugging Face folder whose tokenizer files are copied
@@ -66,26 +66,9 @@ def run(name, flags, model_folder):
             '--resume=False', f'--device={device}', '--log_interval=1', '--max_iters=100000',
             '--eval_interval=100000', '--tensorboard=False', '--exact_match_examples=0', '--eval_prompts=8',
             '--pass_k=2', '--reward=bench/digits_reward.py:digits', *flags]
-    log_path = os.path.join(run_dir, 'log.jsonl')
-    if os.path.exists(log_path):
-        os.remove(log_path)
     t0 = time.time()
-    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    logged = []
-    try:
-        while proc.poll() is None and time.time() - t0 < timeout and len(logged) < warmup + steps:
-            time.sleep(0.5)
-            if os.path.exists(log_path):
-                with open(log_path) as f:
-                    logged = [e for e in map(json.loads, filter(str.strip, f)) if 'time/generation_s' in e]
-    finally:  # also when this script is stopped: a mode left running holds the GPU's memory
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # the script and its compile workers (one session)
-        except ProcessLookupError:
-            pass
-    output = proc.stdout.read()
-    proc.wait()
+    logged, output = run_until_logged(args, os.path.join(run_dir, 'log.jsonl'), 'time/generation_s', warmup + steps,
+                                      timeout)
     if len(logged) < warmup + steps:
         return dict(failed=f"{len(logged)} steps in {time.time() - t0:.0f} s", output=output[-1500:],
                     command=' '.join(args[1:]))
@@ -100,7 +83,7 @@ def run(name, flags, model_folder):
                 command=' '.join(['python', *args[1:]]))
 
 
-signal.signal(signal.SIGTERM, lambda *_: sys.exit('stopped (SIGTERM)'))  # run the finally above
+signal.signal(signal.SIGTERM, lambda *_: sys.exit('stopped (SIGTERM)'))  # kill the running mode too
 os.makedirs(out, exist_ok=True)
 model_folder, hf_config = random_llama_folder(out, hidden_size, layers, vocab_size, tokenizer_folder)
 results = {}

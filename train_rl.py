@@ -368,7 +368,7 @@ while iter_num < max_iters:
     advantages = group_advantages(all_rewards, num_generations, scale_rewards).view(world_size, -1)[rank]
     sequences = [(prompts[i // num_generations][0], c) for i, c in enumerate(completions)]
     scored = [bool(s) or not mask_truncated_completions for s in stopped.tolist()]  # DAPO's mask: truncated ones out
-    batches = completion_batches(sequences, scored, micro_batch_size, tokenizer.eos_id, device)
+    batches = completion_batches(sequences, scored, micro_batch_size, device)
     t1 = time.time()
     old_logps = fixed_logps(batches, use_reference=False) if num_iterations > 1 else None
     ref_logps = fixed_logps(batches, use_reference=True) if beta > 0 else None

@@ -397,7 +397,7 @@ def our_step1(model, tokenizer, theirs, loss):
     rewards = torch.tensor([float(digits(prompt=None, completion=t, row=None)) for t in text])
     advantages = group_advantages(rewards, num_generations, 'group')
     n = len(completions)
-    batch = completion_batches(list(zip(theirs['prompt_ids'], completions)), [True] * n, n, tokenizer.eos_id)[0]
+    batch = completion_batches(list(zip(theirs['prompt_ids'], completions)), [True] * n, n)[0]
     logits, _ = model(batch['x'], logits_at=(batch['rows'], batch['cols']), positions=batch['positions'],
                       mask=batch['mask'])
     logits = logits.float() / temperature
@@ -416,8 +416,7 @@ def our_step1(model, tokenizer, theirs, loss):
     # the per-token log-probs of the sequences in the (shuffled) order TRL trained on them
     trained = theirs['trained']
     n = len(trained['completion_ids'])
-    batch = completion_batches(list(zip(trained['prompt_ids'], trained['completion_ids'])), [True] * n, n,
-                               tokenizer.eos_id)[0]
+    batch = completion_batches(list(zip(trained['prompt_ids'], trained['completion_ids'])), [True] * n, n)[0]
     with torch.no_grad():
         logits, _ = model(batch['x'], logits_at=(batch['rows'], batch['cols']), positions=batch['positions'],
                          mask=batch['mask'])

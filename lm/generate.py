@@ -5,14 +5,15 @@ once, greedy or sampled (model.sample_next), each row stopping at its own first 
 Prompts are left-padded to the longest, so every row's last prompt token sits in the same slot and
 the batch decodes one slot per step. Slot j of row b holds the token at position j - starts[b]
 (starts[b]: row b's padding); RoPE or learned positions see each prompt from position 0, and a mask
-hides the padding. With num_samples = G the prompts are prefilled once and their cache rows copied G
-times. Rows that finish leave the batch (and their cache rows with them), so a long completion does
-not keep finished rows computing; as leaving copies the caches, they leave together, once computing
-them in the steps left would cost more than a decode step of the whole batch.
+hides the padding. With num_samples = G the prompts are prefilled once, and their G rows read the
+prompt's keys from that one copy (model.SharedPromptCache) or from G copies of it. Rows that finish
+leave the batch (and their own cache rows with them), so a long completion does not keep finished rows
+computing; as leaving copies the caches, they leave together, once computing them in the steps left
+would cost more than a decode step of the whole batch.
 """
 import torch
 
-from model import KVCache, sample_next, window_mask
+from model import KVCache, SharedPromptCache, sample_next, window_mask
 
 
 def stop_tokens(tokenizer):
@@ -69,32 +70,33 @@ def next_logits(model, idx, starts, caches):
     return model.logits(h[:, -1])
 
 
-def keep_rows(caches, keep):
-    """Select the caches' rows by keep, row indices (a repeat copies a row); the copy costs about
-    what one decode step reads."""
-    for cache in caches:
-        cache.k, cache.v = cache.k.index_select(0, keep), cache.v.index_select(0, keep)
-
-
 @torch.no_grad()
 def generate_batch(model, prompts, max_new_tokens, temperature=0.0, top_k=None, top_p=None, stop_ids=(),
-                   num_samples=1, generator=None, rows_of=None):
+                   num_samples=1, generator=None, rows_of=None, share_prompts=None):
     """Completions of prompts (lists of token ids), num_samples per prompt in prompt order:
     prompt i's are entries i * num_samples ... (i + 1) * num_samples - 1. Each is at most
     max_new_tokens ids, without the prompt, ending with the first of stop_ids it produced (shared
     by all rows). temperature 0 is greedy; sampling draws from generator one number per completion a
     step (model.sample_next). rows_of=(first, total): these completions are rows first... of a batch of
     total that processes split; each draws all total numbers and uses its own, so the split does not change
-    the samples (train_rl.py's ranks). Call model.eval() first."""
+    the samples (train_rl.py's ranks). share_prompts: the num_samples rows of a prompt read its cached keys
+    from one copy (model.SharedPromptCache) instead of num_samples; None = on a CPU, where decoding waits
+    on reading the cache (on a GPU it waits on kernel launches, which that adds). Call model.eval() first."""
     check_prompts(prompts, max_new_tokens, model.config.block_size)
     completions = [[] for _ in range(len(prompts) * num_samples)]
     if not prompts or max_new_tokens == 0:
         return completions
     idx, starts = left_pad(prompts, model.lm_head.weight.device)
-    caches = [KVCache(idx.size(1) + max_new_tokens - 1) for _ in model.transformer.h]
+    share = num_samples > 1 and (idx.device.type == 'cpu' if share_prompts is None else share_prompts)
+    width = idx.size(1) + (0 if share else max_new_tokens - 1)
+    caches = [KVCache(width) for _ in model.transformer.h]
     logits = next_logits(model, idx, starts, caches).repeat_interleave(num_samples, dim=0)
     starts = starts.repeat_interleave(num_samples)
-    keep_rows(caches, torch.arange(len(prompts), device=idx.device).repeat_interleave(num_samples))
+    if share:
+        caches = [SharedPromptCache(cache, num_samples, max_new_tokens - 1) for cache in caches]
+    else:
+        for cache in caches:
+            cache.keep(torch.arange(len(prompts), device=idx.device).repeat_interleave(num_samples))
     stop_ids = set(stop_ids)
     rows = list(range(len(completions)))  # the completion each batch row writes to; None once it stopped
     first, total = rows_of or (0, len(completions))
@@ -114,7 +116,8 @@ def generate_batch(model, prompts, max_new_tokens, temperature=0.0, top_k=None, 
         # steps left would cost more than a decode step of the batch; until then, tokens thrown away
         if running.count(False) * (max_new_tokens - 1 - step) >= len(rows):
             keep = torch.tensor([i for i, r in enumerate(running) if r], device=idx.device)
-            keep_rows(caches, keep)
+            for cache in caches:
+                cache.keep(keep)
             rows = [row for row in rows if row is not None]
             token, starts, owners = token[keep], starts[keep], owners[keep]
         logits = next_logits(model, token, starts, caches)

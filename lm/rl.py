@@ -7,7 +7,7 @@ without padding. Formulas: docs/rl.md.
 """
 import torch
 
-from lm.chat_data import branched_rows
+from model import SharedPrompts
 
 LOSS_TYPES = ('grpo', 'dapo', 'dr_grpo')
 SCALE_REWARDS = ('group', 'batch', 'none')
@@ -69,34 +69,40 @@ def token_entropy(logits):
     return -(logp.exp() * logp).sum(-1)
 
 
-def completion_batches(sequences, scored, micro_batch_size, pad_id, device='cpu'):
+def completion_batches(sequences, scored, micro_batch_size, device='cpu'):
     """Rollouts as training micro-batches of micro_batch_size sequences each. sequences: (prompt ids, completion
     ids) pairs; scored: per sequence, False to leave its completion out of the loss (a masked truncated one).
-    Consecutive sequences with the same prompt (a group's G completions) share one row: the prompt once, then
-    each scored completion, which attends to the prompt and to itself only and continues the prompt's positions
-    (train_dpo.py's padding-free pairs, G-fold). The prompt, most of the tokens when answers are short, is
-    computed once per group instead of G times, and every completion token sees what it would alone.
-    Each micro-batch is a dict: x (R, T) those rows, right-padded with pad_id; positions (R, T) and mask
-    (R, 1, T, T) their layout (lm/chat_data.branched_rows); rows, cols (N,) the positions that predict the N
-    completion tokens scored; targets (N,) those tokens; owners (N,) the sequence (0..n-1 in the micro-batch)
-    each belongs to; lengths (n,) the tokens scored of each sequence; first: the index of its first sequence in
-    sequences."""
+    A micro-batch is one flat row of tokens without padding: each prompt once, followed by its scored
+    completions (consecutive sequences with the same prompt: a group's G), laid out by model.SharedPrompts so
+    that each completion attends to its prompt and to itself only and continues the prompt's positions: every
+    completion token sees what it would alone, and the prompt, most of the tokens when answers are short, is
+    computed once instead of G times (train_dpo.py's shared prompt, G-fold).
+    Each micro-batch is a dict: x (1, N) the row's tokens; positions (1, N) and mask (model.SharedPrompts)
+    its layout; rows, cols (N',) the positions that predict the N' completion tokens scored, sequence by
+    sequence; targets (N',) those tokens; owners (N',) the sequence (0..n-1 in the micro-batch) each belongs
+    to; lengths (n,) the tokens scored of each sequence; first: the index of its first sequence in sequences."""
     batches = []
     for first in range(0, len(sequences), micro_batch_size):
-        units = []  # a row each: tokens, positions, branch (0 the prompt, k + 1 sequence k), scored
-        for owner, ((prompt, completion), keep) in enumerate(zip(sequences[first:first + micro_batch_size],
-                                                                 scored[first:first + micro_batch_size])):
-            if owner == 0 or sequences[first + owner - 1][0] != prompt:
-                units.append((list(prompt), list(range(len(prompt))), [0] * len(prompt), []))
-            tokens, positions, branch, score = units[-1]
-            if keep:  # the prompt's last position predicts the first token; the last token predicts nothing
-                p, start = len(prompt), len(tokens)
-                score += [(p - 1, completion[0], owner)] + [(start + t, target, owner)
-                                                            for t, target in enumerate(completion[1:])]
-                tokens += completion[:-1]
-                positions += range(p, p + len(completion) - 1)
-                branch += [owner + 1] * (len(completion) - 1)
-        batch = branched_rows(units, [[u] for u in range(len(units))], pad_id, device)
-        n = min(micro_batch_size, len(sequences) - first)
-        batches.append(dict(batch, lengths=torch.bincount(batch['owners'], minlength=n), first=first))
+        part = sequences[first:first + micro_batch_size]
+        tokens, positions, score = [], [], []  # score: (column, target, owner) of each scored token
+        prompts, completions, prompt_of = [], [], []  # the columns of each prompt's and completion's tokens
+        for owner, (prompt, completion) in enumerate(part):
+            if owner == 0 or part[owner - 1][0] != prompt:
+                prompts.append(range(len(tokens), len(tokens) + len(prompt)))
+                tokens += prompt
+                positions += range(len(prompt))
+            if scored[first + owner]:  # the prompt's last token predicts the first; the last predicts nothing
+                fed = completion[:-1]
+                score += [(prompts[-1][-1], completion[0], owner)] + [
+                    (len(tokens) + t, target, owner) for t, target in enumerate(completion[1:])]
+                if fed:
+                    completions.append(range(len(tokens), len(tokens) + len(fed)))
+                    prompt_of.append(len(prompts) - 1)
+                tokens += fed
+                positions += range(len(prompt), len(prompt) + len(fed))
+        cols, targets, owners = torch.tensor(score, dtype=torch.long).view(-1, 3).T.to(device)
+        batches.append(dict(x=torch.tensor([tokens], device=device), positions=torch.tensor([positions], device=device),
+                            mask=SharedPrompts(prompts, completions, prompt_of, device), rows=torch.zeros_like(cols),
+                            cols=cols, targets=targets, owners=owners,
+                            lengths=torch.bincount(owners, minlength=len(part)), first=first))
     return batches

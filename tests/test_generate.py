@@ -88,6 +88,29 @@ def test_samples_share_one_prefill_per_prompt():
 
 
 @pytest.mark.comparison
+@pytest.mark.parametrize("opts", [dict(), dict(n_head=4, n_kv_head=2, sliding_window=3), dict(pos_emb='learned')])
+def test_rows_sharing_their_prompts_cache_sample_what_rows_with_copies_do(opts):
+    """A prompt's G rows reading its keys from one copy (model.SharedPromptCache, the CPU default) draw what G
+    rows reading a copy each do: the same attention, summed in another order (float64: no draw flips), also
+    as rows leave, some before their first decode step."""
+    m = sharp_model(**opts)
+    caches = []
+    m.transformer.h[0].attn.register_forward_pre_hook(lambda mod, args: caches.append(type(args[2]).__name__))
+    first = generate_batch(m, PROMPTS[:1], 1)[0][0]  # prompt 0's greedy first token: its 3 rows stop at once
+
+    def draw(share):
+        caches.clear()
+        return generate_batch(m, PROMPTS, 10, temperature=1.5, num_samples=3, stop_ids=[first, 28], share_prompts=share,
+                              generator=torch.Generator().manual_seed(5)), list(caches)
+    (shared, shared_caches), (copied, copied_caches) = draw(None), draw(False)
+    assert shared == copied
+    assert shared_caches == ['KVCache'] + ['SharedPromptCache'] * 9 and set(copied_caches) == {'KVCache'}
+    assert len(set(map(tuple, shared))) > 6 and min(map(len, shared)) < 10  # diverse, and some rows stopped early
+    greedy = lambda share: generate_batch(m, PROMPTS, 10, num_samples=3, stop_ids=[first], share_prompts=share)
+    assert greedy(True) == greedy(False) and greedy(True)[:3] == [[first]] * 3
+
+
+@pytest.mark.comparison
 def test_greedy_samples_are_copies_of_the_greedy_completion():
     m = sharp_model()
     got = generate_batch(m, PROMPTS, 10, num_samples=3)

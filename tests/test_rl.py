@@ -469,52 +469,94 @@ def test_masked_truncated_completions_run_and_leave_the_loss_to_the_others(tmp_p
         assert masked['grad_norm'] != plain['grad_norm']
 
 
-def test_completion_batches_share_each_prompt_and_leave_masked_completions_out():
-    """A group's completions share one row after their prompt, each predicted from the position before each
-    token (the first from the prompt's last); a masked completion (scored False) is left out of the row and
-    scores nothing; lengths count what is scored; a micro-batch boundary starts a new row."""
+def test_completion_batches_lay_each_prompt_out_once_and_leave_masked_completions_out():
+    """A micro-batch is one row: a prompt once, then its scored completions (a masked one, scored False, is left
+    out and scores nothing), each token predicted from the position before it (the first from the prompt's
+    last), positions continuing the prompt's; lengths count what is scored; a micro-batch boundary starts a
+    new row (the prompt again)."""
     a, b = [1, 2], [7, 8, 9]
     sequences = [(a, [3, 4, 0]), (a, [6]), (a, [5, 6, 7]), (b, [1, 2]), (b, [4, 5])]
-    batches = completion_batches(sequences, [True, False, True, True, True], 4, pad_id=0)
+    batches = completion_batches(sequences, [True, False, True, True, True], 4)
     assert [batch['first'] for batch in batches] == [0, 4]
     first, second = batches
-    assert first['x'].tolist() == [[1, 2, 3, 4, 5, 6], [7, 8, 9, 1, 0, 0]]
-    assert first['positions'].tolist() == [[0, 1, 2, 3, 2, 3], [0, 1, 2, 3, 0, 0]]
-    assert first['rows'].tolist() == [0, 0, 0, 0, 0, 0, 1, 1]
-    assert first['cols'].tolist() == [1, 2, 3, 1, 4, 5, 2, 3] and first['targets'].tolist() == [3, 4, 0, 5, 6, 7, 1, 2]
+    assert first['x'].tolist() == [[1, 2, 3, 4, 5, 6, 7, 8, 9, 1]]
+    assert first['positions'].tolist() == [[0, 1, 2, 3, 2, 3, 0, 1, 2, 3]]
+    assert first['rows'].tolist() == [0] * 8
+    assert first['cols'].tolist() == [1, 2, 3, 1, 4, 5, 8, 9] and first['targets'].tolist() == [3, 4, 0, 5, 6, 7, 1, 2]
     assert first['owners'].tolist() == [0, 0, 0, 2, 2, 2, 3, 3] and first['lengths'].tolist() == [3, 0, 3, 2]
-    allowed = first['mask'][0, 0]
-    assert allowed[4].tolist() == [True, True, False, False, True, False]  # the 2nd completion: prompt and itself
-    assert allowed[3].tolist() == [True, True, True, True, False, False]
+    layout = first['mask']
+    assert layout.prompts.tolist() == [[0, 1, 0], [6, 7, 8]]  # padded with a span's first column
+    assert layout.completions.tolist() == [[2, 3], [4, 5], [9, 9]] and layout.prompt_of.tolist() == [0, 0, 1]
     assert second['x'].tolist() == [[7, 8, 9, 4]] and second['lengths'].tolist() == [2]
 
 
 @pytest.mark.comparison
-@pytest.mark.parametrize('pos_emb', ['rope', 'learned'])
-def test_shared_prompt_rows_give_each_completion_its_logps_alone(pos_emb):
-    """Through a tiny GPT, the shared-prompt rows give every completion token the log-prob it has when the
-    sequence runs alone (float32 attention over other, masked keys: sums in another order, ~1e-6 here)."""
+@pytest.mark.parametrize('window', [0, 3])
+def test_shared_prompts_attend_as_a_dense_mask_of_their_rule_does(window):
+    """model.SharedPrompts' attention (two grids, gathered and scattered) equals attention over the whole row
+    with the mask its rule gives: a token sees earlier tokens of its prompt and of its own completion (and a
+    completion's token its prompt), within the window (positions). GQA; float64: only the order of sums differs."""
+    from model import SharedPrompts, attend, window_mask
+    g = torch.Generator().manual_seed(0)
+    # prompts of 3 and 4 tokens; completions of 2, 4, 1 (prompt 0) and 3 (prompt 1) fed tokens
+    spans = [('p', 0, range(0, 3)), ('c', 0, range(3, 5)), ('c', 0, range(5, 9)), ('c', 0, range(9, 10)),
+             ('p', 1, range(10, 14)), ('c', 1, range(14, 17))]
+    prompts = [list(s) for kind, _, s in spans if kind == 'p']
+    completions = [list(s) for kind, _, s in spans if kind == 'c']
+    layout = SharedPrompts(prompts, completions, [group for kind, group, _ in spans if kind == 'c'])
+    N = 17
+    group, branch, position = torch.zeros(N, dtype=torch.long), torch.zeros(N, dtype=torch.long), torch.zeros(N)
+    for i, (kind, gr, span) in enumerate(spans):
+        start = 0 if kind == 'p' else len(prompts[gr])
+        for t, col in enumerate(span):
+            group[col], branch[col], position[col] = gr, 0 if kind == 'p' else i, start + t
+    cols = torch.arange(N)
+    allowed = ((group[:, None] == group) & ((branch == 0) | (branch[:, None] == branch))
+               & (cols <= cols[:, None]))
+    if window:
+        allowed &= window_mask(position, position, window)
+    q, k, v = torch.randn(1, 4, N, 8, generator=g, dtype=torch.float64), *torch.randn(2, 1, 2, N, 8, generator=g,
+                                                                                     dtype=torch.float64)
+    want = attend(q, k, v, causal=False, mask=allowed[None, None])
+    torch.testing.assert_close(layout.attend(q, k, v, window=window), want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.comparison
+@pytest.mark.parametrize('opts', [dict(pos_emb='rope'), dict(pos_emb='learned'),
+                                  dict(pos_emb='rope', sliding_window=4)])
+def test_shared_prompt_rows_give_each_completion_its_logps_alone(opts):
+    """Through a tiny GPT, the micro-batches' rows give every completion token the log-prob it has when the
+    sequence runs alone, and the gradient of their sum is the sum of the sequences' alone (float64: only the
+    order of sums differs)."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=32, vocab_size=12, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
-                          pos_emb=pos_emb)).eval()
+                          **opts)).double().eval()
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(1, 12, (n,), generator=g).tolist() for n in (3, 7, 5)]
     sequences = [(p, torch.randint(0, 12, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist())
                  for p in prompts for _ in range(4)]
+    assert min(len(c) for _, c in sequences) == 1  # a completion with no token fed
     scored = [i % 5 != 3 for i in range(len(sequences))]
+    alone_grad = None
     for micro_batch_size in (12, 5):
         got, want = [], []
-        for batch in completion_batches(sequences, scored, micro_batch_size, pad_id=0):
-            with torch.no_grad():
-                logits, _ = model(batch['x'], positions=batch['positions'], mask=batch['mask'],
-                                  logits_at=(batch['rows'], batch['cols']))
-            got += logits.log_softmax(-1).gather(1, batch['targets'][:, None])[:, 0].tolist()
-            for owner in range(len(batch['lengths'])):
-                prompt, completion = sequences[batch['first'] + owner]
-                if scored[batch['first'] + owner]:
-                    with torch.no_grad():
-                        alone, _ = model(torch.tensor([prompt + completion[:-1]]))
-                    logps = alone[0, len(prompt) - 1:].log_softmax(-1)
-                    want += logps.gather(1, torch.tensor(completion)[:, None])[:, 0].tolist()
+        model.zero_grad()
+        for batch in completion_batches(sequences, scored, micro_batch_size):
+            logits, _ = model(batch['x'], positions=batch['positions'], mask=batch['mask'],
+                              logits_at=(batch['rows'], batch['cols']))
+            logps = logits.log_softmax(-1).gather(1, batch['targets'][:, None])[:, 0]
+            logps.sum().backward()
+            got += logps.tolist()
+        grad = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        for (prompt, completion), keep in zip(sequences, scored):
+            if keep:
+                alone, _ = model(torch.tensor([prompt + completion[:-1]]))
+                logps = alone[0, len(prompt) - 1:].log_softmax(-1).gather(1, torch.tensor(completion)[:, None])[:, 0]
+                logps.sum().backward()
+                want += logps.tolist()
+        alone_grad = [p.grad.clone() for p in model.parameters()]
         assert len(got) == sum(len(c) for (_, c), keep in zip(sequences, scored) if keep)
-        assert got == pytest.approx(want, abs=1e-5)
+        assert got == pytest.approx(want, abs=1e-12)
+        for mine, theirs in zip(grad, alone_grad):
+            torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-11)

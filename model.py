@@ -180,13 +180,13 @@ class SharedPrompts:
         Lp, Lc = self.prompts.size(1), self.completions.size(1)
         self.steps = torch.arange(max(Lp, Lc), device=device)
         own_lengths = prompt_lengths[self.prompt_of, None]  # a completion's positions start there
-        # a completion's token sees its prompt's tokens, then its own up to itself; never padding, which
-        # comes after the real ones (and padded queries are dropped)
+        # a completion's token sees its prompt's tokens, then its own up to itself; never padding,
+        # which comes after the real ones (and padded queries are dropped)
         sees_prompt = (self.steps[:Lp] < own_lengths)[:, None].expand(-1, Lc, -1)
         sees_own = torch.ones(Lc, Lc, dtype=torch.bool, device=device).tril().expand(len(completions), -1, -1)
         self.mask = torch.cat([sees_prompt, sees_own], -1)[:, None]
         self.completion_pos = own_lengths + self.steps[:Lc]
-        # each token's slot among the grids' (prompts' first), to bring the outputs back in row order
+        # each token's slot among the grids' (prompts' first): the outputs back in row order
         real = torch.cat([(self.steps[:Lp] < prompt_lengths[:, None]).flatten(),
                           (self.steps[:Lc] < lengths[:, None]).flatten()])
         columns = torch.cat([self.prompts.flatten(), self.completions.flatten()])[real]
@@ -335,8 +335,9 @@ class CausalSelfAttention(nn.Module):
         else:
             causal = True
             if cache is not None:
-                # generate() only prefills an empty cache or appends a single token; that token attends
-                # to every cached key (is_causal aligns the mask top-left, hiding all but the first)
+                # generate() only prefills an empty cache or appends a single token; that token
+                # attends to every cached key (is_causal aligns the mask top-left, hiding all but
+                # the first)
                 causal = cache.len == 0
                 k, v = cache.update(k, v)
             y = attend(q, k, v, dropout, causal, mask)

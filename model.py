@@ -185,6 +185,7 @@ class SharedPrompts:
         sees_prompt = (self.steps[:Lp] < own_lengths)[:, None].expand(-1, Lc, -1)
         sees_own = torch.ones(Lc, Lc, dtype=torch.bool, device=device).tril().expand(len(completions), -1, -1)
         self.mask = torch.cat([sees_prompt, sees_own], -1)[:, None]
+        self.keys = torch.cat([self.prompts[self.prompt_of], self.completions], 1)  # a completion's keys' columns
         self.completion_pos = own_lengths + self.steps[:Lc]
         # each token's slot among the grids' (prompts' first): the outputs back in row order
         real = torch.cat([(self.steps[:Lp] < prompt_lengths[:, None]).flatten(),
@@ -202,17 +203,15 @@ class SharedPrompts:
         def heads_first(*xs):  # (n, L, h, D) -> (n, h, L, D)
             return (x.transpose(1, 2) for x in xs)
         Lp = self.prompts.size(1)
-        prompt_k, prompt_v = gather(k, self.prompts), gather(v, self.prompts)
         band = window_mask(self.steps[:Lp], self.steps[:Lp], window)[None, None] if window else None
-        out = [attend(*heads_first(gather(q, self.prompts), prompt_k, prompt_v), dropout_p, True, band)]
+        out = [attend(*heads_first(*(gather(x, self.prompts) for x in (q, k, v))), dropout_p, True, band)]
         if self.completions.numel():
             mask = self.mask
             if window:
                 key_pos = torch.cat([self.steps[:Lp].expand(len(self.prompt_of), -1), self.completion_pos], 1)
                 mask = mask & window_mask(self.completion_pos, key_pos, window)[:, None]
-            keys, values = (torch.cat([prompt.index_select(0, self.prompt_of), gather(x, self.completions)], 1)
-                            for prompt, x in ((prompt_k, k), (prompt_v, v)))
-            out.append(attend(*heads_first(gather(q, self.completions), keys, values), dropout_p, False, mask))
+            out.append(attend(*heads_first(gather(q, self.completions), gather(k, self.keys), gather(v, self.keys)),
+                              dropout_p, False, mask))
         y = torch.cat([o.transpose(1, 2).flatten(0, 1) for o in out]).index_select(0, self.back)  # (N, H, D)
         return y.transpose(0, 1)[None]
 

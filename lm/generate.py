@@ -70,7 +70,7 @@ def next_logits(model, idx, starts, caches):
     return model.logits(h[:, -1])
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def generate_batch(model, prompts, max_new_tokens, temperature=0.0, top_k=None, top_p=None, stop_ids=(),
                    num_samples=1, generator=None, rows_of=None, share_prompts=None):
     """Completions of prompts (lists of token ids), num_samples per prompt in prompt order:

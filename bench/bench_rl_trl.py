@@ -14,7 +14,7 @@ same file in a worker mode (--mode=trl_check | trl_train). One way to make it wi
     python -c "import site; print(site.getsitepackages()[0])" > /work/trlvenv/lib/python3.11/site-packages/shared.pth
     /work/trlvenv/bin/pip install trl
 
-What it does, in one invocation (about 15 minutes on the shared 2-core CPU):
+What it does, in one invocation (about 2 minutes on a quiet 2-core CPU, 3 rounds; 15 on a loaded one):
 
 1. Data: the embedded number tasks (train_rl.py's default prompts) with a character-level tokenizer made
    from their text (data.prepare, our ChatTokenizer). No prompt is dropped (max_prompt_length is above the
@@ -34,10 +34,11 @@ What it does, in one invocation (about 15 minutes on the shared 2-core CPU):
    iteration the ratio is exactly 1, so the loss's value is a function of the advantages and lengths alone
    (-sum A_i |o_i| / T for dapo); the model enters through the gradient, which the grad norm and the
    per-token log-probs check. The loss is computed in the rollout order (each prompt shared by its G
-   completions in one row), the log-probs in the order TRL trained in (it shuffles the batch: mostly a row
-   per completion), so both of completion_batches' layouts meet TRL's numbers. Tolerances: rewards equal exactly (integers); the loss within the float32
-   bound of the two computations (each side's error at most (n + 2G + 8) u times the sum of |terms| it
-   normalises, n the elements summed, u = 2^-24, 2G + 8 for the advantage's mean, std, sqrt and division);
+   completions), the log-probs in the order TRL trained in (it shuffles the batch: most prompts then come
+   once per completion), so completion_batches' layout meets TRL's numbers both ways. Tolerances: rewards
+   equal exactly (integers); the loss within the float32 bound of the two computations (each side's error
+   at most (n + 2G + 8) u times the sum of |terms| it normalises, n the elements summed, u = 2^-24, 2G + 8
+   for the advantage's mean, std, sqrt and division);
    log-probs within 2 x logit_tolerance (a log-softmax moves at most twice the largest logit difference);
    the grad norm within grad_tolerance (relative; a sanity bound, not derived).
 5. Speed: `rounds` rounds; in each, both sides once (ours first in even rounds, TRL first in odd ones), each a

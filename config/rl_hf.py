@@ -29,7 +29,7 @@ num_iterations = 1
 
 learning_rate = 1e-4         # 2e-4 lost greedy answers; 1e-4: 48.0% -> 51.0% (48 steps) -> 54.0% (96)
 lr_schedule = 'constant'
-max_iters = 96               # ~29 min of steps on one thread of the 2-core CPU
+max_iters = 96               # ~23 min a run, evals included, on one thread of the 2-core CPU
 eval_interval = 48
 eval_prompts = 64
 pass_k = 4

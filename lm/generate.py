@@ -95,8 +95,9 @@ def generate_batch(model, prompts, max_new_tokens, temperature=0.0, top_k=None, 
     if share:
         caches = [SharedPromptCache(cache, num_samples, max_new_tokens - 1) for cache in caches]
     else:
+        copies = torch.arange(len(prompts), device=idx.device).repeat_interleave(num_samples)
         for cache in caches:
-            cache.keep(torch.arange(len(prompts), device=idx.device).repeat_interleave(num_samples))
+            cache.keep(copies)
     stop_ids = set(stop_ids)
     rows = list(range(len(completions)))  # the completion each batch row writes to; None once it stopped
     first, total = rows_of or (0, len(completions))

@@ -537,9 +537,17 @@ def test_shared_prompt_rows_give_each_completion_its_logps_alone(opts):
                  for p in prompts for _ in range(4)]
     assert min(len(c) for _, c in sequences) == 1  # a completion with no token fed
     scored = [i % 5 != 3 for i in range(len(sequences))]
-    alone_grad = None
+    want = []  # each scored sequence alone: its log-probs, and the gradient of their sum
+    model.zero_grad()
+    for (prompt, completion), keep in zip(sequences, scored):
+        if keep:
+            alone, _ = model(torch.tensor([prompt + completion[:-1]]))
+            logps = alone[0, len(prompt) - 1:].log_softmax(-1).gather(1, torch.tensor(completion)[:, None])[:, 0]
+            logps.sum().backward()
+            want += logps.tolist()
+    alone_grad = [p.grad.clone() for p in model.parameters()]
     for micro_batch_size in (12, 5):
-        got, want = [], []
+        got = []
         model.zero_grad()
         for batch in completion_batches(sequences, scored, micro_batch_size):
             logits, _ = model(batch['x'], positions=batch['positions'], mask=batch['mask'],
@@ -548,14 +556,6 @@ def test_shared_prompt_rows_give_each_completion_its_logps_alone(opts):
             logps.sum().backward()
             got += logps.tolist()
         grad = [p.grad.clone() for p in model.parameters()]
-        model.zero_grad()
-        for (prompt, completion), keep in zip(sequences, scored):
-            if keep:
-                alone, _ = model(torch.tensor([prompt + completion[:-1]]))
-                logps = alone[0, len(prompt) - 1:].log_softmax(-1).gather(1, torch.tensor(completion)[:, None])[:, 0]
-                logps.sum().backward()
-                want += logps.tolist()
-        alone_grad = [p.grad.clone() for p in model.parameters()]
         assert len(got) == sum(len(c) for (_, c), keep in zip(sequences, scored) if keep)
         assert got == pytest.approx(want, abs=1e-12)
         for mine, theirs in zip(grad, alone_grad):

@@ -19,7 +19,7 @@ import os
 import torch
 from tqdm import tqdm
 
-from configurator import FOLDER, UserError, at_least, check_values, configure, interval
+from configurator import FOLDER, UserError, at_least, check_output_file, check_values, configure, interval, same_file
 from lm.eval_tasks import (GENERATION, choice_logliks, choice_predictions, choice_requests, generation_prompt,
                            read_task)
 from lm.generate import generate_batch, stop_tokens
@@ -87,14 +87,32 @@ torch.manual_seed(seed)
 model, tokenizer, chat, ckpt_path = load_for_generation(model_path(init_from, out_dir, ckpt_name), data_dir,
                                                         chat_template_variables, device)
 block_size = model.config.block_size
+
+
+def earlier_result(path):
+    """Whether path holds eval.py's results for this model on this task file: the one file eval.py replaces."""
+    try:
+        with open(path, encoding='utf-8') as f:
+            old = json.load(f)
+        return same_file(old['init_from'], ckpt_path) and same_file(old['eval_data'], eval_data)
+    except (OSError, ValueError, TypeError, KeyError):
+        return False
+
+
+results_path = out
 if not out:  # the model named by its folder (and its checkpoint unless ckpt.pt), so two models do not collide
     folder, name = os.path.split(os.path.abspath(ckpt_path))
     model_name = os.path.basename(ckpt_path.rstrip('/')) if os.path.isdir(ckpt_path) else (
         os.path.basename(folder) + ('' if name == 'ckpt.pt' else '-' + os.path.splitext(name)[0]))
-    out = os.path.join(os.path.dirname(eval_data), f"{os.path.splitext(os.path.basename(eval_data))[0]}.eval."
-                                                   f"{model_name}.json")
-if os.path.isdir(out) or not os.path.isdir(os.path.dirname(os.path.abspath(out))):
-    raise UserError(f"out={out!r} must be a file path in an existing folder, e.g. results.json.")
+    stem = os.path.join(os.path.dirname(eval_data), f"{os.path.splitext(os.path.basename(eval_data))[0]}.eval."
+                                                    f"{model_name}")
+    # another model of the same folder name (r1/out-sft, r2/out-sft) gets the next free name
+    results_path, n = stem + '.json', 1
+    while os.path.lexists(results_path) and not earlier_result(results_path):
+        n += 1
+        results_path = f"{stem}-{n}.json"
+check_output_file(results_path, 'out', 'the results JSON', earlier_result,
+                  reads=[eval_data, ckpt_path])
 examples, scores = [], {}
 
 
@@ -179,7 +197,7 @@ for name, value in scores.items():
     print(f"{name:<14}{value:>10.4f}{len(examples):>8}  {scale}")
 result = dict(init_from=ckpt_path, eval_data=eval_data, task=kind, n=len(examples), config=config, scores=scores,
               examples=examples)
-with open(out + '.tmp', 'w', encoding='utf-8') as f:
+with open(results_path + '.tmp', 'w', encoding='utf-8') as f:
     json.dump(result, f, indent=1, ensure_ascii=False)
-os.replace(out + '.tmp', out)
-print(f"wrote {out}")
+os.replace(results_path + '.tmp', results_path)
+print(f"wrote {results_path}")

@@ -8,7 +8,7 @@ GPT checkpoints and published models generate text with sample.py instead.
 import os
 import time
 
-from configurator import FOLDER, POSITIVE, UserError, at_least, check_values, configure
+from configurator import FOLDER, POSITIVE, UserError, at_least, check_output_file, check_values, configure
 from run.checkpoint import load_checkpoint
 from run.device import pick_device
 from tts.data import IPA_MARKS, MEL_SETTINGS, reads_phonemes, write_wav
@@ -40,8 +40,16 @@ if not os.path.isfile(ckpt_path):
     raise UserError(f"no model to speak with: {ckpt_path} does not exist. " + (
         f"{out_dir} holds {', '.join(found)}: pick one with --ckpt_name." if found else
         f"Train one there first (`python train_tts.py --out_dir={out_dir}`), or point --out_dir at a run's folder."))
-if os.path.isdir(wav) or not os.path.isdir(os.path.dirname(os.path.abspath(wav))):
-    raise UserError(f"wav={wav!r} must be a file path in an existing folder, e.g. out.wav.")
+
+
+def earlier_wav(path):
+    """Whether path is a WAV file (an earlier output, which a new one replaces)."""
+    with open(path, 'rb') as f:
+        header = f.read(12)
+    return header[:4] == b'RIFF' and header[8:] == b'WAVE'
+
+
+check_output_file(wav, 'wav', 'a WAV', earlier_wav, reads=[ckpt_path])
 ckpt = load_checkpoint(ckpt_path)
 if ckpt['kind'] != 'tts':
     raise UserError(f"{ckpt_path} is a {ckpt['kind']!r} checkpoint, not a text-to-speech one (train_tts.py); "

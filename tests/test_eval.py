@@ -72,8 +72,8 @@ def eval_py(*args):
     """eval.py with args, in this process; its JSON output."""
     with mock.patch.object(sys, 'argv', ['eval.py', '--device=cpu', *args]):
         script = runpy.run_path(os.path.join(ROOT, 'eval.py'), run_name='__main__')
-    with open(script['out']) as f:
-        return json.load(f)
+    with open(script['results_path']) as f:
+        return dict(json.load(f), path=script['results_path'])
 
 
 def greedy(model, prompt, n, eos_id=None):
@@ -233,6 +233,32 @@ def test_bad_input_is_a_clear_error(models):
     assert 'ends with a \'assistant\' turn' in bad(models, [dict(messages=[{'role': 'assistant', 'content': 'a'}])],
                                                    init_from='chat')
     assert 'neither a BOS nor an EOS' in bad(models, [dict(mc, context='')])
+
+
+def test_out_never_writes_over_what_it_reads_or_another_models_results(models, tmp_path):
+    """--out onto the task file, the checkpoint or any file that is not this model's results on this task is
+    refused and leaves the file as it was; the same model's results are replaced; a second model whose folder
+    has the same name as the first's gets its own default results file."""
+    data = write_jsonl(tmp_path / 'task.jsonl', [dict(prompt='abc', reference='d')])
+    other = tmp_path / 'notes.json'
+    other.write_text('{"mine": 1}')
+    for out, message in [(data, 'which this command reads'), (models['base'], 'which this command reads'),
+                         (other, 'exists and is not the results JSON'), (models['chat'], 'exists and is not')]:
+        before = open(out, 'rb').read()
+        with pytest.raises(UserError) as e:
+            eval_py(f"--init_from={models['base']}", f'--eval_data={data}', f'--out={out}', '--max_new_tokens=2')
+        assert message in str(e.value) and open(out, 'rb').read() == before
+    args = (f'--eval_data={data}', '--max_new_tokens=2')
+    first = eval_py(f"--init_from={models['base']}", *args)
+    assert first['path'] == str(tmp_path / 'task.eval.base.json')
+    again = eval_py(f"--init_from={models['base']}", *args, f"--out={first['path']}")  # its own results: replaced
+    assert again['path'] == first['path']
+    twin = tmp_path / 'r2' / 'base' / 'ckpt.pt'  # another model in a folder of the same name
+    os.makedirs(twin.parent)
+    twin.write_bytes(open(models['base'], 'rb').read())
+    second = eval_py(f'--init_from={twin}', *args)
+    assert second['path'] == str(tmp_path / 'task.eval.base-2.json') and second['init_from'] == str(twin)
+    assert json.load(open(first['path']))['init_from'] == models['base']
 
 
 @pytest.mark.slow

@@ -479,6 +479,15 @@ def test_settings_that_cannot_work_are_clear_errors(tmp_path, corpus, straight_r
     p = run(['sample_tts.py', f'--out_dir={straight_run[0]}', '--device=cpu',
              f'--wav={tmp_path / "nowhere" / "x.wav"}'], check=False)
     assert_user_error(p, 'must be a file path in an existing folder')
+    # --wav onto the checkpoint it speaks with, or onto any file that is not a WAV: refused, the file kept
+    ckpt = os.path.join(straight_run[0], 'ckpt.pt')
+    notes = tmp_path / 'notes.txt'
+    notes.write_text('keep me')
+    for target, message in [(ckpt, 'which this command reads'), (notes, 'exists and is not a WAV')]:
+        before = open(target, 'rb').read()
+        p = run(['sample_tts.py', f'--out_dir={straight_run[0]}', '--device=cpu', f'--wav={target}'], check=False)
+        assert_user_error(p, message)
+        assert open(target, 'rb').read() == before
 
 
 @pytest.mark.slow

@@ -391,6 +391,11 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+def sampling_dtype(device):
+    """The dtype of sampling's CDF and uniform numbers: float64, except on a device without it (Apple's MPS)."""
+    return torch.float32 if torch.device(device).type == 'mps' else torch.float64
+
+
 def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None, uniform=None):
     """Pick the next token (B, 1) from last-position logits (B, V). temperature 0 is greedy;
     top_k keeps the k most likely tokens, top_p the smallest set whose probability reaches top_p.
@@ -410,8 +415,9 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None,
         drop[:, 0] = False
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float('-inf')))
     if uniform is None:
-        uniform = torch.rand(logits.size(0), generator=generator, device=logits.device, dtype=torch.float64)
-    cdf = F.softmax(logits, dim=-1).double().cumsum(dim=-1)
+        uniform = torch.rand(logits.size(0), generator=generator, device=logits.device,
+                             dtype=sampling_dtype(logits.device))
+    cdf = F.softmax(logits, dim=-1).to(sampling_dtype(logits.device)).cumsum(dim=-1)
     # the first token whose cumulative probability passes the number: never one of probability 0
     token = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None].to(cdf.device), right=True)
     return token.clamp_(max=logits.size(-1) - 1)

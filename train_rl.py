@@ -27,7 +27,7 @@ from lm.heldout_eval import HeldOut, report_heldout
 from lm.lora import LORA_SETTINGS, apply_lora, disable_adapters, frozen_base_dtype, lora_optimizer, lora_state_dict, \
     save_merged
 from lm.metrics import mean_pass_at_k
-from lm.rewards import load_reward, score
+from lm.rewards import check_rows, load_reward, score
 from lm.rl import (LOSS_TYPES, SCALE_REWARDS, clipped_token_loss, completion_batches, group_advantages, k3_kl,
                    normalized_loss, token_entropy)
 from lm.tokenizer import chat_tokenizer
@@ -78,7 +78,7 @@ loss_type = 'dapo'           # 'grpo' (per-sequence mean) | 'dapo' (per-token, g
 scale_rewards = 'group'      # advantages divided by the std of the 'group' | the 'batch' | 'none' (Dr. GRPO)
 beta = 0.0                   # weight of the k3 KL penalty against the reference; 0 = no reference at all
 epsilon = 0.2                # PPO clip: the ratio's lower bound is 1 - epsilon
-epsilon_high = 0.2           # the upper bound is 1 + epsilon_high (DAPO's clip-higher: 0.28)
+epsilon_high = None          # the upper bound is 1 + epsilon_high; None = epsilon, as TRL (DAPO's clip-higher: 0.28)
 num_iterations = 1           # optimizer steps on each batch of rollouts (PPO's epochs, TRL's mu)
 mask_truncated_completions = False  # completions cut at max_new_tokens add nothing to the loss (DAPO)
 gradient_accumulation_steps = 1  # micro-batches per optimizer step per process (splitting its completions)
@@ -122,7 +122,7 @@ check_values(config, [
                    'lora_r', 'restart_iters', 'restart_mult')),
     (at_least(2), ('num_generations',)),  # one completion has no group to be better than: advantage 0
     (at_least(0), ('exact_match_examples', 'warmup_iters', 'lr_decay_iters', 'num_threads', 'learning_rate', 'min_lr',
-                   'weight_decay', 'grad_clip', 'beta', 'format_reward', 'top_k', 'epsilon_high')),
+                   'weight_decay', 'grad_clip', 'beta', 'format_reward', 'top_k')),
     (interval('[0, 1)'), ('dropout', 'lora_dropout', 'beta1', 'beta2', 'epsilon')),
     (interval('(0, 1]'), ('top_p',)),
     (interval('[0, 1]'), ('decay_frac',)),
@@ -133,6 +133,10 @@ check_values(config, [
     (one_of(DTYPES), ('lora_base_dtype',)),
     (FOLDER, ('out_dir',)),
 ])
+if epsilon_high is not None and (isinstance(epsilon_high, bool) or not isinstance(epsilon_high, (int, float))
+                                 or not 0 <= epsilon_high < math.inf):
+    raise UserError(f"epsilon_high={epsilon_high!r} must be a number >= 0 (e.g. 0.28), or None for epsilon's value.")
+clip_high = epsilon if epsilon_high is None else epsilon_high  # the ratio's upper bound is 1 + clip_high
 
 # processes and device (run/runtime.py: one process per GPU under torchrun), precision
 compute = compute_init(device, seed, num_threads)
@@ -169,11 +173,13 @@ model_args = dict(reference_ckpt['model_args'], dropout=dropout)
 if max_prompt_length + max_new_tokens > model_args['block_size']:
     raise UserError(f"max_prompt_length={max_prompt_length} + max_new_tokens={max_new_tokens} is longer than the "
                     f"model's block_size={model_args['block_size']}; lower one of them.")
-train_prompts, eval_prompts, exact_match_prompts, train_data_hash = prompt_run_data(config, tokenizer, ckpt, compute)
+train_prompts, eval_prompts, exact_match_prompts, train_data_hash, train_prompts_hash = prompt_run_data(
+    config, tokenizer, ckpt, compute)
 train_sampler = PromptSampler(len(train_prompts), seed)
 # greedy exact match on the held-out prompts that have a reference answer, at the start and the end
 held_out = HeldOut(tokenizer, exact_match_prompts, ['exact_match'], prompts_per_step, model_args['block_size'])
 reward_fn, reward_name = load_reward(reward, format_reward)
+check_rows(reward, train_prompts + eval_prompts)
 stop_ids = stop_tokens(tokenizer)  # the end of the assistant's turn
 
 # policy, and the reference (only with beta > 0): a frozen copy when training all weights, the
@@ -208,7 +214,8 @@ if ckpt:
 ckpt = None
 model = wrap_model(model, compile, ddp, local_rank, device_type)
 log(f"device {device}, dtype {ptdtype}, {world_size} process(es), {raw_model.get_num_params() / 1e6:.2f}M params, "
-    f"{prompts_per_step} prompts x {num_generations} completions per step, loss {loss_type}, reward {reward_name}, "
+    f"{prompts_per_step} prompts x {num_generations} completions per step, loss {loss_type}, ratio clipped to "
+    f"[{1 - epsilon:g}, {1 + clip_high:g}], reward {reward_name}, "
     f"reference: " + ('none (beta=0)' if beta == 0 else 'the model with adapters disabled' if use_lora else
                       'a frozen copy'))
 
@@ -242,7 +249,7 @@ def rollouts(batch, n_samples, generator):
     rewards = []
     for i, completion in enumerate(completions):
         ids, record, where = prompts[i // n_samples]
-        text = tokenizer.decode(completion[:-1] if stopped[i] else completion)
+        text = tokenizer.decode(completion[:-1] if stopped[i] else completion, skip_special=True)  # as TRL
         rewards.append(score(reward_fn, reward_name, rl_prompt(record), text, record, where))
     return completions, torch.tensor(rewards, device=device), stopped
 
@@ -280,7 +287,7 @@ def train_step(batches, advantages, old_logps, ref_logps, totals):
                 logps, logits = completion_logps(model, batch)
             token_advantages = advantages[batch['first'] + batch['owners']]
             old = logps.detach() if old_logps is None else old_logps[micro_step]  # one iteration: ratio 1
-            token_loss, clipped = clipped_token_loss(logps, old, token_advantages, epsilon, epsilon_high)
+            token_loss, clipped = clipped_token_loss(logps, old, token_advantages, epsilon, clip_high)
             metrics = {'clip_ratio': clipped.float()}
             if beta > 0:
                 kl = k3_kl(logps, ref_logps[micro_step])
@@ -337,7 +344,7 @@ def save(path):
                  data_dir=os.path.abspath(data_dir), train_sampler=train_sampler.state_dict(),
                  prompts_per_step=prompts_per_step, num_generations=num_generations,
                  reference_checkpoint=os.path.abspath(reference_path), reference_hash=reference_hash,
-                 train_data_hash=train_data_hash, **hf_files)
+                 train_data_hash=train_data_hash, train_prompts_hash=train_prompts_hash, **hf_files)
     if use_lora:  # adapters only: the base is the reference checkpoint, named by path and hash
         state.update(kind='lora', model=lora_state_dict(raw_model, weights),
                      base_checkpoint=state['reference_checkpoint'], base_hash=reference_hash)

@@ -218,8 +218,8 @@ class HFTokenizer:
     def encode(self, text):
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids):
-        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+    def decode(self, ids, skip_special=False):
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special)
 
     def identity(self):
         """The tokens, special tokens and chat template; not the template_variables a run renders with (the

@@ -13,7 +13,7 @@ would cost more than a decode step of the whole batch.
 """
 import torch
 
-from model import KVCache, SharedPromptCache, sample_next, window_mask
+from model import KVCache, SharedPromptCache, sample_next, sampling_dtype, window_mask
 
 
 def stop_tokens(tokenizer):
@@ -104,7 +104,7 @@ def generate_batch(model, prompts, max_new_tokens, temperature=0.0, top_k=None, 
     owners = torch.arange(len(completions), device=idx.device) + first  # each batch row's number in the draw
     for step in range(max_new_tokens):
         uniform = None if temperature == 0 else torch.rand(total, generator=generator, device=idx.device,
-                                                            dtype=torch.float64)[owners]
+                                                            dtype=sampling_dtype(idx.device))[owners]
         token = sample_next(logits, temperature, top_k, top_p, generator, uniform)
         for i, (row, t) in enumerate(zip(rows, token[:, 0].tolist())):
             if row is not None:

@@ -47,7 +47,7 @@ class CharTokenizer:
         chars = np.array([ord(c) for c in self.chars], dtype=np.uint32)
         return np.searchsorted(chars, codes)
 
-    def decode(self, ids):
+    def decode(self, ids, skip_special=False):  # no special tokens to skip
         return ''.join(self.chars[i] for i in ids)
 
     def identity(self):
@@ -74,7 +74,7 @@ class BPETokenizer:
         separated = itertools.chain.from_iterable([self.eos_id] * (i > 0) + d for i, d in enumerate(ids))
         return np.fromiter(separated, dtype=np.int64)
 
-    def decode(self, ids):
+    def decode(self, ids, skip_special=False):  # sentencepiece writes its control tokens (EOS) as ''
         return self.sp.decode(list(ids))
 
     def identity(self):
@@ -142,16 +142,18 @@ class ChatTokenizer:
     def encode(self, text):
         return self.base.encode(text)
 
-    def decode(self, ids):
-        names = {i: token for token, i in self.special.items()}
+    def decode(self, ids, skip_special=False):
+        """The text of ids, the chat template's tokens written as their names (skip_special: left out, as
+        transformers' skip_special_tokens)."""
+        names = {i: '' if skip_special else token for token, i in self.special.items()}
         pieces, run = [], []
         for i in ids:
             if i in names:
-                pieces += [self.base.decode(run), names[i]]
+                pieces += [self.base.decode(run, skip_special), names[i]]
                 run = []
             else:
                 run.append(i)
-        return ''.join(pieces) + self.base.decode(run)
+        return ''.join(pieces) + self.base.decode(run, skip_special)
 
     def identity(self):
         base = self.base.identity()

@@ -10,6 +10,8 @@ The data a GPT run trains and evaluates on, set up from its config keys before t
 Each gives the batches, the fixed held-out indices an eval scores, and the held-out prompts exact match
 answers; a fine-tuning run also the hash of its training file, which a resumed run must still match.
 """
+import hashlib
+import json
 import os
 from typing import NamedTuple
 
@@ -110,6 +112,7 @@ class PromptRunData(NamedTuple):
     eval_prompts: list  # the same of the held-out split (test.jsonl, else val.jsonl), first eval_prompts
     exact_match_prompts: list  # (prompt ids, reference text) of held-out rows with a "response"
     train_data_hash: str
+    train_prompts_hash: str  # of the tokenized prompts alone: a fixed reward field does not change it
 
 
 def prompt_run_data(config, tokenizer, ckpt, compute):
@@ -131,5 +134,8 @@ def prompt_run_data(config, tokenizer, ckpt, compute):
     held_out = load_split('test' if os.path.exists(test_path) else 'val')
     exact_match_prompts = [(ids, record['response']) for ids, record, _ in held_out
                            if isinstance(record.get('response'), str)][:config['exact_match_examples']]
-    train_data_hash = training_data_hash(train_path, ckpt, config['out_dir'], 'rl_data')
-    return PromptRunData(train_prompts, held_out[:config['eval_prompts']], exact_match_prompts, train_data_hash)
+    prompts_hash = hashlib.sha256(json.dumps([ids for ids, _, _ in train_prompts]).encode()).hexdigest()
+    same_prompts = bool(ckpt) and ckpt.get('train_prompts_hash') == prompts_hash
+    train_data_hash = training_data_hash(train_path, ckpt, config['out_dir'], 'rl_data', same_prompts)
+    return PromptRunData(train_prompts, held_out[:config['eval_prompts']], exact_match_prompts, train_data_hash,
+                         prompts_hash)

@@ -183,14 +183,18 @@ def run_log(out_dir, enabled, tensorboard, keep_until):
     return record, writer
 
 
-def training_data_hash(path, ckpt, out_dir, setting):
-    """sha256 of a run's training data file; a continued run's (ckpt) must be the file it began with.
-    setting: the config key that names the data, for the message."""
+def training_data_hash(path, ckpt, out_dir, setting, same_examples=False):
+    """sha256 of a run's training data file; a continued run's (ckpt) must be the file it began with, unless
+    same_examples: the file changed but not the examples the run draws (RL prompt rows whose other fields,
+    the reward's, were fixed), which is said. setting: the config key that names the data, for the message."""
     data_hash = file_sha256(path)
     if ckpt and data_hash != ckpt.get('train_data_hash', data_hash):  # older checkpoints: unknown
-        raise UserError(f"{path} has changed since the run in {out_dir} began; resuming would go on with other "
-                        f"examples. Restore the file (or {setting}), or start a new run (another out_dir, or "
-                        f"--resume=False to replace it).")
+        if not same_examples:
+            raise UserError(f"{path} has changed since the run in {out_dir} began; resuming would go on with other "
+                            f"examples. Restore the file (or {setting}), or start a new run (another out_dir, or "
+                            f"--resume=False to replace it).")
+        log(f"{path} has changed since the run began, but its prompts are the same, in the same order: continuing "
+            f"with its other fields as they are now")
     return data_hash
 
 

@@ -3,8 +3,11 @@ written out in float64 loops, the k3 KL, clipping with epsilon_high, the plain p
 batch = gradient accumulation, masked truncated completions, the number-task verifier, reward-function errors,
 and the script end to end (metrics in log.jsonl, bit-exact resume)."""
 
+import json
 import math
 import re
+import shutil
+import signal
 
 import pytest
 import torch
@@ -13,7 +16,8 @@ from conftest import (assert_user_error, hf_fixture, kill_and_relaunch, load, re
                       torchrun, write_jsonl)
 from configurator import UserError
 from lm.chat_data import rl_prompt
-from lm.rewards import load_reward, score
+from lm.rewards import check_rows, load_reward, score
+from lm.tokenizer import CharTokenizer, ChatTokenizer
 from lm.rl import clipped_token_loss, completion_batches, group_advantages, k3_kl, normalized_loss, token_entropy
 from model import GPT, GPTConfig
 from tasks.number_tasks import final_answer, number_task_reward, prepare_number_tasks
@@ -416,6 +420,64 @@ def test_reward_function_errors_name_it(tmp_path):
     assert score(fn, spec, [], 'x', {'response': '12'}, 'here') == 3.0
 
 
+def test_reward_files_import_as_modules_and_numpy_numbers_count(tmp_path):
+    """A reward file is a module as Python imports one: a dataclass under `from __future__ import annotations`
+    (which looks its module up in sys.modules) and a helper module beside it work; NumPy bools and numbers,
+    0-d arrays and tensors are numbers."""
+    (tmp_path / 'helper_for_reward.py').write_text("BONUS = 0.5\n")
+    (tmp_path / 'dc.py').write_text(
+        "from __future__ import annotations\nimport dataclasses\nimport numpy as np\nimport torch\n"
+        "from helper_for_reward import BONUS\n\n@dataclasses.dataclass\nclass Grade:\n    points: float\n\n"
+        "def graded(prompt, completion, row):\n    return Grade(len(completion) + BONUS).points\n\n"
+        "def np_bool(prompt, completion, row):\n    return np.bool_(completion == 'x')\n\n"
+        "def np_float(prompt, completion, row):\n    return np.float32(0.25)\n\n"
+        "def zero_d(prompt, completion, row):\n    return np.array(2)\n\n"
+        "def tensor(prompt, completion, row):\n    return torch.tensor(1.5)\n")
+    for name, want in [('graded', 1.5), ('np_bool', 1.0), ('np_float', 0.25), ('zero_d', 2.0), ('tensor', 1.5)]:
+        fn, spec = load_reward(f'{tmp_path / "dc.py"}:{name}')
+        value = score(fn, spec, [], 'x', {}, 'here')
+        assert value == want and type(value) is float, name
+
+
+def test_a_reward_that_exits_or_overflows_is_named(tmp_path, monkeypatch):
+    """exit() inside a reward (code that runs model output), a KeyboardInterrupt its own code raises while the
+    run's stop signal holds SIGINT, a number beyond float32 (inf in the rewards tensor): each a UserError naming
+    the function; a Ctrl-C before the run handles SIGINT stays a KeyboardInterrupt."""
+    (tmp_path / 'r.py').write_text("import sys\n\ndef leaves(prompt, completion, row):\n    sys.exit(0)\n\n"
+                                   "def interrupted(prompt, completion, row):\n    raise KeyboardInterrupt\n\n"
+                                   "def huge(prompt, completion, row):\n    return 1e39\n")
+    for name, says in [('leaves', 'called exit(0)'), ('huge', "within float32's range")]:
+        fn, spec = load_reward(f'{tmp_path / "r.py"}:{name}')
+        with pytest.raises(UserError, match=re.escape(says)) as e:
+            score(fn, spec, [], 'x', {}, 'data.jsonl (prompt 1)')
+        assert spec in str(e.value) and 'data.jsonl (prompt 1)' in str(e.value)
+    fn, spec = load_reward(f'{tmp_path / "r.py"}:interrupted')
+    with pytest.raises(KeyboardInterrupt):
+        score(fn, spec, [], 'x', {}, 'here')
+    monkeypatch.setattr(signal, 'getsignal', lambda sig: lambda *a: None)  # the run's StopSignal handles SIGINT
+    with pytest.raises(UserError, match='raised KeyboardInterrupt'):
+        score(fn, spec, [], 'x', {}, 'here')
+
+
+def test_built_in_rewards_check_their_rows_up_front():
+    """number_tasks on prompt rows without "response": refused before any rollout, naming the row and the fix,
+    not as a failure of the built-in function when the row is first sampled."""
+    rows = [([1], {'prompt': 'a', 'response': '1'}, 'train.jsonl (prompt 1)'), ([2], {'prompt': 'b'}, 'train.jsonl (prompt 2)')]
+    for spec in ('number_tasks', 'number_tasks_exact'):
+        with pytest.raises(UserError, match=re.escape('train.jsonl (prompt 2) has no "response"')):
+            check_rows(spec, rows)
+    check_rows('my.py:f', rows)  # a user's reward checks its own fields
+    check_rows('number_tasks', rows[:1])
+
+
+def test_the_reward_reads_completions_without_special_tokens():
+    """As TRL decodes with skip_special_tokens=True: the chat template's tokens in a completion are left out."""
+    tokenizer = ChatTokenizer(CharTokenizer(list('abc ')))
+    ids = tokenizer.encode('ab') + [tokenizer.special['<|user|>']] + tokenizer.encode('c') + [tokenizer.eos_id]
+    assert tokenizer.decode(ids) == 'ab<|user|>c<|end|>'
+    assert tokenizer.decode(ids, skip_special=True) == 'abc'
+
+
 @pytest.mark.slow
 def test_reward_function_that_raises_exits_2(tmp_path, rl_env):
     (tmp_path / 'r.py').write_text("def boom(prompt, completion, row):\n    raise KeyError('answer')\n")
@@ -560,3 +622,25 @@ def test_shared_prompt_rows_give_each_completion_its_logps_alone(opts):
         assert got == pytest.approx(want, abs=1e-12)
         for mine, theirs in zip(grad, alone_grad):
             torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-11)
+
+
+@pytest.mark.slow
+def test_a_fixed_reward_field_continues_the_run_and_epsilon_high_follows_epsilon(tmp_path, rl_env):
+    """A relaunch after the rows' other fields (the reward's) were fixed continues the run, saying so; a changed
+    prompt is refused. epsilon_high left unset is epsilon (TRL's default): --epsilon=0.1 clips to [0.9, 1.1]."""
+    data = tmp_path / 'prompts'
+    shutil.copytree(rl_env['prompts'], data)
+    args = [f'--rl_data={data}', f'--reward={rl_env["rewards"]}:chars', '--eval_prompts=1',
+            '--exact_match_examples=0', '--epsilon=0.1']
+    p = rl(rl_env, tmp_path / 'out', '--max_iters=1', *args)
+    assert 'ratio clipped to [0.9, 1.1]' in p.stdout + p.stderr
+    rows = [json.loads(line) for line in (data / 'train.jsonl').read_text().splitlines()]
+    rows[3]['response'] = 'fixed'
+    write_jsonl(data / 'train.jsonl', rows)
+    p = rl(rl_env, tmp_path / 'out', '--max_iters=2', *args)
+    assert 'its prompts are the same, in the same order: continuing' in p.stdout + p.stderr
+    assert sorted(train_events(tmp_path / 'out')) == [1, 2]
+    rows[3]['prompt'] = rows[4]['prompt']
+    write_jsonl(data / 'train.jsonl', rows)
+    p = rl(rl_env, tmp_path / 'out', '--max_iters=3', *args, check=False)
+    assert_user_error(p, 'train.jsonl has changed since the run')

@@ -1,5 +1,6 @@
 """
-Measure a model on a task file: `python eval.py --init_from=out-sft/ckpt.pt --eval_data=data/my_task/test.jsonl`.
+Measure a model on a task file: `python eval.py --init_from=out-sft/ckpt.pt --eval_data=data/my_task/test.jsonl`;
+without --eval_data, on the embedded number tasks' held-out split (data/number_tasks/test.jsonl).
 The model is a train.py / train_dpo.py checkpoint (full, a LoRA run's adapters or its merged.pt), a run's
 folder or a Hugging Face model folder, loaded as sample.py loads it (lm/loading.py). The task file is JSONL
 (lm/eval_tasks.py; docs/eval.md), every row one kind:
@@ -26,16 +27,17 @@ from lm.generate import generate_batch, stop_tokens
 from lm.loading import load_for_generation, model_path
 from lm.metrics import corpus_scores, exact_match, example_scores, mean_pass_at_k, parse_metric_names
 from run.device import autocast_context, pick_device, pick_dtype
+from tasks.number_tasks import prepare_number_tasks
 
 # -----------------------------------------------------------------------------
 init_from = ''               # a checkpoint file, a run folder or a Hugging Face folder; '' = out_dir's ckpt_name
 out_dir = 'out'              # with init_from '': the run folder to evaluate (sample.py's spelling)
 ckpt_name = 'ckpt.pt'        # with init_from '': 'ckpt.pt', 'best.pt' or a LoRA run's 'merged.pt'
-eval_data = ''               # the task file: JSONL, generation or multiple-choice rows (docs/eval.md)
+eval_data = ''               # the task file: JSONL rows (docs/eval.md); '' = the number tasks' held-out split
 data_dir = ''                # tokenizer folder; '' = the one recorded in the checkpoint
 chat_template_variables = {}  # published model's chat-template variables; {} = as it was fine-tuned
 metrics = 'exact_match,bleu,chrf,rouge1,rouge2,rouge_l'  # generation: names in lm/metrics.METRICS ('' = none)
-max_new_tokens = 256         # generation: tokens generated per answer at most
+max_new_tokens = 0           # generation: tokens per answer at most; 0 = up to 256, as many as fit block_size
 temperature = 0.0            # generation: 0 = greedy
 top_k = 0                    # generation: 0 = off
 top_p = 0.0                  # generation: nucleus sampling; 0 = off
@@ -51,14 +53,11 @@ dtype = 'auto'               # 'auto' = bf16 on GPUs with it, else fp16; fp32 on
 # -----------------------------------------------------------------------------
 config = configure(globals())
 check_values(config, [
-    (at_least(1), ('max_new_tokens', 'num_samples', 'batch_size')),
-    (at_least(0), ('temperature', 'top_k', 'max_examples')),
+    (at_least(1), ('num_samples', 'batch_size')),
+    (at_least(0), ('max_new_tokens', 'temperature', 'top_k', 'max_examples')),
     (interval('[0, 1]'), ('top_p',)),
     (FOLDER, ('out_dir',)),
 ])
-if not eval_data:
-    raise UserError("eval_data is not set: name the task file, e.g. --eval_data=data/my_task/test.jsonl (JSONL; "
-                    "the formats are in docs/eval.md).")
 try:
     metric_names = parse_metric_names(metrics)
 except ValueError as e:
@@ -74,12 +73,14 @@ if num_samples > 1 and temperature == 0:
     raise UserError(f"num_samples={num_samples} with temperature=0: greedy decoding gives one answer "
                     f"{num_samples} times; set temperature > 0 (e.g. 0.8) to sample.")
 
-kind, rows = read_task(eval_data, max_examples)
+# no task file: the embedded number tasks' held-out split, which train.py's evals answer
+task_path = eval_data or os.path.join(prepare_number_tasks(), 'test.jsonl')
+kind, rows = read_task(task_path, max_examples)
 generation = kind == GENERATION
 # without references (and metrics='') eval.py only generates: no scores, no pass@k
 unreferenced = [row['line'] for row in rows if generation and row['references'] is None]
 if metric_names and unreferenced:
-    raise UserError(f"{eval_data}:{unreferenced[0]} has no reference, which metrics={metrics!r} need: give it "
+    raise UserError(f"{task_path}:{unreferenced[0]} has no reference, which metrics={metrics!r} need: give it "
                     f"\"reference\": str or \"references\": [str, ...], or pass --metrics='' to only generate.")
 device = pick_device(device)
 autocast = autocast_context(device, pick_dtype(device, dtype))
@@ -94,7 +95,7 @@ def earlier_result(path):
     try:
         with open(path, encoding='utf-8') as f:
             old = json.load(f)
-        return same_file(old['init_from'], ckpt_path) and same_file(old['eval_data'], eval_data)
+        return same_file(old['init_from'], ckpt_path) and same_file(old['eval_data'], task_path)
     except (OSError, ValueError, TypeError, KeyError):
         return False
 
@@ -104,7 +105,7 @@ if not out:  # the model named by its folder (and its checkpoint unless ckpt.pt)
     folder, name = os.path.split(os.path.abspath(ckpt_path))
     model_name = os.path.basename(ckpt_path.rstrip('/')) if os.path.isdir(ckpt_path) else (
         os.path.basename(folder) + ('' if name == 'ckpt.pt' else '-' + os.path.splitext(name)[0]))
-    stem = os.path.join(os.path.dirname(eval_data), f"{os.path.splitext(os.path.basename(eval_data))[0]}.eval."
+    stem = os.path.join(os.path.dirname(task_path), f"{os.path.splitext(os.path.basename(task_path))[0]}.eval."
                                                     f"{model_name}")
     # another model of the same folder name (r1/out-sft, r2/out-sft) gets the next free name
     results_path, n = stem + '.json', 1
@@ -112,7 +113,7 @@ if not out:  # the model named by its folder (and its checkpoint unless ckpt.pt)
         n += 1
         results_path = f"{stem}-{n}.json"
 check_output_file(results_path, 'out', 'the results JSON', earlier_result,
-                  reads=[eval_data, ckpt_path])
+                  reads=[task_path, ckpt_path])
 examples, scores = [], {}
 
 
@@ -128,24 +129,29 @@ def on_line(where, encode, *args):
 if generation:
     # a chat answer ends at its end of turn, a continuation at EOS (or a published model's stops)
     stop_ids = stop_tokens(tokenizer)
-    prompts = []
-    for row in rows:
-        where = f"{eval_data}:{row['line']}"
-        ids = on_line(where, generation_prompt, tokenizer, chat, row, where)
-        if len(ids) + max_new_tokens - 1 > block_size:
-            raise UserError(f"{where}: the prompt is {len(ids)} tokens; with max_new_tokens={max_new_tokens} the "
-                            f"model would see {len(ids) + max_new_tokens - 1} positions, over its block_size of "
-                            f"{block_size}. Shorten the prompt, lower max_new_tokens, or leave the example out.")
-        prompts.append(ids)
+    prompts = [on_line(f"{task_path}:{row['line']}", generation_prompt, tokenizer, chat, row,
+                       f"{task_path}:{row['line']}") for row in rows]
+    longest = max(range(len(rows)), key=lambda i: len(prompts[i]))
+    # the default: up to 256 new tokens, fewer where the longest prompt leaves fewer of the block
+    new_tokens = max_new_tokens or min(256, block_size + 1 - len(prompts[longest]))
+    for row, ids in zip(rows, prompts):
+        if len(ids) + max(new_tokens, 1) - 1 > block_size:
+            raise UserError(f"{task_path}:{row['line']}: the prompt is {len(ids)} tokens; with max_new_tokens="
+                            f"{max(new_tokens, 1)} the model would see {len(ids) + max(new_tokens, 1) - 1} positions, "
+                            f"over its block_size of {block_size}. Shorten the prompt, lower max_new_tokens, or leave "
+                            f"the example out.")
+    if not max_new_tokens and new_tokens < 256:
+        print(f"answers of up to {new_tokens} tokens: the longest prompt ({task_path}:{rows[longest]['line']}, "
+              f"{len(prompts[longest])} tokens) leaves that many of the model's block_size of {block_size}")
     generator = torch.Generator(device=device).manual_seed(seed)
-    progress = tqdm(total=len(rows), desc=f"generation {os.path.basename(eval_data)}", unit='example')
+    progress = tqdm(total=len(rows), desc=f"generation {os.path.basename(task_path)}", unit='example')
     # shortest prompts first: a batch pads its prompts to its longest
     order = sorted(range(len(rows)), key=lambda i: len(prompts[i]))
     examples = [None] * len(rows)
     for first in range(0, len(rows), batch_size):
         batch = order[first:first + batch_size]
         with autocast:
-            completions = generate_batch(model, [prompts[i] for i in batch], max_new_tokens, temperature,
+            completions = generate_batch(model, [prompts[i] for i in batch], new_tokens, temperature,
                                          top_k or None, top_p or None, stop_ids, num_samples, generator)
         for b, i in enumerate(batch):
             row, samples = rows[i], []
@@ -171,10 +177,10 @@ if generation:
 else:
     # every choice of every example, batched batch_size sequences to a forward pass
     requests = [(i, request) for i, row in enumerate(rows) for request in on_line(
-        f"{eval_data}:{row['line']}", choice_requests, tokenizer, row, target_delimiter, block_size,
-        f"{eval_data}:{row['line']}")]
+        f"{task_path}:{row['line']}", choice_requests, tokenizer, row, target_delimiter, block_size,
+        f"{task_path}:{row['line']}")]
     logliks = [[] for _ in rows]
-    progress = tqdm(total=len(rows), desc=f"multiple choice {os.path.basename(eval_data)}", unit='example')
+    progress = tqdm(total=len(rows), desc=f"multiple choice {os.path.basename(task_path)}", unit='example')
     for first in range(0, len(requests), batch_size):
         batch = requests[first:first + batch_size]
         for (i, _), loglik in zip(batch, choice_logliks(model, [r for _, r in batch], autocast)):
@@ -190,12 +196,12 @@ else:
     scores = {name: sum(e[name] for e in examples) / len(examples) for name in ('acc', 'acc_norm')}
 
 # the table: BLEU and chrF are on sacreBLEU's 0-100 scale, everything else a 0-1 fraction
-print(f"\n{ckpt_path} on {eval_data}")
+print(f"\n{ckpt_path} on {task_path}")
 print(f"{'metric':<14}{'value':>10}{'n':>8}  scale")
 for name, value in scores.items():
     scale = '0-100' if name in ('bleu', 'chrf') else '0-1'
     print(f"{name:<14}{value:>10.4f}{len(examples):>8}  {scale}")
-result = dict(init_from=ckpt_path, eval_data=eval_data, task=kind, n=len(examples), config=config, scores=scores,
+result = dict(init_from=ckpt_path, eval_data=task_path, task=kind, n=len(examples), config=config, scores=scores,
               examples=examples)
 with open(results_path + '.tmp', 'w', encoding='utf-8') as f:
     json.dump(result, f, indent=1, ensure_ascii=False)

@@ -4,7 +4,9 @@ The task files eval.py measures a model on, and how each kind of row becomes mod
 A task file is JSONL, one example a line (blank lines skipped), every row of one kind:
 - generation: {"prompt": str} or {"messages": [{"role", "content"}, ...]} (a conversation ending with
   a user turn; chat models only), with {"reference": str} or {"references": [str, ...]}, and
-  optionally {"stop": [str, ...]}: the prediction is cut before the first of these strings.
+  optionally {"stop": [str, ...]}: the prediction is cut before the first of these strings. The SFT
+  data's rows are generation rows too: {"prompt", "response"} (the response is the reference), and
+  {"messages"} ending with an assistant turn (its content is the reference, the turns before the prompt).
 - multiple choice: {"context": str, "choices": [str, ...] (two or more), "label": int (0-based)}.
 
 read_task checks every row and names the file and line of the first bad one. generation_prompt
@@ -39,7 +41,7 @@ from configurator import UserError
 
 GENERATION, MULTIPLE_CHOICE = 'generation', 'multiple_choice'
 FORMATS = ('{"prompt": str} or {"messages": [{"role": ..., "content": ...}, ...]} with {"reference": str} or '
-           '{"references": [str, ...]} (generation), or {"context": str, "choices": [str, ...], "label": int} '
+           '{"references": [str, ...]} (generation; SFT rows {"prompt", "response"} too), or {"context": str, "choices": [str, ...], "label": int} '
            '(multiple choice)')
 
 
@@ -49,12 +51,19 @@ def is_text_list(value, least=1):
 
 def generation_row(row, where):
     """{'prompt' or 'messages', 'references' (None without), 'stop'} of a generation row, checked."""
-    if 'messages' in row:
-        messages = row['messages']
+    given = [key for key in ('reference', 'references', 'response') if key in row]
+    if len(given) > 1:
+        raise UserError(f"{where}: give one of \"reference\", \"references\" and \"response\", not "
+                        f"{' and '.join(map(repr, given))}.")
+    row = dict(row, reference=row['response']) if given == ['response'] else row
+    messages = row.get('messages')
+    if messages is not None:
         if not (isinstance(messages, list) and messages and all(
                 isinstance(m, dict) and isinstance(m.get('role'), str) and isinstance(m.get('content'), str)
                 for m in messages)):
             raise UserError(f"{where}: \"messages\" must be a non-empty list of {{\"role\": str, \"content\": str}}.")
+        if messages[-1]['role'] == 'assistant' and len(messages) > 1 and not given:  # an SFT example
+            messages, row = messages[:-1], dict(row, reference=messages[-1]['content'])
         if messages[-1]['role'] != 'user':
             raise UserError(f"{where}: the conversation ends with a {messages[-1]['role']!r} turn; end it with the "
                             f"user turn the model is to answer.")
@@ -68,7 +77,7 @@ def generation_row(row, where):
     stop = row.get('stop', [])
     if not is_text_list(stop, least=0) or '' in stop:
         raise UserError(f"{where}: \"stop\" must be a list of non-empty strings.")
-    return dict(prompt=row.get('prompt'), messages=row.get('messages'), references=references, stop=stop)
+    return dict(prompt=row.get('prompt'), messages=messages, references=references, stop=stop)
 
 
 def choice_row(row, where):
@@ -91,7 +100,7 @@ def read_task(path, max_examples=0):
     """(kind, rows) of a task file: GENERATION or MULTIPLE_CHOICE, and its first max_examples rows (0: all),
     checked, each with 'line', its line number in the file."""
     try:
-        with open(path, encoding='utf-8') as f:
+        with open(path, encoding='utf-8-sig') as f:  # a byte-order mark, as the training scripts accept
             lines = f.read().splitlines()
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"eval_data={path!r} cannot be read ({e}); name a UTF-8 JSONL file of examples.") from None

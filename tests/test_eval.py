@@ -235,6 +235,36 @@ def test_bad_input_is_a_clear_error(models):
     assert 'neither a BOS nor an EOS' in bad(models, [dict(mc, context='')])
 
 
+def test_defaults_fit_the_model_and_evaluate_the_number_tasks(models, tmp_path, monkeypatch, capsys):
+    """With max_new_tokens left at 0, answers run up to 256 tokens or what the longest prompt leaves of
+    block_size (said on one line); with no eval_data, the embedded number tasks' held-out split is evaluated
+    (the training scripts' data/number_tasks/test.jsonl, prompt/response rows)."""
+    monkeypatch.chdir(tmp_path)
+    result = eval_py(f"--init_from={models['chat']}", '--max_examples=4', '--metrics=exact_match')
+    assert result['eval_data'] == os.path.join('data', 'number_tasks', 'test.jsonl') and result['n'] == 4
+    rows = [json.loads(line) for line in open(result['eval_data'])][:4]
+    assert [e['references'] for e in result['examples']] == [[r['response']] for r in rows]
+    tokenizer = models['chat_tokenizer']
+    longest = max(len(tokenizer.encode_prompt([{'role': 'user', 'content': r['prompt']}])) for r in rows)
+    budget = 64 + 1 - longest  # the test models' block_size is 64
+    assert f'answers of up to {budget} tokens' in capsys.readouterr().out
+    assert max(len(tokenizer.encode(e['prediction'])) for e in result['examples']) <= budget
+
+
+def test_sft_rows_and_a_byte_order_mark_are_read(models, tmp_path):
+    """The SFT data's rows are generation rows (a "response" or a final assistant turn is the reference), and a
+    file that starts with a UTF-8 byte-order mark reads as the training scripts read it."""
+    data = tmp_path / 'sft.jsonl'
+    rows = [dict(prompt='What is 1+2?', response='3'),
+            dict(messages=[{'role': 'user', 'content': 'abc'}, {'role': 'assistant', 'content': 'def'}])]
+    data.write_bytes(b'\xef\xbb\xbf' + ''.join(json.dumps(r) + '\n' for r in rows).encode())
+    result = eval_py(f"--init_from={models['chat']}", f'--eval_data={data}', '--max_new_tokens=3')
+    assert [e['references'] for e in result['examples']] == [['3'], ['def']]
+    assert result['examples'][1]['prompt'].endswith('<|user|>abc<|end|><|assistant|>')
+    with pytest.raises(UserError, match='give one of "reference", "references" and "response"'):
+        eval_py(f"--init_from={models['chat']}", f"--eval_data={write_jsonl(tmp_path / 'two.jsonl', [dict(rows[0], reference='3')])}")
+
+
 def test_out_never_writes_over_what_it_reads_or_another_models_results(models, tmp_path):
     """--out onto the task file, the checkpoint or any file that is not this model's results on this task is
     refused and leaves the file as it was; the same model's results are replaced; a second model whose folder

@@ -34,6 +34,9 @@ check_values(config, [
     (FOLDER, ('out_dir',)),
 ])
 
+if not text.strip():
+    raise UserError(f"text={text!r} is empty: give the words to speak, e.g. --text=\"I am as well acquainted "
+                    f"here.\"")
 ckpt_path = os.path.join(out_dir, ckpt_name)
 if not os.path.isfile(ckpt_path):
     found = sorted(f for f in os.listdir(out_dir) if f.endswith('.pt')) if os.path.isdir(out_dir) else []

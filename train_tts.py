@@ -104,9 +104,8 @@ config = configure(globals())
 check_values(config, [
     (at_least(1), ('gradient_accumulation_steps', 'max_iters', 'eval_interval', 'log_interval', 'max_bad_steps',
                    'restart_iters', 'restart_mult', 'n_timesteps', 'enc_channels', 'enc_layers', 'enc_heads',
-                   'enc_ff_channels', 'enc_kernel', 'dp_channels', 'dec_channels', 'dec_blocks', 'dec_heads',
-                   'frame_budget')),
-    (at_least(0), ('early_stopping_patience', 'warmup_iters', 'lr_decay_iters', 'learning_rate', 'decoder_lr_scale',
+                   'enc_ff_channels', 'enc_kernel', 'dp_channels', 'dec_channels', 'dec_blocks', 'frame_budget')),
+    (at_least(0), ('dec_heads', 'early_stopping_patience', 'warmup_iters', 'lr_decay_iters', 'learning_rate', 'decoder_lr_scale',
                    'min_lr', 'weight_decay', 'grad_clip', 'max_minutes', 'eval_utterances', 'audio_samples',
                    'temperature', 'guidance', 'prior_weight', 'duration_weight', 'flow_weight', 'align_prior_iters')),
     (interval('[0, 1)'), ('dropout', 'beta1', 'beta2', 'cfg_drop', 'sigma_min')),
@@ -158,10 +157,10 @@ log(f"{len(train_set)} train / {len(val_set)} held-out utterances, {train_minute
     f"{len(symbols)} symbols, {len(sampler)} batches per epoch per process")
 
 # model, from scratch or from a checkpoint (shape and vocabulary must match the config)
-if enc_channels % enc_heads or dec_channels % dec_heads or dec_channels % 8 or enc_kernel % 2 == 0:
+if enc_channels % enc_heads or dec_heads and dec_channels % dec_heads or dec_channels % 8 or enc_kernel % 2 == 0:
     raise UserError(f"the model shape does not fit together: enc_channels={enc_channels} must divide by enc_heads="
-                    f"{enc_heads}, dec_channels={dec_channels} by dec_heads={dec_heads} and by 8 (GroupNorm groups), "
-                    f"and enc_kernel={enc_kernel} must be odd (same-length convolutions).")
+                    f"{enc_heads}, dec_channels={dec_channels} by dec_heads={dec_heads} (unless 0) and by 8 (GroupNorm "
+                    f"groups), and enc_kernel={enc_kernel} must be odd (same-length convolutions).")
 model_args = dataclass_args(TTSConfig, config, symbols=symbols, n_mels=mel_settings['n_mels'])
 if resuming or init_from != 'scratch':
     ckpt_source = ckpt_path if resuming else init_from

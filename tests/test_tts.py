@@ -479,6 +479,9 @@ def test_settings_that_cannot_work_are_clear_errors(tmp_path, corpus, straight_r
     p = run(['sample_tts.py', f'--out_dir={straight_run[0]}', '--device=cpu',
              f'--wav={tmp_path / "nowhere" / "x.wav"}'], check=False)
     assert_user_error(p, 'must be a file path in an existing folder')
+    for empty in ('', '   '):  # nothing to say, whatever the model reads
+        p = run(['sample_tts.py', f'--out_dir={straight_run[0]}', '--device=cpu', f'--text={empty}'], check=False)
+        assert_user_error(p, f'text={empty!r} is empty')
     # --wav onto the checkpoint it speaks with, or onto any file that is not a WAV: refused, the file kept
     ckpt = os.path.join(straight_run[0], 'ckpt.pt')
     notes = tmp_path / 'notes.txt'
@@ -488,6 +491,15 @@ def test_settings_that_cannot_work_are_clear_errors(tmp_path, corpus, straight_r
         p = run(['sample_tts.py', f'--out_dir={straight_run[0]}', '--device=cpu', f'--wav={target}'], check=False)
         assert_user_error(p, message)
         assert open(target, 'rb').read() == before
+
+
+@pytest.mark.slow
+def test_a_decoder_without_attention_trains(tmp_path, corpus):
+    """dec_heads=0, which --help calls 'none': a U-Net bottleneck without attention trains and speaks."""
+    train(tmp_path / 'out', corpus, '--max_iters=1', '--dec_heads=0', '--eval_interval=1')
+    model = load_tts(load(tmp_path / 'out' / 'ckpt.pt'))
+    assert model.config.dec_heads == 0 and not any('mid_attn' in k for k in model.state_dict())
+    assert len(synthesize(model, 'aa mm', n_timesteps=2)[0]) > 0
 
 
 @pytest.mark.slow

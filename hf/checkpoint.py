@@ -28,6 +28,7 @@ from tokenizers import Tokenizer
 
 from configurator import UserError
 from hf.tokenizer import load_hf_tokenizer, read_json
+from hf.tokenizer_json import save_tokenizer
 from lm.tokenizer import CHAT_SPECIAL_TOKENS, CHAT_TEMPLATE_JINJA
 from model import GPT, ROPE_SCALING_KEYS, GPTConfig, mlp_hidden_size
 
@@ -521,7 +522,7 @@ def save_chat_tokenizer(source, out_folder, generation_config):
                         f"nanotrain's chat tokens (ids from {first}) cannot be appended to its tokenizer.json; "
                         f"export.py cannot write this model's tokenizer.")
     tokenizer.add_special_tokens(list(CHAT_SPECIAL_TOKENS))
-    tokenizer.save(os.path.join(out_folder, 'tokenizer.json'))
+    save_tokenizer(tokenizer, os.path.join(out_folder, 'tokenizer.json'))
     ids = {token: tokenizer.token_to_id(token) for token in CHAT_SPECIAL_TOKENS}
     tokenizer_config = read_json(tokenizer_folder, 'tokenizer_config.json') or {}
     # a class of its own (transformers 5's LlamaTokenizer) would rebuild the spaces patched above

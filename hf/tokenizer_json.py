@@ -183,6 +183,15 @@ def bpe_tokenizer_json(base):
     return tokenizer
 
 
+def save_tokenizer(tokenizer, path):
+    """tokenizer.save(path); a failed write (a full disk, ulimit -f) raised as the OSError it is (the tokenizers
+    library raises a bare Exception), which export.py reports as any other failed write."""
+    try:
+        tokenizer.save(path)
+    except Exception as e:
+        raise OSError(f"writing {os.path.basename(path)}: {e}") from None
+
+
 def write_tokenizer_files(tokenizer, out_folder):
     """Write tokenizer.json and tokenizer_config.json of a CharTokenizer, a BPETokenizer or a ChatTokenizer
     over either into out_folder; returns the generation_config.json entries they imply ({'eos_token_id': id},
@@ -216,7 +225,7 @@ def write_tokenizer_files(tokenizer, out_folder):
                                                    rstrip=t.rstrip, single_word=t.single_word, special=t.special)
                                       for i, t in sorted(hf.get_added_tokens_decoder().items())}
     os.makedirs(out_folder, exist_ok=True)
-    hf.save(os.path.join(out_folder, 'tokenizer.json'))
+    save_tokenizer(hf, os.path.join(out_folder, 'tokenizer.json'))
     with open(os.path.join(out_folder, 'tokenizer_config.json'), 'w', encoding='utf-8') as f:
         json.dump(config, f, indent=2, ensure_ascii=False)
         f.write('\n')

@@ -56,7 +56,7 @@ while not os.path.lexists(existing):
 if not os.path.isdir(existing):  # /dev/null/x, some_file/sub
     raise UserError(f"cannot export to {out_folder}: {existing} is a file, not a folder. Export into a folder path "
                     f"you can create, e.g. `python export.py {ckpt_path} exported-model`.")
-ckpt = load_checkpoint(ckpt_path)
+ckpt = load_checkpoint(ckpt_path, fix="export another checkpoint (the run's best.pt, say)")
 if ckpt.get('kind') not in ('gpt', 'lora'):
     raise UserError(f"{ckpt_path} is a {ckpt.get('kind')!r} checkpoint; export.py writes GPT models (train.py and "
                     f"train_dpo.py checkpoints).")

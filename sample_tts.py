@@ -53,7 +53,7 @@ def earlier_wav(path):
 
 
 check_output_file(wav, 'wav', 'a WAV', earlier_wav, reads=[ckpt_path])
-ckpt = load_checkpoint(ckpt_path)
+ckpt = load_checkpoint(ckpt_path, fix="speak with another checkpoint (--ckpt_name=best.pt, say)")
 if ckpt['kind'] != 'tts':
     raise UserError(f"{ckpt_path} is a {ckpt['kind']!r} checkpoint, not a text-to-speech one (train_tts.py); "
                     f"generate text from it with `python sample.py --out_dir={out_dir}`.")

@@ -142,7 +142,9 @@ check_parallel(parallel, ddp, device, ptdtype, 'adamw', fsdp_cpu_offload)
 base_dtype = frozen_base_dtype(lora_base_dtype, ptdtype, use_lora, parallel, 'use_lora=True')
 
 # out_dir: written and locked before any work; a checkpoint there is this run's, never another's
-init_from = continued_origin(init_from, out_dir, resume)  # nanoGPT's 'resume': the run's own
+# nanoGPT's 'resume': the run's own
+init_from = continued_origin(init_from, out_dir, resume,
+                             "--init_from set to a chat model (an SFT run's ckpt.pt, a Hugging Face chat model)")
 this_run = dict(script='train_dpo.py', init_from=run_origin(init_from), use_lora=use_lora)
 # FSDP reads its shards of a sharded checkpoint
 out_dir_lock, ckpt_path, ckpt = open_run(config, this_run, master, whole=parallel != 'fsdp' or use_lora)

@@ -153,7 +153,9 @@ completions_per_rank = prompts_per_step // world_size * num_generations
 micro_batch_size = completions_per_rank // gradient_accumulation_steps
 
 # out_dir: written and locked before any work; a checkpoint there is this run's, never another's
-init_from = continued_origin(init_from, out_dir, resume)  # nanoGPT's 'resume': the run's own
+# nanoGPT's 'resume': the run's own
+init_from = continued_origin(init_from, out_dir, resume,
+                             "--init_from set to a chat model (an SFT run's ckpt.pt, a Hugging Face chat model)")
 this_run = dict(script='train_rl.py', init_from=run_origin(init_from), use_lora=use_lora)
 out_dir_lock, ckpt_path, ckpt = open_run(config, this_run, master)
 resuming = ckpt is not None

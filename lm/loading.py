@@ -80,7 +80,8 @@ def load_for_generation(path, data_dir='', chat_template_variables=None, device=
     """Loaded(model, tokenizer, chat, path) of a checkpoint file or Hugging Face folder (model_path's
     answer). data_dir: the tokenizer's folder when it moved since training ('' = the one the checkpoint
     names); chat_template_variables: a published model's chat-template variables (None: as fine-tuned)."""
-    ckpt = load_model(path) if is_hf_folder(path) else load_checkpoint(path)
+    ckpt = load_model(path) if is_hf_folder(path) else load_checkpoint(
+        path, fix="point --init_from (or --out_dir and --ckpt_name) at another model")
     if ckpt['kind'] == 'tts':
         folder, name = os.path.split(path)
         raise UserError(f"{path} is a text-to-speech checkpoint (train_tts.py); speak with it: `python sample_tts.py "

@@ -165,14 +165,17 @@ def shard_folders(path):
     return glob.glob(glob.escape(os.path.splitext(path)[0]) + '-*.dcp')
 
 
-def load_checkpoint(path, whole=True):
+RUN_FIX = ("point --init_from at another checkpoint, or start a new run (another out_dir, or --resume=False to "
+           "replace the run in this one)")  # what a training script can do without a checkpoint
+
+
+def load_checkpoint(path, whole=True, fix=RUN_FIX):
     """A checkpoint file, its tensors memory-mapped. A sharded one's folder is read whole, as if it were one
     file; not whole, its weights are placeholders on the meta device (restore_training_state reads each rank's
-    shards into a sharded model)."""
+    shards into a sharded model). fix: what the calling script's user can do instead, for the messages."""
     if not os.path.isfile(path):
         problem = "is a folder, not a checkpoint file" if os.path.isdir(path) else "does not exist"
-        raise UserError(f"checkpoint {path} {problem}. Check the path (train.py can also start from scratch: "
-                        f"--init_from=scratch).")
+        raise UserError(f"checkpoint {path} {problem}. Check the path, or {fix}.")
     try:
         if not zipfile.is_zipfile(path):  # what torch.save writes (and mmap needs)
             raise EOFError()
@@ -187,9 +190,8 @@ def load_checkpoint(path, whole=True):
     except Exception as e:
         reason = str(e).split('\n')[0][:200] or 'the file is empty or cut short'
         raise UserError(f"checkpoint {path} could not be read ({type(e).__name__}: {reason}). "
-                        f"The file is corrupt or was not written by nanotrain; restore it from a backup, or start "
-                        f"without it: point --init_from at another checkpoint, or start a new run (another out_dir, "
-                        f"or --resume=False to replace the run in this one).") from None
+                        f"The file is corrupt or was not written by nanotrain; restore it from a backup, or "
+                        f"{fix}.") from None
     if isinstance(ckpt, dict) and 'shards' in ckpt:
         from run.sharded_checkpoint import placeholders, read_whole
         return read_whole(ckpt, path) if whole else placeholders(ckpt, path)

@@ -44,10 +44,11 @@ def claim_out_dir(out_dir):
     return lock
 
 
-def continued_origin(init_from, out_dir, resume):
+def continued_origin(init_from, out_dir, resume, new_run="--init_from=scratch or a checkpoint"):
     """init_from, but for nanoGPT's init_from='resume' (continue the run in out_dir, which nanotrain does whenever
     there is one) the init_from that run began with, so that this launch is that run; never a file named
-    'resume'. 'auto' is no setting: a UserError says what is."""
+    'resume'. 'auto' is no setting: a UserError says what is. new_run: how the script starts a new run, for
+    the message when there is none to continue."""
     if init_from == 'auto':
         raise UserError("init_from='auto' is not a setting: a run in out_dir is continued anyway (resume=True, the "
                         "default), and init_from says where a new run's weights start: 'scratch', a checkpoint file, "
@@ -60,8 +61,7 @@ def continued_origin(init_from, out_dir, resume):
                         "drop one of them.")
     if not os.path.exists(path):
         raise UserError(f"init_from='resume' continues the run in {out_dir}, but there is none ({path} does not "
-                        f"exist). Point --out_dir at the run's folder, or start a new run with --init_from=scratch "
-                        f"or a checkpoint.")
+                        f"exist). Point --out_dir at the run's folder, or start a new run with {new_run}.")
     return load_checkpoint(path, whole=False).get('run', {}).get('init_from', 'scratch')
 
 

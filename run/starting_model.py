@@ -41,7 +41,8 @@ def check_starting_model(model_ckpt, path, model_args, tokenizer, base_tokenizer
                      fix="Point data_dir at the tokenizer folder it was trained with, or use a different out_dir / "
                          "--init_from=scratch to train a new model.")
     check_compatible(model_ckpt['model_args'], dict(model_args, vocab_size=expected['vocab_size']), 'model shape',
-                     path, may_differ=('dropout',))
+                     path, fix="Set these keys to the checkpoint's values (a fine-tune keeps its model's shape), or "
+                               "point --init_from at a model of the config's shape.", may_differ=('dropout',))
     return expected['vocab_size']
 
 

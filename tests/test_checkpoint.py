@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import assert_user_error, run
 from configurator import UserError
 from run.checkpoint import check_compatible, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from run.run_folder import run_log
@@ -112,3 +113,38 @@ def test_run_log_keeps_one_history(tmp_path, keep_until, kept):
     with open(tmp_path / 'log.jsonl') as f:
         assert [json.loads(line)['step'] for line in f] == kept + [9]
     assert writer is None and run_log(str(tmp_path), False, False, 0)[1] is None
+
+
+@pytest.mark.slow
+def test_advice_names_keys_the_script_has(tmp_path):
+    """A corrupt checkpoint given to export.py, sample_tts.py or eval.py, and train_rl.py / train_dpo.py told to
+    resume a run that is not there: the advice names what that script can do (none of them starts from
+    'scratch'; only the training scripts have --resume)."""
+    bad = tmp_path / 'run' / 'ckpt.pt'
+    os.makedirs(bad.parent)
+    bad.write_bytes(b'\x00garbage')
+    for args, says in [(['export.py', str(bad), str(tmp_path / 'hf')], 'export another checkpoint'),
+                       (['sample_tts.py', f'--out_dir={bad.parent}', '--device=cpu'], 'speak with another checkpoint'),
+                       (['eval.py', f'--init_from={bad}', '--device=cpu'], 'point --init_from (or --out_dir')]:
+        p = run(args, check=False)
+        assert_user_error(p, 'is corrupt', says)
+        assert '--resume' not in p.stderr, args
+    for script in ('train_rl.py', 'train_dpo.py'):
+        p = run([script, '--init_from=resume', f'--out_dir={tmp_path / "none"}', '--device=cpu'], check=False)
+        assert_user_error(p, "there is none", '--init_from set to a chat model')
+        assert 'scratch' not in p.stderr, script
+
+
+def test_a_fine_tune_of_another_shape_is_told_to_match_it():
+    """An SFT whose config's shape differs from its starting model's: set the keys or pick another model, not
+    --init_from=scratch (which would not fine-tune anything)."""
+    from run.starting_model import check_starting_model
+
+    class Tokenizer:
+        def identity(self):
+            return {'vocab_size': 10, 'hash': 'h'}
+    ckpt = dict(config={'training_type': 'from_scratch'}, tokenizer=Tokenizer().identity(),
+                model_args=dict(n_layer=6, vocab_size=10))
+    with pytest.raises(UserError, match=r"n_layer: checkpoint has 6, config has 4\). Set these keys") as e:
+        check_starting_model(ckpt, 'out/ckpt.pt', dict(n_layer=4), Tokenizer(), base_tokenizer=Tokenizer())
+    assert 'scratch' not in str(e.value)

@@ -13,6 +13,7 @@ import math
 import os
 import sys
 import time
+from collections import defaultdict
 from contextlib import nullcontext
 
 import torch
@@ -290,7 +291,10 @@ def train_step(batches, advantages, old_logps, ref_logps, totals):
             token_advantages = advantages[batch['first'] + batch['owners']]
             old = logps.detach() if old_logps is None else old_logps[micro_step]  # one iteration: ratio 1
             token_loss, clipped = clipped_token_loss(logps, old, token_advantages, epsilon, clip_high)
-            metrics = {'clip_ratio': clipped.float()}
+            # TRL's: where the ratio is cut below 1 - epsilon (A < 0) or above 1 + epsilon_high (A > 0)
+            metrics = {'clip_ratio/region_mean': clipped.float(),
+                       'clip_ratio/low_mean': (clipped & (token_advantages < 0)).float(),
+                       'clip_ratio/high_mean': (clipped & (token_advantages > 0)).float()}
             if beta > 0:
                 kl = k3_kl(logps, ref_logps[micro_step])
                 token_loss = token_loss + beta * kl
@@ -363,6 +367,7 @@ if eval_only:
     sys.exit(0)
 stop = StopSignal()
 bad_steps = 0
+window = defaultdict(list)  # each metric's values since the last log line, logged as their mean (as TRL)
 progress = tqdm(total=max_iters, initial=iter_num, disable=not master, dynamic_ncols=True, desc='rl')
 while iter_num < max_iters:
     lr = get_lr(iter_num)
@@ -394,6 +399,8 @@ while iter_num < max_iters:
         grad_norm = clip_grad_norm(raw_model.parameters(), grad_clip)
         metrics, (stop_requested,) = all_reduce_metrics(shares, [stop.requested is not None], ddp)
         loss = metrics['loss']
+        for k, v in metrics.items():
+            window[k].append(v)
         # fp16: a non-finite grad norm is an overflow, which scaler.step skips (update backs off)
         if math.isfinite(loss) and (math.isfinite(grad_norm) or scaler.is_enabled()):
             scaler.step(optimizer)
@@ -406,24 +413,30 @@ while iter_num < max_iters:
     progress.update(1)
     t2 = time.time()
 
+    groups = all_rewards.view(-1, num_generations)
+    # TRL's: std ~ 0 of the rewards as scale_rewards groups them (with 'batch', the whole step's)
+    reward_stds = groups.std(1) if scale_rewards != 'batch' else all_rewards.std().expand(len(groups))
+    n_completions = len(all_rewards)
+    step_metrics = {'reward': all_rewards.mean().item(), 'reward_std': all_rewards.std().item(),
+                    'accuracy': (all_rewards >= correct_reward).float().mean().item(),
+                    'frac_reward_zero_std': torch.isclose(reward_stds, torch.zeros_like(reward_stds)).float().mean().item(),
+                    'completions/mean_length': generated_tokens / n_completions,
+                    'completions/clipped_ratio': 1 - n_stopped / n_completions,
+                    'time/generation_s': t1 - t0, 'time/training_s': t2 - t1,
+                    'generation/tokens_per_sec': generated_tokens / (t1 - t0)}
+    for k, v in step_metrics.items():
+        window[k].append(v)
+
     if iter_num % log_interval == 0 or iter_num == max_iters:
-        groups = all_rewards.view(-1, num_generations)
-        n_completions = len(all_rewards)
-        # metrics are the last iteration's; TRL's names where it has them
-        record(dict(step=iter_num, lr=lr, grad_norm=grad_norm, reward=all_rewards.mean().item(),
-                    reward_std=all_rewards.std().item(),
-                    accuracy=(all_rewards >= correct_reward).float().mean().item(),
-                    frac_reward_zero_std=(groups == groups[:, :1]).all(1).float().mean().item(),
-                    **{'completions/mean_length': generated_tokens / n_completions,
-                       'completions/clipped_ratio': 1 - n_stopped / n_completions,
-                       'time/generation_s': t1 - t0, 'time/training_s': t2 - t1,
-                       'generation/tokens_per_sec': generated_tokens / (t1 - t0)},
-                    peak_memory_mb=(peak_memory_bytes(device) or 0) / 2**20, **metrics))
-        progress.set_postfix(reward=f'{all_rewards.mean().item():.3f}')
-        no_signal = (groups == groups[:, :1]).all()
-        log(f"step {iter_num}: reward {all_rewards.mean().item():.3f} (std {all_rewards.std().item():.3f}), "
-            f"loss {loss:.4f}, length {generated_tokens / n_completions:.1f}, lr {lr:.2e}, grad norm {grad_norm:.3f}, "
-            f"generation {t1 - t0:.2f}s, training {t2 - t1:.2f}s" + (
+        means = {k: sum(v) / len(v) for k, v in window.items()}
+        window.clear()
+        record(dict(step=iter_num, lr=lr, grad_norm=grad_norm, peak_memory_mb=(peak_memory_bytes(device) or 0) / 2**20,
+                    **means))
+        progress.set_postfix(reward=f"{means['reward']:.3f}")
+        no_signal = means['frac_reward_zero_std'] == 1
+        log(f"step {iter_num}: reward {means['reward']:.3f} (std {means['reward_std']:.3f}), loss {means['loss']:.4f}, "
+            f"length {means['completions/mean_length']:.1f}, lr {lr:.2e}, grad norm {grad_norm:.3f}, generation "
+            f"{means['time/generation_s']:.2f}s, training {means['time/training_s']:.2f}s" + (
                 f"; warning: every group's {num_generations} rewards were equal, so every advantage was 0 and "
                 f"nothing was learned (too hard or too easy prompts, or a constant reward)" if no_signal else ''))
 

@@ -229,7 +229,7 @@ RL = ['--device=cpu', '--dtype=float32', '--tensorboard=False', '--prompts_per_s
       '--max_prompt_length=36', '--max_new_tokens=12', '--eval_prompts=4', '--pass_k=2', '--exact_match_examples=2',
       '--log_interval=1', '--learning_rate=1e-3']
 TRAIN_METRICS = ('loss', 'reward', 'reward_std', 'accuracy', 'frac_reward_zero_std', 'completions/mean_length',
-                 'completions/clipped_ratio', 'clip_ratio', 'entropy', 'time/generation_s', 'time/training_s',
+                 'completions/clipped_ratio', 'clip_ratio/region_mean', 'clip_ratio/low_mean', 'clip_ratio/high_mean', 'entropy', 'time/generation_s', 'time/training_s',
                  'generation/tokens_per_sec', 'grad_norm')
 
 
@@ -280,8 +280,8 @@ def test_run_logs_metrics_and_resumes_bit_exactly(tmp_path, rl_env):
             if not k.startswith(('time/', 'generation/')):
                 assert a[step][k] == b[step][k], (step, k)
     assert 0 < a[1]['accuracy'] < 1 and a[1]['completions/mean_length'] > 0 and a[1]['reward_std'] > 0
-    # the logged metrics are the 2nd iteration's, after the batch's first update: ratios off 1, some clipped
-    assert a[1]['clip_ratio'] > 0 and a[1]['kl'] > 0 and a[1]['entropy'] > 0
+    # the loss-side metrics are the mean of the two iterations' (as TRL): the 2nd's ratios are off 1, some clipped
+    assert a[1]['clip_ratio/region_mean'] > 0 and a[1]['kl'] > 0 and a[1]['entropy'] > 0
     evals = [e for e in read_log(straight) if 'eval/pass@1' in e]
     assert [e['step'] for e in evals] == [0, 2, 4] and all(0 <= e['eval/pass@2'] <= 1 for e in evals)
     assert [e['step'] for e in read_log(straight) if 'eval/exact_match' in e] == [0, 4]
@@ -644,3 +644,29 @@ def test_a_fixed_reward_field_continues_the_run_and_epsilon_high_follows_epsilon
     write_jsonl(data / 'train.jsonl', rows)
     p = rl(rl_env, tmp_path / 'out', '--max_iters=3', *args, check=False)
     assert_user_error(p, 'train.jsonl has changed since the run')
+
+
+@pytest.mark.slow
+def test_metrics_are_trls(tmp_path, rl_env):
+    """TRL's meanings: every metric is the mean over the log_interval window (both iterations of a batch
+    included); clip_ratio/region_mean is low_mean + high_mean (a clipped token has A != 0); frac_reward_zero_std
+    counts groups whose std is close to 0 (torch.isclose, as TRL), with scale_rewards='batch' the step's std."""
+    common = ['--num_iterations=2', '--max_iters=2', '--eval_interval=2', '--exact_match_examples=0',
+              f'--reward={rl_env["rewards"]}:chars', '--epsilon=0.05']
+    rl(rl_env, tmp_path / 'each', *common, '--log_interval=1')
+    rl(rl_env, tmp_path / 'window', *common, '--log_interval=2')
+    each, window = train_events(tmp_path / 'each'), train_events(tmp_path / 'window')
+    assert sorted(window) == [2]
+    for k in TRAIN_METRICS:
+        if not k.startswith(('time/', 'generation/')):
+            want = each[2][k] if k == 'grad_norm' else (each[1][k] + each[2][k]) / 2  # the Trainer's last grad_norm
+            assert window[2][k] == pytest.approx(want, rel=1e-12, abs=1e-15), k
+    for e in each.values():
+        assert e['clip_ratio/region_mean'] == pytest.approx(e['clip_ratio/low_mean'] + e['clip_ratio/high_mean'])
+    assert any(e['clip_ratio/low_mean'] > 0 for e in each.values())
+    (tmp_path / 'r.py').write_text("def almost(prompt, completion, row):\n    return 1e-9 * len(completion)\n")
+    for scale in ('group', 'batch'):
+        rl(rl_env, tmp_path / scale, f'--reward={tmp_path / "r.py"}:almost', '--max_iters=1', '--eval_prompts=1',
+           '--exact_match_examples=0', f'--scale_rewards={scale}')
+        e = train_events(tmp_path / scale)[1]
+        assert 0 < e['reward_std'] < 1e-8 and e['frac_reward_zero_std'] == 1, scale

@@ -18,7 +18,8 @@ def group_advantages(rewards, group_size, scale_rewards):
     """Advantages (n,) of rewards (n,), n = prompts * G, each prompt's G completions consecutive:
         A_i = (r_i - mean_g(r)) / (std + 1e-4)
     mean_g over the completion's group (its prompt's G); std the group's ('group', GRPO), the whole batch's
-    ('batch', as Dr. GRPO / LitePPO advise against the group's bias) or 1 with no 1e-4 ('none', Dr. GRPO).
+    ('batch': group mean, batch std, as LitePPO (Liu et al. 2025, "Tricks or Traps?") advises and TRL offers)
+    or 1 with no 1e-4 ('none': Dr. GRPO, which drops the std for its bias towards easy and hard questions).
     std is the unbiased (Bessel's) standard deviation, as torch.std and TRL; G must be at least 2."""
     groups = rewards.view(-1, group_size)
     centred = (groups - groups.mean(1, keepdim=True)).flatten()

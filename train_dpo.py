@@ -129,6 +129,11 @@ eval_metric_names = metric_names(eval_metrics)
 if label_smoothing and loss_type not in ('sigmoid', 'robust'):
     raise UserError(f"label_smoothing applies to loss_type 'sigmoid' (conservative DPO) and 'robust' only; "
                     f"drop it for loss_type={loss_type!r}.")
+if use_lora and lora_bias != 'none' and not reference_free:
+    raise UserError(f"lora_bias={lora_bias!r} trains the model's biases, but with use_lora=True the reference is the "
+                    f"model with its adapters disabled, which would keep the trained biases: a reference that moves "
+                    f"with training. Use lora_bias='none', or train all weights (use_lora=False: a frozen copy is "
+                    f"the reference), or reference_free=True.")
 if reference_free and precompute_ref_logps:
     raise UserError("reference_free=True has no reference to precompute; drop precompute_ref_logps.")
 

@@ -507,7 +507,8 @@ def test_bad_prompts_and_settings_exit_2(tmp_path, rl_env):
     cases = [([f'--rl_data={bad}'], [f'{bad / "train.jsonl"}:2:', '"prompt"']),
              (['--num_generations=1'], ['num_generations=1', 'at least 2']),
              (['--prompts_per_step=3', '--gradient_accumulation_steps=5'], ['split evenly']),
-             (['--loss_type=ppo'], ['loss_type'])]
+             (['--loss_type=ppo'], ['loss_type']), (['--epsilon_high=-0.1'], ['epsilon_high=-0.1', 'or None']),
+             (['--use_lora=True', '--lora_bias=all', '--beta=0.1'], ["lora_bias='all'", 'moves with training'])]
     for i, (args, says) in enumerate(cases):
         p = rl(rl_env, tmp_path / f'out{i}', *args, check=False)
         assert_user_error(p, *says)

@@ -86,10 +86,21 @@ def check_output_file(path, key, kind, is_earlier_output, reads=()):
                         f"file, or delete that one yourself if it can go (nothing was written).")
 
 
+# how gloo (and NCCL) report a collective whose peer process has gone
+PEER_GONE = ('Connection closed by peer', 'Connection reset by peer', 'Broken pipe', 'NCCL communicator was aborted')
+
+
 def _excepthook(exc_type, exc, tb, previous=sys.excepthook):
     if issubclass(exc_type, UserError):
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)  # raising SystemExit from the hook sets the exit status; atexit still runs
+    # under torchrun, a rank that stopped (a bad input, a crash) leaves the others' collectives failing:
+    # its own message says why, theirs would be a traceback about a closed connection
+    if int(os.environ.get('WORLD_SIZE', '1')) > 1 and issubclass(exc_type, RuntimeError) and any(
+            s in str(exc) for s in PEER_GONE):
+        print(f"error: rank {os.environ.get('RANK')} stopped: another process of this torchrun ended first (its "
+              f"message, above or below, says why).", file=sys.stderr)
+        sys.exit(2)
     previous(exc_type, exc, tb)
 
 

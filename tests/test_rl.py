@@ -671,3 +671,28 @@ def test_metrics_are_trls(tmp_path, rl_env):
            '--exact_match_examples=0', f'--scale_rewards={scale}')
         e = train_events(tmp_path / scale)[1]
         assert 0 < e['reward_std'] < 1e-8 and e['frac_reward_zero_std'] == 1, scale
+
+
+@pytest.mark.slow
+def test_a_rank_that_stops_leaves_one_message_and_no_rank_traceback(tmp_path, rl_env):
+    """Under torchrun, a reward that fails on rank 1 only, and a launch on an out_dir another run holds (rank 0
+    finds the lock): the rank that stopped says why, the other is ended by torchrun or says in one line that a
+    peer ended first; no rank prints a traceback (torchrun's own failure summary follows, which it prints for any failed rank)."""
+    import fcntl
+    (tmp_path / 'r.py').write_text("import os\n\ndef f(prompt, completion, row):\n"
+                                   "    if os.environ['RANK'] == '1':\n        raise KeyError('x')\n    return 1.0\n")
+    (tmp_path / 'held').mkdir()
+    with open(tmp_path / 'held' / 'run.lock', 'a+') as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        lock.write('4242\n')
+        lock.flush()
+        for out, args, says in [(tmp_path / 'out', [f'--reward={tmp_path / "r.py"}:f'], "raised KeyError: 'x'"),
+                                (tmp_path / 'held', [], 'another run (process 4242) is training in')]:
+            p = rl(rl_env, out, '--max_iters=2', *args, ranks=2, check=False)
+            assert p.returncode != 0 and p.stderr.count(says) == 1, p.stderr
+            # the other rank: torchrun's SIGTERM, or one line if its collective failed first
+            assert p.stderr.count('error: ') <= 2 and 'Connection closed' not in p.stderr
+            # one traceback at most: torchrun's own, whose frames are all the launcher's
+            tracebacks = p.stderr.split('Traceback (most recent call last):')[1:]
+            assert len(tracebacks) <= 1 and 'Connection closed' not in p.stderr, p.stderr
+            assert all('ChildFailedError' in t and 'train_rl.py", line' not in t for t in tracebacks), p.stderr

@@ -28,7 +28,7 @@ from lm.heldout_eval import HeldOut, report_heldout
 from lm.lora import LORA_SETTINGS, apply_lora, disable_adapters, frozen_base_dtype, lora_optimizer, lora_state_dict, \
     save_merged
 from lm.metrics import mean_pass_at_k
-from lm.rewards import check_rows, load_reward, score
+from lm.rewards import check_rows, load_rewards, reward_values
 from lm.rl import (LOSS_TYPES, SCALE_REWARDS, clipped_token_loss, completion_batches, group_advantages, k3_kl,
                    normalized_loss, token_entropy)
 from lm.tokenizer import chat_tokenizer
@@ -52,7 +52,8 @@ chat_template_variables = {}  # published model's chat-template variables; {} = 
 resume = True                # continue out_dir's run if any; False = start a new one, replacing it
 data_dir = ''                # the base tokenizer's data.py folder; '' = data/stdlib
 rl_data = ''                 # folder of train/val(/test).jsonl prompts; '' = the embedded number tasks
-reward = 'number_tasks'      # 'number_tasks' (final answer) | 'number_tasks_exact' (whole answer) | 'path.py:name'
+reward = 'number_tasks'      # 'number_tasks' (final answer) | 'number_tasks_exact' (whole) | 'path.py:name', or several: a,b
+reward_weights = ''          # comma-separated weights of the rewards (TRL's reward_weights); '' = 1 each
 format_reward = 0.0          # number_tasks: added when a completion is shaped like the reference answer
 correct_reward = 1.0         # a completion whose reward reaches this counts as correct (accuracy, pass@k)
 eval_interval = 50           # steps between evals (and checkpoint saves)
@@ -186,8 +187,10 @@ train_prompts, eval_prompts, exact_match_prompts, train_data_hash, train_prompts
 train_sampler = PromptSampler(len(train_prompts), seed)
 # greedy exact match on the held-out prompts that have a reference answer, at the start and the end
 held_out = HeldOut(tokenizer, exact_match_prompts, ['exact_match'], prompts_per_step, model_args['block_size'])
-reward_fn, reward_name = load_reward(reward, format_reward)
-check_rows(reward, train_prompts + eval_prompts)
+reward_fns, reward_weights_list = load_rewards(reward, reward_weights, format_reward)
+check_rows(reward_fns, train_prompts + eval_prompts)
+reward_name = ' + '.join(f'{w:g} x {r.name}' if len(reward_fns) > 1 else r.name
+                         for r, w in zip(reward_fns, reward_weights_list))
 stop_ids = stop_tokens(tokenizer)  # the end of the assistant's turn
 
 # policy, and the reference (only with beta > 0): a frozen copy when training all weights, the
@@ -242,8 +245,9 @@ def my_share(n):
 @torch.no_grad()
 def rollouts(batch, n_samples, generator):
     """n_samples completions of each of this rank's share (my_share) of a batch of prompts ((ids, record,
-    where) triples) sampled by the policy, and their rewards: (completions (token ids), rewards (n,), stopped
-    (n,) bool: ended with a stop token). Every rank draws the whole batch's numbers from generator and samples
+    where) triples) sampled by the policy, and their rewards: (completions (token ids), rewards (n,) the weighted
+    sum, stopped (n,) bool: ended with a stop token, per_reward (n, rewards): each reward's values, NaN where it
+    returned None). Every rank draws the whole batch's numbers from generator and samples
     its rows with its own: the rollouts are one process's, whatever the number of ranks."""
     start, stop = my_share(len(batch))
     prompts = batch[start:stop]
@@ -254,13 +258,14 @@ def rollouts(batch, n_samples, generator):
                                      rows_of=(start * n_samples, len(batch) * n_samples))
     raw_model.train()
     stopped = torch.tensor([bool(c) and c[-1] in stop_ids for c in completions])
-    rewards = []
-    for i, completion in enumerate(completions):
-        ids, record, where = prompts[i // n_samples]
-        text = tokenizer.decode(completion[:-1] if stopped[i] else completion, skip_special=True)  # as TRL
-        rewards.append(score(reward_fn, reward_name, rl_prompt(record), text, record, where))
-    return completions, torch.tensor(rewards, device=device), stopped
-
+    rows = [prompts[i // n_samples] for i in range(len(completions))]
+    texts = [tokenizer.decode(c[:-1] if s else c, skip_special=True) for c, s in zip(completions, stopped)]  # as TRL
+    # each reward's values (NaN: it could not score it), then their weighted sum, NaNs adding 0 (TRL's)
+    per_reward = torch.tensor([reward_values(r, [rl_prompt(record) for _, record, _ in rows], texts,
+                                             [record for _, record, _ in rows], [where for _, _, where in rows])
+                               for r in reward_fns], device=device).T.reshape(len(completions), len(reward_fns))
+    total = (per_reward * torch.tensor(reward_weights_list, device=device)).nansum(1)
+    return completions, total, stopped, per_reward
 
 def completion_logps(net, batch):
     """Per-token log-probs (N,) of a micro-batch's completion tokens under net, and the logits (N, V) they come
@@ -333,7 +338,7 @@ def evaluate():
         part = batch[slice(*my_share(len(batch)))]
         if not part:
             continue
-        _, rewards, _ = rollouts(batch, pass_k, draws(1, start))
+        _, rewards, _, _ = rollouts(batch, pass_k, draws(1, start))
         counts = [(pass_k, int(c)) for c in (rewards.view(-1, pass_k) >= correct_reward).sum(1).tolist()]
         sums += torch.tensor([mean_pass_at_k(counts, 1) * len(part), mean_pass_at_k(counts, pass_k) * len(part),
                               rewards.sum().item() / pass_k, len(part)], device=device)
@@ -382,8 +387,9 @@ while iter_num < max_iters:
     t0 = time.time()
     batch = [train_prompts[i] for i in train_sampler.sample(prompts_per_step)]
     prompts = batch[slice(*my_share(len(batch)))]
-    completions, rewards, stopped = rollouts(batch, num_generations, draws(0, iter_num))
+    completions, rewards, stopped, per_reward = rollouts(batch, num_generations, draws(0, iter_num))
     all_rewards = gathered(rewards)  # a group is on one rank, but the 'batch' std is over all
+    all_per_reward = gathered(per_reward)
     advantages = group_advantages(all_rewards, num_generations, scale_rewards).view(world_size, -1)[rank]
     sequences = [(prompts[i // num_generations][0], c) for i, c in enumerate(completions)]
     scored = [bool(s) or not mask_truncated_completions for s in stopped.tolist()]  # DAPO's mask: truncated ones out
@@ -429,6 +435,10 @@ while iter_num < max_iters:
                     'completions/clipped_ratio': 1 - n_stopped / n_completions,
                     'time/generation_s': t1 - t0, 'time/training_s': t2 - t1,
                     'generation/tokens_per_sec': generated_tokens / (t1 - t0)}
+    for r, values in zip(reward_fns, all_per_reward.T):  # TRL's nanmean and nanstd (Bessel's): None left out
+        scored_values = values[~values.isnan()]
+        step_metrics[f'rewards/{r.name}/mean'] = scored_values.mean().item()
+        step_metrics[f'rewards/{r.name}/std'] = scored_values.std().item()
     for k, v in step_metrics.items():
         window[k].append(v)
 

@@ -166,7 +166,7 @@ def recording_trainer(loss, output_dir, max_steps, logging_steps, record_logps=F
     from trl import GRPOTrainer
 
     from lm.rewards import load_reward
-    digits, _ = load_reward(f'{REWARD}:digits')
+    digits = load_reward(f'{REWARD}:digits').fn
 
     class Recorder(TrainerCallback):
         def __init__(self):
@@ -389,7 +389,7 @@ def our_step1(model, tokenizer, theirs, loss):
     import torch.nn.functional as F
     from lm.rewards import load_reward
     from lm.rl import clipped_token_loss, completion_batches, group_advantages, normalized_loss, token_entropy
-    digits, _ = load_reward(f'{REWARD}:digits')
+    digits = load_reward(f'{REWARD}:digits').fn
     model.load_state_dict(torch.load(paths['init.pt'], weights_only=True)['model'])
     model.train()
     model.zero_grad(set_to_none=True)

@@ -1,9 +1,15 @@
 """
-The reward of online RL (train_rl.py): the embedded number tasks' verifier, or a user's Python function
-named 'path.py:name', called as name(prompt=..., completion=..., row=...) with the prompt's messages, the
-completion's text and the prompt's JSONL record, returning a number (a bool, a NumPy or 0-d tensor number).
-Whatever goes wrong in it (a missing file or function, a raise or an exit(), a non-number, NaN, a number beyond
-float32's range) is a UserError naming the function and the row.
+The rewards of online RL (train_rl.py), as TRL's GRPOTrainer combines them: the config key reward names one or
+more functions, comma-separated, each the embedded number tasks' verifier ('number_tasks', 'number_tasks_exact')
+or a user's 'path.py:name'; a completion's reward is their sum weighted by reward_weights (TRL's nansum).
+
+A user's function is called once per completion as name(prompt=..., completion=..., row=...) with the prompt's
+messages, the completion's text and the prompt's JSONL record; one whose attribute `batched` is true (for a
+reward that runs a model or a program) once per batch of rollouts as name(prompts=[...], completions=[...],
+rows=[...]), returning a list of as many values. A value is a number (a bool, a NumPy or 0-d tensor number) or
+None for a completion the function cannot score: that reward leaves it out of its mean and adds 0 to its
+total (TRL's NaN). Whatever goes wrong (a missing file or function, a raise or an exit(), a non-number, NaN, a
+number beyond float32's range) is a UserError naming the function and the row.
 """
 import functools
 import hashlib
@@ -13,30 +19,47 @@ import numbers
 import os
 import signal
 import sys
+from typing import Callable, NamedTuple
 
 from configurator import UserError
 from tasks.number_tasks import number_task_reward
 
-
 BUILT_IN = ('number_tasks', 'number_tasks_exact')
+FLOAT32_MAX = 3.4028234663852886e+38  # rewards are float32 tensors from here on
 
 
-def check_rows(spec, prompts):
-    """Before any rollout: a UserError naming the first of prompts ((ids, record, where) triples) without the
-    string "response" that the built-in rewards check completions against (a user's reward checks its own)."""
-    for _, record, where in prompts if spec in BUILT_IN else ():
-        if not isinstance(record.get('response'), str):
-            raise UserError(f"{where} has no \"response\" (a string: the reference answer), which reward={spec!r} "
-                            f"checks each completion against. Add one to every prompt row, or score with your own "
-                            f"function (--reward=path.py:name).")
+class Reward(NamedTuple):
+    fn: Callable
+    name: str  # its key in the logs, rewards/<name>/mean: the function's name, as TRL's
+    spec: str  # as the config names it, for messages
+    batched: bool  # called once per batch with lists
+
+
+def load_rewards(spec, weights='', format_weight=0.0):
+    """(Rewards, weights) of the config keys reward (comma-separated) and reward_weights ('' = 1 each)."""
+    rewards = [load_reward(one.strip(), format_weight) for one in spec.split(',') if one.strip()]
+    if not rewards:
+        raise UserError("reward='' names no reward; e.g. --reward=number_tasks or --reward=my_rewards.py:score.")
+    names = [r.name for r in rewards]
+    if len(set(names)) < len(names):
+        raise UserError(f"reward={spec!r} names a function twice ({', '.join(names)}); each reward is logged by its "
+                        f"function's name, so give each its own.")
+    try:
+        values = [float(w) for w in weights.split(',')] if weights.strip() else [1.0] * len(rewards)
+    except ValueError:
+        values = []
+    if len(values) != len(rewards) or not all(math.isfinite(w) for w in values):
+        raise UserError(f"reward_weights={weights!r} must be {len(rewards)} comma-separated finite numbers, one for "
+                        f"each reward of reward={spec!r} (or '' for 1 each).")
+    return rewards, values
 
 
 def load_reward(spec, format_weight=0.0):
-    """(the reward function, its name for messages) of the config key reward: 'number_tasks' (the verifier of the
-    final answer, with format_weight for a well-formed answer), 'number_tasks_exact' (of the whole answer) or
-    'path.py:name'."""
+    """The Reward of one spec: 'number_tasks' (the verifier of the final answer, with format_weight for a
+    well-formed answer), 'number_tasks_exact' (of the whole answer) or 'path.py:name'."""
     if spec in BUILT_IN:
-        return functools.partial(number_task_reward, format_weight=format_weight, whole=spec.endswith('exact')), spec
+        fn = functools.partial(number_task_reward, format_weight=format_weight, whole=spec.endswith('exact'))
+        return Reward(fn, spec, spec, False)
     path, _, name = spec.rpartition(':')
     if not path.endswith('.py') or not name:
         raise UserError(f"reward={spec!r} is neither 'number_tasks', 'number_tasks_exact' nor 'path.py:name' (a "
@@ -48,44 +71,76 @@ def load_reward(spec, format_weight=0.0):
     # there) and with its folder importable (a helper module beside it)
     path = os.path.abspath(path)
     module_name = f"reward_{hashlib.sha256(path.encode()).hexdigest()[:12]}_{os.path.basename(path)[:-3]}"
-    module_spec = importlib.util.spec_from_file_location(module_name, path)
-    module = importlib.util.module_from_spec(module_spec)
-    if os.path.dirname(path) not in sys.path:
-        sys.path.append(os.path.dirname(path))
-    sys.modules[module_name] = module
-    try:
-        module_spec.loader.exec_module(module)
-    except (Exception, SystemExit) as e:
-        del sys.modules[module_name]
-        raise UserError(f"reward={spec!r}: importing {path} raised {type(e).__name__}: {e}. Fix the file.") from None
+    module = sys.modules.get(module_name)
+    if module is None:
+        module_spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(module_spec)
+        if os.path.dirname(path) not in sys.path:
+            sys.path.append(os.path.dirname(path))
+        sys.modules[module_name] = module
+        try:
+            module_spec.loader.exec_module(module)
+        except (Exception, SystemExit) as e:
+            del sys.modules[module_name]
+            raise UserError(f"reward={spec!r}: importing {path} raised {type(e).__name__}: {e}. Fix the "
+                            f"file.") from None
     fn = getattr(module, name, None)
     if not callable(fn):
         raise UserError(f"reward={spec!r}: {path} defines no function {name!r}. Define {name}(prompt, completion, "
                         f"row) returning a number, or fix the name after the colon.")
-    return fn, spec
+    return Reward(fn, name, spec, bool(getattr(fn, 'batched', False)))
 
 
-FLOAT32_MAX = 3.4028234663852886e+38  # rewards are float32 tensors from here on
+def check_rows(rewards, prompts):
+    """Before any rollout: a UserError naming the first of prompts ((ids, record, where) triples) without the
+    string "response" that the built-in rewards check completions against (a user's reward checks its own)."""
+    for reward in rewards:
+        for _, record, where in prompts if reward.spec in BUILT_IN else ():
+            if not isinstance(record.get('response'), str):
+                raise UserError(f"{where} has no \"response\" (a string: the reference answer), which "
+                                f"reward={reward.spec!r} checks each completion against. Add one to every prompt row, "
+                                f"or score with your own function (--reward=path.py:name).")
 
 
-def score(fn, name, prompt, completion, row, where):
-    """fn(prompt=prompt, completion=completion, row=row) as a float; where: the row's place (path:line), for
-    messages. A raise (an exit() too), a non-number (bools are numbers: 0/1; NumPy numbers and 0-d arrays
-    count) or a number that is not finite in float32 is a UserError."""
+def reward_values(reward, prompts, completions, rows, wheres):
+    """The values (floats, NaN for None) of one Reward for each completion of a batch: prompts (messages),
+    completions (texts), rows (JSONL records) and wheres (each row's file and place, for messages)."""
+    if reward.batched:
+        values = call(reward, wheres[0] + ' and the rest of the batch', completions[0], prompts=prompts,
+                      completions=completions, rows=rows)
+        if not isinstance(values, (list, tuple)) or len(values) != len(completions):
+            raise UserError(f"the batched reward function {reward.spec} returned {type(values).__name__} "
+                            f"{str(values)[:60]} for a batch of {len(completions)} completions; it must return a "
+                            f"list of {len(completions)} numbers (or None).")
+    else:
+        values = [call(reward, where, completion, prompt=prompt, completion=completion, row=row)
+                  for prompt, completion, row, where in zip(prompts, completions, rows, wheres)]
+    return [checked(reward, value, where, completion) for value, completion, where in zip(values, completions, wheres)]
+
+
+def call(reward, where, shown, **inputs):
+    """reward.fn(**inputs); whatever it raises (an exit() too) is a UserError naming it, where and the
+    completion shown."""
     try:
-        value = fn(prompt=prompt, completion=completion, row=row)
+        return reward.fn(**inputs)
     except (Exception, SystemExit, KeyboardInterrupt) as e:
         # a Ctrl-C that the run's stop signal does not handle (before the first step) is the user's
         if isinstance(e, KeyboardInterrupt) and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
             raise
         what = (f"called exit({e.code!r})" if isinstance(e, SystemExit) else f"raised {type(e).__name__}: {e}")
-        raise UserError(f"the reward function {name} {what} on the prompt of {where} (completion "
-                        f"{completion[:60]!r}); a reward must return a number. Fix the function, or the "
-                        f"row.") from None
+        raise UserError(f"the reward function {reward.spec} {what} on the prompt of {where} (completion "
+                        f"{shown[:60]!r}); a reward must return a number. Fix the function, or the row.") from None
+
+
+def checked(reward, value, where, completion):
+    """value as a float (NaN for None); a non-number, NaN or a number beyond float32 is a UserError."""
+    if value is None:
+        return math.nan
     if getattr(value, 'shape', None) == () and hasattr(value, 'item'):  # numpy.bool_, 0-d arrays and tensors
         value = value.item()
     if not isinstance(value, numbers.Real) or not abs(value) <= FLOAT32_MAX:
-        raise UserError(f"the reward function {name} returned {value!r} for the prompt of {where} (completion "
+        raise UserError(f"the reward function {reward.spec} returned {value!r} for the prompt of {where} (completion "
                         f"{completion[:60]!r}); it must return a finite number (a float or int) within float32's "
-                        f"range (|r| <= 3.4e38), in which rewards are computed.")
+                        f"range (|r| <= 3.4e38), in which rewards are computed, or None when it cannot score it.")
     return float(value)
+

@@ -16,7 +16,7 @@ from conftest import (assert_user_error, hf_fixture, kill_and_relaunch, load, re
                       torchrun, write_jsonl)
 from configurator import UserError
 from lm.chat_data import rl_prompt
-from lm.rewards import check_rows, load_reward, score
+from lm.rewards import check_rows, load_reward, load_rewards, reward_values
 from lm.tokenizer import CharTokenizer, ChatTokenizer
 from lm.rl import clipped_token_loss, completion_batches, group_advantages, k3_kl, normalized_loss, token_entropy
 from model import GPT, GPTConfig
@@ -208,7 +208,7 @@ def test_number_task_verifier():
     assert number_task_reward([], '1+1=2, 1+1+1=3, so 74', row, whole=True) == 0.0
     assert number_task_reward([], '74', row, format_weight=0.1, whole=True) == 0.0
     assert number_task_reward([], '5', {'response': '5'}, whole=True) == 1.0
-    exact, name = load_reward('number_tasks_exact', format_weight=0.1)  # train_rl.py's --reward=number_tasks_exact
+    exact, name = load_reward('number_tasks_exact', format_weight=0.1)[:2]  # train_rl.py's --reward=number_tasks_exact
     assert name == 'number_tasks_exact' and exact(prompt=[], completion='74', row=row) == 0.0
     assert exact(prompt=[], completion=row['response'], row=row) == pytest.approx(1.1)
 
@@ -399,6 +399,11 @@ def test_reward_rises_on_a_tiny_model(tmp_path, rl_env):
     assert last > 2 * first + 0.05, rewards
 
 
+def score(reward, completion, row, where):
+    """One completion's value of a per-completion Reward, as train_rl.py's rollouts compute it."""
+    return reward_values(reward, [[]], [completion], [row], [where])[0]
+
+
 def test_reward_function_errors_name_it(tmp_path):
     """A missing file or function, a raise, a non-number, a NaN: a UserError naming the function and the prompt."""
     rewards = tmp_path / 'rewards.py'
@@ -412,12 +417,10 @@ def test_reward_function_errors_name_it(tmp_path):
             load_reward(spec)
     for name, says in [('boom', "raised KeyError: 'answer' on the prompt of data.jsonl (prompt 3)"),
                        ('text', "returned 'good' for the prompt of data.jsonl (prompt 3)"), ('nan', 'returned nan')]:
-        fn, spec = load_reward(f'{rewards}:{name}')
         with pytest.raises(UserError, match=re.escape(says)) as e:
-            score(fn, spec, [], 'x', {'response': '12'}, 'data.jsonl (prompt 3)')
+            score(load_reward(f'{rewards}:{name}'), 'x', {'response': '12'}, 'data.jsonl (prompt 3)')
         assert f'{rewards}:{name}' in str(e.value)
-    fn, spec = load_reward(f'{rewards}:fine')
-    assert score(fn, spec, [], 'x', {'response': '12'}, 'here') == 3.0
+    assert score(load_reward(f'{rewards}:fine'), 'x', {'response': '12'}, 'here') == 3.0
 
 
 def test_reward_files_import_as_modules_and_numpy_numbers_count(tmp_path):
@@ -434,8 +437,7 @@ def test_reward_files_import_as_modules_and_numpy_numbers_count(tmp_path):
         "def zero_d(prompt, completion, row):\n    return np.array(2)\n\n"
         "def tensor(prompt, completion, row):\n    return torch.tensor(1.5)\n")
     for name, want in [('graded', 1.5), ('np_bool', 1.0), ('np_float', 0.25), ('zero_d', 2.0), ('tensor', 1.5)]:
-        fn, spec = load_reward(f'{tmp_path / "dc.py"}:{name}')
-        value = score(fn, spec, [], 'x', {}, 'here')
+        value = score(load_reward(f'{tmp_path / "dc.py"}:{name}'), 'x', {}, 'here')
         assert value == want and type(value) is float, name
 
 
@@ -447,16 +449,16 @@ def test_a_reward_that_exits_or_overflows_is_named(tmp_path, monkeypatch):
                                    "def interrupted(prompt, completion, row):\n    raise KeyboardInterrupt\n\n"
                                    "def huge(prompt, completion, row):\n    return 1e39\n")
     for name, says in [('leaves', 'called exit(0)'), ('huge', "within float32's range")]:
-        fn, spec = load_reward(f'{tmp_path / "r.py"}:{name}')
+        reward = load_reward(f'{tmp_path / "r.py"}:{name}')
         with pytest.raises(UserError, match=re.escape(says)) as e:
-            score(fn, spec, [], 'x', {}, 'data.jsonl (prompt 1)')
-        assert spec in str(e.value) and 'data.jsonl (prompt 1)' in str(e.value)
-    fn, spec = load_reward(f'{tmp_path / "r.py"}:interrupted')
+            score(reward, 'x', {}, 'data.jsonl (prompt 1)')
+        assert reward.spec in str(e.value) and 'data.jsonl (prompt 1)' in str(e.value)
+    reward = load_reward(f'{tmp_path / "r.py"}:interrupted')
     with pytest.raises(KeyboardInterrupt):
-        score(fn, spec, [], 'x', {}, 'here')
+        score(reward, 'x', {}, 'here')
     monkeypatch.setattr(signal, 'getsignal', lambda sig: lambda *a: None)  # the run's StopSignal handles SIGINT
     with pytest.raises(UserError, match='raised KeyboardInterrupt'):
-        score(fn, spec, [], 'x', {}, 'here')
+        score(reward, 'x', {}, 'here')
 
 
 def test_built_in_rewards_check_their_rows_up_front():
@@ -465,9 +467,9 @@ def test_built_in_rewards_check_their_rows_up_front():
     rows = [([1], {'prompt': 'a', 'response': '1'}, 'train.jsonl (prompt 1)'), ([2], {'prompt': 'b'}, 'train.jsonl (prompt 2)')]
     for spec in ('number_tasks', 'number_tasks_exact'):
         with pytest.raises(UserError, match=re.escape('train.jsonl (prompt 2) has no "response"')):
-            check_rows(spec, rows)
-    check_rows('my.py:f', rows)  # a user's reward checks its own fields
-    check_rows('number_tasks', rows[:1])
+            check_rows([load_reward(spec)], rows)
+    check_rows([load_reward('number_tasks')._replace(spec='my.py:f')], rows)  # a user's reward checks its own
+    check_rows([load_reward('number_tasks')], rows[:1])
 
 
 def test_the_reward_reads_completions_without_special_tokens():
@@ -696,3 +698,44 @@ def test_a_rank_that_stops_leaves_one_message_and_no_rank_traceback(tmp_path, rl
             tracebacks = p.stderr.split('Traceback (most recent call last):')[1:]
             assert len(tracebacks) <= 1 and 'Connection closed' not in p.stderr, p.stderr
             assert all('ChildFailedError' in t and 'train_rl.py", line' not in t for t in tracebacks), p.stderr
+
+
+def test_several_rewards_weights_none_and_batched_calls(tmp_path):
+    """TRL's combination: each reward's values (None -> NaN, left out of that reward's mean), the total their
+    weighted nansum; a function marked batched is called once with the lists; the weights and names checked."""
+    (tmp_path / 'r.py').write_text(
+        "def length(prompt, completion, row):\n    return len(completion)\n\n"
+        "def maybe(prompts, completions, rows):\n    return [None if c == 'b' else 0.5 * r['k'] for c, r in "
+        "zip(completions, rows)]\nmaybe.batched = True\n\n"
+        "def wrong_count(prompts, completions, rows):\n    return [1.0]\nwrong_count.batched = True\n")
+    rewards, weights = load_rewards(f'{tmp_path / "r.py"}:length, {tmp_path / "r.py"}:maybe', '2, -1')
+    assert [r.name for r in rewards] == ['length', 'maybe'] and [r.batched for r in rewards] == [False, True]
+    assert weights == [2.0, -1.0]
+    completions, rows = ['a', 'b', 'ccc'], [{'k': 1}, {'k': 2}, {'k': 4}]
+    values = [reward_values(r, [[]] * 3, completions, rows, ['w1', 'w2', 'w3']) for r in rewards]
+    assert values[0] == [1.0, 1.0, 3.0] and values[1][0] == 0.5 and math.isnan(values[1][1]) and values[1][2] == 2.0
+    per_reward = torch.tensor(values).T
+    total = (per_reward * torch.tensor(weights)).nansum(1)  # train_rl.py's rollouts
+    assert total.tolist() == [2 * 1 - 0.5, 2 * 1, 2 * 3 - 2.0]
+    for spec, weights_spec, says in [(f'{tmp_path / "r.py"}:length', '1,2', 'must be 1 comma-separated'),
+                                     (f'{tmp_path / "r.py"}:length,{tmp_path / "r.py"}:length', '', 'twice'),
+                                     ('', '', 'names no reward')]:
+        with pytest.raises(UserError, match=says):
+            load_rewards(spec, weights_spec)
+    with pytest.raises(UserError, match='for a batch of 3 completions; it must return a list of 3'):
+        reward_values(load_reward(f'{tmp_path / "r.py"}:wrong_count'), [[]] * 3, completions, rows, ['w'] * 3)
+
+
+@pytest.mark.slow
+def test_several_rewards_are_logged_each_and_summed(tmp_path, rl_env):
+    """--reward=a,b --reward_weights=2,1: rewards/<name>/mean and /std of each (None left out), the logged reward
+    their weighted sum."""
+    (tmp_path / 'r.py').write_text(
+        "def one(prompt, completion, row):\n    return 1\n\n"
+        "def odd(prompts, completions, rows):\n    return [0.5 if len(c) % 2 else None for c in completions]\n"
+        "odd.batched = True\n")
+    rl(rl_env, tmp_path / 'out', f'--reward={tmp_path / "r.py"}:one,{tmp_path / "r.py"}:odd', '--reward_weights=2,1',
+       '--max_iters=2', '--eval_prompts=1', '--exact_match_examples=0', '--correct_reward=2')
+    for e in train_events(tmp_path / 'out').values():
+        assert e['rewards/one/mean'] == 1 and e['rewards/one/std'] == 0 and e['rewards/odd/mean'] == 0.5
+        assert 2 <= e['reward'] <= 2.5 and e['accuracy'] == 1

@@ -29,8 +29,8 @@ from lm.lora import LORA_SETTINGS, apply_lora, disable_adapters, frozen_base_dty
     save_merged
 from lm.metrics import mean_pass_at_k
 from lm.rewards import check_rows, load_rewards, reward_values
-from lm.rl import (LOSS_TYPES, SCALE_REWARDS, clipped_token_loss, completion_batches, group_advantages, k3_kl,
-                   normalized_loss, token_entropy)
+from lm.rl import (IMPORTANCE_LEVELS, LOSS_TYPES, SCALE_REWARDS, clipped_token_loss, completion_batches,
+                   group_advantages, k3_kl, normalized_loss, sequence_log_ratio, token_entropy)
 from lm.tokenizer import chat_tokenizer
 from memory import peak_memory_bytes
 from model import GPTConfig
@@ -82,6 +82,7 @@ beta = 0.0                   # weight of the k3 KL penalty against the reference
 epsilon = 0.2                # PPO clip: the ratio's lower bound is 1 - epsilon
 epsilon_high = None          # the upper bound is 1 + epsilon_high; None = epsilon, as TRL (DAPO's clip-higher: 0.28)
 num_iterations = 1           # optimizer steps on each batch of rollouts (PPO's epochs, TRL's mu)
+importance_sampling_level = 'token'  # the PPO ratio of each 'token', or of its 'sequence': their mean log-ratio (GSPO)
 mask_truncated_completions = False  # completions cut at max_new_tokens add nothing to the loss (DAPO)
 gradient_accumulation_steps = 1  # micro-batches per optimizer step per process (splitting its completions)
 # LoRA: train adapters on the frozen model; the reference is the same model with adapters disabled
@@ -131,6 +132,7 @@ check_values(config, [
     (POSITIVE, ('temperature', 'lora_alpha', 'loraplus_lr_ratio')),
     (one_of(SCHEDULES), ('lr_schedule',)),
     (one_of(LOSS_TYPES), ('loss_type',)),
+    (one_of(IMPORTANCE_LEVELS), ('importance_sampling_level',)),
     (one_of(SCALE_REWARDS), ('scale_rewards',)),
     (one_of(DTYPES), ('lora_base_dtype',)),
     (FOLDER, ('out_dir',)),
@@ -300,7 +302,10 @@ def train_step(batches, advantages, old_logps, ref_logps, totals):
                 logps, logits = completion_logps(model, batch)
             token_advantages = advantages[batch['first'] + batch['owners']]
             old = logps.detach() if old_logps is None else old_logps[micro_step]  # one iteration: ratio 1
-            token_loss, clipped = clipped_token_loss(logps, old, token_advantages, epsilon, clip_high)
+            log_ratio = logps - old
+            if importance_sampling_level == 'sequence':  # GSPO: one ratio, its tokens' mean, for a sequence
+                log_ratio = sequence_log_ratio(log_ratio, batch['owners'], batch['lengths'])
+            token_loss, clipped = clipped_token_loss(log_ratio, token_advantages, epsilon, clip_high)
             # TRL's: where the ratio is cut below 1 - epsilon (A < 0) or above 1 + epsilon_high (A > 0)
             metrics = {'clip_ratio/region_mean': clipped.float(),
                        'clip_ratio/low_mean': (clipped & (token_advantages < 0)).float(),

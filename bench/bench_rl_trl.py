@@ -404,7 +404,7 @@ def our_step1(model, tokenizer, theirs, loss):
     logits = logits.float() / temperature
     logps = -F.cross_entropy(logits, batch['targets'], reduction='none')
     token_advantages = advantages[batch['first'] + batch['owners']]
-    token_loss, _ = clipped_token_loss(logps, logps.detach(), token_advantages, EPSILON, EPSILON)
+    token_loss, _ = clipped_token_loss(logps - logps.detach(), token_advantages, EPSILON, EPSILON)
     totals = (n, int(batch['lengths'].sum()), max_new_tokens)
     value = normalized_loss(token_loss, batch['owners'], batch['lengths'], loss, totals)
     value.backward()

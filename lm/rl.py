@@ -10,6 +10,7 @@ import torch
 from model import SharedPrompts
 
 LOSS_TYPES = ('grpo', 'dapo', 'dr_grpo')
+IMPORTANCE_LEVELS = ('token', 'sequence')
 SCALE_REWARDS = ('group', 'batch', 'none')
 STD_EPS = 1e-4  # TRL's: a group of equal rewards has advantage 0, not 0/0
 
@@ -29,15 +30,24 @@ def group_advantages(rewards, group_size, scale_rewards):
     return centred / (std + STD_EPS)
 
 
-def clipped_token_loss(logps, old_logps, advantages, epsilon, epsilon_high):
+def clipped_token_loss(log_ratio, advantages, epsilon, epsilon_high):
     """Per-token PPO-clipped policy-gradient loss and where the clip is active (both (N,)):
-        r = exp(logp - logp_old),  loss = -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A)
-    advantages: each token's sequence's A. With old_logps = logps.detach() (one iteration per batch) r = 1
+        r = exp(log_ratio),  loss = -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A)
+    log_ratio: each token's logp - logp_old, or its sequence's mean of them (sequence_log_ratio: GSPO);
+    advantages: each token's sequence's A. With logp_old = logp.detach() (one iteration per batch) r = 1
     and the gradient is the plain policy gradient -A grad logp."""
-    ratio = torch.exp(logps - old_logps)
+    ratio = torch.exp(log_ratio)
     clipped_ratio = ratio.clamp(1 - epsilon, 1 + epsilon_high)
     unclipped, clipped = ratio * advantages, clipped_ratio * advantages
     return -torch.min(unclipped, clipped), (clipped < unclipped).detach()
+
+
+def sequence_log_ratio(log_ratio, owners, lengths):
+    """GSPO's (Zheng et al. 2025; TRL's importance_sampling_level='sequence') importance weight, in log: each
+    token's (N,) the mean of its sequence's log-ratios, s_i = (1/|o_i|) sum_t (logp_it - logp_old_it), so that
+    one ratio exp(s_i) weights and clips the whole sequence. owners (N,), lengths (n,) as in normalized_loss."""
+    sums = torch.zeros(len(lengths), dtype=log_ratio.dtype, device=log_ratio.device).index_add(0, owners, log_ratio)
+    return (sums / lengths.clamp(min=1))[owners]
 
 
 def k3_kl(logps, ref_logps):

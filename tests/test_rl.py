@@ -18,7 +18,8 @@ from configurator import UserError
 from lm.chat_data import rl_prompt
 from lm.rewards import check_rows, load_reward, load_rewards, reward_values
 from lm.tokenizer import CharTokenizer, ChatTokenizer
-from lm.rl import clipped_token_loss, completion_batches, group_advantages, k3_kl, normalized_loss, token_entropy
+from lm.rl import (clipped_token_loss, completion_batches, group_advantages, k3_kl, normalized_loss, sequence_log_ratio,
+                   token_entropy)
 from model import GPT, GPTConfig
 from tasks.number_tasks import final_answer, number_task_reward, prepare_number_tasks
 
@@ -79,7 +80,7 @@ def split(values, lengths):
 
 
 def batch_loss(logps, old, ref, owners, lengths, advantages, loss_type, beta, eps=0.2, eps_high=0.28, max_new=5):
-    token_loss, clipped = clipped_token_loss(logps, old, advantages[owners], eps, eps_high)
+    token_loss, clipped = clipped_token_loss(logps - old, advantages[owners], eps, eps_high)
     token_loss = token_loss + beta * k3_kl(logps, ref)
     totals = (len(lengths), int(lengths.sum()), max_new)
     return normalized_loss(token_loss, owners, lengths, loss_type, totals), clipped
@@ -115,7 +116,7 @@ def test_clipping_bounds_are_epsilon_and_epsilon_high():
     ratio = torch.tensor([0.5, 0.9, 1.2, 1.5, 0.5, 0.9, 1.2, 1.5], dtype=torch.float64)
     advantages = torch.tensor([1.0] * 4 + [-1.0] * 4, dtype=torch.float64)
     logps = ratio.log().requires_grad_()
-    loss, clipped = clipped_token_loss(logps, torch.zeros(8, dtype=torch.float64), advantages, 0.2, 0.3)
+    loss, clipped = clipped_token_loss(logps, advantages, 0.2, 0.3)
     assert loss.tolist() == pytest.approx([-0.5, -0.9, -1.2, -1.3, 0.8, 0.9, 1.2, 1.5], abs=1e-12)
     assert clipped.tolist() == [False, False, False, True, True, False, False, False]
     loss.sum().backward()
@@ -160,7 +161,7 @@ def test_accumulation_shares_add_up_to_the_big_batch(loss_type):
 
     def loss_of(x, seqs):
         keep = (owners >= seqs[0]) & (owners < seqs[-1] + 1)
-        token_loss, _ = clipped_token_loss(x[keep], old[keep], advantages[owners[keep]], 0.2, 0.28)
+        token_loss, _ = clipped_token_loss(x[keep] - old[keep], advantages[owners[keep]], 0.2, 0.28)
         token_loss = token_loss + 0.1 * k3_kl(x[keep], ref[keep])
         return normalized_loss(token_loss, owners[keep] - seqs[0], lengths[seqs], loss_type, totals)
 
@@ -739,3 +740,43 @@ def test_several_rewards_are_logged_each_and_summed(tmp_path, rl_env):
     for e in train_events(tmp_path / 'out').values():
         assert e['rewards/one/mean'] == 1 and e['rewards/one/std'] == 0 and e['rewards/odd/mean'] == 0.5
         assert 2 <= e['reward'] <= 2.5 and e['accuracy'] == 1
+
+
+
+@pytest.mark.comparison
+@pytest.mark.parametrize('loss_type', ['grpo', 'dapo', 'dr_grpo'])
+def test_sequence_level_importance_sampling_matches_gspo(loss_type):
+    """importance_sampling_level='sequence' (GSPO, TRL's formula): every token of sequence i weighted by
+    s_i = exp(mean_t(logp_it - old_it)), clipped to [1 - eps, 1 + eps_high], written out sequence by sequence in
+    float64; the loss and its gradient equal, and two micro-batches' shares add up to the whole batch's."""
+    lengths, owners, logps, old, _, rewards = random_batch(5, n_seq=7)
+    old = logps.detach() + 0.3 * torch.randn(len(logps), dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    advantages = group_advantages(rewards, 7, 'none')
+    eps, eps_high, max_new = 0.05, 0.08, 5
+    totals = (len(lengths), int(lengths.sum()), max_new)
+    ours_logps = logps.detach().clone().requires_grad_()
+    token_loss, clipped = clipped_token_loss(sequence_log_ratio(ours_logps - old, owners, lengths),
+                                             advantages[owners], eps, eps_high)
+    ours = normalized_loss(token_loss, owners, lengths, loss_type, totals)
+    ours.backward()
+    hand_logps = logps.detach().clone().requires_grad_()
+    per_seq = []
+    for lp, ol, a in zip(hand_logps.split(lengths.tolist()), old.split(lengths.tolist()), advantages):
+        s = torch.exp((lp - ol).mean()) if len(lp) else torch.tensor(1.0, dtype=torch.float64)
+        per_seq.append(-torch.min(s * a, s.clamp(1 - eps, 1 + eps_high) * a).expand(len(lp)))
+    S, T = len(lengths), int(lengths.sum())
+    hand = (sum(t.sum() / max(len(t), 1) for t in per_seq) / S if loss_type == 'grpo' else
+            sum(t.sum() for t in per_seq) / (T if loss_type == 'dapo' else S * max_new))
+    hand.backward()
+    assert clipped.any() and not clipped.all()  # both sides of the clip are exercised
+    torch.testing.assert_close(ours, hand, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(ours_logps.grad, hand_logps.grad, rtol=1e-12, atol=1e-14)
+    # micro-batches: the first 3 sequences and the rest, each normalised by the whole batch's totals
+    cut = int(lengths[:3].sum())
+    shares = 0.0
+    for part, seqs in [(slice(0, cut), slice(0, 3)), (slice(cut, None), slice(3, None))]:
+        part_owners = owners[part] - owners[part].min() if cut else owners[part]
+        part_loss, _ = clipped_token_loss(sequence_log_ratio(logps[part] - old[part], part_owners, lengths[seqs]),
+                                          advantages[seqs][part_owners], eps, eps_high)
+        shares = shares + normalized_loss(part_loss, part_owners, lengths[seqs], loss_type, totals)
+    torch.testing.assert_close(shares, ours.detach(), rtol=1e-12, atol=1e-14)

@@ -780,3 +780,14 @@ def test_sequence_level_importance_sampling_matches_gspo(loss_type):
                                           advantages[seqs][part_owners], eps, eps_high)
         shares = shares + normalized_loss(part_loss, part_owners, lengths[seqs], loss_type, totals)
     torch.testing.assert_close(shares, ours.detach(), rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.slow
+def test_a_gspo_run_trains(tmp_path, rl_env):
+    """importance_sampling_level='sequence' end to end: two iterations a batch, the second's sequence ratios off 1
+    and clipped at GSPO's tight bounds, the weights moved."""
+    rl(rl_env, tmp_path / 'out', '--importance_sampling_level=sequence', '--num_iterations=2', '--epsilon=3e-4',
+       '--epsilon_high=4e-4', '--max_iters=1', '--eval_prompts=1', '--exact_match_examples=0',
+       f'--reward={rl_env["rewards"]}:chars')
+    e = train_events(tmp_path / 'out')[1]
+    assert math.isfinite(e['loss']) and e['clip_ratio/region_mean'] > 0 and e['grad_norm'] > 0

@@ -25,7 +25,8 @@ from lm.eval_tasks import (GENERATION, choice_logliks, choice_predictions, choic
                            read_task)
 from lm.generate import generate_batch, stop_tokens
 from lm.loading import load_for_generation, model_path
-from lm.metrics import corpus_scores, exact_match, example_scores, mean_pass_at_k, parse_metric_names
+from lm.metrics import (corpus_scores, corpus_stderrs, exact_match, example_scores, mean_pass_at_k, mean_stderr,
+                        parse_metric_names, pass_at_k)
 from run.device import autocast_context, pick_device, pick_dtype
 from tasks.number_tasks import prepare_number_tasks
 
@@ -114,7 +115,7 @@ if not out:  # the model named by its folder (and its checkpoint unless ckpt.pt)
         results_path = f"{stem}-{n}.json"
 check_output_file(results_path, 'out', 'the results JSON', earlier_result,
                   reads=[task_path, ckpt_path])
-examples, scores = [], {}
+examples, scores, stderrs = [], {}, {}
 
 
 def on_line(where, encode, *args):
@@ -171,9 +172,13 @@ if generation:
         progress.update(len(batch))
     progress.close()
     if metric_names:
-        scores = corpus_scores(metric_names, [e['prediction'] for e in examples], [e['references'] for e in examples])
+        predictions, references = [e['prediction'] for e in examples], [e['references'] for e in examples]
+        scores = corpus_scores(metric_names, predictions, references)
+        stderrs = corpus_stderrs(metric_names, predictions, references)
     if num_samples > 1 and not unreferenced:  # a sample is correct when it is an exact match
-        scores.update({f'pass@{k}': mean_pass_at_k([(num_samples, e['correct']) for e in examples], k) for k in ks})
+        for k in ks:
+            scores[f'pass@{k}'] = mean_pass_at_k([(num_samples, e['correct']) for e in examples], k)
+            stderrs[f'pass@{k}'] = mean_stderr([pass_at_k(num_samples, e['correct'], k) for e in examples])
 else:
     # every choice of every example, batched batch_size sequences to a forward pass
     requests = [(i, request) for i, row in enumerate(rows) for request in on_line(
@@ -189,20 +194,25 @@ else:
         progress.update(done - progress.n)
     progress.close()
     for i, row in enumerate(rows):
-        pred, pred_norm = choice_predictions(logliks[i], row['choices'])
+        pred, pred_norm, pred_bytes = choice_predictions(logliks[i], row['choices'])
         examples.append(dict(index=i, context=row['context'], choices=row['choices'], label=row['label'],
-                             logliks=logliks[i], pred=pred, pred_norm=pred_norm, acc=int(pred == row['label']),
-                             acc_norm=int(pred_norm == row['label'])))
-    scores = {name: sum(e[name] for e in examples) / len(examples) for name in ('acc', 'acc_norm')}
+                             logliks=logliks[i], pred=pred, pred_norm=pred_norm, pred_bytes=pred_bytes,
+                             acc=int(pred == row['label']), acc_norm=int(pred_norm == row['label']),
+                             acc_bytes=int(pred_bytes == row['label'])))
+    for name in ('acc', 'acc_norm', 'acc_bytes'):
+        scores[name] = sum(e[name] for e in examples) / len(examples)
+        stderrs[name] = mean_stderr([e[name] for e in examples])
 
-# the table: BLEU and chrF are on sacreBLEU's 0-100 scale, everything else a 0-1 fraction
+# the table, as lm-eval prints it: each score with its standard error; BLEU and chrF on sacreBLEU's 0-100
+# scale, everything else a 0-1 fraction
 print(f"\n{ckpt_path} on {task_path}")
-print(f"{'metric':<14}{'value':>10}{'n':>8}  scale")
+print(f"{'metric':<14}{'value':>10}{'stderr':>10}{'n':>8}  scale")
 for name, value in scores.items():
     scale = '0-100' if name in ('bleu', 'chrf') else '0-1'
-    print(f"{name:<14}{value:>10.4f}{len(examples):>8}  {scale}")
+    stderr = 'N/A' if stderrs.get(name) is None else f"{stderrs[name]:.4f}"
+    print(f"{name:<14}{value:>10.4f}{stderr:>10}{len(examples):>8}  {scale}")
 result = dict(init_from=ckpt_path, eval_data=task_path, task=kind, n=len(examples), config=config, scores=scores,
-              examples=examples)
+              stderr=stderrs, examples=examples)
 with open(results_path + '.tmp', 'w', encoding='utf-8') as f:
     json.dump(result, f, indent=1, ensure_ascii=False)
 os.replace(results_path + '.tmp', results_path)

@@ -28,8 +28,8 @@ model (lm_eval/api/task.py, lm_eval/api/model.py, lm_eval/models/huggingface.py)
   + 1):][:-1], truncated from the left when too long; the summed log_softmax of the continuation's
   tokens at its last len(continuation_enc) positions.
 - ConfigurableTask.process_results: acc = argmax of the summed log-likelihoods == label; acc_norm = argmax
-  of log-likelihood / len(choice) (characters of the choice, without the delimiter) == label; ties go to
-  the first (np.argmax).
+  of log-likelihood / len(choice) (characters of the choice, without the delimiter) == label; acc_bytes =
+  argmax of log-likelihood / the choice's UTF-8 bytes == label; ties go to the first (np.argmax).
 """
 import json
 
@@ -235,7 +235,9 @@ def choice_logliks(model, requests, autocast):
 
 
 def choice_predictions(logliks, choices):
-    """(pred, pred_norm): the argmax of logliks and of logliks / len(choice), as lm-eval's process_results
-    (np.argmax: the first on a tie)."""
-    lengths = np.array([float(len(choice)) for choice in choices])
-    return int(np.argmax(logliks)), int(np.argmax(np.array(logliks) / lengths))
+    """(pred, pred_norm, pred_bytes): the argmax of logliks, of logliks / len(choice) and of logliks / the
+    choice's UTF-8 bytes, as lm-eval's process_results (np.argmax: the first on a tie)."""
+    logliks = np.array(logliks)
+    chars = np.array([float(len(choice)) for choice in choices])
+    utf8 = np.array([float(len(choice.encode('utf-8'))) for choice in choices])
+    return int(np.argmax(logliks)), int(np.argmax(logliks / chars)), int(np.argmax(logliks / utf8))

@@ -28,6 +28,7 @@ References: per example one string or a list of strings (several references).
   their product so that no binomial overflows; mean_pass_at_k averages it over problems.
 """
 import math
+import random
 import re
 from collections import Counter
 
@@ -316,3 +317,35 @@ def example_scores(names, prediction, references):
     """{name: score} of one prediction against its reference(s): sentence BLEU/chrF, the example's
     ROUGE F1, 1.0 or 0.0 for exact match; for comparing two checkpoints example by example."""
     return {name: METRICS[name][1](prediction, references) for name in check_metric_names(names)}
+
+
+def mean_stderr(values):
+    """lm-eval's standard error of a mean: the sample standard deviation (Bessel's) over sqrt(n); None for
+    fewer than two values."""
+    n = len(values)
+    if n < 2:
+        return None
+    mean = sum(values) / n
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
+
+
+def bootstrap_stderr(metric, predictions, references, iters=1000, seed=1234):
+    """The standard error of a corpus metric (BLEU, chrF) by the bootstrap, as lm-eval estimates it: the sample
+    standard deviation of metric over iters resamples of the examples with replacement (seeded)."""
+    rng = random.Random(seed)
+    n = len(predictions)
+    draws = [[rng.randrange(n) for _ in range(n)] for _ in range(iters)]
+    values = [metric([predictions[i] for i in d], [references[i] for i in d]) for d in draws]
+    mean = sum(values) / iters
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (iters - 1))
+
+
+def corpus_stderrs(names, predictions, references):
+    """{name: standard error} of corpus_scores': BLEU and chrF (corpus statistics, not means over examples)
+    by the bootstrap, the others (means of each example's score) by mean_stderr."""
+    out = {}
+    for name in check_metric_names(names):
+        corpus, one = METRICS[name]
+        out[name] = (bootstrap_stderr(corpus, predictions, references) if name in ('bleu', 'chrf') else
+                     mean_stderr([one(p, r) for p, r in zip(predictions, references)]))
+    return out

@@ -191,18 +191,24 @@ def test_multiple_choice_logliks_and_accuracy(models):
         want = [reference_loglik(models['base_model'], models['tokenizer'], row['context'], c) for c in row['choices']]
         # float32 against float64: each log-prob off by ~eps32 * |logit| (logits ~10): 1e-3 is far above it
         assert example['logliks'] == pytest.approx(want, abs=1e-3)
-        pred, pred_norm = choice_predictions(example['logliks'], row['choices'])
+        pred, pred_norm, _ = choice_predictions(example['logliks'], row['choices'])
         assert (example['pred'], example['pred_norm']) == (pred, pred_norm)
         assert (example['acc'], example['acc_norm']) == (int(pred == row['label']), int(pred_norm == row['label']))
-    assert result['scores'] == {'acc': sum(e['acc'] for e in result['examples']) / 4,
-                                'acc_norm': sum(e['acc_norm'] for e in result['examples']) / 4}
+    assert result['scores'] == {k: sum(e[k] for e in result['examples']) / 4 for k in ('acc', 'acc_norm', 'acc_bytes')}
+    for k in ('acc', 'acc_norm', 'acc_bytes'):  # lm-eval's mean_stderr: sample std / sqrt(n)
+        values = [e[k] for e in result['examples']]
+        mean = sum(values) / 4
+        assert result['stderr'][k] == pytest.approx(math.sqrt(sum((v - mean) ** 2 for v in values) / 3 / 4))
 
 
 def test_choice_predictions_are_lm_evals_argmaxes():
     # acc picks the highest sum; acc_norm divides by the choice's characters (not its tokens)
-    assert choice_predictions([-2.0, -3.0], ['x', 'yyyyyy']) == (0, 1)
-    assert choice_predictions([-6.0, -4.0, -4.5], ['aaa', 'bb', 'ccc']) == (1, 2)
-    assert choice_predictions([-1.0, -1.0, -2.0], ['ab', 'ab', 'a']) == (0, 0)  # a tie: the first
+    assert choice_predictions([-2.0, -3.0], ['x', 'yyyyyy']) == (0, 1, 1)
+    assert choice_predictions([-6.0, -4.0, -4.5], ['aaa', 'bb', 'ccc']) == (1, 2, 2)
+    assert choice_predictions([-1.0, -1.0, -2.0], ['ab', 'ab', 'a']) == (0, 0, 0)  # a tie: the first
+    # per UTF-8 byte is not per character: 'é' is 2 bytes, '東京' 6
+    assert choice_predictions([-2.3, -2.0], ['café', 'cafe']) == (1, 1, 0)
+    assert choice_predictions([-3.5, -3.0], ['東京', 'Tokyo']) == (1, 1, 0)
 
 
 def bad(models, rows, *args, init_from='base'):

@@ -165,3 +165,22 @@ def test_metric_names_parse_from_a_comma_list():
     assert metrics.parse_metric_names('') == []
     with pytest.raises(ValueError, match="unknown metric 'blue'"):
         metrics.parse_metric_names('exact_match,blue')
+
+
+def test_standard_errors_as_lm_eval_computes_them():
+    """mean_stderr is the sample std (Bessel's) over sqrt(n); the bootstrap of a mean metric approaches the same
+    (binomial: sqrt(p (1 - p) / n), here within 10% with 1000 resamples); a corpus of identical examples has
+    no spread; fewer than two examples have no standard error."""
+    values = [1, 0, 1, 1, 0, 1, 1, 1]
+    mean = sum(values) / 8
+    assert metrics.mean_stderr(values) == pytest.approx(math.sqrt(sum((v - mean) ** 2 for v in values) / 7 / 8))
+    assert metrics.mean_stderr([1.0]) is None
+    predictions = ['a'] * 120 + ['b'] * 80
+    references = [['a']] * 200
+    p = 0.6
+    boot = metrics.bootstrap_stderr(metrics.exact_match, predictions, references)
+    assert boot == pytest.approx(math.sqrt(p * (1 - p) / 200), rel=0.1)
+    assert boot == metrics.bootstrap_stderr(metrics.exact_match, predictions, references)  # seeded
+    assert metrics.bootstrap_stderr(metrics.corpus_bleu, ['the cat sat'] * 5, [['the cat sat']] * 5, iters=50) == 0
+    errors = metrics.corpus_stderrs(['exact_match', 'bleu', 'rouge1'], predictions[:10], references[:10])
+    assert errors['exact_match'] == metrics.mean_stderr([1.0] * 10) == 0 and errors['bleu'] == 0

@@ -9,8 +9,10 @@ folder or a Hugging Face model folder, loaded as sample.py loads it (lm/loading.
   stopping at EOS), in batches (lm/generate.py); scored by lm/metrics.py's corpus metrics, and with
   num_samples > 1 by pass@k (a sample is correct when it is an exact match).
 - multiple choice ({"context", "choices", "label"}): each choice scored by its summed log-likelihood after
-  the context, acc and acc_norm exactly as lm-evaluation-harness computes them.
-Prints a table and writes a JSON file with every example's prediction and scores, so that two models can
+  the context, acc, acc_norm and acc_bytes exactly as lm-evaluation-harness computes them.
+- perplexity ({"text"} rows, or a .txt file): each text's log-likelihood over lm-eval's rolling windows;
+  word and byte perplexity and bits per byte as lm-eval's loglikelihood_rolling aggregates them.
+Prints a table (each score with its standard error, as lm-eval) and writes a JSON file with every example's prediction and scores, so that two models can
 be compared example by example.
 """
 
@@ -21,8 +23,8 @@ import torch
 from tqdm import tqdm
 
 from configurator import FOLDER, UserError, at_least, check_output_file, check_values, configure, interval, same_file
-from lm.eval_tasks import (GENERATION, choice_logliks, choice_predictions, choice_requests, generation_prompt,
-                           read_task)
+from lm.eval_tasks import (GENERATION, ROLLING, choice_logliks, choice_predictions, choice_requests, generation_prompt,
+                           read_task, rolling_requests, rolling_scores)
 from lm.generate import generate_batch, stop_tokens
 from lm.loading import load_for_generation, model_path
 from lm.metrics import (corpus_scores, corpus_stderrs, exact_match, example_scores, mean_pass_at_k, mean_stderr,
@@ -179,6 +181,21 @@ if generation:
         for k in ks:
             scores[f'pass@{k}'] = mean_pass_at_k([(num_samples, e['correct']) for e in examples], k)
             stderrs[f'pass@{k}'] = mean_stderr([pass_at_k(num_samples, e['correct'], k) for e in examples])
+elif kind == ROLLING:
+    # every text's windows, batched batch_size windows to a forward pass; a text's loglik is their sum
+    requests = [(i, request) for i, row in enumerate(rows) for request in on_line(
+        f"{task_path}:{row['line']}", rolling_requests, tokenizer, row['text'], block_size,
+        f"{task_path}:{row['line']}")]
+    logliks = [0.0] * len(rows)
+    for first in tqdm(range(0, len(requests), batch_size), desc=f"perplexity {os.path.basename(task_path)}",
+                      unit='batch'):
+        batch = requests[first:first + batch_size]
+        for (i, _), loglik in zip(batch, choice_logliks(model, [r for _, r in batch], autocast)):
+            logliks[i] += loglik
+    for i, row in enumerate(rows):
+        examples.append(dict(index=i, line=row['line'], loglik=logliks[i],
+                             **rolling_scores([logliks[i]], [row['text']])))
+    scores = rolling_scores(logliks, [row['text'] for row in rows])  # lm-eval gives these no standard error
 else:
     # every choice of every example, batched batch_size sequences to a forward pass
     requests = [(i, request) for i, row in enumerate(rows) for request in on_line(
@@ -208,7 +225,8 @@ else:
 print(f"\n{ckpt_path} on {task_path}")
 print(f"{'metric':<14}{'value':>10}{'stderr':>10}{'n':>8}  scale")
 for name, value in scores.items():
-    scale = '0-100' if name in ('bleu', 'chrf') else '0-1'
+    scale = '0-100' if name in ('bleu', 'chrf') else 'bits' if name == 'bits_per_byte' else (
+        '>= 1' if name.endswith('perplexity') else '0-1')
     stderr = 'N/A' if stderrs.get(name) is None else f"{stderrs[name]:.4f}"
     print(f"{name:<14}{value:>10.4f}{stderr:>10}{len(examples):>8}  {scale}")
 result = dict(init_from=ckpt_path, eval_data=task_path, task=kind, n=len(examples), config=config, scores=scores,

@@ -32,6 +32,8 @@ model (lm_eval/api/task.py, lm_eval/api/model.py, lm_eval/models/huggingface.py)
   argmax of log-likelihood / the choice's UTF-8 bytes == label; ties go to the first (np.argmax).
 """
 import json
+import math
+import re
 
 import numpy as np
 import torch
@@ -39,10 +41,10 @@ import torch.nn.functional as F
 
 from configurator import UserError
 
-GENERATION, MULTIPLE_CHOICE = 'generation', 'multiple_choice'
+GENERATION, MULTIPLE_CHOICE, ROLLING = 'generation', 'multiple_choice', 'loglikelihood_rolling'
 FORMATS = ('{"prompt": str} or {"messages": [{"role": ..., "content": ...}, ...]} with {"reference": str} or '
            '{"references": [str, ...]} (generation; SFT rows {"prompt", "response"} too), or {"context": str, "choices": [str, ...], "label": int} '
-           '(multiple choice)')
+           '(multiple choice), or {"text": str} (perplexity; a .txt file is one such text)')
 
 
 def is_text_list(value, least=1):
@@ -97,14 +99,18 @@ def choice_row(row, where):
 
 
 def read_task(path, max_examples=0):
-    """(kind, rows) of a task file: GENERATION or MULTIPLE_CHOICE, and its first max_examples rows (0: all),
-    checked, each with 'line', its line number in the file."""
+    """(kind, rows) of a task file: GENERATION, MULTIPLE_CHOICE or ROLLING, and its first max_examples rows
+    (0: all), checked, each with 'line', its line number in the file. A .txt file is one ROLLING text."""
     try:
         with open(path, encoding='utf-8-sig') as f:  # a byte-order mark, as the training scripts accept
-            lines = f.read().splitlines()
+            content = f.read()
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"eval_data={path!r} cannot be read ({e}); name a UTF-8 JSONL file of examples.") from None
-    kind, rows = None, []
+    if path.endswith('.txt'):
+        if not content.strip():
+            raise UserError(f"eval_data={path!r} is empty; a text's perplexity needs text.")
+        return ROLLING, [dict(text=content, line=1)]
+    lines, kind, rows = content.splitlines(), None, []
     for number, text in enumerate(lines, 1):
         if not text.strip():
             continue
@@ -117,7 +123,7 @@ def read_task(path, max_examples=0):
         if not isinstance(row, dict):
             raise UserError(f"{where} is a JSON {type(row).__name__}, not an object; each line must be {FORMATS}.")
         row_kind = (MULTIPLE_CHOICE if 'choices' in row else GENERATION if 'prompt' in row or 'messages' in row
-                    else None)
+                    else ROLLING if 'text' in row else None)
         if row_kind is None:
             raise UserError(f"{where} has keys {', '.join(map(repr, row)) or 'none'}, which are neither kind of "
                             f"example; each line must be {FORMATS}.")
@@ -125,8 +131,10 @@ def read_task(path, max_examples=0):
             raise UserError(f"{where} is a {row_kind.replace('_', ' ')} example but the lines before it are "
                             f"{kind.replace('_', ' ')} ones; one file holds one kind of task.")
         kind = row_kind
-        rows.append(dict(choice_row(row, where) if kind == MULTIPLE_CHOICE else generation_row(row, where),
-                         line=number))
+        if kind == ROLLING and not (isinstance(row['text'], str) and row['text']):
+            raise UserError(f"{where}: \"text\" must be a non-empty string, the text whose perplexity is measured.")
+        rows.append(dict(choice_row(row, where) if kind == MULTIPLE_CHOICE else generation_row(row, where)
+                         if kind == GENERATION else dict(text=row['text']), line=number))
         if len(rows) == max_examples:
             break
     if not rows:
@@ -207,6 +215,47 @@ def choice_requests(tokenizer, row, target_delimiter, block_size, where):
                             f"to block_size={block_size} tokens to be scored.")
         requests.append(((context_enc + continuation_enc)[-(block_size + 1):], len(continuation_enc)))
     return requests
+
+
+def rolling_windows(tokens, prefix_token, max_seq_len):
+    """lm-eval's get_rolling_token_windows(tokens, prefix_token, max_seq_len, context_len=1) with
+    make_disjoint_window applied, as HFLM.loglikelihood_rolling scores a text: (context ids, predicted ids)
+    pairs predicting every token once; the first window predicts the first max_seq_len tokens after the
+    prefix token, each later one the next max_seq_len - 1 or fewer with the tokens before them as context."""
+    if not tokens:
+        return []
+    first = min(max_seq_len, len(tokens))
+    windows, predicted = [([prefix_token] + tokens[:first - 1], tokens[:first])], first
+    while predicted < len(tokens):
+        n = min(len(tokens) - predicted, max_seq_len)  # pred_len = max_seq_len - context_len + 1
+        end = predicted + n
+        windows.append((tokens[max(end - max_seq_len - 1, 0):end - 1], tokens[end - n:end]))
+        predicted += n
+    # disjoint: the context stops where the predicted tokens begin
+    return [(context[:len(context) - (len(pred) - 1)], pred) for context, pred in windows]
+
+
+def rolling_requests(tokenizer, text, block_size, where):
+    """[(token ids, n)] of the windows (rolling_windows) that score text's every token, as lm-eval's
+    loglikelihood_rolling: the text encoded as HFLM.tok_encode does, the first token conditioned on the prefix
+    token (BOS, else EOS)."""
+    prefix = prefix_token_id(tokenizer)
+    if prefix is None:
+        raise UserError(f"{where}: the tokenizer has neither a BOS nor an EOS token to condition a text's first "
+                        f"token on (lm-eval's prefix token), so its perplexity cannot be measured as lm-eval does.")
+    return [(context + pred, len(pred)) for context, pred in rolling_windows(encode_text(tokenizer, text), prefix,
+                                                                              block_size)]
+
+
+def rolling_scores(logliks, texts):
+    """lm-eval's loglikelihood_rolling metrics of texts and their summed log-likelihoods: word_perplexity and
+    byte_perplexity, exp(-sum loglik / sum words or UTF-8 bytes) (weighted_perplexity; words as its
+    count_words splits them, at runs of whitespace), and bits_per_byte, -sum loglik / sum bytes / ln 2."""
+    total = sum(logliks)
+    words = sum(len(re.split(r"\s+", text)) for text in texts)
+    n_bytes = sum(len(text.encode('utf-8')) for text in texts)
+    return {'word_perplexity': math.exp(-total / words), 'byte_perplexity': math.exp(-total / n_bytes),
+            'bits_per_byte': -total / n_bytes / math.log(2)}
 
 
 @torch.no_grad()

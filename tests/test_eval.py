@@ -6,6 +6,7 @@ eval.py runs in this process (runpy) so that its model and the reference share o
 import json
 import math
 import os
+import re
 import runpy
 import sys
 from collections import Counter
@@ -17,7 +18,7 @@ import torch
 from configurator import UserError
 from conftest import CHARS, ROOT, assert_user_error, run, write_jsonl
 from data import prepare
-from lm.eval_tasks import choice_predictions
+from lm.eval_tasks import choice_predictions, rolling_windows
 from lm.metrics import corpus_scores, example_scores, normalize_answer
 from lm.tokenizer import ChatTokenizer, load_tokenizer
 from model import GPT, GPTConfig
@@ -303,3 +304,68 @@ def test_bad_input_exits_2_without_traceback(models):
     data.write_text('{"prompt": "abc"\n')
     p = run(['eval.py', f"--init_from={models['base']}", f'--eval_data={data}', '--device=cpu'], check=False)
     assert_user_error(p, f'{data}:1 is not valid JSON')
+
+
+def lm_eval_rolling_windows(token_list, prefix_token, max_seq_len, context_len=1):
+    """lm-evaluation-harness 0.4.13's utils.get_rolling_token_windows and make_disjoint_window, as written
+    there (the reference lm/eval_tasks.rolling_windows is checked against)."""
+    pred_len = max_seq_len - context_len + 1
+    predicted = 0
+    first_seq_len = min(max_seq_len, len(token_list))
+    windows = [([prefix_token] + token_list[: first_seq_len - 1], token_list[:first_seq_len])]
+    predicted += first_seq_len
+    while predicted < len(token_list):
+        window_pred_len = min(len(token_list) - predicted, pred_len)
+        window_end = predicted + window_pred_len
+        windows.append((token_list[window_end - max_seq_len - 1: window_end - 1],
+                        token_list[window_end - window_pred_len: window_end]))
+        predicted += window_pred_len
+    return [(a[: len(a) - (len(b) - 1)], b) for a, b in windows]
+
+
+def test_rolling_windows_are_lm_evals():
+    for n, max_seq_len in [(1, 4), (4, 4), (5, 4), (9, 4), (23, 5), (64, 64), (130, 64)]:
+        tokens = list(range(100, 100 + n))
+        assert rolling_windows(tokens, 7, max_seq_len) == lm_eval_rolling_windows(tokens, 7, max_seq_len), n
+        predicted = [t for _, pred in rolling_windows(tokens, 7, max_seq_len) for t in pred]
+        assert predicted == tokens  # every token once
+
+
+@pytest.mark.comparison
+def test_perplexity_of_texts_as_lm_evals_loglikelihood_rolling(models, tmp_path):
+    """A .txt file (one text) and JSONL {"text"} rows: each text's log-likelihood summed over lm-eval's rolling
+    windows, equal to a float64 computation of the same windows (a text longer than block_size included), and
+    word/byte perplexity and bits per byte as lm-eval aggregates them (weighted by words and UTF-8 bytes)."""
+    (tmp_path / 'corpus.txt').write_text(''.join(CHARS) * 4 + 'The cat sat on the mat. ' * 30)
+    data_dir = prepare(str(tmp_path / 'corpus.txt'), str(tmp_path / 'bpe'), tokenizer='bpe', vocab_size=400)
+    tokenizer = load_tokenizer(data_dir)
+    model = sharp_model(tokenizer.vocab_size, seed=5)
+    ckpt = save(model, tokenizer, False, data_dir, str(tmp_path / 'base' / 'ckpt.pt'))
+    texts = ['The cat sat.', 'the mat on the cat, twice:  the mat on the cat.\n' * 4]
+    data = write_jsonl(tmp_path / 'texts.jsonl', [dict(text=t) for t in texts])
+    result = eval_py(f'--init_from={ckpt}', f'--eval_data={data}', '--batch_size=2')
+    model64 = GPT(model.config).double().eval()
+    model64.load_state_dict(model.state_dict())
+    want = []
+    for text in texts:
+        tokens = tokenizer.encode(text)  # this tokenizer adds no BOS; EOS is lm-eval's prefix token
+        assert len(tokens) > 64 or text == texts[0]
+        total = 0.0
+        for context, pred in lm_eval_rolling_windows(tokens, tokenizer.eos_id, 64):
+            ids = context + pred
+            with torch.no_grad():
+                logprobs = torch.log_softmax(model64(torch.tensor([ids[:-1]]))[0][0], dim=-1)
+            total += sum(float(logprobs[j - 1, ids[j]]) for j in range(len(ids) - len(pred), len(ids)))
+        want.append(total)
+    assert result['task'] == 'loglikelihood_rolling'
+    # float32 against float64: ~1e-5 a token over ~100 tokens
+    assert [e['loglik'] for e in result['examples']] == pytest.approx(want, abs=1e-2)
+    ll, words = sum(want), sum(len(re.split(r'\s+', t)) for t in texts)
+    n_bytes = sum(len(t.encode()) for t in texts)
+    assert result['scores'] == pytest.approx({'word_perplexity': math.exp(-ll / words),
+                                              'byte_perplexity': math.exp(-ll / n_bytes),
+                                              'bits_per_byte': -ll / n_bytes / math.log(2)}, rel=1e-3)
+    (tmp_path / 'one.txt').write_text(texts[1])
+    single = eval_py(f'--init_from={ckpt}', f"--eval_data={tmp_path / 'one.txt'}")
+    assert single['n'] == 1 and single['examples'][0]['loglik'] == pytest.approx(want[1], abs=1e-2)
+    assert 'neither a BOS nor an EOS' in bad(models, [dict(text='abc')])  # a char tokenizer has neither

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from configurator import FOLDER, UserError, at_least, check_output_file, check_values, configure, interval, same_file
 from lm.eval_tasks import (GENERATION, ROLLING, choice_logliks, choice_predictions, choice_requests, generation_prompt,
-                           read_task, rolling_requests, rolling_scores)
+                           read_task, rolling_requests, rolling_scores, with_fewshot)
 from lm.generate import generate_batch, stop_tokens
 from lm.loading import load_for_generation, model_path
 from lm.metrics import (corpus_scores, corpus_stderrs, exact_match, example_scores, mean_pass_at_k, mean_stderr,
@@ -46,7 +46,9 @@ top_k = 0                    # generation: 0 = off
 top_p = 0.0                  # generation: nucleus sampling; 0 = off
 num_samples = 1              # generation: answers per prompt (n of pass@k)
 pass_k = '1'                 # generation with num_samples > 1: comma-separated k of pass@k, each <= num_samples
-target_delimiter = ' '       # multiple choice: put between the context and each choice (lm-eval's)
+target_delimiter = ' '       # multiple choice: put between the context and each choice (lm-eval's); few-shot answers
+num_fewshot = 0              # solved examples (other rows of the file) before each question, as lm-eval's
+description = ''             # text before the few-shot examples (lm-eval's description); a chat model's system turn
 batch_size = 16              # prompts per generation batch; multiple choice: sequences per forward pass
 max_examples = 0             # evaluate the first this many examples; 0 = all
 out = ''                     # the JSON file written; '' = next to eval_data: <name>.eval.<model>.json
@@ -57,7 +59,7 @@ dtype = 'auto'               # 'auto' = bf16 on GPUs with it, else fp16; fp32 on
 config = configure(globals())
 check_values(config, [
     (at_least(1), ('num_samples', 'batch_size')),
-    (at_least(0), ('max_new_tokens', 'temperature', 'top_k', 'max_examples')),
+    (at_least(0), ('max_new_tokens', 'temperature', 'top_k', 'max_examples', 'num_fewshot')),
     (interval('[0, 1]'), ('top_p',)),
     (FOLDER, ('out_dir',)),
 ])
@@ -91,6 +93,7 @@ torch.manual_seed(seed)
 model, tokenizer, chat, ckpt_path = load_for_generation(model_path(init_from, out_dir, ckpt_name), data_dir,
                                                         chat_template_variables, device)
 block_size = model.config.block_size
+rows = with_fewshot(kind, rows, num_fewshot, description, target_delimiter, chat)
 
 
 def earlier_result(path):

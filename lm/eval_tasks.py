@@ -33,6 +33,7 @@ model (lm_eval/api/task.py, lm_eval/api/model.py, lm_eval/models/huggingface.py)
 """
 import json
 import math
+import random
 import re
 
 import numpy as np
@@ -140,6 +141,47 @@ def read_task(path, max_examples=0):
     if not rows:
         raise UserError(f"eval_data={path!r} holds no examples; write one JSON object a line: {FORMATS}.")
     return kind, rows
+
+
+FEWSHOT_DELIMITER = '\n\n'  # lm-eval's, between the examples and before the question
+FEWSHOT_SEED = 1234  # lm-eval's fewshot_random_seed
+
+
+def with_fewshot(kind, rows, num_fewshot, description, target_delimiter, chat):
+    """rows with num_fewshot solved examples before each, laid out as lm-eval's ConfigurableTask.fewshot_context:
+    description, then each example's text + target_delimiter + its answer (a choice's label, a generation's first
+    reference), FEWSHOT_DELIMITER after each, then the row's own text. The examples are other rows of the same
+    file, drawn as lm-eval's sampler draws them from a split that holds the row itself (num_fewshot + 1 drawn,
+    seeded FEWSHOT_SEED; the row left out). A chat model gets them as earlier turns instead (lm-eval's
+    --apply_chat_template --fewshot_as_multiturn), the description as a system turn."""
+    if not num_fewshot and not description:
+        return rows
+    if kind == ROLLING:
+        raise UserError("num_fewshot and description are for generation and multiple-choice tasks, not perplexity.")
+    if num_fewshot >= len(rows):
+        raise UserError(f"num_fewshot={num_fewshot} needs more than {num_fewshot} rows to draw examples from, and the "
+                        f"task has {len(rows)}; lower num_fewshot (or max_examples leaves too few).")
+    if kind == GENERATION and num_fewshot and any(row['references'] is None for row in rows):
+        raise UserError("num_fewshot shows solved examples, but some rows have no reference to show as the answer.")
+    rng = random.Random(FEWSHOT_SEED)
+    out = []
+    for i, row in enumerate(rows):
+        shots = [rows[j] for j in rng.sample(range(len(rows)), num_fewshot + 1) if j != i][:num_fewshot]
+        if kind == MULTIPLE_CHOICE:
+            solved = ''.join(s['context'] + target_delimiter + s['choices'][s['label']] + FEWSHOT_DELIMITER
+                             for s in shots)
+            out.append(dict(row, context=description + solved + row['context']))
+        elif chat:
+            turns = [{'role': 'system', 'content': description}] if description else []
+            for s in shots:
+                turns += (s['messages'] or [{'role': 'user', 'content': s['prompt']}]) + [
+                    {'role': 'assistant', 'content': s['references'][0]}]
+            own = row['messages'] or [{'role': 'user', 'content': row['prompt']}]
+            out.append(dict(row, prompt=None, messages=turns + own))  # the JSON shows the conversation
+        else:
+            solved = ''.join(s['prompt'] + target_delimiter + s['references'][0] + FEWSHOT_DELIMITER for s in shots)
+            out.append(dict(row, prompt=description + solved + row['prompt']))
+    return out
 
 
 def base_tokenizer(tokenizer):

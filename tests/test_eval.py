@@ -369,3 +369,30 @@ def test_perplexity_of_texts_as_lm_evals_loglikelihood_rolling(models, tmp_path)
     single = eval_py(f'--init_from={ckpt}', f"--eval_data={tmp_path / 'one.txt'}")
     assert single['n'] == 1 and single['examples'][0]['loglik'] == pytest.approx(want[1], abs=1e-2)
     assert 'neither a BOS nor an EOS' in bad(models, [dict(text='abc')])  # a char tokenizer has neither
+
+
+def test_few_shot_contexts_are_lm_evals(models, tmp_path):
+    """num_fewshot=2 with a description: each multiple-choice context is description + two other rows solved
+    (context, ' ', the right choice, '\\n\\n') + its own context, the rows drawn as lm-eval's sampler draws them
+    (random.Random(1234).sample of 3 from the split, the row itself left out); a chat model gets the examples as
+    earlier turns, the description as a system turn."""
+    import random
+    mc = [dict(context=f'Q{i}: 1+{i}?', choices=[str(1 + i), 'no'], label=0) for i in range(5)]
+    data = write_jsonl(tmp_path / 'mc.jsonl', mc)
+    result = eval_py(f"--init_from={models['base']}", f'--eval_data={data}', '--num_fewshot=2',
+                     '--description=Sums.\n\n')
+    rng = random.Random(1234)
+    for i, example in enumerate(result['examples']):
+        shots = [mc[j] for j in rng.sample(range(5), 3) if j != i][:2]
+        want = 'Sums.\n\n' + ''.join(f"{s['context']} {s['choices'][0]}\n\n" for s in shots) + mc[i]['context']
+        assert example['context'] == want
+    gen = [dict(prompt=f'What is {i}+1?', reference=str(i + 1)) for i in range(4)]
+    data = write_jsonl(tmp_path / 'gen.jsonl', gen)
+    result = eval_py(f"--init_from={models['chat']}", f'--eval_data={data}', '--num_fewshot=1', '--description=Be brief.',
+                     '--max_new_tokens=2', '--metrics=exact_match')
+    rng = random.Random(1234)
+    for i, example in enumerate(result['examples']):
+        shot = [gen[j] for j in rng.sample(range(4), 2) if j != i][0]
+        assert example['prompt'].startswith(f"<|system|>Be brief.<|end|><|user|>{shot['prompt']}<|end|><|assistant|>"
+                                            f"{shot['reference']}<|end|><|user|>{gen[i]['prompt']}<|end|>")
+    assert 'num_fewshot=4 needs more than 4 rows' in bad(models, [gen[0]] * 4, '--num_fewshot=4')

@@ -226,12 +226,12 @@ else:
 # the table, as lm-eval prints it: each score with its standard error; BLEU and chrF on sacreBLEU's 0-100
 # scale, everything else a 0-1 fraction
 print(f"\n{ckpt_path} on {task_path}")
-print(f"{'metric':<14}{'value':>10}{'stderr':>10}{'n':>8}  scale")
+print(f"{'metric':<16}{'value':>10}{'stderr':>10}{'n':>8}  scale")
 for name, value in scores.items():
     scale = '0-100' if name in ('bleu', 'chrf') else 'bits' if name == 'bits_per_byte' else (
         '>= 1' if name.endswith('perplexity') else '0-1')
     stderr = 'N/A' if stderrs.get(name) is None else f"{stderrs[name]:.4f}"
-    print(f"{name:<14}{value:>10.4f}{stderr:>10}{len(examples):>8}  {scale}")
+    print(f"{name:<16}{value:>10.4f}{stderr:>10}{len(examples):>8}  {scale}")
 result = dict(init_from=ckpt_path, eval_data=task_path, task=kind, n=len(examples), config=config, scores=scores,
               stderr=stderrs, examples=examples)
 with open(results_path + '.tmp', 'w', encoding='utf-8') as f:

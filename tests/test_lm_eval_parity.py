@@ -1,9 +1,10 @@
 """eval.py's multiple-choice scores against lm-evaluation-harness's own (issue 31). tests/fixtures/lm_eval/ holds a
 tiny nanotrain model that export.py wrote, hostile examples and what lm-eval 0.4.13's `hf` model made of them
 (tests/fixtures/make_lm_eval_fixtures.py, run once in its own environment; lm-eval is never a dependency): per
-example the arguments it scored, its token split of each (context, continuation), its logliks, acc and acc_norm,
-and the totals. eval.py, run as a user runs it, must give the same acc and acc_norm on every example and in
-total, and each choice's loglik within float32 rounding of lm-eval's.
+example the arguments it scored, its token split of each (context, continuation), its logliks, acc, acc_norm and
+acc_bytes, and the totals with their standard errors; and its loglikelihood_rolling of a few texts. eval.py, run as
+a user runs it, must give the same acc, acc_norm and acc_bytes on every example and in total, lm-eval's standard
+errors, each choice's loglik within float32 rounding of lm-eval's, and each text's too.
 
 TOKEN_TOL bounds |eval.py's loglik - lm-eval's| per continuation token. Two float32 forwards of this 2-layer,
 32-wide model by different code (transformers' Arcee in lm-eval, nanotrain's GPT in eval.py), batched differently,
@@ -28,6 +29,7 @@ FIXTURE = os.path.join(ROOT, 'tests', 'fixtures', 'lm_eval')
 MODEL = os.path.join(FIXTURE, 'model')
 EXPECTED = read_json_file(os.path.join(FIXTURE, 'expected.json'))
 TOKEN_TOL = 1e-4  # |loglik - lm-eval's| per continuation token (the docstring's bound)
+PREDICTIONS = ('pred', 'pred_norm', 'pred_bytes', 'acc', 'acc_norm', 'acc_bytes')
 
 
 def tolerances(example):
@@ -88,13 +90,32 @@ def test_eval_py_scores_multiple_choice_as_lm_eval_does(tmp_path):
             want['index'], want['context'], want['choices'], want['label'])
         far = [(i, g, w, tol) for i, (g, w, tol) in enumerate(zip(got['logliks'], want['logliks'], tolerances(want)))
                if not abs(g - w) <= tol]
-        if far or [got[k] for k in ('pred', 'pred_norm', 'acc', 'acc_norm')] != [
-                want[k] for k in ('pred', 'pred_norm', 'acc', 'acc_norm')]:
+        if far or [got[k] for k in PREDICTIONS] != [want[k] for k in PREDICTIONS]:
             wrong.append(dict(index=want['index'], context=want['context'], choices=want['choices'],
                               logliks=(got['logliks'], want['logliks']), far=far,
-                              preds=[(got[k], want[k]) for k in ('pred', 'pred_norm', 'acc', 'acc_norm')],
+                              preds=[(got[k], want[k]) for k in PREDICTIONS],
                               lm_eval_arguments=want['arguments'], lm_eval_context_ids=want['context_ids'],
                               lm_eval_continuation_ids=want['continuation_ids']))
     assert not wrong, wrong  # (eval.py's, lm-eval's) per example, with lm-eval's token split of each choice
-    assert result['scores']['acc'] == EXPECTED['scores']['acc']
-    assert result['scores']['acc_norm'] == EXPECTED['scores']['acc_norm']
+    for k in ('acc', 'acc_norm', 'acc_bytes'):
+        assert result['scores'][k] == EXPECTED['scores'][k]
+        assert result['stderr'][k] == pytest.approx(EXPECTED['stderr'][k], rel=1e-12)  # lm-eval's mean_stderr
+
+
+@pytest.mark.comparison
+@pytest.mark.slow  # a launch of eval.py
+def test_eval_py_measures_perplexity_as_lm_eval_does(tmp_path):
+    """Texts (one longer than the model's 128 positions: rolling windows) scored by eval.py as lm-eval's
+    loglikelihood_rolling scores them: each text's loglik within TOKEN_TOL a token of lm-eval's, and word and
+    byte perplexity and bits per byte within what those differences allow."""
+    out = tmp_path / 'result.json'
+    run(['eval.py', f'--init_from={MODEL}', f'--eval_data={os.path.join(FIXTURE, "texts.jsonl")}', f'--out={out}',
+         '--device=cpu'])
+    result, want = read_json_file(out), EXPECTED['rolling']
+    assert result['task'] == 'loglikelihood_rolling' and result['n'] == len(want['texts'])
+    for got, text in zip(result['examples'], want['texts']):
+        assert abs(got['loglik'] - text['loglik']) <= TOKEN_TOL * text['n_tokens'], (got, text)
+    assert max(t['n_tokens'] for t in want['texts']) > EXPECTED['max_length']
+    n_tokens = sum(t['n_tokens'] for t in want['texts'])
+    for k, value in want['scores'].items():  # exp of a sum off by n_tokens * TOKEN_TOL over >= 1 byte a token
+        assert result['scores'][k] == pytest.approx(value, rel=2 * n_tokens * TOKEN_TOL), k

@@ -94,8 +94,8 @@ def _excepthook(exc_type, exc, tb, previous=sys.excepthook):
     if issubclass(exc_type, UserError):
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)  # raising SystemExit from the hook sets the exit status; atexit still runs
-    # under torchrun, a rank that stopped (a bad input, a crash) leaves the others' collectives failing:
-    # its own message says why, theirs would be a traceback about a closed connection
+    # under torchrun a rank that stopped (bad input, a crash) fails the others' collectives: its
+    # message says why, theirs would be a traceback about a closed connection
     if int(os.environ.get('WORLD_SIZE', '1')) > 1 and issubclass(exc_type, RuntimeError) and any(
             s in str(exc) for s in PEER_GONE):
         print(f"error: rank {os.environ.get('RANK')} stopped: another process of this torchrun ended first (its "

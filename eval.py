@@ -12,8 +12,8 @@ folder or a Hugging Face model folder, loaded as sample.py loads it (lm/loading.
   the context, acc, acc_norm and acc_bytes exactly as lm-evaluation-harness computes them.
 - perplexity ({"text"} rows, or a .txt file): each text's log-likelihood over lm-eval's rolling windows;
   word and byte perplexity and bits per byte as lm-eval's loglikelihood_rolling aggregates them.
-Prints a table (each score with its standard error, as lm-eval) and writes a JSON file with every example's prediction and scores, so that two models can
-be compared example by example.
+Prints a table (each score with its standard error, as lm-eval) and writes a JSON file with every
+example's prediction and scores, so that two models can be compared example by example.
 """
 
 import json
@@ -185,7 +185,7 @@ if generation:
             scores[f'pass@{k}'] = mean_pass_at_k([(num_samples, e['correct']) for e in examples], k)
             stderrs[f'pass@{k}'] = mean_stderr([pass_at_k(num_samples, e['correct'], k) for e in examples])
 elif kind == ROLLING:
-    # every text's windows, batched batch_size windows to a forward pass; a text's loglik is their sum
+    # every text's windows, batch_size to a forward pass; a text's loglik is their sum
     requests = [(i, request) for i, row in enumerate(rows) for request in on_line(
         f"{task_path}:{row['line']}", rolling_requests, tokenizer, row['text'], block_size,
         f"{task_path}:{row['line']}")]
@@ -223,8 +223,8 @@ else:
         scores[name] = sum(e[name] for e in examples) / len(examples)
         stderrs[name] = mean_stderr([e[name] for e in examples])
 
-# the table, as lm-eval prints it: each score with its standard error; BLEU and chrF on sacreBLEU's 0-100
-# scale, everything else a 0-1 fraction
+# the table, as lm-eval prints it: each score with its standard error; BLEU and chrF on
+# sacreBLEU's 0-100 scale, perplexities >= 1, bits per byte in bits, the rest 0-1 fractions
 print(f"\n{ckpt_path} on {task_path}")
 print(f"{'metric':<16}{'value':>10}{'stderr':>10}{'n':>8}  scale")
 for name, value in scores.items():

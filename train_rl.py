@@ -52,7 +52,7 @@ chat_template_variables = {}  # published model's chat-template variables; {} = 
 resume = True                # continue out_dir's run if any; False = start a new one, replacing it
 data_dir = ''                # the base tokenizer's data.py folder; '' = data/stdlib
 rl_data = ''                 # folder of train/val(/test).jsonl prompts; '' = the embedded number tasks
-reward = 'number_tasks'      # 'number_tasks' (final answer) | 'number_tasks_exact' (whole) | 'path.py:name', or several: a,b
+reward = 'number_tasks'      # 'number_tasks' (final answer) | 'number_tasks_exact' (whole) | 'path.py:name'; a,b: both
 reward_weights = ''          # comma-separated weights of the rewards (TRL's reward_weights); '' = 1 each
 format_reward = 0.0          # number_tasks: added when a completion is shaped like the reference answer
 correct_reward = 1.0         # a completion whose reward reaches this counts as correct (accuracy, pass@k)
@@ -262,7 +262,7 @@ def rollouts(batch, n_samples, generator):
     stopped = torch.tensor([bool(c) and c[-1] in stop_ids for c in completions])
     rows = [prompts[i // n_samples] for i in range(len(completions))]
     texts = [tokenizer.decode(c[:-1] if s else c, skip_special=True) for c, s in zip(completions, stopped)]  # as TRL
-    # each reward's values (NaN: it could not score it), then their weighted sum, NaNs adding 0 (TRL's)
+    # each reward's values (NaN: it could not score it), their weighted sum, NaNs adding 0 (TRL's)
     per_reward = torch.tensor([reward_values(r, [rl_prompt(record) for _, record, _ in rows], texts,
                                              [record for _, record, _ in rows], [where for _, _, where in rows])
                                for r in reward_fns], device=device).T.reshape(len(completions), len(reward_fns))
@@ -306,7 +306,7 @@ def train_step(batches, advantages, old_logps, ref_logps, totals):
             if importance_sampling_level == 'sequence':  # GSPO: one ratio, its tokens' mean, for a sequence
                 log_ratio = sequence_log_ratio(log_ratio, batch['owners'], batch['lengths'])
             token_loss, clipped = clipped_token_loss(log_ratio, token_advantages, epsilon, clip_high)
-            # TRL's: where the ratio is cut below 1 - epsilon (A < 0) or above 1 + epsilon_high (A > 0)
+            # TRL's: the ratio cut below 1 - epsilon (A < 0) or above 1 + epsilon_high (A > 0)
             metrics = {'clip_ratio/region_mean': clipped.float(),
                        'clip_ratio/low_mean': (clipped & (token_advantages < 0)).float(),
                        'clip_ratio/high_mean': (clipped & (token_advantages > 0)).float()}
@@ -435,7 +435,7 @@ while iter_num < max_iters:
     n_completions = len(all_rewards)
     step_metrics = {'reward': all_rewards.mean().item(), 'reward_std': all_rewards.std().item(),
                     'accuracy': (all_rewards >= correct_reward).float().mean().item(),
-                    'frac_reward_zero_std': torch.isclose(reward_stds, torch.zeros_like(reward_stds)).float().mean().item(),
+                    'frac_reward_zero_std': reward_stds.isclose(torch.zeros_like(reward_stds)).float().mean().item(),
                     'completions/mean_length': generated_tokens / n_completions,
                     'completions/clipped_ratio': 1 - n_stopped / n_completions,
                     'time/generation_s': t1 - t0, 'time/training_s': t2 - t1,

@@ -44,8 +44,9 @@ from configurator import UserError
 
 GENERATION, MULTIPLE_CHOICE, ROLLING = 'generation', 'multiple_choice', 'loglikelihood_rolling'
 FORMATS = ('{"prompt": str} or {"messages": [{"role": ..., "content": ...}, ...]} with {"reference": str} or '
-           '{"references": [str, ...]} (generation; SFT rows {"prompt", "response"} too), or {"context": str, "choices": [str, ...], "label": int} '
-           '(multiple choice), or {"text": str} (perplexity; a .txt file is one such text)')
+           '{"references": [str, ...]} (generation; SFT rows {"prompt", "response"} too), or '
+           '{"context": str, "choices": [str, ...], "label": int} (multiple choice), or {"text": str} '
+           '(perplexity; a .txt file is one such text)')
 
 
 def is_text_list(value, least=1):

@@ -67,8 +67,8 @@ def load_reward(spec, format_weight=0.0):
     if not os.path.isfile(path):
         raise UserError(f"reward={spec!r}: {path} does not exist. Point reward at the Python file that defines "
                         f"{name}(prompt, completion, row).")
-    # imported as Python imports a module: registered in sys.modules (dataclasses and pickle look it up
-    # there) and with its folder importable (a helper module beside it)
+    # imported as Python imports a module: in sys.modules (dataclasses and pickle look it up
+    # there), its folder importable (a helper module beside it)
     path = os.path.abspath(path)
     module_name = f"reward_{hashlib.sha256(path.encode()).hexdigest()[:12]}_{os.path.basename(path)[:-3]}"
     module = sys.modules.get(module_name)

@@ -269,7 +269,8 @@ def test_sft_rows_and_a_byte_order_mark_are_read(models, tmp_path):
     assert [e['references'] for e in result['examples']] == [['3'], ['def']]
     assert result['examples'][1]['prompt'].endswith('<|user|>abc<|end|><|assistant|>')
     with pytest.raises(UserError, match='give one of "reference", "references" and "response"'):
-        eval_py(f"--init_from={models['chat']}", f"--eval_data={write_jsonl(tmp_path / 'two.jsonl', [dict(rows[0], reference='3')])}")
+        two = write_jsonl(tmp_path / 'two.jsonl', [dict(rows[0], reference='3')])
+        eval_py(f"--init_from={models['chat']}", f'--eval_data={two}')
 
 
 def test_out_never_writes_over_what_it_reads_or_another_models_results(models, tmp_path):
@@ -388,8 +389,8 @@ def test_few_shot_contexts_are_lm_evals(models, tmp_path):
         assert example['context'] == want
     gen = [dict(prompt=f'What is {i}+1?', reference=str(i + 1)) for i in range(4)]
     data = write_jsonl(tmp_path / 'gen.jsonl', gen)
-    result = eval_py(f"--init_from={models['chat']}", f'--eval_data={data}', '--num_fewshot=1', '--description=Be brief.',
-                     '--max_new_tokens=2', '--metrics=exact_match')
+    result = eval_py(f"--init_from={models['chat']}", f'--eval_data={data}', '--num_fewshot=1',
+                     '--description=Be brief.', '--max_new_tokens=2', '--metrics=exact_match')
     rng = random.Random(1234)
     for i, example in enumerate(result['examples']):
         shot = [gen[j] for j in rng.sample(range(4), 2) if j != i][0]

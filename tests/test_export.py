@@ -194,7 +194,7 @@ def test_export_into_a_folder_it_cannot_create_or_write_is_explained_leaving_not
         p = run(['export.py', ckpt, dest], check=False)
         assert_user_error(p, says)
 
-    # as a full disk: the tokenizer (written first, by the tokenizers library) or the weights do not fit
+    # as a full disk: the tokenizer (written first, by the tokenizers library) or the weights
     for limit in (64, 4096):
         def file_size_limit():  # Python ignores SIGXFSZ (so do we, to be sure): the write fails with EFBIG
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)

@@ -230,7 +230,8 @@ RL = ['--device=cpu', '--dtype=float32', '--tensorboard=False', '--prompts_per_s
       '--max_prompt_length=36', '--max_new_tokens=12', '--eval_prompts=4', '--pass_k=2', '--exact_match_examples=2',
       '--log_interval=1', '--learning_rate=1e-3']
 TRAIN_METRICS = ('loss', 'reward', 'reward_std', 'accuracy', 'frac_reward_zero_std', 'completions/mean_length',
-                 'completions/clipped_ratio', 'clip_ratio/region_mean', 'clip_ratio/low_mean', 'clip_ratio/high_mean', 'entropy', 'time/generation_s', 'time/training_s',
+                 'completions/clipped_ratio', 'clip_ratio/region_mean', 'clip_ratio/low_mean', 'clip_ratio/high_mean',
+                 'entropy', 'time/generation_s', 'time/training_s',
                  'generation/tokens_per_sec', 'grad_norm')
 
 
@@ -281,7 +282,7 @@ def test_run_logs_metrics_and_resumes_bit_exactly(tmp_path, rl_env):
             if not k.startswith(('time/', 'generation/')):
                 assert a[step][k] == b[step][k], (step, k)
     assert 0 < a[1]['accuracy'] < 1 and a[1]['completions/mean_length'] > 0 and a[1]['reward_std'] > 0
-    # the loss-side metrics are the mean of the two iterations' (as TRL): the 2nd's ratios are off 1, some clipped
+    # loss-side metrics: the two iterations' mean (as TRL); the 2nd's ratios are off 1, some clipped
     assert a[1]['clip_ratio/region_mean'] > 0 and a[1]['kl'] > 0 and a[1]['entropy'] > 0
     evals = [e for e in read_log(straight) if 'eval/pass@1' in e]
     assert [e['step'] for e in evals] == [0, 2, 4] and all(0 <= e['eval/pass@2'] <= 1 for e in evals)
@@ -465,7 +466,8 @@ def test_a_reward_that_exits_or_overflows_is_named(tmp_path, monkeypatch):
 def test_built_in_rewards_check_their_rows_up_front():
     """number_tasks on prompt rows without "response": refused before any rollout, naming the row and the fix,
     not as a failure of the built-in function when the row is first sampled."""
-    rows = [([1], {'prompt': 'a', 'response': '1'}, 'train.jsonl (prompt 1)'), ([2], {'prompt': 'b'}, 'train.jsonl (prompt 2)')]
+    rows = [([1], {'prompt': 'a', 'response': '1'}, 'train.jsonl (prompt 1)'),
+            ([2], {'prompt': 'b'}, 'train.jsonl (prompt 2)')]
     for spec in ('number_tasks', 'number_tasks_exact'):
         with pytest.raises(UserError, match=re.escape('train.jsonl (prompt 2) has no "response"')):
             check_rows([load_reward(spec)], rows)
@@ -680,7 +682,7 @@ def test_metrics_are_trls(tmp_path, rl_env):
 def test_a_rank_that_stops_leaves_one_message_and_no_rank_traceback(tmp_path, rl_env):
     """Under torchrun, a reward that fails on rank 1 only, and a launch on an out_dir another run holds (rank 0
     finds the lock): the rank that stopped says why, the other is ended by torchrun or says in one line that a
-    peer ended first; no rank prints a traceback (torchrun's own failure summary follows, which it prints for any failed rank)."""
+    peer ended first; no rank prints a traceback (torchrun's own failure summary follows, as for any failed rank)."""
     import fcntl
     (tmp_path / 'r.py').write_text("import os\n\ndef f(prompt, completion, row):\n"
                                    "    if os.environ['RANK'] == '1':\n        raise KeyError('x')\n    return 1.0\n")
@@ -750,7 +752,8 @@ def test_sequence_level_importance_sampling_matches_gspo(loss_type):
     s_i = exp(mean_t(logp_it - old_it)), clipped to [1 - eps, 1 + eps_high], written out sequence by sequence in
     float64; the loss and its gradient equal, and two micro-batches' shares add up to the whole batch's."""
     lengths, owners, logps, old, _, rewards = random_batch(5, n_seq=7)
-    old = logps.detach() + 0.3 * torch.randn(len(logps), dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    noise = torch.randn(len(logps), dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    old = logps.detach() + 0.3 * noise
     advantages = group_advantages(rewards, 7, 'none')
     eps, eps_high, max_new = 0.05, 0.08, 5
     totals = (len(lengths), int(lengths.sum()), max_new)

@@ -482,7 +482,7 @@ def test_settings_that_cannot_work_are_clear_errors(tmp_path, corpus, straight_r
     for empty in ('', '   '):  # nothing to say, whatever the model reads
         p = run(['sample_tts.py', f'--out_dir={straight_run[0]}', '--device=cpu', f'--text={empty}'], check=False)
         assert_user_error(p, f'text={empty!r} is empty')
-    # --wav onto the checkpoint it speaks with, or onto any file that is not a WAV: refused, the file kept
+    # --wav onto the checkpoint it speaks with, or any file that is not a WAV: refused, kept
     ckpt = os.path.join(straight_run[0], 'ckpt.pt')
     notes = tmp_path / 'notes.txt'
     notes.write_text('keep me')

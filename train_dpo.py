@@ -129,11 +129,11 @@ eval_metric_names = metric_names(eval_metrics)
 if label_smoothing and loss_type not in ('sigmoid', 'robust'):
     raise UserError(f"label_smoothing applies to loss_type 'sigmoid' (conservative DPO) and 'robust' only; "
                     f"drop it for loss_type={loss_type!r}.")
-if use_lora and lora_bias != 'none' and not reference_free:
-    raise UserError(f"lora_bias={lora_bias!r} trains the model's biases, but with use_lora=True the reference is the "
-                    f"model with its adapters disabled, which would keep the trained biases: a reference that moves "
-                    f"with training. Use lora_bias='none', or train all weights (use_lora=False: a frozen copy is "
-                    f"the reference), or reference_free=True.")
+if parallel == 'fsdp' and use_lora and lora_bias != 'none' and not reference_free:
+    # the reference swaps the starting biases in (lora.disable_adapters), which sharded biases cannot take
+    raise UserError(f"lora_bias={lora_bias!r} with parallel='fsdp': the reference (the policy with its adapters "
+                    f"disabled) needs the starting biases, which sharded biases cannot swap in; use lora_bias='none', "
+                    f"parallel='ddp', or reference_free=True.")
 if reference_free and precompute_ref_logps:
     raise UserError("reference_free=True has no reference to precompute; drop precompute_ref_logps.")
 

@@ -141,11 +141,6 @@ if epsilon_high is not None and (isinstance(epsilon_high, bool) or not isinstanc
                                  or not 0 <= epsilon_high < math.inf):
     raise UserError(f"epsilon_high={epsilon_high!r} must be a number >= 0 (e.g. 0.28), or None for epsilon's value.")
 clip_high = epsilon if epsilon_high is None else epsilon_high  # the ratio's upper bound is 1 + clip_high
-if use_lora and lora_bias != 'none' and beta > 0:
-    raise UserError(f"lora_bias={lora_bias!r} trains the model's biases, but with use_lora=True the KL's reference is "
-                    f"the model with its adapters disabled, which would keep the trained biases: a reference that "
-                    f"moves with training. Use lora_bias='none', or beta=0 (no reference), or train all weights "
-                    f"(use_lora=False: a frozen copy is the reference).")
 
 # processes and device (run/runtime.py: one process per GPU under torchrun), precision
 compute = compute_init(device, seed, num_threads)

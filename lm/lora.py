@@ -202,6 +202,8 @@ def apply_lora(model, r=8, lora_alpha=16, lora_dropout=0.0, target_modules='attn
     for name, p in model.named_parameters():
         trained_bias = name.endswith('.bias') and (bias == 'all' or bias == 'lora_only' and name[:-5] in wrapped)
         p.requires_grad_(name.endswith(('lora_A', 'lora_B')) or trained_bias)
+        if trained_bias:  # disable_adapters' base model has the biases it started with
+            model.get_submodule(name[:-5]).register_buffer('initial_bias', p.detach().clone(), persistent=False)
     if added_tokens:
         # the new rows start at resize_vocab's values but are otherwise untrained: frozen, the model
         # could neither read the chat tokens nor predict <|end|>. A tied lm_head shares them.
@@ -251,19 +253,25 @@ def unmerge_lora(model):
 
 @contextmanager
 def disable_adapters(model):
-    """Inside the block the model is exactly the base model, bit for bit (DPO's reference model):
-    the adapters (and trained added rows) are skipped, not subtracted."""
+    """Inside the block the model is exactly the base model, bit for bit (DPO's and RL's reference model):
+    the adapters (and trained added rows) are skipped, not subtracted, and trained biases hold their starting
+    values (apply_lora's initial_bias, swapped in by .data: no in-place change that autograd would see)."""
     layers = adapter_layers(model)
     if any(m.merged for m in lora_layers(model)):
         raise RuntimeError("disable_adapters needs unmerged adapters (merged ones cannot be removed exactly); "
                            "call unmerge_lora(model) first.")
+    biased = [m for m in model.modules() if 'initial_bias' in m._buffers]
     for m in layers:
         m.enabled = False
+    for m in biased:
+        m.bias.data, m.initial_bias.data = m.initial_bias.data, m.bias.data
     try:
         yield model
     finally:
         for m in layers:
             m.enabled = True
+        for m in biased:
+            m.bias.data, m.initial_bias.data = m.initial_bias.data, m.bias.data
 
 
 def lora_state_dict(model, state=None):

@@ -614,7 +614,7 @@ def test_bad_inputs_are_clear_errors_and_keep_checkpoints(tmp_path, dpo_env):
              (['--max_prompt_length=0'], ['max_prompt_length=0', 'at least 1']),
              (['--max_prompt_length=40'], ['max_prompt_length=40', 'room for a completion']),
              (['--loss_type=ipo', '--label_smoothing=0.1'], ['label_smoothing', "loss_type='ipo'"]),
-             (['--use_lora=True', '--lora_bias=lora_only'], ["lora_bias='lora_only'", 'moves with training'])]
+             (['--use_lora=True', '--lora_bias=lora_only', '--parallel=fsdp'], ["lora_bias='lora_only'", 'sharded'])]
     for i, (args, messages) in enumerate(cases):
         out = tmp_path / f'out{i}'
         out.mkdir()

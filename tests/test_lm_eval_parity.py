@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from conftest import ROOT, load_gpt, read_json_file, run
+from fixtures.make_lm_eval_fixtures import with_bos
 
 FIXTURE = os.path.join(ROOT, 'tests', 'fixtures', 'lm_eval')
 MODEL = os.path.join(FIXTURE, 'model')
@@ -107,11 +108,17 @@ def test_eval_py_scores_multiple_choice_as_lm_eval_does(tmp_path):
 def test_eval_py_measures_perplexity_as_lm_eval_does(tmp_path):
     """Texts (one longer than the model's 128 positions: rolling windows) scored by eval.py as lm-eval's
     loglikelihood_rolling scores them: each text's loglik within TOKEN_TOL a token of lm-eval's, and word and
-    byte perplexity and bits per byte within what those differences allow."""
+    byte perplexity and bits per byte within what those differences allow. Then the same model with a tokenizer
+    that opens every text with a BOS, as a Llama's does (with_bos), which lm-eval encodes and scores too."""
     out = tmp_path / 'result.json'
-    run(['eval.py', f'--init_from={MODEL}', f'--eval_data={os.path.join(FIXTURE, "texts.jsonl")}', f'--out={out}',
-         '--device=cpu'])
+    texts = os.path.join(FIXTURE, "texts.jsonl")
+    run(['eval.py', f'--init_from={MODEL}', f'--eval_data={texts}', f'--out={out}', '--device=cpu'])
     result, want = read_json_file(out), EXPECTED['rolling']
+    bos_model = with_bos(MODEL, str(tmp_path / 'model_bos'))
+    run(['eval.py', f'--init_from={bos_model}', f'--eval_data={texts}', f"--out={tmp_path / 'bos.json'}",
+         '--device=cpu'])
+    for got, text in zip(read_json_file(tmp_path / 'bos.json')['examples'], want['bos']):
+        assert text['starts_with_bos'] and abs(got['loglik'] - text['loglik']) <= TOKEN_TOL * text['n_tokens']
     assert result['task'] == 'loglikelihood_rolling' and result['n'] == len(want['texts'])
     for got, text in zip(result['examples'], want['texts']):
         assert abs(got['loglik'] - text['loglik']) <= TOKEN_TOL * text['n_tokens'], (got, text)

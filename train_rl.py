@@ -52,7 +52,7 @@ chat_template_variables = {}  # published model's chat-template variables; {} = 
 resume = True                # continue out_dir's run if any; False = start a new one, replacing it
 data_dir = ''                # the base tokenizer's data.py folder; '' = data/stdlib
 rl_data = ''                 # folder of train/val(/test).jsonl prompts; '' = the embedded number tasks
-reward = 'number_tasks'      # 'number_tasks' (final answer) | 'number_tasks_exact' (whole) | 'path.py:name'; a,b: both
+reward = 'number_tasks_exact'  # 'number_tasks_exact' (whole answer) | 'number_tasks' (final) | 'path.py:name'; a,b: both
 reward_weights = ''          # comma-separated weights of the rewards (TRL's reward_weights); '' = 1 each
 format_reward = 0.0          # number_tasks: added when a completion is shaped like the reference answer
 correct_reward = 1.0         # a completion whose reward reaches this counts as correct (accuracy, pass@k)
@@ -78,7 +78,7 @@ top_p = 1.0                  # sample from the smallest set of tokens whose prob
 # loss (docs/rl.md)
 loss_type = 'dapo'           # 'grpo' (per-sequence mean) | 'dapo' (per-token, global batch) | 'dr_grpo' (constant)
 scale_rewards = 'group'      # advantages divided by the std of the 'group' | the 'batch' | 'none' (Dr. GRPO)
-beta = 0.0                   # weight of the k3 KL penalty against the reference; 0 = no reference at all
+beta = 0.04                  # weight of the k3 KL penalty against the reference; 0 = no reference at all
 epsilon = 0.2                # PPO clip: the ratio's lower bound is 1 - epsilon
 epsilon_high = None          # the upper bound is 1 + epsilon_high; None = epsilon, as TRL (DAPO's clip-higher: 0.28)
 num_iterations = 1           # optimizer steps on each batch of rollouts (PPO's epochs, TRL's mu)
@@ -98,17 +98,17 @@ lora_base_dtype = 'float32'  # the frozen base's Linear weights: 'float32' | the
 # model (its shape comes from init_from)
 dropout = 0.0                # 0: the ratio to the sampling policy should be 1 at the first iteration
 # optimizer (AdamW)
-learning_rate = 1e-4         # peak lr of every lr_schedule
+learning_rate = 1e-5         # peak lr; 1e-4 lost greedy answers of a 96% SFT model (dev/LOG.md, 2026-11-27)
 max_iters = 200              # steps (rollout batches) in the run
 weight_decay = 0.0           # decoupled weight decay; 0 = none
 beta1 = 0.9                  # AdamW's momentum (first-moment decay)
 beta2 = 0.99                 # AdamW's second-moment decay
 grad_clip = 1.0              # 0 = no clipping (grad norm is still logged)
 # learning-rate schedule (scheduler.py)
-lr_schedule = 'constant'     # cosine | cosine_restarts | noam | constant | linear | wsd
+lr_schedule = 'cosine'       # cosine | cosine_restarts | noam | constant | linear | wsd
 warmup_iters = 0             # linear rise to learning_rate, reached at this step (every schedule)
 lr_decay_iters = 200         # where the decay to min_lr ends (cosine, linear, wsd; not noam)
-min_lr = 1e-5                # the lr decays to this (noam: its floor; constant: unused)
+min_lr = 0.0                 # the lr decays to this (noam: its floor; constant: unused)
 restart_iters = 250          # 'cosine_restarts': steps of the first cycle after warmup
 restart_mult = 1             # 'cosine_restarts': each cycle this many times longer than the last
 decay_frac = 0.2             # 'wsd': the last fraction of lr_decay_iters, a linear decay to min_lr

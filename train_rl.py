@@ -2,8 +2,9 @@
 Online reinforcement learning with verifiable rewards, the GRPO family (GRPO, DAPO, Dr. GRPO, by the names
 TRL's GRPOTrainer uses): each step samples G completions of every prompt, scores them with a reward program,
 and pushes the policy towards the completions that beat their group's mean. `python train_rl.py` trains the
-SFT model of config/sft.py (out-sft/ckpt.pt) on the embedded number tasks, their answer checker as the
-reward, into out-rl/; `python train_rl.py config/rl.py` does it with the config's settings;
+SFT model of config/sft.py (out-sft/ckpt.pt) on the embedded number tasks, their whole-answer checker as
+the reward, into out-rl/, with the recipe that keeps what the SFT model got right (docs/rl.md); `python
+train_rl.py config/rl.py` does the same, measured on more held-out prompts;
 `--rl_data=folder --reward=my_rewards.py:score` trains on one's own prompts and reward; `torchrun
 --nproc_per_node=8 train_rl.py ...` runs data-parallel. Every config key below can be overridden by a
 config file or --key=value (`--help` lists them). The losses and metrics: docs/rl.md.

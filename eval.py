@@ -93,7 +93,10 @@ torch.manual_seed(seed)
 model, tokenizer, chat, ckpt_path = load_for_generation(model_path(init_from, out_dir, ckpt_name), data_dir,
                                                         chat_template_variables, device)
 block_size = model.config.block_size
-rows = with_fewshot(kind, rows, num_fewshot, description, target_delimiter, chat)
+try:
+    rows = with_fewshot(kind, rows, num_fewshot, description, target_delimiter, chat)
+except UserError as e:
+    raise UserError(f"{task_path}, {e}") from None
 
 
 def earlier_result(path):

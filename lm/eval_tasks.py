@@ -152,22 +152,16 @@ def with_fewshot(kind, rows, num_fewshot, description, target_delimiter, chat):
     """rows with num_fewshot solved examples before each, laid out as lm-eval's ConfigurableTask.fewshot_context:
     description, then each example's text + target_delimiter + its answer (a choice's label, a generation's first
     reference), FEWSHOT_DELIMITER after each, then the row's own text. The examples are other rows of the same
-    file, drawn as lm-eval's sampler draws them from a split that holds the row itself (num_fewshot + 1 drawn,
-    seeded FEWSHOT_SEED; the row left out). A chat model gets them as earlier turns instead (lm-eval's
-    --apply_chat_template --fewshot_as_multiturn), the description as a system turn."""
+    file, drawn as lm-eval's sampler draws them (fewshot_draws). A chat model gets them as earlier turns instead
+    (lm-eval's --apply_chat_template --fewshot_as_multiturn), the description as a system turn."""
     if not num_fewshot and not description:
         return rows
     if kind == ROLLING:
         raise UserError("num_fewshot and description are for generation and multiple-choice tasks, not perplexity.")
-    if num_fewshot >= len(rows):
-        raise UserError(f"num_fewshot={num_fewshot} needs more than {num_fewshot} rows to draw examples from, and the "
-                        f"task has {len(rows)}; lower num_fewshot (or max_examples leaves too few).")
     if kind == GENERATION and num_fewshot and any(row['references'] is None for row in rows):
         raise UserError("num_fewshot shows solved examples, but some rows have no reference to show as the answer.")
-    rng = random.Random(FEWSHOT_SEED)
     out = []
-    for i, row in enumerate(rows):
-        shots = [rows[j] for j in rng.sample(range(len(rows)), num_fewshot + 1) if j != i][:num_fewshot]
+    for row, shots in zip(rows, fewshot_draws(rows, num_fewshot)):
         if kind == MULTIPLE_CHOICE:
             solved = ''.join(s['context'] + target_delimiter + s['choices'][s['label']] + FEWSHOT_DELIMITER
                              for s in shots)
@@ -183,6 +177,28 @@ def with_fewshot(kind, rows, num_fewshot, description, target_delimiter, chat):
             solved = ''.join(s['prompt'] + target_delimiter + s['references'][0] + FEWSHOT_DELIMITER for s in shots)
             out.append(dict(row, prompt=description + solved + row['prompt']))
     return out
+
+
+def fewshot_draws(rows, num_fewshot):
+    """For each row, the num_fewshot other rows shown before it, drawn as lm-eval's ContextSampler draws them
+    when the fewshot split is the evaluated one: one random.Random(1234) for the task, for each row in order
+    rnd.sample(rows, num_fewshot + 1), the rows equal to it dropped, the first num_fewshot kept; if its copies
+    left fewer, rnd.sample(the rows without them, num_fewshot)."""
+    rnd, draws = random.Random(FEWSHOT_SEED), []
+    for row in rows:
+        others = [shot for shot in rows if not same_row(shot, row)]
+        if len(others) < num_fewshot:
+            raise UserError(f"line {row['line']}: num_fewshot={num_fewshot} needs that many other examples, and the "
+                            f"task has {len(others)} besides this one and its copies; lower num_fewshot (or raise "
+                            f"max_examples).")
+        shots = [shot for shot in rnd.sample(rows, num_fewshot + 1) if not same_row(shot, row)][:num_fewshot]
+        draws.append(shots if len(shots) == num_fewshot else rnd.sample(others, num_fewshot))
+    return draws
+
+
+def same_row(a, b):
+    """Whether two rows hold the same example, wherever they are in the file (lm-eval compares its docs)."""
+    return {k: v for k, v in a.items() if k != 'line'} == {k: v for k, v in b.items() if k != 'line'}
 
 
 def base_tokenizer(tokenizer):

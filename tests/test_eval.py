@@ -18,7 +18,7 @@ import torch
 from configurator import UserError
 from conftest import CHARS, ROOT, assert_user_error, run, write_jsonl
 from data import prepare
-from lm.eval_tasks import choice_predictions, rolling_windows
+from lm.eval_tasks import choice_predictions, fewshot_draws, rolling_windows
 from lm.metrics import corpus_scores, example_scores, normalize_answer
 from lm.tokenizer import ChatTokenizer, load_tokenizer
 from model import GPT, GPTConfig
@@ -396,4 +396,16 @@ def test_few_shot_contexts_are_lm_evals(models, tmp_path):
         shot = [gen[j] for j in rng.sample(range(4), 2) if j != i][0]
         assert example['prompt'].startswith(f"<|system|>Be brief.<|end|><|user|>{shot['prompt']}<|end|><|assistant|>"
                                             f"{shot['reference']}<|end|><|user|>{gen[i]['prompt']}<|end|>")
-    assert 'num_fewshot=4 needs more than 4 rows' in bad(models, [gen[0]] * 4, '--num_fewshot=4')
+    assert 'num_fewshot=4 needs that many other examples' in bad(models, [gen[0]] * 4, '--num_fewshot=4')
+
+
+def test_fewshot_draws_are_lm_evals():
+    """fewshot_draws picks the rows lm-eval 0.4.13's ContextSampler picks (seed 1234; the row and its copies never
+    its own example; tests/fixtures/lm_eval/fewshot.json, made by make_lm_eval_fewshot_fixture.py)."""
+    with open(os.path.join(ROOT, 'tests', 'fixtures', 'lm_eval', 'fewshot.json'), encoding='utf-8') as f:
+        expected = json.load(f)
+    docs = expected['docs']
+    rows = [dict(doc, line=i + 1) for i, doc in enumerate(docs)]
+    for n, draws in expected['draws'].items():
+        got = fewshot_draws(rows, int(n))
+        assert [[docs.index({k: v for k, v in s.items() if k != 'line'}) for s in shots] for shots in got] == draws

@@ -126,14 +126,21 @@ def prepare_number_tasks(out_dir=NUMBER_TASKS_DIR, n_train=10_000, n_eval=500, s
         if len(splits[split]) < sizes[split]:
             splits[split][question] = answer, mistakes
     os.makedirs(out_dir, exist_ok=True)
+    files = {}
     for split, pairs in splits.items():
-        with open(os.path.join(out_dir, f'{split}.jsonl'), 'w') as f:
-            for q, (a, mistakes) in pairs.items():
-                record = {'prompt': q, 'chosen': a, 'rejected': plausible_wrong(a, mistakes, wrong_rng)} \
-                    if preferences else {'prompt': q, 'response': a}
-                f.write(json.dumps(record) + '\n')
-    with open(meta_path, 'w') as f:  # written last: marks a complete task folder
-        json.dump(meta, f)
+        lines = []
+        for q, (a, mistakes) in pairs.items():
+            record = {'prompt': q, 'chosen': a, 'rejected': plausible_wrong(a, mistakes, wrong_rng)} \
+                if preferences else {'prompt': q, 'response': a}
+            lines.append(json.dumps(record) + '\n')
+        files[f'{split}.jsonl'] = ''.join(lines)
+    files['meta.json'] = json.dumps(meta)  # written last: marks a complete task folder
+    for name, text in files.items():
+        # whole files only: another run preparing the same folder at once reads old or new, never half
+        tmp = os.path.join(out_dir, f'{name}.{os.getpid()}.tmp')
+        with open(tmp, 'w') as f:
+            f.write(text)
+        os.replace(tmp, os.path.join(out_dir, name))
     return out_dir
 
 

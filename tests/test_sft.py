@@ -375,3 +375,22 @@ def test_relaunch_after_sigkill_continues_the_run(tmp_path, sft_env, training_ty
     killed_at, output, steps = kill_and_relaunch(args, out)
     assert killed_at >= 10 and f'resuming from {out / "ckpt.pt"} at step {killed_at}\n' in output
     assert steps == list(range(1, 121)) and load(out / 'ckpt.pt')['iter_num'] == 120
+
+
+def test_the_number_tasks_are_written_whole(tmp_path, monkeypatch):
+    """Two runs preparing the embedded tasks at once in a fresh tree must never read a half-written file: each
+    file is written under a temporary name and renamed into place, meta.json last."""
+    import builtins
+    import tasks.number_tasks
+    renamed = []
+
+    def only_temporaries(path, mode='r', *args, **kwargs):
+        assert 'w' not in mode or str(path).endswith('.tmp'), f"{path} written in place"
+        return builtins.open(path, mode, *args, **kwargs)
+    monkeypatch.setattr(tasks.number_tasks, 'open', only_temporaries, raising=False)
+    monkeypatch.setattr(tasks.number_tasks.os, 'replace', lambda a, b: renamed.append(os.path.basename(b)) or
+                        os.rename(a, b))
+    out = prepare_number_tasks(str(tmp_path / 'tasks'), n_train=20, n_eval=4)
+    assert renamed == ['train.jsonl', 'val.jsonl', 'test.jsonl', 'meta.json']
+    assert len(open(os.path.join(out, 'train.jsonl')).read().splitlines()) == 20
+    assert sorted(os.listdir(out)) == ['meta.json', 'test.jsonl', 'train.jsonl', 'val.jsonl']

@@ -456,6 +456,8 @@ def test_a_reward_that_exits_or_overflows_is_named(tmp_path, monkeypatch):
             score(reward, 'x', {}, 'data.jsonl (prompt 1)')
         assert reward.spec in str(e.value) and 'data.jsonl (prompt 1)' in str(e.value)
     reward = load_reward(f'{tmp_path / "r.py"}:interrupted')
+    # Python's own Ctrl-C handler (a background job, as CI's, may start with SIGINT ignored instead)
+    monkeypatch.setattr(signal, 'getsignal', lambda sig: signal.default_int_handler)
     with pytest.raises(KeyboardInterrupt):
         score(reward, 'x', {}, 'here')
     monkeypatch.setattr(signal, 'getsignal', lambda sig: lambda *a: None)  # the run's StopSignal handles SIGINT

@@ -53,7 +53,7 @@ chat_template_variables = {}  # published model's chat-template variables; {} = 
 resume = True                # continue out_dir's run if any; False = start a new one, replacing it
 data_dir = ''                # the base tokenizer's data.py folder; '' = data/stdlib
 rl_data = ''                 # folder of train/val(/test).jsonl prompts; '' = the embedded number tasks
-reward = 'number_tasks_exact'  # 'number_tasks_exact' (whole answer) | 'number_tasks' (final) | 'path.py:name'; a,b: both
+reward = 'number_tasks_exact'  # 'number_tasks_exact' (whole answer) | 'number_tasks' (final) | 'path.py:name'; a,b
 reward_weights = ''          # comma-separated weights of the rewards (TRL's reward_weights); '' = 1 each
 format_reward = 0.0          # number_tasks: added when a completion is shaped like the reference answer
 correct_reward = 1.0         # a completion whose reward reaches this counts as correct (accuracy, pass@k)
@@ -257,13 +257,14 @@ def rollouts(batch, n_samples, generator):
     raw_model.train()
     stopped = torch.tensor([bool(c) and c[-1] in stop_ids for c in completions])
     rows = [prompts[i // n_samples] for i in range(len(completions))]
+    records, wheres = [record for _, record, _ in rows], [where for _, _, where in rows]
+    messages = [rl_prompt(record) for record in records]
     texts = [tokenizer.decode(c[:-1] if s else c, skip_special=True) for c, s in zip(completions, stopped)]  # as TRL
     # each reward's values (NaN: it could not score it), their weighted sum, NaNs adding 0 (TRL's)
-    per_reward = torch.tensor([reward_values(r, [rl_prompt(record) for _, record, _ in rows], texts,
-                                             [record for _, record, _ in rows], [where for _, _, where in rows])
-                               for r in reward_fns], device=device).T.reshape(len(completions), len(reward_fns))
+    per_reward = torch.tensor([reward_values(r, messages, texts, records, wheres) for r in reward_fns], device=device).T
     total = (per_reward * torch.tensor(reward_weights_list, device=device)).nansum(1)
     return completions, total, stopped, per_reward
+
 
 def completion_logps(net, batch):
     """Per-token log-probs (N,) of a micro-batch's completion tokens under net, and the logits (N, V) they come

@@ -319,25 +319,32 @@ def example_scores(names, prediction, references):
     return {name: METRICS[name][1](prediction, references) for name in check_metric_names(names)}
 
 
+def sample_std(values):
+    """The sample standard deviation (Bessel's), lm-eval's sample_stddev."""
+    mean = sum(values) / len(values)
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+
+
 def mean_stderr(values):
-    """lm-eval's standard error of a mean: the sample standard deviation (Bessel's) over sqrt(n); None for
-    fewer than two values."""
-    n = len(values)
-    if n < 2:
-        return None
-    mean = sum(values) / n
-    return math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
+    """lm-eval's standard error of a mean: the sample standard deviation over sqrt(n); None for fewer than
+    two values."""
+    return sample_std(values) / math.sqrt(len(values)) if len(values) >= 2 else None
 
 
-def bootstrap_stderr(metric, predictions, references, iters=1000, seed=1234):
-    """The standard error of a corpus metric (BLEU, chrF) by the bootstrap, as lm-eval estimates it: the sample
-    standard deviation of metric over iters resamples of the examples with replacement (seeded)."""
+# the corpus metrics that sum each example's counts: (one example's counts, the score of summed counts)
+CORPUS_STATISTICS = {'bleu': (bleu_statistics, lambda stats: bleu_from_statistics(stats, effective_order=False)),
+                     'chrf': (chrf_statistics, chrf_from_statistics)}
+
+
+def bootstrap_stderr(statistics, score, iters=1000, seed=1234):
+    """The standard error of a corpus score (BLEU, chrF) by the bootstrap, as lm-eval estimates it: the sample
+    standard deviation of score(summed counts) over iters resamples of the examples with replacement (seeded).
+    statistics: each example's counts, computed once; a resample only sums them."""
     rng = random.Random(seed)
-    n = len(predictions)
-    draws = [[rng.randrange(n) for _ in range(n)] for _ in range(iters)]
-    values = [metric([predictions[i] for i in d], [references[i] for i in d]) for d in draws]
-    mean = sum(values) / iters
-    return math.sqrt(sum((v - mean) ** 2 for v in values) / (iters - 1))
+    n = len(statistics)
+    draws = np.array([[rng.randrange(n) for _ in range(n)] for _ in range(iters)])
+    sums = np.array(statistics)[draws].sum(1)  # integer counts: the same sums in any order
+    return sample_std([score(s.tolist()) for s in sums])
 
 
 def corpus_stderrs(names, predictions, references):
@@ -345,7 +352,10 @@ def corpus_stderrs(names, predictions, references):
     by the bootstrap, the others (means of each example's score) by mean_stderr."""
     out = {}
     for name in check_metric_names(names):
-        corpus, one = METRICS[name]
-        out[name] = (bootstrap_stderr(corpus, predictions, references) if name in ('bleu', 'chrf') else
-                     mean_stderr([one(p, r) for p, r in zip(predictions, references)]))
+        if name in CORPUS_STATISTICS:
+            counts, score = CORPUS_STATISTICS[name]
+            out[name] = bootstrap_stderr([counts(*pair) for pair in examples(predictions, references)], score)
+        else:
+            one = METRICS[name][1]
+            out[name] = mean_stderr([one(p, r) for p, r in zip(predictions, references)])
     return out

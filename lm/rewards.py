@@ -94,8 +94,8 @@ def load_reward(spec, format_weight=0.0):
 def check_rows(rewards, prompts):
     """Before any rollout: a UserError naming the first of prompts ((ids, record, where) triples) without the
     string "response" that the built-in rewards check completions against (a user's reward checks its own)."""
-    for reward in rewards:
-        for _, record, where in prompts if reward.spec in BUILT_IN else ():
+    for reward in [r for r in rewards if r.spec in BUILT_IN]:
+        for _, record, where in prompts:
             if not isinstance(record.get('response'), str):
                 raise UserError(f"{where} has no \"response\" (a string: the reference answer), which "
                                 f"reward={reward.spec!r} checks each completion against. Add one to every prompt row, "
@@ -143,4 +143,3 @@ def checked(reward, value, where, completion):
                         f"{completion[:60]!r}); it must return a finite number (a float or int) within float32's "
                         f"range (|r| <= 3.4e38), in which rewards are computed, or None when it cannot score it.")
     return float(value)
-

@@ -178,9 +178,11 @@ def test_standard_errors_as_lm_eval_computes_them():
     predictions = ['a'] * 120 + ['b'] * 80
     references = [['a']] * 200
     p = 0.6
-    boot = metrics.bootstrap_stderr(metrics.exact_match, predictions, references)
+    hits = [[int(metrics.exact_match([h], [r]))] for h, r in zip(predictions, references)]  # each example's count
+    boot = metrics.bootstrap_stderr(hits, lambda counts: counts[0] / 200)
     assert boot == pytest.approx(math.sqrt(p * (1 - p) / 200), rel=0.1)
-    assert boot == metrics.bootstrap_stderr(metrics.exact_match, predictions, references)  # seeded
-    assert metrics.bootstrap_stderr(metrics.corpus_bleu, ['the cat sat'] * 5, [['the cat sat']] * 5, iters=50) == 0
+    assert boot == metrics.bootstrap_stderr(hits, lambda counts: counts[0] / 200)  # seeded
+    counts, score = metrics.CORPUS_STATISTICS['bleu']
+    assert metrics.bootstrap_stderr([counts('the cat sat', ['the cat sat'])] * 5, score, iters=50) == 0
     errors = metrics.corpus_stderrs(['exact_match', 'bleu', 'rouge1'], predictions[:10], references[:10])
     assert errors['exact_match'] == metrics.mean_stderr([1.0] * 10) == 0 and errors['bleu'] == 0

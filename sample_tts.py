@@ -1,6 +1,7 @@
 """
 Speak with a trained text-to-speech checkpoint (train_tts.py):
-`python sample_tts.py --out_dir=out-tts-espeak --text="I am as well acquainted here." --wav=out.wav`.
+`python sample_tts.py --out_dir=out-tts-espeak --text="I am as well acquainted here." --wav=out.wav`;
+`--vocoder=models/hifigan/generator_universal.pth.tar` speaks through HiFi-GAN instead of Griffin-Lim (docs/tts.md).
 A model trained on phonemes (config/tts_natural_cpu.py) takes phonemes: --text="aɪɐm æz wˈɛl ɐkwˈeɪntᵻd hˈɪɹ."
 GPT checkpoints and published models generate text with sample.py instead.
 """
@@ -13,6 +14,7 @@ from run.checkpoint import load_checkpoint
 from run.device import pick_device
 from tts.data import IPA_MARKS, MEL_SETTINGS, reads_phonemes, write_wav
 from tts.model import load_tts, synthesize
+from tts.vocoder import load_vocoder, vocoder_name
 
 # -----------------------------------------------------------------------------
 out_dir = 'out-tts'          # folder of the train_tts.py run to speak with
@@ -24,6 +26,7 @@ tts_temperature = 0.667      # scale of the starting noise
 length_scale = 1.0           # > 1 speaks slower
 guidance = 0.0               # classifier-free guidance weight (models trained with cfg_drop > 0)
 seed = 1337                  # random seed of the starting noise
+vocoder = ''                 # a HiFi-GAN generator file, config.json beside it (docs/tts.md); '' = Griffin-Lim
 device = 'auto'              # 'auto' (cuda, else mps, else cpu) | 'cpu' | 'cuda' | 'cuda:1' | 'mps'
 # -----------------------------------------------------------------------------
 config = configure(globals())
@@ -52,7 +55,7 @@ def earlier_wav(path):
     return header[:4] == b'RIFF' and header[8:] == b'WAVE'
 
 
-check_output_file(wav, 'wav', 'a WAV', earlier_wav, reads=[ckpt_path])
+check_output_file(wav, 'wav', 'a WAV', earlier_wav, reads=[ckpt_path, vocoder])
 ckpt = load_checkpoint(ckpt_path, fix="speak with another checkpoint (--ckpt_name=best.pt, say)")
 if ckpt['kind'] != 'tts':
     raise UserError(f"{ckpt_path} is a {ckpt['kind']!r} checkpoint, not a text-to-speech one (train_tts.py); "
@@ -62,9 +65,11 @@ if reads_phonemes(ckpt['model_args']['symbols']) and not IPA_MARKS & set(text):
                     f"text={text!r} is spelled: give its phonemes, which `piper-venv/bin/python "
                     f"bench/phonemize_corpus.py --text_only=\"{text}\"` prints (docs/tts.md, a natural voice).")
 model = load_tts(ckpt, pick_device(device))
+vocode = load_vocoder(vocoder, pick_device(device))
 t0 = time.time()
 audio, _ = synthesize(model, text, n_timesteps=n_timesteps, temperature=tts_temperature,
-                      length_scale=length_scale, guidance=guidance, seed=seed)
+                      length_scale=length_scale, guidance=guidance, seed=seed, vocode=vocode)
 write_wav(wav, audio, MEL_SETTINGS['sample_rate'])
 seconds = len(audio) / MEL_SETTINGS['sample_rate']
-print(f"wrote {wav}: {seconds:.2f} s of audio, real-time factor {(time.time() - t0) / seconds:.3f}")
+print(f"wrote {wav}: {seconds:.2f} s of audio through {vocoder_name(vocoder)}, real-time factor "
+      f"{(time.time() - t0) / seconds:.3f}")

@@ -30,6 +30,7 @@ from tts import data as tts_data
 from tts.data import FrameBudgetSampler, LJSpeechDataset, build_symbols, eval_batches, read_metadata, split_ids
 from tts.eval import SynthesisEval, evaluate_synthesis, print_synthesis_report, record_media
 from tts.model import TTSConfig, TTSModel
+from tts.vocoder import load_vocoder
 
 _start_time = time.time()
 # -----------------------------------------------------------------------------
@@ -95,6 +96,7 @@ length_scale = 1.0           # > 1 speaks slower
 guidance = 0.0               # classifier-free guidance weight at inference (needs cfg_drop > 0)
 eval_utterances = 0          # held-out utterances for the final MCD-DTW; 0 = all
 audio_samples = 2            # held-out sentences written to out_dir/samples and TensorBoard
+vocoder = ''                 # the evaluation's audio: a HiFi-GAN generator file (docs/tts.md); '' = Griffin-Lim
 # system
 device = 'auto'              # 'auto' (cuda, else mps, else cpu) | 'cpu' | 'cuda' | 'cuda:1' | 'mps'
 dtype = 'auto'               # 'auto' = bf16 on GPUs with it, else fp16 + loss scaling; fp32 on CPU
@@ -125,6 +127,7 @@ ddp, rank, local_rank, world_size, device = compute_init(device, seed)
 master, device_type = rank == 0, device.split(':')[0]
 ptdtype = pick_dtype(device, dtype)
 autocast = autocast_context(device, ptdtype)
+vocode = load_vocoder(vocoder, device)  # a vocoder file that cannot work stops the run before it starts
 
 # out_dir: written and locked before any work; a checkpoint there is this run's, never another's
 init_from = continued_origin(init_from, out_dir, resume)  # nanoGPT's 'resume': the run's own
@@ -289,7 +292,7 @@ def train_step(batches, align_prior):
 
 record, writer = run_log(out_dir, master, tensorboard, keep_log_until(eval_only, resuming, iter_num))
 # speech from held-out text
-synthesis = SynthesisEval(**dataclass_args(SynthesisEval, config, texts=texts))
+synthesis = SynthesisEval(**dataclass_args(SynthesisEval, config, texts=texts, vocode=vocode))
 
 
 def final_report(step):
@@ -298,7 +301,7 @@ def final_report(step):
     ids = val_ids[:eval_utterances or len(val_ids)]
     result = evaluate_synthesis(raw_model, val_set, train_set, ids, synthesis)
     record(dict(step=step, **result))
-    print_synthesis_report(result, n_timesteps, out_dir)
+    print_synthesis_report(result, synthesis)
 
 
 def log_eval(step, result, note=''):

@@ -1,8 +1,9 @@
 """
 Intelligibility of a TTS model as papers report it: word and character error rates by Whisper base (OpenAI's,
 MIT, in CTranslate2 layout for faster-whisper) on held-out utterances of (a) the reference recordings, (b) the
-reference mel through Griffin-Lim (the vocoder alone: the floor a model is judged against) and (c) the model's
-speech synthesized from text. Two steps in two environments, because faster-whisper is never a nanotrain
+reference mel through Griffin-Lim and (c) through a HiFi-GAN generator (--vocoder; each vocoder alone: the floor a
+model is judged against) and (d) the model's speech synthesized from text, through --vocoder if given, else
+Griffin-Lim. Two steps in two environments, because faster-whisper is never a nanotrain
 dependency (the score step needs no torch):
 
     OMP_NUM_THREADS=1 python bench/tts_asr.py synthesize --ckpt=out-tts-espeak/ckpt.pt --wav_dir=/tmp/tts_asr
@@ -11,7 +12,7 @@ dependency (the score step needs no torch):
 
 The held-out utterances of any LJSpeech-layout corpus: the checkpoint's held-out split of its corpus
 (train_tts.py's val_fraction), or with --held_out_dir every utterance of a corpus of sentences the model never
-saw (e.g. one made with make_piper_ljspeech.py --skip). Without --ckpt only (a) and (b) are written.
+saw (e.g. one made with make_piper_ljspeech.py --skip). Without --ckpt (d) is not written, without --vocoder (c).
 `synthesize` writes 16 kHz WAVs of each kind and manifest.json; `score` decodes them (beam 5, English,
 temperature 0: no sampled fallback, so a rerun gives the same words) and writes whisper_<kinds>.json with
 every transcript. Both sides are compared after `normalize` (its docstring states the rules).
@@ -25,7 +26,7 @@ import wave
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ASR_RATE = 16000  # Whisper's input rate
-KINDS = ('reference', 'griffin_lim', 'model')
+KINDS = ('reference', 'griffin_lim', 'vocoder', 'model')
 
 
 def normalize(text):
@@ -65,6 +66,7 @@ def synthesize(args):
     sys.path.insert(0, ROOT)
     from tts.data import MEL_SETTINGS, MelExtractor, read_metadata, read_wav, split_ids, write_wav
     from tts.model import load_tts, synthesize as speak
+    from tts.vocoder import load_vocoder
 
     ckpt = torch.load(args.ckpt, map_location='cpu', weights_only=False) if args.ckpt else None
     if args.held_out_dir:
@@ -79,10 +81,13 @@ def synthesize(args):
     texts = dict(rows)
     words = spoken_words(data_dir, texts)
     val_ids = val_ids[:args.utterances or len(val_ids)]
-    kinds = args.kinds.split(',') if args.kinds else KINDS if ckpt else KINDS[:2]
-    if set(kinds) - set(KINDS) or ('model' in kinds and not ckpt):
-        raise SystemExit(f"--kinds={args.kinds}: choose from {','.join(KINDS)}; 'model' needs --ckpt")
+    kinds = (args.kinds.split(',') if args.kinds else
+             [k for k in KINDS if (k != 'model' or ckpt) and (k != 'vocoder' or args.vocoder)])
+    if set(kinds) - set(KINDS) or ('model' in kinds and not ckpt) or ('vocoder' in kinds and not args.vocoder):
+        raise SystemExit(f"--kinds={args.kinds}: choose from {','.join(KINDS)}; 'model' needs --ckpt, 'vocoder' "
+                         f"--vocoder")
     model = load_tts(ckpt) if 'model' in kinds else None
+    vocode = load_vocoder(args.vocoder)
     rate = MEL_SETTINGS['sample_rate']
     extractor = MelExtractor(**MEL_SETTINGS)
     torch.manual_seed(0)  # Griffin-Lim starts from random phases
@@ -93,10 +98,12 @@ def synthesize(args):
         wavs = {'reference': recording}
         if 'griffin_lim' in kinds:  # the slow one: only where asked for
             wavs['griffin_lim'] = extractor.to_waveform(extractor(recording))
+        if 'vocoder' in kinds:
+            wavs['vocoder'] = vocode(extractor(recording))
         if model is not None:
             c = ckpt['config']
             wavs['model'] = speak(model, texts[utt_id], c['n_timesteps'], c['temperature'], c['length_scale'],
-                                  c['guidance'] if args.guidance is None else args.guidance, c['seed'])[0]
+                                  c['guidance'] if args.guidance is None else args.guidance, c['seed'], vocode)[0]
         for kind in kinds:
             wav = torchaudio.functional.resample(wavs[kind].float(), rate, ASR_RATE)
             write_wav(os.path.join(args.wav_dir, kind, utt_id + '.wav'), wav / max(1.0, wav.abs().max().item()),
@@ -105,6 +112,7 @@ def synthesize(args):
     with open(os.path.join(args.wav_dir, 'manifest.json'), 'w') as f:
         json.dump(dict(ckpt=os.path.abspath(args.ckpt) if ckpt else None, step=ckpt['iter_num'] if ckpt else None,
                        data_dir=os.path.abspath(data_dir), kinds=kinds,
+                       vocoder=os.path.abspath(args.vocoder) if args.vocoder else None,
                        held_out={i: words[i] for i in val_ids}), f, indent=1)
 
 
@@ -146,13 +154,15 @@ def score(args):
         print(f"{utt_id}: {held_out[utt_id]} | " + ' | '.join(heard[k][utt_id] for k in kinds), flush=True)
     rates = {kind: error_rates([(held_out[i], heard[kind][i]) for i in held_out]) for kind in kinds}
     words = sum(len(normalize(t).split()) for t in held_out.values())
-    print(f"checkpoint {manifest['ckpt']} (step {manifest['step']}), corpus {manifest['data_dir']}: "
+    print(f"checkpoint {manifest['ckpt']} (step {manifest['step']}), vocoder {manifest.get('vocoder')}, corpus "
+          f"{manifest['data_dir']}: "
           f"{len(held_out)} held-out utterances, {words} words; Whisper base, beam {args.beam_size}")
     print(f"{'':<12} {'WER':>7} {'CER':>7}")
     for kind, (wer, cer) in rates.items():
         print(f"{kind:<12} {wer:>7.1%} {cer:>7.1%}")
     with open(os.path.join(args.wav_dir, f"whisper_{'_'.join(kinds)}.json"), 'w') as f:
-        json.dump(dict(ckpt=manifest['ckpt'], step=manifest['step'], data_dir=manifest['data_dir'], words=words,
+        json.dump(dict(ckpt=manifest['ckpt'], step=manifest['step'], vocoder=manifest.get('vocoder'),
+                       data_dir=manifest['data_dir'], words=words,
                        beam_size=args.beam_size, wer={k: r[0] for k, r in rates.items()},
                        cer={k: r[1] for k, r in rates.items()},
                        transcripts={i: dict(reference_text=t, **{k: heard[k][i] for k in heard})
@@ -172,8 +182,10 @@ if __name__ == '__main__':
                       'disjoint from the training corpus)')
     step.add_argument('--utterances', type=int, default=0, help='the first N held-out utterances; 0 = all')
     step.add_argument('--wav_dir', required=True)
-    step.add_argument('--kinds', default='', help="e.g. 'model' (the recordings and Griffin-Lim do not depend on "
-                      "the checkpoint); '' = all three with --ckpt, else the two without a model")
+    step.add_argument('--vocoder', default='', help="a HiFi-GAN generator file (config.json beside it): the 'vocoder' "
+                      "kind and the model's speech; '' = the model speaks through Griffin-Lim")
+    step.add_argument('--kinds', default='', help="e.g. 'model' (the recordings and the vocoders do not depend on "
+                      "the checkpoint); '' = every kind the arguments allow")
     step.add_argument('--guidance', type=float, default=None, help="classifier-free guidance weight; default: the "
                       "checkpoint's")
     step = steps.add_parser('score', help='word and character error rates by Whisper (the ASR venv)')

@@ -24,6 +24,8 @@ from tts.model import (TTSConfig, TTSModel, durations_to_path, load_tts, log_bet
                        maximum_path_reference, monotonic_alignment_search, synthesize)
 
 SR = MEL_SETTINGS['sample_rate']
+# a tiny HiFi-GAN generator in the published layout (tests/fixtures/make_hifigan_fixtures.py)
+VOCODER = os.path.join(os.path.dirname(__file__), 'fixtures', 'hifigan', 'v1', 'generator.pth.tar')
 TINY = ['--enc_channels=32', '--enc_layers=1', '--enc_heads=2', '--enc_ff_channels=64', '--dp_channels=32',
         '--dec_channels=32', '--dec_blocks=1', '--dec_heads=2', '--frame_budget=400', '--val_fraction=0.2',
         '--learning_rate=1e-3', '--warmup_iters=2', '--log_interval=1', '--n_timesteps=2', '--tensorboard=False',
@@ -471,7 +473,8 @@ def test_settings_that_cannot_work_are_clear_errors(tmp_path, corpus, straight_r
     """eval_only with nothing to evaluate, a model shape that does not fit together, a sample_tts.py wav path in
     no folder: exit 2 naming the keys, before any work."""
     cases = [(['--eval_only=True'], 'eval_only=True needs a trained model'),
-             (['--enc_heads=3'], 'enc_heads=3'), (['--enc_kernel=4'], 'enc_kernel=4 must be odd')]
+             (['--enc_heads=3'], 'enc_heads=3'), (['--enc_kernel=4'], 'enc_kernel=4 must be odd'),
+             ([f'--vocoder={tmp_path / "v.pth.tar"}'], 'no such file')]
     for args, message in cases:
         p = train(tmp_path / 'out', corpus, *args, check=False)
         assert_user_error(p, message)
@@ -486,17 +489,25 @@ def test_settings_that_cannot_work_are_clear_errors(tmp_path, corpus, straight_r
     ckpt = os.path.join(straight_run[0], 'ckpt.pt')
     notes = tmp_path / 'notes.txt'
     notes.write_text('keep me')
-    for target, message in [(ckpt, 'which this command reads'), (notes, 'exists and is not a WAV')]:
+    for target, message in [(ckpt, 'which this command reads'), (notes, 'exists and is not a WAV'),
+                            (VOCODER, 'which this command reads')]:
         before = open(target, 'rb').read()
-        p = run(['sample_tts.py', f'--out_dir={straight_run[0]}', '--device=cpu', f'--wav={target}'], check=False)
+        p = run(['sample_tts.py', f'--out_dir={straight_run[0]}', '--device=cpu', f'--wav={target}',
+                 f'--vocoder={VOCODER}'], check=False)
         assert_user_error(p, message)
         assert open(target, 'rb').read() == before
 
 
 @pytest.mark.slow
 def test_a_decoder_without_attention_trains(tmp_path, corpus):
-    """dec_heads=0, which --help calls 'none': a U-Net bottleneck without attention trains and speaks."""
-    train(tmp_path / 'out', corpus, '--max_iters=1', '--dec_heads=0', '--eval_interval=1')
+    """dec_heads=0, which --help calls 'none': a U-Net bottleneck without attention trains and speaks; the
+    final evaluation speaks through --vocoder, and its floor is the reference mel through that vocoder."""
+    p = train(tmp_path / 'out', corpus, '--max_iters=1', '--dec_heads=0', '--eval_interval=1', f'--vocoder={VOCODER}',
+              '--audio_samples=1')
+    output = p.stdout + p.stderr
+    assert 'HiFi-GAN generator.pth.tar audio' in output and 'reference mel through HiFi-GAN' in output
+    sample = read_wav(str(next((tmp_path / 'out' / 'samples').iterdir())))[0]
+    assert len(sample) % 256 == 0  # the generator's frames; Griffin-Lim's would be one frame short
     model = load_tts(load(tmp_path / 'out' / 'ckpt.pt'))
     assert model.config.dec_heads == 0 and not any('mid_attn' in k for k in model.state_dict())
     assert len(synthesize(model, 'aa mm', n_timesteps=2)[0]) > 0
@@ -514,7 +525,24 @@ def test_sample_tts_speaks_and_sample_points_to_it(tmp_path, straight_run):
     assert p.returncode == 2 and 'start' in p.stderr and not wav.exists()
     p = run(['sample_tts.py', f'--out_dir={straight_run[0]}', '--device=cpu', f'--wav={wav}', '--text=aa mm',
              '--n_timesteps=2'])
-    assert wav.exists() and f'wrote {wav}' in p.stdout
+    assert wav.exists() and f'wrote {wav}' in p.stdout and 'through Griffin-Lim' in p.stdout
+
+
+@pytest.mark.slow
+def test_sample_tts_speaks_through_a_hifigan_vocoder(tmp_path, straight_run):
+    """--vocoder: the model's mel through the HiFi-GAN generator, frame for frame (Griffin-Lim's centred
+    frames give one frame's samples fewer); a vocoder file that cannot work is refused before any WAV is written."""
+    wav, other = tmp_path / 'x.wav', tmp_path / 'gl.wav'
+    common = [f'--out_dir={straight_run[0]}', '--device=cpu', '--text=aa mm', '--n_timesteps=2']
+    p = run(['sample_tts.py', *common, f'--wav={wav}', f'--vocoder={VOCODER}'])
+    assert 'through HiFi-GAN generator.pth.tar' in p.stdout
+    run(['sample_tts.py', *common, f'--wav={other}'])
+    audio, gl = read_wav(str(wav))[0], read_wav(str(other))[0]
+    assert len(audio) == len(gl) + 256 and not torch.equal(audio[:len(gl)], gl)
+    p = run(['sample_tts.py', *common, f'--wav={tmp_path / "y.wav"}', f'--vocoder={tmp_path / "none.pth.tar"}'],
+            check=False)
+    assert_user_error(p, 'no such file', "--vocoder='' for Griffin-Lim")
+    assert not (tmp_path / 'y.wav').exists()
 
 
 def test_a_phoneme_model_refuses_spelled_text(tmp_path, straight_run):
@@ -553,10 +581,10 @@ def test_asr_synthesis_writes_only_the_kinds_asked_for(tmp_path, corpus, straigh
     """bench/tts_asr.py synthesize: with --kinds=model only the checkpoint speaks (the recordings and Griffin-Lim
     do not depend on it, and bench/report.py scores them once per corpus); by default all three kinds."""
     ckpt = straight_run[0] / 'ckpt.pt'
-    for kinds, expected in (('model', ['model']), ('', ['griffin_lim', 'model', 'reference'])):
+    for kinds, expected in (('model', ['model']), ('', ['griffin_lim', 'model', 'reference', 'vocoder'])):
         wav_dir = tmp_path / (kinds or 'all')
         run(['bench/tts_asr.py', 'synthesize', f'--ckpt={ckpt}', f'--wav_dir={wav_dir}', '--utterances=1',
-             f'--kinds={kinds}'])
+             f'--kinds={kinds}', f'--vocoder={VOCODER}'])
         assert sorted(json.loads((wav_dir / 'manifest.json').read_text())['kinds']) == expected
         assert sorted(d.name for d in wav_dir.iterdir() if d.is_dir()) == expected
         assert all(len(os.listdir(wav_dir / k)) == 1 for k in expected)

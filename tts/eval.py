@@ -7,6 +7,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torchaudio
@@ -15,6 +16,7 @@ from tqdm import tqdm
 from tts.data import BLANK_ID, MEL_SETTINGS, MelExtractor, eval_batches, write_wav
 from tts.losses import prior_loss
 from tts.model import gaussian_log_likelihood, pad_to_even, sequence_mask, synthesize
+from tts.vocoder import vocoder_name
 
 # -----------------------------------------------------------------------------
 # metrics
@@ -99,8 +101,9 @@ def mel_image(mel):
 
 @dataclass(frozen=True)
 class SynthesisEval:
-    """How evaluation speaks held-out text (train_tts.py's config keys): tts_model.synthesize's settings, and
-    where the first audio_samples held-out utterances go as WAVs (out_dir/samples) and to TensorBoard."""
+    """How evaluation speaks held-out text (train_tts.py's config keys): tts/model.py synthesize's settings, the
+    vocoder (its file, '' = Griffin-Lim, and vocode, what load_vocoder made of it), and where the first
+    audio_samples held-out utterances go as WAVs (out_dir/samples) and to TensorBoard."""
     texts: dict  # utterance id -> text
     n_timesteps: int
     temperature: float
@@ -109,10 +112,12 @@ class SynthesisEval:
     seed: int
     audio_samples: int
     out_dir: str
+    vocoder: str
+    vocode: Callable
 
     def synthesize(self, model, utt_id):
         return synthesize(model, self.texts[utt_id], self.n_timesteps, self.temperature, self.length_scale,
-                          self.guidance, self.seed)
+                          self.guidance, self.seed, self.vocode)
 
 
 def record_media(writer, model, val_set, step, setup):
@@ -138,8 +143,7 @@ def record_media(writer, model, val_set, step, setup):
 
 def evaluate_synthesis(model, val_set, train_set, ids, setup):
     """Held-out speech from text alone: MCD-DTW of the synthesized mel against the reference, of the
-    mel re-analysed from its Griffin-Lim audio, of the reference itself through Griffin-Lim (the
-    vocoder's floor) and of a trivial baseline (the training set's mean mel frame repeated for the
+    mel re-analysed from its audio, of the reference itself through the vocoder (its floor) and of a trivial baseline (the training set's mean mel frame repeated for the
     reference's length); real-time factor. Scores the held-out utterances ids; writes the first
     setup.audio_samples as WAVs to setup.out_dir/samples."""
     model.eval()
@@ -159,7 +163,7 @@ def evaluate_synthesis(model, val_set, train_set, ids, setup):
         duration_ratio += log_mel.shape[1] / reference.shape[1] / len(ids)
         scores['model'].append(mel_cepstral_distortion(log_mel, reference))
         scores['model_audio'].append(mel_cepstral_distortion(extractor(audio), reference))
-        scores['reference_audio'].append(mel_cepstral_distortion(extractor(extractor.to_waveform(reference)), reference))
+        scores['reference_audio'].append(mel_cepstral_distortion(extractor(setup.vocode(reference)), reference))
         scores['baseline'].append(mel_cepstral_distortion(mean_frame[:, None].expand_as(reference), reference))
         if n < setup.audio_samples:
             write_wav(os.path.join(samples_dir, f'{utt_id}.wav'), audio, sample_rate)
@@ -169,13 +173,15 @@ def evaluate_synthesis(model, val_set, train_set, ids, setup):
     return result
 
 
-def print_synthesis_report(result, n_timesteps, out_dir):
+def print_synthesis_report(result, setup):
     """The held-out synthesis scores of evaluate_synthesis, one per line."""
-    print(f"held-out synthesis ({result['eval_utterances']} utterances, {n_timesteps} ODE steps, Griffin-Lim audio):\n"
+    vocoder = vocoder_name(setup.vocoder)
+    print(f"held-out synthesis ({result['eval_utterances']} utterances, {setup.n_timesteps} ODE steps, "
+          f"{vocoder} audio):\n"
           f"  MCD-DTW model mel            {result['mcd_model']:.2f} dB\n"
           f"  MCD-DTW model audio          {result['mcd_model_audio']:.2f} dB  (mel re-analysed from the WAV)\n"
-          f"  MCD-DTW reference audio      {result['mcd_reference_audio']:.2f} dB  (reference mel through Griffin-Lim: vocoder floor)\n"
+          f"  MCD-DTW reference audio      {result['mcd_reference_audio']:.2f} dB  (reference mel through {vocoder}: its floor)\n"
           f"  MCD-DTW mean-mel baseline    {result['mcd_baseline']:.2f} dB\n"
           f"  length synthesized/reference {result['duration_ratio']:.2f}\n"
-          f"  real-time factor             {result['rtf']:.3f} (synthesis time / audio time, Griffin-Lim included)\n"
-          f"  samples in {os.path.join(out_dir, 'samples')}")
+          f"  real-time factor             {result['rtf']:.3f} (synthesis time / audio time, {vocoder} included)\n"
+          f"  samples in {os.path.join(setup.out_dir, 'samples')}")

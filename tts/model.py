@@ -454,10 +454,10 @@ class TTSModel(nn.Module):
 
 @torch.no_grad()
 def synthesize(model, text, n_timesteps=10, temperature=0.667, length_scale=1.0, guidance=0.0,
-               seed=0):
+               seed=0, vocode=None):
     """text -> (waveform (float32, 1D, in [-1, 1] roughly), log-mel (n_mels, T)) at
-    MEL_SETTINGS['sample_rate'] Hz, with a model in eval mode. Characters outside the model's
-    vocabulary are skipped (with a note on stderr)."""
+    MEL_SETTINGS['sample_rate'] Hz, with a model in eval mode, through vocode (tts/vocoder.py's load_vocoder;
+    None = Griffin-Lim). Characters outside the model's vocabulary are skipped (with a note on stderr)."""
     ids, unknown = encode_text(text, model.config.symbols, model.config.add_blank)
     if unknown:
         print(f"note: skipped characters the model was not trained on: {''.join(unknown)!r}", file=sys.stderr)
@@ -471,7 +471,7 @@ def synthesize(model, text, n_timesteps=10, temperature=0.667, length_scale=1.0,
                                n_timesteps=n_timesteps, temperature=temperature, guidance=guidance,
                                generator=generator)
     log_mel = model.denormalize(mel[0, :, :lengths[0]]).float().cpu()
-    return MelExtractor(**MEL_SETTINGS).to_waveform(log_mel), log_mel
+    return (vocode or MelExtractor(**MEL_SETTINGS).to_waveform)(log_mel), log_mel
 
 
 def load_tts(ckpt, device='cpu'):

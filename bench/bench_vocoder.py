@@ -1,0 +1,73 @@
+"""
+Real-time factor of the vocoders on the CPU (seconds of compute per second of audio; < 1 is faster than
+real time): Griffin-Lim against a HiFi-GAN generator, eager and under torch.compile, on the log-mels of real
+recordings (an LJSpeech-layout corpus), rounds alternating so that machine noise hits every variant alike.
+
+    python bench/bench_vocoder.py --vocoder=models/hifigan/generator_universal.pth.tar \
+        --data_dir=../shared/data/espeak-ljspeech --threads=2
+
+Prints the median RTF of each variant over the rounds and writes bench/results/vocoder_rtf.json.
+"""
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from tts.data import MEL_SETTINGS, MelExtractor, read_metadata, read_wav  # noqa: E402
+from tts.vocoder import load_hifigan  # noqa: E402
+
+parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+parser.add_argument('--vocoder', required=True, help='a HiFi-GAN generator file (config.json beside it)')
+parser.add_argument('--data_dir', required=True, help='an LJSpeech-layout corpus: its first utterances are vocoded')
+parser.add_argument('--utterances', type=int, default=4)
+parser.add_argument('--rounds', type=int, default=5)
+parser.add_argument('--threads', type=int, default=2)
+parser.add_argument('--compile', type=int, default=1, help='also time the generator under torch.compile')
+parser.add_argument('--out', default=os.path.join(ROOT, 'bench', 'results', 'vocoder_rtf.json'))
+args = parser.parse_args()
+torch.set_num_threads(args.threads)
+
+extractor = MelExtractor(**MEL_SETTINGS)
+rate = MEL_SETTINGS['sample_rate']
+mels = [extractor(read_wav(os.path.join(args.data_dir, 'wavs', utt_id + '.wav'), rate)[0])
+        for utt_id, _ in read_metadata(args.data_dir)[:args.utterances]]
+seconds = sum(m.shape[1] for m in mels) * MEL_SETTINGS['hop_length'] / rate
+generator = load_hifigan(args.vocoder)
+variants = {'Griffin-Lim (32 iterations)': extractor.to_waveform, 'HiFi-GAN, eager': generator.vocode}
+if args.compile:
+    compiled = torch.compile(generator, dynamic=True)
+
+    @torch.inference_mode()
+    def vocode_compiled(log_mel):
+        return compiled(log_mel[None])[0]
+    t0 = time.perf_counter()
+    for mel in mels:  # compiles (dynamic length), then warm
+        vocode_compiled(mel)
+    print(f"torch.compile: first pass {time.perf_counter() - t0:.1f} s")
+    variants['HiFi-GAN, torch.compile'] = vocode_compiled
+for vocode in variants.values():  # warm-up
+    vocode(mels[0])
+
+rtf = {name: [] for name in variants}
+for _ in range(args.rounds):
+    for name, vocode in variants.items():
+        t0 = time.perf_counter()
+        for mel in mels:
+            vocode(mel)
+        rtf[name].append((time.perf_counter() - t0) / seconds)
+print(f"{len(mels)} utterances, {seconds:.1f} s of audio, {args.threads} threads, {args.rounds} rounds; RTF:")
+for name, values in rtf.items():
+    print(f"  {name:<28} median {statistics.median(values):.3f} (range {min(values):.3f}-{max(values):.3f})")
+os.makedirs(os.path.dirname(args.out), exist_ok=True)
+with open(args.out, 'w') as f:
+    json.dump(dict(vocoder=os.path.basename(args.vocoder), audio_seconds=seconds, threads=args.threads,
+                   cpu=platform.processor() or platform.machine(), torch=torch.__version__, date=time.strftime('%Y-%m-%d'),
+                   rtf={name: dict(median=statistics.median(v), rounds=v) for name, v in rtf.items()}), f, indent=1)
+print(f"wrote {args.out}")

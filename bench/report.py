@@ -43,7 +43,8 @@ from run.checkpoint import file_sha256, load_checkpoint  # noqa: E402
 from tasks.number_tasks import NUMBER_TASKS_DIR, prepare_number_tasks  # noqa: E402
 
 # -----------------------------------------------------------------------------
-seeds = (1337, 1338, 1339)   # one run of every stage per seed
+seeds = (1337, 1338, 1339, 1340, 1341)  # one run of every stage per seed
+tts_seeds = 3                # the text-to-speech stages run on the first tts_seeds seeds only (~55 min a seed)
 quick = False                # one seed, a few steps per stage: checks the machinery, writes bench/results/report-quick.*
 lora_sweep = False           # instead of the report: LORA_SWEEP against full SFT on the first seed, into bench/lora_sweep.*
 nanogpt_dir = '/tmp/nanoGPT'  # a nanoGPT checkout: bench/speedrun.py's ratios join the report (its 3 pairs); '' or none there = skipped
@@ -53,7 +54,7 @@ results_md = True            # put the report's table into bench/RESULTS.md (bet
 table_only = False           # no runs: rewrite bench/RESULTS.md's table from the committed bench/report.json, and stop
 stages = 'pretrain,sft,lora,dpo,rl,hf-lora,hf-rl,tts-espeak,tts-natural'  # the stages run (each after its start)
 hf_model = 'models/smollm2-135m-instruct'  # the published chat model of the hf- stages; not there = they are skipped
-heldout_examples = 200       # held-out number-task prompts every model answers through eval.py (test.jsonl's first)
+heldout_examples = 500       # held-out number-task prompts every model answers through eval.py (test.jsonl's first)
 espeak_dir = '../shared/data/espeak-ljspeech'  # tts-espeak's corpus; its held-out split is scored
 natural_dir = '../data/piper-ipa'  # tts-natural's corpus (docs/tts.md: a Piper corpus, phonemized)
 natural_heldout_dir = '../data/piper-ipa-heldout'  # sentences tts-natural never trains on, phonemized the same way
@@ -89,7 +90,7 @@ STAGES = {
     'tts-natural': (['train_tts.py', 'config/tts_natural_cpu.py'], None, TTS_QUICK),
 }
 HF_STAGES = ('hf-lora', 'hf-rl')
-LM_STAGES = ('pretrain', 'sft', 'lora', 'dpo', 'rl')  # a report without all of them is partial (see the end)
+LM_STAGES = ('pretrain', 'sft', 'lora', 'dpo', 'rl')  # the speedrun runs only with all of them (see the end)
 # text-to-speech stages: their corpus, and the sentences Whisper hears ('' = the checkpoint's held out)
 TTS_CORPORA = {'tts-espeak': (espeak_dir, ''), 'tts-natural': (natural_dir, natural_heldout_dir)}
 REUSED = []  # a 1 per run read back, not run (reuse)
@@ -135,7 +136,8 @@ def figures_of(stage, events):
                 'RTF': last(events, 'rtf')}
     if stage in ('rl', 'hf-rl'):
         return {'exact match before': first(events, 'eval/exact_match'),
-                'exact match after': last(events, 'eval/exact_match'), 'eval pass@1': last(events, 'eval/pass@1')}
+                'exact match after': last(events, 'eval/exact_match'),
+                'eval pass@1 before': first(events, 'eval/pass@1'), 'eval pass@1': last(events, 'eval/pass@1')}
     return {'eval rewards/accuracies': last(events, 'eval/rewards/accuracies'),
             'exact match before': first(events, 'eval/exact_match'), 'exact match after': last(events, 'eval/exact_match')}
 
@@ -240,7 +242,7 @@ def commit():
 FORMATS = {'val loss': '{:.4f}', 'exact match': '{:.1%}', 'exact match before': '{:.1%}',
            'exact match after': '{:.1%}', 'eval rewards/accuracies': '{:.3f}',
            'wall time to nanoGPT\'s val loss, ratio': '{:.3f}', 'tokens/s at nanoGPT\'s model, ratio': '{:.2f}',
-           'eval pass@1': '{:.3f}', 'BLEU': '{:.1f}', 'ROUGE-L': '{:.3f}', 'Whisper WER': '{:.1%}',
+           'eval pass@1': '{:.3f}', 'eval pass@1 before': '{:.3f}', 'BLEU': '{:.1f}', 'ROUGE-L': '{:.3f}', 'Whisper WER': '{:.1%}',
            'Whisper CER': '{:.1%}', 'MCD-DTW, dB': '{:.2f}', 'RTF': '{:.3f}', 'wall time, min': '{:.1f}'}
 COMMANDS = {'pretrain': '`python train.py`', 'sft': '`python train.py config/sft.py`',
             'lora': '`python train.py config/lora.py`', 'dpo': '`python train_dpo.py config/dpo.py`',
@@ -253,6 +255,7 @@ COMMANDS = {'pretrain': '`python train.py`', 'sft': '`python train.py config/sft
 TTS_NAMES = {'tts-espeak': 'espeak-ng (400 utterances, 19 min; its 20 held out)',
              'tts-natural': 'Piper "joe" in phonemes (1,000 utterances, 42.5 min; 100 other sentences)'}
 TTS_COLUMNS = ('Whisper WER', 'Whisper CER', 'MCD-DTW, dB', 'RTF', 'wall time, min')
+STARTS = {'dpo': 'sft', 'rl': 'sft', 'hf-rl': 'hf-lora'}  # the steps that start from another model of the chain
 HELDOUT_NAMES = {'pretrain': 'base (pretrained)', 'sft': 'SFT', 'lora': 'LoRA', 'dpo': 'DPO after SFT',
                  'rl': 'RL after SFT', 'hf-base': 'SmolLM2-135M-Instruct', 'hf-lora': 'SmolLM2 + LoRA SFT',
                  'hf-rl': 'SmolLM2 + LoRA SFT + RL'}
@@ -306,20 +309,77 @@ def tts_table(report):
         lines.append(f"| | reference mel through Griffin-Lim | " + ' | '.join(cells(floor['griffin_lim'])) + ' |')
         lines.append(f"| | {COMMANDS[stage]}, median (range) | "
                      + ' | '.join(summary(figures[k], FORMATS[k]) for k in TTS_COLUMNS) + ' |')
-        for i, seed in enumerate(report['seeds'] if len(report['seeds']) > 1 else []):
+        ran = report['seeds'][:len(figures['val loss'])]  # tts_seeds of them
+        for i, seed in enumerate(ran if len(ran) > 1 else []):
             lines.append(f"| | seed {seed} | " + ' | '.join(cells({k: figures[k][i] for k in TTS_COLUMNS})) + ' |')
     return '\n'.join(lines)
 
 
+def prompts_note(m, n):
+    """' (the first m prompts)' where a model kept from an earlier report answered m prompts, not n."""
+    return '' if m == n else f" (the first {m} prompts)"
+
+
+def flips(before_file, after_file):
+    """[broken, mended]: held-out prompts right before and wrong after, and the other way, from eval.py's
+    per-example scores of two models on the same prompts."""
+    right = []
+    for path in (before_file, after_file):
+        with open(os.path.join(ROOT, path)) as f:
+            right.append([e['scores']['exact_match'] for e in json.load(f)['examples']])
+    pairs = list(zip(*right, strict=True))
+    return [sum(a > b for a, b in pairs), sum(b > a for a, b in pairs)]
+
+
+def paired_changes(report, stage):
+    """Each seed's held-out exact-match change (points) from the model the stage started from, same prompts."""
+    after, before = report['heldout'][stage]['exact match'], report['heldout'][STARTS[stage]]['exact match']
+    before = before * len(after) if len(before) == 1 else before  # hf-lora: one model every seed's RL starts from
+    return [100 * (a - b) for a, b in zip(after, before, strict=True)]
+
+
+def flip_note(report, stage, i):
+    flipped = report.get('flips', {}).get(stage)
+    return f" ({flipped[i][0]} / {flipped[i][1]})" if flipped else ''
+
+
+def changes_table(report):
+    """What DPO and RL change, paired: each seed's model against the one it started from, on the same prompts
+    (medians of different seeds side by side would hide each seed's change)."""
+    n = report['heldout_examples']
+    lines = [f"Each seed's change from the model it started from, on the same {n} held-out prompts (points; one "
+             f"prompt is {100 / n:.1f}); for RL also its reward's sampled pass@1 on its own held-out prompts "
+             f"(train_rl.py's eval, before and after):\n",
+             '| step | from | exact match change, median (range) | each seed (prompts broken / mended) | '
+             'pass@1 change, each seed |', '| --- | --- | --- | --- | --- |']
+    counts = report.get('heldout_n', {})
+    for stage in [s for s in STARTS if s in report['heldout'] and STARTS[s] in report['heldout']]:
+        m = counts.get(stage, n)
+        if counts.get(STARTS[stage], n) != m:  # not the same prompts: no pairs
+            continue
+        changes = paired_changes(report, stage)
+        figures = report['figures'].get(stage, {})
+        passes = ', '.join(f"{after - before:+.3f}" for before, after in
+                           zip(figures.get('eval pass@1 before', []), figures.get('eval pass@1', [])))
+        spread = f" ({min(changes):+.1f} to {max(changes):+.1f})" if len(changes) > 1 else ''
+        lines.append(f"| {HELDOUT_NAMES[stage]} | {HELDOUT_NAMES[STARTS[stage]]}{prompts_note(m, n)} | "
+                     f"{statistics.median(changes):+.1f}{spread} | "
+                     f"{', '.join(f'{c:+.1f}' + flip_note(report, stage, i) for i, c in enumerate(changes))} | "
+                     f"{passes} |")
+    return '\n'.join(lines)
+
+
 def heldout_table(report):
-    """The models side by side on the same held-out prompts, as eval.py scores them."""
+    """The models side by side on the same held-out prompts, as eval.py scores them; then DPO's and RL's
+    paired changes."""
     lines = [f"Held-out answers by `eval.py` (greedy, the first {report['heldout_examples']} prompts of the number "
              f"tasks' test split), median (range) over the seeds:\n",
              '| model | trained by | ' + ' | '.join(HELDOUT_METRICS) + ' |', '| --- | --- |' + ' --- |' * len(HELDOUT_METRICS)]
     for stage, figures in sorted(report['heldout'].items(), key=lambda item: list(HELDOUT_NAMES).index(item[0])):
-        lines.append(f"| {HELDOUT_NAMES[stage]} | {COMMANDS[stage]} | "
+        note = prompts_note(report.get('heldout_n', {}).get(stage, report['heldout_examples']), report['heldout_examples'])
+        lines.append(f"| {HELDOUT_NAMES[stage]}{note} | {COMMANDS[stage]} | "
                      + ' | '.join(summary(figures[k], FORMATS[k]) for k in HELDOUT_METRICS) + ' |')
-    return '\n'.join(lines)
+    return '\n'.join(lines) + (f"\n\n{changes_table(report)}" if any(s in report['heldout'] for s in STARTS) else '')
 
 
 RESULTS_BEGIN = '<!-- report: generated by bench/report.py, do not edit -->'
@@ -478,12 +538,13 @@ t_start = time.time()
 heldout = heldout_file()
 report = {'date': time.strftime('%Y-%m-%d'), 'commit': commit(), 'machine': machine(), 'seeds': list(seeds),
           'figures': {stage: {} for stage in todo}, 'wall_s': {stage: [] for stage in todo}, 'heldout': {},
-          'heldout_examples': heldout_examples, 'tts': {}}
+          'heldout_examples': heldout_examples, 'heldout_n': {}, 'flips': {}, 'tts': {}}
 if set(todo) & set(HF_STAGES):  # the published model as it is, once: greedy answers do not depend on the seed
     report['heldout']['hf-base'] = heldout_scores(hf_model, os.path.join(work_dir, 'hf-base.eval.json'), heldout)
+    report['heldout_n']['hf-base'] = heldout_examples
 for seed in seeds:
     for stage in todo:
-        if stage == 'hf-lora' and seed != seeds[0]:
+        if stage == 'hf-lora' and seed != seeds[0] or stage in TTS_CORPORA and seed not in seeds[:tts_seeds]:
             continue
         figures, wall = run_stage(stage, seed)
         for figure, value in figures.items():
@@ -503,30 +564,41 @@ for seed in seeds:
                                 heldout)
         for name, value in scores.items():
             report['heldout'].setdefault(stage, {}).setdefault(name, []).append(value[0])
+        report['heldout_n'][stage] = heldout_examples
+        if stage in STARTS:  # which prompts the step broke and mended, against the model it started from
+            report['flips'].setdefault(stage, []).append(
+                flips(os.path.join(stage_dir(STARTS[stage], seed), 'heldout.eval.json'),
+                      os.path.join(out_dir, 'heldout.eval.json')))
         print(f"  {stage}, seed {seed}: " + ', '.join(f"{k} {FORMATS[k].format(v)}" for k, v in figures.items())
               + f"; held-out " + ', '.join(f"{k} {FORMATS[k].format(v[0])}" for k, v in scores.items())
               + f" ({wall / 60:.1f} min)", flush=True)
 for stage in [stage for stage in todo if stage in TTS_CORPORA and asr]:  # the floor, once per corpus
     floor = whisper_scores(stage, os.path.join(work_dir, f'{stage}-floor'))
     mcd = statistics.median(last(read_log(os.path.join(ROOT, stage_dir(stage, seed))), 'mcd_reference_audio')
-                            for seed in seeds)
+                            for seed in seeds[:tts_seeds])
     report['tts'][stage] = {'reference': {'Whisper WER': floor['reference'][0], 'Whisper CER': floor['reference'][1]},
                             'griffin_lim': {'Whisper WER': floor['griffin_lim'][0],
                                             'Whisper CER': floor['griffin_lim'][1], 'MCD-DTW, dB': mcd}}
-if not set(LM_STAGES) <= set(todo) and os.path.exists(report_path + '.json'):  # partial: keep the other stages
+if set(todo) != set(STAGES) and os.path.exists(report_path + '.json'):  # partial: keep the other stages
     with open(report_path + '.json') as f:
         saved = json.load(f)
-    for key in ('figures', 'wall_s', 'heldout', 'tts'):
+    for key in ('figures', 'wall_s', 'heldout', 'tts', 'flips'):
         for stage, value in saved.get(key, {}).items():
             if stage not in todo:  # what this run measured itself (e.g. the published model's answers) stays
                 report[key].setdefault(stage, value)
+    for stage in report['heldout']:  # how many prompts each kept model answered
+        report['heldout_n'].setdefault(stage, saved.get('heldout_n', {}).get(stage, saved['heldout_examples']))
     report['origin'] = {stage: saved.get('origin', {}).get(stage, f"{saved['date']}, commit {saved['commit']}")
                         for stage in saved['figures'] if stage not in todo}  # where each kept stage was run
+if not set(LM_STAGES) <= set(todo):
+    pass  # the speedrun runs with the whole language-model chain; a partial report keeps the saved one
 elif nanogpt_dir and os.path.exists(os.path.join(nanogpt_dir, 'train.py')):
     report['figures']['speedrun'], wall = run_speedrun()
     report['wall_s']['speedrun'] = [wall]
+    report.get('origin', {}).pop('speedrun', None)
 else:
-    print(f"no nanoGPT checkout at nanogpt_dir={nanogpt_dir!r}: the speedrun is left out of the report")
+    print(f"no nanoGPT checkout at nanogpt_dir={nanogpt_dir!r}: the speedrun is not run"
+          + (" (the saved report's is kept)" if 'speedrun' in report['figures'] else ''))
 reused = sum(REUSED)
 # runs read back count with their own wall time
 report['total_s'] = time.time() - t_start + sum(sum(w) for w in report['wall_s'].values()) * bool(reused)

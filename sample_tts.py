@@ -2,7 +2,8 @@
 Speak with a trained text-to-speech checkpoint (train_tts.py):
 `python sample_tts.py --out_dir=out-tts-espeak --text="I am as well acquainted here." --wav=out.wav`;
 `--vocoder=models/hifigan/generator_universal.pth.tar` speaks through HiFi-GAN instead of Griffin-Lim (docs/tts.md).
-A model trained on phonemes (config/tts_natural_cpu.py) takes phonemes: --text="aɪɐm æz wˈɛl ɐkwˈeɪntᵻd hˈɪɹ."
+A model trained on phonemes (--text_frontend=phonemes, or a corpus spelled in them) is given plain text too: its
+phonemes are made inside (tts/phonemes.py); IPA given is read as it is.
 GPT checkpoints and published models generate text with sample.py instead.
 """
 
@@ -12,7 +13,7 @@ import time
 from configurator import FOLDER, POSITIVE, UserError, at_least, check_output_file, check_values, configure
 from run.checkpoint import load_checkpoint
 from run.device import pick_device
-from tts.data import IPA_MARKS, MEL_SETTINGS, reads_phonemes, write_wav
+from tts.data import MEL_SETTINGS, write_wav
 from tts.model import load_tts, synthesize
 from tts.vocoder import load_vocoder, vocoder_name
 
@@ -60,10 +61,6 @@ ckpt = load_checkpoint(ckpt_path, fix="speak with another checkpoint (--ckpt_nam
 if ckpt['kind'] != 'tts':
     raise UserError(f"{ckpt_path} is a {ckpt['kind']!r} checkpoint, not a text-to-speech one (train_tts.py); "
                     f"generate text from it with `python sample.py --out_dir={out_dir}`.")
-if reads_phonemes(ckpt['model_args']['symbols']) and not IPA_MARKS & set(text):
-    raise UserError(f"{ckpt_path} reads espeak-ng phonemes (it was trained on a phonemized corpus), but "
-                    f"text={text!r} is spelled: give its phonemes, which `piper-venv/bin/python "
-                    f"bench/phonemize_corpus.py --text_only=\"{text}\"` prints (docs/tts.md, a natural voice).")
 model = load_tts(ckpt, pick_device(device))
 vocode = load_vocoder(vocoder, pick_device(device))
 t0 = time.time()

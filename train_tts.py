@@ -6,6 +6,7 @@ command resumes; `--eval_only=True` evaluates the checkpoint (val losses, MCD-DT
 Every config key below can be overridden by a config file or --key=value (`--help` lists them).
 """
 
+import dataclasses
 import math
 import os
 import sys
@@ -30,6 +31,7 @@ from tts import data as tts_data
 from tts.data import FrameBudgetSampler, LJSpeechDataset, build_symbols, eval_batches, read_metadata, split_ids
 from tts.eval import SynthesisEval, evaluate_synthesis, print_synthesis_report, record_media
 from tts.model import TTSConfig, TTSModel
+from tts.phonemes import TEXT_FRONTENDS, phonemize_corpus
 from tts.vocoder import load_vocoder
 
 _start_time = time.time()
@@ -37,7 +39,7 @@ _start_time = time.time()
 # I/O
 out_dir = 'out-tts'          # checkpoints (ckpt.pt, best.pt), log.jsonl, tensorboard, samples/
 data_dir = ''                # LJSpeech-layout folder: metadata.csv + wavs/<id>.wav (docs/tts.md)
-cache_dir = ''               # log-mel feature cache; '' = <out_dir>/mel_cache
+cache_dir = ''               # log-mel feature (and phoneme) cache; '' = <out_dir>/mel_cache
 init_from = 'scratch'        # where a new run's weights start: 'scratch' | path to a TTS checkpoint
 resume = True                # continue out_dir's run if any; False = start a new one, replacing it
 eval_interval = 200          # steps between evals (and checkpoint saves)
@@ -55,6 +57,7 @@ val_fraction = 0.05          # held-out share, chosen by a hash of the utterance
 frame_budget = 6000          # padded mel frames per micro-batch (utterances x longest utterance)
 gradient_accumulation_steps = 1  # micro-batches per optimizer step per process
 add_blank = True             # blank token between characters (helps alignment)
+text_frontend = 'characters'  # what the model reads: 'characters' of the text | its 'phonemes' (espeak-ng, inside)
 # model (tts_model.TTSConfig)
 enc_channels = 192
 enc_layers = 4
@@ -115,6 +118,7 @@ check_values(config, [
     (interval('[0, 1]'), ('decay_frac',)),
     (POSITIVE, ('length_scale',)),
     (one_of(SCHEDULES), ('lr_schedule',)),
+    (one_of(TEXT_FRONTENDS), ('text_frontend',)),
     (FOLDER, ('out_dir',)),
     (EMPTY_OR_FOLDER, ('cache_dir',)),
 ])
@@ -142,18 +146,19 @@ if not data_dir:
     raise UserError("data_dir is not set: pass --data_dir=PATH to an LJSpeech-layout folder (metadata.csv with "
                     "id|raw text|normalized text rows and wavs/<id>.wav), e.g. LJSpeech-1.1.")
 rows = read_metadata(data_dir)
-texts = dict(rows)
+words = dict(rows)  # what evaluation says, as sample_tts.py is given it
 train_ids, val_ids = split_ids([utt_id for utt_id, _ in rows], val_fraction)
+features_dir = cache_dir or os.path.join(out_dir, 'mel_cache')
+texts = phonemize_corpus(words, features_dir) if text_frontend == 'phonemes' else words  # what the model reads
 symbols = build_symbols(texts.values())
-cache_dir = cache_dir or os.path.join(out_dir, 'mel_cache')
 if master:
-    train_set = LJSpeechDataset(data_dir, train_ids, texts, symbols, cache_dir, add_blank, progress=True)
-    val_set = LJSpeechDataset(data_dir, val_ids, texts, symbols, cache_dir, add_blank)
+    train_set = LJSpeechDataset(data_dir, train_ids, texts, symbols, features_dir, add_blank, progress=True)
+    val_set = LJSpeechDataset(data_dir, val_ids, texts, symbols, features_dir, add_blank)
 if ddp:
     dist.barrier()
 if not master:  # read what rank 0 cached
-    train_set = LJSpeechDataset(data_dir, train_ids, texts, symbols, cache_dir, add_blank)
-    val_set = LJSpeechDataset(data_dir, val_ids, texts, symbols, cache_dir, add_blank)
+    train_set = LJSpeechDataset(data_dir, train_ids, texts, symbols, features_dir, add_blank)
+    val_set = LJSpeechDataset(data_dir, val_ids, texts, symbols, features_dir, add_blank)
 sampler = FrameBudgetSampler(train_set.lengths, frame_budget, seed, rank, world_size)
 train_minutes = sum(train_set.lengths) * mel_settings['hop_length'] / sample_rate / 60
 log(f"{len(train_set)} train / {len(val_set)} held-out utterances, {train_minutes:.1f} min of training audio, "
@@ -171,7 +176,8 @@ if resuming or init_from != 'scratch':
     if ckpt.get('kind') != 'tts':
         raise UserError(f"{ckpt_source} is not a train_tts.py checkpoint (kind={ckpt.get('kind')!r}); point "
                         f"--init_from at a TTS checkpoint or use --init_from=scratch.")
-    check_compatible(ckpt['model_args'], model_args, 'model shape or vocabulary', ckpt_source,
+    saved_args = dataclasses.asdict(TTSConfig(**ckpt['model_args']))  # keys newer than the checkpoint: defaults
+    check_compatible(saved_args, model_args, 'model shape or vocabulary', ckpt_source,
                      fix="Set the model keys to the checkpoint's values (symbols come from the transcripts: use its "
                          "data_dir), or use a different out_dir / --init_from=scratch to train a new model.",
                      may_differ=('dropout', 'cfg_drop'))
@@ -292,7 +298,7 @@ def train_step(batches, align_prior):
 
 record, writer = run_log(out_dir, master, tensorboard, keep_log_until(eval_only, resuming, iter_num))
 # speech from held-out text
-synthesis = SynthesisEval(**dataclass_args(SynthesisEval, config, texts=texts, vocode=vocode))
+synthesis = SynthesisEval(**dataclass_args(SynthesisEval, config, texts=words, vocode=vocode))
 
 
 def final_report(step):

@@ -56,8 +56,8 @@ stages = 'pretrain,sft,lora,dpo,rl,hf-lora,hf-rl,tts-espeak,tts-natural'  # the 
 hf_model = 'models/smollm2-135m-instruct'  # the published chat model of the hf- stages; not there = they are skipped
 heldout_examples = 500       # held-out number-task prompts every model answers through eval.py (test.jsonl's first)
 espeak_dir = '../shared/data/espeak-ljspeech'  # tts-espeak's corpus; its held-out split is scored
-natural_dir = '../data/piper-ipa'  # tts-natural's corpus (docs/tts.md: a Piper corpus, phonemized)
-natural_heldout_dir = '../data/piper-ipa-heldout'  # sentences tts-natural never trains on, phonemized the same way
+natural_dir = '../data/piper-ljspeech'  # tts-natural's corpus (docs/tts.md: a Piper corpus)
+natural_heldout_dir = '../data/piper-ljspeech-heldout'  # sentences tts-natural never trains on
 asr_python = '../asrvenv/bin/python'  # a python with faster-whisper (bench/tts_asr.py score); none = no WER
 whisper = '../models/whisper-base-ct2'  # Whisper base in CTranslate2 layout (../shared/tools/make_whisper_base.py)
 # -----------------------------------------------------------------------------
@@ -242,7 +242,8 @@ def commit():
 FORMATS = {'val loss': '{:.4f}', 'exact match': '{:.1%}', 'exact match before': '{:.1%}',
            'exact match after': '{:.1%}', 'eval rewards/accuracies': '{:.3f}',
            'wall time to nanoGPT\'s val loss, ratio': '{:.3f}', 'tokens/s at nanoGPT\'s model, ratio': '{:.2f}',
-           'eval pass@1': '{:.3f}', 'eval pass@1 before': '{:.3f}', 'BLEU': '{:.1f}', 'ROUGE-L': '{:.3f}', 'Whisper WER': '{:.1%}',
+           'eval pass@1': '{:.3f}', 'eval pass@1 before': '{:.3f}', 'BLEU': '{:.1f}', 'ROUGE-L': '{:.3f}',
+           'Whisper WER': '{:.1%}',
            'Whisper CER': '{:.1%}', 'MCD-DTW, dB': '{:.2f}', 'RTF': '{:.3f}', 'wall time, min': '{:.1f}'}
 COMMANDS = {'pretrain': '`python train.py`', 'sft': '`python train.py config/sft.py`',
             'lora': '`python train.py config/lora.py`', 'dpo': '`python train_dpo.py config/dpo.py`',
@@ -376,7 +377,8 @@ def heldout_table(report):
              f"tasks' test split), median (range) over the seeds:\n",
              '| model | trained by | ' + ' | '.join(HELDOUT_METRICS) + ' |', '| --- | --- |' + ' --- |' * len(HELDOUT_METRICS)]
     for stage, figures in sorted(report['heldout'].items(), key=lambda item: list(HELDOUT_NAMES).index(item[0])):
-        note = prompts_note(report.get('heldout_n', {}).get(stage, report['heldout_examples']), report['heldout_examples'])
+        n = report['heldout_examples']
+        note = prompts_note(report.get('heldout_n', {}).get(stage, n), n)
         lines.append(f"| {HELDOUT_NAMES[stage]}{note} | {COMMANDS[stage]} | "
                      + ' | '.join(summary(figures[k], FORMATS[k]) for k in HELDOUT_METRICS) + ' |')
     return '\n'.join(lines) + (f"\n\n{changes_table(report)}" if any(s in report['heldout'] for s in STARTS) else '')

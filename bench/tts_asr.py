@@ -117,9 +117,8 @@ def synthesize(args):
 
 
 def spoken_words(data_dir, texts):
-    """{id: the words Whisper should hear}: the text the model reads, except in a corpus that
-    bench/phonemize_corpus.py spelled in phonemes (phonemes.json beside metadata.csv), whose words are the
-    middle column."""
+    """{id: the words Whisper should hear}: the corpus's text, except in a corpus spelled in phonemes (an
+    `id|words|phonemes` copy marked by phonemes.json beside metadata.csv), whose words are the middle column."""
     if not os.path.exists(os.path.join(data_dir, 'phonemes.json')):
         return texts
     with open(os.path.join(data_dir, 'metadata.csv'), encoding='utf-8-sig') as f:

@@ -16,10 +16,11 @@ import torch
 
 from configurator import UserError
 from conftest import assert_user_error, kill_and_relaunch, launch, load, read_log, run
-from tts.data import (IPA_MARKS, MEL_SETTINGS, FrameBudgetSampler, LJSpeechDataset, MelExtractor, encode_text,
+from tts.data import (MEL_SETTINGS, FrameBudgetSampler, LJSpeechDataset, MelExtractor, encode_text,
                       make_espeak_corpus, read_metadata, read_wav, reads_phonemes, split_ids, write_wav)
 from tts.eval import alignment_stats, dtw_mean_cost, mel_cepstral_distortion
 from tts.losses import duration_loss, flow_matching_loss, flow_matching_path, prior_loss
+from tts.phonemes import phonemize
 from tts.model import (TTSConfig, TTSModel, durations_to_path, load_tts, log_beta_binomial_prior,
                        maximum_path_reference, monotonic_alignment_search, synthesize)
 
@@ -545,25 +546,43 @@ def test_sample_tts_speaks_through_a_hifigan_vocoder(tmp_path, straight_run):
     assert not (tmp_path / 'y.wav').exists()
 
 
-def test_a_phoneme_model_refuses_spelled_text(tmp_path, straight_run):
-    """A model whose vocabulary is espeak-ng phonemes (a corpus of bench/phonemize_corpus.py) would speak
-    spelled text as nonsense: sample_tts.py names the fix instead; its phonemes it speaks."""
+def test_a_model_of_a_corpus_spelled_in_phonemes_speaks_plain_text(tmp_path, straight_run):
+    """A model whose vocabulary is espeak-ng phonemes (trained on a corpus spelled in them) is given plain text:
+    sample_tts.py phonemizes it inside; IPA given is read as it is."""
     ckpt = torch.load(straight_run[0] / 'ckpt.pt', map_location='cpu', weights_only=False)
     symbols = ckpt['model_args']['symbols']
     assert not reads_phonemes(symbols)
-    ipa = ''.join(sorted(IPA_MARKS))[:len(symbols) - 3] + symbols[-3:]  # the same size, so the weights fit
+    ipa = 'ˈɑːɛm'[:len(symbols) - 2] + symbols[-2:]  # the same size, so the weights fit; 'aa mm''s phonemes
     ckpt['model_args']['symbols'] = ckpt['config']['symbols'] = ipa
     assert reads_phonemes(ipa)
     (tmp_path / 'ipa').mkdir()
     torch.save(ckpt, tmp_path / 'ipa' / 'ckpt.pt')
+    for text in ('aa mm', ipa[:4]):
+        wav = tmp_path / f'{len(text)}.wav'
+        p = run(['sample_tts.py', f'--out_dir={tmp_path / "ipa"}', '--device=cpu', f'--wav={wav}', f'--text={text}',
+                 '--n_timesteps=2'])
+        skipped = p.stderr.split('not trained on: ')[1] if 'not trained on' in p.stderr else ''
+        assert wav.exists() and 'a' not in skipped  # phonemes the toy vocabulary lacks, never the spelling
+
+
+@pytest.mark.slow
+def test_a_phoneme_front_end_model_trains_on_plain_text_and_speaks_it(tmp_path, corpus):
+    """--text_frontend=phonemes: the transcripts phonemized once (cached beside the mels), the vocabulary their
+    phonemes, the front end recorded in the checkpoint, and sample_tts.py speaking plain text; a relaunch with
+    the other front end is refused, naming it."""
+    out = tmp_path / 'out'
+    p = train(out, corpus, '--max_iters=2', '--eval_interval=2', '--text_frontend=phonemes', '--audio_samples=1',
+              '--add_blank=False')  # the tiny corpus's words are short for their phonemes
+    args = load(out / 'ckpt.pt')['model_args']
+    assert args['text_frontend'] == 'phonemes' and reads_phonemes(args['symbols'])
+    assert set(args['symbols']) == set(''.join(phonemize(t) for _, t in read_metadata(corpus)))
+    cached = [f for f in os.listdir(out / 'mel_cache') if f.startswith('phonemes-')]
+    assert len(cached) == 1 and 'MCD-DTW model mel' in p.stdout + p.stderr
     wav = tmp_path / 'x.wav'
-    p = run(['sample_tts.py', f'--out_dir={tmp_path / "ipa"}', '--device=cpu', f'--wav={wav}', '--text=aa mm'],
-            check=False)
-    assert_user_error(p, 'reads espeak-ng phonemes', 'bench/phonemize_corpus.py --text_only=')
-    assert not wav.exists()
-    run(['sample_tts.py', f'--out_dir={tmp_path / "ipa"}', '--device=cpu', f'--wav={wav}', f'--text={ipa[:6]}',
-         '--n_timesteps=2'])
-    assert wav.exists()
+    p = run(['sample_tts.py', f'--out_dir={out}', '--device=cpu', f'--wav={wav}', '--text=Aa mm', '--n_timesteps=2'])
+    assert wav.exists() and 'skipped characters' not in p.stderr
+    p = train(out, corpus, '--max_iters=4', '--eval_interval=2', '--add_blank=False', check=False)
+    assert_user_error(p, "text_frontend: checkpoint has 'phonemes', config has 'characters'")
 
 
 @pytest.mark.slow

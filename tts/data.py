@@ -109,7 +109,7 @@ IPA_MARKS = set('ˈˌːəɪʊæɑɔɛɜʌŋθðʃʒɹɡɐᵻ')  # in every Engli
 
 
 def reads_phonemes(symbols):
-    """Whether a model's vocabulary is espeak-ng phonemes (a corpus made by bench/phonemize_corpus.py)."""
+    """Whether a model's vocabulary is espeak-ng phonemes (text_frontend='phonemes', or a corpus spelled in them)."""
     return len(IPA_MARKS & set(symbols)) >= 3
 
 

@@ -14,13 +14,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from configurator import UserError
-from tts.data import BLANK_ID, MEL_SETTINGS, MelExtractor, encode_text
+from tts.data import BLANK_ID, IPA_MARKS, MEL_SETTINGS, MelExtractor, encode_text, reads_phonemes
 from tts.losses import duration_loss, flow_matching_loss, flow_matching_path, prior_loss
+from tts.phonemes import phonemize
 
 
 @dataclass
 class TTSConfig:
     symbols: str = ''              # character vocabulary (ids 0 = pad, 1 = blank, then these)
+    text_frontend: str = 'characters'  # what it reads: 'characters' | 'phonemes' (tts/phonemes.py)
     add_blank: bool = True         # blank token between characters
     n_mels: int = 80
     enc_channels: int = 192
@@ -457,8 +459,12 @@ def synthesize(model, text, n_timesteps=10, temperature=0.667, length_scale=1.0,
                seed=0, vocode=None):
     """text -> (waveform (float32, 1D, in [-1, 1] roughly), log-mel (n_mels, T)) at
     MEL_SETTINGS['sample_rate'] Hz, with a model in eval mode, through vocode (tts/vocoder.py's load_vocoder;
-    None = Griffin-Lim). Characters outside the model's vocabulary are skipped (with a note on stderr)."""
-    ids, unknown = encode_text(text, model.config.symbols, model.config.add_blank)
+    None = Griffin-Lim). A model that reads phonemes gets the text's (IPA given is read as it is). Characters
+    outside the model's vocabulary are skipped (with a note on stderr)."""
+    config = model.config
+    if (config.text_frontend == 'phonemes' or reads_phonemes(config.symbols)) and not IPA_MARKS & set(text):
+        text = phonemize(text)
+    ids, unknown = encode_text(text, config.symbols, config.add_blank)
     if unknown:
         print(f"note: skipped characters the model was not trained on: {''.join(unknown)!r}", file=sys.stderr)
     if all(i == BLANK_ID for i in ids):

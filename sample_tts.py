@@ -27,6 +27,7 @@ tts_temperature = 0.667      # scale of the starting noise
 length_scale = 1.0           # > 1 speaks slower
 guidance = 0.0               # classifier-free guidance weight (models trained with cfg_drop > 0)
 seed = 1337                  # random seed of the starting noise
+speaker = ''                 # a multi-speaker model's voice, by name (a wrong one lists them)
 vocoder = ''                 # a HiFi-GAN generator file, config.json beside it (docs/tts.md); '' = Griffin-Lim
 device = 'auto'              # 'auto' (cuda, else mps, else cpu) | 'cpu' | 'cuda' | 'cuda:1' | 'mps'
 # -----------------------------------------------------------------------------
@@ -65,7 +66,7 @@ model = load_tts(ckpt, pick_device(device))
 vocode = load_vocoder(vocoder, pick_device(device))
 t0 = time.time()
 audio, _ = synthesize(model, text, n_timesteps=n_timesteps, temperature=tts_temperature,
-                      length_scale=length_scale, guidance=guidance, seed=seed, vocode=vocode)
+                      length_scale=length_scale, guidance=guidance, seed=seed, vocode=vocode, speaker=speaker)
 write_wav(wav, audio, MEL_SETTINGS['sample_rate'])
 seconds = len(audio) / MEL_SETTINGS['sample_rate']
 print(f"wrote {wav}: {seconds:.2f} s of audio through {vocoder_name(vocoder)}, real-time factor "

@@ -28,7 +28,8 @@ from run.runtime import (StepProfiler, StopSignal, after_eval, all_reduce_metric
                          wrap_model)
 from scheduler import SCHEDULES, LRSchedule, set_lr
 from tts import data as tts_data
-from tts.data import FrameBudgetSampler, LJSpeechDataset, build_symbols, eval_batches, read_metadata, split_ids
+from tts.data import (FrameBudgetSampler, LJSpeechDataset, build_symbols, eval_batches, read_metadata, read_speakers,
+                      split_ids)
 from tts.eval import SynthesisEval, evaluate_synthesis, print_synthesis_report, record_media
 from tts.model import TTSConfig, TTSModel
 from tts.phonemes import TEXT_FRONTENDS, phonemize_corpus
@@ -58,6 +59,7 @@ frame_budget = 6000          # padded mel frames per micro-batch (utterances x l
 gradient_accumulation_steps = 1  # micro-batches per optimizer step per process
 add_blank = True             # blank token between characters (helps alignment)
 text_frontend = 'characters'  # what the model reads: 'characters' of the text | its 'phonemes' (espeak-ng, inside)
+multi_speaker = False        # metadata.csv rows are id|speaker|text: a learned voice per speaker (docs/tts.md)
 # model (tts_model.TTSConfig)
 enc_channels = 192
 enc_layers = 4
@@ -69,6 +71,7 @@ dropout = 0.1                # encoder and duration predictor
 dec_channels = 256           # U-Net width
 dec_blocks = 2               # residual blocks per U-Net level
 dec_heads = 4                # attention heads in the U-Net bottleneck; 0 = none
+spk_channels = 64            # width of a voice's learned vector (multi_speaker)
 sigma_min = 1e-4             # flow matching: noise left at t=1
 cfg_drop = 0.0               # CFG: share of utterances trained without condition (e.g. 0.2)
 align_prior_iters = 1000     # steps for the diagonal alignment prior in MAS to fade out; 0 = none
@@ -109,7 +112,8 @@ config = configure(globals())
 check_values(config, [
     (at_least(1), ('gradient_accumulation_steps', 'max_iters', 'eval_interval', 'log_interval', 'max_bad_steps',
                    'restart_iters', 'restart_mult', 'n_timesteps', 'enc_channels', 'enc_layers', 'enc_heads',
-                   'enc_ff_channels', 'enc_kernel', 'dp_channels', 'dec_channels', 'dec_blocks', 'frame_budget')),
+                   'enc_ff_channels', 'enc_kernel', 'dp_channels', 'dec_channels', 'dec_blocks', 'frame_budget',
+                   'spk_channels')),
     (at_least(0), ('dec_heads', 'early_stopping_patience', 'warmup_iters', 'lr_decay_iters', 'learning_rate',
                    'decoder_lr_scale', 'min_lr', 'weight_decay', 'grad_clip', 'max_minutes', 'eval_utterances',
                    'audio_samples', 'temperature', 'guidance', 'prior_weight', 'duration_weight', 'flow_weight', 'align_prior_iters')),
@@ -151,14 +155,18 @@ train_ids, val_ids = split_ids([utt_id for utt_id, _ in rows], val_fraction)
 features_dir = cache_dir or os.path.join(out_dir, 'mel_cache')
 texts = phonemize_corpus(words, features_dir) if text_frontend == 'phonemes' else words  # what the model reads
 symbols = build_symbols(texts.values())
+utterance_speakers = read_speakers(data_dir) if multi_speaker else {}  # id -> speaker name
+speakers = tuple(sorted(set(utterance_speakers.values())))
+speaker_of = {utt_id: speakers.index(name) for utt_id, name in utterance_speakers.items()}
 if master:
-    train_set = LJSpeechDataset(data_dir, train_ids, texts, symbols, features_dir, add_blank, progress=True)
-    val_set = LJSpeechDataset(data_dir, val_ids, texts, symbols, features_dir, add_blank)
+    train_set = LJSpeechDataset(data_dir, train_ids, texts, symbols, features_dir, add_blank, progress=True,
+                                speakers=speaker_of)
+    val_set = LJSpeechDataset(data_dir, val_ids, texts, symbols, features_dir, add_blank, speakers=speaker_of)
 if ddp:
     dist.barrier()
 if not master:  # read what rank 0 cached
-    train_set = LJSpeechDataset(data_dir, train_ids, texts, symbols, features_dir, add_blank)
-    val_set = LJSpeechDataset(data_dir, val_ids, texts, symbols, features_dir, add_blank)
+    train_set = LJSpeechDataset(data_dir, train_ids, texts, symbols, features_dir, add_blank, speakers=speaker_of)
+    val_set = LJSpeechDataset(data_dir, val_ids, texts, symbols, features_dir, add_blank, speakers=speaker_of)
 sampler = FrameBudgetSampler(train_set.lengths, frame_budget, seed, rank, world_size)
 train_minutes = sum(train_set.lengths) * mel_settings['hop_length'] / sample_rate / 60
 log(f"{len(train_set)} train / {len(val_set)} held-out utterances, {train_minutes:.1f} min of training audio, "
@@ -169,7 +177,7 @@ if enc_channels % enc_heads or dec_heads and dec_channels % dec_heads or dec_cha
     raise UserError(f"the model shape does not fit together: enc_channels={enc_channels} must divide by enc_heads="
                     f"{enc_heads}, dec_channels={dec_channels} by dec_heads={dec_heads} (unless 0) and by 8 (GroupNorm "
                     f"groups), and enc_kernel={enc_kernel} must be odd (same-length convolutions).")
-model_args = dataclass_args(TTSConfig, config, symbols=symbols, n_mels=mel_settings['n_mels'])
+model_args = dataclass_args(TTSConfig, config, symbols=symbols, n_mels=mel_settings['n_mels'], speakers=speakers)
 if resuming or init_from != 'scratch':
     ckpt_source = ckpt_path if resuming else init_from
     ckpt = ckpt if resuming else load_checkpoint(init_from)
@@ -232,10 +240,10 @@ def evaluate():
     sums = torch.zeros(6, device=device)
     batches = eval_batches(val_set.lengths, frame_budget)
     for indices in batches[rank::world_size]:
-        x, x_lengths, y, y_lengths = to_device(val_set.collate(indices, mel_mean, mel_std))
+        x, x_lengths, y, y_lengths, spk = to_device(val_set.collate(indices, mel_mean, mel_std))
         with autocast:
-            losses = raw_model(x, x_lengths, y, y_lengths)
-            mel, mask = raw_model.teacher_forced(x, x_lengths, y, y_lengths, n_timesteps=n_timesteps,
+            losses = raw_model(x, x_lengths, y, y_lengths, spk)
+            mel, mask = raw_model.teacher_forced(x, x_lengths, y, y_lengths, spk, n_timesteps=n_timesteps,
                                                  temperature=temperature)
         frames, tokens = y_lengths.sum().float(), x_lengths.sum().float()
         l1 = ((mel.float()[:, :, :y.shape[2]] - y).abs() * mask[:, :, :y.shape[2]]).sum() * mel_std / y.shape[1]
@@ -280,14 +288,14 @@ def train_step(batches, align_prior):
         tokens = sum(len(train_set.text_ids[i]) for i in indices)
         for chunk_index, chunk in enumerate(chunks):
             with profiler.section('data'):
-                x, x_lengths, y, y_lengths = to_device(train_set.collate(chunk, mel_mean, mel_std))
+                x, x_lengths, y, y_lengths, spk = to_device(train_set.collate(chunk, mel_mean, mel_std))
             frame_share = sum(train_set.lengths[i] for i in chunk) / frames
             token_share = sum(len(train_set.text_ids[i]) for i in chunk) / tokens
             last = micro_step == len(batches) - 1 and chunk_index == len(chunks) - 1
             # only the last chunk of the last micro-batch all-reduces gradients
             with gradient_sync(model, raw_model, sync=last):
                 with profiler.section('forward'), autocast:
-                    losses = model(x, x_lengths, y, y_lengths, align_prior)
+                    losses = model(x, x_lengths, y, y_lengths, spk, align_prior)
                 losses = {k: v * (token_share if k == 'duration' else frame_share) for k, v in losses.items()}
                 with profiler.section('backward'):
                     scaler.scale(weighted_loss(losses) / len(batches)).backward()
@@ -298,7 +306,8 @@ def train_step(batches, align_prior):
 
 record, writer = run_log(out_dir, master, tensorboard, keep_log_until(eval_only, resuming, iter_num))
 # speech from held-out text
-synthesis = SynthesisEval(**dataclass_args(SynthesisEval, config, texts=words, vocode=vocode))
+synthesis = SynthesisEval(**dataclass_args(SynthesisEval, config, texts=words, vocode=vocode,
+                                           speakers=utterance_speakers))
 
 
 def final_report(step):

@@ -64,7 +64,7 @@ def synthesize(args):
     import torch
     import torchaudio
     sys.path.insert(0, ROOT)
-    from tts.data import MEL_SETTINGS, MelExtractor, read_metadata, read_wav, split_ids, write_wav
+    from tts.data import MEL_SETTINGS, MelExtractor, read_metadata, read_speakers, read_wav, split_ids, write_wav
     from tts.model import load_tts, synthesize as speak
     from tts.vocoder import load_vocoder
 
@@ -87,6 +87,7 @@ def synthesize(args):
         raise SystemExit(f"--kinds={args.kinds}: choose from {','.join(KINDS)}; 'model' needs --ckpt, 'vocoder' "
                          f"--vocoder")
     model = load_tts(ckpt) if 'model' in kinds else None
+    speakers = read_speakers(data_dir) if model is not None and model.config.speakers else {}
     vocode = load_vocoder(args.vocoder)
     rate = MEL_SETTINGS['sample_rate']
     extractor = MelExtractor(**MEL_SETTINGS)
@@ -103,7 +104,8 @@ def synthesize(args):
         if model is not None:
             c = ckpt['config']
             wavs['model'] = speak(model, texts[utt_id], c['n_timesteps'], c['temperature'], c['length_scale'],
-                                  c['guidance'] if args.guidance is None else args.guidance, c['seed'], vocode)[0]
+                                  c['guidance'] if args.guidance is None else args.guidance, c['seed'], vocode,
+                                  speakers.get(utt_id, ''))[0]
         for kind in kinds:
             wav = torchaudio.functional.resample(wavs[kind].float(), rate, ASR_RATE)
             write_wav(os.path.join(args.wav_dir, kind, utt_id + '.wav'), wav / max(1.0, wav.abs().max().item()),

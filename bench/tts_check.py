@@ -21,8 +21,9 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from tts.data import LJSpeechDataset, read_metadata, split_ids  # noqa: E402
+from tts.data import LJSpeechDataset, read_metadata, read_speakers, split_ids  # noqa: E402
 from tts.eval import alignment_stats  # noqa: E402
+from tts.phonemes import phonemize_corpus  # noqa: E402
 from tts.model import load_tts  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
@@ -64,8 +65,12 @@ for seed in [int(s) for s in args.seeds.split(',')]:
     model = load_tts(ckpt)
     rows = read_metadata(data_dir)
     _, val_ids = split_ids([utt_id for utt_id, _ in rows], ckpt['config']['val_fraction'])
-    val_set = LJSpeechDataset(data_dir, val_ids, dict(rows), model.config.symbols,
-                              os.path.join(work_dir, 'mel_cache'), model.config.add_blank)
+    cache = os.path.join(work_dir, 'mel_cache')
+    texts = phonemize_corpus(dict(rows), cache) if model.config.text_frontend == 'phonemes' else dict(rows)
+    speakers = model.config.speakers
+    val_set = LJSpeechDataset(data_dir, val_ids, texts, model.config.symbols, cache, model.config.add_blank,
+                              speakers={i: speakers.index(s) for i, s in read_speakers(data_dir).items()}
+                              if speakers else None)
     stats = alignment_stats(model, val_set, ckpt['config']['frame_budget'])
     ok = stats['prior'] <= args.max_prior and stats['one_frame'] <= args.max_one_frame
     failed |= not ok

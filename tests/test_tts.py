@@ -17,7 +17,8 @@ import torch
 from configurator import UserError
 from conftest import assert_user_error, kill_and_relaunch, launch, load, read_log, run
 from tts.data import (MEL_SETTINGS, FrameBudgetSampler, LJSpeechDataset, MelExtractor, encode_text,
-                      make_espeak_corpus, read_metadata, read_wav, reads_phonemes, split_ids, write_wav)
+                      make_espeak_corpus, read_metadata, read_speakers, read_wav, reads_phonemes, split_ids,
+                      write_wav)
 from tts.eval import alignment_stats, dtw_mean_cost, mel_cepstral_distortion
 from tts.losses import duration_loss, flow_matching_loss, flow_matching_path, prior_loss
 from tts.phonemes import phonemize
@@ -612,3 +613,65 @@ def test_asr_synthesis_writes_only_the_kinds_asked_for(tmp_path, corpus, straigh
     p = run(['bench/tts_asr.py', 'synthesize', f'--wav_dir={tmp_path / "x"}', f'--data_dir={corpus}',
              '--kinds=model'], check=False)
     assert p.returncode != 0 and "'model' needs --ckpt" in p.stderr
+
+
+def make_speaker_corpus(root, n=12):
+    """Two voices saying the tiny corpus's words: 'lo' an octave below 'hi'; rows id|speaker|text."""
+    base = make_corpus(root / 'one', n=n)
+    os.makedirs(root / 'wavs', exist_ok=True)
+    rows = []
+    for k, line in enumerate((base / 'metadata.csv').read_text().split('\n')[:n]):
+        utt_id, _, words = line.split('|')
+        audio, _ = read_wav(str(base / 'wavs' / f'{utt_id}.wav'))
+        speaker = 'hi' if k % 2 else 'lo'
+        if speaker == 'lo':  # every other sample, twice: the same words an octave lower, twice as long
+            audio = audio.repeat_interleave(2)
+        write_pcm(root / 'wavs' / f'{utt_id}.wav', (audio * 32767).round().clamp(-32768, 32767).numpy())
+        rows.append(f"{utt_id}|{speaker}|{words}")
+    (root / 'metadata.csv').write_text('\n'.join(rows) + '\n')
+    return root
+
+
+@pytest.mark.slow
+def test_a_multi_speaker_model_speaks_each_voice(tmp_path):
+    """multi_speaker=True: id|speaker|text rows give each speaker a learned voice that conditions the
+    encoder, the durations and the decoder; sample_tts.py --speaker picks one, a missing or unknown name lists
+    them; a relaunch with one voice is refused."""
+    corpus = make_speaker_corpus(tmp_path / 'corpus')
+    out = tmp_path / 'out'
+    p = train(out, corpus, '--max_iters=2', '--eval_interval=2', '--multi_speaker=True', '--spk_channels=8')
+    assert 'MCD-DTW model mel' in p.stdout + p.stderr
+    ckpt = load(out / 'ckpt.pt')
+    assert ckpt['model_args']['speakers'] == ('hi', 'lo')
+    model = load_tts(ckpt)
+    with torch.no_grad():
+        torch.nn.init.normal_(model.decoder.out.weight, std=0.1)  # a 2-step decoder still outputs ~zero velocity
+    mels = {s: synthesize(model, 'aa mm', n_timesteps=2, seed=0, speaker=s)[1] for s in ('hi', 'lo')}
+    assert not torch.equal(mels['hi'][:, :min(m.shape[1] for m in mels.values())],
+                           mels['lo'][:, :min(m.shape[1] for m in mels.values())])
+    wav = tmp_path / 'x.wav'
+    run(['sample_tts.py', f'--out_dir={out}', '--device=cpu', f'--wav={wav}', '--text=aa mm', '--speaker=lo',
+         '--n_timesteps=2'])
+    assert wav.exists()
+    for extra, message in (([], "speaker='': give the model's voices: hi, lo"),
+                           (['--speaker=mid'], "speaker='mid': not one of the model's voices: hi, lo")):
+        p = run(['sample_tts.py', f'--out_dir={out}', '--device=cpu', f'--wav={tmp_path / "y.wav"}', '--text=aa',
+                 *extra], check=False)
+        assert_user_error(p, message)
+    assert not (tmp_path / 'y.wav').exists()
+    p = train(out, corpus, '--max_iters=4', '--eval_interval=2', '--spk_channels=8', check=False)
+    assert_user_error(p, "speakers: checkpoint has ('hi', 'lo'), config has ()")
+
+
+def test_speaker_rows_are_checked_and_one_voice_models_have_no_speaker_weights(tmp_path):
+    """A row without its speaker stops a multi-speaker run naming the line; a one-voice model's weights are
+    those of before multi-speaker models (its checkpoints load as they were)."""
+    data = make_corpus(tmp_path / 'c', n=3)
+    lines = (data / 'metadata.csv').read_text().splitlines()
+    for broken in (f"{lines[1].split('|')[0]}|aa mm", f"{lines[1].split('|')[0]}| |aa mm"):
+        (data / 'metadata.csv').write_text('\n'.join([lines[0], broken, lines[2]]) + '\n')
+        with pytest.raises(UserError, match=r"metadata.csv:2: multi_speaker=True reads rows 'id\|speaker\|text'"):
+            read_speakers(str(data))
+    one_voice = TTSModel(TTSConfig(symbols='abc', enc_channels=16, enc_layers=1, enc_ff_channels=16, dp_channels=8,
+                                   dec_channels=16, dec_blocks=1))
+    assert not any('speaker' in k for k in one_voice.state_dict())

@@ -172,6 +172,24 @@ def read_metadata(data_dir):
     return rows
 
 
+def read_speakers(data_dir):
+    """{utterance id: speaker name} of a multi-speaker corpus, whose metadata.csv rows are id|speaker|text
+    (Matcha-TTS's VCTK filelists; read_metadata has checked the rows and reads the text)."""
+    path = os.path.join(data_dir, 'metadata.csv')
+    speakers = {}
+    with open(path, encoding='utf-8-sig') as f:
+        for line_no, line in enumerate(f, 1):
+            fields = line.rstrip('\r\n').split('|')
+            if not line.strip():
+                continue
+            if len(fields) != 3 or not fields[1].strip():
+                raise UserError(f"{path}:{line_no}: multi_speaker=True reads rows 'id|speaker|text', got "
+                                f"{line.strip()[:60]!r}; give every row its speaker, or train one voice "
+                                f"(multi_speaker=False).")
+            speakers[fields[0].strip()] = fields[1].strip()
+    return speakers
+
+
 def split_ids(ids, val_fraction):
     """Deterministic held-out split by id: utterances ordered by a hash of their id, the first
     max(1, round(n * val_fraction)) are held out. Adding utterances moves few others."""
@@ -187,8 +205,10 @@ class LJSpeechDataset:
     and modification time, so an edited file is read again), then kept in memory. An utterance
     needs at least one mel frame per text token (the alignment gives each token a frame)."""
 
-    def __init__(self, data_dir, ids, texts, symbols, cache_dir, add_blank=True, progress=False):
+    def __init__(self, data_dir, ids, texts, symbols, cache_dir, add_blank=True, progress=False, speakers=None):
         self.ids = ids
+        # each utterance's speaker index (speakers: {id: index} of a multi-speaker corpus; else all 0)
+        self.speakers = torch.tensor([speakers[i] if speakers else 0 for i in ids], dtype=torch.long)
         extractor = MelExtractor(**MEL_SETTINGS)
         key = repr((os.path.abspath(data_dir), sorted(MEL_SETTINGS.items())))
         cache_dir = os.path.join(cache_dir, hashlib.md5(key.encode()).hexdigest()[:8])
@@ -234,7 +254,7 @@ class LJSpeechDataset:
         return torch.cat(self.mels, dim=1).mean(dim=1)
 
     def collate(self, indices, mel_mean, mel_std):
-        """-> text ids (B, Tx), text lengths, normalised mels (B, 80, Ty), mel lengths."""
+        """-> text ids (B, Tx), text lengths, normalised mels (B, 80, Ty), mel lengths, speaker indices."""
         texts = [self.text_ids[i] for i in indices]
         mels = [(self.mels[i] - mel_mean) / mel_std for i in indices]
         x_lengths = torch.tensor([len(t) for t in texts])
@@ -244,7 +264,7 @@ class LJSpeechDataset:
         for b, (t, m) in enumerate(zip(texts, mels)):
             x[b, :len(t)] = t
             y[b, :, :m.shape[1]] = m
-        return x, x_lengths, y, y_lengths
+        return x, x_lengths, y, y_lengths, self.speakers[list(indices)]
 
 
 class FrameBudgetSampler:

@@ -71,10 +71,10 @@ def alignment_stats(model, dataset, frame_budget):
     device = model.mel_mean.device
     prior = frames = one_frame = characters = sharpness = 0.0
     for indices in eval_batches(dataset.lengths, frame_budget):
-        x, x_lengths, y, y_lengths = [t.to(device) for t in dataset.collate(indices, model.mel_mean.item(),
-                                                                            model.mel_std.item())]
+        x, x_lengths, y, y_lengths, speakers = [t.to(device) for t in dataset.collate(
+            indices, model.mel_mean.item(), model.mel_std.item())]
         y = pad_to_even(y)
-        mu, _, x_mask = model.encode(x, x_lengths)
+        mu, _, x_mask = model.encode(x, x_lengths, model.voice(speakers))
         mu, y_mask = mu.float(), sequence_mask(y_lengths, y.shape[2])[:, None, :].float()
         path = model.align(mu, x_mask, y, y_mask)
         prior += prior_loss(y, mu @ path, y_mask).item() * y_lengths.sum().item()
@@ -114,10 +114,11 @@ class SynthesisEval:
     out_dir: str
     vocoder: str
     vocode: Callable
+    speakers: dict  # utterance id -> its speaker's name (a multi-speaker corpus; else empty)
 
     def synthesize(self, model, utt_id):
         return synthesize(model, self.texts[utt_id], self.n_timesteps, self.temperature, self.length_scale,
-                          self.guidance, self.seed, self.vocode)
+                          self.guidance, self.seed, self.vocode, self.speakers.get(utt_id, ''))
 
 
 def record_media(writer, model, val_set, step, setup):
@@ -128,8 +129,8 @@ def record_media(writer, model, val_set, step, setup):
     model.eval()
     device = model.mel_mean.device
     collated = val_set.collate([0], model.mel_mean.item(), model.mel_std.item())
-    x, x_lengths, y, y_lengths = [t.to(device) for t in collated]
-    mel, _ = model.teacher_forced(x, x_lengths, y, y_lengths, n_timesteps=setup.n_timesteps,
+    x, x_lengths, y, y_lengths, speakers = [t.to(device) for t in collated]
+    mel, _ = model.teacher_forced(x, x_lengths, y, y_lengths, speakers, n_timesteps=setup.n_timesteps,
                                   temperature=setup.temperature,
                                   generator=torch.Generator(device=device).manual_seed(setup.seed))
     pred, target = model.denormalize(mel[0, :, :y.shape[2]]), model.denormalize(y[0])

@@ -23,6 +23,8 @@ from tts.phonemes import phonemize
 class TTSConfig:
     symbols: str = ''              # character vocabulary (ids 0 = pad, 1 = blank, then these)
     text_frontend: str = 'characters'  # what it reads: 'characters' | 'phonemes' (tts/phonemes.py)
+    speakers: tuple = ()           # the voices of a multi-speaker model (their names); () = one voice
+    spk_channels: int = 64         # width of a voice's learned vector
     add_blank: bool = True         # blank token between characters
     n_mels: int = 80
     enc_channels: int = 192
@@ -219,10 +221,14 @@ class TextEncoder(nn.Module):
             for _ in range(config.enc_layers))
         self.proj_mu = nn.Conv1d(C, config.n_mels, 1)
         self.drop = nn.Dropout(config.dropout)
+        self.speaker = nn.Linear(config.spk_channels, C) if config.speakers else None
 
-    def forward(self, x, x_mask):
-        """ids (B, Tx), mask (B, 1, Tx) -> hidden (B, C, Tx), mu (B, n_mels, Tx)."""
+    def forward(self, x, x_mask, spk=None):
+        """ids (B, Tx), mask (B, 1, Tx), voice vectors (B, spk_channels) of a multi-speaker model -> hidden
+        (B, C, Tx), mu (B, n_mels, Tx). The voice is added to every token, so means and durations are its."""
         h = self.embed(x).transpose(1, 2) * math.sqrt(self.embed.embedding_dim) * x_mask
+        if self.speaker is not None:
+            h = h + self.speaker(spk)[:, :, None] * x_mask
         for conv, norm in zip(self.prenet, self.prenet_norms):
             h = h + self.drop(torch.relu(norm(conv(h * x_mask))))
         for layer in self.layers:
@@ -313,9 +319,12 @@ class FlowMatchingDecoder(nn.Module):
         nn.init.zeros_(self.out.weight)  # start by predicting zero velocity
         nn.init.zeros_(self.out.bias)
         self.embed_dim = C
+        self.speaker = nn.Linear(config.spk_channels, time_channels) if config.speakers else None
 
-    def forward(self, x_t, mask, mu, t):
+    def forward(self, x_t, mask, mu, t, spk=None):
         t_emb = self.time_mlp(timestep_embedding(t, self.embed_dim))
+        if self.speaker is not None:  # the voice joins the time embedding that every block adds
+            t_emb = t_emb + self.speaker(spk)
         h = torch.cat([x_t, mu], dim=1)
         for block in self.down:
             h = block(h, mask, t_emb)
@@ -340,6 +349,8 @@ class TTSModel(nn.Module):
         self.encoder = TextEncoder(config)
         self.duration_predictor = DurationPredictor(config.enc_channels, config.dp_channels, config.dropout)
         self.decoder = FlowMatchingDecoder(config)
+        # a learned vector per voice (Matcha-TTS's n_spks), conditioning encoder, durations and decoder
+        self.speaker_embed = nn.Embedding(len(config.speakers), config.spk_channels) if config.speakers else None
         # log-mel normalisation of the training data; travels with the weights
         self.register_buffer('mel_mean', torch.tensor(0.0))
         self.register_buffer('mel_std', torch.tensor(1.0))
@@ -359,9 +370,13 @@ class TTSModel(nn.Module):
                              dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0, lr_scale=lr_scale)]
         return torch.optim.AdamW(param_groups, lr=learning_rate, betas=betas, fused=device_type == 'cuda')
 
-    def encode(self, x, x_lengths):
+    def voice(self, speakers):
+        """Speaker indices (B,) -> voice vectors (B, spk_channels); None for a one-voice model."""
+        return self.speaker_embed(speakers) if self.speaker_embed is not None else None
+
+    def encode(self, x, x_lengths, spk=None):
         x_mask = sequence_mask(x_lengths, x.shape[1])[:, None, :].float()
-        h, mu_x = self.encoder(x, x_mask)
+        h, mu_x = self.encoder(x, x_mask, spk)
         # durations are predicted from the detached encoder
         # output: their loss does not shape the encoder
         log_durations = self.duration_predictor(h.detach(), x_mask)
@@ -381,12 +396,13 @@ class TTSModel(nn.Module):
             mask = (x_mask.transpose(1, 2) * y_mask).bool()
             return monotonic_alignment_search(log_likelihood, mask)
 
-    def forward(self, x, x_lengths, y, y_lengths, align_prior=0.0):
-        """Training losses for a batch: ids (B, Tx), normalised mels (B, n_mels, Ty). align_prior: weight
-        of the diagonal alignment prior in MAS (train_tts.py fades it out over the first steps).
-        Returns dict(prior, duration, flow) of per-batch means."""
+    def forward(self, x, x_lengths, y, y_lengths, speakers=None, align_prior=0.0):
+        """Training losses for a batch: ids (B, Tx), normalised mels (B, n_mels, Ty), speaker indices (B,)
+        (ignored by a one-voice model). align_prior: weight of the diagonal alignment prior in MAS (train_tts.py
+        fades it out over the first steps). Returns dict(prior, duration, flow) of per-batch means."""
         y = pad_to_even(y)
-        mu_x, log_durations, x_mask = self.encode(x, x_lengths)
+        spk = self.voice(speakers)
+        mu_x, log_durations, x_mask = self.encode(x, x_lengths, spk)
         y_mask = sequence_mask(y_lengths, y.shape[2])[:, None, :].float()
         # Early on the encoder's mu are nearly alike, so plain MAS chooses among almost equal paths
         # by rounding: it gives most tokens one frame and a few tokens long stretches, and the
@@ -407,47 +423,49 @@ class TTSModel(nn.Module):
         if self.config.cfg_drop > 0:
             keep = (torch.rand(y.shape[0], device=y.device) >= self.config.cfg_drop).to(mu_y.dtype)
             cond = cond * keep[:, None, None]
-        velocity = self.decoder(x_t, y_mask, cond, t)
+        velocity = self.decoder(x_t, y_mask, cond, t, spk)
         return dict(prior=prior_loss(y, mu_y.float(), y_mask),
                     duration=duration_loss(log_durations.float(), durations, x_mask),
                     flow=flow_matching_loss(velocity.float(), target, y_mask))
 
     @torch.no_grad()
-    def decode(self, mu_y, y_mask, n_timesteps=10, temperature=1.0, guidance=0.0, generator=None):
-        """Euler ODE from noise (scaled by temperature) at t=0 to a normalised mel at t=1. With
-        guidance w > 0: v = v(mu) + w (v(mu) - v(no condition)). The state stays float32 under
+    def decode(self, mu_y, y_mask, spk=None, n_timesteps=10, temperature=1.0, guidance=0.0, generator=None):
+        """Euler ODE from noise (scaled by temperature) at t=0 to a normalised mel at t=1, in the voice spk.
+        With guidance w > 0: v = v(mu) + w (v(mu) - v(no condition)). The state stays float32 under
         autocast."""
         x = torch.randn(mu_y.shape, generator=generator, device=mu_y.device) * temperature
         dt = 1.0 / n_timesteps
         for i in range(n_timesteps):
             t = torch.full((x.shape[0],), i * dt, device=x.device)
-            v = self.decoder(x, y_mask, mu_y, t).float()
+            v = self.decoder(x, y_mask, mu_y, t, spk).float()
             if guidance:
-                v = v + guidance * (v - self.decoder(x, y_mask, torch.zeros_like(mu_y), t).float())
+                v = v + guidance * (v - self.decoder(x, y_mask, torch.zeros_like(mu_y), t, spk).float())
             x = x + dt * v
         return x * y_mask
 
     @torch.no_grad()
-    def teacher_forced(self, x, x_lengths, y, y_lengths, **decode_args):
+    def teacher_forced(self, x, x_lengths, y, y_lengths, speakers=None, **decode_args):
         """Decode with the ground-truth durations (MAS against the target mel)."""
         y = pad_to_even(y)
-        mu_x, _, x_mask = self.encode(x, x_lengths)
+        spk = self.voice(speakers)
+        mu_x, _, x_mask = self.encode(x, x_lengths, spk)
         y_mask = sequence_mask(y_lengths, y.shape[2])[:, None, :].float()
         mu_y = mu_x @ self.align(mu_x, x_mask, y, y_mask).to(mu_x.dtype)
-        return self.decode(mu_y, y_mask, **decode_args), y_mask
+        return self.decode(mu_y, y_mask, spk, **decode_args), y_mask
 
     @torch.no_grad()
-    def infer(self, x, x_lengths, length_scale=1.0, **decode_args):
-        """ids -> (normalised mel (B, n_mels, Ty), mel lengths) with predicted durations;
-        length_scale > 1 speaks slower."""
-        mu_x, log_durations, x_mask = self.encode(x, x_lengths)
+    def infer(self, x, x_lengths, speakers=None, length_scale=1.0, **decode_args):
+        """ids -> (normalised mel (B, n_mels, Ty), mel lengths) with predicted durations, in the voices of
+        speaker indices (B,) (a multi-speaker model); length_scale > 1 speaks slower."""
+        spk = self.voice(speakers)
+        mu_x, log_durations, x_mask = self.encode(x, x_lengths, spk)
         durations = torch.ceil(torch.exp(log_durations) * x_mask * length_scale)[:, 0].long()
         y_lengths = durations.sum(1).clamp(min=1)
         y_max = int(y_lengths.max()) + int(y_lengths.max()) % 2
         y_mask = sequence_mask(y_lengths, y_max)[:, None, :].float()
         path = durations_to_path(durations, (x_mask.transpose(1, 2) * y_mask)).to(mu_x.dtype)
         mu_y = mu_x @ path
-        return self.decode(mu_y, y_mask, **decode_args), y_lengths
+        return self.decode(mu_y, y_mask, spk, **decode_args), y_lengths
 
     def denormalize(self, mel):
         return mel * self.mel_std + self.mel_mean
@@ -455,13 +473,30 @@ class TTSModel(nn.Module):
 
 
 @torch.no_grad()
+def speaker_index(config, speaker):
+    """A multi-speaker model's index of the voice named speaker (None for a one-voice model, which has none)."""
+    if not config.speakers:
+        if speaker:
+            raise UserError(f"speaker={speaker!r}: this model knows one voice (it was trained without "
+                            f"multi_speaker); leave speaker out.")
+        return None
+    if speaker not in config.speakers:
+        names = ', '.join(config.speakers[:20]) + (f", ... ({len(config.speakers)} in all)"
+                                                   if len(config.speakers) > 20 else '')
+        raise UserError(f"speaker={speaker!r}: " + ("give " if not speaker else "not one of ")
+                        + f"the model's voices: {names}. Pick one with --speaker=NAME.")
+    return config.speakers.index(speaker)
+
+
 def synthesize(model, text, n_timesteps=10, temperature=0.667, length_scale=1.0, guidance=0.0,
-               seed=0, vocode=None):
+               seed=0, vocode=None, speaker=''):
     """text -> (waveform (float32, 1D, in [-1, 1] roughly), log-mel (n_mels, T)) at
-    MEL_SETTINGS['sample_rate'] Hz, with a model in eval mode, through vocode (tts/vocoder.py's load_vocoder;
-    None = Griffin-Lim). A model that reads phonemes gets the text's (IPA given is read as it is). Characters
-    outside the model's vocabulary are skipped (with a note on stderr)."""
+    MEL_SETTINGS['sample_rate'] Hz, with a model in eval mode, in the voice named speaker (a multi-speaker
+    model's), through vocode (tts/vocoder.py's load_vocoder; None = Griffin-Lim). A model that reads phonemes
+    gets the text's (IPA given is read as it is). Characters outside the model's vocabulary are skipped (with a
+    note on stderr)."""
     config = model.config
+    index = speaker_index(config, speaker)
     if (config.text_frontend == 'phonemes' or reads_phonemes(config.symbols)) and not IPA_MARKS & set(text):
         text = phonemize(text)
     ids, unknown = encode_text(text, config.symbols, config.add_blank)
@@ -473,7 +508,8 @@ def synthesize(model, text, n_timesteps=10, temperature=0.667, length_scale=1.0,
     device = model.mel_mean.device
     x = torch.tensor([ids], device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
-    mel, lengths = model.infer(x, torch.tensor([len(ids)], device=device), length_scale=length_scale,
+    speakers = torch.tensor([index], device=device) if index is not None else None
+    mel, lengths = model.infer(x, torch.tensor([len(ids)], device=device), speakers, length_scale=length_scale,
                                n_timesteps=n_timesteps, temperature=temperature, guidance=guidance,
                                generator=generator)
     log_mel = model.denormalize(mel[0, :, :lengths[0]]).float().cpu()

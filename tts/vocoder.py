@@ -81,7 +81,7 @@ class HiFiGAN(nn.Module):
         self.conv_pre = nn.Conv1d(config.num_mels, channels, 7, padding=3)
         self.ups = nn.ModuleList()
         self.resblocks = nn.ModuleList()
-        block = ResBlock1 if config.resblock == '1' else ResBlock2
+        block = ResBlock1 if str(config.resblock) == '1' else ResBlock2
         for i, (rate, kernel) in enumerate(zip(config.upsample_rates, config.upsample_kernel_sizes)):
             self.ups.append(nn.ConvTranspose1d(channels // 2**i, channels // 2**(i + 1), kernel, rate,
                                                padding=(kernel - rate) // 2))

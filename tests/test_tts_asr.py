@@ -1,6 +1,12 @@
 """bench/tts_asr.py's text normalisation and error rates against values worked out by hand (the script's
 `score` step needs faster-whisper and a Whisper model; these helpers need neither)."""
 
+import json
+import os
+import subprocess
+import sys
+import wave
+
 from bench.tts_asr import edit_distance, error_rates, normalize
 
 
@@ -25,3 +31,31 @@ def test_error_rates_sum_edits_over_the_corpus():
     # over 11 + 5 reference characters, spaces included
     assert error_rates(pairs) == (2 / 5, 6 / 16)
     assert error_rates([("Good night.", "good-night")]) == (0.0, 0.0)
+
+
+def test_dnsmos_means_every_kind_over_the_held_out(tmp_path):
+    """bench/tts_mos.py on a synthesize folder, with a stand-in speechmos whose scores are the clip's length
+    in seconds (the real one runs in its own venv): each kind's means over its utterances, all in the JSON."""
+    fake = tmp_path / 'fake' / 'speechmos'
+    fake.mkdir(parents=True)
+    (fake / '__init__.py').write_text('')
+    (fake / 'dnsmos.py').write_text("def run(sample, sr):\n    s = len(sample) / sr\n"
+                                    "    return dict(ovrl_mos=s, sig_mos=2 * s, bak_mos=3 * s, p808_mos=4 * s)\n")
+    wav_dir = tmp_path / 'wavs'
+    seconds = {'reference': [1.0, 2.0], 'model': [0.5, 1.5]}
+    for kind, lengths in seconds.items():
+        (wav_dir / kind).mkdir(parents=True)
+        for utt_id, s in zip(('a', 'b'), lengths):
+            with wave.open(str(wav_dir / kind / f'{utt_id}.wav'), 'wb') as w:
+                w.setnchannels(1), w.setsampwidth(2), w.setframerate(16000)
+                w.writeframes(b'\0\0' * int(16000 * s))
+    manifest = dict(ckpt=None, kinds=list(seconds), held_out={'a': 'x', 'b': 'y'})
+    (wav_dir / 'manifest.json').write_text(json.dumps(manifest))
+    env = dict(os.environ, PYTHONPATH=str(tmp_path / 'fake'))
+    p = subprocess.run([sys.executable, 'bench/tts_mos.py', f'--wav_dir={wav_dir}'], env=env, capture_output=True,
+                       text=True)
+    assert p.returncode == 0, p.stderr
+    result = json.loads((wav_dir / 'dnsmos_reference_model.json').read_text())
+    assert result['means']['reference'] == dict(ovrl_mos=1.5, sig_mos=3.0, bak_mos=4.5, p808_mos=6.0)
+    assert result['means']['model']['ovrl_mos'] == 1.0 and result['utterances']['model']['b']['p808_mos'] == 6.0
+    assert 'reference' in p.stdout and '1.50' in p.stdout

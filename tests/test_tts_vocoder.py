@@ -82,7 +82,7 @@ def test_vocoder_files_that_cannot_work_are_clear_errors(tmp_path):
     generator = folder / 'generator.pth.tar'
     with pytest.raises(UserError, match='no such file.*Griffin-Lim'):
         load_hifigan(str(folder / 'missing.pth.tar'))
-    with pytest.raises(UserError, match=r'is a folder: give the generator file in it \(it holds generator.pth.tar'):
+    with pytest.raises(UserError, match=r'is a folder: give the generator file in it \(it holds expected.pt, generator.pth.tar'):
         load_hifigan(str(folder))
     config = json.loads((folder / 'config.json').read_text())
     for change, named in (({'sampling_rate': 24000}, 'sampling_rate 24000'), ({'fmax': None}, 'fmax None'),

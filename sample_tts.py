@@ -13,8 +13,8 @@ import time
 from configurator import FOLDER, POSITIVE, UserError, at_least, check_output_file, check_values, configure
 from run.checkpoint import load_checkpoint
 from run.device import pick_device
-from tts.data import MEL_SETTINGS, write_wav
-from tts.model import load_tts, synthesize
+from tts.data import MEL_SETTINGS, read_wav, write_wav
+from tts.model import clip_voice, load_tts, synthesize
 from tts.vocoder import load_vocoder, vocoder_name
 
 # -----------------------------------------------------------------------------
@@ -28,6 +28,7 @@ length_scale = 1.0           # > 1 speaks slower
 guidance = 0.0               # classifier-free guidance weight (models trained with cfg_drop > 0)
 seed = 1337                  # random seed of the starting noise
 speaker = ''                 # a multi-speaker model's voice, by name (a wrong one lists them)
+voice_clip = ''              # or a WAV of a voice to speak in (a model trained with voice_clips=True)
 vocoder = ''                 # a HiFi-GAN generator file, config.json beside it (docs/tts.md); '' = Griffin-Lim
 device = 'auto'              # 'auto' (cuda, else mps, else cpu) | 'cpu' | 'cuda' | 'cuda:1' | 'mps'
 # -----------------------------------------------------------------------------
@@ -57,16 +58,20 @@ def earlier_wav(path):
     return header[:4] == b'RIFF' and header[8:] == b'WAVE'
 
 
-check_output_file(wav, 'wav', 'a WAV', earlier_wav, reads=[ckpt_path, vocoder])
+check_output_file(wav, 'wav', 'a WAV', earlier_wav, reads=[ckpt_path, vocoder, voice_clip])
+if speaker and voice_clip:
+    raise UserError(f"speaker={speaker!r} and voice_clip={voice_clip!r}: give one voice, a name or a clip.")
 ckpt = load_checkpoint(ckpt_path, fix="speak with another checkpoint (--ckpt_name=best.pt, say)")
 if ckpt['kind'] != 'tts':
     raise UserError(f"{ckpt_path} is a {ckpt['kind']!r} checkpoint, not a text-to-speech one (train_tts.py); "
                     f"generate text from it with `python sample.py --out_dir={out_dir}`.")
 model = load_tts(ckpt, pick_device(device))
 vocode = load_vocoder(vocoder, pick_device(device))
+voice = clip_voice(model, read_wav(voice_clip, MEL_SETTINGS['sample_rate'])[0]) if voice_clip else None
 t0 = time.time()
 audio, _ = synthesize(model, text, n_timesteps=n_timesteps, temperature=tts_temperature,
-                      length_scale=length_scale, guidance=guidance, seed=seed, vocode=vocode, speaker=speaker)
+                      length_scale=length_scale, guidance=guidance, seed=seed, vocode=vocode, speaker=speaker,
+                      voice=voice)
 write_wav(wav, audio, MEL_SETTINGS['sample_rate'])
 seconds = len(audio) / MEL_SETTINGS['sample_rate']
 print(f"wrote {wav}: {seconds:.2f} s of audio through {vocoder_name(vocoder)}, real-time factor "

@@ -72,6 +72,7 @@ dec_channels = 256           # U-Net width
 dec_blocks = 2               # residual blocks per U-Net level
 dec_heads = 4                # attention heads in the U-Net bottleneck; 0 = none
 spk_channels = 64            # width of a voice's learned vector (multi_speaker)
+voice_clips = False          # multi_speaker: also learn a voice from a clip (sample_tts.py --voice_clip)
 sigma_min = 1e-4             # flow matching: noise left at t=1
 cfg_drop = 0.0               # CFG: share of utterances trained without condition (e.g. 0.2)
 align_prior_iters = 1000     # steps for the diagonal alignment prior in MAS to fade out; 0 = none
@@ -79,6 +80,7 @@ align_prior_iters = 1000     # steps for the diagonal alignment prior in MAS to 
 prior_weight = 1.0
 duration_weight = 1.0
 flow_weight = 1.0
+voice_weight = 1.0           # the clip encoder's loss (voice_clips)
 # optimizer
 learning_rate = 1e-4         # peak lr of every lr_schedule
 decoder_lr_scale = 1.0       # the flow decoder's lr / learning_rate (docs/tts.md)
@@ -116,7 +118,8 @@ check_values(config, [
                    'spk_channels')),
     (at_least(0), ('dec_heads', 'early_stopping_patience', 'warmup_iters', 'lr_decay_iters', 'learning_rate',
                    'decoder_lr_scale', 'min_lr', 'weight_decay', 'grad_clip', 'max_minutes', 'eval_utterances',
-                   'audio_samples', 'temperature', 'guidance', 'prior_weight', 'duration_weight', 'flow_weight', 'align_prior_iters')),
+                   'audio_samples', 'temperature', 'guidance', 'prior_weight', 'duration_weight', 'flow_weight', 'align_prior_iters',
+                   'voice_weight')),
     (interval('[0, 1)'), ('dropout', 'beta1', 'beta2', 'cfg_drop', 'sigma_min')),
     (interval('(0, 1)'), ('val_fraction',)),
     (interval('[0, 1]'), ('decay_frac',)),
@@ -126,6 +129,9 @@ check_values(config, [
     (FOLDER, ('out_dir',)),
     (EMPTY_OR_FOLDER, ('cache_dir',)),
 ])
+if voice_clips and not multi_speaker:
+    raise UserError("voice_clips=True learns to tell the voices of a multi-speaker corpus from a clip: add "
+                    "--multi_speaker=True (rows id|speaker|text), or drop voice_clips.")
 # fixed feature settings (not config keys: set after configure)
 mel_settings = tts_data.MEL_SETTINGS
 sample_rate = mel_settings['sample_rate']
@@ -226,7 +232,8 @@ def to_device(batch):
 
 
 def weighted_loss(losses):
-    return prior_weight * losses['prior'] + duration_weight * losses['duration'] + flow_weight * losses['flow']
+    return (prior_weight * losses['prior'] + duration_weight * losses['duration'] + flow_weight * losses['flow']
+            + voice_weight * losses.get('voice', 0.0))
 
 
 @torch.no_grad()
@@ -279,7 +286,7 @@ def train_step(batches, align_prior):
     """Forward/backward over this rank's micro-batches; after an OOM each is split into batch_splits
     chunks whose losses are weighted by their share of frames/tokens, so the sum is the batch loss.
     Returns this rank's shares of the mean micro-batch losses (shares add up over ranks)."""
-    shares = {k: torch.zeros((), device=device) for k in ('prior', 'duration', 'flow')}
+    shares = {k: torch.zeros((), device=device) for k in ('prior', 'duration', 'flow') + ('voice',) * voice_clips}
     for micro_step, indices in enumerate(batches):
         n = len(indices)
         chunks = [indices[i * n // batch_splits:(i + 1) * n // batch_splits] for i in range(batch_splits)]
@@ -379,6 +386,7 @@ while iter_num < max_iters:
         frames_per_sec = window_frames / (time.time() - window_start)
         level = monitor.check()
         event = dict(step=iter_num, train_loss=loss, prior_loss=prior, duration_loss=duration, flow_loss=flow, lr=lr,
+                     **({'voice_loss': losses['voice']} if voice_clips else {}),
                      grad_norm=grad_norm, frames_per_sec=frames_per_sec, epoch=sampler.epoch, memory_level=level,
                      peak_memory_mb=(peak_memory_bytes(device) or 0) / 2**20, loss_scale=scaler.get_scale())
         event.update({f'time_ms/{k}': v for k, v in profiler.summary().items()})

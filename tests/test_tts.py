@@ -675,3 +675,45 @@ def test_speaker_rows_are_checked_and_one_voice_models_have_no_speaker_weights(t
     one_voice = TTSModel(TTSConfig(symbols='abc', enc_channels=16, enc_layers=1, enc_ff_channels=16, dp_channels=8,
                                    dec_channels=16, dec_blocks=1))
     assert not any('speaker' in k for k in one_voice.state_dict())
+
+
+@pytest.mark.slow
+def test_a_voice_from_a_clip(tmp_path):
+    """voice_clips=True: a clip encoder learns each training speaker's voice vector from their utterances
+    (its loss logged, its gradient kept off the table it learns from); sample_tts.py --voice_clip speaks in the
+    voice of a clip; a clip and a name together, a clip for a model without the encoder, a clip of a fraction
+    of a second, voice_clips without multi_speaker: clear errors."""
+    corpus = make_speaker_corpus(tmp_path / 'corpus')
+    out = tmp_path / 'out'
+    train(out, corpus, '--max_iters=2', '--eval_interval=2', '--multi_speaker=True', '--voice_clips=True',
+          '--spk_channels=8')
+    assert all('voice_loss' in e for e in read_log(out) if 'train_loss' in e)
+    model = load_tts(load(out / 'ckpt.pt'))
+    x, x_lengths = torch.randint(2, 6, (2, 5)), torch.tensor([5, 4])
+    y, y_lengths = torch.randn(2, 80, 12), torch.tensor([12, 10])
+    losses = model.train()(x, x_lengths, y, y_lengths, torch.tensor([0, 1]))
+    table_grad, = torch.autograd.grad(losses['voice'], model.speaker_embed.weight, allow_unused=True)
+    assert table_grad is None and losses['voice'] > 0
+    clip = corpus / 'wavs' / 'U001.wav'
+    wav = tmp_path / 'x.wav'
+    run(['sample_tts.py', f'--out_dir={out}', '--device=cpu', f'--wav={wav}', '--text=aa mm', f'--voice_clip={clip}',
+         '--n_timesteps=2'])
+    assert wav.exists()
+    short = tmp_path / 'short.wav'
+    write_pcm(short, np.zeros(SR // 10))
+    for extra, message in (([f'--voice_clip={clip}', '--speaker=hi'], 'give one voice, a name or a clip'),
+                           ([f'--voice_clip={short}'], 'the voice clip is 0.10 s long'),
+                           ([f'--voice_clip={clip}', f'--wav={clip}'], 'which this command reads')):
+        before = clip.read_bytes()
+        p = run(['sample_tts.py', f'--out_dir={out}', '--device=cpu', f'--wav={tmp_path / "y.wav"}', '--text=aa',
+                 *extra], check=False)
+        assert_user_error(p, message)
+        assert clip.read_bytes() == before
+    one_voice = tmp_path / 'one'
+    train(one_voice, corpus, '--max_iters=1', '--eval_interval=1', '--multi_speaker=True', '--spk_channels=8',
+          '--audio_samples=0', '--eval_utterances=1')
+    p = run(['sample_tts.py', f'--out_dir={one_voice}', '--device=cpu', f'--wav={tmp_path / "y.wav"}', '--text=aa',
+             f'--voice_clip={clip}'], check=False)
+    assert_user_error(p, 'this model has no clip encoder')
+    p = train(tmp_path / 'none', corpus, '--voice_clips=True', check=False)
+    assert_user_error(p, 'voice_clips=True learns to tell the voices of a multi-speaker corpus')

@@ -25,6 +25,7 @@ class TTSConfig:
     text_frontend: str = 'characters'  # what it reads: 'characters' | 'phonemes' (tts/phonemes.py)
     speakers: tuple = ()           # the voices of a multi-speaker model (their names); () = one voice
     spk_channels: int = 64         # width of a voice's learned vector
+    voice_clips: bool = False      # a multi-speaker model's clip encoder: a few seconds of mel -> a voice vector
     add_blank: bool = True         # blank token between characters
     n_mels: int = 80
     enc_channels: int = 192
@@ -342,6 +343,24 @@ class FlowMatchingDecoder(nn.Module):
         return self.out(h) * mask
 
 
+class VoiceEncoder(nn.Module):
+    """A clip of speech (normalised mel) -> a voice vector: three convolutions over time, a mean over the clip's
+    frames, a projection. Trained to give each training speaker's learned vector from any utterance of theirs,
+    so a clip of another voice lands among the voices the model knows."""
+
+    def __init__(self, config, channels=128):
+        super().__init__()
+        self.convs = nn.ModuleList(nn.Conv1d(config.n_mels if i == 0 else channels, channels, 5, padding=2)
+                                   for i in range(3))
+        self.proj = nn.Linear(channels, config.spk_channels)
+
+    def forward(self, mel, mask):
+        h = mel
+        for conv in self.convs:
+            h = torch.relu(conv(h * mask))
+        return self.proj((h * mask).sum(2) / mask.sum(2).clamp(min=1))
+
+
 class TTSModel(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -351,6 +370,7 @@ class TTSModel(nn.Module):
         self.decoder = FlowMatchingDecoder(config)
         # a learned vector per voice (Matcha-TTS's n_spks), conditioning encoder, durations and decoder
         self.speaker_embed = nn.Embedding(len(config.speakers), config.spk_channels) if config.speakers else None
+        self.voice_encoder = VoiceEncoder(config) if config.voice_clips else None
         # log-mel normalisation of the training data; travels with the weights
         self.register_buffer('mel_mean', torch.tensor(0.0))
         self.register_buffer('mel_std', torch.tensor(1.0))
@@ -424,9 +444,12 @@ class TTSModel(nn.Module):
             keep = (torch.rand(y.shape[0], device=y.device) >= self.config.cfg_drop).to(mu_y.dtype)
             cond = cond * keep[:, None, None]
         velocity = self.decoder(x_t, y_mask, cond, t, spk)
-        return dict(prior=prior_loss(y, mu_y.float(), y_mask),
-                    duration=duration_loss(log_durations.float(), durations, x_mask),
-                    flow=flow_matching_loss(velocity.float(), target, y_mask))
+        losses = dict(prior=prior_loss(y, mu_y.float(), y_mask),
+                      duration=duration_loss(log_durations.float(), durations, x_mask),
+                      flow=flow_matching_loss(velocity.float(), target, y_mask))
+        if self.voice_encoder is not None:  # the clip encoder learns the table's voices, which it leaves alone
+            losses['voice'] = F.mse_loss(self.voice_encoder(y, y_mask).float(), spk.detach().float())
+        return losses
 
     @torch.no_grad()
     def decode(self, mu_y, y_mask, spk=None, n_timesteps=10, temperature=1.0, guidance=0.0, generator=None):
@@ -454,10 +477,11 @@ class TTSModel(nn.Module):
         return self.decode(mu_y, y_mask, spk, **decode_args), y_mask
 
     @torch.no_grad()
-    def infer(self, x, x_lengths, speakers=None, length_scale=1.0, **decode_args):
+    def infer(self, x, x_lengths, speakers=None, length_scale=1.0, voice=None, **decode_args):
         """ids -> (normalised mel (B, n_mels, Ty), mel lengths) with predicted durations, in the voices of
-        speaker indices (B,) (a multi-speaker model); length_scale > 1 speaks slower."""
-        spk = self.voice(speakers)
+        speaker indices (B,) or of voice vectors (B, spk_channels) (a multi-speaker model); length_scale > 1
+        speaks slower."""
+        spk = voice if voice is not None else self.voice(speakers)
         mu_x, log_durations, x_mask = self.encode(x, x_lengths, spk)
         durations = torch.ceil(torch.exp(log_durations) * x_mask * length_scale)[:, 0].long()
         y_lengths = durations.sum(1).clamp(min=1)
@@ -488,15 +512,30 @@ def speaker_index(config, speaker):
     return config.speakers.index(speaker)
 
 
+@torch.no_grad()
+def clip_voice(model, audio):
+    """A clip of speech (1-D waveform at MEL_SETTINGS' rate) -> its voice vector (1, spk_channels), by the
+    model's clip encoder."""
+    if model.voice_encoder is None:
+        raise UserError("this model has no clip encoder: train it with --multi_speaker=True --voice_clips=True, or "
+                        "pick one of its voices with --speaker=NAME.")
+    if len(audio) < MEL_SETTINGS['sample_rate'] // 4:
+        raise UserError(f"the voice clip is {len(audio) / MEL_SETTINGS['sample_rate']:.2f} s long: give a few "
+                        f"seconds of the voice's speech.")
+    mel = (MelExtractor(**MEL_SETTINGS)(audio.float().cpu()) - model.mel_mean.cpu()) / model.mel_std.cpu()
+    mel = mel[None].to(model.mel_mean.device)
+    return model.voice_encoder(mel, torch.ones_like(mel[:, :1]))
+
+
 def synthesize(model, text, n_timesteps=10, temperature=0.667, length_scale=1.0, guidance=0.0,
-               seed=0, vocode=None, speaker=''):
+               seed=0, vocode=None, speaker='', voice=None):
     """text -> (waveform (float32, 1D, in [-1, 1] roughly), log-mel (n_mels, T)) at
     MEL_SETTINGS['sample_rate'] Hz, with a model in eval mode, in the voice named speaker (a multi-speaker
-    model's), through vocode (tts/vocoder.py's load_vocoder; None = Griffin-Lim). A model that reads phonemes
+    model's) or the voice vector voice (clip_voice's), through vocode (tts/vocoder.py's load_vocoder; None = Griffin-Lim). A model that reads phonemes
     gets the text's (IPA given is read as it is). Characters outside the model's vocabulary are skipped (with a
     note on stderr)."""
     config = model.config
-    index = speaker_index(config, speaker)
+    index = speaker_index(config, speaker) if voice is None else None
     if (config.text_frontend == 'phonemes' or reads_phonemes(config.symbols)) and not IPA_MARKS & set(text):
         text = phonemize(text)
     ids, unknown = encode_text(text, config.symbols, config.add_blank)
@@ -509,7 +548,7 @@ def synthesize(model, text, n_timesteps=10, temperature=0.667, length_scale=1.0,
     x = torch.tensor([ids], device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
     speakers = torch.tensor([index], device=device) if index is not None else None
-    mel, lengths = model.infer(x, torch.tensor([len(ids)], device=device), speakers, length_scale=length_scale,
+    mel, lengths = model.infer(x, torch.tensor([len(ids)], device=device), speakers, length_scale, voice,
                                n_timesteps=n_timesteps, temperature=temperature, guidance=guidance,
                                generator=generator)
     log_mel = model.denormalize(mel[0, :, :lengths[0]]).float().cpu()

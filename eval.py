@@ -142,11 +142,11 @@ if generation:
                        f"{task_path}:{row['line']}") for row in rows]
     longest = max(range(len(rows)), key=lambda i: len(prompts[i]))
     # the default: up to 256 new tokens, fewer where the longest prompt leaves fewer of the block
-    new_tokens = max_new_tokens or min(256, block_size + 1 - len(prompts[longest]))
+    new_tokens = max_new_tokens or max(1, min(256, block_size + 1 - len(prompts[longest])))
     for row, ids in zip(rows, prompts):
-        if len(ids) + max(new_tokens, 1) - 1 > block_size:
+        if len(ids) + new_tokens - 1 > block_size:
             raise UserError(f"{task_path}:{row['line']}: the prompt is {len(ids)} tokens; with max_new_tokens="
-                            f"{max(new_tokens, 1)} the model would see {len(ids) + max(new_tokens, 1) - 1} positions, "
+                            f"{new_tokens} the model would see {len(ids) + new_tokens - 1} positions, "
                             f"over its block_size of {block_size}. Shorten the prompt, lower max_new_tokens, or leave "
                             f"the example out.")
     if not max_new_tokens and new_tokens < 256:

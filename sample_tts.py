@@ -65,8 +65,9 @@ ckpt = load_checkpoint(ckpt_path, fix="speak with another checkpoint (--ckpt_nam
 if ckpt['kind'] != 'tts':
     raise UserError(f"{ckpt_path} is a {ckpt['kind']!r} checkpoint, not a text-to-speech one (train_tts.py); "
                     f"generate text from it with `python sample.py --out_dir={out_dir}`.")
-model = load_tts(ckpt, pick_device(device))
-vocode = load_vocoder(vocoder, pick_device(device))
+run_device = pick_device(device)
+model = load_tts(ckpt, run_device)
+vocode = load_vocoder(vocoder, run_device)
 voice = clip_voice(model, read_wav(voice_clip, MEL_SETTINGS['sample_rate'])[0]) if voice_clip else None
 t0 = time.time()
 audio, _ = synthesize(model, text, n_timesteps=n_timesteps, temperature=tts_temperature,

@@ -118,8 +118,8 @@ check_values(config, [
                    'spk_channels')),
     (at_least(0), ('dec_heads', 'early_stopping_patience', 'warmup_iters', 'lr_decay_iters', 'learning_rate',
                    'decoder_lr_scale', 'min_lr', 'weight_decay', 'grad_clip', 'max_minutes', 'eval_utterances',
-                   'audio_samples', 'temperature', 'guidance', 'prior_weight', 'duration_weight', 'flow_weight', 'align_prior_iters',
-                   'voice_weight')),
+                   'audio_samples', 'temperature', 'guidance', 'prior_weight', 'duration_weight', 'flow_weight',
+                   'align_prior_iters', 'voice_weight')),
     (interval('[0, 1)'), ('dropout', 'beta1', 'beta2', 'cfg_drop', 'sigma_min')),
     (interval('(0, 1)'), ('val_fraction',)),
     (interval('[0, 1]'), ('decay_frac',)),
@@ -400,7 +400,8 @@ while iter_num < max_iters:
         result = evaluate()
         improved, best_val_loss, evals_without_improvement = after_eval(result['loss'], best_val_loss,
                                                                         evals_without_improvement)
-        log_eval(iter_num, result, " (best)" if improved else f" (no improvement for {evals_without_improvement} evals)")
+        log_eval(iter_num, result,
+                 " (best)" if improved else f" (no improvement for {evals_without_improvement} evals)")
         if master:
             record_media(writer, raw_model, val_set, iter_num, synthesis)
         if improved:
@@ -420,6 +421,7 @@ while iter_num < max_iters:
         stop.exit(ckpt_path, iter_num, ddp)
 progress.close()
 save(ckpt_path)
-log(f"training ended at step {iter_num} after {(time.time() - _start_time) / 60:.1f} min, best val loss {best_val_loss:.4f}")
+log(f"training ended at step {iter_num} after {(time.time() - _start_time) / 60:.1f} min, "
+    f"best val loss {best_val_loss:.4f}")
 final_report(iter_num)  # rank 0; the others wait in compute_cleanup
 compute_cleanup(ddp)

@@ -59,6 +59,8 @@ espeak_dir = '../shared/data/espeak-ljspeech'  # tts-espeak's corpus; its held-o
 natural_dir = '../data/piper-ljspeech'  # tts-natural's corpus (docs/tts.md: a Piper corpus)
 natural_heldout_dir = '../data/piper-ljspeech-heldout'  # sentences tts-natural never trains on
 asr_python = '../asrvenv/bin/python'  # a python with faster-whisper (bench/tts_asr.py score); none = no WER
+mos_python = '../mosvenv/bin/python'  # a python with speechmos (bench/tts_mos.py); none = no DNSMOS
+vocoders = '../models/hifigan/generator_universal.pth.tar,../models/hifigan/generator_LJSpeech.pth.tar'  # HiFi-GAN files the speech also goes through; missing = left out
 whisper = '../models/whisper-base-ct2'  # Whisper base in CTranslate2 layout (../shared/tools/make_whisper_base.py)
 # -----------------------------------------------------------------------------
 configure(globals())
@@ -195,18 +197,27 @@ def run_checked(argv, what):
         sys.exit(f"error: {what} failed with exit {done.returncode}:\n{done.stderr[-3000:]}")
 
 
-def whisper_scores(stage, out_dir, ckpt=''):
-    """{kind: (WER, CER)} by Whisper (bench/tts_asr.py) of the held-out sentences spoken by ckpt ('model'), or
-    without one the recordings and their mel through Griffin-Lim (the floor); with reuse, read back when newer
-    than what was spoken."""
+def vocoder_name(path):
+    """'HiFi-GAN universal' for .../generator_universal.pth.tar: the label of a vocoder's rows."""
+    return 'HiFi-GAN ' + os.path.basename(path).split('.')[0].removeprefix('generator_')
+
+
+def speech_scores(stage, out_dir, ckpt='', vocoder=''):
+    """{kind: {figure: value}} of the held-out sentences: Whisper's error rates (bench/tts_asr.py), DNSMOS with
+    mos_python (bench/tts_mos.py) and the real-time factor of synthesis through a vocoder. The kinds: with ckpt
+    the model's speech ('model'), without one the floors: the recordings and their mel through Griffin-Lim, or
+    the mel through the vocoder ('vocoder'). The speech goes through vocoder ('' = Griffin-Lim); with reuse,
+    the scores are read back when newer than what was spoken."""
     corpus, held_out = TTS_CORPORA[stage]
-    kinds = 'model' if ckpt else 'reference,griffin_lim'
-    wav_dir = os.path.join(out_dir, 'asr')
+    kinds = 'model' if ckpt else 'vocoder' if vocoder else 'reference,griffin_lim'
+    wav_dir = os.path.join(out_dir, 'asr' + (f"-{vocoder_name(vocoder)[9:]}" if vocoder else ''))
     result = os.path.join(ROOT, wav_dir, f"whisper_{kinds.replace(',', '_')}.json")
+    mos = os.path.join(ROOT, wav_dir, f"dnsmos_{kinds.replace(',', '_')}.json")
     source = os.path.join(ROOT, ckpt) if ckpt else os.path.join(ROOT, held_out or corpus, 'metadata.csv')
-    if not (reuse and os.path.exists(result) and os.path.getmtime(result) > os.path.getmtime(source)):
+    if not (reuse and os.path.exists(result) and os.path.getmtime(result) > os.path.getmtime(source)
+            and (os.path.exists(mos) or not dnsmos)):
         synthesize = ['bench/tts_asr.py', 'synthesize', f'--wav_dir={wav_dir}', f'--kinds={kinds}',
-                      *([f'--ckpt={ckpt}'] if ckpt else []),
+                      *([f'--ckpt={ckpt}'] if ckpt else []), *([f'--vocoder={vocoder}'] if vocoder else []),
                       f'--held_out_dir={held_out}' if held_out else f'--data_dir={corpus}',
                       *(['--utterances=2'] if quick else [])]
         print(f"[{time.strftime('%H:%M:%S')}] python {' '.join(synthesize)}", flush=True)
@@ -214,9 +225,24 @@ def whisper_scores(stage, out_dir, ckpt=''):
         score = ['bench/tts_asr.py', 'score', f'--wav_dir={wav_dir}', f'--whisper={whisper}', f'--kinds={kinds}']
         print(f"[{time.strftime('%H:%M:%S')}] {asr_python} {' '.join(score)}", flush=True)
         run_checked([asr_python, *score], f"Whisper on {stage}'s speech")
+        if dnsmos:
+            rate = ['bench/tts_mos.py', f'--wav_dir={wav_dir}', f'--kinds={kinds}']
+            print(f"[{time.strftime('%H:%M:%S')}] {mos_python} {' '.join(rate)}", flush=True)
+            run_checked([mos_python, *rate], f"DNSMOS of {stage}'s speech")
     with open(result) as f:
         scores = json.load(f)
-    return {kind: (scores['wer'][kind], scores['cer'][kind]) for kind in scores['wer']}
+    with open(os.path.join(ROOT, wav_dir, 'manifest.json')) as f:
+        rtf = json.load(f)['rtf']
+    out = {kind: {'Whisper WER': scores['wer'][kind], 'Whisper CER': scores['cer'][kind]} for kind in scores['wer']}
+    if dnsmos:
+        with open(mos) as f:
+            means = json.load(f)['means']
+        for kind in out:
+            out[kind].update({'DNSMOS OVRL': means[kind]['ovrl_mos'], 'DNSMOS P.808': means[kind]['p808_mos']})
+    for kind in out:
+        if vocoder and kind in rtf:  # Griffin-Lim's RTF is the training run's own evaluation's
+            out[kind]['RTF'] = rtf[kind]
+    return out
 
 
 def machine():
@@ -244,7 +270,8 @@ FORMATS = {'val loss': '{:.4f}', 'exact match': '{:.1%}', 'exact match before': 
            'wall time to nanoGPT\'s val loss, ratio': '{:.3f}', 'tokens/s at nanoGPT\'s model, ratio': '{:.2f}',
            'eval pass@1': '{:.3f}', 'eval pass@1 before': '{:.3f}', 'BLEU': '{:.1f}', 'ROUGE-L': '{:.3f}',
            'Whisper WER': '{:.1%}',
-           'Whisper CER': '{:.1%}', 'MCD-DTW, dB': '{:.2f}', 'RTF': '{:.3f}', 'wall time, min': '{:.1f}'}
+           'Whisper CER': '{:.1%}', 'DNSMOS OVRL': '{:.2f}', 'DNSMOS P.808': '{:.2f}', 'MCD-DTW, dB': '{:.2f}',
+           'RTF': '{:.3f}', 'wall time, min': '{:.1f}'}
 COMMANDS = {'pretrain': '`python train.py`', 'sft': '`python train.py config/sft.py`',
             'lora': '`python train.py config/lora.py`', 'dpo': '`python train_dpo.py config/dpo.py`',
             'rl': '`python train_rl.py config/rl.py`', 'hf-base': '(as published)',
@@ -255,7 +282,7 @@ COMMANDS = {'pretrain': '`python train.py`', 'sft': '`python train.py config/sft
             'tts-natural': '`python train_tts.py config/tts_natural_cpu.py`'}
 TTS_NAMES = {'tts-espeak': 'espeak-ng (400 utterances, 19 min; its 20 held out)',
              'tts-natural': 'Piper "joe" in phonemes (1,000 utterances, 42.5 min; 100 other sentences)'}
-TTS_COLUMNS = ('Whisper WER', 'Whisper CER', 'MCD-DTW, dB', 'RTF', 'wall time, min')
+TTS_COLUMNS = ('Whisper WER', 'Whisper CER', 'DNSMOS OVRL', 'DNSMOS P.808', 'MCD-DTW, dB', 'RTF', 'wall time, min')
 STARTS = {'dpo': 'sft', 'rl': 'sft', 'hf-rl': 'hf-lora'}  # the steps that start from another model of the chain
 HELDOUT_NAMES = {'pretrain': 'base (pretrained)', 'sft': 'SFT', 'lora': 'LoRA', 'dpo': 'DPO after SFT',
                  'rl': 'RL after SFT', 'hf-base': 'SmolLM2-135M-Instruct', 'hf-lora': 'SmolLM2 + LoRA SFT',
@@ -297,22 +324,36 @@ def results_table(report):
 
 
 def tts_table(report):
-    """Text-to-speech as papers report it: per corpus the floor (the recordings, their mel through Griffin-Lim)
-    and the recipe's model, median (range) over the seeds and each seed."""
-    lines = ["Text-to-speech on held-out sentences: Whisper base word and character error rates, MCD-DTW of the model "
-             "mel (the floor's: the reference mel through Griffin-Lim), real-time factor with Griffin-Lim, wall time "
-             "of the training run:\n",
-             '| corpus | speech | ' + ' | '.join(TTS_COLUMNS) + ' |', '| --- | --- |' + ' --- |' * len(TTS_COLUMNS)]
+    """Text-to-speech as papers report it: per corpus the floors (the recordings, their mel through Griffin-Lim
+    and through each HiFi-GAN generator) and the recipe's model through each, median (range) over the seeds, and
+    each seed's (through Griffin-Lim)."""
+    measured = {k for stage in report['tts'] for k in report['figures'][stage]}  # a report without DNSMOS, say
+    columns = [k for k in TTS_COLUMNS if k in measured or k == 'wall time, min']
+    said = {'Whisper WER': 'Whisper base word and character error rates', 'DNSMOS OVRL': 'DNSMOS (overall P.835, '
+            'P.808)', 'MCD-DTW, dB': "MCD-DTW of the model mel (the floor's: the reference mel through Griffin-Lim)",
+            'RTF': 'real-time factor on one thread (through Griffin-Lim: the final evaluation)'}
+    lines = ["Text-to-speech on held-out sentences: " + ', '.join(said[k] for k in said if k in columns)
+             + ", wall time of the training run:\n",
+             '| corpus | speech | ' + ' | '.join(columns) + ' |', '| --- | --- |' + ' --- |' * len(columns)]
+    cells = lambda values: [FORMATS[k].format(values[k]) if k in values else '' for k in columns]  # noqa: E731
+    summaries = lambda figures: [summary(figures[k], FORMATS[k]) if k in figures else ''  # noqa: E731
+                                 for k in columns]
     for stage, floor in report['tts'].items():
         figures = dict(report['figures'][stage], **{'wall time, min': [w / 60 for w in report['wall_s'][stage]]})
-        cells = lambda values: [FORMATS[k].format(values[k]) if k in values else '' for k in TTS_COLUMNS]  # noqa: E731
+        vocoded = report.get('vocoded', {}).get(stage, {})
         lines.append(f"| {TTS_NAMES[stage]} | recordings | " + ' | '.join(cells(floor['reference'])) + ' |')
-        lines.append(f"| | reference mel through Griffin-Lim | " + ' | '.join(cells(floor['griffin_lim'])) + ' |')
-        lines.append(f"| | {COMMANDS[stage]}, median (range) | "
-                     + ' | '.join(summary(figures[k], FORMATS[k]) for k in TTS_COLUMNS) + ' |')
+        for kind in floor:
+            if kind != 'reference':
+                name = 'Griffin-Lim' if kind == 'griffin_lim' else kind
+                lines.append(f"| | reference mel through {name} | " + ' | '.join(cells(floor[kind])) + ' |')
+        lines.append(f"| | {COMMANDS[stage]}{', through Griffin-Lim' if vocoded else ''}, median (range) | "
+                     + ' | '.join(summaries(figures)) + ' |')
+        for name, values in vocoded.items():
+            lines.append(f"| | the same models through {name}, median (range) | " + ' | '.join(summaries(values))
+                         + ' |')
         ran = report['seeds'][:len(figures['val loss'])]  # tts_seeds of them
         for i, seed in enumerate(ran if len(ran) > 1 else []):
-            lines.append(f"| | seed {seed} | " + ' | '.join(cells({k: figures[k][i] for k in TTS_COLUMNS})) + ' |')
+            lines.append(f"| | seed {seed} | " + ' | '.join(cells({k: figures[k][i] for k in columns})) + ' |')
     return '\n'.join(lines)
 
 
@@ -536,11 +577,18 @@ asr = os.path.exists(os.path.join(ROOT, asr_python)) and os.path.exists(os.path.
 if set(todo) & set(TTS_CORPORA) and not asr:
     print(f"no faster-whisper python at asr_python={asr_python!r} or no model at whisper={whisper!r}: text-to-speech "
           f"is reported without Whisper's error rates")
+dnsmos = asr and os.path.exists(os.path.join(ROOT, mos_python))
+if set(todo) & set(TTS_CORPORA) and asr and not dnsmos:
+    print(f"no speechmos python at mos_python={mos_python!r}: text-to-speech is reported without DNSMOS")
+vocoder_files = [v for v in vocoders.split(',') if v and os.path.exists(os.path.join(ROOT, v))] if asr else []
+if set(todo) & set(TTS_CORPORA) and asr and len(vocoder_files) < len([v for v in vocoders.split(',') if v]):
+    print(f"vocoders={vocoders!r}: only {vocoder_files} found (../shared/tools/get_hifigan.py, docs/tts.md): the "
+          f"speech goes through those and Griffin-Lim")
 t_start = time.time()
 heldout = heldout_file()
 report = {'date': time.strftime('%Y-%m-%d'), 'commit': commit(), 'machine': machine(), 'seeds': list(seeds),
           'figures': {stage: {} for stage in todo}, 'wall_s': {stage: [] for stage in todo}, 'heldout': {},
-          'heldout_examples': heldout_examples, 'heldout_n': {}, 'flips': {}, 'tts': {}}
+          'heldout_examples': heldout_examples, 'heldout_n': {}, 'flips': {}, 'tts': {}, 'vocoded': {}}
 if set(todo) & set(HF_STAGES):  # the published model as it is, once: greedy answers do not depend on the seed
     report['heldout']['hf-base'] = heldout_scores(hf_model, os.path.join(work_dir, 'hf-base.eval.json'), heldout)
     report['heldout_n']['hf-base'] = heldout_examples
@@ -555,9 +603,13 @@ for seed in seeds:
         out_dir = stage_dir(stage, seed)
         if stage in TTS_CORPORA:
             if asr:
-                wer, cer = whisper_scores(stage, out_dir, os.path.join(out_dir, 'ckpt.pt'))['model']
-                report['figures'][stage].setdefault('Whisper WER', []).append(wer)
-                report['figures'][stage].setdefault('Whisper CER', []).append(cer)
+                for figure, value in speech_scores(stage, out_dir, os.path.join(out_dir, 'ckpt.pt'))['model'].items():
+                    report['figures'][stage].setdefault(figure, []).append(value)
+            for vocoder in vocoder_files:  # the same model's speech through each published generator
+                scores = speech_scores(stage, out_dir, os.path.join(out_dir, 'ckpt.pt'), vocoder)['model']
+                for figure, value in scores.items():
+                    report['vocoded'].setdefault(stage, {}).setdefault(vocoder_name(vocoder), {}).setdefault(
+                        figure, []).append(value)
             print(f"  {stage}, seed {seed}: " + ', '.join(f"{k} {FORMATS[k].format(v[-1])}"
                                                          for k, v in report['figures'][stage].items())
                   + f" ({wall / 60:.1f} min)", flush=True)
@@ -575,16 +627,17 @@ for seed in seeds:
               + f"; held-out " + ', '.join(f"{k} {FORMATS[k].format(v[0])}" for k, v in scores.items())
               + f" ({wall / 60:.1f} min)", flush=True)
 for stage in [stage for stage in todo if stage in TTS_CORPORA and asr]:  # the floor, once per corpus
-    floor = whisper_scores(stage, os.path.join(work_dir, f'{stage}-floor'))
-    mcd = statistics.median(last(read_log(os.path.join(ROOT, stage_dir(stage, seed))), 'mcd_reference_audio')
-                            for seed in seeds[:tts_seeds])
-    report['tts'][stage] = {'reference': {'Whisper WER': floor['reference'][0], 'Whisper CER': floor['reference'][1]},
-                            'griffin_lim': {'Whisper WER': floor['griffin_lim'][0],
-                                            'Whisper CER': floor['griffin_lim'][1], 'MCD-DTW, dB': mcd}}
+    floor = speech_scores(stage, os.path.join(work_dir, f'{stage}-floor'))
+    floor['griffin_lim']['MCD-DTW, dB'] = statistics.median(
+        last(read_log(os.path.join(ROOT, stage_dir(stage, seed))), 'mcd_reference_audio') for seed in seeds[:tts_seeds])
+    for vocoder in vocoder_files:  # the reference mel through each generator: its floor
+        floor[vocoder_name(vocoder)] = speech_scores(stage, os.path.join(work_dir, f'{stage}-floor'), '',
+                                                     vocoder)['vocoder']
+    report['tts'][stage] = floor
 if set(todo) != set(STAGES) and os.path.exists(report_path + '.json'):  # partial: keep the other stages
     with open(report_path + '.json') as f:
         saved = json.load(f)
-    for key in ('figures', 'wall_s', 'heldout', 'tts', 'flips'):
+    for key in ('figures', 'wall_s', 'heldout', 'tts', 'flips', 'vocoded'):
         for stage, value in saved.get(key, {}).items():
             if stage not in todo:  # what this run measured itself (e.g. the published model's answers) stays
                 report[key].setdefault(stage, value)

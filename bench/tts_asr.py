@@ -13,7 +13,8 @@ dependency (the score step needs no torch):
 The held-out utterances of any LJSpeech-layout corpus: the checkpoint's held-out split of its corpus
 (train_tts.py's val_fraction), or with --held_out_dir every utterance of a corpus of sentences the model never
 saw (e.g. one made with make_piper_ljspeech.py --skip). Without --ckpt (d) is not written, without --vocoder (c).
-`synthesize` writes 16 kHz WAVs of each kind and manifest.json; `score` decodes them (beam 5, English,
+`synthesize` writes 16 kHz WAVs of each kind and manifest.json (with the real-time factors of the model's
+speech and of the vocoder alone, and --n_timesteps, --temperature, --length_scale, --guidance if given); `score` decodes them (beam 5, English,
 temperature 0: no sampled fallback, so a rerun gives the same words) and writes whisper_<kinds>.json with
 every transcript. Both sides are compared after `normalize` (its docstring states the rules).
 """
@@ -22,6 +23,7 @@ import json
 import os
 import re
 import sys
+import time
 import wave
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -91,7 +93,10 @@ def synthesize(args):
     vocode = load_vocoder(args.vocoder)
     rate = MEL_SETTINGS['sample_rate']
     extractor = MelExtractor(**MEL_SETTINGS)
+    knob = {k: ckpt['config'][k] if getattr(args, k) is None else getattr(args, k)
+            for k in ('n_timesteps', 'temperature', 'length_scale', 'guidance')} if ckpt else {}
     torch.manual_seed(0)  # Griffin-Lim starts from random phases
+    clock, spoken = {'vocoder': 0.0, 'model': 0.0}, {'vocoder': 0.0, 'model': 0.0}  # synthesis time, audio's
     for kind in kinds:
         os.makedirs(os.path.join(args.wav_dir, kind), exist_ok=True)
     for utt_id in val_ids:
@@ -100,12 +105,18 @@ def synthesize(args):
         if 'griffin_lim' in kinds:  # the slow one: only where asked for
             wavs['griffin_lim'] = extractor.to_waveform(extractor(recording))
         if 'vocoder' in kinds:
-            wavs['vocoder'] = vocode(extractor(recording))
+            mel = extractor(recording)
+            t0 = time.perf_counter()
+            wavs['vocoder'] = vocode(mel)
+            clock['vocoder'] += time.perf_counter() - t0
+            spoken['vocoder'] += len(recording) / rate
         if model is not None:
-            c = ckpt['config']
-            wavs['model'] = speak(model, texts[utt_id], c['n_timesteps'], c['temperature'], c['length_scale'],
-                                  c['guidance'] if args.guidance is None else args.guidance, c['seed'], vocode,
+            t0 = time.perf_counter()
+            wavs['model'] = speak(model, texts[utt_id], knob['n_timesteps'], knob['temperature'],
+                                  knob['length_scale'], knob['guidance'], ckpt['config']['seed'], vocode,
                                   speakers.get(utt_id, ''))[0]
+            clock['model'] += time.perf_counter() - t0
+            spoken['model'] += len(wavs['model']) / rate
         for kind in kinds:
             wav = torchaudio.functional.resample(wavs[kind].float(), rate, ASR_RATE)
             write_wav(os.path.join(args.wav_dir, kind, utt_id + '.wav'), wav / max(1.0, wav.abs().max().item()),
@@ -114,7 +125,8 @@ def synthesize(args):
     with open(os.path.join(args.wav_dir, 'manifest.json'), 'w') as f:
         json.dump(dict(ckpt=os.path.abspath(args.ckpt) if ckpt else None, step=ckpt['iter_num'] if ckpt else None,
                        data_dir=os.path.abspath(data_dir), kinds=kinds,
-                       vocoder=os.path.abspath(args.vocoder) if args.vocoder else None,
+                       vocoder=os.path.abspath(args.vocoder) if args.vocoder else None, synthesis=knob,
+                       rtf={k: clock[k] / spoken[k] for k in clock if k in kinds},  # real-time factors
                        held_out={i: words[i] for i in val_ids}), f, indent=1)
 
 
@@ -189,6 +201,10 @@ if __name__ == '__main__':
                       "the checkpoint); '' = every kind the arguments allow")
     step.add_argument('--guidance', type=float, default=None, help="classifier-free guidance weight; default: the "
                       "checkpoint's")
+    step.add_argument('--n_timesteps', type=int, default=None, help="Euler steps of the ODE; default: the checkpoint's")
+    step.add_argument('--temperature', type=float, default=None, help="scale of the starting noise; default: the "
+                      "checkpoint's")
+    step.add_argument('--length_scale', type=float, default=None, help="> 1 speaks slower; default: the checkpoint's")
     step = steps.add_parser('score', help='word and character error rates by Whisper (the ASR venv)')
     step.add_argument('--wav_dir', required=True)
     step.add_argument('--whisper', required=True, help='Whisper base in CTranslate2 layout (make_whisper_base.py)')

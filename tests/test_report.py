@@ -86,19 +86,27 @@ def test_tts_table_is_the_reports():
     assert table in tables(read('bench/RESULTS.md')) and table in tables(read('bench/report.md'))
     assert set(report['tts']) == {'tts-espeak', 'tts-natural'} and len(report['seeds']) >= 3
     columns = cells_of(table[0])[2:]
-    assert columns == ['Whisper WER', 'Whisper CER', 'MCD-DTW, dB', 'RTF', 'wall time, min']
+    every = ['Whisper WER', 'Whisper CER', 'DNSMOS OVRL', 'DNSMOS P.808', 'MCD-DTW, dB', 'RTF', 'wall time, min']
+    measured = {k for stage in report['tts'] for k in report['figures'][stage]} | {'wall time, min'}
+    assert columns == [k for k in every if k in measured]  # the columns the report has, in this order
     rows = iter(table[2:])
     for stage, floor in report['tts'].items():
-        for kind in ('reference', 'griffin_lim'):
+        assert list(floor)[:2] == ['reference', 'griffin_lim']
+        for kind in floor:  # the recordings, then the reference mel through Griffin-Lim and each vocoder
             cells = cells_of(next(rows))
-            for cell, column in zip(cells[2:], columns):
+            assert kind == 'reference' or cells[1].endswith('Griffin-Lim' if kind == 'griffin_lim' else kind)
+            for cell, column in zip(cells[2:], columns, strict=True):
+                assert (cell == '') == (column not in floor[kind])
                 if column in floor[kind]:
                     check_summaries([f'| {column} | | {cell} |'], [(column, [floor[kind][column]])])
         figures = dict(report['figures'][stage], **{'wall time, min': [w / 60 for w in report['wall_s'][stage]]})
-        cells = cells_of(next(rows))
-        assert f'config/tts_{stage[4:]}_cpu.py' in cells[1]
-        for cell, column in zip(cells[2:], columns, strict=True):
-            check_summaries([f'| {column} | | {cell} |'], [(column, figures[column])])
+        for vocoder, values in [('', figures)] + list(report.get('vocoded', {}).get(stage, {}).items()):
+            cells = cells_of(next(rows))  # the model through Griffin-Lim, then through each vocoder
+            assert f'config/tts_{stage[4:]}_cpu.py' in cells[1] if not vocoder else vocoder in cells[1]
+            for cell, column in zip(cells[2:], columns, strict=True):
+                assert (cell == '') == (column not in values)
+                if column in values:
+                    check_summaries([f'| {column} | | {cell} |'], [(column, values[column])])
         for seed in report['seeds'][:len(figures['val loss'])]:  # the TTS stages run on the first tts_seeds
             assert cells_of(next(rows))[1] == f'seed {seed}'
     assert next(rows, None) is None

@@ -610,6 +610,14 @@ def test_asr_synthesis_writes_only_the_kinds_asked_for(tmp_path, corpus, straigh
         assert all(len(os.listdir(wav_dir / k)) == 1 for k in expected)
     name = os.listdir(tmp_path / 'model' / 'model')[0]
     assert (tmp_path / 'model' / 'model' / name).read_bytes() == (tmp_path / 'all' / 'model' / name).read_bytes()
+    manifest = json.loads((tmp_path / 'all' / 'manifest.json').read_text())
+    assert set(manifest['rtf']) == {'model', 'vocoder'} and min(manifest['rtf'].values()) > 0
+    # the synthesis knobs override the checkpoint's, and the manifest says which were used
+    run(['bench/tts_asr.py', 'synthesize', f'--ckpt={ckpt}', f'--wav_dir={tmp_path / "one_step"}', '--utterances=1',
+         '--kinds=model', '--n_timesteps=1', '--temperature=0'])
+    manifest = json.loads((tmp_path / 'one_step' / 'manifest.json').read_text())
+    assert manifest['synthesis']['n_timesteps'] == 1 and manifest['synthesis']['temperature'] == 0
+    assert (tmp_path / 'one_step' / 'model' / name).read_bytes() != (tmp_path / 'model' / 'model' / name).read_bytes()
     p = run(['bench/tts_asr.py', 'synthesize', f'--wav_dir={tmp_path / "x"}', f'--data_dir={corpus}',
              '--kinds=model'], check=False)
     assert p.returncode != 0 and "'model' needs --ckpt" in p.stderr

@@ -372,8 +372,8 @@ if __name__ == '__main__':
     import argparse
     from configurator import install_excepthook
     install_excepthook()  # a UserError prints one line and exits 2
-    parser = argparse.ArgumentParser(prog='python -m tts.data', description='speak each line of a text file into an LJSpeech-layout '
-                                                 'corpus with espeak-ng')
+    parser = argparse.ArgumentParser(prog='python -m tts.data', description='speak each line of a text file into '
+                                     'an LJSpeech-layout corpus with espeak-ng')
     parser.add_argument('--text_file', required=True)
     parser.add_argument('--out_dir', required=True)
     parser.add_argument('--voice', default='en-us')

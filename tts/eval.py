@@ -144,9 +144,9 @@ def record_media(writer, model, val_set, step, setup):
 
 def evaluate_synthesis(model, val_set, train_set, ids, setup):
     """Held-out speech from text alone: MCD-DTW of the synthesized mel against the reference, of the
-    mel re-analysed from its audio, of the reference itself through the vocoder (its floor) and of a trivial baseline (the training set's mean mel frame repeated for the
-    reference's length); real-time factor. Scores the held-out utterances ids; writes the first
-    setup.audio_samples as WAVs to setup.out_dir/samples."""
+    mel re-analysed from its audio, of the reference itself through the vocoder (its floor) and of a trivial
+    baseline (the training set's mean mel frame repeated for the reference's length); real-time factor. Scores
+    the held-out utterances ids; writes the first setup.audio_samples as WAVs to setup.out_dir/samples."""
     model.eval()
     sample_rate = MEL_SETTINGS['sample_rate']
     extractor = MelExtractor(**MEL_SETTINGS)
@@ -181,7 +181,8 @@ def print_synthesis_report(result, setup):
           f"{vocoder} audio):\n"
           f"  MCD-DTW model mel            {result['mcd_model']:.2f} dB\n"
           f"  MCD-DTW model audio          {result['mcd_model_audio']:.2f} dB  (mel re-analysed from the WAV)\n"
-          f"  MCD-DTW reference audio      {result['mcd_reference_audio']:.2f} dB  (reference mel through {vocoder}: its floor)\n"
+          f"  MCD-DTW reference audio      {result['mcd_reference_audio']:.2f} dB  (reference mel through {vocoder}: "
+          f"its floor)\n"
           f"  MCD-DTW mean-mel baseline    {result['mcd_baseline']:.2f} dB\n"
           f"  length synthesized/reference {result['duration_ratio']:.2f}\n"
           f"  real-time factor             {result['rtf']:.3f} (synthesis time / audio time, {vocoder} included)\n"

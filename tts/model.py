@@ -531,9 +531,9 @@ def synthesize(model, text, n_timesteps=10, temperature=0.667, length_scale=1.0,
                seed=0, vocode=None, speaker='', voice=None):
     """text -> (waveform (float32, 1D, in [-1, 1] roughly), log-mel (n_mels, T)) at
     MEL_SETTINGS['sample_rate'] Hz, with a model in eval mode, in the voice named speaker (a multi-speaker
-    model's) or the voice vector voice (clip_voice's), through vocode (tts/vocoder.py's load_vocoder; None = Griffin-Lim). A model that reads phonemes
-    gets the text's (IPA given is read as it is). Characters outside the model's vocabulary are skipped (with a
-    note on stderr)."""
+    model's) or the voice vector voice (clip_voice's), through vocode (tts/vocoder.py's load_vocoder; None =
+    Griffin-Lim). A model that reads phonemes gets the text's (IPA given is read as it is). Characters outside
+    the model's vocabulary are skipped (with a note on stderr)."""
     config = model.config
     index = speaker_index(config, speaker) if voice is None else None
     if (config.text_frontend == 'phonemes' or reads_phonemes(config.symbols)) and not IPA_MARKS & set(text):

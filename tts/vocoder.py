@@ -165,7 +165,8 @@ def load_hifigan(path, device='cpu'):
     if os.path.isdir(path):
         found = sorted(f for f in os.listdir(path) if not f.endswith('.json') and not f.startswith('.'))
         raise UserError(f"vocoder={path} is a folder: give the generator file in it"
-                        + (f" (it holds {', '.join(found[:5])})" if found else '') + ", with its config.json beside it.")
+                        + (f" (it holds {', '.join(found[:5])})" if found else '')
+                        + ", with its config.json beside it.")
     if not os.path.isfile(path):
         raise UserError(f"vocoder={path}: no such file. Give the path of a HiFi-GAN generator checkpoint (e.g. "
                         f"models/hifigan/generator_universal.pth.tar, with its config.json beside it; docs/tts.md "

@@ -160,62 +160,6 @@ def document_positions(doc_ids):
     return idx - torch.where(starts, idx, 0).cummax(dim=1).values
 
 
-class SharedPrompts:
-    """Prompts each continued by several completions (RL's G samples), all in one flat row of N tokens
-    without padding, passed to GPT.forward as its mask: a prompt's tokens attend causally within it, a
-    completion's to its prompt and causally to itself, as each sequence would alone, while every prompt
-    is computed once. prompts, completions: lists of the row's columns of each one's tokens, in order (a
-    completion's positions continue its prompt's); prompt_of: each completion's prompt. Attention gathers
-    the tokens into a (P, Lp) and a (C, Lc) grid, one kernel call each, and brings the outputs back;
-    attention over the whole row would cost N^2 where this costs about C x Lc x (Lp + Lc)."""
-
-    def __init__(self, prompts, completions, prompt_of, device='cpu'):
-        def grid(spans):  # (n, longest) columns, padded with each span's first; and the lengths (n,)
-            longest = max(map(len, spans), default=0)
-            return (torch.tensor([list(s) + [s[0]] * (longest - len(s)) for s in spans], dtype=torch.long,
-                                 device=device).view(len(spans), longest),
-                    torch.tensor([len(s) for s in spans], dtype=torch.long, device=device))
-        (self.prompts, prompt_lengths), (self.completions, lengths) = grid(prompts), grid(completions)
-        self.prompt_of = torch.tensor(prompt_of, dtype=torch.long, device=device)
-        Lp, Lc = self.prompts.size(1), self.completions.size(1)
-        self.steps = torch.arange(max(Lp, Lc), device=device)
-        own_lengths = prompt_lengths[self.prompt_of, None]  # a completion's positions start there
-        # a completion's token sees its prompt's tokens, then its own up to itself; never padding,
-        # which comes after the real ones (and padded queries are dropped)
-        sees_prompt = (self.steps[:Lp] < own_lengths)[:, None].expand(-1, Lc, -1)
-        sees_own = torch.ones(Lc, Lc, dtype=torch.bool, device=device).tril().expand(len(completions), -1, -1)
-        self.mask = torch.cat([sees_prompt, sees_own], -1)[:, None]
-        self.keys = torch.cat([self.prompts[self.prompt_of], self.completions], 1)  # a completion's keys' columns
-        self.completion_pos = own_lengths + self.steps[:Lc]
-        # each token's slot among the grids' (prompts' first): the outputs back in row order
-        real = torch.cat([(self.steps[:Lp] < prompt_lengths[:, None]).flatten(),
-                          (self.steps[:Lc] < lengths[:, None]).flatten()])
-        columns = torch.cat([self.prompts.flatten(), self.completions.flatten()])[real]
-        self.back = torch.empty_like(columns)
-        self.back[columns] = real.nonzero()[:, 0]
-
-    def attend(self, q, k, v, dropout_p=0.0, window=0):
-        """q (1, H, N, D), k and v (1, Hkv, N, D) of the row's tokens: attention's output (1, H, N, D);
-        window: each token sees window keys at most, counting itself (GPTConfig.sliding_window)."""
-        def gather(x, columns):  # (1, h, N, D) -> (n, L, h, D): a token a row, as backward adds fastest
-            return x[0].transpose(0, 1).index_select(0, columns.flatten()).unflatten(0, columns.shape)
-
-        def heads_first(*xs):  # (n, L, h, D) -> (n, h, L, D)
-            return (x.transpose(1, 2) for x in xs)
-        Lp = self.prompts.size(1)
-        band = window_mask(self.steps[:Lp], self.steps[:Lp], window)[None, None] if window else None
-        out = [attend(*heads_first(*(gather(x, self.prompts) for x in (q, k, v))), dropout_p, True, band)]
-        if self.completions.numel():
-            mask = self.mask
-            if window:
-                key_pos = torch.cat([self.steps[:Lp].expand(len(self.prompt_of), -1), self.completion_pos], 1)
-                mask = mask & window_mask(self.completion_pos, key_pos, window)[:, None]
-            out.append(attend(*heads_first(gather(q, self.completions), gather(k, self.keys), gather(v, self.keys)),
-                              dropout_p, False, mask))
-        y = torch.cat([o.transpose(1, 2).flatten(0, 1) for o in out]).index_select(0, self.back)  # (N, H, D)
-        return y.transpose(0, 1)[None]
-
-
 class KVCache:
     """One layer's keys and values of the tokens seen so far, preallocated to max_len positions."""
 
@@ -241,56 +185,12 @@ class KVCache:
         if self.k is not None:
             self.k, self.v = self.k.index_select(0, rows), self.v.index_select(0, rows)
 
-
-class SharedPromptCache:
-    """One layer's cache for rows that continue shared prompts, G rows each (lm/generate.py's samples):
-    the prompts' keys/values once (prompts, a filled KVCache of P rows), then each row's own tokens. A
-    decode step (attend) reads a prompt's keys once for its G rows, not from G copies: on a CPU decoding
-    waits on reading the cache, most of which is prompt when completions are short."""
-
-    def __init__(self, prompts, group_size, max_len):
-        self.prompts, self.group_size, self.own = prompts, group_size, KVCache(max_len)
-        # each row's prompt and place among its prompt's G rows
-        rows = torch.arange(prompts.k.size(0) * group_size, device=prompts.k.device)
-        self.prompt_of, self.member = rows // group_size, rows % group_size
-
-    @property
-    def len(self):
-        return self.prompts.len + self.own.len
-
-    def keep(self, rows):
-        self.prompt_of, self.member = self.prompt_of[rows], self.member[rows]
-        self.own.keep(rows)
-
-    def attend(self, q, k, v, mask):
-        """Attention of one new token a row, q (B, H, 1, D), k and v (B, Hkv, 1, D), over its prompt's keys
-        and its own so far (these appended); mask (B, 1, 1, prompt + own), True where allowed, None for all.
-        A prompt's keys meet its rows' queries in one matmul, the queries placed in a (P, Hkv, G, r) grid
-        (r query heads a key head, rows that left 0); softmax over both parts in at least float32."""
-        own_k, own_v = self.own.update(k, v)
-        dtype = torch.promote_types(q.dtype, torch.float32)
-        prompt_k, prompt_v = self.prompts.k.to(dtype), self.prompts.v.to(dtype)
-        P, Hkv, Lp, D = prompt_k.shape
-        B, H = q.shape[:2]
-        grid = (P, Hkv, self.group_size * (H // Hkv), -1)
-        where = (self.prompt_of, slice(None), self.member)
-
-        def to_grid(rows):  # (B, Hkv, r, X) -> (P, Hkv, G * r, X)
-            x = rows.new_zeros(P, Hkv, self.group_size, *rows.shape[2:])
-            x[where] = rows
-            return x.view(grid)
-
-        def from_grid(x):  # the inverse
-            return x.view(P, Hkv, self.group_size, H // Hkv, -1)[where]
-
-        q = q.view(B, Hkv, H // Hkv, D).to(dtype) / math.sqrt(D)
-        scores = torch.cat([from_grid(to_grid(q) @ prompt_k.transpose(-1, -2)),
-                            q @ own_k.to(dtype).transpose(-1, -2)], -1)  # (B, Hkv, r, Lp + own)
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float('-inf'))
-        weights = scores.softmax(-1)
-        y = from_grid(to_grid(weights[..., :Lp]) @ prompt_v) + weights[..., Lp:] @ own_v.to(dtype)
-        return y.view(B, H, 1, D).to(v.dtype)
+    def attend(self, q, k, v, mask=None):
+        """Append k, v (B, Hkv, T, D) and attend q (B, H, T, D) over every cached key; mask as attend's. Generation
+        only prefills an empty cache (causal) or appends one token, which sees every cached key (is_causal aligns
+        the mask top-left, hiding all but the first). No dropout: a cache is for generation, in eval mode."""
+        causal = self.len == 0
+        return attend(q, *self.update(k, v), causal=causal, mask=mask)
 
 
 class CausalSelfAttention(nn.Module):
@@ -316,7 +216,8 @@ class CausalSelfAttention(nn.Module):
             q, k, v = (m(x) for m in layers)
         else:
             # one matmul over the three layers' stacked weights instead of three (4% of a step at
-            # nanoGPT's CPU shape); layers with an adapter (lora.LoRALinear) then add its term
+            # nanoGPT's CPU shape); a layer with add_adapter(x, y) adds its own term to its share y
+            # (lm/lora.py), so that with the adapter off it computes this model's numbers bit for bit
             bias = None if self.q.bias is None else torch.cat([m.bias for m in layers])
             qkv = F.linear(x, torch.cat([m.weight for m in layers]), bias).split([m.out_features for m in layers], -1)
             q, k, v = (m.add_adapter(x, y) if hasattr(m, 'add_adapter') else y for m, y in zip(layers, qkv))
@@ -327,19 +228,13 @@ class CausalSelfAttention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         dropout = self.dropout if self.training else 0.0
-        if isinstance(mask, SharedPrompts):  # completions and their prompts in one flat row (lm/rl.py)
-            y = mask.attend(q, k, v, dropout, self.window)
-        elif isinstance(cache, SharedPromptCache):  # a decode step of rows sharing prompts
+        # a cache, or a mask that is no tensor (a layout), computes its own attention (GPT.hidden_states)
+        if cache is not None:
             y = cache.attend(q, k, v, mask)
+        elif mask is None or torch.is_tensor(mask):
+            y = attend(q, k, v, dropout, True, mask)
         else:
-            causal = True
-            if cache is not None:
-                # generate() only prefills an empty cache or appends a single token; that token
-                # attends to every cached key (is_causal aligns the mask top-left, hiding all but
-                # the first)
-                causal = cache.len == 0
-                k, v = cache.update(k, v)
-            y = attend(q, k, v, dropout, causal, mask)
+            y = mask.attend(q, k, v, dropout, self.window)
         y = y.transpose(1, 2).contiguous().view(B, T, self.n_head * self.head_dim)
         return self.resid_drop(self.proj(y))
 
@@ -542,7 +437,10 @@ class GPT(nn.Module):
         packing (DPO shares a prompt between two completions); a row may then be longer than
         block_size, as long as every position is below it. With a sliding_window, a row (or cache) longer
         than the window, and every mask, are narrowed to the window (window_mask, over positions), except
-        that positions continuing a filled cache leave the window to the mask, which must then be given."""
+        that positions continuing a filled cache leave the window to the mask, which must then be given.
+        Attention is computed by a layer's cache, if given: cache.attend(q, k, v, mask) (KVCache's; a cache
+        also has len); else by a mask that is not a tensor but a layout: mask.attend(q, k, v, dropout_p,
+        window), which applies the window itself. lm/shared_prompts.py has one of each."""
         B, T = idx.shape
         start = caches[0].len if caches else 0
         if doc_ids is not None:
@@ -558,8 +456,8 @@ class GPT(nn.Module):
         else:  # (1 or B, 1, T, D/2): per-row positions broadcast over heads
             rope = (self.rope_cos[pos].unsqueeze(-3), self.rope_sin[pos].unsqueeze(-3))
         window = self.config.sliding_window
-        # else is_causal, the fast kernel, is exact
-        if window and not isinstance(mask, SharedPrompts) and (mask is not None or start + T > window):
+        # else is_causal, the fast kernel, is exact; a layout (no tensor) applies its own
+        if window and (torch.is_tensor(mask) or mask is None and start + T > window):
             # the cached keys' positions are the caller's (lm/generate.py)
             if positions is not None and start:
                 if mask is None:

@@ -6,14 +6,15 @@ Prompts are left-padded to the longest, so every row's last prompt token sits in
 the batch decodes one slot per step. Slot j of row b holds the token at position j - starts[b]
 (starts[b]: row b's padding); RoPE or learned positions see each prompt from position 0, and a mask
 hides the padding. With num_samples = G the prompts are prefilled once, and their G rows read the
-prompt's keys from that one copy (model.SharedPromptCache) or from G copies of it. Rows that finish
+prompt's keys from that one copy (SharedPromptCache) or from G copies of it. Rows that finish
 leave the batch (and their own cache rows with them), so a long completion does not keep finished rows
 computing; as leaving copies the caches, they leave together, once computing them in the steps left
 would cost more than a decode step of the whole batch.
 """
 import torch
 
-from model import KVCache, SharedPromptCache, sample_next, sampling_dtype, window_mask
+from lm.shared_prompts import SharedPromptCache
+from model import KVCache, sample_next, sampling_dtype, window_mask
 
 
 def stop_tokens(tokenizer):
@@ -80,7 +81,7 @@ def generate_batch(model, prompts, max_new_tokens, temperature=0.0, top_k=None, 
     step (model.sample_next). rows_of=(first, total): these completions are rows first... of a batch of
     total that processes split; each draws all total numbers and uses its own, so the split does not change
     the samples (train_rl.py's ranks). share_prompts: the num_samples rows of a prompt read its cached keys
-    from one copy (model.SharedPromptCache) instead of num_samples; None = on a CPU, where decoding waits
+    from one copy (SharedPromptCache) instead of num_samples; None = on a CPU, where decoding waits
     on reading the cache (on a GPU it waits on kernel launches, which that adds). Call model.eval() first."""
     check_prompts(prompts, max_new_tokens, model.config.block_size)
     completions = [[] for _ in range(len(prompts) * num_samples)]

@@ -7,7 +7,7 @@ without padding. Formulas: docs/rl.md.
 """
 import torch
 
-from model import SharedPrompts
+from lm.shared_prompts import SharedPrompts
 
 LOSS_TYPES = ('grpo', 'dapo', 'dr_grpo')
 IMPORTANCE_LEVELS = ('token', 'sequence')
@@ -84,11 +84,11 @@ def completion_batches(sequences, scored, micro_batch_size, device='cpu'):
     """Rollouts as training micro-batches of micro_batch_size sequences each. sequences: (prompt ids, completion
     ids) pairs; scored: per sequence, False to leave its completion out of the loss (a masked truncated one).
     A micro-batch is one flat row of tokens without padding: each prompt once, followed by its scored
-    completions (consecutive sequences with the same prompt: a group's G), laid out by model.SharedPrompts so
+    completions (consecutive sequences with the same prompt: a group's G), laid out by SharedPrompts so
     that each completion attends to its prompt and to itself only and continues the prompt's positions: every
     completion token sees what it would alone, and the prompt, most of the tokens when answers are short, is
     computed once instead of G times (train_dpo.py's shared prompt, G-fold).
-    Each micro-batch is a dict: x (1, N) the row's tokens; positions (1, N) and mask (model.SharedPrompts)
+    Each micro-batch is a dict: x (1, N) the row's tokens; positions (1, N) and mask (SharedPrompts)
     its layout; rows, cols (N',) the positions that predict the N' completion tokens scored, sequence by
     sequence; targets (N',) those tokens; owners (N',) the sequence (0..n-1 in the micro-batch) each belongs
     to; lengths (n,) the tokens scored of each sequence; first: the index of its first sequence in sequences."""

@@ -90,9 +90,9 @@ def test_samples_share_one_prefill_per_prompt():
 @pytest.mark.comparison
 @pytest.mark.parametrize("opts", [dict(), dict(n_head=4, n_kv_head=2, sliding_window=3), dict(pos_emb='learned')])
 def test_rows_sharing_their_prompts_cache_sample_what_rows_with_copies_do(opts):
-    """A prompt's G rows reading its keys from one copy (model.SharedPromptCache, the CPU default) draw what G
-    rows reading a copy each do: the same attention, summed in another order (float64: no draw flips), also
-    as rows leave, some before their first decode step."""
+    """A prompt's G rows reading its keys from one copy (lm/shared_prompts.SharedPromptCache, the CPU default)
+    draw what G rows reading a copy each do: the same attention, summed in another order (float64: no draw
+    flips), also as rows leave, some before their first decode step."""
     m = sharp_model(**opts)
     caches = []
     m.transformer.h[0].attn.register_forward_pre_hook(lambda mod, args: caches.append(type(args[2]).__name__))

@@ -24,7 +24,7 @@ def test_no_lambda_is_named():
 
 def test_gpt_side_does_not_import_torchaudio():
     modules = ('model, lm.lora, losses, data, lm.tokenizer, lm.chat_data, run.checkpoint, run.runtime, memory, '
-               'scheduler, lm.muon, lm.loading, lm.eval_tasks, lm.generate, lm.metrics')
+               'scheduler, lm.muon, lm.loading, lm.eval_tasks, lm.generate, lm.metrics, lm.shared_prompts')
     code = f"import sys; import {modules}; import tasks.number_tasks, lm.heldout_eval; print('torchaudio' in sys.modules)"
     p = subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert p.stdout.strip() == 'False'

@@ -332,6 +332,23 @@ def test_grouped_query_attention_with_a_mask_repeats_keys_and_values_for_a_fused
     assert calls and all(c == (4, 2, True, True) for c in calls)
 
 
+def test_q_k_v_run_as_one_matmul_except_in_a_decode_step():
+    """The stacked q/k/v matmul (4% of a CPU step) calls no layer; a decode step calls each (stacking the
+    weights would copy them per token)."""
+    m = tiny()
+    x, _ = batch()
+    called = []
+    for block in m.transformer.h:
+        for layer in (block.attn.q, block.attn.k, block.attn.v):
+            layer.register_forward_hook(lambda mod, args, out: called.append(mod))
+    m(x)
+    caches = [KVCache(8) for _ in m.transformer.h]
+    m.hidden_states(x[:, :7], caches)
+    assert called == []
+    m.hidden_states(x[:, 7:], caches)
+    assert len(called) == 6
+
+
 @pytest.mark.comparison
 def test_grouped_query_attention_with_a_mask_is_attention_over_each_query_heads_group():
     """attend against attention written out (float64 both sides, so agreement to rounding): query head h

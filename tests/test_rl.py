@@ -562,10 +562,11 @@ def test_completion_batches_lay_each_prompt_out_once_and_leave_masked_completion
 @pytest.mark.comparison
 @pytest.mark.parametrize('window', [0, 3])
 def test_shared_prompts_attend_as_a_dense_mask_of_their_rule_does(window):
-    """model.SharedPrompts' attention (two grids, gathered and scattered) equals attention over the whole row
+    """SharedPrompts' attention (two grids, gathered and scattered) equals attention over the whole row
     with the mask its rule gives: a token sees earlier tokens of its prompt and of its own completion (and a
     completion's token its prompt), within the window (positions). GQA; float64: only the order of sums differs."""
-    from model import SharedPrompts, attend, window_mask
+    from lm.shared_prompts import SharedPrompts
+    from model import attend, window_mask
     g = torch.Generator().manual_seed(0)
     # prompts of 3 and 4 tokens; completions of 2, 4, 1 (prompt 0) and 3 (prompt 1) fed tokens
     spans = [('p', 0, range(0, 3)), ('c', 0, range(3, 5)), ('c', 0, range(5, 9)), ('c', 0, range(9, 10)),

@@ -60,7 +60,8 @@ natural_dir = '../data/piper-ljspeech'  # tts-natural's corpus (docs/tts.md: a P
 natural_heldout_dir = '../data/piper-ljspeech-heldout'  # sentences tts-natural never trains on
 asr_python = '../asrvenv/bin/python'  # a python with faster-whisper (bench/tts_asr.py score); none = no WER
 mos_python = '../mosvenv/bin/python'  # a python with speechmos (bench/tts_mos.py); none = no DNSMOS
-vocoders = '../models/hifigan/generator_universal.pth.tar,../models/hifigan/generator_LJSpeech.pth.tar'  # HiFi-GAN files the speech also goes through; missing = left out
+# HiFi-GAN generators the TTS stages' speech also goes through (docs/tts.md); one missing is left out
+vocoders = '../models/hifigan/generator_universal.pth.tar,../models/hifigan/generator_LJSpeech.pth.tar'
 whisper = '../models/whisper-base-ct2'  # Whisper base in CTranslate2 layout (../shared/tools/make_whisper_base.py)
 # -----------------------------------------------------------------------------
 configure(globals())
@@ -353,7 +354,7 @@ def tts_table(report):
                          + ' |')
         ran = report['seeds'][:len(figures['val loss'])]  # tts_seeds of them
         for i, seed in enumerate(ran if len(ran) > 1 else []):
-            lines.append(f"| | seed {seed} | " + ' | '.join(cells({k: figures[k][i] for k in columns})) + ' |')
+            lines.append(f"| | seed {seed} | " + ' | '.join(cells({k: figures[k][i] for k in columns if k in figures})) + ' |')
     return '\n'.join(lines)
 
 

@@ -14,9 +14,9 @@ The held-out utterances of any LJSpeech-layout corpus: the checkpoint's held-out
 (train_tts.py's val_fraction), or with --held_out_dir every utterance of a corpus of sentences the model never
 saw (e.g. one made with make_piper_ljspeech.py --skip). Without --ckpt (d) is not written, without --vocoder (c).
 `synthesize` writes 16 kHz WAVs of each kind and manifest.json (with the real-time factors of the model's
-speech and of the vocoder alone, and --n_timesteps, --temperature, --length_scale, --guidance if given); `score` decodes them (beam 5, English,
-temperature 0: no sampled fallback, so a rerun gives the same words) and writes whisper_<kinds>.json with
-every transcript. Both sides are compared after `normalize` (its docstring states the rules).
+speech and of the vocoder alone, and the synthesis settings: --n_timesteps, --temperature, --length_scale and
+--guidance override the checkpoint's); `score` decodes them (beam 5, English, temperature 0: no sampled
+fallback, so a rerun gives the same words) and writes whisper_<kinds>.json with every transcript. Both sides are compared after `normalize` (its docstring states the rules).
 """
 import argparse
 import json

@@ -72,59 +72,74 @@ def synthesize(args):
         json.dump(manifest, f, indent=1)
 
 
+def similarities(embed, scored, trained):
+    """Rows of the similarity table from embed {(kind, voice): (n, d) unit vectors of its scored utterances}
+    (kinds 'reference', 'speaker', 'clip'); scored: the voices; trained: those the model trained on. Each voice's
+    centroid is the normalised mean of its recordings. A row: the mean cosine of a kind's utterances to their own
+    voice's centroid (for the recordings, each against the centroid of the others: leave one out) and to the
+    nearest training voice's other than their own."""
+    import numpy as np
+
+    def unit(v):
+        return v / np.linalg.norm(v)
+    centroid = {s: unit(embed['reference', s].mean(0)) for s in scored}
+    rows = []
+    for kind in ('reference', 'speaker', 'clip'):
+        for voice in scored:
+            if (kind, voice) not in embed:
+                continue
+            e = embed[kind, voice]
+            own = (np.mean([e[i] @ unit(np.delete(e, i, 0).mean(0)) for i in range(len(e))]) if kind == 'reference'
+                   else (e @ centroid[voice]).mean())
+            other = {s: float((e @ centroid[s]).mean()) for s in scored if s != voice and s in trained}
+            nearest = max(other, key=other.get)
+            rows.append(dict(kind=kind, speaker=voice, seen=voice in trained, own=float(own), nearest_other=nearest,
+                             other=other[nearest], closer=bool(own > other[nearest])))
+    return rows
+
+
+def table(rows):
+    """The markdown summary of similarities' rows: per kind and seen/unseen voices, the mean cosines and how many
+    voices are nearer their own."""
+    lines = ['| speech | voices | own voice, mean cosine | nearest other voice | nearer its own |',
+             '| --- | --- | --- | --- | --- |']
+    for kind, label in (('reference', 'recordings'), ('speaker', 'model, --speaker'), ('clip', 'model, --voice_clip')):
+        for seen in (True, False):
+            r = [x for x in rows if x['kind'] == kind and x['seen'] == seen]
+            if r:
+                lines.append(f"| {label} | {'training' if seen else 'unseen'} ({len(r)}) | "
+                             f"{sum(x['own'] for x in r) / len(r):.3f} | {sum(x['other'] for x in r) / len(r):.3f} | "
+                             f"{sum(x['closer'] for x in r)}/{len(r)} |")
+    return '\n'.join(lines)
+
+
 def score(args):
     import numpy as np
     from resemblyzer import VoiceEncoder, preprocess_wav
 
     with open(os.path.join(args.wav_dir, 'manifest.json')) as f:
         manifest = json.load(f)
-    trained = set(manifest['trained'])
     encoder = VoiceEncoder('cpu')
-    embed = {}  # (kind, speaker) -> [unit vectors]
+    embed = {}
     for kind in ('reference', 'speaker', 'clip'):
-        for speaker, utt_ids in manifest['scored'].items():
-            paths = [os.path.join(args.wav_dir, kind, speaker, u + '.wav') for u in utt_ids]
+        for voice, utt_ids in manifest['scored'].items():
+            paths = [os.path.join(args.wav_dir, kind, voice, u + '.wav') for u in utt_ids]
             if all(os.path.exists(p) for p in paths):
                 e = np.stack([encoder.embed_utterance(preprocess_wav(p)) for p in paths])
-                embed[kind, speaker] = e / np.linalg.norm(e, axis=1, keepdims=True)
-
-    def unit(v):
-        return v / np.linalg.norm(v)
-
-    centroid = {s: unit(embed['reference', s].mean(0)) for s in manifest['scored']}
-    rows = []
-    for kind in ('reference', 'speaker', 'clip'):
-        for speaker in manifest['scored']:
-            if (kind, speaker) not in embed:
-                continue
-            e = embed[kind, speaker]
-            # the recordings: each utterance against its own voice's centroid without it (leave one out)
-            own = (np.mean([e[i] @ unit(np.delete(e, i, 0).mean(0)) for i in range(len(e))]) if kind == 'reference'
-                   else float((e @ centroid[speaker]).mean()))
-            rivals = [s for s in manifest['scored'] if s != speaker and s in trained]  # the training voices
-            other = {s: float((e @ centroid[s]).mean()) for s in rivals}
-            nearest = max(other, key=other.get)
-            rows.append(dict(kind=kind, speaker=speaker, seen=speaker in trained, own=float(own),
-                             nearest_other=nearest, other=other[nearest], closer=bool(own > other[nearest])))
+                embed[kind, voice] = e / np.linalg.norm(e, axis=1, keepdims=True)
+    rows = similarities(embed, list(manifest['scored']), set(manifest['trained']))
     with open(os.path.join(args.wav_dir, 'similarity.json'), 'w') as f:
         json.dump(dict(manifest=manifest, rows=rows), f, indent=1)
-    print('| speech | voices | own voice (mean cosine) | nearest other voice | closer to its own |')
-    print('|---|---|---|---|---|')
-    for kind, label in (('reference', 'recordings'), ('speaker', 'model, --speaker'), ('clip', 'model, --voice_clip')):
-        for seen in (True, False):
-            r = [x for x in rows if x['kind'] == kind and x['seen'] == seen]
-            if r:
-                print(f"| {label} | {'training' if seen else 'unseen'} ({len(r)}) | {np.mean([x['own'] for x in r]):.3f} "
-                      f"| {np.mean([x['other'] for x in r]):.3f} | {sum(x['closer'] for x in r)}/{len(r)} |")
+    print(table(rows))
     for x in rows:
         if not x['closer']:
-            print(f"  {x['kind']} {x['speaker']}: own {x['own']:.3f} < {x['nearest_other']} {x['other']:.3f}")
+            print(f"  {x['kind']} {x['speaker']}: own {x['own']:.3f} <= {x['nearest_other']} {x['other']:.3f}")
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.strip().split('\n\n')[0])
     steps = ap.add_subparsers(dest='step', required=True)
-    step = steps.add_parser('synthesize', help="the recordings and the model's speech as 16 kHz WAVs (nanotrain's venv)")
+    step = steps.add_parser('synthesize', help="the recordings and the model's speech, 16 kHz WAVs (nanotrain's venv)")
     step.add_argument('--ckpt', required=True, help='a train_tts.py checkpoint of a multi_speaker=True run')
     step.add_argument('--held_out_dir', required=True, help="rows id|speaker|text (bench/make_voices_corpus.py's)")
     step.add_argument('--wav_dir', required=True)

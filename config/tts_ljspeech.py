@@ -4,6 +4,7 @@
 # then: python sample_tts.py --out_dir=out-tts-ljspeech --text="Printing, in the only sense..." --wav=out.wav
 # Any LJSpeech-layout corpus works (metadata.csv + wavs/); see config/tts_espeak_cpu.py for a CPU-sized run.
 
+text_frontend = 'phonemes'   # as Matcha-TTS; on the Piper corpus phonemes halved Whisper's errors (docs/tts.md)
 out_dir = 'out-tts-ljspeech'
 eval_interval = 2000
 log_interval = 50

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import random
+import shutil
 import stat
 import sys
 import wave
@@ -717,6 +718,25 @@ def test_a_voice_from_a_clip(tmp_path):
                  *extra], check=False)
         assert_user_error(p, message)
         assert clip.read_bytes() == before
+    # bench/tts_voices.py synthesize: the recordings, each training voice by name and every voice from its first
+    # utterance (the clip), an unseen one included; the clip itself is not scored
+    held_out = tmp_path / 'held_out'
+    shutil.copytree(corpus, held_out)
+    rows = (held_out / 'metadata.csv').read_text().splitlines()
+    unseen = [r.replace('|hi|', '|mid|') for r in rows if '|hi|' in r][:3]
+    for r in unseen:
+        shutil.copy(held_out / 'wavs' / f"{r.split('|')[0]}.wav", held_out / 'wavs' / f"M{r.split('|')[0]}.wav")
+    (held_out / 'metadata.csv').write_text('\n'.join(rows + ['M' + r for r in unseen]) + '\n')
+    wav_dir = tmp_path / 'voices'
+    run(['bench/tts_voices.py', 'synthesize', f"--ckpt={out / 'ckpt.pt'}", f'--held_out_dir={held_out}',
+         f'--wav_dir={wav_dir}', '--utterances=2'])
+    manifest = json.loads((wav_dir / 'manifest.json').read_text())
+    assert manifest['trained'] == ['hi', 'lo'] and set(manifest['scored']) == {'hi', 'lo', 'mid'}
+    for voice, utt_ids in manifest['scored'].items():
+        assert len(utt_ids) == 2 and manifest['clips'][voice] not in utt_ids
+        for kind in ('reference', 'clip') + (('speaker',) if voice != 'mid' else ()):
+            assert sorted(os.listdir(wav_dir / kind / voice)) == sorted(u + '.wav' for u in utt_ids)
+    assert not (wav_dir / 'speaker' / 'mid').exists()
     one_voice = tmp_path / 'one'
     train(one_voice, corpus, '--max_iters=1', '--eval_interval=1', '--multi_speaker=True', '--spk_channels=8',
           '--audio_samples=0', '--eval_utterances=1')

@@ -198,9 +198,13 @@ def run_checked(argv, what):
         sys.exit(f"error: {what} failed with exit {done.returncode}:\n{done.stderr[-3000:]}")
 
 
+def vocoder_short(path):
+    """'universal' for .../generator_universal.pth.tar: what names a vocoder's folder and rows."""
+    return os.path.basename(path).split('.')[0].removeprefix('generator_')
+
+
 def vocoder_name(path):
-    """'HiFi-GAN universal' for .../generator_universal.pth.tar: the label of a vocoder's rows."""
-    return 'HiFi-GAN ' + os.path.basename(path).split('.')[0].removeprefix('generator_')
+    return f'HiFi-GAN {vocoder_short(path)}'
 
 
 def speech_scores(stage, out_dir, ckpt='', vocoder=''):
@@ -211,7 +215,7 @@ def speech_scores(stage, out_dir, ckpt='', vocoder=''):
     the scores are read back when newer than what was spoken."""
     corpus, held_out = TTS_CORPORA[stage]
     kinds = 'model' if ckpt else 'vocoder' if vocoder else 'reference,griffin_lim'
-    wav_dir = os.path.join(out_dir, 'asr' + (f"-{vocoder_name(vocoder)[9:]}" if vocoder else ''))
+    wav_dir = os.path.join(out_dir, 'asr' + (f'-{vocoder_short(vocoder)}' if vocoder else ''))
     result = os.path.join(ROOT, wav_dir, f"whisper_{kinds.replace(',', '_')}.json")
     mos = os.path.join(ROOT, wav_dir, f"dnsmos_{kinds.replace(',', '_')}.json")
     source = os.path.join(ROOT, ckpt) if ckpt else os.path.join(ROOT, held_out or corpus, 'metadata.csv')
@@ -354,7 +358,8 @@ def tts_table(report):
                          + ' |')
         ran = report['seeds'][:len(figures['val loss'])]  # tts_seeds of them
         for i, seed in enumerate(ran if len(ran) > 1 else []):
-            lines.append(f"| | seed {seed} | " + ' | '.join(cells({k: figures[k][i] for k in columns if k in figures})) + ' |')
+            seed_figures = {k: figures[k][i] for k in columns if k in figures}
+            lines.append(f"| | seed {seed} | " + ' | '.join(cells(seed_figures)) + ' |')
     return '\n'.join(lines)
 
 
@@ -581,8 +586,9 @@ if set(todo) & set(TTS_CORPORA) and not asr:
 dnsmos = asr and os.path.exists(os.path.join(ROOT, mos_python))
 if set(todo) & set(TTS_CORPORA) and asr and not dnsmos:
     print(f"no speechmos python at mos_python={mos_python!r}: text-to-speech is reported without DNSMOS")
-vocoder_files = [v for v in vocoders.split(',') if v and os.path.exists(os.path.join(ROOT, v))] if asr else []
-if set(todo) & set(TTS_CORPORA) and asr and len(vocoder_files) < len([v for v in vocoders.split(',') if v]):
+listed_vocoders = [v for v in vocoders.split(',') if v]
+vocoder_files = [v for v in listed_vocoders if os.path.exists(os.path.join(ROOT, v))] if asr else []
+if set(todo) & set(TTS_CORPORA) and asr and len(vocoder_files) < len(listed_vocoders):
     print(f"vocoders={vocoders!r}: only {vocoder_files} found (../shared/tools/get_hifigan.py, docs/tts.md): the "
           f"speech goes through those and Griffin-Lim")
 t_start = time.time()

@@ -16,7 +16,8 @@ saw (e.g. one made with make_piper_ljspeech.py --skip). Without --ckpt (d) is no
 `synthesize` writes 16 kHz WAVs of each kind and manifest.json (with the real-time factors of the model's
 speech and of the vocoder alone, and the synthesis settings: --n_timesteps, --temperature, --length_scale and
 --guidance override the checkpoint's); `score` decodes them (beam 5, English, temperature 0: no sampled
-fallback, so a rerun gives the same words) and writes whisper_<kinds>.json with every transcript. Both sides are compared after `normalize` (its docstring states the rules).
+fallback, so a rerun gives the same words) and writes whisper_<kinds>.json with every transcript. Both sides
+are compared after `normalize` (its docstring states the rules).
 """
 import argparse
 import json
@@ -61,12 +62,20 @@ def error_rates(pairs):
             sum(edit_distance(r, h) for r, h in pairs) / chars)
 
 
+def write_16k(path, wav, rate):
+    """A waveform at rate Hz written to path as a 16 kHz WAV (the scorers' rate), scaled down if it clips.
+    nanotrain's venv only (bench/tts_voices.py writes with it too)."""
+    import torchaudio
+    from tts.data import write_wav
+    wav = torchaudio.functional.resample(wav.float(), rate, ASR_RATE)
+    write_wav(path, wav / max(1.0, wav.abs().max().item()), ASR_RATE)
+
+
 def synthesize(args):
     # torch and nanotrain only here: `score` runs in the ASR venv, which has neither
     import torch
-    import torchaudio
     sys.path.insert(0, ROOT)
-    from tts.data import MEL_SETTINGS, MelExtractor, read_metadata, read_speakers, read_wav, split_ids, write_wav
+    from tts.data import MEL_SETTINGS, MelExtractor, read_metadata, read_speakers, read_wav, split_ids
     from tts.model import load_tts, synthesize as speak
     from tts.vocoder import load_vocoder
 
@@ -118,9 +127,7 @@ def synthesize(args):
             clock['model'] += time.perf_counter() - t0
             spoken['model'] += len(wavs['model']) / rate
         for kind in kinds:
-            wav = torchaudio.functional.resample(wavs[kind].float(), rate, ASR_RATE)
-            write_wav(os.path.join(args.wav_dir, kind, utt_id + '.wav'), wav / max(1.0, wav.abs().max().item()),
-                      ASR_RATE)
+            write_16k(os.path.join(args.wav_dir, kind, utt_id + '.wav'), wavs[kind], rate)
         print(f"{utt_id}: {words[utt_id]}", flush=True)
     with open(os.path.join(args.wav_dir, 'manifest.json'), 'w') as f:
         json.dump(dict(ckpt=os.path.abspath(args.ckpt) if ckpt else None, step=ckpt['iter_num'] if ckpt else None,

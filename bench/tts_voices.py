@@ -22,15 +22,16 @@ import json
 import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from tts_asr import write_16k  # noqa: E402  (Resemblyzer's input rate is Whisper's, 16 kHz)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RATE = 16000  # Resemblyzer's input rate
 
 
 def synthesize(args):
     import torch
-    import torchaudio
     sys.path.insert(0, ROOT)
-    from tts.data import MEL_SETTINGS, read_metadata, read_speakers, read_wav, write_wav
+    from tts.data import MEL_SETTINGS, read_metadata, read_speakers, read_wav
     from tts.model import clip_voice, load_tts, synthesize as speak
     from tts.vocoder import load_vocoder
 
@@ -39,6 +40,7 @@ def synthesize(args):
     trained = set(model.config.speakers)
     c = ckpt['config']
     vocode = load_vocoder(args.vocoder)
+    settings = (c['n_timesteps'], c['temperature'], c['length_scale'], c['guidance'], c['seed'], vocode)
     rate = MEL_SETTINGS['sample_rate']
     texts = dict(read_metadata(args.held_out_dir))
     speaker_of = read_speakers(args.held_out_dir)
@@ -51,8 +53,7 @@ def synthesize(args):
     def write(kind, speaker, utt_id, wav):
         path = os.path.join(args.wav_dir, kind, speaker, utt_id + '.wav')
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        wav = torchaudio.functional.resample(wav.float(), rate, RATE)
-        write_wav(path, wav / max(1.0, wav.abs().max().item()), RATE)
+        write_16k(path, wav, rate)
 
     for speaker, utt_ids in voices.items():
         utt_ids = utt_ids[:args.utterances + 1] if args.utterances else utt_ids
@@ -63,10 +64,9 @@ def synthesize(args):
         for utt_id in scored:
             write('reference', speaker, utt_id, read_wav(os.path.join(args.held_out_dir, 'wavs', utt_id + '.wav'),
                                                          rate)[0])
-            common = (c['n_timesteps'], c['temperature'], c['length_scale'], c['guidance'], c['seed'], vocode)
             if speaker in trained:
-                write('speaker', speaker, utt_id, speak(model, texts[utt_id], *common, speaker=speaker)[0])
-            write('clip', speaker, utt_id, speak(model, texts[utt_id], *common, voice=voice)[0])
+                write('speaker', speaker, utt_id, speak(model, texts[utt_id], *settings, speaker=speaker)[0])
+            write('clip', speaker, utt_id, speak(model, texts[utt_id], *settings, voice=voice)[0])
         print(f"{speaker}: {len(scored)} sentences{'' if speaker in trained else ' (unseen voice)'}", flush=True)
     with open(os.path.join(args.wav_dir, 'manifest.json'), 'w') as f:
         json.dump(manifest, f, indent=1)

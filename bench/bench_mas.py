@@ -1,7 +1,7 @@
 """
-Monotonic Alignment Search: the vectorised PyTorch version (tts_model.monotonic_alignment_search)
-against the plain-loop transcription of Glow-TTS's Cython kernel, on random batches of typical
-LJSpeech size. Checks they agree, prints the time of each.
+Monotonic Alignment Search: the vectorised PyTorch version (tts/model.py's
+monotonic_alignment_search) against the plain-loop transcription of Glow-TTS's Cython kernel, on
+random batches of typical LJSpeech size. Checks they agree, prints the time of each.
 
     python bench/bench_mas.py --batch=16 --tokens=150 --frames=600 --device=cpu
 """

@@ -17,7 +17,8 @@ def own_modules():
     modules = {}
     for folder, _, files in os.walk(ROOT):
         rel = os.path.relpath(folder, ROOT)
-        if rel != '.' and (rel.split(os.sep)[0] in ('tests', 'bench', 'config', 'data') or rel.startswith('.')):
+        top = rel.split(os.sep)[0]
+        if rel != '.' and (top in ('tests', 'bench', 'runs', 'config', 'data') or rel.startswith('.')):
             continue
         for name in files:
             if name.endswith('.py'):

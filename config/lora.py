@@ -19,7 +19,7 @@ batch_size = 32              # examples per micro-batch
 max_length = 64              # the tasks' examples are 13-36 tokens
 exact_match_examples = 200
 
-# From the sweep in bench/lora_sweep.md (python bench/report.py --lora_sweep=True): at 2000 steps exact match
+# From the sweep in runs/lora_sweep.md (python runs/report.py --lora_sweep=True): at 2000 steps exact match
 # peaks near lr 5e-3 (84.5%) and collapses above it (1e-2: 26%); lr 2e-3 over 4000 steps reached 95.5%,
 # against 91.5% for full SFT from the same pretrained model.
 learning_rate = 2e-3

@@ -32,6 +32,6 @@ align_prior_iters = 1000     # MAS leans on a diagonal prior that fades out over
 max_iters = 2000
 lr_schedule = 'cosine'
 warmup_iters = 500           # with 100, seed 1338's alignment shifted; with 500, 10 of 10 seeds
-                             # aligned (bench/tts_check.py, dev/LOG.md 2026-11-26)
+                             # aligned (runs/tts_check.py, dev/LOG.md 2026-11-26)
 lr_decay_iters = 2000
 min_lr = 1e-4

@@ -1,7 +1,7 @@
 # flow-matching TTS on a natural voice: 1,000 Piper "joe" utterances (42.5 min, 22050 Hz) read in
 # espeak-ng phonemes, sized to finish within an hour on 2 CPU cores (docs/tts.md, "A natural voice"):
 #   OMP_NUM_THREADS=1 python train_tts.py config/tts_natural_cpu.py --data_dir=../data/piper-ljspeech
-# config/tts_espeak_cpu.py with two changes, each measured on held-out sentences (bench/RESULTS.md):
+# config/tts_espeak_cpu.py with two changes, each measured on held-out sentences (runs/RESULTS.md):
 # phonemes instead of letters, and 2.5x the steps.
 text_frontend = 'phonemes'   # the transcripts' espeak-ng phonemes, made inside (tts/phonemes.py)
 

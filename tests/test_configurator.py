@@ -321,8 +321,8 @@ def script_config_keys(path):
 
 
 CONFIGURED_SCRIPTS = ['train.py', 'train_dpo.py', 'train_tts.py', 'sample.py', 'sample_tts.py', 'eval.py'] + sorted(
-    os.path.relpath(path, ROOT) for path in glob.glob(os.path.join(ROOT, 'bench', '*.py'))
-    if 'configure(globals())' in open(path, encoding='utf-8').read())
+    os.path.relpath(path, ROOT) for path in glob.glob(os.path.join(ROOT, 'bench', '*.py')) + glob.glob(
+        os.path.join(ROOT, 'runs', '*.py')) if 'configure(globals())' in open(path, encoding='utf-8').read())
 
 
 def test_configurator_names_no_script_key():

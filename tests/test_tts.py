@@ -219,8 +219,8 @@ def test_dtw_and_mcd():
 
 @pytest.mark.parametrize('cfg_drop', [0.0, 0.5])
 def test_flow_loss_does_not_train_the_encoder(cfg_drop):
-    # the decoder's condition is detached (tts_model.TTSModel.forward), also when guidance dropout rebuilds it:
-    # the encoder learns from the prior loss alone
+    # the decoder's condition is detached (tts/model.py's TTSModel.forward), also when guidance
+    # dropout rebuilds it: the encoder learns from the prior loss alone
     torch.manual_seed(0)
     model = TTSModel(TTSConfig(symbols='abcdef', n_mels=8, enc_channels=16, enc_layers=1, enc_heads=2,
                                enc_ff_channels=32, dp_channels=16, dec_channels=16, dec_blocks=1, dec_heads=2,
@@ -430,7 +430,7 @@ def test_train_smoke_faults_and_synthesis(tmp_path, straight_run):
 
 @pytest.mark.slow
 def test_alignment_stats_agree_with_the_runs_held_out_prior(tmp_path, corpus, straight_run):
-    # bench/tts_check.py's measures: the prior loss as train_tts.py's evaluation computes it, shares in [0, 1]
+    # runs/tts_check.py's measures: the prior loss as train_tts.py's evaluation computes it, shares in [0, 1]
     out, _ = straight_run
     model = load_tts(load(out / 'ckpt.pt'))
     rows = read_metadata(str(corpus))
@@ -599,12 +599,12 @@ def test_relaunch_after_sigkill_continues_the_run(tmp_path, corpus):
 
 @pytest.mark.slow
 def test_asr_synthesis_writes_only_the_kinds_asked_for(tmp_path, corpus, straight_run):
-    """bench/tts_asr.py synthesize: with --kinds=model only the checkpoint speaks (the recordings and Griffin-Lim
-    do not depend on it, and bench/report.py scores them once per corpus); by default all three kinds."""
+    """runs/tts_asr.py synthesize: with --kinds=model only the checkpoint speaks (the recordings and Griffin-Lim
+    do not depend on it, and runs/report.py scores them once per corpus); by default all three kinds."""
     ckpt = straight_run[0] / 'ckpt.pt'
     for kinds, expected in (('model', ['model']), ('', ['griffin_lim', 'model', 'reference', 'vocoder'])):
         wav_dir = tmp_path / (kinds or 'all')
-        run(['bench/tts_asr.py', 'synthesize', f'--ckpt={ckpt}', f'--wav_dir={wav_dir}', '--utterances=1',
+        run(['runs/tts_asr.py', 'synthesize', f'--ckpt={ckpt}', f'--wav_dir={wav_dir}', '--utterances=1',
              f'--kinds={kinds}', f'--vocoder={VOCODER}'])
         assert sorted(json.loads((wav_dir / 'manifest.json').read_text())['kinds']) == expected
         assert sorted(d.name for d in wav_dir.iterdir() if d.is_dir()) == expected
@@ -614,12 +614,12 @@ def test_asr_synthesis_writes_only_the_kinds_asked_for(tmp_path, corpus, straigh
     manifest = json.loads((tmp_path / 'all' / 'manifest.json').read_text())
     assert set(manifest['rtf']) == {'model', 'vocoder'} and min(manifest['rtf'].values()) > 0
     # the synthesis knobs override the checkpoint's, and the manifest says which were used
-    run(['bench/tts_asr.py', 'synthesize', f'--ckpt={ckpt}', f'--wav_dir={tmp_path / "one_step"}', '--utterances=1',
+    run(['runs/tts_asr.py', 'synthesize', f'--ckpt={ckpt}', f'--wav_dir={tmp_path / "one_step"}', '--utterances=1',
          '--kinds=model', '--n_timesteps=1', '--temperature=0'])
     manifest = json.loads((tmp_path / 'one_step' / 'manifest.json').read_text())
     assert manifest['synthesis']['n_timesteps'] == 1 and manifest['synthesis']['temperature'] == 0
     assert (tmp_path / 'one_step' / 'model' / name).read_bytes() != (tmp_path / 'model' / 'model' / name).read_bytes()
-    p = run(['bench/tts_asr.py', 'synthesize', f'--wav_dir={tmp_path / "x"}', f'--data_dir={corpus}',
+    p = run(['runs/tts_asr.py', 'synthesize', f'--wav_dir={tmp_path / "x"}', f'--data_dir={corpus}',
              '--kinds=model'], check=False)
     assert p.returncode != 0 and "'model' needs --ckpt" in p.stderr
 
@@ -718,7 +718,7 @@ def test_a_voice_from_a_clip(tmp_path):
                  *extra], check=False)
         assert_user_error(p, message)
         assert clip.read_bytes() == before
-    # bench/tts_voices.py synthesize: the recordings, each training voice by name and every voice from its first
+    # runs/tts_voices.py synthesize: the recordings, each training voice by name and every voice from its first
     # utterance (the clip), an unseen one included; the clip itself is not scored
     held_out = tmp_path / 'held_out'
     shutil.copytree(corpus, held_out)
@@ -728,7 +728,7 @@ def test_a_voice_from_a_clip(tmp_path):
         shutil.copy(held_out / 'wavs' / f"{r.split('|')[0]}.wav", held_out / 'wavs' / f"M{r.split('|')[0]}.wav")
     (held_out / 'metadata.csv').write_text('\n'.join(rows + ['M' + r for r in unseen]) + '\n')
     wav_dir = tmp_path / 'voices'
-    run(['bench/tts_voices.py', 'synthesize', f"--ckpt={out / 'ckpt.pt'}", f'--held_out_dir={held_out}',
+    run(['runs/tts_voices.py', 'synthesize', f"--ckpt={out / 'ckpt.pt'}", f'--held_out_dir={held_out}',
          f'--wav_dir={wav_dir}', '--utterances=2'])
     manifest = json.loads((wav_dir / 'manifest.json').read_text())
     assert manifest['trained'] == ['hi', 'lo'] and set(manifest['scored']) == {'hi', 'lo', 'mid'}

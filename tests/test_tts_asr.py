@@ -1,4 +1,4 @@
-"""bench/tts_asr.py's text normalisation and error rates against values worked out by hand (the script's
+"""runs/tts_asr.py's text normalisation and error rates against values worked out by hand (the script's
 `score` step needs faster-whisper and a Whisper model; these helpers need neither)."""
 
 import json
@@ -7,7 +7,7 @@ import subprocess
 import sys
 import wave
 
-from bench.tts_asr import edit_distance, error_rates, normalize
+from runs.tts_asr import edit_distance, error_rates, normalize
 
 
 def test_normalize_lowercases_strips_punctuation_and_collapses_spaces():
@@ -34,7 +34,7 @@ def test_error_rates_sum_edits_over_the_corpus():
 
 
 def test_dnsmos_means_every_kind_over_the_held_out(tmp_path):
-    """bench/tts_mos.py on a synthesize folder, with a stand-in speechmos whose scores are the clip's length
+    """runs/tts_mos.py on a synthesize folder, with a stand-in speechmos whose scores are the clip's length
     in seconds (the real one runs in its own venv): each kind's means over its utterances, all in the JSON."""
     fake = tmp_path / 'fake' / 'speechmos'
     fake.mkdir(parents=True)
@@ -52,7 +52,7 @@ def test_dnsmos_means_every_kind_over_the_held_out(tmp_path):
     manifest = dict(ckpt=None, kinds=list(seconds), held_out={'a': 'x', 'b': 'y'})
     (wav_dir / 'manifest.json').write_text(json.dumps(manifest))
     env = dict(os.environ, PYTHONPATH=str(tmp_path / 'fake'))
-    p = subprocess.run([sys.executable, 'bench/tts_mos.py', f'--wav_dir={wav_dir}'], env=env, capture_output=True,
+    p = subprocess.run([sys.executable, 'runs/tts_mos.py', f'--wav_dir={wav_dir}'], env=env, capture_output=True,
                        text=True)
     assert p.returncode == 0, p.stderr
     result = json.loads((wav_dir / 'dnsmos_reference_model.json').read_text())

@@ -1,9 +1,9 @@
-"""bench/tts_voices.py's similarity table against cosines worked out by hand on made-up speaker embeddings (the
+"""runs/tts_voices.py's similarity table against cosines worked out by hand on made-up speaker embeddings (the
 scorer itself, Resemblyzer, lives in its own venv; tests/test_tts.py runs the synthesis step)."""
 import numpy as np
 import pytest
 
-from bench.tts_voices import similarities, table
+from runs.tts_voices import similarities, table
 
 
 def unit(*v):
@@ -41,7 +41,7 @@ def test_similarities_compare_each_voice_with_its_own_and_the_nearest_other():
 
 
 def test_the_voices_corpus_keeps_held_out_sentences_apart(tmp_path):
-    """bench/make_voices_corpus.py: joe's rows and each espeak-ng voice's own sentences in the training corpus,
+    """runs/make_voices_corpus.py: joe's rows and each espeak-ng voice's own sentences in the training corpus,
     the held-out sentences read by every voice (unseen ones too) and never trained on, each voice at one speed.
     espeak-ng is faked: a script on PATH that writes a silent WAV and logs its arguments."""
     import json
@@ -67,7 +67,7 @@ def test_the_voices_corpus_keeps_held_out_sentences_apart(tmp_path):
     source = tmp_path / 'source.txt'
     source.write_text('\n'.join(f'This is a usable sentence for the voices, number {"x" * k}.' for k in range(1, 12)))
     out = tmp_path / 'voices'
-    subprocess.run([sys.executable, 'bench/make_voices_corpus.py', f'--joe_dir={tmp_path / "joe"}',
+    subprocess.run([sys.executable, 'runs/make_voices_corpus.py', f'--joe_dir={tmp_path / "joe"}',
                     f'--joe_held_out_dir={tmp_path / "joe-held"}', f'--source={source}', f'--out={out}',
                     '--voices=a,b', '--unseen_voices=c', '--utterances=3', '--joe_utterances=2', '--held_out=2'],
                    cwd=root, check=True, capture_output=True, env=dict(os.environ, PATH=f"{fake.parent}:"

@@ -91,7 +91,7 @@ def alignment_stats(model, dataset, frame_budget):
 
 # -----------------------------------------------------------------------------
 # TensorBoard media and held-out synthesis, with the
-# model's inference settings (tts_model.synthesize)
+# model's inference settings (tts/model.py's synthesize)
 
 
 def mel_image(mel):

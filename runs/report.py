@@ -1,5 +1,5 @@
 """
-bench/RESULTS.md's generated table, regenerated: runs the documented commands as a user would (default
+runs/RESULTS.md's generated table, regenerated: runs the documented commands as a user would (default
 pretraining, SFT, LoRA, DPO) over several seeds, reads each run's log.jsonl, and writes a report with,
 per figure, the median and the range over the seeds, every seed's value, the commit, the machine and
 the wall time (nanochat's report card: nobody types a result). Every model of the chain, and a published
@@ -7,22 +7,22 @@ chat model (SmolLM2-135M-Instruct, built by ../shared/tools/make_smollm2_hf.py) 
 SFT and after RL on it, also answers the same held-out number-task prompts through `eval.py` (exact match,
 BLEU, ROUGE-L side by side). The published model's LoRA SFT runs once, on the first seed (~17 min on 2 cores);
 its RL runs on every seed from that one SFT model. The text-to-speech recipes (espeak-ng's voice, and a natural
-one: docs/tts.md) are scored as papers do: Whisper's error rates on held-out sentences (bench/tts_asr.py, in its
+one: docs/tts.md) are scored as papers do: Whisper's error rates on held-out sentences (runs/tts_asr.py, in its
 own venv at asr_python), beside the recordings and their mel through Griffin-Lim, with MCD-DTW and real-time factor.
 
-    python bench/report.py                    # the full report: bench/report.md, bench/report.json and bench/RESULTS.md's table
-    python bench/report.py --table_only=True  # no runs: bench/RESULTS.md's table rewritten from the committed bench/report.json
-    python bench/report.py --quick=True       # the machinery in minutes (one seed, few steps): bench/results/report-quick.*
-    python bench/report.py --lora_sweep=True  # instead, the LoRA recipe sweep (first seed): bench/lora_sweep.*
-    python bench/report.py --stages=pretrain,sft --reuse=True  # some stages; finished runs are read, not rerun
-    python bench/report.py --stages=tts-espeak,tts-natural  # the text-to-speech table; the other stages are kept
+    python runs/report.py                    # the full report: runs/report.md, runs/report.json and runs/RESULTS.md's table
+    python runs/report.py --table_only=True  # no runs: runs/RESULTS.md's table rewritten from the committed runs/report.json
+    python runs/report.py --quick=True       # the machinery in minutes (one seed, few steps): runs/results/report-quick.*
+    python runs/report.py --lora_sweep=True  # instead, the LoRA recipe sweep (first seed): runs/lora_sweep.*
+    python runs/report.py --stages=pretrain,sft --reuse=True  # some stages; finished runs are read, not rerun
+    python runs/report.py --stages=tts-espeak,tts-natural  # the text-to-speech table; the other stages are kept
 
 With a nanoGPT checkout at nanogpt_dir (`git clone https://github.com/karpathy/nanoGPT /tmp/nanoGPT`), the
 speedrun's ratios (bench/speedrun.py, its own alternating pairs) join the report; without one they are skipped.
 
 Each stage runs the documented command with --seed, its own --out_dir under work_dir and --init_from at the
 previous stage's checkpoint, so a user's out/, out-sft/, ... are never touched. tests/test_report.py
-checks that bench/RESULTS.md's table is this report's. Timings and quality are never unit tests.
+checks that runs/RESULTS.md's table is this report's. Timings and quality are never unit tests.
 """
 
 import glob
@@ -45,21 +45,21 @@ from tasks.number_tasks import NUMBER_TASKS_DIR, prepare_number_tasks  # noqa: E
 # -----------------------------------------------------------------------------
 seeds = (1337, 1338, 1339, 1340, 1341)  # one run of every stage per seed
 tts_seeds = 3                # the text-to-speech stages run on the first tts_seeds seeds only (~55 min a seed)
-quick = False                # one seed, a few steps per stage: checks the machinery, writes bench/results/report-quick.*
-lora_sweep = False           # instead of the report: LORA_SWEEP against full SFT on the first seed, into bench/lora_sweep.*
+quick = False                # one seed, a few steps per stage: checks the machinery, writes runs/results/report-quick.*
+lora_sweep = False           # instead of the report: LORA_SWEEP against full SFT on the first seed, into runs/lora_sweep.*
 nanogpt_dir = '/tmp/nanoGPT'  # a nanoGPT checkout: bench/speedrun.py's ratios join the report (its 3 pairs); '' or none there = skipped
-work_dir = 'bench/results/report'  # the runs' out_dirs
+work_dir = 'runs/results/report'  # the runs' out_dirs
 reuse = False                # a run whose out_dir holds a finished run of the same command and code is read, not run again
-results_md = True            # put the report's table into bench/RESULTS.md (between the report markers); not with quick
-table_only = False           # no runs: rewrite bench/RESULTS.md's table from the committed bench/report.json, and stop
+results_md = True            # put the report's table into runs/RESULTS.md (between the report markers); not with quick
+table_only = False           # no runs: rewrite runs/RESULTS.md's table from the committed runs/report.json, and stop
 stages = 'pretrain,sft,lora,dpo,rl,hf-lora,hf-rl,tts-espeak,tts-natural'  # the stages run (each after its start)
 hf_model = 'models/smollm2-135m-instruct'  # the published chat model of the hf- stages; not there = they are skipped
 heldout_examples = 500       # held-out number-task prompts every model answers through eval.py (test.jsonl's first)
 espeak_dir = '../shared/data/espeak-ljspeech'  # tts-espeak's corpus; its held-out split is scored
 natural_dir = '../data/piper-ljspeech'  # tts-natural's corpus (docs/tts.md: a Piper corpus)
 natural_heldout_dir = '../data/piper-ljspeech-heldout'  # sentences tts-natural never trains on
-asr_python = '../asrvenv/bin/python'  # a python with faster-whisper (bench/tts_asr.py score); none = no WER
-mos_python = '../mosvenv/bin/python'  # a python with speechmos (bench/tts_mos.py); none = no DNSMOS
+asr_python = '../asrvenv/bin/python'  # a python with faster-whisper (runs/tts_asr.py score); none = no WER
+mos_python = '../mosvenv/bin/python'  # a python with speechmos (runs/tts_mos.py); none = no DNSMOS
 # HiFi-GAN generators the TTS stages' speech also goes through (docs/tts.md); one missing is left out
 vocoders = '../models/hifigan/generator_universal.pth.tar,../models/hifigan/generator_LJSpeech.pth.tar'
 whisper = '../models/whisper-base-ct2'  # Whisper base in CTranslate2 layout (../shared/tools/make_whisper_base.py)
@@ -68,7 +68,7 @@ configure(globals())
 if quick:
     seeds = seeds[:1]
     work_dir = work_dir + '-quick'
-report_path = os.path.join(ROOT, 'bench', 'results', 'report-quick') if quick else os.path.join(ROOT, 'bench', 'report')
+report_path = os.path.join(ROOT, 'runs', 'results', 'report-quick') if quick else os.path.join(ROOT, 'runs', 'report')
 
 TTS_QUICK = ['--max_iters=20', '--lr_decay_iters=20', '--warmup_iters=2', '--align_prior_iters=10',
              '--eval_interval=20', '--eval_utterances=2', '--audio_samples=0']
@@ -208,8 +208,8 @@ def vocoder_name(path):
 
 
 def speech_scores(stage, out_dir, ckpt='', vocoder=''):
-    """{kind: {figure: value}} of the held-out sentences: Whisper's error rates (bench/tts_asr.py), DNSMOS with
-    mos_python (bench/tts_mos.py) and the real-time factor of synthesis through a vocoder. The kinds: with ckpt
+    """{kind: {figure: value}} of the held-out sentences: Whisper's error rates (runs/tts_asr.py), DNSMOS with
+    mos_python (runs/tts_mos.py) and the real-time factor of synthesis through a vocoder. The kinds: with ckpt
     the model's speech ('model'), without one the floors: the recordings and their mel through Griffin-Lim, or
     the mel through the vocoder ('vocoder'). The speech goes through vocoder ('' = Griffin-Lim); with reuse,
     the scores are read back when newer than what was spoken."""
@@ -221,17 +221,17 @@ def speech_scores(stage, out_dir, ckpt='', vocoder=''):
     source = os.path.join(ROOT, ckpt) if ckpt else os.path.join(ROOT, held_out or corpus, 'metadata.csv')
     if not (reuse and os.path.exists(result) and os.path.getmtime(result) > os.path.getmtime(source)
             and (os.path.exists(mos) or not dnsmos)):
-        synthesize = ['bench/tts_asr.py', 'synthesize', f'--wav_dir={wav_dir}', f'--kinds={kinds}',
+        synthesize = ['runs/tts_asr.py', 'synthesize', f'--wav_dir={wav_dir}', f'--kinds={kinds}',
                       *([f'--ckpt={ckpt}'] if ckpt else []), *([f'--vocoder={vocoder}'] if vocoder else []),
                       f'--held_out_dir={held_out}' if held_out else f'--data_dir={corpus}',
                       *(['--utterances=2'] if quick else [])]
         print(f"[{time.strftime('%H:%M:%S')}] python {' '.join(synthesize)}", flush=True)
         run_checked([sys.executable, *synthesize], f"synthesizing {stage}'s held-out sentences")
-        score = ['bench/tts_asr.py', 'score', f'--wav_dir={wav_dir}', f'--whisper={whisper}', f'--kinds={kinds}']
+        score = ['runs/tts_asr.py', 'score', f'--wav_dir={wav_dir}', f'--whisper={whisper}', f'--kinds={kinds}']
         print(f"[{time.strftime('%H:%M:%S')}] {asr_python} {' '.join(score)}", flush=True)
         run_checked([asr_python, *score], f"Whisper on {stage}'s speech")
         if dnsmos:
-            rate = ['bench/tts_mos.py', f'--wav_dir={wav_dir}', f'--kinds={kinds}']
+            rate = ['runs/tts_mos.py', f'--wav_dir={wav_dir}', f'--kinds={kinds}']
             print(f"[{time.strftime('%H:%M:%S')}] {mos_python} {' '.join(rate)}", flush=True)
             run_checked([mos_python, *rate], f"DNSMOS of {stage}'s speech")
     with open(result) as f:
@@ -265,7 +265,7 @@ def commit():
     status = subprocess.run(['git', 'status', '--porcelain', '--untracked-files=no'], cwd=ROOT, capture_output=True,
                             text=True).stdout.splitlines()
     # the files a report writes itself (a partial report's earlier runs) do not make its code dirty
-    dirty = [line for line in status if line[3:] not in ('bench/report.json', 'bench/report.md', 'bench/RESULTS.md',
+    dirty = [line for line in status if line[3:] not in ('runs/report.json', 'runs/report.md', 'runs/RESULTS.md',
                                                          'README.md')]
     return done.stdout.strip() + (' (with uncommitted changes)' if dirty else '')
 
@@ -431,11 +431,11 @@ def heldout_table(report):
     return '\n'.join(lines) + (f"\n\n{changes_table(report)}" if any(s in report['heldout'] for s in STARTS) else '')
 
 
-RESULTS_BEGIN = '<!-- report: generated by bench/report.py, do not edit -->'
+RESULTS_BEGIN = '<!-- report: generated by runs/report.py, do not edit -->'
 RESULTS_END = '<!-- report end -->'
-RESULTS_PATH = os.path.join(ROOT, 'bench', 'RESULTS.md')
-README_BEGIN, README_END = '<!-- held-out: generated by bench/report.py, do not edit -->', '<!-- held-out end -->'
-README_TTS_BEGIN, README_TTS_END = '<!-- tts: generated by bench/report.py, do not edit -->', '<!-- tts end -->'
+RESULTS_PATH = os.path.join(ROOT, 'runs', 'RESULTS.md')
+README_BEGIN, README_END = '<!-- held-out: generated by runs/report.py, do not edit -->', '<!-- held-out end -->'
+README_TTS_BEGIN, README_TTS_END = '<!-- tts: generated by runs/report.py, do not edit -->', '<!-- tts end -->'
 README_PATH = os.path.join(ROOT, 'README.md')
 
 
@@ -453,7 +453,7 @@ def write_report(report):
     m = report['machine']
     walls = ', '.join(f"{stage} {statistics.median(t) / 60:.1f} min" for stage, t in report['wall_s'].items())
     text = [f"# nanotrain results report\n",
-            f"`python bench/report.py{' --quick=True' if quick else ''}` on {report['date']}, commit "
+            f"`python runs/report.py{' --quick=True' if quick else ''}` on {report['date']}, commit "
             f"{report['commit']}. Machine: {m['cpu']}, {m['threads']} threads, torch {m['torch']}, "
             f"Python {m['python']}" + (f", {m['gpu']}" if m['gpu'] else ', no GPU') + '.',
             f"Wall time per run (median over seeds): {walls}; the whole report {report['total_s'] / 60:.1f} min"
@@ -483,12 +483,12 @@ def put_between(path, begin, end, block):
 
 
 def put_in_results(table, report):
-    """The report's tables into bench/RESULTS.md, and its held-out comparison into the README."""
+    """The report's tables into runs/RESULTS.md, and its held-out comparison into the README."""
     put_between(RESULTS_PATH, RESULTS_BEGIN, RESULTS_END,
-                f"`python bench/report.py`, {report['date']}, commit {report['commit']}, {report['machine']['cpu']} "
-                f"({report['machine']['threads']} threads); full report: `bench/report.md`.{kept_note(report)}"
+                f"`python runs/report.py`, {report['date']}, commit {report['commit']}, {report['machine']['cpu']} "
+                f"({report['machine']['threads']} threads); full report: `runs/report.md`.{kept_note(report)}"
                 f"\n\n{table}")
-    print("updated bench/RESULTS.md's results table")
+    print("updated runs/RESULTS.md's results table")
     if report.get('heldout'):
         put_between(README_PATH, README_BEGIN, README_END, heldout_table(report))
         print("updated README.md's held-out table")
@@ -526,7 +526,7 @@ def heldout_scores(model, out, eval_data):
 
 
 def lora_sweep_report():
-    """Full SFT and every LORA_SWEEP recipe from the first seed's pretrained model: bench/lora_sweep.md/.json."""
+    """Full SFT and every LORA_SWEEP recipe from the first seed's pretrained model: runs/lora_sweep.md/.json."""
     seed = seeds[0]
     sft_figures = {}
     for stage in ('pretrain', 'sft'):
@@ -541,11 +541,11 @@ def lora_sweep_report():
               flush=True)
     sweep = dict(date=time.strftime('%Y-%m-%d'), commit=commit(), machine=machine(), seed=seed, sft=sft_figures,
                  runs=runs)
-    path = os.path.join(ROOT, 'bench', 'results' if quick else '', 'lora_sweep')
+    path = os.path.join(ROOT, 'runs', 'results' if quick else '', 'lora_sweep')
     with open(path + '.json', 'w') as f:
         json.dump(sweep, f, indent=1)
     lines = [f"# LoRA recipe sweep\n",
-             f"`python bench/report.py --lora_sweep=True` on {sweep['date']}, commit {sweep['commit']}, "
+             f"`python runs/report.py --lora_sweep=True` on {sweep['date']}, commit {sweep['commit']}, "
              f"{sweep['machine']['cpu']}: seed {seed}, every recipe from the same pretrained model, against full SFT "
              f"(`python train.py config/sft.py`): exact match {sft_figures['exact match']:.1%}, val loss "
              f"{sft_figures['val loss']:.4f}.\n",
@@ -563,7 +563,7 @@ if lora_sweep:
     lora_sweep_report()
     sys.exit(0)
 if table_only:
-    with open(os.path.join(ROOT, 'bench', 'report.json')) as f:
+    with open(os.path.join(ROOT, 'runs', 'report.json')) as f:
         saved = json.load(f)
     put_in_results(results_table(saved), saved)
     sys.exit(0)

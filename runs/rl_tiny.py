@@ -6,9 +6,9 @@ two kinds it half knows (the next number, counting digits), once on all six. Eac
 themselves, one thread each; the table gives the held-out pass@1/pass@4 (sampled at temperature 1) and the
 greedy exact match before and after RL, and the training reward of the first and last quarters of its steps.
 
-    OMP_NUM_THREADS=1 python bench/bench_rl_tiny.py      # ~10 minutes on a busy 2-core CPU
+    OMP_NUM_THREADS=1 python runs/rl_tiny.py      # ~10 minutes on a busy 2-core CPU
 
-Everything is written under bench/results/rl_tiny/ (a rerun starts over).
+Everything is written under runs/results/rl_tiny/ (a rerun starts over).
 """
 
 import json
@@ -23,7 +23,7 @@ sys.path.insert(0, ROOT)
 from data import prepare
 from tasks.number_tasks import prepare_number_tasks
 
-OUT = os.path.join(ROOT, 'bench', 'results', 'rl_tiny')
+OUT = os.path.join(ROOT, 'runs', 'results', 'rl_tiny')
 MODEL = ['--n_layer=2', '--n_head=2', '--n_embd=64', '--block_size=64', '--dropout=0.0', '--device=cpu',
          '--dtype=float32', '--tensorboard=False', '--batch_size=16', '--eval_iters=5', '--log_interval=100']
 RL = ['--device=cpu', '--dtype=float32', '--tensorboard=False', '--eval_prompts=100', '--pass_k=4',

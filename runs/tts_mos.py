@@ -1,11 +1,11 @@
 """
 Naturalness of held-out speech as TTS papers report it without listeners: Microsoft's DNSMOS (P.835: speech
 SIG, background BAK, overall OVRL; and the P.808 predictor), whose ONNX models ship inside the `speechmos`
-package, never a nanotrain dependency: run it in its own venv on the 16 kHz WAVs `bench/tts_asr.py synthesize`
+package, never a nanotrain dependency: run it in its own venv on the 16 kHz WAVs `runs/tts_asr.py synthesize`
 wrote (every kind: recordings, the reference mel through each vocoder, the model's speech).
 
     python -m venv ../mosvenv && ../mosvenv/bin/pip install speechmos librosa onnxruntime
-    OMP_NUM_THREADS=1 ../mosvenv/bin/python bench/tts_mos.py --wav_dir=/tmp/tts_asr
+    OMP_NUM_THREADS=1 ../mosvenv/bin/python runs/tts_mos.py --wav_dir=/tmp/tts_asr
 
 Prints the mean of each score per kind and writes dnsmos_<kinds>.json (every utterance's scores) beside them.
 """
@@ -21,7 +21,7 @@ SCORES = ('ovrl_mos', 'sig_mos', 'bak_mos', 'p808_mos')
 
 if __name__ == '__main__':
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    parser.add_argument('--wav_dir', required=True, help="bench/tts_asr.py synthesize's output folder")
+    parser.add_argument('--wav_dir', required=True, help="runs/tts_asr.py synthesize's output folder")
     parser.add_argument('--kinds', default='', help="e.g. 'model'; '' = every kind synthesized")
     args = parser.parse_args()
     from speechmos import dnsmos

@@ -3,7 +3,7 @@
 from a corpus made with make_piper_ljspeech.py) beside espeak-ng's voice variants as distinct speakers.
 
     apt-get install espeak-ng          # the espeak-ng program (Debian/Ubuntu)
-    python bench/make_voices_corpus.py --joe_dir=data/piper-ljspeech --joe_held_out_dir=data/piper-ljspeech-heldout \
+    python runs/make_voices_corpus.py --joe_dir=data/piper-ljspeech --joe_held_out_dir=data/piper-ljspeech-heldout \
         --source=data/tinyshakespeare.txt --out=data/voices
 
 Writes two LJSpeech-layout folders with rows id|speaker|text (Matcha-TTS's VCTK filelists):

@@ -6,9 +6,9 @@ model is judged against) and (d) the model's speech synthesized from text, throu
 Griffin-Lim. Two steps in two environments, because faster-whisper is never a nanotrain
 dependency (the score step needs no torch):
 
-    OMP_NUM_THREADS=1 python bench/tts_asr.py synthesize --ckpt=out-tts-espeak/ckpt.pt --wav_dir=/tmp/tts_asr
+    OMP_NUM_THREADS=1 python runs/tts_asr.py synthesize --ckpt=out-tts-espeak/ckpt.pt --wav_dir=/tmp/tts_asr
     python -m venv asrvenv && asrvenv/bin/pip install faster-whisper   # model: ../shared/tools/make_whisper_base.py
-    OMP_NUM_THREADS=1 asrvenv/bin/python bench/tts_asr.py score --wav_dir=/tmp/tts_asr --whisper=models/whisper-base-ct2
+    OMP_NUM_THREADS=1 asrvenv/bin/python runs/tts_asr.py score --wav_dir=/tmp/tts_asr --whisper=models/whisper-base-ct2
 
 The held-out utterances of any LJSpeech-layout corpus: the checkpoint's held-out split of its corpus
 (train_tts.py's val_fraction), or with --held_out_dir every utterance of a corpus of sentences the model never
@@ -64,7 +64,7 @@ def error_rates(pairs):
 
 def write_16k(path, wav, rate):
     """A waveform at rate Hz written to path as a 16 kHz WAV (the scorers' rate), scaled down if it clips.
-    nanotrain's venv only (bench/tts_voices.py writes with it too)."""
+    nanotrain's venv only (runs/tts_voices.py writes with it too)."""
     import torchaudio
     from tts.data import write_wav
     wav = torchaudio.functional.resample(wav.float(), rate, ASR_RATE)

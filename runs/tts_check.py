@@ -1,11 +1,12 @@
 """
-Quick check that the TTS recipe learns its alignment: trains config/tts_espeak_cpu.py with train_tts.py
-for 500 steps per seed, ~4 min on one core (the first steps of the full recipe: same lr schedule), then
-measures the alignment of the held-out utterances (tts_eval.alignment_stats) against thresholds. A failed
-alignment (the prior loss stalls; most characters get one frame, or the pauses land a token or two off)
-shows here in minutes instead of after the full run. Exit status 1 when a seed fails.
+Quick check that the TTS recipe learns its alignment: trains config/tts_espeak_cpu.py with
+train_tts.py for 500 steps per seed, ~4 min on one core (the first steps of the full recipe: same lr
+schedule), then measures the alignment of the held-out utterances (tts/eval.py's alignment_stats)
+against thresholds. A failed alignment (the prior loss stalls; most characters get one frame, or the
+pauses land a token or two off) shows here in minutes instead of after the full run.
+Exit status 1 when a seed fails.
 
-    OMP_NUM_THREADS=1 python bench/tts_check.py --data_dir=../shared/data/espeak-ljspeech --seeds=1337,5,2
+    OMP_NUM_THREADS=1 python runs/tts_check.py --data_dir=../shared/data/espeak-ljspeech --seeds=1337,5,2
 
 Arguments after the known ones go to train_tts.py, e.g. --align_prior_iters=0 (plain MAS).
 """

@@ -3,12 +3,12 @@ Speaker similarity of a multi-speaker TTS model as papers report it: the cosine 
 embeddings (GE2E, its weights shipped inside the package) of the model's speech and each voice's held-out
 recordings. Two steps in two environments, because resemblyzer is never a nanotrain dependency:
 
-    OMP_NUM_THREADS=1 python bench/tts_voices.py synthesize --ckpt=out-tts-voices/ckpt.pt \
+    OMP_NUM_THREADS=1 python runs/tts_voices.py synthesize --ckpt=out-tts-voices/ckpt.pt \
         --held_out_dir=data/voices-heldout --wav_dir=/tmp/tts_voices
     python -m venv resvenv && resvenv/bin/pip install torch resemblyzer 'setuptools<70'
-    resvenv/bin/python bench/tts_voices.py score --wav_dir=/tmp/tts_voices
+    resvenv/bin/python runs/tts_voices.py score --wav_dir=/tmp/tts_voices
 
-The held-out corpus (rows id|speaker|text, bench/make_voices_corpus.py) has sentences no voice trained on, read
+The held-out corpus (rows id|speaker|text, runs/make_voices_corpus.py) has sentences no voice trained on, read
 by the training voices and by voices the model never heard. For each voice its first utterance is the clip
 (sample_tts.py --voice_clip) and the rest are scored. `synthesize` writes 16 kHz WAVs: the recordings, the
 model's speech by name (--speaker, training voices) and from the clip (--voice_clip, every voice).
@@ -141,7 +141,7 @@ def main():
     steps = ap.add_subparsers(dest='step', required=True)
     step = steps.add_parser('synthesize', help="the recordings and the model's speech, 16 kHz WAVs (nanotrain's venv)")
     step.add_argument('--ckpt', required=True, help='a train_tts.py checkpoint of a multi_speaker=True run')
-    step.add_argument('--held_out_dir', required=True, help="rows id|speaker|text (bench/make_voices_corpus.py's)")
+    step.add_argument('--held_out_dir', required=True, help="rows id|speaker|text (runs/make_voices_corpus.py's)")
     step.add_argument('--wav_dir', required=True)
     step.add_argument('--utterances', type=int, default=0, help='scored sentences per voice; 0 = all but the clip')
     step.add_argument('--vocoder', default='', help="a HiFi-GAN generator file; '' = Griffin-Lim")

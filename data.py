@@ -1,8 +1,6 @@
 """
-Pretraining data: corpus preparation and batch sampling (the tokenizers are in lm/tokenizer.py,
-fine-tuning's chat and preference data in lm/chat_data.py).
-
-Prepare a dataset once; training then reads random windows of the token files:
+Prepare a pretraining corpus once: tokenize it into the token files train.py reads random windows of
+(lm/token_data.py; the tokenizers are in lm/tokenizer.py, fine-tuning's chat data in lm/chat_data.py).
 
     python data.py                  # default corpus: the Python standard library's own sources,
                                     # BPE tokenizer (4096 tokens), cached in data/stdlib
@@ -23,10 +21,9 @@ import time
 import urllib.request
 
 import numpy as np
-import torch
 
 from configurator import UserError, install_excepthook, require_writable_folder
-from lm.tokenizer import DEFAULT_DATA_DIR, BPETokenizer, CharTokenizer, dataset_file, read_meta, train_bpe
+from lm.tokenizer import DEFAULT_DATA_DIR, BPETokenizer, CharTokenizer, read_meta, train_bpe
 
 # folders of the standard library that are not library code (test suites, installed packages)
 STDLIB_SKIP = {'test', 'tests', 'idle_test', 'site-packages', 'dist-packages', '__pycache__'}
@@ -195,66 +192,6 @@ def prepare_default(data_dir=DEFAULT_DATA_DIR, vocab_size=4096):
     print(f"preparing the default corpus (the Python standard library's sources) in {data_dir}, once")
     require_writable_folder(data_dir, 'data_dir')
     return write_dataset(docs, data_dir, 'bpe', vocab_size, 0.1, source)
-
-
-# -----------------------------------------------------------------------------
-# batch sampling
-
-def to_device(tensors, device):
-    """CPU tensors moved to device; to CUDA through pinned memory, so the copy overlaps compute."""
-    if torch.device(device).type == 'cuda':
-        return [t.pin_memory().to(device, non_blocking=True) for t in tensors]
-    return [t.to(device) for t in tensors]
-
-
-class TokenBatches:
-    """Random block_size windows of a token .bin file, drawn from a seeded generator.
-
-    DDP: every rank builds this with the same seed and calls sample_offsets for the whole global
-    batch (world_size * grad_accum * micro_batch offsets), so all ranks draw the same offsets and
-    the generator state is the same everywhere (any rank's state_dict resumes all). Rank r takes
-    the contiguous slice offsets.tensor_split(world_size)[r] and splits it into grad_accum
-    micro-batches: its micro-step k is global micro-batch r * grad_accum + k, so 2 ranks x
-    grad_accum A train on exactly the samples of 1 process x grad_accum 2A."""
-
-    def __init__(self, bin_path, block_size, seed):
-        self.bin_path = bin_path
-        self.block_size = block_size
-        self.dtype = np.dtype(read_meta(os.path.dirname(bin_path) or '.')['dtype'])
-        self.n_tokens = os.path.getsize(dataset_file(*os.path.split(bin_path))) // self.dtype.itemsize
-        if self.n_tokens < block_size + 1:
-            raise UserError(f"{bin_path} has {self.n_tokens} tokens, fewer than block_size + 1 = "
-                            f"{block_size + 1}. Use a smaller --block_size or a bigger corpus.")
-        self.generator = torch.Generator().manual_seed(seed)
-        self.batches_drawn = 0
-
-    def sample_offsets(self, n):
-        self.batches_drawn += 1
-        return torch.randint(self.n_tokens - self.block_size, (n,), generator=self.generator)
-
-    def get(self, offsets, device='cpu'):
-        """(x, y) int64 (len(offsets), block_size); y[:, t] is the token after x[:, t]."""
-        # a fresh memmap per call: a long-lived one keeps growing in memory (nanoGPT's note)
-        data = np.memmap(self.bin_path, dtype=self.dtype, mode='r')
-        windows = np.stack([data[i:i + self.block_size + 1] for i in offsets.tolist()])
-        windows = torch.from_numpy(windows.astype(np.int64))
-        x, y = to_device([windows[:, :-1].contiguous(), windows[:, 1:].contiguous()], device)
-        return x, y
-
-    def state_dict(self):
-        return {'generator': self.generator.get_state(), 'batches_drawn': self.batches_drawn}
-
-    def load_state_dict(self, state):
-        self.generator.set_state(state['generator'])
-        self.batches_drawn = state['batches_drawn']
-
-
-def eval_offsets(n_tokens, block_size, n, seed=1234):
-    """The same n window starts at every evaluation, so successive val losses compare."""
-    if n_tokens < block_size + 1:
-        raise UserError(f"the eval split has {n_tokens} tokens, fewer than block_size + 1 = "
-                        f"{block_size + 1}. Use a smaller --block_size or a bigger corpus.")
-    return torch.randint(n_tokens - block_size, (n,), generator=torch.Generator().manual_seed(seed))
 
 
 # -----------------------------------------------------------------------------

@@ -87,11 +87,11 @@ unreferenced = [row['line'] for row in rows if generation and row['references'] 
 if metric_names and unreferenced:
     raise UserError(f"{task_path}:{unreferenced[0]} has no reference, which metrics={metrics!r} need: give it "
                     f"\"reference\": str or \"references\": [str, ...], or pass --metrics='' to only generate.")
-device = pick_device(device)
-autocast = autocast_context(device, pick_dtype(device, dtype))
+local_device = pick_device(device)  # 'auto' resolved
+autocast = autocast_context(local_device, pick_dtype(local_device, dtype))
 torch.manual_seed(seed)
 model, tokenizer, chat, ckpt_path = load_for_generation(model_path(init_from, out_dir, ckpt_name), data_dir,
-                                                        chat_template_variables, device)
+                                                        chat_template_variables, local_device)
 block_size = model.config.block_size
 try:
     rows = with_fewshot(kind, rows, num_fewshot, description, target_delimiter, chat)
@@ -152,7 +152,7 @@ if generation:
     if not max_new_tokens and new_tokens < 256:
         print(f"answers of up to {new_tokens} tokens: the longest prompt ({task_path}:{rows[longest]['line']}, "
               f"{len(prompts[longest])} tokens) leaves that many of the model's block_size of {block_size}")
-    generator = torch.Generator(device=device).manual_seed(seed)
+    generator = torch.Generator(device=local_device).manual_seed(seed)
     progress = tqdm(total=len(rows), desc=f"generation {os.path.basename(task_path)}", unit='example')
     # shortest prompts first: a batch pads its prompts to its longest
     order = sorted(range(len(rows)), key=lambda i: len(prompts[i]))

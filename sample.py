@@ -39,27 +39,27 @@ check_values(config, [
     (FOLDER, ('out_dir',)),
 ])
 
-# nanoGPT's spelling of "out_dir's checkpoint"
-init_from = '' if init_from == 'resume' else init_from
-device = pick_device(device)
-autocast = autocast_context(device, pick_dtype(device, dtype))
-model, tokenizer, chat, _ = load_for_generation(model_path(init_from, out_dir, ckpt_name), data_dir,
-                                                chat_template_variables, device)
+# '' and nanoGPT's 'resume' mean out_dir's checkpoint
+local_device = pick_device(device)  # 'auto' resolved
+autocast = autocast_context(local_device, pick_dtype(local_device, dtype))
+model, tokenizer, chat, _ = load_for_generation(model_path('' if init_from == 'resume' else init_from, out_dir,
+                                                           ckpt_name), data_dir, chat_template_variables, local_device)
 
+text = start
 if start.startswith('FILE:'):
     try:
         with open(start[5:], encoding='utf-8') as f:
-            start = f.read()
+            text = f.read()
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"start={start!r}: cannot read the prompt file ({e}); name a UTF-8 text file.") from None
 # a chat model answers start as a user turn; other text opens
 # as the tokenizer opens a text (a published model's BOS)
-ids = (tokenizer.encode_prompt([{'role': 'user', 'content': start}]) if chat
-       else tokenizer.document_prefix + tokenizer.encode(start))
+ids = (tokenizer.encode_prompt([{'role': 'user', 'content': text}]) if chat
+       else tokenizer.document_prefix + tokenizer.encode(text))
 if not ids:
     raise UserError("start is empty: give the model something to continue, e.g. --start='\\n' or a sentence.")
-prompt = torch.tensor([ids], dtype=torch.long, device=device)
-generator = torch.Generator(device=device).manual_seed(seed)
+prompt = torch.tensor([ids], dtype=torch.long, device=local_device)
+generator = torch.Generator(device=local_device).manual_seed(seed)
 with torch.no_grad(), autocast:
     for _ in range(num_samples):
         out = model.generate(prompt, max_new_tokens, temperature=temperature, top_k=top_k or None,

@@ -18,23 +18,26 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from configurator import FOLDER, POSITIVE, UserError, at_least, check_values, configure, interval, one_of
+from lm.chat_data import SFTBatches, load_sft_data
 from lm.heldout_eval import HeldOut, metric_names, print_sample, report_heldout
 from lm.lora import apply_lora, frozen_base_dtype, load_adapters, lora_optimizer, lora_state_dict, save_merged
 from lm.muon import Muon, muon_param_groups
-from lm.tokenizer import chat_tokenizer
-from losses import check_loss_weights, combine_losses, target_weights, token_weight_table, weighted_cross_entropy, z_loss
+from lm.token_data import TokenBatches, eval_offsets
+from lm.tokenizer import chat_tokenizer, prompt_and_answer
+from losses import (check_loss_weights, combine_losses, target_weights, token_weight_table, weighted_cross_entropy,
+                    z_loss)
 from memory import MemoryMonitor, halve_micro_batch, peak_memory_bytes, recover_from_oom, resumed_micro_batch
 from run.checkpoint import (CHECKPOINT_FORMATS, check_compatible, restore_training_state, training_state,
                             write_checkpoint)
 from run.device import DTYPES, GradScaler, autocast_context, pick_dtype
 from run.fsdp import PARALLEL, check_parallel, place_model, same_init_on_every_rank
-from run.run_data import gpt_run_data
-from run.run_folder import continued_origin, open_run, require_starting_weights, run_log, run_origin
-from run.runtime import (StepProfiler, StopSignal, after_eval, all_reduce_metrics, bad_step, clip_grad_norm,
-                         compute_cleanup, compute_init, gradient_sync, keep_log_until, log, patience_exhausted,
-                         rank_batches, wrap_model)
+from run.run_folder import (continued_origin, open_run, require_starting_weights, run_log, run_origin,
+                            training_data_hash)
+from run.runtime import (StepProfiler, StopSignal, all_reduce_metrics, bad_step, clip_grad_norm, compute_cleanup,
+                         compute_init, gradient_sync, log, prepare_once, rank_batches, wrap_model)
 from run.starting_model import full_model_checkpoint, hf_source, model_hash, run_model_args, run_tokenizer, starting_gpt
 from scheduler import SCHEDULES, LRSchedule, set_lr
+from tasks.number_tasks import NUMBER_TASKS_DIR, prepare_number_tasks
 
 # -----------------------------------------------------------------------------
 # I/O
@@ -148,53 +151,76 @@ if training_type == 'lora' and optimizer_type != 'adamw':
     raise UserError("training_type='lora' trains its adapters with AdamW; set optimizer_type='adamw'.")
 fine_tuning = training_type != 'from_scratch'
 
+if fine_tuning and max_length > block_size:
+    raise UserError(f"max_length={max_length} is longer than block_size={block_size}; lower max_length.")
+
+# -----------------------------------------------------------------------------
 # processes and device (run/runtime.py: one process per GPU under torchrun), precision
 compute = compute_init(device, seed, num_threads)
-ddp, rank, local_rank, world_size, device = compute
-master, device_type = rank == 0, device.split(':')[0]
-ptdtype = pick_dtype(device, dtype)
-autocast = autocast_context(device, ptdtype)
-check_parallel(parallel, ddp, device, ptdtype, optimizer_type, fsdp_cpu_offload)
+ddp, rank, local_rank, world_size, local_device = compute  # local_device: device resolved for this process
+master, device_type = rank == 0, local_device.split(':')[0]
+ptdtype = pick_dtype(local_device, dtype)
+autocast = autocast_context(local_device, ptdtype)
+check_parallel(parallel, ddp, local_device, ptdtype, optimizer_type, fsdp_cpu_offload)
 base_dtype = frozen_base_dtype(lora_base_dtype, ptdtype, training_type == 'lora', parallel, "training_type='lora'")
 
-# out_dir: written and locked before any work; a checkpoint there is this run's, never another's
-init_from = continued_origin(init_from, out_dir, resume)  # nanoGPT's 'resume': the run's own
-this_run = dict(script='train.py', training_type=training_type, init_from=run_origin(init_from))
-# FSDP reads its shards of a sharded checkpoint
+# out_dir: locked before any work; a checkpoint there is this run's to continue, never another's.
+# nanoGPT's init_from='resume' starts where out_dir's run started
+start_from = continued_origin(init_from, out_dir, resume)
+this_run = dict(script='train.py', training_type=training_type, init_from=run_origin(start_from))
+# under FSDP each rank reads its shards of a sharded checkpoint
 out_dir_lock, ckpt_path, ckpt = open_run(config, this_run, master, whole=parallel != 'fsdp' or training_type == 'lora')
 resuming = ckpt is not None
-require_starting_weights(ckpt, init_from, eval_only, ckpt_path, hf_folders=True,
-                         made_by='`python train.py` (pretraining)' if init_from == 'out/ckpt.pt' else None)
-# the model the run starts from; a published model (or a fine-tune of one) brings its shape and
-# tokenizer. As stored (memory-mapped, its file's dtype): under FSDP each rank reads its shard; a
-# 16-bit LoRA base needs no float32 copy
-model_ckpt, model_ckpt_path = full_model_checkpoint(ckpt, ckpt_path, init_from, out_dir, training_type,
+require_starting_weights(ckpt, start_from, eval_only, ckpt_path, hf_folders=True,
+                         made_by='`python train.py` (pretraining)' if start_from == 'out/ckpt.pt' else None)
+# the whole model the run starts from (None: from scratch), as stored (memory-mapped, its file's
+# dtype): under FSDP each rank reads its shard; a 16-bit LoRA base needs no float32 copy
+model_ckpt, model_ckpt_path = full_model_checkpoint(ckpt, ckpt_path, start_from, out_dir, training_type,
                                                     as_stored=parallel == 'fsdp' or base_dtype != torch.float32)
-# its config files, which export.py writes back
+# a published model's config files, which export.py writes back
 hf_files = hf_source(model_ckpt, chat_template_variables)
 
-# data: the model's own tokenizer (a published model),
-# else data_dir's; rank 0 prepares the default data once
-data_dir, base_tokenizer = run_tokenizer(data_dir, model_ckpt, model_ckpt_path, compute,
-                                         hf_files.get('chat_template_variables'), init_from)
-# fine-tuning: chat examples in the model's own chat
-# template, or in nanotrain's, whose special tokens it gains
-tokenizer = chat_tokenizer(base_tokenizer) if fine_tuning else base_tokenizer
-train_batches, val_batches, val_indices, sample_prompt, exact_match_prompts, train_data_hash = gpt_run_data(
-    config, data_dir, tokenizer, ckpt, compute)
+# data: the tokenizer is a published model's own, else corpus_dir's (data_dir, or the default corpus,
+# which rank 0 prepares once)
+corpus_dir, base_tokenizer = run_tokenizer(data_dir, model_ckpt, model_ckpt_path, compute,
+                                           hf_files.get('chat_template_variables'), start_from)
+eval_examples = eval_iters * batch_size
+if not fine_tuning:
+    # pretraining: random windows of the token files; every eval scores the same val windows
+    tokenizer = base_tokenizer
+    train_batches = TokenBatches(os.path.join(corpus_dir, 'train.bin'), block_size, seed)
+    val_batches = TokenBatches(os.path.join(corpus_dir, 'val.bin'), block_size, seed)
+    val_indices = eval_offsets(val_batches.n_tokens, block_size, eval_examples)
+    sample_prompt, exact_match_prompts, train_data_hash = tokenizer.encode('\n'), [], None
+else:
+    # fine-tuning (docs/finetuning.md): chat examples in the model's own chat template, or in
+    # nanotrain's, whose special tokens it gains; '' = the embedded number tasks
+    tokenizer = chat_tokenizer(base_tokenizer)
+    sft_folder = sft_data or NUMBER_TASKS_DIR
+    if not sft_data:
+        prepare_once(prepare_number_tasks, compute)
+    train_examples, val_examples, held_out_chats = load_sft_data(sft_folder, tokenizer, max_length, overlong,
+                                                                 skip_malformed)
+    train_batches = SFTBatches(train_examples, seed, tokenizer.eos_id, max_length, pack, bucket_batches)
+    val_batches = SFTBatches(val_examples, seed, tokenizer.eos_id, max_length, pack)
+    val_indices = torch.arange(min(len(val_examples), eval_examples))
+    exact_match_prompts = [prompt_and_answer(tokenizer, chat) for chat in held_out_chats[:exact_match_examples]]
+    sample_prompt = prompt_and_answer(tokenizer, held_out_chats[0])[0]
+    # a continued run must still read the same examples
+    train_data_hash = training_data_hash(os.path.join(sft_folder, 'train.jsonl'), ckpt, out_dir, 'sft_data')
 # the held-out prompts answered and scored at each eval (none when pretraining)
 held_out = HeldOut(tokenizer, exact_match_prompts, eval_metric_names, batch_size, max_length)
 
-# model: from scratch, a checkpoint (shape, tokenizer must match the config) or a published model
-# a published model's own
+# model: from scratch, a checkpoint (its shape and tokenizer must match the config's) or a published
+# model (its own shape)
 model_args = run_model_args(config, model_ckpt, model_ckpt_path, tokenizer)
 # checkpoints written before they recorded their run (run_to_continue) are checked here
 if ckpt is not None:
     check_compatible({'optimizer_type': ckpt['config'].get('optimizer_type', 'adamw'),
                       'training_type': ckpt['config'].get('training_type', 'from_scratch')},
                      {'optimizer_type': optimizer_type, 'training_type': training_type}, 'optimizer', ckpt_path)
-# fine-tuning may add the chat tokens' rows
 with same_init_on_every_rank(seed, enabled=parallel == 'fsdp'):
+    # fine-tuning may add the chat tokens' rows (vocab_size: the rows the model had)
     model, vocab_size = starting_gpt(model_args, model_ckpt, model_ckpt_path, tokenizer,
                                      base_tokenizer if fine_tuning else None, parallel == 'fsdp', base_dtype)
     if training_type == 'lora':
@@ -203,12 +229,12 @@ with same_init_on_every_rank(seed, enabled=parallel == 'fsdp'):
         apply_lora(model, lora_r, lora_alpha, lora_dropout, lora_target_modules, use_rslora, lora_bias, added_tokens)
         if ckpt is not None:
             load_adapters(model, ckpt, ckpt_path, config)
-            # where the base is now (it may have moved)
+            # the base is named by where it is now (it may have moved) and its hash
             lora_base = os.path.abspath(model_ckpt_path), ckpt['base_hash']
         else:
-            lora_base = os.path.abspath(init_from), model_hash(init_from)
+            lora_base = os.path.abspath(start_from), model_hash(start_from)
 model.activation_checkpointing = activation_checkpointing
-place_model(model, parallel, device, ptdtype, fsdp_cpu_offload)
+place_model(model, parallel, local_device, ptdtype, fsdp_cpu_offload)
 # what we save and sample from: never compiled or DDP-wrapped (under FSDP: sharded)
 raw_model = model
 
@@ -221,11 +247,13 @@ else:
     optimizer = raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
 scaler = GradScaler(enabled=ptdtype == torch.float16)
 get_lr = LRSchedule.from_config(config)
+# the step's split into micro-batches: the config's, or what a continued run (or an OOM) left
+micro_batch_size, accumulation_steps = batch_size, gradient_accumulation_steps
 iter_num, best_val_loss, evals_without_improvement = 0, float('inf'), 0
 if ckpt is not None:
     train_batches.load_state_dict(ckpt['train_batches'])
-    batch_size, gradient_accumulation_steps, note = resumed_micro_batch(ckpt, batch_size, gradient_accumulation_steps,
-                                                                        world_size)
+    micro_batch_size, accumulation_steps, note = resumed_micro_batch(ckpt, batch_size, gradient_accumulation_steps,
+                                                                     world_size)
     if note:
         log(note)
     iter_num, best_val_loss, evals_without_improvement = restore_training_state(ckpt, ckpt_path, optimizer, scaler,
@@ -234,22 +262,23 @@ ckpt = model_ckpt = None  # free memory
 
 model = wrap_model(model, compile, ddp and parallel == 'ddp', local_rank, device_type)
 
-device_name = torch.cuda.get_device_name(device) if device_type == 'cuda' else device_type
+device_name = torch.cuda.get_device_name(local_device) if device_type == 'cuda' else device_type
 # windows, or examples when fine-tuning
-global_batch_size = batch_size * gradient_accumulation_steps * world_size
-log(f"device {device}, dtype {ptdtype}, {world_size} process(es){' (FSDP)' if parallel == 'fsdp' else ''}, "
+global_batch_size = micro_batch_size * accumulation_steps * world_size
+log(f"device {local_device}, dtype {ptdtype}, {world_size} process(es){' (FSDP)' if parallel == 'fsdp' else ''}, "
     f"{raw_model.get_num_params() / 1e6:.2f}M params, "
     + (f"{global_batch_size} examples" if fine_tuning else f"{global_batch_size * block_size:,} tokens") + " per step")
 
 # loss: token-weighted cross-entropy (losses.py), plus the terms weighted in loss_weights
-token_weight = token_weight_table(tokenizer.vocab_size, token_weights, tokenizer).to(device) if token_weights else None
+token_weight = token_weight_table(tokenizer.vocab_size, token_weights, tokenizer).to(local_device) \
+    if token_weights else None
 
 
 def get_batch(batches, indices):
     """(x, y, doc_ids) on the device; doc_ids only for packed fine-tuning rows, else None."""
     if fine_tuning:
-        return batches.get(indices, device)
-    return (*batches.get(indices, device), None)
+        return batches.get(indices, local_device)
+    return (*batches.get(indices, local_device), None)
 
 
 def labelled(x, y, doc_ids):
@@ -261,11 +290,11 @@ def labelled(x, y, doc_ids):
 
 
 @torch.no_grad()
-def evaluate():
+def evaluate(micro_batch_size):
     """Mean val loss per token (plain cross-entropy) over fixed val windows or examples, split across ranks."""
     model.eval()
-    total = torch.zeros(2, device=device)  # loss sum, token count
-    for indices, counted in rank_batches(val_indices, batch_size, rank, world_size, lockstep=parallel == 'fsdp'):
+    total = torch.zeros(2, device=local_device)  # loss sum, token count
+    for indices, counted in rank_batches(val_indices, micro_batch_size, rank, world_size, lockstep=parallel == 'fsdp'):
         with autocast:
             logits, targets = labelled(*get_batch(val_batches, indices))
         if counted:
@@ -278,13 +307,14 @@ def evaluate():
 
 
 def checkpoint_state():
+    """Everything a continued run needs, as of now."""
     # under FSDP sharded: write_checkpoint gathers or writes them
     weights = raw_model.state_dict(keep_vars=True)
     state = dict(training_state(this_run, config, optimizer, scaler, iter_num, best_val_loss,
                                 evals_without_improvement),
                  kind='gpt', model=weights, model_args=model_args, tokenizer=tokenizer.identity(),
-                 data_dir=os.path.abspath(data_dir), train_batches=train_batches.state_dict(), batch_size=batch_size,
-                 gradient_accumulation_steps=gradient_accumulation_steps,
+                 data_dir=os.path.abspath(corpus_dir), train_batches=train_batches.state_dict(),
+                 batch_size=micro_batch_size, gradient_accumulation_steps=accumulation_steps,
                  train_data_hash=train_data_hash, **hf_files)
     # adapters only: the frozen base stays in its own checkpoint, named by path and hash
     if training_type == 'lora':
@@ -298,18 +328,17 @@ def save(path):
     write_checkpoint(path, checkpoint_state(), checkpoint_format == 'sharded', master)
 
 
-profiler = StepProfiler(device, enabled=profile)
+profiler = StepProfiler(local_device, enabled=profile)
 
 
-def train_step(indices):
-    """Forward/backward over this rank's share of the global batch. Every token's loss is divided by
-    the total token weight of the whole global batch (all micro-batches, all ranks; the z-loss: by its
-    number of labelled positions), known before the first backward, so the gradient is the same however
-    the batch is split (1 x 4 accumulation = 4 x 1). Returns this rank's share of the total loss and of
-    each term (shares add up over ranks)."""
+def train_step(micro_batch_indices):
+    """Forward/backward over this rank's share of the global batch, one row of micro_batch_indices per
+    micro-batch. Every token's loss is divided by the total token weight of the whole global batch (all
+    micro-batches, all ranks; the z-loss: by its number of labelled positions), known before the first
+    backward, so the gradient is the same however the batch is split (1 x 4 accumulation = 4 x 1). Returns
+    this rank's share of the total loss and of each term (shares add up over ranks)."""
     with profiler.section('data'):
-        parts = indices.view(gradient_accumulation_steps, batch_size)
-        micro_batches = [get_batch(train_batches, part) for part in parts]
+        micro_batches = [get_batch(train_batches, indices) for indices in micro_batch_indices]
         weight_sum = sum(target_weights(y, token_weight).sum() for _, y, _ in micro_batches)
         label_count = sum((y != -100).sum() for _, y, _ in micro_batches).float()
         normalizers = torch.stack([weight_sum, label_count])
@@ -318,9 +347,8 @@ def train_step(indices):
         weight_sum, label_count = normalizers
     shares = {}
     for micro_step, (x, y, doc_ids) in enumerate(micro_batches):
-        last = micro_step == gradient_accumulation_steps - 1
         # only the last micro-batch reduces gradients across ranks
-        with gradient_sync(model, raw_model, sync=last):
+        with gradient_sync(model, raw_model, sync=micro_step == len(micro_batches) - 1):
             with profiler.section('forward'), autocast:
                 logits, targets = labelled(x, y, doc_ids)
                 terms = {'ce': weighted_cross_entropy(logits, targets, token_weight, weight_sum)}
@@ -335,25 +363,28 @@ def train_step(indices):
     return shares
 
 
-record, writer = run_log(out_dir, master, tensorboard, keep_log_until(eval_only, resuming, iter_num))
+# an eval_only run appends to the log; a continued run drops what it logged past its checkpoint
+record, writer = run_log(out_dir, master, tensorboard, math.inf if eval_only else iter_num if resuming else -1)
 
 if eval_only:
-    val_loss = evaluate()
+    val_loss = evaluate(micro_batch_size)
     log(f"step {iter_num}: val loss {val_loss:.4f}, perplexity {math.exp(val_loss):.2f}")
     record(dict(step=iter_num, val_loss=val_loss, val_ppl=math.exp(val_loss)))
     report_heldout(raw_model, held_out, autocast, iter_num, record)
     compute_cleanup(ddp)
     sys.exit(0)
 
+# -----------------------------------------------------------------------------
+# training
 stop = StopSignal()
-monitor = MemoryMonitor(device)
+monitor = MemoryMonitor(local_device)
 if iter_num == 0:
-    val_loss = evaluate()
+    val_loss = evaluate(micro_batch_size)
     log(f"step 0: val loss {val_loss:.4f}")
     record(dict(step=0, val_loss=val_loss, val_ppl=math.exp(val_loss), lr=0.0))
     report_heldout(raw_model, held_out, autocast, iter_num, record)
 bad_steps = 0
-# labels: positions through the output layer
+# throughput window; labels: the positions that pass through the output layer
 window_start, window_tokens, window_labels = time.time(), 0, 0
 progress = tqdm(total=max_iters, initial=iter_num, disable=not master, dynamic_ncols=True, desc='train')
 while iter_num < max_iters:
@@ -375,13 +406,14 @@ while iter_num < max_iters:
         step_tokens = step_labels = global_batch_size * block_size
     while True:
         try:
-            shares = train_step(global_batch.tensor_split(world_size)[rank])
+            shares = train_step(global_batch.tensor_split(world_size)[rank].view(accumulation_steps, micro_batch_size))
             break
         # CUDA raises torch.OutOfMemoryError, MPS a plain RuntimeError
         except RuntimeError as error:
-            recover_from_oom(error, ddp, optimizer, device)
-            batch_size, gradient_accumulation_steps = halve_micro_batch(batch_size, gradient_accumulation_steps)
-            log(f"step {iter_num}: out of memory, retrying with micro-batch {batch_size} x {gradient_accumulation_steps} accumulation")
+            recover_from_oom(error, ddp, optimizer, local_device)
+            micro_batch_size, accumulation_steps = halve_micro_batch(micro_batch_size, accumulation_steps)
+            log(f"step {iter_num}: out of memory, retrying with micro-batch {micro_batch_size} x {accumulation_steps} "
+                f"accumulation")
 
     with profiler.section('optimizer'):
         scaler.unscale_(optimizer)
@@ -410,7 +442,7 @@ while iter_num < max_iters:
         level = monitor.check()
         event = dict(step=iter_num, train_loss=loss, lr=lr, grad_norm=grad_norm, tokens_per_sec=tokens_per_sec,
                      mfu=mfu, memory_level=level, memory_usage=monitor.usage, memory_check_s=monitor.overhead_s,
-                     peak_memory_mb=(peak_memory_bytes(device) or 0) / 2**20,
+                     peak_memory_mb=(peak_memory_bytes(local_device) or 0) / 2**20,
                      loss_scale=scaler.get_scale())
         # each loss term separately
         event.update({f'train_{k}': v for k, v in losses.items() if k != 'loss'})
@@ -422,9 +454,12 @@ while iter_num < max_iters:
         window_start, window_tokens, window_labels = now, 0, 0
 
     if iter_num % eval_interval == 0 or iter_num == max_iters:
-        val_loss = evaluate()
-        improved, best_val_loss, evals_without_improvement = after_eval(val_loss, best_val_loss,
-                                                                        evals_without_improvement)
+        val_loss = evaluate(micro_batch_size)
+        improved = val_loss < best_val_loss
+        if improved:
+            best_val_loss, evals_without_improvement = val_loss, 0
+        else:
+            evals_without_improvement += 1
         log(f"step {iter_num}: val loss {val_loss:.4f}, perplexity {math.exp(val_loss):.2f}"
             + (" (best)" if improved else f" (no improvement for {evals_without_improvement} evals)"))
         record(dict(step=iter_num, val_loss=val_loss, val_ppl=math.exp(val_loss), lr=lr))
@@ -433,7 +468,8 @@ while iter_num < max_iters:
             save(os.path.join(out_dir, 'best.pt'))
         if improved or always_save_checkpoint:
             save(ckpt_path)
-        if patience_exhausted(early_stopping_patience, evals_without_improvement):
+        if early_stopping_patience and evals_without_improvement >= early_stopping_patience:
+            log(f"early stopping: no improvement for {evals_without_improvement} evals")
             break
         # throughput excludes eval time
         window_start, window_tokens, window_labels = time.time(), 0, 0
@@ -446,13 +482,14 @@ progress.close()
 save(ckpt_path)
 if training_type == 'lora':
     save_merged(out_dir, raw_model, master, model_args=model_args, config=config, iter_num=iter_num,
-                tokenizer=tokenizer.identity(), data_dir=os.path.abspath(data_dir), **hf_files)
+                tokenizer=tokenizer.identity(), data_dir=os.path.abspath(corpus_dir), **hf_files)
 
-# under FSDP every rank computes each token along
+# a fine-tuned model answers the first held-out prompt, stopping at <|end|>; in the run's precision
+# (a 16-bit LoRA base computes only under autocast), as exact match does. Under FSDP every rank
+# computes each token along
 if sample_tokens > 0 and (master or parallel == 'fsdp'):
-    # a fine-tuned model answers the first held-out prompt, stopping at <|end|>; in the run's
-    # precision, as exact match does
-    with autocast:  # (a 16-bit LoRA base computes only under it)
+    with autocast:
         print_sample(raw_model, tokenizer, sample_prompt, sample_tokens, tokenizer.eos_id if fine_tuning else None,
-                     seed, device, heading=f"--- sample (step {iter_num}, best val loss {best_val_loss:.4f}) ---")
+                     seed, local_device,
+                     heading=f"--- sample (step {iter_num}, best val loss {best_val_loss:.4f}) ---")
 compute_cleanup(ddp)

@@ -21,11 +21,10 @@ from configurator import (EMPTY_OR_FOLDER, FOLDER, POSITIVE, UserError, at_least
 from memory import MemoryMonitor, peak_memory_bytes, recover_from_oom, split_micro_batches
 from run.checkpoint import (check_compatible, load_checkpoint, restore_training_state, rng_state, set_rng_state,
                             training_state, write_checkpoint)
-from run.device import GradScaler, autocast_context, pick_dtype
+from run.device import GradScaler, autocast_context, pick_dtype, to_device
 from run.run_folder import continued_origin, open_run, require_starting_weights, run_log, run_origin
-from run.runtime import (StepProfiler, StopSignal, after_eval, all_reduce_metrics, bad_step, clip_grad_norm,
-                         compute_cleanup, compute_init, gradient_sync, keep_log_until, log, patience_exhausted,
-                         wrap_model)
+from run.runtime import (StepProfiler, StopSignal, all_reduce_metrics, bad_step, clip_grad_norm, compute_cleanup,
+                         compute_init, gradient_sync, log, wrap_model)
 from scheduler import SCHEDULES, LRSchedule, set_lr
 from tts import data as tts_data
 from tts.data import (FrameBudgetSampler, LJSpeechDataset, build_symbols, eval_batches, read_metadata, read_speakers,
@@ -60,7 +59,7 @@ gradient_accumulation_steps = 1  # micro-batches per optimizer step per process
 add_blank = True             # blank token between characters (helps alignment)
 text_frontend = 'characters'  # what the model reads: 'characters' of the text | its 'phonemes' (espeak-ng, inside)
 multi_speaker = False        # metadata.csv rows are id|speaker|text: a learned voice per speaker (docs/tts.md)
-# model (tts_model.TTSConfig)
+# model (tts/model.py's TTSConfig)
 enc_channels = 192
 enc_layers = 4
 enc_heads = 2
@@ -137,18 +136,19 @@ mel_settings = tts_data.MEL_SETTINGS
 sample_rate = mel_settings['sample_rate']
 
 # processes and device (run/runtime.py: one process per GPU under torchrun), precision
-ddp, rank, local_rank, world_size, device = compute_init(device, seed)
-master, device_type = rank == 0, device.split(':')[0]
-ptdtype = pick_dtype(device, dtype)
-autocast = autocast_context(device, ptdtype)
-vocode = load_vocoder(vocoder, device)  # a vocoder file that cannot work stops the run before it starts
+ddp, rank, local_rank, world_size, local_device = compute_init(device, seed)  # resolved for this process
+master, device_type = rank == 0, local_device.split(':')[0]
+ptdtype = pick_dtype(local_device, dtype)
+autocast = autocast_context(local_device, ptdtype)
+vocode = load_vocoder(vocoder, local_device)  # a vocoder file that cannot work stops the run before it starts
 
 # out_dir: written and locked before any work; a checkpoint there is this run's, never another's
-init_from = continued_origin(init_from, out_dir, resume)  # nanoGPT's 'resume': the run's own
-this_run = dict(script='train_tts.py', init_from=run_origin(init_from))
+# nanoGPT's init_from='resume' starts where out_dir's run started
+start_from = continued_origin(init_from, out_dir, resume)
+this_run = dict(script='train_tts.py', init_from=run_origin(start_from))
 out_dir_lock, ckpt_path, ckpt = open_run(config, this_run, master)
 resuming = ckpt is not None
-require_starting_weights(ckpt, init_from, eval_only, ckpt_path, what='a TTS checkpoint')
+require_starting_weights(ckpt, start_from, eval_only, ckpt_path, what='a TTS checkpoint')
 
 
 # data: held-out split by id; rank 0 computes and caches the mel features, the others then read them
@@ -184,9 +184,9 @@ if enc_channels % enc_heads or dec_heads and dec_channels % dec_heads or dec_cha
                     f"{enc_heads}, dec_channels={dec_channels} by dec_heads={dec_heads} (unless 0) and by 8 (GroupNorm "
                     f"groups), and enc_kernel={enc_kernel} must be odd (same-length convolutions).")
 model_args = dataclass_args(TTSConfig, config, symbols=symbols, n_mels=mel_settings['n_mels'], speakers=speakers)
-if resuming or init_from != 'scratch':
-    ckpt_source = ckpt_path if resuming else init_from
-    ckpt = ckpt if resuming else load_checkpoint(init_from)
+if resuming or start_from != 'scratch':
+    ckpt_source = ckpt_path if resuming else start_from
+    ckpt = ckpt if resuming else load_checkpoint(start_from)
     if ckpt.get('kind') != 'tts':
         raise UserError(f"{ckpt_source} is not a train_tts.py checkpoint (kind={ckpt.get('kind')!r}); point "
                         f"--init_from at a TTS checkpoint or use --init_from=scratch.")
@@ -202,7 +202,7 @@ else:
     mel_mean, mel_std = train_set.mel_stats()
     model.mel_mean.fill_(mel_mean)
     model.mel_std.fill_(mel_std)
-model.to(device)
+model.to(local_device)
 raw_model = model  # what we save and synthesize with: never compiled or DDP-wrapped
 mel_mean, mel_std = raw_model.mel_mean.item(), raw_model.mel_std.item()
 
@@ -221,14 +221,9 @@ if compile:  # in place, so state dict keys stay clean; MAS (a Python loop) stay
     raw_model.encoder.compile(dynamic=True)
     raw_model.decoder.compile(dynamic=True)
 model = wrap_model(model, False, ddp, local_rank, device_type)  # compiled in place above
-log(f"device {device}, dtype {ptdtype}, {world_size} process(es), {raw_model.get_num_params() / 1e6:.2f}M params, "
-    f"frame budget {frame_budget} x {gradient_accumulation_steps} accumulation")
-
-
-def to_device(batch):
-    if device_type == 'cuda':
-        return [t.pin_memory().to(device, non_blocking=True) for t in batch]
-    return [t.to(device) for t in batch]
+log(f"device {local_device}, dtype {ptdtype}, {world_size} process(es), "
+    f"{raw_model.get_num_params() / 1e6:.2f}M params, frame budget {frame_budget} x {gradient_accumulation_steps} "
+    f"accumulation")
 
 
 def weighted_loss(losses):
@@ -244,10 +239,10 @@ def evaluate():
     torch.manual_seed(seed)
     raw_model.eval()
     # prior, duration, flow (x frames), mel L1 sum, frames, tokens
-    sums = torch.zeros(6, device=device)
+    sums = torch.zeros(6, device=local_device)
     batches = eval_batches(val_set.lengths, frame_budget)
     for indices in batches[rank::world_size]:
-        x, x_lengths, y, y_lengths, spk = to_device(val_set.collate(indices, mel_mean, mel_std))
+        x, x_lengths, y, y_lengths, spk = to_device(val_set.collate(indices, mel_mean, mel_std), local_device)
         with autocast:
             losses = raw_model(x, x_lengths, y, y_lengths, spk)
             mel, mask = raw_model.teacher_forced(x, x_lengths, y, y_lengths, spk, n_timesteps=n_timesteps,
@@ -279,14 +274,15 @@ def save(path):
     write_checkpoint(path, checkpoint_state(), False, master)
 
 
-profiler = StepProfiler(device, enabled=profile)
+profiler = StepProfiler(local_device, enabled=profile)
 
 
-def train_step(batches, align_prior):
+def train_step(batches, align_prior, batch_splits):
     """Forward/backward over this rank's micro-batches; after an OOM each is split into batch_splits
     chunks whose losses are weighted by their share of frames/tokens, so the sum is the batch loss.
     Returns this rank's shares of the mean micro-batch losses (shares add up over ranks)."""
-    shares = {k: torch.zeros((), device=device) for k in ('prior', 'duration', 'flow') + ('voice',) * voice_clips}
+    names = ('prior', 'duration', 'flow') + ('voice',) * voice_clips
+    shares = {k: torch.zeros((), device=local_device) for k in names}
     for micro_step, indices in enumerate(batches):
         n = len(indices)
         chunks = [indices[i * n // batch_splits:(i + 1) * n // batch_splits] for i in range(batch_splits)]
@@ -295,7 +291,7 @@ def train_step(batches, align_prior):
         tokens = sum(len(train_set.text_ids[i]) for i in indices)
         for chunk_index, chunk in enumerate(chunks):
             with profiler.section('data'):
-                x, x_lengths, y, y_lengths, spk = to_device(train_set.collate(chunk, mel_mean, mel_std))
+                x, x_lengths, y, y_lengths, spk = to_device(train_set.collate(chunk, mel_mean, mel_std), local_device)
             frame_share = sum(train_set.lengths[i] for i in chunk) / frames
             token_share = sum(len(train_set.text_ids[i]) for i in chunk) / tokens
             last = micro_step == len(batches) - 1 and chunk_index == len(chunks) - 1
@@ -311,7 +307,8 @@ def train_step(batches, align_prior):
     return shares
 
 
-record, writer = run_log(out_dir, master, tensorboard, keep_log_until(eval_only, resuming, iter_num))
+# an eval_only run appends to the log; a continued run drops what it logged past its checkpoint
+record, writer = run_log(out_dir, master, tensorboard, math.inf if eval_only else iter_num if resuming else -1)
 # speech from held-out text
 synthesis = SynthesisEval(**dataclass_args(SynthesisEval, config, texts=words, vocode=vocode,
                                            speakers=utterance_speakers))
@@ -340,7 +337,7 @@ if eval_only:
     sys.exit(0)
 
 stop = StopSignal()
-monitor = MemoryMonitor(device)
+monitor = MemoryMonitor(local_device)
 if iter_num == 0:
     log_eval(0, evaluate())
 bad_steps = 0
@@ -354,11 +351,11 @@ while iter_num < max_iters:
     batches = [sampler.next_batch() for _ in range(gradient_accumulation_steps)]
     while True:
         try:
-            shares = train_step(batches, align_prior)
+            shares = train_step(batches, align_prior, batch_splits)
             break
         # CUDA raises torch.OutOfMemoryError, MPS a plain RuntimeError
         except RuntimeError as error:
-            recover_from_oom(error, ddp, optimizer, device)
+            recover_from_oom(error, ddp, optimizer, local_device)
             batch_splits = split_micro_batches(batch_splits, max(len(b) for b in batches), iter_num)
             log(f"step {iter_num}: out of memory, retrying with each batch split into {batch_splits} micro-batches")
 
@@ -388,7 +385,7 @@ while iter_num < max_iters:
         event = dict(step=iter_num, train_loss=loss, prior_loss=prior, duration_loss=duration, flow_loss=flow, lr=lr,
                      **({'voice_loss': losses['voice']} if voice_clips else {}),
                      grad_norm=grad_norm, frames_per_sec=frames_per_sec, epoch=sampler.epoch, memory_level=level,
-                     peak_memory_mb=(peak_memory_bytes(device) or 0) / 2**20, loss_scale=scaler.get_scale())
+                     peak_memory_mb=(peak_memory_bytes(local_device) or 0) / 2**20, loss_scale=scaler.get_scale())
         event.update({f'time_ms/{k}': v for k, v in profiler.summary().items()})
         record(event)
         progress.set_postfix(loss=f'{loss:.4f}', frames_s=f'{frames_per_sec:,.0f}')
@@ -398,8 +395,11 @@ while iter_num < max_iters:
 
     if iter_num % eval_interval == 0 or iter_num == max_iters or out_of_time:
         result = evaluate()
-        improved, best_val_loss, evals_without_improvement = after_eval(result['loss'], best_val_loss,
-                                                                        evals_without_improvement)
+        improved = result['loss'] < best_val_loss
+        if improved:
+            best_val_loss, evals_without_improvement = result['loss'], 0
+        else:
+            evals_without_improvement += 1
         log_eval(iter_num, result,
                  " (best)" if improved else f" (no improvement for {evals_without_improvement} evals)")
         if master:
@@ -408,7 +408,8 @@ while iter_num < max_iters:
             save(os.path.join(out_dir, 'best.pt'))
         if improved or always_save_checkpoint:
             save(ckpt_path)
-        if patience_exhausted(early_stopping_patience, evals_without_improvement):
+        if early_stopping_patience and evals_without_improvement >= early_stopping_patience:
+            log(f"early stopping: no improvement for {evals_without_improvement} evals")
             break
         if out_of_time:
             log(f"max_minutes={max_minutes} reached at step {iter_num}: stopping")

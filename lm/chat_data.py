@@ -26,8 +26,8 @@ import re
 import torch
 
 from configurator import UserError
-from data import to_device
 from lm.tokenizer import CHAT_ROLES
+from run.device import to_device
 
 
 # -----------------------------------------------------------------------------

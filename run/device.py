@@ -1,6 +1,7 @@
 """
 The device a training step runs on and its number formats: which device and precision (and its peak
-FLOP/s, for MFU), autocast, and fp16 loss scaling by a GradScaler that works on any device (MPS too).
+FLOP/s, for MFU), autocast, fp16 loss scaling by a GradScaler that works on any device (MPS too), and
+batches moved onto the device.
 
 Works the same on CUDA, Apple MPS and CPU, so the training scripts need no device branches.
 """
@@ -182,3 +183,10 @@ class GradScaler:
         self._scale, self._growth_tracker = _f32(state["scale"]), state["_growth_tracker"]
         self.growth_factor, self.backoff_factor = state["growth_factor"], state["backoff_factor"]
         self.growth_interval = state["growth_interval"]
+
+
+def to_device(tensors, device):
+    """CPU tensors moved to device; to CUDA through pinned memory, so the copy overlaps compute."""
+    if torch.device(device).type == 'cuda':
+        return [t.pin_memory().to(device, non_blocking=True) for t in tensors]
+    return [t.to(device) for t in tensors]

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 
 from configurator import UserError
-from data import TokenBatches, eval_offsets
+from lm.token_data import TokenBatches, eval_offsets
 from lm.chat_data import PreferenceBatches, SFTBatches, load_preference_split, load_prompt_split, load_sft_data
 from lm.tokenizer import prompt_and_answer
 from run.run_folder import training_data_hash

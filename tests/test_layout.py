@@ -39,3 +39,43 @@ def test_package_commands_run_by_module_and_by_path():
         p = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True)
         assert p.returncode == 1 and 'usage: python -m run.sharded_checkpoint' in p.stderr, (args, p.stderr)
         assert 'Traceback' not in p.stderr
+
+
+def is_configure(statement):
+    """`config = configure(globals())`."""
+    return isinstance(statement, ast.Assign) and isinstance(statement.value, ast.Call) \
+        and getattr(statement.value.func, 'id', None) == 'configure'
+
+
+def rebound_config_keys(path):
+    """Config keys (the globals assigned above `configure(globals())`) that the script assigns again below it,
+    as 'name:line': the config dict saved in checkpoints and the globals would disagree."""
+    tree = ast.parse(open(path).read())
+    keys, rebound, configured = set(), [], False
+    for statement in tree.body:
+        if not configured:
+            configured = is_configure(statement)
+            if not configured and isinstance(statement, (ast.Assign, ast.AnnAssign)):
+                targets = statement.targets if isinstance(statement, ast.Assign) else [statement.target]
+                keys.update(t.id for t in targets if isinstance(t, ast.Name))
+            continue
+        # module-level code, and functions that declare a key global
+        nodes = [statement] if not isinstance(statement, (ast.FunctionDef, ast.ClassDef)) else [
+            n for n in ast.walk(statement) if isinstance(n, ast.Global) and keys & set(n.names)]
+        for node in (n for top in nodes for n in ast.walk(top)):
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store) and node.id in keys:
+                rebound.append(f'{node.id}:{node.lineno}')
+            if isinstance(node, ast.Global):
+                rebound.extend(f'{name}:{node.lineno}' for name in keys & set(node.names))
+    return keys, rebound
+
+
+def test_config_keys_are_never_rebound_after_configure():
+    """A derived value gets its own name (start_from, local_device, ...), so `config` and the globals agree."""
+    scripts = [path for path in glob.glob(os.path.join(ROOT, '*.py'))
+               if any(is_configure(statement) for statement in ast.parse(open(path).read()).body)]
+    assert len(scripts) >= 4
+    for path in scripts:
+        keys, rebound = rebound_config_keys(path)
+        assert len(keys) >= 5, path
+        assert not rebound, f'{os.path.basename(path)} rebinds config keys after configure: {rebound}'

@@ -39,3 +39,37 @@ def test_package_commands_run_by_module_and_by_path():
         p = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True)
         assert p.returncode == 1 and 'usage: python -m run.sharded_checkpoint' in p.stderr, (args, p.stderr)
         assert 'Traceback' not in p.stderr
+
+
+def config_key_rebindings(path):
+    """'name:line' of each config key (a global assigned above `config = configure(globals())`) that the
+    script's own top-level code binds again below it: a derived value must have a name of its own."""
+    body = ast.parse(open(path).read()).body
+    at = next(i for i, node in enumerate(body) if isinstance(node, ast.Assign) and ast.unparse(node.value)
+              == 'configure(globals())')
+    keys = {target.id for node in body[:at] if isinstance(node, (ast.Assign, ast.AnnAssign))
+            for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+            if isinstance(target, ast.Name)}
+    found = []
+
+    def visit(node):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            # a function's own locals are not the config; `global key` would be
+            found.extend(f'{name}:{node.lineno}' for inner in ast.walk(node) if isinstance(inner, ast.Global)
+                         for name in inner.names if name in keys)
+            return
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store) and node.id in keys:
+            found.append(f'{node.id}:{node.lineno}')
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    for node in body[at + 1:]:
+        visit(node)
+    return found
+
+
+def test_config_keys_keep_the_users_values():
+    """After configure, a config key holds what the user set for the whole run (train_rl.py, train_dpo.py):
+    the resolved device, a continued run's origin, a resumed micro-batch are derived names."""
+    for script in ('train_rl.py', 'train_dpo.py'):
+        assert not config_key_rebindings(os.path.join(ROOT, script)), script

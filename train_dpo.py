@@ -18,7 +18,8 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from configurator import FOLDER, POSITIVE, UserError, at_least, check_values, configure, interval, one_of
-from lm.dpo import completion_logps, precomputed_reference_logps, reference_logps
+from lm.chat_data import PreferenceBatches, load_preference_split
+from lm.dpo import precomputed_reference_logps, reference_logps, sequence_logps_and_logits
 from lm.heldout_eval import HeldOut, metric_names, report_heldout
 from lm.lora import LORA_SETTINGS, apply_lora, frozen_base_dtype, lora_optimizer, lora_state_dict, save_merged
 from lm.tokenizer import chat_tokenizer
@@ -29,12 +30,13 @@ from run.checkpoint import (CHECKPOINT_FORMATS, check_compatible, file_sha256, r
                             write_checkpoint)
 from run.device import DTYPES, GradScaler, autocast_context, pick_dtype
 from run.fsdp import PARALLEL, check_parallel, place_model, same_init_on_every_rank
-from run.run_data import preference_run_data
-from run.run_folder import continued_origin, open_run, run_log, run_origin
-from run.runtime import (StopSignal, after_eval, all_reduce_metrics, bad_step, clip_grad_norm, compute_cleanup,
-                         compute_init, gradient_sync, keep_log_until, log, patience_exhausted, rank_batches, wrap_model)
-from run.starting_model import build_model, dpo_reference, frozen_model, hf_source, load_model, run_tokenizer
+from run.run_folder import continued_origin, open_run, run_log, run_origin, training_data_hash
+from run.runtime import (StopSignal, all_reduce_metrics, bad_step, clip_grad_norm, compute_cleanup, compute_init,
+                         gradient_sync, log, prepare_once, rank_batches, wrap_model)
+from run.starting_model import (build_model, frozen_model, hf_source, load_model, reference_checkpoint,
+                                run_tokenizer)
 from scheduler import SCHEDULES, LRSchedule, set_lr
+from tasks.number_tasks import PREFERENCES_DIR, prepare_number_tasks
 
 # -----------------------------------------------------------------------------
 # I/O
@@ -139,45 +141,70 @@ if reference_free and precompute_ref_logps:
 
 # processes and device (run/runtime.py: one process per GPU under torchrun), precision
 compute = compute_init(device, seed, num_threads)
-ddp, rank, local_rank, world_size, device = compute
-master, device_type = rank == 0, device.split(':')[0]
-ptdtype = pick_dtype(device, dtype)
-autocast = autocast_context(device, ptdtype)
-check_parallel(parallel, ddp, device, ptdtype, 'adamw', fsdp_cpu_offload)
+# local_device: the device resolved for this process ('auto' chosen, a rank's own GPU)
+ddp, rank, local_rank, world_size, local_device = compute
+master, device_type = rank == 0, local_device.split(':')[0]
+ptdtype = pick_dtype(local_device, dtype)
+autocast = autocast_context(local_device, ptdtype)
+check_parallel(parallel, ddp, local_device, ptdtype, 'adamw', fsdp_cpu_offload)
 base_dtype = frozen_base_dtype(lora_base_dtype, ptdtype, use_lora, parallel, 'use_lora=True')
 
-# out_dir: written and locked before any work; a checkpoint there is this run's, never another's
-# nanoGPT's 'resume': the run's own
-init_from = continued_origin(init_from, out_dir, resume,
-                             "--init_from set to a chat model (an SFT run's ckpt.pt, a Hugging Face chat model)")
-this_run = dict(script='train_dpo.py', init_from=run_origin(init_from), use_lora=use_lora)
-# FSDP reads its shards of a sharded checkpoint
+# out_dir: locked before any work; a checkpoint there is this run's to continue, never another's.
+# nanoGPT's init_from='resume' starts where out_dir's run started
+start_from = continued_origin(init_from, out_dir, resume,
+                              "--init_from set to a chat model (an SFT run's ckpt.pt, a Hugging Face chat model)")
+this_run = dict(script='train_dpo.py', init_from=run_origin(start_from), use_lora=use_lora)
+# under FSDP each rank reads its shards of a sharded checkpoint
 out_dir_lock, ckpt_path, ckpt = open_run(config, this_run, master, whole=parallel != 'fsdp' or use_lora)
 resuming = ckpt is not None
-reference_ckpt, reference_path, reference_hash = dpo_reference(
-    ckpt, init_from, out_dir, made_by="`python train.py` (pretraining, out/ckpt.pt) then `python train.py "
-                                      "config/sft.py` (SFT)" if init_from == 'out-sft/ckpt.pt' else None,
+# the chat model the policy starts as and the loss is relative to (a continued run: the one its
+# checkpoint names)
+reference_ckpt, reference_path, reference_hash = reference_checkpoint(
+    ckpt, start_from, out_dir, made_by="`python train.py` (pretraining, out/ckpt.pt) then `python train.py "
+                                       "config/sft.py` (SFT)" if start_from == 'out-sft/ckpt.pt' else None,
     # memory-mapped in its file's dtype (as train.py)
     as_stored=parallel == 'fsdp' or base_dtype != torch.float32)
 
-# data: a published model's own tokenizer and chat template,
-# else data_dir's; rank 0 prepares the defaults once
+# data
 # a published model's config files, which export.py writes back
 hf_files = hf_source(reference_ckpt, chat_template_variables)
-data_dir, tokenizer = run_tokenizer(data_dir, reference_ckpt, reference_path, compute,
-                                    hf_files.get('chat_template_variables'))
-tokenizer = chat_tokenizer(tokenizer)
+# the tokenizer and chat template: a published model's own, else corpus_dir's (data_dir, or the
+# default corpus, which rank 0 prepares once)
+corpus_dir, base_tokenizer = run_tokenizer(data_dir, reference_ckpt, reference_path, compute,
+                                           hf_files.get('chat_template_variables'))
+tokenizer = chat_tokenizer(base_tokenizer)
 check_compatible(reference_ckpt['tokenizer'], tokenizer.identity(), 'tokenizer', reference_path,
                  fix="Point data_dir at the tokenizer folder the model was trained with ('' for the default).")
 model_args = dict(reference_ckpt['model_args'], dropout=dropout)
-train_batches, val_batches, val_indices, exact_match_prompts, train_data_hash, val_path = preference_run_data(
-    config, tokenizer, model_args['block_size'], ckpt, compute)
-held_out = HeldOut(tokenizer, exact_match_prompts, eval_metric_names, batch_size, max_length)
+# the preference pairs of dpo_data, or the embedded number-task pairs (rank 0 prepares them once)
+pairs_dir = dpo_data or PREFERENCES_DIR
+if not dpo_data:
+    prepare_once(prepare_number_tasks, compute, out_dir=PREFERENCES_DIR, seed=1, preferences=True)
+if max_length > model_args['block_size']:
+    raise UserError(f"max_length={max_length} is longer than the model's block_size={model_args['block_size']}; "
+                    f"lower max_length.")
+if max_prompt_length >= max_length:
+    raise UserError(f"max_prompt_length={max_prompt_length} must leave room for a completion in "
+                    f"max_length={max_length}; lower it.")
+train_path, val_path, test_path = (os.path.join(pairs_dir, f'{name}.jsonl') for name in ('train', 'val', 'test'))
+_, train_pairs = load_preference_split(train_path, tokenizer, max_length, max_prompt_length, skip_malformed)
+val_references, val_pairs = load_preference_split(val_path, tokenizer, max_length, max_prompt_length, skip_malformed)
+# exact match: test.jsonl's prompts and chosen answers where there is one, else val.jsonl's
+held_out_references = (load_preference_split(test_path, tokenizer, max_length, max_prompt_length, skip_malformed)[0]
+                       if exact_match_examples and os.path.exists(test_path) else val_references)
+train_batches = PreferenceBatches(train_pairs, seed, tokenizer.eos_id, max_length, pack)
+val_batches = PreferenceBatches(val_pairs, seed, tokenizer.eos_id, max_length, pack)
+# every eval scores the same first eval_pairs held-out pairs
+val_indices = torch.arange(min(len(val_pairs), eval_pairs))
+# a continued run must still read the same pairs
+train_data_hash = training_data_hash(train_path, ckpt, out_dir, 'dpo_data')
+held_out = HeldOut(tokenizer, held_out_references[:exact_match_examples], eval_metric_names, batch_size, max_length)
 
 # policy, and the reference: a frozen copy when training all weights, the policy itself with its
 # adapters disabled when training LoRA, or none in memory with precomputed log-probs
 model = build_model(GPTConfig(**model_args), reference_ckpt, parallel == 'fsdp', base_dtype)
-reference = (frozen_model(GPTConfig(**model_args), reference_ckpt['model'], parallel, device, ptdtype, fsdp_cpu_offload)
+reference = (frozen_model(GPTConfig(**model_args), reference_ckpt['model'], parallel, local_device, ptdtype,
+                          fsdp_cpu_offload)
              if not (use_lora or reference_free or precompute_ref_logps) else None)
 if use_lora:
     with same_init_on_every_rank(seed, enabled=parallel == 'fsdp'):
@@ -192,7 +219,7 @@ if ckpt:
         # strict: all weights, or every adapter
         model.load_state_dict({**model.state_dict(), **ckpt['model']})
 model.activation_checkpointing = activation_checkpointing
-place_model(model, parallel, device, ptdtype, fsdp_cpu_offload)
+place_model(model, parallel, local_device, ptdtype, fsdp_cpu_offload)
 # what we save and generate with: never compiled or DDP-wrapped (under FSDP: sharded)
 raw_model = model
 reference_ckpt = None
@@ -201,11 +228,13 @@ optimizer = (lora_optimizer(raw_model, weight_decay, learning_rate, (beta1, beta
              if use_lora else raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type))
 scaler = GradScaler(enabled=ptdtype == torch.float16)
 get_lr = LRSchedule.from_config(config)
+# the step's split into micro-batches: the config's, or what a continued run's checkpoint holds
+micro_batch_size, accumulation_steps = batch_size, gradient_accumulation_steps
 iter_num, best_val_loss, evals_without_improvement = 0, float('inf'), 0
 if ckpt:
     train_batches.load_state_dict(ckpt['train_batches'])
-    batch_size, gradient_accumulation_steps, note = resumed_micro_batch(ckpt, batch_size, gradient_accumulation_steps,
-                                                                        world_size)
+    micro_batch_size, accumulation_steps, note = resumed_micro_batch(ckpt, batch_size, gradient_accumulation_steps,
+                                                                     world_size)
     if note:
         log(note)
     iter_num, best_val_loss, evals_without_improvement = restore_training_state(ckpt, ckpt_path, optimizer, scaler,
@@ -222,7 +251,7 @@ if precompute_ref_logps:
 
     def load_reference():  # the policy has trained, so it is no longer the reference: read it again
         weights = load_model(reference_path, as_stored=parallel == 'fsdp')['model']
-        return frozen_model(GPTConfig(**model_args), weights, parallel, device, ptdtype, fsdp_cpu_offload)
+        return frozen_model(GPTConfig(**model_args), weights, parallel, local_device, ptdtype, fsdp_cpu_offload)
 
     ref_cache = precomputed_reference_logps(config, depends_on, {'train': train_batches, 'val': val_batches},
                                             load_reference if iter_num > 0 and not use_lora else lambda: raw_model,
@@ -230,9 +259,9 @@ if precompute_ref_logps:
     reference = None
 
 model = wrap_model(model, compile, ddp and parallel == 'ddp', local_rank, device_type)
-global_batch_size = batch_size * gradient_accumulation_steps * world_size
-log(f"device {device}, dtype {ptdtype}, {world_size} process(es), {raw_model.get_num_params() / 1e6:.2f}M params, "
-    f"{global_batch_size} pairs per step, reference: "
+global_batch_size = micro_batch_size * accumulation_steps * world_size
+log(f"device {local_device}, dtype {ptdtype}, {world_size} process(es), "
+    f"{raw_model.get_num_params() / 1e6:.2f}M params, {global_batch_size} pairs per step, reference: "
     + ('none (reference-free)' if reference_free else 'precomputed log-probs' if ref_cache else
        'the model with adapters disabled' if use_lora else 'a frozen copy'))
 
@@ -241,16 +270,16 @@ def pair_terms(net, batches, indices, cache, batch_counts):
     """Forward pass over the pairs at indices: (loss, metrics). Every sum is divided by the size of
     the whole batch it belongs to (batch_counts: pairs, chosen and rejected completion tokens, over all
     micro-batches and ranks), so micro-batches and ranks add up to the batch mean however it is split."""
-    batch, n = batches.get(indices, device), len(indices)
+    batch, n = batches.get(indices, local_device), len(indices)
     ref_logits = None
     if reference_free:
-        ref_sums = torch.zeros(2 * n, device=device)
+        ref_sums = torch.zeros(2 * n, device=local_device)
     elif cache is not None:
-        ref_sums = cache[indices].to(device).T.flatten()  # chosen of every pair, then rejected
+        ref_sums = cache[indices].to(local_device).T.flatten()  # chosen of every pair, then rejected
     else:
         ref_sums, ref_logits = reference_logps(raw_model if reference is None else reference, batch, n, autocast)
     with autocast:
-        sums, token_logps, logits = completion_logps(net, batch, n)
+        sums, token_logps, logits = sequence_logps_and_logits(net, batch, n)
     chosen_pos, pairs, chosen_tokens, rejected_tokens = batch['owners'] < n, *batch_counts
     policy, ref = sums, ref_sums
     if loss_type == 'ipo' and ipo_length_normalize:  # per-token means
@@ -266,8 +295,8 @@ def pair_terms(net, batches, indices, cache, batch_counts):
         mean_logits = logits.float().mean(-1)
         metrics = {'loss': loss, 'rewards/chosen': chosen_rewards.sum() / pairs,
                    'rewards/rejected': rejected_rewards.sum() / pairs,
-                   # TRL's: chosen strictly ahead, so a tie (every pair
-                   # at step 0 with a live reference) counts wrong
+                   # TRL's: chosen strictly ahead, so a tie (every pair at step 0 with a
+                   # live reference) counts wrong
                    'rewards/accuracies': (chosen_rewards > rejected_rewards).float().sum() / pairs,
                    'rewards/margins': (chosen_rewards - rejected_rewards).sum() / pairs,
                    'logps/chosen': sums[:n].sum() / pairs, 'logps/rejected': sums[n:].sum() / pairs,
@@ -282,11 +311,12 @@ def pair_terms(net, batches, indices, cache, batch_counts):
 
 
 @torch.no_grad()
-def evaluate():
-    """The metrics of the fixed held-out pairs (split across ranks, policy in eval mode), logged; returns the loss."""
+def evaluate(iter_num, micro_batch_size):
+    """The metrics of the fixed held-out pairs (split across ranks in micro-batches, policy in eval mode),
+    logged and recorded at step iter_num; returns the loss."""
     model.eval()
     batch_counts, sums = (len(val_indices), *val_batches.completion_tokens[val_indices].sum(0).tolist()), {}
-    for indices, counted in rank_batches(val_indices, batch_size, rank, world_size, lockstep=parallel == 'fsdp'):
+    for indices, counted in rank_batches(val_indices, micro_batch_size, rank, world_size, lockstep=parallel == 'fsdp'):
         _, metrics = pair_terms(model, val_batches, indices, ref_cache['val'] if ref_cache else None, batch_counts)
         sums = {k: sums.get(k, 0.0) + (v if counted else torch.zeros_like(v)) for k, v in metrics.items()}
     stats = torch.stack(list(sums.values()))
@@ -300,32 +330,33 @@ def evaluate():
     return metrics['loss']
 
 
-def save(path):
-    """A checkpoint of the run at path (write_checkpoint): collective under DDP and FSDP, every rank must call it."""
+def save(path, iter_num, best_val_loss, evals_without_improvement):
+    """A checkpoint of the run at path (write_checkpoint) at step iter_num, with the eval counters: collective
+    under DDP and FSDP, every rank must call it."""
     # under FSDP sharded: write_checkpoint gathers or writes them
     weights = raw_model.state_dict(keep_vars=True)
     state = dict(training_state(this_run, dict(config, training_type='dpo'), optimizer, scaler, iter_num,
                                 best_val_loss, evals_without_improvement),
                  kind='gpt', model=weights, model_args=model_args, tokenizer=tokenizer.identity(),
-                 data_dir=os.path.abspath(data_dir), train_batches=train_batches.state_dict(), batch_size=batch_size,
-                 gradient_accumulation_steps=gradient_accumulation_steps, reference_checkpoint=os.path.abspath(reference_path), reference_hash=reference_hash,
+                 data_dir=os.path.abspath(corpus_dir), train_batches=train_batches.state_dict(),
+                 batch_size=micro_batch_size, gradient_accumulation_steps=accumulation_steps,
+                 reference_checkpoint=os.path.abspath(reference_path), reference_hash=reference_hash,
                  train_data_hash=train_data_hash, **hf_files)
     if use_lora:  # adapters only: the base is the reference checkpoint, named by path and hash
-        state.update(kind='lora', model=lora_state_dict(raw_model, weights), base_checkpoint=state['reference_checkpoint'],
-                     base_hash=reference_hash)
+        state.update(kind='lora', model=lora_state_dict(raw_model, weights),
+                     base_checkpoint=state['reference_checkpoint'], base_hash=reference_hash)
     write_checkpoint(path, state, checkpoint_format == 'sharded', master)
 
 
-def train_step(global_batch):
-    """Forward/backward over this rank's slice of the global batch (accumulating gradients);
-    returns this rank's shares of the metrics (shares add up over ranks)."""
-    batch_counts = (len(global_batch), *train_batches.completion_tokens[global_batch].sum(0).tolist())
-    parts, sums = global_batch.tensor_split(world_size)[rank].view(gradient_accumulation_steps, batch_size), {}
-    for micro_step, part in enumerate(parts):
-        last = micro_step == gradient_accumulation_steps - 1
+def train_step(micro_batch_indices, batch_counts):
+    """Forward/backward over this rank's slice of the global batch, one row of micro_batch_indices (pair
+    indices) per micro-batch, accumulating gradients; batch_counts: as in pair_terms, of the whole global
+    batch. Returns this rank's shares of the metrics (shares add up over ranks)."""
+    sums = {}
+    for micro_step, indices in enumerate(micro_batch_indices):
         # only the last micro-batch reduces gradients across ranks
-        with gradient_sync(model, raw_model, sync=last):
-            loss, metrics = pair_terms(model, train_batches, part, ref_cache['train'] if ref_cache else None,
+        with gradient_sync(model, raw_model, sync=micro_step == len(micro_batch_indices) - 1):
+            loss, metrics = pair_terms(model, train_batches, indices, ref_cache['train'] if ref_cache else None,
                                        batch_counts)
             # DDP/FSDP average gradients over ranks: undo 1/world_size
             scaler.scale(loss * world_size).backward()
@@ -333,10 +364,11 @@ def train_step(global_batch):
     return sums
 
 
-record, writer = run_log(out_dir, master, tensorboard, keep_log_until(eval_only, resuming, iter_num))
+# an eval_only run appends to the log; a continued run drops what it logged past its checkpoint
+record, writer = run_log(out_dir, master, tensorboard, math.inf if eval_only else iter_num if resuming else -1)
 
 if eval_only or iter_num == 0:
-    evaluate()
+    evaluate(iter_num, micro_batch_size)
     report_heldout(raw_model, held_out, autocast, iter_num, record)
 if eval_only:
     compute_cleanup(ddp)
@@ -349,9 +381,12 @@ while iter_num < max_iters:
     lr = get_lr(iter_num)
     set_lr(optimizer, lr)
 
-    # the whole global batch is drawn on every rank; each rank trains on its slice
+    # the whole global batch is drawn on every rank; each rank trains on its slice, and every sum is
+    # divided by the whole batch's counts (pairs, chosen and rejected completion tokens)
     global_batch = train_batches.sample(global_batch_size)
-    shares = train_step(global_batch)
+    batch_counts = (len(global_batch), *train_batches.completion_tokens[global_batch].sum(0).tolist())
+    shares = train_step(global_batch.tensor_split(world_size)[rank].view(accumulation_steps, micro_batch_size),
+                        batch_counts)
     scaler.unscale_(optimizer)
     grad_norm = clip_grad_norm(raw_model.parameters(), grad_clip)
     metrics, (stop_requested,) = all_reduce_metrics(shares, [stop.requested is not None], ddp)
@@ -373,8 +408,9 @@ while iter_num < max_iters:
         now = time.time()
         elapsed = now - window_start  # all of the window's time, logging included
         record(dict(step=iter_num, lr=lr, grad_norm=grad_norm, steps_per_sec=window_steps / elapsed,
-                    tokens_per_sec=window_tokens / elapsed, peak_memory_mb=(peak_memory_bytes(device) or 0) / 2**20,
-                    loss_scale=scaler.get_scale(), **metrics))
+                    tokens_per_sec=window_tokens / elapsed,
+                    peak_memory_mb=(peak_memory_bytes(local_device) or 0) / 2**20, loss_scale=scaler.get_scale(),
+                    **metrics))
         progress.set_postfix(loss=f'{loss:.4f}', acc=f"{metrics['rewards/accuracies']:.2f}")
         log(f"step {iter_num}: loss {loss:.4f}, rewards/accuracies {metrics['rewards/accuracies']:.3f}, "
             f"rewards/margins {metrics['rewards/margins']:.3f}, lr {lr:.2e}, grad norm {grad_norm:.3f}, "
@@ -382,25 +418,30 @@ while iter_num < max_iters:
         window_start, window_tokens, window_steps = now, 0, 0
 
     if iter_num % eval_interval == 0 or iter_num == max_iters:
-        improved, best_val_loss, evals_without_improvement = after_eval(evaluate(), best_val_loss,
-                                                                        evals_without_improvement)
+        val_loss = evaluate(iter_num, micro_batch_size)
+        improved = val_loss < best_val_loss
+        if improved:
+            best_val_loss, evals_without_improvement = val_loss, 0
+        else:
+            evals_without_improvement += 1
         report_heldout(raw_model, held_out, autocast, iter_num, record)
         if improved:
-            save(os.path.join(out_dir, 'best.pt'))
+            save(os.path.join(out_dir, 'best.pt'), iter_num, best_val_loss, evals_without_improvement)
         if improved or always_save_checkpoint:
-            save(ckpt_path)
-        if patience_exhausted(early_stopping_patience, evals_without_improvement):
+            save(ckpt_path, iter_num, best_val_loss, evals_without_improvement)
+        if early_stopping_patience and evals_without_improvement >= early_stopping_patience:
+            log(f"early stopping: no improvement for {evals_without_improvement} evals")
             break
         # throughput excludes eval time
         window_start, window_tokens, window_steps = time.time(), 0, 0
 
     if stop_requested:
-        save(ckpt_path)
+        save(ckpt_path, iter_num, best_val_loss, evals_without_improvement)
         progress.close()
         stop.exit(ckpt_path, iter_num, ddp)
 progress.close()
-save(ckpt_path)
+save(ckpt_path, iter_num, best_val_loss, evals_without_improvement)
 if use_lora:
     save_merged(out_dir, raw_model, master, model_args=model_args, config=dict(config, training_type='dpo'),
-                iter_num=iter_num, tokenizer=tokenizer.identity(), data_dir=os.path.abspath(data_dir), **hf_files)
+                iter_num=iter_num, tokenizer=tokenizer.identity(), data_dir=os.path.abspath(corpus_dir), **hf_files)
 compute_cleanup(ddp)

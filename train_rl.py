@@ -10,6 +10,8 @@ train_rl.py config/rl.py` does the same, measured on more held-out prompts;
 config file or --key=value (`--help` lists them). The losses and metrics: docs/rl.md.
 """
 
+import hashlib
+import json
 import math
 import os
 import sys
@@ -23,7 +25,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from configurator import FOLDER, POSITIVE, UserError, at_least, check_values, configure, interval, one_of
-from lm.chat_data import PromptSampler, rl_prompt
+from lm.chat_data import PromptSampler, load_prompt_split, rl_prompt
 from lm.generate import generate_batch, stop_tokens
 from lm.heldout_eval import HeldOut, report_heldout
 from lm.lora import LORA_SETTINGS, apply_lora, disable_adapters, frozen_base_dtype, lora_optimizer, lora_state_dict, \
@@ -38,12 +40,12 @@ from model import GPTConfig
 from run.checkpoint import check_compatible, restore_training_state, training_state, write_checkpoint
 from run.device import DTYPES, GradScaler, autocast_context, pick_dtype
 from run.fsdp import place_model
-from run.run_data import prompt_run_data
-from run.run_folder import continued_origin, open_run, run_log, run_origin
-from run.runtime import (StopSignal, after_eval, all_reduce_metrics, bad_step, clip_grad_norm, compute_cleanup,
-                         compute_init, gradient_sync, keep_log_until, log, wrap_model)
-from run.starting_model import build_model, dpo_reference, frozen_model, hf_source, run_tokenizer
+from run.run_folder import continued_origin, open_run, run_log, run_origin, training_data_hash
+from run.runtime import (StopSignal, all_reduce_metrics, bad_step, clip_grad_norm, compute_cleanup, compute_init,
+                         gradient_sync, log, prepare_once, wrap_model)
+from run.starting_model import build_model, frozen_model, hf_source, reference_checkpoint, run_tokenizer
 from scheduler import SCHEDULES, LRSchedule, set_lr
+from tasks.number_tasks import NUMBER_TASKS_DIR, prepare_number_tasks
 
 # -----------------------------------------------------------------------------
 # I/O
@@ -145,48 +147,70 @@ clip_high = epsilon if epsilon_high is None else epsilon_high  # the ratio's upp
 
 # processes and device (run/runtime.py: one process per GPU under torchrun), precision
 compute = compute_init(device, seed, num_threads)
-ddp, rank, local_rank, world_size, device = compute
-master, device_type = rank == 0, device.split(':')[0]
-ptdtype = pick_dtype(device, dtype)
-autocast = autocast_context(device, ptdtype)
+# local_device: the device resolved for this process ('auto' chosen, a rank's own GPU)
+ddp, rank, local_rank, world_size, local_device = compute
+master, device_type = rank == 0, local_device.split(':')[0]
+ptdtype = pick_dtype(local_device, dtype)
+autocast = autocast_context(local_device, ptdtype)
 base_dtype = frozen_base_dtype(lora_base_dtype, ptdtype, use_lora, 'ddp', 'use_lora=True')
 if prompts_per_step % world_size or prompts_per_step // world_size * num_generations % gradient_accumulation_steps:
     raise UserError(f"prompts_per_step={prompts_per_step} must split evenly over the {world_size} process(es), and "
                     f"each one's {prompts_per_step // world_size} x num_generations={num_generations} completions "
                     f"over gradient_accumulation_steps={gradient_accumulation_steps} micro-batches; change one.")
 completions_per_rank = prompts_per_step // world_size * num_generations
-micro_batch_size = completions_per_rank // gradient_accumulation_steps
+completions_per_micro_batch = completions_per_rank // gradient_accumulation_steps
 
-# out_dir: written and locked before any work; a checkpoint there is this run's, never another's
-# nanoGPT's 'resume': the run's own
-init_from = continued_origin(init_from, out_dir, resume,
-                             "--init_from set to a chat model (an SFT run's ckpt.pt, a Hugging Face chat model)")
-this_run = dict(script='train_rl.py', init_from=run_origin(init_from), use_lora=use_lora)
+# out_dir: locked before any work; a checkpoint there is this run's to continue, never another's.
+# nanoGPT's init_from='resume' starts where out_dir's run started
+start_from = continued_origin(init_from, out_dir, resume,
+                              "--init_from set to a chat model (an SFT run's ckpt.pt, a Hugging Face chat model)")
+this_run = dict(script='train_rl.py', init_from=run_origin(start_from), use_lora=use_lora)
 out_dir_lock, ckpt_path, ckpt = open_run(config, this_run, master)
 resuming = ckpt is not None
-reference_ckpt, reference_path, reference_hash = dpo_reference(
-    ckpt, init_from, out_dir, made_by="`python train.py` (pretraining, out/ckpt.pt) then `python train.py "
-                                      "config/sft.py` (SFT)" if init_from == 'out-sft/ckpt.pt' else None,
+# the chat model the policy starts as and the KL penalty measures against (a continued run: the one
+# its checkpoint names)
+reference_ckpt, reference_path, reference_hash = reference_checkpoint(
+    ckpt, start_from, out_dir, made_by="`python train.py` (pretraining, out/ckpt.pt) then `python train.py "
+                                       "config/sft.py` (SFT)" if start_from == 'out-sft/ckpt.pt' else None,
     as_stored=base_dtype != torch.float32, what='RL')
 
-# data: a published model's own tokenizer and chat template, else data_dir's; rank 0 prepares them
+# data
+# a published model's config files, which export.py writes back
 hf_files = hf_source(reference_ckpt, chat_template_variables)
-data_dir, tokenizer = run_tokenizer(data_dir, reference_ckpt, reference_path, compute,
-                                    hf_files.get('chat_template_variables'))
-tokenizer = chat_tokenizer(tokenizer)
+# the tokenizer and chat template: a published model's own, else corpus_dir's (data_dir, or the
+# default corpus, which rank 0 prepares once)
+corpus_dir, base_tokenizer = run_tokenizer(data_dir, reference_ckpt, reference_path, compute,
+                                           hf_files.get('chat_template_variables'))
+tokenizer = chat_tokenizer(base_tokenizer)
 check_compatible(reference_ckpt['tokenizer'], tokenizer.identity(), 'tokenizer', reference_path,
                  fix="Point data_dir at the tokenizer folder the model was trained with ('' for the default).")
 model_args = dict(reference_ckpt['model_args'], dropout=dropout)
 if max_prompt_length + max_new_tokens > model_args['block_size']:
     raise UserError(f"max_prompt_length={max_prompt_length} + max_new_tokens={max_new_tokens} is longer than the "
                     f"model's block_size={model_args['block_size']}; lower one of them.")
-train_prompts, eval_prompts, exact_match_prompts, train_data_hash, train_prompts_hash = prompt_run_data(
-    config, tokenizer, ckpt, compute)
+# the prompts of rl_data, or of the embedded number tasks (rank 0 prepares them once): each
+# (prompt ids, record, where), where naming its file and row for a reward's messages
+prompts_dir = rl_data or NUMBER_TASKS_DIR
+if not rl_data:
+    prepare_once(prepare_number_tasks, compute)
+train_path, test_path = os.path.join(prompts_dir, 'train.jsonl'), os.path.join(prompts_dir, 'test.jsonl')
+held_out_path = test_path if os.path.exists(test_path) else os.path.join(prompts_dir, 'val.jsonl')
+train_prompts, held_out_rows = ([(ids, record, f'{path} (prompt {i + 1})') for i, (ids, record) in
+                                 enumerate(load_prompt_split(path, tokenizer, max_prompt_length, skip_malformed))]
+                                for path in (train_path, held_out_path))
+# each eval samples the first eval_prompts held-out prompts
+held_out_prompts = held_out_rows[:eval_prompts]
+exact_match_prompts = [(ids, record['response']) for ids, record, _ in held_out_rows
+                       if isinstance(record.get('response'), str)][:exact_match_examples]
+# a continued run must still draw the same prompts; the rows' other fields (a reward's) may change
+train_prompts_hash = hashlib.sha256(json.dumps([ids for ids, _, _ in train_prompts]).encode()).hexdigest()
+same_prompts = bool(ckpt) and ckpt.get('train_prompts_hash') == train_prompts_hash
+train_data_hash = training_data_hash(train_path, ckpt, out_dir, 'rl_data', same_prompts)
 train_sampler = PromptSampler(len(train_prompts), seed)
 # greedy exact match on the held-out prompts that have a reference answer, at the start and the end
 held_out = HeldOut(tokenizer, exact_match_prompts, ['exact_match'], prompts_per_step, model_args['block_size'])
 reward_fns, reward_weights_list = load_rewards(reward, reward_weights, format_reward)
-check_rows(reward_fns, train_prompts + eval_prompts)
+check_rows(reward_fns, train_prompts + held_out_prompts)
 reward_name = ' + '.join(f'{w:g} x {r.name}' if len(reward_fns) > 1 else r.name
                          for r, w in zip(reward_fns, reward_weights_list))
 stop_ids = stop_tokens(tokenizer)  # the end of the assistant's turn
@@ -194,7 +218,7 @@ stop_ids = stop_tokens(tokenizer)  # the end of the assistant's turn
 # policy, and the reference (only with beta > 0): a frozen copy when training all weights, the
 # policy itself with its adapters disabled when training LoRA
 model = build_model(GPTConfig(**model_args), reference_ckpt, False, base_dtype)
-reference = (frozen_model(GPTConfig(**model_args), reference_ckpt['model'], 'ddp', device, ptdtype, False)
+reference = (frozen_model(GPTConfig(**model_args), reference_ckpt['model'], 'ddp', local_device, ptdtype, False)
              if beta > 0 and not use_lora else None)
 if use_lora:
     apply_lora(model, lora_r, lora_alpha, lora_dropout, lora_target_modules, use_rslora, lora_bias)
@@ -204,7 +228,7 @@ if ckpt:
                      fix="Set these keys to the checkpoint's values, or start a new run (another out_dir, or "
                          "--resume=False).")
     model.load_state_dict({**model.state_dict(), **ckpt['model']})  # strict: all weights, or every adapter
-place_model(model, 'ddp', device, ptdtype, False)
+place_model(model, 'ddp', local_device, ptdtype, False)
 raw_model = model  # what we save and generate with: never compiled or DDP-wrapped
 reference_ckpt = None
 
@@ -212,26 +236,29 @@ optimizer = (lora_optimizer(raw_model, weight_decay, learning_rate, (beta1, beta
              if use_lora else raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type))
 scaler = GradScaler(enabled=ptdtype == torch.float16)
 get_lr = LRSchedule.from_config(config)
-iter_num, best_val_loss, evals_without_improvement = 0, float('inf'), 0
+# best_pass_at_1: the best held-out pass@1 of an eval so far
+iter_num, best_pass_at_1, evals_without_improvement = 0, -math.inf, 0
 if ckpt:
     if (ckpt['prompts_per_step'], ckpt['num_generations']) != (prompts_per_step, num_generations):
         raise UserError(f"{ckpt_path} was trained with prompts_per_step={ckpt['prompts_per_step']} and "
                         f"num_generations={ckpt['num_generations']}; resume with those, or start a new run.")
     train_sampler.load_state_dict(ckpt['train_sampler'])
-    iter_num, best_val_loss, evals_without_improvement = restore_training_state(ckpt, ckpt_path, optimizer, scaler,
-                                                                                rank, world_size, raw_model)
+    iter_num, stored_best, evals_without_improvement = restore_training_state(ckpt, ckpt_path, optimizer, scaler,
+                                                                              rank, world_size, raw_model)
+    # checkpoints store it as a loss, -pass@1 (save)
+    best_pass_at_1 = -stored_best
 ckpt = None
 model = wrap_model(model, compile, ddp, local_rank, device_type)
-log(f"device {device}, dtype {ptdtype}, {world_size} process(es), {raw_model.get_num_params() / 1e6:.2f}M params, "
-    f"{prompts_per_step} prompts x {num_generations} completions per step, loss {loss_type}, ratio clipped to "
-    f"[{1 - epsilon:g}, {1 + clip_high:g}], reward {reward_name}, "
+log(f"device {local_device}, dtype {ptdtype}, {world_size} process(es), "
+    f"{raw_model.get_num_params() / 1e6:.2f}M params, {prompts_per_step} prompts x {num_generations} completions "
+    f"per step, loss {loss_type}, ratio clipped to [{1 - epsilon:g}, {1 + clip_high:g}], reward {reward_name}, "
     f"reference: " + ('none (beta=0)' if beta == 0 else 'the model with adapters disabled' if use_lora else
                       'a frozen copy'))
 
 
 def draws(*key):
     """The random numbers of one batch of rollouts, the same on every rank: a generator seeded by key."""
-    return torch.Generator(device=device).manual_seed(hash((seed, *key)) & (2 ** 63 - 1))
+    return torch.Generator(device=local_device).manual_seed(hash((seed, *key)) & (2 ** 63 - 1))
 
 
 def my_share(n):
@@ -261,18 +288,19 @@ def rollouts(batch, n_samples, generator):
     messages = [rl_prompt(record) for record in records]
     texts = [tokenizer.decode(c[:-1] if s else c, skip_special=True) for c, s in zip(completions, stopped)]  # as TRL
     # each reward's values (NaN: it could not score it), their weighted sum, NaNs adding 0 (TRL's)
-    per_reward = torch.tensor([reward_values(r, messages, texts, records, wheres) for r in reward_fns], device=device).T
-    total = (per_reward * torch.tensor(reward_weights_list, device=device)).nansum(1)
+    per_reward = torch.tensor([reward_values(r, messages, texts, records, wheres) for r in reward_fns],
+                              device=local_device).T
+    total = (per_reward * torch.tensor(reward_weights_list, device=local_device)).nansum(1)
     return completions, total, stopped, per_reward
 
 
-def completion_logps(net, batch):
-    """Per-token log-probs (N,) of a micro-batch's completion tokens under net, and the logits (N, V) they come
-    from, divided by the sampling temperature (the distribution the completions were drawn from)."""
-    logits, _ = net(batch['x'], positions=batch['positions'], mask=batch['mask'],
-                    logits_at=(batch['rows'], batch['cols']))
+def token_logps_and_logits(net, batch):
+    """Per-token log-probs (N',) of a micro-batch's (lm/rl.CompletionBatch) scored completion tokens under net,
+    and the logits (N', V) they come from, divided by the sampling temperature (the distribution the
+    completions were drawn from)."""
+    logits, _ = net(batch.x, positions=batch.positions, mask=batch.mask, logits_at=(batch.rows, batch.cols))
     logits = logits.float() / temperature
-    return -F.cross_entropy(logits, batch['targets'], reduction='none'), logits
+    return -F.cross_entropy(logits, batch.targets, reduction='none'), logits
 
 
 @torch.no_grad()
@@ -282,26 +310,28 @@ def fixed_logps(batches, use_reference):
     net = reference if use_reference and reference is not None else raw_model
     raw_model.eval()
     with disable_adapters(raw_model) if use_reference and use_lora else nullcontext(), autocast:
-        logps = [completion_logps(net, batch)[0] for batch in batches]
+        logps = [token_logps_and_logits(net, batch)[0] for batch in batches]
     raw_model.train()
     return logps
 
 
 def train_step(batches, advantages, old_logps, ref_logps, totals):
-    """Forward/backward of this rank's micro-batches (accumulating gradients); returns its shares of the loss
-    and token metrics (shares add up over ranks). totals: (sequences, completion tokens, max_new_tokens) of
-    the whole batch over all ranks, which every normalisation divides by."""
+    """Forward/backward of this rank's micro-batches (lm/rl.CompletionBatch, accumulating gradients); returns its
+    shares of the loss and token metrics (shares add up over ranks). advantages (n,): of this rank's
+    completions; old_logps, ref_logps: per micro-batch, the per-token log-probs of the policy as it sampled
+    (None: one iteration, ratio 1) and of the reference (None: beta 0); totals: (sequences, completion
+    tokens, max_new_tokens) of the whole batch over all ranks, which every normalisation divides by."""
     shares = {}
     for micro_step, batch in enumerate(batches):
         # only the last micro-batch reduces gradients across ranks
         with gradient_sync(model, raw_model, sync=micro_step == len(batches) - 1):
             with autocast:
-                logps, logits = completion_logps(model, batch)
-            token_advantages = advantages[batch['first'] + batch['owners']]
+                logps, logits = token_logps_and_logits(model, batch)
+            token_advantages = advantages[batch.first + batch.owners]
             old = logps.detach() if old_logps is None else old_logps[micro_step]  # one iteration: ratio 1
             log_ratio = logps - old
             if importance_sampling_level == 'sequence':  # GSPO: one ratio, its tokens' mean, for a sequence
-                log_ratio = sequence_log_ratio(log_ratio, batch['owners'], batch['lengths'])
+                log_ratio = sequence_log_ratio(log_ratio, batch.owners, batch.lengths)
             token_loss, clipped = clipped_token_loss(log_ratio, token_advantages, epsilon, clip_high)
             # TRL's: the ratio cut below 1 - epsilon (A < 0) or above 1 + epsilon_high (A > 0)
             metrics = {'clip_ratio/region_mean': clipped.float(),
@@ -311,7 +341,7 @@ def train_step(batches, advantages, old_logps, ref_logps, totals):
                 kl = k3_kl(logps, ref_logps[micro_step])
                 token_loss = token_loss + beta * kl
                 metrics['kl'] = kl.detach()
-            loss = normalized_loss(token_loss, batch['owners'], batch['lengths'], loss_type, totals)
+            loss = normalized_loss(token_loss, batch.owners, batch.lengths, loss_type, totals)
             scaler.scale(loss * world_size).backward()  # DDP averages gradients over ranks: undo 1/world_size
         metrics['entropy'] = token_entropy(logits.detach())
         for k, v in metrics.items():  # token means over the whole batch
@@ -330,36 +360,38 @@ def gathered(tensor):
 
 
 @torch.no_grad()
-def evaluate():
+def evaluate(iter_num):
     """pass@1 and pass@pass_k of the held-out prompts, each sampled pass_k times (in batches of prompts_per_step,
     each rank its share; the same samples at every eval and on any number of ranks), and their mean reward;
-    logged and recorded. Returns -pass@1, the 'loss' a better checkpoint lowers."""
-    sums = torch.zeros(4, device=device)  # pass@1, pass@k, reward, prompts
-    for start in range(0, len(eval_prompts), prompts_per_step):
-        batch = eval_prompts[start:start + prompts_per_step]
+    logged and recorded at step iter_num. Returns pass@1."""
+    sums = torch.zeros(4, device=local_device)  # pass@1, pass@k, reward, prompts
+    for start in range(0, len(held_out_prompts), prompts_per_step):
+        batch = held_out_prompts[start:start + prompts_per_step]
         part = batch[slice(*my_share(len(batch)))]
         if not part:
             continue
         _, rewards, _, _ = rollouts(batch, pass_k, draws(1, start))
         counts = [(pass_k, int(c)) for c in (rewards.view(-1, pass_k) >= correct_reward).sum(1).tolist()]
         sums += torch.tensor([mean_pass_at_k(counts, 1) * len(part), mean_pass_at_k(counts, pass_k) * len(part),
-                              rewards.sum().item() / pass_k, len(part)], device=device)
+                              rewards.sum().item() / pass_k, len(part)], device=local_device)
     if ddp:
         dist.all_reduce(sums)
     pass1, passk, mean_reward = (sums[:3] / sums[3]).tolist()
     log(f"step {iter_num}: eval pass@1 {pass1:.3f}, pass@{pass_k} {passk:.3f}, reward {mean_reward:.3f} "
         f"({int(sums[3])} held-out prompts x {pass_k})")
     record({'step': iter_num, 'eval/pass@1': pass1, f'eval/pass@{pass_k}': passk, 'eval/reward': mean_reward})
-    return -pass1
+    return pass1
 
 
-def save(path):
-    """A checkpoint of the run at path (write_checkpoint): collective under DDP, every rank must call it."""
+def save(path, iter_num, best_pass_at_1, evals_without_improvement):
+    """A checkpoint of the run at path (write_checkpoint) at step iter_num, with the eval counters: collective
+    under DDP, every rank must call it."""
     weights = raw_model.state_dict(keep_vars=True)
+    # best_val_loss, the field every script's checkpoint has, holds -pass@1: lower is better
     state = dict(training_state(this_run, dict(config, training_type='rl'), optimizer, scaler, iter_num,
-                                best_val_loss, evals_without_improvement),
+                                -best_pass_at_1, evals_without_improvement),
                  kind='gpt', model=weights, model_args=model_args, tokenizer=tokenizer.identity(),
-                 data_dir=os.path.abspath(data_dir), train_sampler=train_sampler.state_dict(),
+                 data_dir=os.path.abspath(corpus_dir), train_sampler=train_sampler.state_dict(),
                  prompts_per_step=prompts_per_step, num_generations=num_generations,
                  reference_checkpoint=os.path.abspath(reference_path), reference_hash=reference_hash,
                  train_data_hash=train_data_hash, train_prompts_hash=train_prompts_hash, **hf_files)
@@ -369,10 +401,11 @@ def save(path):
     write_checkpoint(path, state, False, master)
 
 
-record, writer = run_log(out_dir, master, tensorboard, keep_log_until(eval_only, resuming, iter_num))
+# an eval_only run appends to the log; a continued run drops what it logged past its checkpoint
+record, writer = run_log(out_dir, master, tensorboard, math.inf if eval_only else iter_num if resuming else -1)
 
 if eval_only or iter_num == 0:
-    evaluate()
+    evaluate(iter_num)
     report_heldout(raw_model, held_out, autocast, iter_num, record)
 if eval_only:
     compute_cleanup(ddp)
@@ -395,13 +428,13 @@ while iter_num < max_iters:
     advantages = group_advantages(all_rewards, num_generations, scale_rewards).view(world_size, -1)[rank]
     sequences = [(prompts[i // num_generations][0], c) for i, c in enumerate(completions)]
     scored = [bool(s) or not mask_truncated_completions for s in stopped.tolist()]  # DAPO's mask: truncated ones out
-    batches = completion_batches(sequences, scored, micro_batch_size, device)
+    batches = completion_batches(sequences, scored, completions_per_micro_batch, local_device)
     t1 = time.time()
     old_logps = fixed_logps(batches, use_reference=False) if num_iterations > 1 else None
     ref_logps = fixed_logps(batches, use_reference=True) if beta > 0 else None
-    lengths = torch.tensor([len(c) for c in completions], device=device, dtype=torch.float)
-    counts = gathered(torch.stack([lengths.sum(), sum(b['lengths'].sum() for b in batches).float(),
-                                   stopped.sum().to(device, torch.float)]).view(1, 3)).sum(0)
+    lengths = torch.tensor([len(c) for c in completions], device=local_device, dtype=torch.float)
+    counts = gathered(torch.stack([lengths.sum(), sum(b.lengths.sum() for b in batches).float(),
+                                   stopped.sum().to(local_device, torch.float)]).view(1, 3)).sum(0)
     generated_tokens, scored_tokens, n_stopped = counts.tolist()
     totals = (prompts_per_step * num_generations, scored_tokens, max_new_tokens)
 
@@ -447,8 +480,8 @@ while iter_num < max_iters:
     if iter_num % log_interval == 0 or iter_num == max_iters:
         means = {k: sum(v) / len(v) for k, v in window.items()}
         window.clear()
-        record(dict(step=iter_num, lr=lr, grad_norm=grad_norm, peak_memory_mb=(peak_memory_bytes(device) or 0) / 2**20,
-                    **means))
+        record(dict(step=iter_num, lr=lr, grad_norm=grad_norm,
+                    peak_memory_mb=(peak_memory_bytes(local_device) or 0) / 2**20, **means))
         progress.set_postfix(reward=f"{means['reward']:.3f}")
         no_signal = means['frac_reward_zero_std'] == 1
         log(f"step {iter_num}: reward {means['reward']:.3f} (std {means['reward_std']:.3f}), loss {means['loss']:.4f}, "
@@ -458,21 +491,25 @@ while iter_num < max_iters:
                 f"nothing was learned (too hard or too easy prompts, or a constant reward)" if no_signal else ''))
 
     if iter_num % eval_interval == 0 or iter_num == max_iters:
-        improved, best_val_loss, evals_without_improvement = after_eval(evaluate(), best_val_loss,
-                                                                        evals_without_improvement)
+        pass_at_1 = evaluate(iter_num)
+        improved = pass_at_1 > best_pass_at_1
         if improved:
-            save(os.path.join(out_dir, 'best.pt'))
+            best_pass_at_1, evals_without_improvement = pass_at_1, 0
+        else:
+            evals_without_improvement += 1
+        if improved:
+            save(os.path.join(out_dir, 'best.pt'), iter_num, best_pass_at_1, evals_without_improvement)
         if improved or always_save_checkpoint:
-            save(ckpt_path)
+            save(ckpt_path, iter_num, best_pass_at_1, evals_without_improvement)
 
     if stop_requested:
-        save(ckpt_path)
+        save(ckpt_path, iter_num, best_pass_at_1, evals_without_improvement)
         progress.close()
         stop.exit(ckpt_path, iter_num, ddp)
 progress.close()
-save(ckpt_path)
+save(ckpt_path, iter_num, best_pass_at_1, evals_without_improvement)
 report_heldout(raw_model, held_out, autocast, iter_num, record)
 if use_lora:
     save_merged(out_dir, raw_model, master, model_args=model_args, config=dict(config, training_type='rl'),
-                iter_num=iter_num, tokenizer=tokenizer.identity(), data_dir=os.path.abspath(data_dir), **hf_files)
+                iter_num=iter_num, tokenizer=tokenizer.identity(), data_dir=os.path.abspath(corpus_dir), **hf_files)
 compute_cleanup(ddp)

@@ -399,29 +399,29 @@ def our_step1(model, tokenizer, theirs, loss):
     advantages = group_advantages(rewards, num_generations, 'group')
     n = len(completions)
     batch = completion_batches(list(zip(theirs['prompt_ids'], completions)), [True] * n, n)[0]
-    logits, _ = model(batch['x'], logits_at=(batch['rows'], batch['cols']), positions=batch['positions'],
-                      mask=batch['mask'])
+    logits, _ = model(batch.x, logits_at=(batch.rows, batch.cols), positions=batch.positions,
+                      mask=batch.mask)
     logits = logits.float() / temperature
-    logps = -F.cross_entropy(logits, batch['targets'], reduction='none')
-    token_advantages = advantages[batch['first'] + batch['owners']]
+    logps = -F.cross_entropy(logits, batch.targets, reduction='none')
+    token_advantages = advantages[batch.first + batch.owners]
     token_loss, _ = clipped_token_loss(logps - logps.detach(), token_advantages, EPSILON, EPSILON)
-    totals = (n, int(batch['lengths'].sum()), max_new_tokens)
-    value = normalized_loss(token_loss, batch['owners'], batch['lengths'], loss, totals)
+    totals = (n, int(batch.lengths.sum()), max_new_tokens)
+    value = normalized_loss(token_loss, batch.owners, batch.lengths, loss, totals)
     value.backward()
     entropy = token_entropy(logits.detach()).mean().item()
     grad_norm = torch.norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None])).item()
     # each side's rounding: n summed elements (TRL sums the padded (B, C) grid), the advantages'
     summed = n * max(map(len, completions))
-    magnitude = normalized_loss(token_loss.detach().abs(), batch['owners'], batch['lengths'], loss, totals).item()
+    magnitude = normalized_loss(token_loss.detach().abs(), batch.owners, batch.lengths, loss, totals).item()
     bound = 2 * (summed + 2 * num_generations + 8) * U * magnitude
     # the per-token log-probs of the sequences in the (shuffled) order TRL trained on them
     trained = theirs['trained']
     n = len(trained['completion_ids'])
     batch = completion_batches(list(zip(trained['prompt_ids'], trained['completion_ids'])), [True] * n, n)[0]
     with torch.no_grad():
-        logits, _ = model(batch['x'], logits_at=(batch['rows'], batch['cols']), positions=batch['positions'],
-                         mask=batch['mask'])
-    trained_logps = -F.cross_entropy(logits.float() / temperature, batch['targets'], reduction='none')
+        logits, _ = model(batch.x, logits_at=(batch.rows, batch.cols), positions=batch.positions,
+                         mask=batch.mask)
+    trained_logps = -F.cross_entropy(logits.float() / temperature, batch.targets, reduction='none')
     return dict(rewards=rewards.tolist(), advantages=advantages.tolist(), loss=value.item(), grad_norm=grad_norm,
                 entropy=entropy, logps=trained_logps.tolist(), loss_bound=bound)
 

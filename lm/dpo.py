@@ -12,7 +12,7 @@ from run.run_folder import cached_tensors
 from run.runtime import rank_batches
 
 
-def completion_logps(net, batch, n):
+def sequence_logps_and_logits(net, batch, n):
     """Log-probs of the completions of a batch of n pairs (PreferenceBatches.get) under net:
     per-sequence sums (2n,), per-token (N,), and the logits (N, V) of the N scored positions (the
     only ones whose logits are computed: prompts and padding never reach the output layer)."""
@@ -30,7 +30,7 @@ def reference_logps(reference, batch, n, autocast):
     training = reference.training
     reference.eval()
     with disable_adapters(reference), autocast:
-        sums, _, logits = completion_logps(reference, batch, n)
+        sums, _, logits = sequence_logps_and_logits(reference, batch, n)
     reference.train(training)
     return sums, logits
 

@@ -5,6 +5,8 @@ ways of normalising its sum (loss_type); and the rollouts laid out as training m
 tokens are flattened: token j belongs to sequence owners[j], so a micro-batch is N tokens of n sequences,
 without padding. Formulas: docs/rl.md.
 """
+from dataclasses import dataclass
+
 import torch
 
 from lm.shared_prompts import SharedPrompts
@@ -80,18 +82,29 @@ def token_entropy(logits):
     return -(logp.exp() * logp).sum(-1)
 
 
+@dataclass
+class CompletionBatch:
+    """One training micro-batch of rollouts (completion_batches): a flat row of N tokens without
+    padding holding n sequences, N' of whose completion tokens are scored."""
+    x: torch.Tensor  # (1, N) the row: each prompt once, then its scored completions
+    positions: torch.Tensor  # (1, N) positions in each sequence, a completion's after its prompt's
+    mask: SharedPrompts  # the layout: a completion attends to its prompt and itself only
+    rows: torch.Tensor  # (N',) the row (0) of the positions whose logits predict the scored tokens
+    cols: torch.Tensor  # (N',) their columns, sequence by sequence
+    targets: torch.Tensor  # (N',) the completion tokens scored
+    owners: torch.Tensor  # (N',) each scored token's sequence, 0..n-1 in the micro-batch
+    lengths: torch.Tensor  # (n,) each sequence's tokens scored (0: a masked truncated one)
+    first: int  # the index of the micro-batch's first sequence among all the rollouts
+
+
 def completion_batches(sequences, scored, micro_batch_size, device='cpu'):
-    """Rollouts as training micro-batches of micro_batch_size sequences each. sequences: (prompt ids, completion
-    ids) pairs; scored: per sequence, False to leave its completion out of the loss (a masked truncated one).
-    A micro-batch is one flat row of tokens without padding: each prompt once, followed by its scored
-    completions (consecutive sequences with the same prompt: a group's G), laid out by SharedPrompts so
-    that each completion attends to its prompt and to itself only and continues the prompt's positions: every
-    completion token sees what it would alone, and the prompt, most of the tokens when answers are short, is
-    computed once instead of G times (train_dpo.py's shared prompt, G-fold).
-    Each micro-batch is a dict: x (1, N) the row's tokens; positions (1, N) and mask (SharedPrompts)
-    its layout; rows, cols (N',) the positions that predict the N' completion tokens scored, sequence by
-    sequence; targets (N',) those tokens; owners (N',) the sequence (0..n-1 in the micro-batch) each belongs
-    to; lengths (n,) the tokens scored of each sequence; first: the index of its first sequence in sequences."""
+    """Rollouts as training micro-batches (CompletionBatch) of micro_batch_size sequences each. sequences:
+    (prompt ids, completion ids) pairs; scored: per sequence, False to leave its completion out of the loss (a
+    masked truncated one). A micro-batch is one flat row of tokens without padding: each prompt once, followed
+    by its scored completions (consecutive sequences with the same prompt: a group's G), laid out by
+    SharedPrompts so that each completion attends to its prompt and to itself only and continues the prompt's
+    positions: every completion token sees what it would alone, and the prompt, most of the tokens when answers
+    are short, is computed once instead of G times (train_dpo.py's shared prompt, G-fold)."""
     batches = []
     for first in range(0, len(sequences), micro_batch_size):
         part = sequences[first:first + micro_batch_size]
@@ -112,8 +125,8 @@ def completion_batches(sequences, scored, micro_batch_size, device='cpu'):
                 tokens += fed
                 positions += range(len(prompt), len(prompt) + len(fed))
         cols, targets, owners = torch.tensor(score, dtype=torch.long).view(-1, 3).T.to(device)
-        batches.append(dict(x=torch.tensor([tokens], device=device), positions=torch.tensor([positions], device=device),
-                            mask=SharedPrompts(prompts, completions, prompt_of, device), rows=torch.zeros_like(cols),
-                            cols=cols, targets=targets, owners=owners,
-                            lengths=torch.bincount(owners, minlength=len(part)), first=first))
+        batches.append(CompletionBatch(
+            x=torch.tensor([tokens], device=device), positions=torch.tensor([positions], device=device),
+            mask=SharedPrompts(prompts, completions, prompt_of, device), rows=torch.zeros_like(cols), cols=cols,
+            targets=targets, owners=owners, lengths=torch.bincount(owners, minlength=len(part)), first=first))
     return batches

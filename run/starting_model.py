@@ -8,7 +8,8 @@ hf/checkpoint.py), and the checks that it fits the run.
   base, or init_from); check_starting_model: its tokenizer and shape against the run's.
 - run_tokenizer: the tokenizer the model brings (a published model's own), or data_dir's; run_model_args:
   the shape of a train.py run's model.
-- dpo_reference: a DPO run's reference, the chat model it began as; frozen_model: a frozen copy of it.
+- reference_checkpoint: a DPO or RL run's reference, the chat model it began as; frozen_model: a frozen
+  copy of it.
 """
 import os
 
@@ -129,11 +130,11 @@ def full_model_checkpoint(ckpt, ckpt_path, init_from, out_dir, training_type, as
     return model_ckpt, path
 
 
-def dpo_reference(ckpt, init_from, out_dir, made_by=None, as_stored=False, what='DPO'):
-    """(checkpoint, path, sha256) of a DPO run's reference, the chat model the run began as: init_from for a
-    new run (made_by as in require_init_from); for the continued run (ckpt), the file its checkpoint names,
-    which must still be there, unchanged. as_stored: as in load_model; what: the kind of run, for messages
-    ('DPO', 'RL': train_rl.py's reference is the same chat model it began as)."""
+def reference_checkpoint(ckpt, init_from, out_dir, made_by=None, as_stored=False, what='DPO'):
+    """(checkpoint, path, sha256) of a DPO or RL run's reference, the chat model the run began as (its
+    policy starts as this model, and its loss is relative to it): init_from for a new run (made_by as in
+    require_init_from); for the continued run (ckpt), the file its checkpoint names, which must still be
+    there, unchanged. as_stored: as in load_model; what: the kind of run, for messages ('DPO', 'RL')."""
     if ckpt and 'reference_hash' not in ckpt:
         raise UserError(f"{os.path.join(out_dir, 'ckpt.pt')} is not a {what} run's checkpoint, so there is nothing to "
                         f"resume. Use another out_dir, or --resume=False to start a new run there (its checkpoints "

@@ -322,7 +322,7 @@ def test_packed_pair_shares_its_prompt():
 
 @pytest.mark.comparison
 def test_packed_and_padded_batches_give_the_same_sequence_logps():
-    """Through a tiny GPT (as dpo_logps.completion_logps does it), packed rows (prompts shared, several
+    """Through a tiny GPT (as lm/dpo.sequence_logps_and_logits does it), packed rows (prompts shared, several
     pairs per row) and padded rows give each sequence the log-prob it has alone, to ~1e-5."""
     torch.manual_seed(0)
     pairs = random_pairs(6, seed=1)
@@ -534,13 +534,19 @@ def test_resume_is_bit_exact(tmp_path, dpo_env):
     dpo(dpo_env, straight, '--max_iters=4', *common)
     dpo(dpo_env, split, '--max_iters=2', *common)
     assert load(split / 'ckpt.pt')['iter_num'] == 2
-    p = dpo(dpo_env, split, '--max_iters=4', *common)
+    p = dpo(dpo_env, split, '--max_iters=4', '--init_from=resume', *common)  # nanoGPT's: the run's own origin
     assert 'resuming' in p.stdout + p.stderr
     a, b = train_metrics(straight), train_metrics(split)
     assert sorted(a) == sorted(b) == [1, 2, 3, 4]
     assert all(a[s][k] == b[s][k] for s in a for k in TRAIN_METRICS), (a, b)
     ca, cb = load(straight / 'ckpt.pt'), load(split / 'ckpt.pt')
     assert ca['iter_num'] == cb['iter_num'] == 4
+    # the checkpoint's config is what the user passed; what the run derived is stored beside it
+    assert (ca['config']['init_from'], cb['config']['init_from']) == (dpo_env['sft'], 'resume')
+    assert ca['run']['init_from'] == cb['run']['init_from'] == os.path.abspath(dpo_env['sft'])
+    assert ca['config']['device'] == 'cpu' and ca['config']['data_dir'] == dpo_env['data_dir']
+    assert ca['data_dir'] == os.path.abspath(dpo_env['data_dir'])
+    assert (cb['config']['batch_size'], cb['batch_size'], cb['gradient_accumulation_steps']) == (2, 2, 2)
     for key in ('model', 'optimizer', 'train_batches', 'best_val_loss', 'reference_hash'):
         assert_same_state(ca[key], cb[key], key)
 

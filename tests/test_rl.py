@@ -5,6 +5,7 @@ and the script end to end (metrics in log.jsonl, bit-exact resume)."""
 
 import json
 import math
+import os
 import re
 import shutil
 import signal
@@ -272,7 +273,7 @@ def test_run_logs_metrics_and_resumes_bit_exactly(tmp_path, rl_env):
     straight, split_run = tmp_path / 'straight', tmp_path / 'split'
     rl(rl_env, straight, '--max_iters=4', *common)
     rl(rl_env, split_run, '--max_iters=2', *common)
-    p = rl(rl_env, split_run, '--max_iters=4', *common)
+    p = rl(rl_env, split_run, '--max_iters=4', '--init_from=resume', *common)  # nanoGPT's: the run's own origin
     assert 'resuming' in p.stdout + p.stderr
     a, b = train_events(straight), train_events(split_run)
     assert sorted(a) == sorted(b) == [1, 2, 3, 4]
@@ -290,6 +291,14 @@ def test_run_logs_metrics_and_resumes_bit_exactly(tmp_path, rl_env):
     ca, cb = load(straight / 'ckpt.pt'), load(split_run / 'ckpt.pt')
     assert ca['iter_num'] == cb['iter_num'] == 4
     assert all(torch.equal(ca['model'][k], cb['model'][k]) for k in ca['model'])
+    # the checkpoint's config is what the user passed; what the run derived is stored beside it
+    assert (ca['config']['init_from'], cb['config']['init_from']) == (rl_env['sft'], 'resume')
+    assert ca['run']['init_from'] == cb['run']['init_from'] == os.path.abspath(rl_env['sft'])
+    assert ca['config']['device'] == 'cpu' and ca['config']['data_dir'] == rl_env['data_dir']
+    assert ca['data_dir'] == os.path.abspath(rl_env['data_dir'])
+    # best_val_loss holds -pass@1 (lower is better), as RL checkpoints always have: the best of the
+    # evals after step 0's
+    assert ca['best_val_loss'] == cb['best_val_loss'] == -max(e['eval/pass@1'] for e in evals[1:])
     start = load(rl_env['sft'])['model']
     assert max((ca['model'][k] - start[k]).abs().max().item() for k in start) > 0  # it trained
 
@@ -546,17 +555,17 @@ def test_completion_batches_lay_each_prompt_out_once_and_leave_masked_completion
     a, b = [1, 2], [7, 8, 9]
     sequences = [(a, [3, 4, 0]), (a, [6]), (a, [5, 6, 7]), (b, [1, 2]), (b, [4, 5])]
     batches = completion_batches(sequences, [True, False, True, True, True], 4)
-    assert [batch['first'] for batch in batches] == [0, 4]
+    assert [batch.first for batch in batches] == [0, 4]
     first, second = batches
-    assert first['x'].tolist() == [[1, 2, 3, 4, 5, 6, 7, 8, 9, 1]]
-    assert first['positions'].tolist() == [[0, 1, 2, 3, 2, 3, 0, 1, 2, 3]]
-    assert first['rows'].tolist() == [0] * 8
-    assert first['cols'].tolist() == [1, 2, 3, 1, 4, 5, 8, 9] and first['targets'].tolist() == [3, 4, 0, 5, 6, 7, 1, 2]
-    assert first['owners'].tolist() == [0, 0, 0, 2, 2, 2, 3, 3] and first['lengths'].tolist() == [3, 0, 3, 2]
-    layout = first['mask']
+    assert first.x.tolist() == [[1, 2, 3, 4, 5, 6, 7, 8, 9, 1]]
+    assert first.positions.tolist() == [[0, 1, 2, 3, 2, 3, 0, 1, 2, 3]]
+    assert first.rows.tolist() == [0] * 8
+    assert first.cols.tolist() == [1, 2, 3, 1, 4, 5, 8, 9] and first.targets.tolist() == [3, 4, 0, 5, 6, 7, 1, 2]
+    assert first.owners.tolist() == [0, 0, 0, 2, 2, 2, 3, 3] and first.lengths.tolist() == [3, 0, 3, 2]
+    layout = first.mask
     assert layout.prompts.tolist() == [[0, 1, 0], [6, 7, 8]]  # padded with a span's first column
     assert layout.completions.tolist() == [[2, 3], [4, 5], [9, 9]] and layout.prompt_of.tolist() == [0, 0, 1]
-    assert second['x'].tolist() == [[7, 8, 9, 4]] and second['lengths'].tolist() == [2]
+    assert second.x.tolist() == [[7, 8, 9, 4]] and second.lengths.tolist() == [2]
 
 
 @pytest.mark.comparison
@@ -620,9 +629,9 @@ def test_shared_prompt_rows_give_each_completion_its_logps_alone(opts):
         got = []
         model.zero_grad()
         for batch in completion_batches(sequences, scored, micro_batch_size):
-            logits, _ = model(batch['x'], positions=batch['positions'], mask=batch['mask'],
-                              logits_at=(batch['rows'], batch['cols']))
-            logps = logits.log_softmax(-1).gather(1, batch['targets'][:, None])[:, 0]
+            logits, _ = model(batch.x, positions=batch.positions, mask=batch.mask,
+                              logits_at=(batch.rows, batch.cols))
+            logps = logits.log_softmax(-1).gather(1, batch.targets[:, None])[:, 0]
             logps.sum().backward()
             got += logps.tolist()
         grad = [p.grad.clone() for p in model.parameters()]

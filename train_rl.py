@@ -495,10 +495,9 @@ while iter_num < max_iters:
         improved = pass_at_1 > best_pass_at_1
         if improved:
             best_pass_at_1, evals_without_improvement = pass_at_1, 0
+            save(os.path.join(out_dir, 'best.pt'), iter_num, best_pass_at_1, evals_without_improvement)
         else:
             evals_without_improvement += 1
-        if improved:
-            save(os.path.join(out_dir, 'best.pt'), iter_num, best_pass_at_1, evals_without_improvement)
         if improved or always_save_checkpoint:
             save(ckpt_path, iter_num, best_pass_at_1, evals_without_improvement)
 

@@ -2,12 +2,11 @@
 The plumbing every training script runs on, written once (after nanochat's compute_init): the
 processes and the device (torchrun's DDP), files prepared once by rank 0, the model the loop calls
 (compiled, DDP-wrapped), logging on rank 0, the parts of an optimizer step torch does not give (FSDP's
-gradient norm, one all-reduce of the step's metrics and stop flags, bad steps), the bookkeeping of
-evals, the stop signal and the way out. Each script keeps its own loop (batch, forward, loss, backward,
+gradient norm, one all-reduce of the step's metrics and stop flags, bad steps), each rank's share of an
+eval, the stop signal and the way out. Each script keeps its own loop (batch, forward, loss, backward,
 unscale, clip, step, eval, save) and calls these for what is the same in all.
 """
 
-import math
 import os
 import signal
 import sys
@@ -156,20 +155,6 @@ def rank_batches(indices, batch_size, rank, world_size, lockstep=False):
     return mine + [(indices[:1], False)] * (most - len(mine))
 
 
-def after_eval(val_loss, best_val_loss, evals_without_improvement):
-    """(improved, best_val_loss, evals_without_improvement) once an eval scored val_loss."""
-    if val_loss < best_val_loss:
-        return True, val_loss, 0
-    return False, best_val_loss, evals_without_improvement + 1
-
-
-def patience_exhausted(early_stopping_patience, evals_without_improvement):
-    if early_stopping_patience and evals_without_improvement >= early_stopping_patience:
-        log(f"early stopping: no improvement for {evals_without_improvement} evals")
-        return True
-    return False
-
-
 class StopSignal:
     """SIGTERM/SIGINT set a flag; the training loop finishes its step, saves, and exits 143/130."""
 
@@ -191,12 +176,6 @@ class StopSignal:
         code = self.exit_code if self.requested else 143
         compute_cleanup(ddp, code)
         sys.exit(code)
-
-
-def keep_log_until(eval_only, resuming, iter_num):
-    """checkpoint.run_log's keep_until: append after an eval_only run's, drop what a killed run logged past
-    its checkpoint, start a new run's log empty."""
-    return math.inf if eval_only else iter_num if resuming else -1
 
 
 class StepProfiler:

@@ -11,8 +11,7 @@ import torch
 
 from run.checkpoint import restore_training_state, training_state
 from run.device import GradScaler
-from run.runtime import (after_eval, all_reduce_metrics, bad_step, clip_grad_norm, compute_init, patience_exhausted,
-                         rank_batches)
+from run.runtime import all_reduce_metrics, bad_step, clip_grad_norm, compute_init, rank_batches
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = ('train.py', 'train_dpo.py', 'train_tts.py')
@@ -112,15 +111,6 @@ def test_each_script_skips_bad_steps_and_leaves_fp16_overflow_to_the_scaler(scri
     scale = fp16.get_scale()
     assert run(1.0, math.inf, fp16, grad=math.inf) == 0  # an overflow: the scaler skips the step and backs off
     assert torch.equal(w.detach(), torch.full((2,), 0.5)) and fp16.get_scale() < scale and w.grad is None
-
-
-def test_eval_bookkeeping():
-    assert after_eval(2.0, math.inf, 0) == (True, 2.0, 0)
-    assert after_eval(2.5, 2.0, 0) == (False, 2.0, 1)
-    assert after_eval(2.0, 2.0, 1) == (False, 2.0, 2)  # a tie is no improvement
-    assert after_eval(1.0, 2.0, 2) == (True, 1.0, 0)
-    assert not patience_exhausted(0, 100)  # 0: never
-    assert not patience_exhausted(3, 2) and patience_exhausted(3, 3)
 
 
 def test_training_state_round_trip(tmp_path):

@@ -1,9 +1,11 @@
 """
 Memory on the device a training step runs on: usage and pressure (MemoryMonitor), peak memory, and
 out-of-memory recovery (freeing, halving the micro-batch, the split a resumed run keeps). Works the same
-on CUDA, Apple MPS and CPU. (Which device and number formats: run/device.py.)
+on CUDA, Apple MPS and CPU. (Which device and number formats: run/device.py.) And the host memory a
+memory-mapped checkpoint takes once read (page_out).
 """
 
+import ctypes
 import gc
 import math
 import os
@@ -37,6 +39,21 @@ def emergency_free_memory(device):
     """free_memory after waiting for queued kernels, so the temporaries they hold are freed too."""
     synchronize(device)
     free_memory(device)
+
+
+def page_out(tensor):
+    """Drop the pages of a CPU tensor read from a memory-mapped file from this process's resident memory
+    (Linux's madvise MADV_PAGEOUT): a checkpoint read once, as 4-bit quantization reads each weight, would
+    otherwise stay counted in the process's memory, the whole file of it. The data stays in the file and is
+    read again if used; anonymous memory without swap is left as it is. Elsewhere a no-op."""
+    if not sys.platform.startswith('linux') or tensor.device.type != 'cpu' or not tensor.numel():
+        return
+    page = os.sysconf('SC_PAGE_SIZE')
+    start = tensor.data_ptr() // page * page
+    end = tensor.data_ptr() + tensor.numel() * tensor.element_size()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.madvise(start, end - start, 21)  # MADV_PAGEOUT (Linux 5.4); an older kernel refuses it: no harm
 
 
 def _max_rss_bytes():

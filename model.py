@@ -27,6 +27,11 @@ def weight_flops(weight):
     return (6 if weight.requires_grad else 4) * weight.numel()
 
 
+def stored_elsewhere(model):
+    """The Linear layers whose weight is no parameter of theirs (a 4-bit LoRA base keeps it packed: lm/nf4.py)."""
+    return [m for m in model.modules() if isinstance(m, nn.Linear) and m.weight is None]
+
+
 @dataclass
 class GPTConfig:
     block_size: int = 256
@@ -212,7 +217,9 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x, rope=None, cache=None, mask=None):
         B, T, C = x.shape
         layers = (self.q, self.k, self.v)
-        if cache is not None and T == 1:  # a decode step: stacking the weights would copy them per token
+        # a decode step (stacking the weights would copy them per token), or layers without a plain weight
+        # (a 4-bit LoRA base, lm/nf4.py): each layer computes its own share
+        if cache is not None and T == 1 or self.q.weight is None:
             q, k, v = (m(x) for m in layers)
         else:
             # one matmul over the three layers' stacked weights instead of three (4% of a step at
@@ -421,6 +428,7 @@ class GPT(nn.Module):
         """Parameter count. non_embedding=True leaves out pure lookup tables (position embeddings,
         and the token embeddings unless they are tied to lm_head, whose matmul is real work)."""
         n = sum(p.numel() for p in self.parameters())
+        n += sum(m.in_features * m.out_features for m in stored_elsewhere(self))
         if non_embedding:
             if self.config.pos_emb == 'learned':
                 n -= self.transformer.wpe.weight.numel()
@@ -525,7 +533,8 @@ class GPT(nn.Module):
         layer's share counts only for output_fraction of the tokens, those whose logits are computed (fine-tuning:
         the labelled ones, see forward's logits_at)."""
         c = self.config
-        matmuls = sum(weight_flops(p) for p in self.parameters())
+        matmuls = sum(weight_flops(p) for p in self.parameters()) \
+            + sum(4 * m.in_features * m.out_features for m in stored_elsewhere(self))  # frozen
         if c.pos_emb == 'learned':
             matmuls -= weight_flops(self.transformer.wpe.weight)
         if not c.tie_embeddings:

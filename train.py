@@ -80,7 +80,7 @@ use_rslora = False           # scale updates by lora_alpha/sqrt(r) instead of lo
 lora_target_modules = 'attn.q,attn.k,attn.v,attn.proj'  # comma-separated layers | 'all-linear'
 lora_bias = 'none'           # biases trained too: 'none' | 'all' | 'lora_only' (adapted layers')
 loraplus_lr_ratio = 1.0      # LoRA+: the B matrices learn at this times the learning rate
-lora_base_dtype = 'float32'  # the frozen base's Linear weights: 'float32' | the run's dtype
+lora_base_dtype = 'float32'  # the frozen base's Linear weights: 'float32' | the run's dtype | 'nf4' (QLoRA)
 # loss
 token_weights = {}           # token-weighted CE: {'group': (weight, [tokens])}; {} = plain CE
 loss_weights = {'ce': 1.0, 'z_loss': 0.0}  # weight of each loss term (z_loss: PaLM's, e.g. 1e-4)
@@ -138,7 +138,7 @@ check_values(config, [
     (POSITIVE, ('lora_alpha', 'loraplus_lr_ratio')),
     (one_of(SCHEDULES), ('lr_schedule',)),
     (one_of(('adamw', 'muon')), ('optimizer_type',)),
-    (one_of(DTYPES), ('lora_base_dtype',)),
+    (one_of((*DTYPES, 'nf4')), ('lora_base_dtype',)),
     (one_of(PARALLEL), ('parallel',)),
     (one_of(CHECKPOINT_FORMATS), ('checkpoint_format',)),
     (FOLDER, ('out_dir',)),

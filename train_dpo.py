@@ -81,7 +81,7 @@ use_rslora = False           # scale updates by lora_alpha/sqrt(r) instead of lo
 lora_target_modules = 'all-linear'  # comma-separated layers | 'all-linear'
 lora_bias = 'none'           # biases trained too: 'none' | 'all' | 'lora_only' (adapted layers')
 loraplus_lr_ratio = 1.0      # LoRA+: the B matrices learn at this times the learning rate
-lora_base_dtype = 'float32'  # the frozen base's Linear weights: 'float32' | the run's dtype
+lora_base_dtype = 'float32'  # the frozen base's Linear weights: 'float32' | the run's dtype | 'nf4' (QLoRA)
 # model (its shape comes from init_from)
 dropout = 0.0                # 0: the policy's log-probs should not be noisier than the reference's
 activation_checkpointing = False  # recompute activations in backward to save memory
@@ -122,7 +122,7 @@ check_values(config, [
     (interval('[0, 0.5)'), ('label_smoothing',)),  # at 0.5 the labels carry no information
     (one_of(SCHEDULES), ('lr_schedule',)),
     (one_of(DPO_LOSS_TYPES), ('loss_type',)),
-    (one_of(DTYPES), ('lora_base_dtype',)),
+    (one_of((*DTYPES, 'nf4')), ('lora_base_dtype',)),
     (one_of(PARALLEL), ('parallel',)),
     (one_of(CHECKPOINT_FORMATS), ('checkpoint_format',)),
     (FOLDER, ('out_dir',)),

@@ -97,7 +97,7 @@ use_rslora = False           # scale updates by lora_alpha/sqrt(r) instead of lo
 lora_target_modules = 'all-linear'  # comma-separated layers | 'all-linear'
 lora_bias = 'none'           # biases trained too: 'none' | 'all' | 'lora_only' (adapted layers')
 loraplus_lr_ratio = 1.0      # LoRA+: the B matrices learn at this times the learning rate
-lora_base_dtype = 'float32'  # the frozen base's Linear weights: 'float32' | the run's dtype
+lora_base_dtype = 'float32'  # the frozen base's Linear weights: 'float32' | the run's dtype | 'nf4' (QLoRA)
 # model (its shape comes from init_from)
 dropout = 0.0                # 0: the ratio to the sampling policy should be 1 at the first iteration
 # optimizer (AdamW)
@@ -137,7 +137,7 @@ check_values(config, [
     (one_of(LOSS_TYPES), ('loss_type',)),
     (one_of(IMPORTANCE_LEVELS), ('importance_sampling_level',)),
     (one_of(SCALE_REWARDS), ('scale_rewards',)),
-    (one_of(DTYPES), ('lora_base_dtype',)),
+    (one_of((*DTYPES, 'nf4')), ('lora_base_dtype',)),
     (FOLDER, ('out_dir',)),
 ])
 if epsilon_high is not None and (isinstance(epsilon_high, bool) or not isinstance(epsilon_high, (int, float))

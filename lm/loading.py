@@ -12,6 +12,8 @@ A model to generate from or score, whatever it was saved as: what sample.py and 
 import os
 from typing import NamedTuple
 
+import torch
+
 from configurator import UserError
 from hf.checkpoint import is_hf_folder
 from hf.tokenizer import load_hf_tokenizer
@@ -66,7 +68,9 @@ def lora_merged_model(ckpt, path):
                         f"since, so they no longer fit. Restore it, or load the run's merged.pt instead.")
     base = load_model(base_path)
     base_vocab = base['model_args']['vocab_size']
-    model = build_model(GPTConfig(**dict(ckpt['model_args'], vocab_size=base_vocab)), base)
+    # a QLoRA run's adapters go on the 4-bit base they were trained on
+    model = build_model(GPTConfig(**dict(ckpt['model_args'], vocab_size=base_vocab)), base,
+                        linear_dtype='nf4' if config.get('lora_base_dtype') == 'nf4' else torch.float32)
     added_tokens = ckpt['model_args']['vocab_size'] - base_vocab  # the chat tokens an SFT run added
     if added_tokens:
         model.resize_vocab(ckpt['model_args']['vocab_size'])

@@ -13,6 +13,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from configurator import UserError
+from lm.nf4 import nf4_linear, quantize_blocks
+from memory import page_out
 from run.checkpoint import check_compatible, save_checkpoint
 from run.device import DTYPES
 from run.fsdp import model_state_dict
@@ -39,13 +41,14 @@ def low_rank_delta(lora_A, lora_B, scaling):
 
 class LoRALinear(nn.Linear):
     """An nn.Linear with a low-rank adapter. It takes over the wrapped layer's weight and bias (the
-    same parameters under the same state-dict names), so a base checkpoint loads into it unchanged."""
+    same parameters under the same state-dict names), so a base checkpoint loads into it unchanged;
+    a 4-bit base (lm/nf4.py's NF4Linear) brings its nf4 weight instead (weight is None)."""
 
     def __init__(self, base, r, lora_alpha, lora_dropout=0.0, use_rslora=False):
         super().__init__(base.in_features, base.out_features, bias=base.bias is not None, device='meta')
-        self.weight, self.bias = base.weight, base.bias
+        self.weight, self.bias, self.nf4 = base.weight, base.bias, getattr(base, 'nf4', None)
         # trained in fp32 whatever the base's dtype
-        like = dict(device=base.weight.device, dtype=torch.float32)
+        like = dict(device=(base.weight if self.nf4 is None else self.nf4.packed).device, dtype=torch.float32)
         self.lora_A = nn.Parameter(torch.empty(r, base.in_features, **like))
         # zero: the model starts unchanged
         self.lora_B = nn.Parameter(torch.zeros(base.out_features, r, **like))
@@ -56,7 +59,8 @@ class LoRALinear(nn.Linear):
         self.enabled = True  # False: the exact base layer (disable_adapters)
 
     def forward(self, x):
-        return self.add_adapter(x, F.linear(x, self.weight, self.bias))
+        frozen = F.linear(x, self.weight, self.bias) if self.nf4 is None else nf4_linear(x, self.nf4, self.bias)
+        return self.add_adapter(x, frozen)
 
     def add_adapter(self, x, y):
         """y, the frozen layer's output for x, plus the adapter's update (unless merged or disabled)."""
@@ -69,6 +73,9 @@ class LoRALinear(nn.Linear):
 
     @torch.no_grad()
     def merge(self):
+        if self.nf4 is not None:
+            raise RuntimeError("a 4-bit base cannot hold the update: merged_state_dict folds it into the "
+                               "dequantized weight instead")
         if not self.merged:
             self.weight += self.delta_weight()
             self.merged = True
@@ -129,9 +136,20 @@ class AddedRowsLinear(nn.Linear):
 # (adapters, added rows): AdamW's masters.
 
 def frozen_base_dtype(lora_base_dtype, run_dtype, lora, parallel, lora_switch):
-    """The torch dtype a run keeps its frozen base's Linear weights in: lora_base_dtype, after checking that it
-    can work: 16 bits only in a LoRA run (lora; lora_switch: the setting that makes one) that computes in that
-    dtype (run_dtype, the resolved dtype key), not under FSDP."""
+    """The torch dtype a run keeps its frozen base's Linear weights in, or 'nf4' (QLoRA: lm/nf4.py):
+    lora_base_dtype, after checking that it can work: 16 or 4 bits only in a LoRA run (lora; lora_switch: the
+    setting that makes one), not under FSDP; 16 bits only in a run that computes in that dtype (run_dtype,
+    the resolved dtype key)."""
+    if lora_base_dtype == 'nf4':
+        if not lora:
+            raise UserError(f"lora_base_dtype='nf4' keeps a LoRA run's frozen base in 4 bits (QLoRA), but this run is "
+                            f"not one: it trains every weight. Drop lora_base_dtype, or set {lora_switch}.")
+        if parallel == 'fsdp':
+            raise UserError("lora_base_dtype='nf4' is not supported with parallel='fsdp' yet: FSDP would shard the "
+                            "4-bit weights' packed bytes and scales as separate tensors. Use parallel='ddp' (each GPU "
+                            "holds the 4-bit base: 8B parameters take about 5 GB), or lora_base_dtype='bfloat16' "
+                            "with FSDP.")
+        return lora_base_dtype
     dtype = DTYPES[lora_base_dtype]
     if dtype == torch.float32:
         return dtype
@@ -152,21 +170,28 @@ def frozen_base_dtype(lora_base_dtype, run_dtype, lora, parallel, lora_switch):
 
 @torch.no_grad()
 def cast_frozen_base(model, dtype, device=None):
-    """The Linear weights of model's blocks in dtype (what LoRA freezes), every other parameter in float32 (see
-    above); a tensor under two names (a tied lm_head) stays one. For a model built around a checkpoint's tensors
-    in their stored dtype, before resize_vocab and apply_lora, so no float32 copy of the blocks is ever made.
-    device: every parameter becomes its own copy there (DPO's reference: frozen_model)."""
+    """The Linear weights of model's blocks in dtype (what LoRA freezes; 'nf4': NF4Linear layers, lm/nf4.py),
+    every other parameter in float32 (see above); a tensor under two names (a tied lm_head) stays one. For a
+    model built around a checkpoint's tensors in their stored dtype, before resize_vocab and apply_lora, so no
+    float32 copy of the blocks is ever made. device: every parameter becomes its own copy there (DPO's
+    reference: frozen_model)."""
     in_blocks = {id(m) for m in model.transformer.h.modules() if isinstance(m, nn.Linear)}
     converted = {}
     for module in model.modules():
         for key, p in list(module.named_parameters(recurse=False)):
+            if dtype == 'nf4' and id(module) in in_blocks and key == 'weight':
+                continue  # quantized below from the weight as stored
             target = dtype if id(module) in in_blocks and key == 'weight' else torch.float32
             # a copy even if float32 already: a view of a memory-mapped file keeps it all mapped
             copy = target == torch.float32 or device is not None
             if p.dtype != target or copy:
                 if id(p) not in converted:
                     converted[id(p)] = nn.Parameter(p.to(device, target, copy=copy), requires_grad=p.requires_grad)
+                    if dtype == 'nf4':  # a 4-bit base's host memory: no page of the file kept (quantize_blocks)
+                        page_out(p)
                 setattr(module, key, converted[id(p)])
+    if dtype == 'nf4':  # from the weights as stored, one at a time
+        quantize_blocks(model)
 
 
 def apply_lora(model, r=8, lora_alpha=16, lora_dropout=0.0, target_modules='attn.q,attn.k,attn.v,attn.proj',
@@ -284,11 +309,15 @@ def lora_state_dict(model, state=None):
 @torch.no_grad()
 def merged_state_dict(model, state=None):
     """A plain float32 GPT state dict with every adapter and the added rows folded into their weights (a 16-bit
-    frozen base upcast: its values exactly, plus the update); the model is left as it is. state: as in
-    lora_state_dict."""
+    frozen base upcast: its values exactly, plus the update; a 4-bit one dequantized to the dtype it came in,
+    then upcast); the model is left as it is. state: as in lora_state_dict."""
     state = dict(model.state_dict() if state is None else state)
     folded = {}  # a tied lm_head gets the embedding's tensor, so the checkpoint stores it once
     for name, m in model.named_modules():
+        if getattr(m, 'nf4', None) is not None:  # a 4-bit base: its weight dequantized, in its own dtype
+            for key in [k for k in state if k.startswith(name + '.nf4.')]:
+                del state[key]
+            state[name + '.weight'] = m.nf4.dequantize()
         if isinstance(m, LoRALinear):
             lora_A, lora_B = state.pop(name + '.lora_A'), state.pop(name + '.lora_B')
             if not m.merged:

@@ -180,7 +180,7 @@ def build_model(config, model_ckpt, assign=False, linear_dtype=torch.float32):
     """The GPT of config (a GPTConfig) holding model_ckpt's weights, or initialised at random when
     model_ckpt is None. A published model's is built around its tensors (GPT.from_state_dict), so
     memory holds one copy; so is any checkpoint's with assign (FSDP: the tensors are memory-mapped,
-    perhaps in a stored bf16, and fsdp.shard_model makes each rank's shard float32) or a 16-bit
+    perhaps in a stored bf16, and fsdp.shard_model makes each rank's shard float32) or a 16-bit or 'nf4'
     linear_dtype (a LoRA run's lora_base_dtype: its blocks' Linear weights go from their stored dtype
     straight to it, the rest to float32: lora.cast_frozen_base). A new model with assign (FSDP) is built
     on the meta device, holding no weights: fsdp.shard_model draws each rank's shards of it, the values

@@ -1,0 +1,104 @@
+"""
+LoRA on a published model with its frozen base in float32, bfloat16 and NF4 (QLoRA, lm/nf4.py), side by side:
+the host memory of loading the model as train.py does (peak resident memory of a process that only builds it
+and reads each of its tensors once),
+and the README's LoRA recipe (config/lora_hf.py) run to its end with each base: its peak resident memory, its
+steps/s and the held-out exact match of its merged model through eval.py (the first 200 test prompts, as the
+report's table). A bf16 base computes under bf16 autocast (it must: train.py refuses otherwise); the float32 and
+NF4 bases compute in float32 (the CPU default; on a GPU QLoRA computes in bf16).
+
+    python bench/bench_qlora.py                       # models/smollm2-135m-instruct (docs/huggingface.md)
+    python bench/bench_qlora.py --bases=nf4 --max_iters=20 --heldout=0   # a quick look
+
+Writes bench/results/qlora.json and prints the table (README's GPU-free memory table comes from it).
+"""
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from configurator import at_least, check_values, configure  # noqa: E402
+
+# -----------------------------------------------------------------------------
+model = 'models/smollm2-135m-instruct'  # a Hugging Face folder
+bases = 'float32,bfloat16,nf4'  # the lora_base_dtype values to compare
+max_iters = 0                # 0 = the recipe's own (config/lora_hf.py: 150 steps)
+heldout = 200                # test prompts eval.py answers with each merged model; 0 = skip
+out = os.path.join(ROOT, 'bench', 'results', 'qlora')
+# -----------------------------------------------------------------------------
+config = configure(globals())
+check_values(config, [(at_least(0), ('max_iters', 'heldout'))])
+
+LOAD = """
+import resource, sys, torch
+from lm.lora import frozen_base_dtype
+from lm.tokenizer import chat_tokenizer
+from run.starting_model import full_model_checkpoint, run_model_args, run_tokenizer, starting_gpt
+from run.runtime import Compute
+base, folder = sys.argv[1], sys.argv[2]
+dtype = frozen_base_dtype(base, torch.bfloat16 if base == 'bfloat16' else torch.float32, True, 'ddp', '')
+ckpt, path = full_model_checkpoint(None, None, folder, '', 'lora', as_stored=dtype != torch.float32)
+_, base_tokenizer = run_tokenizer('', ckpt, path, Compute(False, 0, 0, 1, 'cpu'), None, folder)
+tokenizer = chat_tokenizer(base_tokenizer)
+args = run_model_args(dict(dropout=0.0, block_size=512), ckpt, path, tokenizer)
+model, _ = starting_gpt(args, ckpt, path, tokenizer, base_tokenizer, False, dtype)
+# read every tensor once, as the first step does (memory-mapped ones count once they are read)
+sum(t.float().sum().item() for t in model.state_dict().values())
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+"""
+
+
+def load_peak(base):
+    """Peak resident bytes of a process that builds the LoRA run's starting model as train.py does."""
+    done = subprocess.run([sys.executable, '-c', LOAD, base, model], cwd=ROOT, capture_output=True, text=True)
+    if done.returncode:
+        sys.exit(f"loading with lora_base_dtype={base} failed:\n{done.stderr[-3000:]}")
+    return int(done.stdout.split()[-1])
+
+
+def recipe(base):
+    """config/lora_hf.py with this base, to its end: (its log's training events, the exact match of merged.pt)."""
+    run_dir = os.path.join(out, base)
+    args = ['train.py', 'config/lora_hf.py', f'--init_from={model}', f'--out_dir={run_dir}', '--resume=False',
+            f'--lora_base_dtype={base}', '--tensorboard=False', '--sample_tokens=0', '--device=cpu',
+            *(['--dtype=bfloat16'] if base == 'bfloat16' else []),
+            *([f'--max_iters={max_iters}', f'--lr_decay_iters={max_iters}'] if max_iters else [])]
+    t0 = time.time()
+    done = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True)
+    if done.returncode:
+        sys.exit(f"{' '.join(args)} failed:\n{done.stderr[-3000:]}")
+    wall = time.time() - t0
+    with open(os.path.join(run_dir, 'log.jsonl')) as f:
+        events = [json.loads(line) for line in f if line.strip()]
+    steps = [e for e in events if 'tokens_per_sec' in e]
+    result = dict(command='python ' + ' '.join(args), wall_s=wall, peak_rss_mb=steps[-1]['peak_memory_mb'],
+                  tokens_per_sec=sorted(e['tokens_per_sec'] for e in steps[1:] or steps)[len(steps[1:] or steps) // 2],
+                  exact_match_100=[e['eval/exact_match'] for e in events if 'eval/exact_match' in e][-1])
+    if heldout:
+        scores = os.path.join(run_dir, 'heldout.json')
+        done = subprocess.run([sys.executable, 'eval.py', f"--init_from={os.path.join(run_dir, 'merged.pt')}",
+                               f'--max_examples={heldout}', f'--out={scores}', '--device=cpu'],
+                              cwd=ROOT, capture_output=True, text=True)
+        if done.returncode:
+            sys.exit(f"eval.py on {run_dir}/merged.pt failed:\n{done.stderr[-3000:]}")
+        with open(scores) as f:
+            result[f'exact_match_{heldout}'] = json.load(f)['scores']['exact_match']
+    return result
+
+
+os.makedirs(out, exist_ok=True)
+results = {}
+for base in bases.split(','):
+    results[base] = dict(load_peak_mb=load_peak(base) / 2**20, **recipe(base))
+    print(base, json.dumps(results[base]), flush=True)
+with open(os.path.join(ROOT, 'bench', 'results', 'qlora.json'), 'w') as f:
+    json.dump(dict(model=model, max_iters=max_iters or 150, heldout=heldout, date=time.strftime('%Y-%m-%d'),
+                   results=results), f, indent=1)
+print(f"\n| base | load peak | training peak | tokens/s | exact match ({heldout} held-out) |\n|---|---:|---:|---:|---:|")
+for base, r in results.items():
+    print(f"| {base} | {r['load_peak_mb']:,.0f} MB | {r['peak_rss_mb']:,.0f} MB | {r['tokens_per_sec']:,.0f} | "
+          + (f"{100 * r[f'exact_match_{heldout}']:.1f}%" if heldout else '-') + " |")

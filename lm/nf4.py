@@ -1,0 +1,141 @@
+"""
+QLoRA's frozen base (Dettmers et al. 2023): a Linear weight stored as 4-bit NormalFloat. Each block of 64
+values keeps the index of its nearest NF4 level (two to a byte) and the block's absmax; the absmaxes, less
+their mean, are quantized again to 8 bits in blocks of 256 (double quantization): 4.127 bits a weight.
+The layout is bitsandbytes' (`quantize_4bit(..., quant_type='nf4', compress_statistics=True)`), so its
+4-bit tensors are ours as they are; written here in plain PyTorch, as its CPU path is (no kernel to gain
+from a dependency: a forward dequantizes one layer's weight and multiplies, as bitsandbytes does off CUDA).
+"""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from memory import page_out
+
+BLOCK, SCALE_BLOCK = 64, 256
+# the 16 levels: quantiles of N(0, 1) scaled to [-1, 1], with an exact 0 (the paper's appendix)
+NF4_LEVELS = torch.tensor([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+                           -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+                           0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+                           0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0])
+CHUNK = 1 << 20  # values quantized at once: a bounded scratch (int64 indices) for any weight's size
+
+
+def dynamic_levels():
+    """The 256 levels the absmaxes are quantized to, ascending: bitsandbytes' signed dynamic 8-bit map
+    (Dettmers 2015), a sign, an exponent 10^0 .. 10^-6 and a fraction with fewer bits as the exponent grows."""
+    levels = []
+    for i in range(7):
+        edges = torch.linspace(0.1, 1, 2 ** i + 1, dtype=torch.float32)
+        means = ((edges[:-1] + edges[1:]) / 2 * 10 ** (i - 6)).tolist()
+        levels += means + [-m for m in means]
+    return torch.tensor(levels + [0.0, 1.0]).sort().values
+
+
+DYNAMIC_LEVELS = dynamic_levels()
+
+
+def nearest_level(values, levels):
+    """The index in levels (any order) of each value's nearest level, as uint8, a chunk at a time."""
+    order = levels.argsort()
+    ordered = levels[order]
+    midpoints = (ordered[1:] + ordered[:-1]) / 2
+    out = torch.empty(values.numel(), dtype=torch.uint8, device=values.device)
+    flat = values.reshape(-1)
+    for start in range(0, flat.numel(), CHUNK):
+        chunk = flat[start:start + CHUNK].float()
+        out[start:start + CHUNK] = order.to(values.device)[torch.bucketize(chunk, midpoints.to(values.device))]
+    return out
+
+
+def blockwise_absmax(values, block):
+    """The absmax of each block of block values (the last block may be short)."""
+    pad = -values.numel() % block
+    return F.pad(values.abs(), (0, pad)).view(-1, block).amax(1)
+
+
+def spread(per_block, block, n):
+    """Each block's value repeated for its n values; 0 (a block of zeros) as 1, so its values stay 0."""
+    return torch.where(per_block == 0, 1.0, per_block).repeat_interleave(block)[:n]
+
+
+class NF4Weight(nn.Module):
+    """A frozen weight in NF4 with double quantization; dequantize() gives it back in dtype, the dtype it
+    came in (a published model's bf16), which is what merging and exporting fold the adapters into."""
+
+    def __init__(self, weight):
+        super().__init__()
+        self.shape, self.dtype = tuple(weight.shape), weight.dtype
+        flat = weight.detach().reshape(-1)
+        if flat.numel() % 2:
+            raise ValueError(f"NF4 packs two values a byte: a weight of {flat.numel()} values does not split")
+        packed, absmax = [], []
+        for start in range(0, flat.numel(), CHUNK):  # CHUNK is whole blocks: a bounded scratch
+            values = flat[start:start + CHUNK].float()
+            block_absmax = blockwise_absmax(values, BLOCK)
+            indices = nearest_level(values / spread(block_absmax, BLOCK, len(values)), NF4_LEVELS)
+            packed.append(indices[::2] << 4 | indices[1::2])  # the first of a pair in the high nibble
+            absmax.append(block_absmax)
+        absmax = torch.cat(absmax)
+        offset = absmax.mean()
+        scales = blockwise_absmax(absmax - offset, SCALE_BLOCK)
+        self.register_buffer('packed', torch.cat(packed))
+        self.register_buffer('absmax_codes', nearest_level((absmax - offset) / spread(scales, SCALE_BLOCK, len(absmax)),
+                                                           DYNAMIC_LEVELS))
+        self.register_buffer('absmax_scales', scales)
+        self.register_buffer('absmax_offset', offset)
+
+    def absmax(self):
+        """The blocks' absmaxes as double quantization keeps them."""
+        scales = self.absmax_scales.repeat_interleave(SCALE_BLOCK)[:len(self.absmax_codes)]
+        return DYNAMIC_LEVELS.to(scales.device)[self.absmax_codes.long()] * scales + self.absmax_offset
+
+    def dequantize(self):
+        indices = torch.stack([self.packed >> 4, self.packed & 15], 1).view(-1).long()
+        values = NF4_LEVELS.to(indices.device)[indices] * self.absmax().repeat_interleave(BLOCK)[:len(indices)]
+        return values.to(self.dtype).view(self.shape)
+
+
+class NF4Matmul(torch.autograd.Function):
+    """x @ W.T for a frozen NF4 weight W: dequantized in the forward and again in the backward, so that no
+    dequantized weight waits in memory between the two (the input's gradient only: W does not train)."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.weight = weight
+        w = weight.dequantize()
+        # autocast casts both to the run's dtype; without it the input's dtype is the run's
+        return F.linear(x, w if torch.is_autocast_enabled(x.device.type) else w.to(x.dtype))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad @ ctx.weight.dequantize().to(grad.dtype), None
+
+
+class NF4Linear(nn.Linear):
+    """A frozen nn.Linear whose weight is an NF4Weight (weight is None; nf4 holds it); the bias as it was."""
+
+    def __init__(self, base):
+        super().__init__(base.in_features, base.out_features, bias=False, device='meta')
+        self.weight, self.bias = None, base.bias
+        self.nf4 = NF4Weight(base.weight)
+
+    def forward(self, x):
+        return nf4_linear(x, self.nf4, self.bias)
+
+
+def nf4_linear(x, nf4, bias=None):
+    y = NF4Matmul.apply(x, nf4)
+    return y if bias is None else y + bias
+
+
+@torch.no_grad()
+def quantize_blocks(model):
+    """Every Linear of model's blocks becomes an NF4Linear (before apply_lora, which adapts them), one
+    weight at a time: built around a checkpoint's memory-mapped tensors, memory then holds the 4-bit
+    model and one weight as stored, never the whole model (each weight's pages are let go once read)."""
+    for name, module in list(model.transformer.h.named_modules()):
+        if type(module) is nn.Linear:
+            parent, _, child = name.rpartition('.')
+            setattr(model.transformer.h.get_submodule(parent), child, NF4Linear(module))
+            page_out(module.weight)

@@ -1,0 +1,247 @@
+"""QLoRA's 4-bit base (lm/nf4.py, lora_base_dtype='nf4'): the bits against bitsandbytes' (a committed fixture),
+the quantization against a brute-force nearest level, the matmul and its gradient against the dequantized
+weight's, LoRA on it (what is stored how, merged.pt, the reference with adapters off), the settings refused,
+and train.py / train_dpo.py / train_rl.py on a 4-bit base: resume, a SIGKILL relaunch, export."""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from configurator import UserError
+from conftest import (HF_FIXTURES, HF_TINY, dpo, evals, fine_tune, hf_fixture, kill_and_relaunch, load, load_gpt, run,
+                      train_losses, val_losses)
+from lm.lora import apply_lora, cast_frozen_base, disable_adapters, frozen_base_dtype, low_rank_delta, \
+    lora_state_dict, merged_state_dict
+from lm.loading import load_for_generation
+from lm.nf4 import BLOCK, DYNAMIC_LEVELS, NF4_LEVELS, NF4Linear, NF4Weight, nf4_linear
+from model import GPT, GPTConfig
+
+# made by tests/fixtures/make_nf4_fixture.py
+BNB = os.path.join(os.path.dirname(HF_FIXTURES), 'nf4_bitsandbytes.safetensors')
+
+
+@pytest.mark.parametrize('case', ['bf16', 'float32'])
+def test_the_bits_are_bitsandbytes(case):
+    """Our NF4 codes, absmax scales and offset are bitsandbytes' bit for bit; each block's 8-bit absmax code is
+    the nearest of the 256 levels to what it stands for, which bitsandbytes' search misses for 1 block in 512
+    and 1 in 75 here (the level it picks is farther). Its own tensors, dequantized by us, are its dequantized
+    weight bit for bit: a bitsandbytes 4-bit weight reads as it was written."""
+    ref = {k.split('.', 1)[1]: v for k, v in load_file(BNB).items() if k.startswith(case + '.')}
+    assert torch.equal(ref['code'], DYNAMIC_LEVELS)
+    ours = NF4Weight(ref['weight'])
+    for name in ('packed', 'absmax_scales', 'absmax_offset'):
+        assert torch.equal(getattr(ours, name), ref[name]), name
+    differ = ours.absmax_codes != ref['absmax_codes']
+    assert differ.sum() == 1
+    scales = ours.absmax_scales.repeat_interleave(256)[:len(differ)]
+    absmax = ref['weight'].float().reshape(-1, BLOCK).abs().amax(1)
+    target = ((absmax - absmax.mean()) / scales)[differ]
+    assert (target - DYNAMIC_LEVELS[ours.absmax_codes[differ].long()]).abs() < \
+        (target - DYNAMIC_LEVELS[ref['absmax_codes'][differ].long()]).abs()
+    for name in ('packed', 'absmax_codes', 'absmax_scales', 'absmax_offset'):
+        getattr(ours, name).copy_(ref[name])
+    assert ours.dequantize().dtype == ref['weight'].dtype and torch.equal(ours.dequantize(), ref['dequantized'])
+
+
+def test_each_value_takes_the_nearest_level_of_its_block():
+    """Against a brute-force search over the 16 levels, on a weight of 3 x 2^20 + 64 values (several of
+    NF4Weight's chunks, a short last block of absmaxes) with a block of zeros: each value's code is its
+    nearest level at its block's absmax, and the dequantized value is that level times the stored absmax,
+    within the absmax's own 8-bit error."""
+    torch.manual_seed(0)
+    weight = torch.randn(3 * 2 ** 14 + 1, 64) * 0.02
+    weight[5] = 0
+    q = NF4Weight(weight)
+    absmax = weight.abs().amax(1, keepdim=True)
+    scaled = weight / torch.where(absmax == 0, 1.0, absmax)
+    nearest = (scaled.unsqueeze(-1) - NF4_LEVELS).abs().argmin(-1).reshape(-1)
+    codes = torch.stack([q.packed >> 4, q.packed & 15], 1).reshape(-1)
+    assert torch.equal(codes.long(), nearest)
+    stored = q.absmax().unsqueeze(1)
+    assert torch.equal(q.dequantize(), NF4_LEVELS[nearest].view_as(weight) * stored)
+    assert (stored - absmax).abs().max() <= 0.01 * absmax.max()  # 8 bits over a 256-block's spread
+    assert torch.equal(q.dequantize()[5], torch.zeros(64))
+
+
+@pytest.mark.comparison
+def test_the_matmul_is_the_dequantized_weights_and_keeps_no_copy_for_backward():
+    """NF4Matmul computes F.linear with the dequantized weight, in float32 and under bf16 autocast, the same
+    input gradient, no gradient for the weight, and saves no tensor of the weight's size for the backward
+    (it dequantizes again there)."""
+    torch.manual_seed(0)
+    base = torch.nn.Linear(256, 128)
+    layer = NF4Linear(base)
+    dequantized = layer.nf4.dequantize()
+    x = torch.randn(4, 256, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        y = layer(x)
+    expected = F.linear(x_ref, dequantized) + base.bias  # the bias added after, as nf4_linear does
+    assert torch.equal(y, expected)
+    y.square().sum().backward()
+    expected.square().sum().backward()
+    assert torch.equal(x.grad, x_ref.grad) and layer.weight is None and base.bias.grad is not None
+    assert all(n < dequantized.numel() for n in saved), saved
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        assert torch.equal(nf4_linear(x, layer.nf4), F.linear(x, dequantized))
+
+
+def tiny_gpt():
+    """A tiny pretrained-like GPT (biases, SwiGLU, an untied lm_head) with 4 chat tokens added to its 16."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=8, vocab_size=16, n_layer=2, n_head=2, n_embd=32, bias=True, mlp='swiglu',
+                          tie_embeddings=False))
+    model.resize_vocab(20)
+    return model
+
+
+def lora_on(model, base_dtype):
+    """model with its base in base_dtype (before apply_lora, as build_model does), adapted."""
+    cast_frozen_base(model, base_dtype)
+    torch.manual_seed(1)
+    apply_lora(model, r=4, lora_alpha=8, target_modules='attn.q,attn.v,mlp.fc', added_tokens=4, bias='lora_only')
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith('lora_B'):
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.1)
+    return model
+
+
+def dequantized_twin(model):
+    """A float32 LoRA model whose blocks' Linear weights are model's 4-bit ones dequantized, its adapters model's."""
+    twin = tiny_gpt()
+    with torch.no_grad():
+        for name, module in model.transformer.h.named_modules(prefix='transformer.h'):
+            if getattr(module, 'nf4', None) is not None:
+                twin.get_submodule(name).weight.copy_(module.nf4.dequantize())
+    lora_on(twin, torch.float32)
+    twin.load_state_dict(lora_state_dict(model), strict=False)
+    return twin
+
+
+@pytest.mark.comparison
+def test_lora_on_a_4_bit_base():
+    """Every Linear of the blocks is 4-bit (adapted or not), everything else float32, only the adapters (and
+    added rows, trained biases) train; the model computes what a float32 model holding the dequantized weights
+    does (up to the order of float32 sums: q, k, v as three matmuls instead of one), adapters off too; merged.pt's
+    weights are the dequantized base plus the update exactly; a 4-bit layer refuses to merge in place."""
+    model = lora_on(tiny_gpt(), 'nf4')
+    linears = [m for m in model.transformer.h.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(linears) == 14 and all(m.weight is None and m.nf4 is not None for m in linears)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert {n.rsplit('.', 1)[1] for n, p in model.named_parameters() if p.requires_grad} == \
+        {'lora_A', 'lora_B', 'added_rows', 'bias'}
+    assert all(n.split('.')[-1] in ('lora_A', 'lora_B', 'added_rows', 'bias') for n in lora_state_dict(model))
+    assert model.get_num_params() == tiny_gpt().get_num_params() + sum(
+        p.numel() for n, p in model.named_parameters() if n.endswith(('lora_A', 'lora_B', 'added_rows')))
+    twin = dequantized_twin(model)
+    x = torch.randint(20, (3, 8), generator=torch.Generator().manual_seed(2))
+    tolerance = dict(rtol=0, atol=1e-5)  # float32 sums of 32 products in another order
+    torch.testing.assert_close(model(x)[0], twin(x)[0], **tolerance)
+    with disable_adapters(model), disable_adapters(twin):
+        torch.testing.assert_close(model(x)[0], twin(x)[0], **tolerance)
+    merged = merged_state_dict(model)
+    for name, module in model.transformer.h.named_modules(prefix='transformer.h'):
+        if isinstance(module, torch.nn.Linear):
+            expected = module.nf4.dequantize() + (low_rank_delta(module.lora_A, module.lora_B, module.scaling)
+                                                  if hasattr(module, 'lora_A') else 0)
+            assert torch.equal(merged[name + '.weight'], expected), name
+    GPT(model.config).load_state_dict(merged)  # strict: a plain GPT
+    with pytest.raises(RuntimeError, match='4-bit base cannot hold the update'):
+        model.transformer.h[0].attn.q.merge()
+
+
+def test_a_4_bit_base_trains_its_adapters():
+    model = lora_on(tiny_gpt(), 'nf4')
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randint(20, (8, 8), generator=g), torch.randint(20, (8, 8), generator=g)
+    packed = [m.nf4.packed.clone() for m in model.modules() if getattr(m, 'nf4', None) is not None]
+    losses = []
+    for _ in range(20):
+        loss = model(x, y)[1]
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < 0.9 * losses[0], losses
+    assert all(torch.equal(p, m.nf4.packed) for p, m in
+               zip(packed, [m for m in model.modules() if getattr(m, 'nf4', None) is not None]))
+
+
+def test_settings_that_cannot_work_are_refused():
+    assert frozen_base_dtype('nf4', torch.float32, True, 'ddp', "training_type='lora'") == 'nf4'
+    assert frozen_base_dtype('nf4', torch.bfloat16, True, 'ddp', 'use_lora=True') == 'nf4'
+    with pytest.raises(UserError, match=r"4 bits \(QLoRA\), but this run is not one.*set use_lora=True"):
+        frozen_base_dtype('nf4', torch.float32, False, 'ddp', 'use_lora=True')
+    with pytest.raises(UserError, match=r"parallel='fsdp' yet.*parallel='ddp'"):
+        frozen_base_dtype('nf4', torch.bfloat16, True, 'fsdp', "training_type='lora'")
+
+
+LORA = ['--learning_rate=3e-2', '--max_iters=4', '--eval_interval=2', '--lr_decay_iters=4', '--exact_match_examples=0',
+        '--lora_target_modules=all-linear', '--lora_r=4', '--lora_alpha=8', '--lora_base_dtype=nf4']
+
+
+@pytest.mark.slow
+def test_train_py_on_a_4_bit_published_model(tmp_path, task):
+    """The SmolLM2 fixture (bf16 weights) with lora_base_dtype='nf4': stopped at step 2 and continued to 4 equals a
+    run straight to 4; the loss falls; the checkpoint holds the adapters only; merged.pt is the dequantized base
+    plus the update; the adapter checkpoint loads for generation as that same model; the export reads back."""
+    straight, resumed = tmp_path / 'straight', tmp_path / 'resumed'
+    fine_tune(resumed, task, 'smollm2', *LORA, '--max_iters=2', training_type='lora')
+    fine_tune(resumed, task, 'smollm2', *LORA, training_type='lora')
+    fine_tune(straight, task, 'smollm2', *LORA, training_type='lora')
+    assert sorted(train_losses(resumed)) == [1, 2, 3, 4] and train_losses(resumed) == train_losses(straight)
+    losses = val_losses(resumed)
+    assert losses[-1] < losses[0], losses
+    ckpt = load(resumed / 'ckpt.pt')
+    adapters = ckpt['model']
+    assert all(torch.equal(v, load(straight / 'ckpt.pt')['model'][k]) for k, v in adapters.items())
+    assert all(k.endswith(('lora_A', 'lora_B', 'added_rows')) for k in adapters)
+    assert ckpt['base_checkpoint'] == os.path.abspath(hf_fixture('smollm2'))
+
+    merged = load(resumed / 'merged.pt')['model']
+    base = load_file(os.path.join(hf_fixture('smollm2'), 'model.safetensors'))
+    q = merged['transformer.h.0.attn.q.weight']
+    expected = NF4Weight(base['model.layers.0.self_attn.q_proj.weight']).dequantize().float() + low_rank_delta(
+        adapters['transformer.h.0.attn.q.lora_A'], adapters['transformer.h.0.attn.q.lora_B'], 8 / 4)
+    assert torch.equal(q, expected)
+    from_adapters = load_for_generation(str(resumed / 'ckpt.pt')).model.state_dict()
+    assert all(torch.equal(v, merged[k]) for k, v in from_adapters.items() if k in merged)
+    run(['export.py', str(resumed / 'merged.pt'), str(tmp_path / 'exported')])
+    exported = load_gpt(str(tmp_path / 'exported'))
+    assert all(torch.equal(v, merged[k]) for k, v in exported.state_dict().items())
+
+
+@pytest.mark.slow
+def test_a_killed_4_bit_run_continues(tmp_path, task):
+    out = tmp_path / 'out'
+    args = ['train.py', '--training_type=lora', f'--init_from={hf_fixture("smollm2")}', f'--out_dir={out}',
+            f'--sft_data={task}', *HF_TINY, *LORA, '--max_iters=8', '--eval_interval=2', '--log_interval=1',
+            '--lr_decay_iters=8']
+    killed_at, output, steps = kill_and_relaunch(args, out)
+    assert 0 < killed_at < 8 and f'resuming from {out / "ckpt.pt"} at step {killed_at}' in output
+    assert steps == list(range(1, 9))
+
+
+@pytest.mark.slow
+def test_dpo_and_rl_on_a_4_bit_base(tmp_path, dpo_env):
+    """train_dpo.py and train_rl.py with use_lora: the reference is the policy with its adapters off, the 4-bit
+    base, so DPO's first eval has its loss at ln 2; both train, and merge into float32."""
+    dpo(dpo_env, tmp_path / 'dpo', '--use_lora=True', '--lora_r=2', '--max_iters=2', '--eval_interval=1',
+        '--exact_match_examples=0', '--lora_base_dtype=nf4')
+    metrics = evals(tmp_path / 'dpo')
+    assert metrics[0]['eval/loss'] == pytest.approx(0.6931, abs=1e-4) and metrics[-1]['eval/rewards/margins'] != 0
+    run(['train_rl.py', f"--init_from={dpo_env['sft']}", f"--data_dir={dpo_env['data_dir']}",
+         f"--rl_data={dpo_env['task']}", f"--out_dir={tmp_path / 'rl'}", '--use_lora=True', '--lora_r=2',
+         '--lora_base_dtype=nf4', '--max_iters=2', '--eval_interval=2', '--prompts_per_step=2', '--num_generations=2', '--max_new_tokens=4', '--eval_prompts=2',
+         '--max_prompt_length=36', '--exact_match_examples=0', '--device=cpu'])
+    for folder in ('dpo', 'rl'):
+        merged = load(tmp_path / folder / 'merged.pt')['model']
+        assert all(v.dtype == torch.float32 for v in merged.values())
+        trained = load(tmp_path / folder / 'ckpt.pt')['model']
+        assert trained and all(k.endswith(('lora_A', 'lora_B', 'added_rows')) for k in trained)

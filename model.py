@@ -217,8 +217,8 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x, rope=None, cache=None, mask=None):
         B, T, C = x.shape
         layers = (self.q, self.k, self.v)
-        # a decode step (stacking the weights would copy them per token), or layers without a plain weight
-        # (a 4-bit LoRA base, lm/nf4.py): each layer computes its own share
+        # a decode step (stacking the weights would copy them per token), or layers without a plain
+        # weight (a 4-bit LoRA base, lm/nf4.py): each layer computes its own share
         if cache is not None and T == 1 or self.q.weight is None:
             q, k, v = (m(x) for m in layers)
         else:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from configurator import FOLDER, POSITIVE, UserError, at_least, check_values, configure, interval, one_of
+from lm.adamw8bit import in_8_bits
 from lm.chat_data import SFTBatches, load_sft_data
 from lm.heldout_eval import HeldOut, metric_names, print_sample, report_heldout
 from lm.lora import apply_lora, frozen_base_dtype, load_adapters, lora_optimizer, lora_state_dict, save_merged
@@ -105,7 +106,7 @@ weight_decay = 0.1           # decoupled weight decay; 0 = none
 beta1 = 0.9                  # AdamW's momentum (first-moment decay)
 beta2 = 0.95                 # AdamW's second-moment decay
 grad_clip = 1.0              # 0 = no clipping (grad norm is still logged)
-optimizer_type = 'adamw'     # 'adamw' | 'muon' (Muon for the blocks' matrices, AdamW for the rest)
+optimizer_type = 'adamw'     # 'adamw' | 'adamw8bit' (its moments in 8 bits) | 'muon' (blocks' matrices; AdamW else)
 muon_lr = 0.02               # Muon's peak lr; scheduled in proportion to learning_rate
 muon_momentum = 0.95         # Muon's momentum
 # learning-rate schedule (scheduler.py)
@@ -137,7 +138,7 @@ check_values(config, [
     (interval('[0, 1]'), ('decay_frac',)),
     (POSITIVE, ('lora_alpha', 'loraplus_lr_ratio')),
     (one_of(SCHEDULES), ('lr_schedule',)),
-    (one_of(('adamw', 'muon')), ('optimizer_type',)),
+    (one_of(('adamw', 'adamw8bit', 'muon')), ('optimizer_type',)),
     (one_of((*DTYPES, 'nf4')), ('lora_base_dtype',)),
     (one_of(PARALLEL), ('parallel',)),
     (one_of(CHECKPOINT_FORMATS), ('checkpoint_format',)),
@@ -147,8 +148,8 @@ check_loss_weights(loss_weights)
 if training_type not in ('from_scratch', 'sft', 'lora'):
     raise UserError(f"training_type={training_type!r} is not supported; use 'from_scratch', 'sft' or 'lora'.")
 eval_metric_names = metric_names(eval_metrics)
-if training_type == 'lora' and optimizer_type != 'adamw':
-    raise UserError("training_type='lora' trains its adapters with AdamW; set optimizer_type='adamw'.")
+if training_type == 'lora' and optimizer_type == 'muon':
+    raise UserError("training_type='lora' trains its adapters with AdamW; set optimizer_type='adamw' (or 'adamw8bit').")
 fine_tuning = training_type != 'from_scratch'
 
 if fine_tuning and max_length > block_size:
@@ -245,6 +246,8 @@ elif training_type == 'lora':
     optimizer = lora_optimizer(raw_model, weight_decay, learning_rate, (beta1, beta2), device_type, loraplus_lr_ratio)
 else:
     optimizer = raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
+if optimizer_type == 'adamw8bit':  # the same groups, the moments in 8 bits (lm/adamw8bit.py)
+    optimizer = in_8_bits(optimizer)
 scaler = GradScaler(enabled=ptdtype == torch.float16)
 get_lr = LRSchedule.from_config(config)
 # the step's split into micro-batches: the config's, or what a continued run (or an OOM) left
@@ -485,9 +488,12 @@ if training_type == 'lora':
                 tokenizer=tokenizer.identity(), data_dir=os.path.abspath(corpus_dir), **hf_files)
 
 # a fine-tuned model answers the first held-out prompt, stopping at <|end|>; in the run's precision
-# (a 16-bit LoRA base computes only under autocast), as exact match does. Under FSDP every rank
-# computes each token along
-if sample_tokens > 0 and (master or parallel == 'fsdp'):
+# (a 16-bit LoRA base computes only under autocast), as exact match does. Under FSDP each token
+# would gather every layer's shards (minutes on CPUs): sample.py reads the checkpoint whole instead
+if sample_tokens > 0 and parallel == 'fsdp':
+    log(f"to sample: python sample.py --out_dir={out_dir} --max_new_tokens={sample_tokens} (not sampled here: "
+        f"under FSDP every token is collective)")
+elif sample_tokens > 0 and master:
     with autocast:
         print_sample(raw_model, tokenizer, sample_prompt, sample_tokens, tokenizer.eos_id if fine_tuning else None,
                      seed, local_device,

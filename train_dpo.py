@@ -18,6 +18,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from configurator import FOLDER, POSITIVE, UserError, at_least, check_values, configure, interval, one_of
+from lm.adamw8bit import in_8_bits
 from lm.chat_data import PreferenceBatches, load_preference_split
 from lm.dpo import precomputed_reference_logps, reference_logps, sequence_logps_and_logits
 from lm.heldout_eval import HeldOut, metric_names, report_heldout
@@ -92,6 +93,7 @@ weight_decay = 0.0           # decoupled weight decay; 0 = none
 beta1 = 0.9                  # AdamW's momentum (first-moment decay)
 beta2 = 0.95                 # AdamW's second-moment decay
 grad_clip = 1.0              # 0 = no clipping (grad norm is still logged)
+optimizer_type = 'adamw'     # 'adamw' | 'adamw8bit' (its moments in 8 bits: lm/adamw8bit.py)
 # learning-rate schedule (scheduler.py)
 lr_schedule = 'cosine'       # cosine | cosine_restarts | noam | constant | linear | wsd
 warmup_iters = 50            # linear rise to learning_rate, reached at this step (every schedule)
@@ -123,6 +125,7 @@ check_values(config, [
     (one_of(SCHEDULES), ('lr_schedule',)),
     (one_of(DPO_LOSS_TYPES), ('loss_type',)),
     (one_of((*DTYPES, 'nf4')), ('lora_base_dtype',)),
+    (one_of(('adamw', 'adamw8bit')), ('optimizer_type',)),
     (one_of(PARALLEL), ('parallel',)),
     (one_of(CHECKPOINT_FORMATS), ('checkpoint_format',)),
     (FOLDER, ('out_dir',)),
@@ -146,7 +149,7 @@ ddp, rank, local_rank, world_size, local_device = compute
 master, device_type = rank == 0, local_device.split(':')[0]
 ptdtype = pick_dtype(local_device, dtype)
 autocast = autocast_context(local_device, ptdtype)
-check_parallel(parallel, ddp, local_device, ptdtype, 'adamw', fsdp_cpu_offload)
+check_parallel(parallel, ddp, local_device, ptdtype, optimizer_type, fsdp_cpu_offload)
 base_dtype = frozen_base_dtype(lora_base_dtype, ptdtype, use_lora, parallel, 'use_lora=True')
 
 # out_dir: locked before any work; a checkpoint there is this run's to continue, never another's.
@@ -210,8 +213,9 @@ if use_lora:
     with same_init_on_every_rank(seed, enabled=parallel == 'fsdp'):
         apply_lora(model, lora_r, lora_alpha, lora_dropout, lora_target_modules, use_rslora, lora_bias)
 if ckpt:
-    fixed = ('use_lora', 'reference_free') + (LORA_SETTINGS if use_lora else ())
-    check_compatible({k: ckpt['config'].get(k) for k in fixed}, {k: config[k] for k in fixed}, 'setup', ckpt_path,
+    fixed = ('use_lora', 'optimizer_type', 'reference_free') + (LORA_SETTINGS if use_lora else ())
+    saved = {'optimizer_type': 'adamw', **ckpt['config']}  # older checkpoints: AdamW's
+    check_compatible({k: saved.get(k) for k in fixed}, {k: config[k] for k in fixed}, 'setup', ckpt_path,
                      fix="Set these keys to the checkpoint's values, or start a new run (another out_dir, or "
                          "--resume=False).")
     # a sharded checkpoint's are read into the shards (restore_training_state)
@@ -226,6 +230,8 @@ reference_ckpt = None
 
 optimizer = (lora_optimizer(raw_model, weight_decay, learning_rate, (beta1, beta2), device_type, loraplus_lr_ratio)
              if use_lora else raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type))
+if optimizer_type == 'adamw8bit':  # the same groups, the moments in 8 bits
+    optimizer = in_8_bits(optimizer)
 scaler = GradScaler(enabled=ptdtype == torch.float16)
 get_lr = LRSchedule.from_config(config)
 # the step's split into micro-batches: the config's, or what a continued run's checkpoint holds

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from configurator import FOLDER, POSITIVE, UserError, at_least, check_values, configure, interval, one_of
+from lm.adamw8bit import in_8_bits
 from lm.chat_data import PromptSampler, load_prompt_split, rl_prompt
 from lm.generate import generate_batch, stop_tokens
 from lm.heldout_eval import HeldOut, report_heldout
@@ -107,6 +108,7 @@ weight_decay = 0.0           # decoupled weight decay; 0 = none
 beta1 = 0.9                  # AdamW's momentum (first-moment decay)
 beta2 = 0.99                 # AdamW's second-moment decay
 grad_clip = 1.0              # 0 = no clipping (grad norm is still logged)
+optimizer_type = 'adamw'     # 'adamw' | 'adamw8bit' (its moments in 8 bits: lm/adamw8bit.py)
 # learning-rate schedule (scheduler.py)
 lr_schedule = 'cosine'       # cosine | cosine_restarts | noam | constant | linear | wsd
 warmup_iters = 0             # linear rise to learning_rate, reached at this step (every schedule)
@@ -138,6 +140,7 @@ check_values(config, [
     (one_of(IMPORTANCE_LEVELS), ('importance_sampling_level',)),
     (one_of(SCALE_REWARDS), ('scale_rewards',)),
     (one_of((*DTYPES, 'nf4')), ('lora_base_dtype',)),
+    (one_of(('adamw', 'adamw8bit')), ('optimizer_type',)),
     (FOLDER, ('out_dir',)),
 ])
 if epsilon_high is not None and (isinstance(epsilon_high, bool) or not isinstance(epsilon_high, (int, float))
@@ -223,8 +226,9 @@ reference = (frozen_model(GPTConfig(**model_args), reference_ckpt['model'], 'ddp
 if use_lora:
     apply_lora(model, lora_r, lora_alpha, lora_dropout, lora_target_modules, use_rslora, lora_bias)
 if ckpt:
-    fixed = ('use_lora',) + (LORA_SETTINGS if use_lora else ())
-    check_compatible({k: ckpt['config'].get(k) for k in fixed}, {k: config[k] for k in fixed}, 'setup', ckpt_path,
+    fixed = ('use_lora', 'optimizer_type',) + (LORA_SETTINGS if use_lora else ())
+    saved = {'optimizer_type': 'adamw', **ckpt['config']}  # older checkpoints: AdamW's
+    check_compatible({k: saved.get(k) for k in fixed}, {k: config[k] for k in fixed}, 'setup', ckpt_path,
                      fix="Set these keys to the checkpoint's values, or start a new run (another out_dir, or "
                          "--resume=False).")
     model.load_state_dict({**model.state_dict(), **ckpt['model']})  # strict: all weights, or every adapter
@@ -234,6 +238,8 @@ reference_ckpt = None
 
 optimizer = (lora_optimizer(raw_model, weight_decay, learning_rate, (beta1, beta2), device_type, loraplus_lr_ratio)
              if use_lora else raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type))
+if optimizer_type == 'adamw8bit':  # the same groups, the moments in 8 bits
+    optimizer = in_8_bits(optimizer)
 scaler = GradScaler(enabled=ptdtype == torch.float16)
 get_lr = LRSchedule.from_config(config)
 # best_pass_at_1: the best held-out pass@1 of an eval so far

@@ -9,8 +9,13 @@ NF4 bases compute in float32 (the CPU default; on a GPU QLoRA computes in bf16).
 
     python bench/bench_qlora.py                       # models/smollm2-135m-instruct (docs/huggingface.md)
     python bench/bench_qlora.py --bases=nf4 --max_iters=20 --heldout=0   # a quick look
+    python bench/bench_qlora.py --bases=bfloat16,nf4 --extra="--dtype=bfloat16 --seed=2" \
+        --out=bench/results/qlora_bf16_seed2      # both computing in bf16, another seed
+    # a Llama-3.2-1B-shaped folder of random bf16 weights, a few steps
+    python bench/bench_qlora.py --llama_1b=True --max_iters=2 --heldout=0 --out=bench/results/qlora_1b \
+        --extra="--batch_size=1 --gradient_accumulation_steps=1 --eval_iters=1 --exact_match_examples=0"
 
-Writes bench/results/qlora.json and prints the table (README's GPU-free memory table comes from it).
+Writes <out>.json (bench/results/qlora.json) and prints the table (README's GPU-free memory table comes from it).
 """
 import json
 import os
@@ -28,6 +33,8 @@ model = 'models/smollm2-135m-instruct'  # a Hugging Face folder
 bases = 'float32,bfloat16,nf4'  # the lora_base_dtype values to compare
 max_iters = 0                # 0 = the recipe's own (config/lora_hf.py: 150 steps)
 heldout = 200                # test prompts eval.py answers with each merged model; 0 = skip
+llama_1b = False             # instead of model: a Llama-3.2-1B-shaped folder of random bf16 weights (its tokenizer)
+extra = ''                   # more flags for train.py, e.g. a smaller batch for the 1B shape on a CPU
 out = os.path.join(ROOT, 'bench', 'results', 'qlora')
 # -----------------------------------------------------------------------------
 config = configure(globals())
@@ -66,7 +73,7 @@ def recipe(base):
     args = ['train.py', 'config/lora_hf.py', f'--init_from={model}', f'--out_dir={run_dir}', '--resume=False',
             f'--lora_base_dtype={base}', '--tensorboard=False', '--sample_tokens=0', '--device=cpu',
             *(['--dtype=bfloat16'] if base == 'bfloat16' else []),
-            *([f'--max_iters={max_iters}', f'--lr_decay_iters={max_iters}'] if max_iters else [])]
+            *([f'--max_iters={max_iters}', f'--lr_decay_iters={max_iters}'] if max_iters else []), *extra.split()]
     t0 = time.time()
     done = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True)
     if done.returncode:
@@ -77,7 +84,7 @@ def recipe(base):
     steps = [e for e in events if 'tokens_per_sec' in e]
     result = dict(command='python ' + ' '.join(args), wall_s=wall, peak_rss_mb=steps[-1]['peak_memory_mb'],
                   tokens_per_sec=sorted(e['tokens_per_sec'] for e in steps[1:] or steps)[len(steps[1:] or steps) // 2],
-                  exact_match_100=[e['eval/exact_match'] for e in events if 'eval/exact_match' in e][-1])
+                  exact_match_100=([e['eval/exact_match'] for e in events if 'eval/exact_match' in e] or [None])[-1])
     if heldout:
         scores = os.path.join(run_dir, 'heldout.json')
         done = subprocess.run([sys.executable, 'eval.py', f"--init_from={os.path.join(run_dir, 'merged.pt')}",
@@ -91,14 +98,20 @@ def recipe(base):
 
 
 os.makedirs(out, exist_ok=True)
+if llama_1b:  # bench/hf_parity.py's helper, written once
+    sys.path.insert(0, os.path.join(ROOT, 'bench'))
+    from hf_parity import random_llama_folder
+    model = random_llama_folder(out, 2048, 16, 49152, model)[0]
 results = {}
 for base in bases.split(','):
     results[base] = dict(load_peak_mb=load_peak(base) / 2**20, **recipe(base))
     print(base, json.dumps(results[base]), flush=True)
-with open(os.path.join(ROOT, 'bench', 'results', 'qlora.json'), 'w') as f:
-    json.dump(dict(model=model, max_iters=max_iters or 150, heldout=heldout, date=time.strftime('%Y-%m-%d'),
+with open(out.rstrip('/') + '.json', 'w') as f:  # bench/results/qlora.json by default
+    json.dump(dict(model='Llama-3.2-1B shape, random bf16 weights' if llama_1b else model,
+                   max_iters=max_iters or 150, heldout=heldout, extra=extra, date=time.strftime('%Y-%m-%d'),
                    results=results), f, indent=1)
-print(f"\n| base | load peak | training peak | tokens/s | exact match ({heldout} held-out) |\n|---|---:|---:|---:|---:|")
+print(f"\n| base | load peak | training peak | tokens/s | exact match ({heldout} held-out) |")
+print("|---|---:|---:|---:|---:|")
 for base, r in results.items():
     print(f"| {base} | {r['load_peak_mb']:,.0f} MB | {r['peak_rss_mb']:,.0f} MB | {r['tokens_per_sec']:,.0f} | "
           + (f"{100 * r[f'exact_match_{heldout}']:.1f}%" if heldout else '-') + " |")

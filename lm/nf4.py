@@ -21,14 +21,15 @@ NF4_LEVELS = torch.tensor([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39
 CHUNK = 1 << 20  # values quantized at once: a bounded scratch (int64 indices) for any weight's size
 
 
-def dynamic_levels():
-    """The 256 levels the absmaxes are quantized to, ascending: bitsandbytes' signed dynamic 8-bit map
-    (Dettmers 2015), a sign, an exponent 10^0 .. 10^-6 and a fraction with fewer bits as the exponent grows."""
+def dynamic_levels(signed=True):
+    """256 levels, ascending: bitsandbytes' dynamic 8-bit map (Dettmers 2015), an exponent 10^0 .. 10^-6 and a
+    fraction with fewer bits as the exponent grows, and a sign (signed) or one more fraction bit. The signed
+    map quantizes NF4's absmaxes (and the 8-bit AdamW's first moment: lm/adamw8bit.py)."""
     levels = []
     for i in range(7):
-        edges = torch.linspace(0.1, 1, 2 ** i + 1, dtype=torch.float32)
+        edges = torch.linspace(0.1, 1, 2 ** (i if signed else i + 1) + 1, dtype=torch.float32)
         means = ((edges[:-1] + edges[1:]) / 2 * 10 ** (i - 6)).tolist()
-        levels += means + [-m for m in means]
+        levels += means + ([-m for m in means] if signed else [])
     return torch.tensor(levels + [0.0, 1.0]).sort().values
 
 

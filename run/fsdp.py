@@ -33,8 +33,8 @@ def check_parallel(parallel, distributed, device, dtype, optimizer_type, cpu_off
         raise UserError("parallel='fsdp' runs in bfloat16 or float32; float16's loss scaling is not supported on sharded "
                         "gradients. Set --dtype=bfloat16 (or float32).")
     if optimizer_type != 'adamw':
-        raise UserError(f"parallel='fsdp' trains with AdamW (optimizer_type={optimizer_type!r} needs whole matrices "
-                        f"on every rank); set optimizer_type='adamw' or parallel='ddp'.")
+        raise UserError(f"parallel='fsdp' trains with AdamW (optimizer_type={optimizer_type!r} works on whole tensors, "
+                        f"not on each rank's shards); set optimizer_type='adamw' or parallel='ddp'.")
     if cpu_offload and not device.startswith('cuda'):
         raise UserError(f"fsdp_cpu_offload=True keeps GPU shards in CPU memory; on device {device!r} they are there "
                         f"already. Drop --fsdp_cpu_offload.")

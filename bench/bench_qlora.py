@@ -19,6 +19,7 @@ Writes <out>.json (bench/results/qlora.json) and prints the table (README's GPU-
 """
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -83,7 +84,7 @@ def recipe(base):
         events = [json.loads(line) for line in f if line.strip()]
     steps = [e for e in events if 'tokens_per_sec' in e]
     result = dict(command='python ' + ' '.join(args), wall_s=wall, peak_rss_mb=steps[-1]['peak_memory_mb'],
-                  tokens_per_sec=sorted(e['tokens_per_sec'] for e in steps[1:] or steps)[len(steps[1:] or steps) // 2],
+                  tokens_per_sec=statistics.median(e['tokens_per_sec'] for e in steps[1:] or steps),
                   exact_match_100=([e['eval/exact_match'] for e in events if 'eval/exact_match' in e] or [None])[-1])
     if heldout:
         scores = os.path.join(run_dir, 'heldout.json')

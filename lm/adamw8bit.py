@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from lm.nf4 import dynamic_levels, nearest_level
+from lm.nf4 import blockwise_absmax, dynamic_levels, nearest_level, spread
 
 BLOCK = 256
 MIN_8BIT_SIZE = 4096
@@ -22,10 +22,8 @@ SIGNED, UNSIGNED = dynamic_levels(signed=True), dynamic_levels(signed=False)
 def quantize(values, levels):
     """(uint8 codes, float32 absmax per block of BLOCK) of a float32 tensor."""
     flat = values.reshape(-1)
-    pad = -flat.numel() % BLOCK
-    absmax = torch.nn.functional.pad(flat.abs(), (0, pad)).view(-1, BLOCK).amax(1)
-    scale = torch.where(absmax == 0, 1.0, absmax).repeat_interleave(BLOCK)[:flat.numel()]
-    return nearest_level(flat / scale, levels.to(flat.device)), absmax
+    absmax = blockwise_absmax(flat, BLOCK)
+    return nearest_level(flat / spread(absmax, BLOCK, flat.numel()), levels.to(flat.device)), absmax
 
 
 def dequantize(codes, absmax, levels, shape):

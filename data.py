@@ -1,6 +1,6 @@
 """
 Prepare a pretraining corpus once: tokenize it into the token files train.py reads random windows of
-(lm/token_data.py; the tokenizers are in lm/tokenizer.py, fine-tuning's chat data in lm/chat_data.py).
+(train.py's TokenBatches; the tokenizers are in lm/tokenizer.py, fine-tuning's chat data in lm/chat_data.py).
 
     python data.py                  # default corpus: the Python standard library's own sources,
                                     # BPE tokenizer (4096 tokens), cached in data/stdlib

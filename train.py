@@ -13,6 +13,7 @@ import os
 import sys
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
@@ -23,14 +24,13 @@ from lm.chat_data import SFTBatches, load_sft_data
 from lm.heldout_eval import HeldOut, metric_names, print_sample, report_heldout
 from lm.lora import apply_lora, frozen_base_dtype, load_adapters, lora_optimizer, lora_state_dict, save_merged
 from lm.muon import Muon, muon_param_groups
-from lm.token_data import TokenBatches, eval_offsets
-from lm.tokenizer import chat_tokenizer, prompt_and_answer
+from lm.tokenizer import chat_tokenizer, dataset_file, prompt_and_answer, read_meta
 from losses import (check_loss_weights, combine_losses, target_weights, token_weight_table, weighted_cross_entropy,
                     z_loss)
 from memory import MemoryMonitor, halve_micro_batch, peak_memory_bytes, recover_from_oom, resumed_micro_batch
 from run.checkpoint import (CHECKPOINT_FORMATS, check_compatible, restore_training_state, training_state,
                             write_checkpoint)
-from run.device import DTYPES, GradScaler, autocast_context, pick_dtype
+from run.device import DTYPES, GradScaler, autocast_context, pick_dtype, to_device
 from run.fsdp import PARALLEL, check_parallel, place_model, same_init_on_every_rank
 from run.run_folder import (continued_origin, open_run, require_starting_weights, run_log, run_origin,
                             training_data_hash)
@@ -181,6 +181,55 @@ model_ckpt, model_ckpt_path = full_model_checkpoint(ckpt, ckpt_path, start_from,
 # a published model's config files, which export.py writes back
 hf_files = hf_source(model_ckpt, chat_template_variables)
 
+
+
+class TokenBatches:
+    """Pretraining batches: random block_size windows of a token file `python data.py` prepared
+    (train.bin, val.bin), drawn from a seeded generator whose state the checkpoint keeps.
+
+    DDP: every rank draws the offsets of the whole global batch (same seed, same draws, so any rank's
+    state resumes all) and takes its contiguous slice: rank r's micro-step k is global micro-batch
+    r * grad_accum + k, so 2 ranks x grad_accum A train on the samples of 1 process x grad_accum 2A."""
+
+    def __init__(self, bin_path, block_size, seed):
+        self.bin_path = bin_path
+        self.block_size = block_size
+        self.dtype = np.dtype(read_meta(os.path.dirname(bin_path) or '.')['dtype'])
+        self.n_tokens = os.path.getsize(dataset_file(*os.path.split(bin_path))) // self.dtype.itemsize
+        if self.n_tokens < block_size + 1:
+            raise UserError(f"{bin_path} has {self.n_tokens} tokens, fewer than block_size + 1 = "
+                            f"{block_size + 1}. Use a smaller --block_size or a bigger corpus.")
+        self.generator = torch.Generator().manual_seed(seed)
+        self.batches_drawn = 0
+
+    def sample_offsets(self, n):
+        self.batches_drawn += 1
+        return torch.randint(self.n_tokens - self.block_size, (n,), generator=self.generator)
+
+    def get(self, offsets, device='cpu'):
+        """(x, y) int64 (len(offsets), block_size); y[:, t] is the token after x[:, t]."""
+        # a fresh memmap per call: a long-lived one keeps growing in memory (nanoGPT's note)
+        data = np.memmap(self.bin_path, dtype=self.dtype, mode='r')
+        windows = np.stack([data[i:i + self.block_size + 1] for i in offsets.tolist()]).astype(np.int64)
+        windows = torch.from_numpy(windows)
+        return to_device([windows[:, :-1].contiguous(), windows[:, 1:].contiguous()], device)
+
+    def state_dict(self):
+        return {'generator': self.generator.get_state(), 'batches_drawn': self.batches_drawn}
+
+    def load_state_dict(self, state):
+        self.generator.set_state(state['generator'])
+        self.batches_drawn = state['batches_drawn']
+
+
+def eval_offsets(n_tokens, block_size, n, seed=1234):
+    """The same n window starts at every evaluation, so successive val losses compare."""
+    if n_tokens < block_size + 1:
+        raise UserError(f"the eval split has {n_tokens} tokens, fewer than block_size + 1 = "
+                        f"{block_size + 1}. Use a smaller --block_size or a bigger corpus.")
+    return torch.randint(n_tokens - block_size, (n,), generator=torch.Generator().manual_seed(seed))
+
+
 # data: the tokenizer is a published model's own, else corpus_dir's (data_dir, or the default corpus,
 # which rank 0 prepares once)
 corpus_dir, base_tokenizer = run_tokenizer(data_dir, model_ckpt, model_ckpt_path, compute,
@@ -309,8 +358,9 @@ def evaluate(micro_batch_size):
     return (total[0] / total[1]).item()
 
 
-def checkpoint_state():
-    """Everything a continued run needs, as of now."""
+def save(path, iter_num, best_val_loss, evals_without_improvement):
+    """A checkpoint of the run at path (write_checkpoint) at step iter_num, with the eval counters: everything
+    a continued run needs. Collective under DDP and FSDP: every rank must call it."""
     # under FSDP sharded: write_checkpoint gathers or writes them
     weights = raw_model.state_dict(keep_vars=True)
     state = dict(training_state(this_run, config, optimizer, scaler, iter_num, best_val_loss,
@@ -323,12 +373,7 @@ def checkpoint_state():
     if training_type == 'lora':
         state.update(kind='lora', model=lora_state_dict(raw_model, weights), base_checkpoint=lora_base[0],
                      base_hash=lora_base[1])
-    return state
-
-
-def save(path):
-    # collective: every rank calls it
-    write_checkpoint(path, checkpoint_state(), checkpoint_format == 'sharded', master)
+    write_checkpoint(path, state, checkpoint_format == 'sharded', master)
 
 
 profiler = StepProfiler(local_device, enabled=profile)
@@ -468,9 +513,9 @@ while iter_num < max_iters:
         record(dict(step=iter_num, val_loss=val_loss, val_ppl=math.exp(val_loss), lr=lr))
         report_heldout(raw_model, held_out, autocast, iter_num, record)
         if improved:
-            save(os.path.join(out_dir, 'best.pt'))
+            save(os.path.join(out_dir, 'best.pt'), iter_num, best_val_loss, evals_without_improvement)
         if improved or always_save_checkpoint:
-            save(ckpt_path)
+            save(ckpt_path, iter_num, best_val_loss, evals_without_improvement)
         if early_stopping_patience and evals_without_improvement >= early_stopping_patience:
             log(f"early stopping: no improvement for {evals_without_improvement} evals")
             break
@@ -478,11 +523,11 @@ while iter_num < max_iters:
         window_start, window_tokens, window_labels = time.time(), 0, 0
 
     if stop_requested:
-        save(ckpt_path)
+        save(ckpt_path, iter_num, best_val_loss, evals_without_improvement)
         progress.close()
         stop.exit(ckpt_path, iter_num, ddp)
 progress.close()
-save(ckpt_path)
+save(ckpt_path, iter_num, best_val_loss, evals_without_improvement)
 if training_type == 'lora':
     save_merged(out_dir, raw_model, master, model_args=model_args, config=config, iter_num=iter_num,
                 tokenizer=tokenizer.identity(), data_dir=os.path.abspath(corpus_dir), **hf_files)

@@ -262,16 +262,14 @@ def evaluate():
     return result
 
 
-def checkpoint_state():
-    return dict(training_state(this_run, config, optimizer, scaler, iter_num, best_val_loss,
-                               evals_without_improvement),
-                kind='tts', model=raw_model.state_dict(), model_args=model_args, data_dir=os.path.abspath(data_dir),
-                sampler=sampler.state_dict(), batch_splits=batch_splits, mel_settings=mel_settings)
-
-
-def save(path):
-    # collective under DDP: every rank calls it
-    write_checkpoint(path, checkpoint_state(), False, master)
+def save(path, iter_num, best_val_loss, evals_without_improvement):
+    """A checkpoint of the run at path (write_checkpoint) at step iter_num, with the eval counters: everything
+    a continued run needs. Collective under DDP: every rank must call it."""
+    state = dict(training_state(this_run, config, optimizer, scaler, iter_num, best_val_loss,
+                                evals_without_improvement),
+                 kind='tts', model=raw_model.state_dict(), model_args=model_args, data_dir=os.path.abspath(data_dir),
+                 sampler=sampler.state_dict(), batch_splits=batch_splits, mel_settings=mel_settings)
+    write_checkpoint(path, state, False, master)
 
 
 profiler = StepProfiler(local_device, enabled=profile)
@@ -405,9 +403,9 @@ while iter_num < max_iters:
         if master:
             record_media(writer, raw_model, val_set, iter_num, synthesis)
         if improved:
-            save(os.path.join(out_dir, 'best.pt'))
+            save(os.path.join(out_dir, 'best.pt'), iter_num, best_val_loss, evals_without_improvement)
         if improved or always_save_checkpoint:
-            save(ckpt_path)
+            save(ckpt_path, iter_num, best_val_loss, evals_without_improvement)
         if early_stopping_patience and evals_without_improvement >= early_stopping_patience:
             log(f"early stopping: no improvement for {evals_without_improvement} evals")
             break
@@ -417,11 +415,11 @@ while iter_num < max_iters:
         window_start, window_frames = time.time(), 0  # throughput excludes eval time
 
     if stop_requested:
-        save(ckpt_path)
+        save(ckpt_path, iter_num, best_val_loss, evals_without_improvement)
         progress.close()
         stop.exit(ckpt_path, iter_num, ddp)
 progress.close()
-save(ckpt_path)
+save(ckpt_path, iter_num, best_val_loss, evals_without_improvement)
 log(f"training ended at step {iter_num} after {(time.time() - _start_time) / 60:.1f} min, "
     f"best val loss {best_val_loss:.4f}")
 final_report(iter_num)  # rank 0; the others wait in compute_cleanup

@@ -9,6 +9,7 @@ A quick local run: `python -m pytest -m "not slow"` leaves out the end-to-end sc
 torchrun tests marked slow (pytest.ini); `python -m pytest` runs the whole suite.
 """
 
+import ast
 import glob
 import io
 import json
@@ -36,6 +37,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HF_FIXTURES = os.path.join(ROOT, 'tests', 'fixtures', 'hf')
 
 # ----------------------------------------------------------------------------- running the scripts
+
+
+def script_definitions(script, *names):
+    """The named top-level classes and functions of a root script, compiled with the script's own
+    imports but without running it (importing a script runs its training): tests reach the code
+    the script runs, where nanoGPT's layout keeps it."""
+    path = os.path.join(ROOT, script)
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    body = [node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))
+            or isinstance(node, (ast.ClassDef, ast.FunctionDef)) and node.name in names]
+    missing = set(names) - {node.name for node in body if hasattr(node, 'name')}
+    assert not missing, f'{script} defines no {missing}'
+    namespace = {'__name__': script[:-3]}
+    exec(compile(ast.Module(body=body, type_ignores=[]), path, 'exec'), namespace)
+    return [namespace[name] for name in names]
 
 
 def script_env(**extra):

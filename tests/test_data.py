@@ -11,9 +11,13 @@ import torch
 
 import data
 from configurator import UserError
-from lm import token_data
 from lm.chat_data import read_jsonl
 from lm.tokenizer import load_tokenizer, read_meta
+
+from conftest import script_definitions
+
+# pretraining's batches live in train.py, as nanoGPT's get_batch does
+TokenBatches, eval_offsets = script_definitions('train.py', 'TokenBatches', 'eval_offsets')
 
 TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak. Ünïcödé ✓\n" * 13
 CODE = ''.join(f"def f{i}(x):\n    return x * {i} + 1  # twice\n\n" for i in range(150))
@@ -237,7 +241,7 @@ def test_failed_prepare_keeps_the_dataset_and_missing_files_are_named(tmp_path):
         load_tokenizer(ds)
     os.remove(tmp_path / 'ds' / 'train.bin')
     with pytest.raises(UserError, match='train.bin is missing'):
-        token_data.TokenBatches(os.path.join(ds, 'train.bin'), 8, seed=0)
+        TokenBatches(os.path.join(ds, 'train.bin'), 8, seed=0)
     (tmp_path / 'ds' / 'meta.json').write_text('{"tokenizer": ')
     with pytest.raises(UserError, match='meta.json is corrupt'):
         load_tokenizer(ds)
@@ -256,22 +260,22 @@ def test_unprepared_data_dir_says_how_to_prepare(tmp_path):
     (tmp_path / 'raw').mkdir()
     (tmp_path / 'raw' / 'train.bin').write_bytes(b'\0' * 100)
     with pytest.raises(UserError, match='no meta.json'):
-        token_data.TokenBatches(str(tmp_path / 'raw' / 'train.bin'), 8, seed=0)
+        TokenBatches(str(tmp_path / 'raw' / 'train.bin'), 8, seed=0)
 
 
 def test_bin_smaller_than_block(tmp_path):
     path = make_bin(tmp_path, 16)
-    token_data.TokenBatches(path, 15, seed=0)  # 16 tokens: one window of 15 plus its target
+    TokenBatches(path, 15, seed=0)  # 16 tokens: one window of 15 plus its target
     with pytest.raises(UserError, match='train.bin has 16 tokens, fewer than block_size \\+ 1 = 17'):
-        token_data.TokenBatches(path, 16, seed=0)
+        TokenBatches(path, 16, seed=0)
     with pytest.raises(UserError, match='fewer than block_size'):
-        token_data.eval_offsets(16, 16, 4)
+        eval_offsets(16, 16, 4)
 
 
 # -- batches -----------------------------------------------------------------------------------
 
 def test_x_y_shift_by_one(tmp_path):
-    batches = token_data.TokenBatches(make_bin(tmp_path, 5000), 32, seed=0)
+    batches = TokenBatches(make_bin(tmp_path, 5000), 32, seed=0)
     offsets = batches.sample_offsets(8)
     x, y = batches.get(offsets)
     assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (8, 32)
@@ -281,7 +285,7 @@ def test_x_y_shift_by_one(tmp_path):
 
 
 def test_offsets_cover_the_file_and_stay_in_range(tmp_path):
-    batches = token_data.TokenBatches(make_bin(tmp_path, 40), 8, seed=0)
+    batches = TokenBatches(make_bin(tmp_path, 40), 8, seed=0)
     offsets = batches.sample_offsets(2000)
     assert offsets.min() == 0 and offsets.max() == 40 - 8 - 1  # last window's target is the last token
     batches.get(offsets)
@@ -289,12 +293,12 @@ def test_offsets_cover_the_file_and_stay_in_range(tmp_path):
 
 def test_batches_deterministic_and_resumable(tmp_path):
     path = make_bin(tmp_path, 5000)
-    a, b = token_data.TokenBatches(path, 16, seed=7), token_data.TokenBatches(path, 16, seed=7)
+    a, b = TokenBatches(path, 16, seed=7), TokenBatches(path, 16, seed=7)
     assert torch.equal(a.sample_offsets(4), b.sample_offsets(4))
-    assert not torch.equal(a.sample_offsets(4), token_data.TokenBatches(path, 16, seed=8).sample_offsets(4))
+    assert not torch.equal(a.sample_offsets(4), TokenBatches(path, 16, seed=8).sample_offsets(4))
     torch.save(a.state_dict(), tmp_path / 'state.pt')
     expected = [a.get(a.sample_offsets(4)) for _ in range(3)]
-    resumed = token_data.TokenBatches(path, 16, seed=0)
+    resumed = TokenBatches(path, 16, seed=0)
     resumed.load_state_dict(torch.load(tmp_path / 'state.pt', weights_only=True))
     assert resumed.batches_drawn == 2
     for x, y in expected:
@@ -305,8 +309,8 @@ def test_batches_deterministic_and_resumable(tmp_path):
 def test_rank_slices_match_single_process(tmp_path):
     path = make_bin(tmp_path, 5000)
     micro, accum, world = 2, 3, 2
-    single = token_data.TokenBatches(path, 16, seed=3)
-    ranks = [token_data.TokenBatches(path, 16, seed=3) for _ in range(world)]
+    single = TokenBatches(path, 16, seed=3)
+    ranks = [TokenBatches(path, 16, seed=3) for _ in range(world)]
     for step in range(2):
         # one process with grad_accum = world * accum
         global_offsets = single.sample_offsets(world * accum * micro)
@@ -319,14 +323,14 @@ def test_rank_slices_match_single_process(tmp_path):
 
 
 def test_eval_offsets_fixed_and_in_range():
-    a = token_data.eval_offsets(100, 10, 500)
-    assert torch.equal(a, token_data.eval_offsets(100, 10, 500)) and 0 <= a.min() and a.max() <= 100 - 10 - 1
-    assert not torch.equal(a, token_data.eval_offsets(100, 10, 500, seed=1))
+    a = eval_offsets(100, 10, 500)
+    assert torch.equal(a, eval_offsets(100, 10, 500)) and 0 <= a.min() and a.max() <= 100 - 10 - 1
+    assert not torch.equal(a, eval_offsets(100, 10, 500, seed=1))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
 def test_cuda_batches_match_cpu(tmp_path):
-    batches = token_data.TokenBatches(make_bin(tmp_path, 5000), 16, seed=0)
+    batches = TokenBatches(make_bin(tmp_path, 5000), 16, seed=0)
     offsets = batches.sample_offsets(4)
     x, y = batches.get(offsets, 'cuda')
     assert x.is_cuda and torch.equal(x.cpu(), batches.get(offsets)[0]) and torch.equal(y.cpu(), batches.get(offsets)[1])

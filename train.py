@@ -175,9 +175,11 @@ resuming = ckpt is not None
 require_starting_weights(ckpt, start_from, eval_only, ckpt_path, hf_folders=True,
                          made_by='`python train.py` (pretraining)' if start_from == 'out/ckpt.pt' else None)
 # the whole model the run starts from (None: from scratch), as stored (memory-mapped, its file's
-# dtype): under FSDP each rank reads its shard; a 16-bit LoRA base needs no float32 copy
+# dtype): under FSDP each rank reads its shard; a 16-bit LoRA base needs no float32 copy, a 4-bit
+# base keeps a 4-bit folder's bits
 model_ckpt, model_ckpt_path = full_model_checkpoint(ckpt, ckpt_path, start_from, out_dir, training_type,
-                                                    as_stored=parallel == 'fsdp' or base_dtype != torch.float32)
+                                                    as_stored=parallel == 'fsdp' or base_dtype != torch.float32,
+                                                    keep_nf4=base_dtype == 'nf4')
 # a published model's config files, which export.py writes back
 hf_files = hf_source(model_ckpt, chat_template_variables)
 

@@ -166,7 +166,7 @@ reference_ckpt, reference_path, reference_hash = reference_checkpoint(
     ckpt, start_from, out_dir, made_by="`python train.py` (pretraining, out/ckpt.pt) then `python train.py "
                                        "config/sft.py` (SFT)" if start_from == 'out-sft/ckpt.pt' else None,
     # memory-mapped in its file's dtype (as train.py)
-    as_stored=parallel == 'fsdp' or base_dtype != torch.float32)
+    as_stored=parallel == 'fsdp' or base_dtype != torch.float32, keep_nf4=base_dtype == 'nf4')
 
 # data
 # a published model's config files, which export.py writes back

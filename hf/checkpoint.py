@@ -17,6 +17,7 @@ for Arcee only with hidden_act relu2: its Arcee takes no other activation).
 The tensor names map through one table per family (LLAMA_NAMES, GPT2_NAMES).
 """
 import json
+import math
 import os
 import re
 import shutil
@@ -29,6 +30,7 @@ from tokenizers import Tokenizer
 from configurator import UserError
 from hf.tokenizer import load_hf_tokenizer, read_json
 from hf.tokenizer_json import save_tokenizer
+from lm.nf4 import BLOCK, DYNAMIC_LEVELS, NF4_LEVELS, SCALE_BLOCK, NF4Weight
 from lm.tokenizer import CHAT_SPECIAL_TOKENS, CHAT_TEMPLATE_JINJA
 from model import GPT, ROPE_SCALING_KEYS, GPTConfig, mlp_hidden_size
 
@@ -109,6 +111,64 @@ def sliding_window(hf, arch, folder):
     return window if any(sliding) else 0
 
 
+def bnb_nf4(hf, folder):
+    """Whether config.json (hf) says bitsandbytes quantized the model to 4-bit NormalFloat with double quantization,
+    QLoRA's settings, as transformers saves such a model: nanotrain reads those bits as they are (lm/nf4.py keeps
+    bitsandbytes' layout). False for an unquantized model; a UserError for any other quantization."""
+    quantization = hf.get('quantization_config')
+    if not quantization:
+        return False
+    q = quantization if isinstance(quantization, dict) else {'quant_method': quantization}
+    # transformers' defaults for the keys left out: fp4 codes, no double quantization, bytes
+    if (q.get('quant_method') == 'bitsandbytes' and q.get('load_in_4bit') and q.get('bnb_4bit_quant_type') == 'nf4'
+            and q.get('bnb_4bit_use_double_quant') and q.get('bnb_4bit_quant_storage', 'uint8') == 'uint8'):
+        return True
+    settings = ', '.join(f'{k}={v!r}' for k, v in q.items() if k in ('bits', 'load_in_4bit', 'load_in_8bit',
+                         'bnb_4bit_quant_type', 'bnb_4bit_use_double_quant', 'bnb_4bit_quant_storage', 'fmt'))
+    raise UserError(f"{folder}/config.json: this model's weights are quantized (quantization_config, quant_method "
+                    f"{q.get('quant_method', 'unnamed')!r}{', ' + settings if settings else ''}); nanotrain reads "
+                    f"unquantized models and bitsandbytes' 4-bit NF4 with double quantization (QLoRA's: load_in_4bit, "
+                    f"bnb_4bit_quant_type 'nf4', bnb_4bit_use_double_quant) only: use the model's bf16, fp16 or "
+                    f"fp32 weights (its unquantized release) instead, with --lora_base_dtype=nf4 for a 4-bit base.")
+
+
+# the tensors bitsandbytes saves beside a 4-bit weight's packed codes (<name>.weight, uint8)
+BNB_PARTS = ('absmax', 'quant_map', 'nested_absmax', 'nested_quant_map', 'quant_state.bitsandbytes__nf4')
+BNB_DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
+
+
+def stored_nf4(name, parts, path):
+    """The NF4Weight of the 4-bit weight name, from the tensors bitsandbytes saved of it (parts: packed, and
+    BNB_PARTS), checked to be the layout lm/nf4.py reads: NF4's levels, blocks of 64, absmaxes in 8 bits
+    with the dynamic map in blocks of 256."""
+    def broken(why):
+        return UserError(f"{path}: the 4-bit weight {name} {why}; the file is not bitsandbytes' NF4 as nanotrain reads "
+                         f"it (or is corrupt): use the model's unquantized release with --lora_base_dtype=nf4.")
+    missing = [part for part in ('packed', *BNB_PARTS) if part not in parts]
+    if missing:
+        raise broken(f"lacks {', '.join(missing)}")
+    try:
+        state = json.loads(bytes(parts['quant_state.bitsandbytes__nf4'].tolist()))
+        shape, dtype = [int(n) for n in state['shape']], BNB_DTYPES.get(state['dtype'])
+        settings = (state['quant_type'], state['blocksize'], state['nested_blocksize'], state['nested_dtype'])
+        offset = torch.tensor(float(state['nested_offset']))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise broken(f"has an unreadable quant_state ({type(e).__name__}: {e})") from None
+    if settings != ('nf4', BLOCK, SCALE_BLOCK, 'float32') or dtype is None:
+        raise broken(f"is quantized as {settings} in {dtype}, not ('nf4', {BLOCK}, {SCALE_BLOCK}, 'float32')")
+    if not (torch.equal(parts['quant_map'].float(), NF4_LEVELS) and
+            torch.equal(parts['nested_quant_map'].float(), DYNAMIC_LEVELS)):
+        raise broken("has other code books than NF4's levels and the dynamic 8-bit map")
+    n = math.prod(shape)
+    absmaxes = -(-n // BLOCK)
+    sizes = {'packed': n // 2, 'absmax': absmaxes, 'nested_absmax': -(-absmaxes // SCALE_BLOCK)}
+    wrong = {part: parts[part].numel() for part, size in sizes.items() if parts[part].numel() != size or n % 2}
+    if wrong:
+        raise broken(f"of shape {tuple(shape)} has {wrong} values, not {sizes}")
+    return NF4Weight.stored(shape, dtype, parts['packed'].reshape(-1), parts['absmax'].reshape(-1),
+                            parts['nested_absmax'].float().reshape(-1), offset)
+
+
 def gpt_config(hf, folder):
     """GPTConfig fields of the model whose config.json holds hf (a dict)."""
     archs = hf.get('architectures')
@@ -116,13 +176,7 @@ def gpt_config(hf, folder):
         raise UserError(f"{folder}/config.json: architectures={archs!r} must be a list of one model class, e.g. "
                         f"[\"LlamaForCausalLM\"]; the file is corrupt: download the model folder again.")
     arch = archs[0]
-    quantization = hf.get('quantization_config')
-    # else a failure later that blames the download (FP8) or a config/weights mismatch
-    if quantization:
-        method = quantization.get('quant_method', 'unnamed') if isinstance(quantization, dict) else quantization
-        raise UserError(f"{folder}/config.json: this model's weights are quantized (quantization_config, quant_method "
-                        f"{method!r}); nanotrain trains and exports unquantized models only: use the model's bf16, "
-                        f"fp16 or fp32 weights (its unquantized release) instead.")
+    bnb_nf4(hf, folder)  # another quantization: refused here, not as a "corrupt" file later
     if arch not in ARCHITECTURES:
         raise UserError(f"{folder}/config.json: architecture {arch} is not supported; nanotrain loads "
                         f"{', '.join(ARCHITECTURES)}.")
@@ -357,10 +411,12 @@ def read_weights(path):
                         f"corrupt: download it again.") from None
 
 
-def read_hf_weights(folder, hf, as_stored=False):
+def read_hf_weights(folder, hf, as_stored=False, keep_nf4=False):
     """The GPT state dict (float32, CPU; as_stored: memory-mapped in the stored dtype) of the checkpoint folder
     whose config.json holds hf, read one weight file at a time; every tensor is checked against the shapes
-    config.json gives."""
+    config.json gives. A model bitsandbytes saved in 4 bits (bnb_nf4): each 4-bit weight dequantized as
+    bitsandbytes does (to float32, or as_stored its dtype), or with keep_nf4 its NF4Weight, bits as stored."""
+    four_bit, quantized = bnb_nf4(hf, folder), {}
     with torch.device('meta'):
         expected = GPT(GPTConfig(**gpt_config(hf, folder))).state_dict()
     if ties_embeddings(hf):
@@ -376,6 +432,11 @@ def read_hf_weights(folder, hf, as_stored=False):
                 hf_name = 'transformer.' + hf_name
             if IGNORED.match(hf_name) or (hf_name == 'lm_head.weight' and 'lm_head.weight' not in expected):
                 continue
+            # a 4-bit weight: its packed codes, then the tensors of its quantization (all files read first)
+            layer, _, part = hf_name.partition('.weight.')
+            if four_bit and (part in BNB_PARTS or tensor.dtype == torch.uint8):
+                quantized.setdefault(f'{layer}.weight' if part else hf_name, {})[part or 'packed'] = tensor
+                continue
             if hf_name not in nano_names:
                 raise UserError(f"{path}: tensor {hf_name} is not part of a {hf['architectures'][0]} with this "
                                 f"config.json; the weights and config.json are of different models.")
@@ -387,6 +448,18 @@ def read_hf_weights(folder, hf, as_stored=False):
                                     f"config.json are of different models.")
                 state[nano] = (part if as_stored else part.float()).contiguous()
             loaded.add(hf_name)
+    for hf_name, parts in quantized.items():
+        nano = nano_names.get(hf_name, [])
+        if len(nano) != 1 or is_conv1d(hf_name, hf):
+            raise UserError(f"{folder}: the 4-bit tensor {hf_name} is not one Linear weight of a "
+                            f"{hf['architectures'][0]} with this config.json; nanotrain reads 4-bit Linear weights "
+                            f"only.")
+        nf4 = stored_nf4(hf_name, parts, folder)
+        if nf4.shape != tuple(expected[nano[0]].shape):
+            raise UserError(f"{folder}: the 4-bit weight {hf_name} has shape {nf4.shape}, but config.json makes it "
+                            f"{tuple(expected[nano[0]].shape)}; the weights and config.json are of different models.")
+        state[nano[0]] = nf4 if keep_nf4 else nf4.dequantize() if as_stored else nf4.dequantize().float()
+        loaded.add(hf_name)
     missing = sorted(set(nano_names) - loaded)
     if missing:
         raise UserError(f"{folder}: the weight files lack {len(missing)} tensor(s) a {hf['architectures'][0]} "
@@ -398,16 +471,18 @@ def read_hf_weights(folder, hf, as_stored=False):
     return state
 
 
-def load_hf_checkpoint(folder, as_stored=False):
+def load_hf_checkpoint(folder, as_stored=False, keep_nf4=False):
     """A Hugging Face folder as a checkpoint of train.py's kind 'gpt': model (state dict), model_args,
     its tokenizer's identity and folder (data_dir), config (training_type 'sft' if the tokenizer has a chat template: a chat
-    model), and hf_config / generation_config, which the exporter writes back."""
+    model), and hf_config / generation_config, which the exporter writes back (without a 4-bit model's
+    quantization_config: what nanotrain writes is never quantized). as_stored, keep_nf4: as in read_hf_weights."""
     hf = read_json(folder, 'config.json')
     model_args = gpt_config(hf, folder)
     tokenizer = load_hf_tokenizer(folder)
-    return dict(kind='gpt', model=read_hf_weights(folder, hf, as_stored), model_args=model_args, tokenizer=tokenizer.identity(),
-                data_dir=os.path.abspath(folder),
-                config={'training_type': 'sft' if tokenizer.chat_template else 'from_scratch'}, hf_config=hf,
+    return dict(kind='gpt', model=read_hf_weights(folder, hf, as_stored, keep_nf4), model_args=model_args,
+                tokenizer=tokenizer.identity(), data_dir=os.path.abspath(folder),
+                config={'training_type': 'sft' if tokenizer.chat_template else 'from_scratch'},
+                hf_config={k: v for k, v in hf.items() if k != 'quantization_config'},
                 generation_config=read_json(folder, 'generation_config.json'))
 
 

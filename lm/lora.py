@@ -169,12 +169,12 @@ def frozen_base_dtype(lora_base_dtype, run_dtype, lora, parallel, lora_switch):
 
 
 @torch.no_grad()
-def cast_frozen_base(model, dtype, device=None):
+def cast_frozen_base(model, dtype, device=None, stored=None):
     """The Linear weights of model's blocks in dtype (what LoRA freezes; 'nf4': NF4Linear layers, lm/nf4.py),
     every other parameter in float32 (see above); a tensor under two names (a tied lm_head) stays one. For a
     model built around a checkpoint's tensors in their stored dtype, before resize_vocab and apply_lora, so no
     float32 copy of the blocks is ever made. device: every parameter becomes its own copy there (DPO's
-    reference: frozen_model)."""
+    reference: frozen_model). stored: as in nf4.quantize_blocks."""
     in_blocks = {id(m) for m in model.transformer.h.modules() if isinstance(m, nn.Linear)}
     converted = {}
     for module in model.modules():
@@ -191,7 +191,7 @@ def cast_frozen_base(model, dtype, device=None):
                         page_out(p)
                 setattr(module, key, converted[id(p)])
     if dtype == 'nf4':  # from the weights as stored, one at a time
-        quantize_blocks(model)
+        quantize_blocks(model, stored)
 
 
 def apply_lora(model, r=8, lora_alpha=16, lora_dropout=0.0, target_modules='attn.q,attn.k,attn.v,attn.proj',

@@ -86,6 +86,18 @@ class NF4Weight(nn.Module):
         self.register_buffer('absmax_scales', scales)
         self.register_buffer('absmax_offset', offset)
 
+    @classmethod
+    def stored(cls, shape, dtype, packed, absmax_codes, absmax_scales, absmax_offset):
+        """The NF4Weight of bits quantized before, in this layout (a Hugging Face folder bitsandbytes saved:
+        hf/checkpoint.py reads its tensors), as they are."""
+        weight = cls.__new__(cls)
+        nn.Module.__init__(weight)
+        weight.shape, weight.dtype = tuple(shape), dtype
+        for name, value in (('packed', packed), ('absmax_codes', absmax_codes), ('absmax_scales', absmax_scales),
+                            ('absmax_offset', absmax_offset)):
+            weight.register_buffer(name, value)
+        return weight
+
     def absmax(self):
         """The blocks' absmaxes as double quantization keeps them."""
         scales = self.absmax_scales.repeat_interleave(SCALE_BLOCK)[:len(self.absmax_codes)]
@@ -114,12 +126,13 @@ class NF4Matmul(torch.autograd.Function):
 
 
 class NF4Linear(nn.Linear):
-    """A frozen nn.Linear whose weight is an NF4Weight (weight is None; nf4 holds it); the bias as it was."""
+    """A frozen nn.Linear whose weight is an NF4Weight (weight is None; nf4 holds it: base's weight quantized,
+    or stored, the same weight quantized before); the bias as it was."""
 
-    def __init__(self, base):
+    def __init__(self, base, stored=None):
         super().__init__(base.in_features, base.out_features, bias=False, device='meta')
         self.weight, self.bias = None, base.bias
-        self.nf4 = NF4Weight(base.weight)
+        self.nf4 = stored if stored is not None else NF4Weight(base.weight)
 
     def forward(self, x):
         return nf4_linear(x, self.nf4, self.bias)
@@ -131,12 +144,15 @@ def nf4_linear(x, nf4, bias=None):
 
 
 @torch.no_grad()
-def quantize_blocks(model):
+def quantize_blocks(model, stored=None):
     """Every Linear of model's blocks becomes an NF4Linear (before apply_lora, which adapts them), one
     weight at a time: built around a checkpoint's memory-mapped tensors, memory then holds the 4-bit
-    model and one weight as stored, never the whole model (each weight's pages are let go once read)."""
+    model and one weight as stored, never the whole model (each weight's pages are let go once read).
+    stored: {parameter name: NF4Weight} of weights already in NF4 (a bitsandbytes folder), taken as they are."""
+    stored = stored or {}
     for name, module in list(model.transformer.h.named_modules()):
         if type(module) is nn.Linear:
             parent, _, child = name.rpartition('.')
-            setattr(model.transformer.h.get_submodule(parent), child, NF4Linear(module))
+            nf4 = stored.get(f'transformer.h.{name}.weight')
+            setattr(model.transformer.h.get_submodule(parent), child, NF4Linear(module, nf4))
             page_out(module.weight)

@@ -20,6 +20,7 @@ from data import prepare_default
 from hf.checkpoint import is_hf_folder, load_hf_checkpoint, weight_files
 from hf.tokenizer import load_hf_tokenizer
 from lm.lora import cast_frozen_base
+from lm.nf4 import NF4Weight
 from lm.tokenizer import DEFAULT_DATA_DIR, load_tokenizer
 from model import GPT, GPTConfig, new_seed
 from run.checkpoint import check_compatible, file_sha256, load_checkpoint
@@ -90,23 +91,27 @@ def moved_to(recorded, init_from):
     return recorded if os.path.exists(recorded) or init_from in ('', 'scratch') else init_from
 
 
-def load_model(path, as_stored=False):
+def load_model(path, as_stored=False, keep_nf4=False):
     """A checkpoint file (memory-mapped), or a Hugging Face model folder read as a checkpoint (hf/checkpoint.py;
-    as_stored: memory-mapped too, in its stored dtype, for FSDP)."""
-    return load_hf_checkpoint(path, as_stored) if is_hf_folder(path) else load_checkpoint(path)
+    as_stored: memory-mapped too, in its stored dtype, for FSDP; keep_nf4, for a 4-bit LoRA base: a folder
+    bitsandbytes saved in 4 bits keeps them, NF4Weights that build_model builds in)."""
+    return load_hf_checkpoint(path, as_stored, keep_nf4) if is_hf_folder(path) else load_checkpoint(path)
 
 
-def full_model_checkpoint(ckpt, ckpt_path, init_from, out_dir, training_type, as_stored=False):
+def full_model_checkpoint(ckpt, ckpt_path, init_from, out_dir, training_type, as_stored=False, keep_nf4=False):
     """(checkpoint, path) of the whole GPT a train.py run of training_type starts from: the continued run's
     own (ckpt), for a LoRA run its base model's (the same file or folder as when the run began), else
     init_from's; (None, None) for a new run from scratch, which a LoRA run cannot be. A published model is
-    fine-tuned, never pretrained further. as_stored: as in load_model."""
+    fine-tuned, never pretrained further. as_stored, keep_nf4: as in load_model."""
     if ckpt is None and init_from == 'scratch':
         if training_type == 'lora':
             raise UserError("training_type='lora' adapts a trained model, but there is none: set init_from to its "
                             "checkpoint (e.g. --init_from=out/ckpt.pt).")
         return None, None
-    path, model_ckpt = (ckpt_path, ckpt) if ckpt is not None else (init_from, load_model(init_from, as_stored))
+    if ckpt is not None:
+        path, model_ckpt = ckpt_path, ckpt
+    else:
+        path, model_ckpt = init_from, load_model(init_from, as_stored, keep_nf4)
     if model_ckpt['kind'] not in ('gpt', 'lora'):
         raise UserError(f"{path} is a {model_ckpt['kind']!r} checkpoint, not a GPT's; point --init_from at a "
                         f"train.py checkpoint, or use another out_dir.")
@@ -119,7 +124,7 @@ def full_model_checkpoint(ckpt, ckpt_path, init_from, out_dir, training_type, as
             raise UserError(f"{path}, the base model of the LoRA run in {out_dir} (named in its ckpt.pt), no longer "
                             f"exists. Put it back there, or pass --init_from=<where it is now>, or start a new run "
                             f"(another out_dir, or --resume=False).")
-        model_ckpt = load_model(path, as_stored)
+        model_ckpt = load_model(path, as_stored, keep_nf4)
         if model_hash(path) != ckpt['base_hash']:
             raise UserError(f"{path} is not the base model the LoRA run in {out_dir} began with "
                             f"({ckpt['base_checkpoint']}): it has changed since, or is another model, so the adapters "
@@ -130,11 +135,11 @@ def full_model_checkpoint(ckpt, ckpt_path, init_from, out_dir, training_type, as
     return model_ckpt, path
 
 
-def reference_checkpoint(ckpt, init_from, out_dir, made_by=None, as_stored=False, what='DPO'):
+def reference_checkpoint(ckpt, init_from, out_dir, made_by=None, as_stored=False, what='DPO', keep_nf4=False):
     """(checkpoint, path, sha256) of a DPO or RL run's reference, the chat model the run began as (its
     policy starts as this model, and its loss is relative to it): init_from for a new run (made_by as in
     require_init_from); for the continued run (ckpt), the file its checkpoint names, which must still be
-    there, unchanged. as_stored: as in load_model; what: the kind of run, for messages ('DPO', 'RL')."""
+    there, unchanged. as_stored, keep_nf4: as in load_model; what: the kind of run, for messages ('DPO', 'RL')."""
     if ckpt and 'reference_hash' not in ckpt:
         raise UserError(f"{os.path.join(out_dir, 'ckpt.pt')} is not a {what} run's checkpoint, so there is nothing to "
                         f"resume. Use another out_dir, or --resume=False to start a new run there (its checkpoints "
@@ -146,7 +151,7 @@ def reference_checkpoint(ckpt, init_from, out_dir, made_by=None, as_stored=False
                         f"(another out_dir, or --resume=False).")
     if not ckpt:
         require_init_from(init_from, made_by, hf_folders=True)
-    reference = load_model(path, as_stored)
+    reference = load_model(path, as_stored, keep_nf4)
     if reference['kind'] != 'gpt':
         raise UserError(f"{path} is a {reference['kind']!r} checkpoint; {what} starts from a GPT chat model "
                         + ("(for a LoRA run, its merged.pt)." if reference['kind'] == 'lora' else "."))
@@ -190,9 +195,13 @@ def build_model(config, model_ckpt, assign=False, linear_dtype=torch.float32):
         with torch.device('meta'):
             return GPT(config, init_seed)
     if model_ckpt is not None and (assign or model_ckpt.get('hf_config') or linear_dtype != torch.float32):
-        model = GPT.from_state_dict(config, model_ckpt['model'])
+        # a 4-bit model read with keep_nf4 for a 4-bit base: its NF4 weights are built in as they are
+        stored = {k: v for k, v in model_ckpt['model'].items() if isinstance(v, NF4Weight)}
+        assert not stored or linear_dtype == 'nf4', 'keep_nf4 is for a 4-bit base only'
+        model = GPT.from_state_dict(config, {k: torch.empty(v.shape, dtype=v.dtype, device='meta') if k in stored
+                                             else v for k, v in model_ckpt['model'].items()})
         if linear_dtype != torch.float32:
-            cast_frozen_base(model, linear_dtype)
+            cast_frozen_base(model, linear_dtype, stored=stored)
         return model
     model = GPT(config)
     if model_ckpt is not None:

@@ -3,21 +3,25 @@ the quantization against a brute-force nearest level, the matmul and its gradien
 weight's, LoRA on it (what is stored how, merged.pt, the reference with adapters off), the settings refused,
 and train.py / train_dpo.py / train_rl.py on a 4-bit base: resume, a SIGKILL relaunch, export."""
 
+import json
 import os
+import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from configurator import UserError
-from conftest import (HF_FIXTURES, HF_TINY, dpo, evals, fine_tune, hf_fixture, kill_and_relaunch, load, load_gpt, run,
-                      train_losses, val_losses)
+from conftest import (HF_FIXTURES, HF_TINY, dpo, evals, fine_tune, hf_fixture, kill_and_relaunch, load, load_gpt,
+                      read_json_file, run, train_losses, val_losses)
+from hf.checkpoint import hf_names, load_hf_checkpoint
 from lm.lora import apply_lora, cast_frozen_base, disable_adapters, frozen_base_dtype, low_rank_delta, \
     lora_state_dict, merged_state_dict
 from lm.loading import load_for_generation
 from lm.nf4 import BLOCK, DYNAMIC_LEVELS, NF4_LEVELS, NF4Linear, NF4Weight, nf4_linear
 from model import GPT, GPTConfig
+from run.starting_model import build_model
 
 # made by tests/fixtures/make_nf4_fixture.py
 BNB = os.path.join(os.path.dirname(HF_FIXTURES), 'nf4_bitsandbytes.safetensors')
@@ -245,3 +249,101 @@ def test_dpo_and_rl_on_a_4_bit_base(tmp_path, dpo_env):
         assert all(v.dtype == torch.float32 for v in merged.values())
         trained = load(tmp_path / folder / 'ckpt.pt')['model']
         assert trained and all(k.endswith(('lora_A', 'lora_B', 'added_rows')) for k in trained)
+
+
+# -- a Hugging Face folder bitsandbytes saved in 4 bits (made by tests/fixtures/make_bnb4_fixture.py) -------
+
+BNB_FOLDER = hf_fixture('llama_bnb4')
+BNB_EXPECTED = load_file(os.path.join(HF_FIXTURES, 'expected', 'llama_bnb4.safetensors'))
+
+
+def test_a_bitsandbytes_4_bit_folder_is_read_as_its_bits():
+    """Each 4-bit weight dequantizes to bitsandbytes' own dequantized weight bit for bit, read to float32 (any
+    use) or kept in NF4 (a 4-bit base); the model computes transformers' logits for those weights; what
+    export writes back has no quantization_config."""
+    hf = read_json_file(os.path.join(BNB_FOLDER, 'config.json'))
+    as_float = load_hf_checkpoint(BNB_FOLDER)
+    kept = load_hf_checkpoint(BNB_FOLDER, as_stored=True, keep_nf4=True)
+    assert 'quantization_config' in hf and 'quantization_config' not in as_float['hf_config']
+    stored = load_file(os.path.join(BNB_FOLDER, 'model.safetensors'))
+    quantized = 0
+    for nano, hf_name in hf_names(as_float['model'], hf).items():
+        if f'dequantized.{hf_name}' in BNB_EXPECTED:
+            quantized += 1
+            want = BNB_EXPECTED[f'dequantized.{hf_name}']  # bfloat16, as bitsandbytes gives it
+            assert torch.equal(as_float['model'][nano], want.float())
+            nf4 = kept['model'][nano]
+            assert isinstance(nf4, NF4Weight) and torch.equal(nf4.packed, stored[hf_name].reshape(-1))
+            assert nf4.dequantize().dtype == torch.bfloat16 and torch.equal(nf4.dequantize(), want)
+        else:  # embeddings, norms, lm_head: stored in bf16, read as they are
+            assert torch.equal(as_float['model'][nano], stored[hf_name].float())
+    assert quantized == 14  # every Linear of the 2 blocks
+    # transformers in float32 with the dequantized weights: the same arithmetic, so float32's rounding only
+    model = load_for_generation(BNB_FOLDER).model
+    logits = model(BNB_EXPECTED['input_ids'])[0]
+    torch.testing.assert_close(logits, BNB_EXPECTED['logits_float32'], atol=1e-5, rtol=0)
+    # transformers through bitsandbytes computes in bfloat16: 8 significant bits, a few roundings per layer
+    scale = BNB_EXPECTED['logits'].abs().max().item()
+    assert (logits - BNB_EXPECTED['logits']).abs().max() < 4 * 2 ** -8 * scale
+    # a 4-bit base built from the kept bits: NF4Linear layers holding them, the same logits
+    base = build_model(GPTConfig(**kept['model_args']), kept, linear_dtype='nf4').eval()
+    layers = [m for m in base.modules() if isinstance(m, NF4Linear)]
+    assert len(layers) == 14 and torch.equal(base.transformer.h[1].mlp.proj.nf4.packed,
+                                             stored['model.layers.1.mlp.down_proj.weight'].reshape(-1))
+    torch.testing.assert_close(base(BNB_EXPECTED['input_ids'])[0], logits, atol=1e-5, rtol=0)
+
+
+def edited_copy(tmp_path, config=None, tensors=None):
+    """The 4-bit fixture copied with config.json's quantization_config and the tensors changed."""
+    folder = tmp_path / 'bnb'
+    shutil.copytree(BNB_FOLDER, folder)
+    hf = read_json_file(str(folder / 'config.json'))
+    hf['quantization_config'].update(config or {})
+    (folder / 'config.json').write_text(json.dumps(hf))
+    weights = load_file(str(folder / 'model.safetensors'))
+    for name, value in (tensors or {}).items():
+        if value is None:
+            del weights[name]
+        else:
+            weights[name] = value
+    save_file(weights, str(folder / 'model.safetensors'))
+    return str(folder)
+
+
+def test_other_4_bit_formats_are_refused_with_the_reason(tmp_path):
+    q = 'model.layers.0.self_attn.q_proj.weight'
+    for i, (config, says) in enumerate([({'bnb_4bit_use_double_quant': False}, 'bnb_4bit_use_double_quant=False'),
+                         ({'bnb_4bit_quant_type': 'fp4'}, "bnb_4bit_quant_type='fp4'"),
+                         ({'load_in_4bit': False, 'load_in_8bit': True}, 'load_in_8bit=True')]):
+        with pytest.raises(UserError, match=f"quant_method 'bitsandbytes'.*{says}.*unquantized release"):
+            load_hf_checkpoint(edited_copy(tmp_path / f'config{i}', config=config))
+    state = json.loads(bytes(load_file(os.path.join(BNB_FOLDER, 'model.safetensors'))[
+        f'{q}.quant_state.bitsandbytes__nf4'].tolist()))
+    for i, (tensors, says) in enumerate([({f'{q}.absmax': None}, 'lacks absmax'),
+                          ({f'{q}.quant_map': torch.linspace(-1, 1, 16)}, 'other code books'),
+                          ({f'{q}.quant_state.bitsandbytes__nf4': torch.tensor(list(b'{"quant'), dtype=torch.uint8)},
+                           'unreadable quant_state'),
+                          ({f'{q}.quant_state.bitsandbytes__nf4': torch.tensor(
+                              list(json.dumps(dict(state, blocksize=128)).encode()), dtype=torch.uint8)},
+                           r"quantized as \('nf4', 128")]):
+        with pytest.raises(UserError, match=f"{q} .*{says}"):
+            load_hf_checkpoint(edited_copy(tmp_path / f'tensors{i}', tensors=tensors))
+
+
+@pytest.mark.slow
+def test_train_py_qlora_on_a_bitsandbytes_folder(tmp_path, task):
+    """train.py's LoRA on the 4-bit folder with lora_base_dtype='nf4': trains on its bits as stored; merged.pt is
+    bitsandbytes' dequantized weight plus the update; the export is an unquantized model that reads back."""
+    out = tmp_path / 'out'
+    fine_tune(out, task, 'llama_bnb4', *LORA, training_type='lora')
+    losses = val_losses(out)
+    assert losses[-1] < losses[0], losses
+    adapters = load(out / 'ckpt.pt')['model']
+    merged = load(out / 'merged.pt')['model']
+    expected = BNB_EXPECTED['dequantized.model.layers.1.mlp.down_proj.weight'].float() + low_rank_delta(
+        adapters['transformer.h.1.mlp.proj.lora_A'], adapters['transformer.h.1.mlp.proj.lora_B'], 8 / 4)
+    assert torch.equal(merged['transformer.h.1.mlp.proj.weight'], expected)
+    run(['export.py', str(out / 'merged.pt'), str(tmp_path / 'exported')])
+    assert 'quantization_config' not in read_json_file(str(tmp_path / 'exported' / 'config.json'))
+    exported = load_gpt(str(tmp_path / 'exported'))  # in the model's published dtype, bfloat16
+    assert all(torch.equal(v, merged[k].bfloat16().float()) for k, v in exported.state_dict().items())

@@ -61,7 +61,8 @@ def return_freed_buffers(threshold=128 * 1024):
     the system when freed. By default the threshold rises to the largest block freed (up to 32 MiB), after
     which FSDP's all-gathered weights and gradient buffers, freed and reallocated block by block, come from
     the heap, whose holes the process keeps: each CPU rank grew step by step to more than one unsharded
-    process. Other C libraries (macOS, musl): a no-op."""
+    process (bench/bench_fsdp_rss.py: 1.30x; with this 0.68x, for 1.22x the wall time of that short run,
+    each large buffer's pages now faulted in afresh). Other C libraries (macOS, musl): a no-op."""
     if not sys.platform.startswith('linux'):
         return
     libc = ctypes.CDLL(None)

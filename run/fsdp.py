@@ -57,8 +57,8 @@ def shard_model(model, device, param_dtype, cpu_offload, frozen=False):
     anyway, so the same log-probs from half the shard memory in a bf16 run."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-    if device == 'cpu' or cpu_offload:
-        return_freed_buffers()  # the gathered blocks, freed each step, leave the process
+    if device == 'cpu':
+        return_freed_buffers()  # the blocks gathered and freed each step leave the process (0.68x, not 1.30x)
     mesh = init_device_mesh(device.split(':')[0], (dist.get_world_size(),))
     settings = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
                     offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())

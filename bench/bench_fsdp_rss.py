@@ -21,6 +21,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configurator import at_least, check_values, configure
+from logged_run import descendants
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # -----------------------------------------------------------------------------
@@ -33,23 +34,6 @@ check_values(config, [(at_least(1), ('repeats',))])
 RUN = ['--init_from=scratch', '--n_layer=12', '--n_head=12', '--n_embd=768', '--max_iters=4', '--eval_interval=4',
        '--eval_iters=1', '--batch_size=2', '--block_size=128', '--sample_tokens=0', '--tensorboard=False',
        '--resume=False', '--device=cpu']
-
-
-def children(pid):
-    """Every process below pid (torchrun's workers)."""
-    parents = {}
-    for entry in os.listdir('/proc'):
-        try:
-            with open(f'/proc/{entry}/stat') as f:
-                parents.setdefault(int(f.read().rsplit(')', 1)[1].split()[1]), []).append(int(entry))
-        except (ValueError, OSError):
-            pass
-    found, todo = [], [pid]
-    while todo:
-        kids = parents.get(todo.pop(), [])
-        found += kids
-        todo += kids
-    return found
 
 
 def peak_mb(pid):
@@ -73,7 +57,7 @@ def measure(root, fsdp):
     start, peaks = time.time(), {}
     job = subprocess.Popen(args, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     while job.poll() is None:
-        for pid in [job.pid, *children(job.pid)]:
+        for pid in [job.pid, *descendants(job.pid)]:
             seen = peak_mb(pid)
             # the training processes only, not torchrun's launcher
             if seen and 'train.py' in seen[1] and 'torch.distributed.run' not in seen[1]:

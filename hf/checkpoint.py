@@ -415,7 +415,8 @@ def read_hf_weights(folder, hf, as_stored=False, keep_nf4=False):
     """The GPT state dict (float32, CPU; as_stored: memory-mapped in the stored dtype) of the checkpoint folder
     whose config.json holds hf, read one weight file at a time; every tensor is checked against the shapes
     config.json gives. A model bitsandbytes saved in 4 bits (bnb_nf4): each 4-bit weight dequantized as
-    bitsandbytes does (to float32, or as_stored its dtype), or with keep_nf4 its NF4Weight, bits as stored."""
+    bitsandbytes does (to float32, or as_stored its dtype), or with keep_nf4, in the blocks (a 4-bit base's), its
+    NF4Weight, bits as stored."""
     four_bit, quantized = bnb_nf4(hf, folder), {}
     with torch.device('meta'):
         expected = GPT(GPTConfig(**gpt_config(hf, folder))).state_dict()
@@ -458,7 +459,10 @@ def read_hf_weights(folder, hf, as_stored=False, keep_nf4=False):
         if nf4.shape != tuple(expected[nano[0]].shape):
             raise UserError(f"{folder}: the 4-bit weight {hf_name} has shape {nf4.shape}, but config.json makes it "
                             f"{tuple(expected[nano[0]].shape)}; the weights and config.json are of different models.")
-        state[nano[0]] = nf4 if keep_nf4 else nf4.dequantize() if as_stored else nf4.dequantize().float()
+        if keep_nf4 and nano[0].startswith('transformer.h.'):  # what a 4-bit base holds in 4 bits
+            state[nano[0]] = nf4
+        else:
+            state[nano[0]] = nf4.dequantize() if as_stored else nf4.dequantize().float()
         loaded.add(hf_name)
     missing = sorted(set(nano_names) - loaded)
     if missing:

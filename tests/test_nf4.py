@@ -347,6 +347,25 @@ def test_other_4_bit_formats_are_refused_with_the_reason(tmp_path):
             load_hf_checkpoint(edited_copy(tmp_path / f'tensors{i}', tensors=tensors))
 
 
+def test_a_4_bit_lm_head_is_dequantized_for_a_4_bit_base(tmp_path):
+    """A folder whose lm_head bitsandbytes also quantized (llm_int8_skip_modules without it): a 4-bit base keeps
+    the blocks' bits and dequantizes the head, which stays float32 as every weight outside the blocks does."""
+    head = load_file(os.path.join(BNB_FOLDER, 'model.safetensors'))['lm_head.weight']
+    q = NF4Weight(head)  # bitsandbytes' layout, written as it saves a 4-bit weight
+    state = {'shape': list(head.shape), 'dtype': 'bfloat16', 'quant_type': 'nf4', 'blocksize': BLOCK,
+             'nested_blocksize': 256, 'nested_dtype': 'float32', 'nested_offset': q.absmax_offset.item()}
+    folder = edited_copy(tmp_path, tensors={
+        'lm_head.weight': q.packed.view(-1, 1), 'lm_head.weight.absmax': q.absmax_codes,
+        'lm_head.weight.nested_absmax': q.absmax_scales, 'lm_head.weight.quant_map': NF4_LEVELS,
+        'lm_head.weight.nested_quant_map': DYNAMIC_LEVELS,
+        'lm_head.weight.quant_state.bitsandbytes__nf4': torch.tensor(list(json.dumps(state).encode()), dtype=torch.uint8)})
+    kept = load_hf_checkpoint(folder, as_stored=True, keep_nf4=True)
+    assert isinstance(kept['model']['transformer.h.0.attn.q.weight'], NF4Weight)
+    assert torch.equal(kept['model']['lm_head.weight'], q.dequantize())
+    model = build_model(GPTConfig(**kept['model_args']), kept, linear_dtype='nf4')
+    assert model.lm_head.weight.dtype == torch.float32 and torch.equal(model.lm_head.weight, q.dequantize().float())
+
+
 @pytest.mark.slow
 def test_train_py_qlora_on_a_bitsandbytes_folder(tmp_path, task):
     """train.py's LoRA on the 4-bit folder with lora_base_dtype='nf4': trains on its bits as stored; merged.pt is

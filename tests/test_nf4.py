@@ -242,11 +242,11 @@ def test_train_py_on_a_4_bit_published_model(tmp_path, task):
 def test_a_killed_4_bit_run_continues(tmp_path, task):
     out = tmp_path / 'out'
     args = ['train.py', '--training_type=lora', f'--init_from={hf_fixture("smollm2")}', f'--out_dir={out}',
-            f'--sft_data={task}', *HF_TINY, *LORA, '--max_iters=8', '--eval_interval=2', '--log_interval=1',
-            '--lr_decay_iters=8']
+            f'--sft_data={task}', *HF_TINY, *LORA, '--max_iters=24', '--eval_interval=2', '--log_interval=1',
+            '--lr_decay_iters=24']  # enough steps that the kill lands before the end on a fast machine
     killed_at, output, steps = kill_and_relaunch(args, out)
-    assert 0 < killed_at < 8 and f'resuming from {out / "ckpt.pt"} at step {killed_at}' in output
-    assert steps == list(range(1, 9))
+    assert 0 < killed_at < 24 and f'resuming from {out / "ckpt.pt"} at step {killed_at}' in output
+    assert steps == list(range(1, 25))
 
 
 @pytest.mark.slow

@@ -184,7 +184,6 @@ model_ckpt, model_ckpt_path = full_model_checkpoint(ckpt, ckpt_path, start_from,
 hf_files = hf_source(model_ckpt, chat_template_variables)
 
 
-
 class TokenBatches:
     """Pretraining batches: random block_size windows of a token file `python data.py` prepared
     (train.bin, val.bin), drawn from a seeded generator whose state the checkpoint keeps.

@@ -226,7 +226,7 @@ reference = (frozen_model(GPTConfig(**model_args), reference_ckpt['model'], 'ddp
 if use_lora:
     apply_lora(model, lora_r, lora_alpha, lora_dropout, lora_target_modules, use_rslora, lora_bias)
 if ckpt:
-    fixed = ('use_lora', 'optimizer_type',) + (LORA_SETTINGS if use_lora else ())
+    fixed = ('use_lora', 'optimizer_type') + (LORA_SETTINGS if use_lora else ())
     saved = {'optimizer_type': 'adamw', **ckpt['config']}  # older checkpoints: AdamW's
     check_compatible({k: saved.get(k) for k in fixed}, {k: config[k] for k in fixed}, 'setup', ckpt_path,
                      fix="Set these keys to the checkpoint's values, or start a new run (another out_dir, or "

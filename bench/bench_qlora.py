@@ -12,7 +12,7 @@ NF4 bases compute in float32 (the CPU default; on a GPU QLoRA computes in bf16).
     python bench/bench_qlora.py --bases=bfloat16,nf4 --extra="--dtype=bfloat16 --seed=2" \
         --out=bench/results/qlora_bf16_seed2      # both computing in bf16, another seed
     # a Llama-3.2-1B-shaped folder of random bf16 weights, a few steps
-    python bench/bench_qlora.py --llama_1b=True --max_iters=2 --heldout=0 --out=bench/results/qlora_1b \
+    python bench/bench_qlora.py --llama_1b=True --max_iters=4 --heldout=0 --out=bench/results/qlora_1b \
         --extra="--batch_size=1 --gradient_accumulation_steps=1 --eval_iters=1 --exact_match_examples=0"
 
 Writes <out>.json (bench/results/qlora.json) and prints the table (README's GPU-free memory table comes from it).

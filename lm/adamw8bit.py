@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from lm.nf4 import blockwise_absmax, dynamic_levels, nearest_level, spread
+from lm.nf4 import blockwise_absmax, dynamic_levels, nearest_level, scale_blocks, spread
 
 BLOCK = 256
 MIN_8BIT_SIZE = 4096
@@ -27,7 +27,9 @@ def quantize(values, levels):
 
 
 def dequantize(codes, absmax, levels, shape):
-    return (levels.to(codes.device)[codes.long()] * absmax.repeat_interleave(BLOCK)[:codes.numel()]).view(shape)
+    # int32 indices through index_select and the absmaxes by block: each step's scratch is the moment itself
+    values = levels.to(codes.device).index_select(0, codes.reshape(-1).int())
+    return scale_blocks(values, absmax, BLOCK).view(shape)
 
 
 class AdamW8bit(torch.optim.Optimizer):

@@ -58,6 +58,16 @@ def blockwise_absmax(values, block):
     return F.pad(values.abs(), (0, pad)).view(-1, block).amax(1)
 
 
+def scale_blocks(values, absmax, block):
+    """Flat float32 values times their block's absmax, in place: by a view of whole blocks where the blocks
+    are whole (no per-value copy of the absmaxes), else each absmax repeated for its block's values."""
+    if len(values) % block == 0:
+        values.view(-1, block).mul_(absmax[:, None])
+    else:
+        values.mul_(absmax.repeat_interleave(block)[:len(values)])
+    return values
+
+
 def spread(per_block, block, n):
     """Each block's value repeated for its n values; 0 (a block of zeros) as 1, so its values stay 0."""
     return torch.where(per_block == 0, 1.0, per_block).repeat_interleave(block)[:n]
@@ -116,12 +126,8 @@ class NF4Weight(nn.Module):
         for start in range(0, len(out), DEQUANTIZE_CHUNK):  # whole blocks; only the last may be short
             # index_select: twice advanced indexing's speed on a CPU
             values = pairs.index_select(0, self.packed[start // 2:(start + DEQUANTIZE_CHUNK) // 2].int()).view(-1)
-            scales = absmax[start // BLOCK:(start + len(values) + BLOCK - 1) // BLOCK]
-            if len(values) % BLOCK == 0:
-                values.view(-1, BLOCK).mul_(scales[:, None])
-            else:
-                values.mul_(scales.repeat_interleave(BLOCK)[:len(values)])
-            out[start:start + len(values)] = values
+            out[start:start + len(values)] = scale_blocks(
+                values, absmax[start // BLOCK:(start + len(values) + BLOCK - 1) // BLOCK], BLOCK)
         return out.view(self.shape)
 
 

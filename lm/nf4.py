@@ -24,13 +24,25 @@ CHUNK = 1 << 20  # values quantized at once: a bounded scratch (int64 indices) f
 DEQUANTIZE_CHUNK = 1 << 24  # values dequantized at once (whole blocks): 96 MB of scratch, a few kernels each
 
 
+def linspace_as_on_x86(start, end, intervals):
+    """torch.linspace(start, end, intervals + 1) in float32 as its vectorized x86 kernel computes it, which
+    bitsandbytes' maps were made with, on any CPU: each point start + step * i (end - step * (intervals - i)
+    in the upper half) rounded once, as a fused multiply-add rounds it; here exactly in float64 (at most 32
+    significant bits), then rounded. torch's scalar kernel rounds twice: some levels 1 ulp apart."""
+    start, end = torch.tensor(start, dtype=torch.float32), torch.tensor(end, dtype=torch.float32)
+    step = ((end - start) / intervals).double()
+    i = torch.arange(intervals + 1, dtype=torch.float64)
+    lower, upper = start.double() + step * i, end.double() - step * (intervals - i)
+    return torch.where(i < (intervals + 1) // 2, lower, upper).float()
+
+
 def dynamic_levels(signed=True):
     """256 levels, ascending: bitsandbytes' dynamic 8-bit map (Dettmers 2015), an exponent 10^0 .. 10^-6 and a
     fraction with fewer bits as the exponent grows, and a sign (signed) or one more fraction bit. The signed
     map quantizes NF4's absmaxes (and the 8-bit AdamW's first moment: lm/adamw8bit.py)."""
     levels = []
     for i in range(7):
-        edges = torch.linspace(0.1, 1, 2 ** (i if signed else i + 1) + 1, dtype=torch.float32)
+        edges = linspace_as_on_x86(0.1, 1.0, 2 ** (i if signed else i + 1))
         means = ((edges[:-1] + edges[1:]) / 2 * 10 ** (i - 6)).tolist()
         levels += means + ([-m for m in means] if signed else [])
     return torch.tensor(levels + [0.0, 1.0]).sort().values

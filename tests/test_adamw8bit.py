@@ -15,6 +15,7 @@ from lm.adamw8bit import BLOCK, MIN_8BIT_SIZE, SIGNED, UNSIGNED, AdamW8bit, dequ
 from model import GPT, GPTConfig
 
 
+@pytest.mark.comparison  # on every CPU kernel
 def test_the_code_books_are_bitsandbytes():
     fixture = load_file(os.path.join(os.path.dirname(HF_FIXTURES), 'nf4_bitsandbytes.safetensors'))
     assert torch.equal(SIGNED, fixture['bf16.code']) and torch.equal(UNSIGNED, fixture['dynamic_unsigned'])

@@ -323,14 +323,15 @@ def test_packed_step_has_the_gradient_of_its_examples_however_split():
 
 
 def test_packed_sampling_resumes_exactly_and_reads_the_earlier_format():
-    """The rows after a state_dict round trip are the rows straight on, through an epoch's end (600 tokens an epoch:
-    25 global batches of 4 rows of 16 hold ~2.5 epochs). A state as earlier versions wrote it (pending: global batches
+    """The rows after a state_dict round trip are the rows straight on, through epochs' ends (468 tokens an epoch:
+    25 global batches of 4 rows of 16 hold ~3 epochs). A state as earlier versions wrote it (pending: global batches
     of examples, served from the end) serves those batches, in that order."""
     examples = examples_of_lengths(torch.randint(3, 12, (80,), generator=torch.Generator().manual_seed(7)).tolist())
     a = SFTBatches(examples, seed=3, pad_id=0, max_length=16, pack=True)
     for _ in range(9):
         a.sample(4)
     state = a.state_dict()
+    assert len(state['carry']) and len(state['pending'])  # mid-window: a row carried to the next one, rows waiting
     expected = [a.sample(4).tolist() for _ in range(16)]
     b = SFTBatches(examples, seed=99, pad_id=0, max_length=16, pack=True)
     b.load_state_dict(torch.load(torch_saved(state), weights_only=True))

@@ -60,7 +60,7 @@ profile = False              # time data/forward/backward/optimizer per step (ad
 sample_tokens = 200          # tokens generated at the end of training
 seed = 1337                  # random seed
 # data
-batch_size = 16              # micro-batch size per process
+batch_size = 16              # micro-batch per process: windows, examples, or packed rows (pack)
 block_size = 128             # context length
 gradient_accumulation_steps = 1  # micro-batches per optimizer step per process
 # fine-tuning data (training_type 'sft' | 'lora'; docs/finetuning.md)

@@ -356,7 +356,7 @@ class SFTBatches:
         row (y is -100 on padding and prompts). doc_ids (B, T) numbers the examples of each packed row (-1 on
         padding), so that each is attended to and positioned as alone; None without packing, where no mask is
         needed: causal attention never sees the padding after a token."""
-        rows = [[i for i in row if i >= 0] for row in rows.view(len(rows), -1).tolist()]
+        rows = [[i for i in row if i >= 0] for row in rows.reshape(len(rows), -1).tolist()]
         x, y, doc_ids, _ = build_rows(rows, self.inputs, self.targets, self.pad_id, device)
         return x, y, doc_ids if self.pack else None
 

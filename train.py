@@ -60,7 +60,7 @@ profile = False              # time data/forward/backward/optimizer per step (ad
 sample_tokens = 200          # tokens generated at the end of training
 seed = 1337                  # random seed
 # data
-batch_size = 16              # micro-batch size per process
+batch_size = 16              # micro-batch per process: windows, examples, or packed rows (pack)
 block_size = 128             # context length
 gradient_accumulation_steps = 1  # micro-batches per optimizer step per process
 # fine-tuning data (training_type 'sft' | 'lora'; docs/finetuning.md)
@@ -68,8 +68,8 @@ sft_data = ''                # folder of train/val(/test).jsonl; '' = the embedd
 max_length = 128             # longest example in tokens (<= block_size); see overlong
 overlong = 'truncate'        # examples over max_length: 'truncate' (keep their start) | 'drop'
 skip_malformed = False       # skip and count malformed JSONL lines instead of stopping at the first
-pack = False                 # pack several examples per row (attention stays inside each example)
-bucket_batches = 1           # batch similar lengths from this many global batches' worth; 1 = off
+pack = False                 # fill rows of max_length tokens with whole examples; batch_size then counts rows
+bucket_batches = 1           # batch similar lengths from this many global batches' worth; 1 = off (not with pack)
 curriculum_iters = 0         # steps for the longest allowed example to grow to max_length; 0 = off
 exact_match_examples = 200   # held-out examples answered greedily and scored at every eval; 0 = skip
 eval_metrics = 'exact_match'  # their metrics, comma-separated: exact_match, bleu, chrf, rouge1, rouge2, rouge_l
@@ -254,7 +254,8 @@ else:
                                                                  skip_malformed)
     train_batches = SFTBatches(train_examples, seed, tokenizer.eos_id, max_length, pack, bucket_batches)
     val_batches = SFTBatches(val_examples, seed, tokenizer.eos_id, max_length, pack)
-    val_indices = torch.arange(min(len(val_examples), eval_examples))
+    # the same val examples packed or not (val losses compare), packed into rows with pack=True
+    val_indices = val_batches.rows(torch.arange(min(len(val_examples), eval_examples)))
     exact_match_prompts = [prompt_and_answer(tokenizer, chat) for chat in held_out_chats[:exact_match_examples]]
     sample_prompt = prompt_and_answer(tokenizer, held_out_chats[0])[0]
     # a continued run must still read the same examples
@@ -316,11 +317,16 @@ ckpt = model_ckpt = None  # free memory
 model = wrap_model(model, compile, ddp and parallel == 'ddp', local_rank, device_type)
 
 device_name = torch.cuda.get_device_name(local_device) if device_type == 'cuda' else device_type
-# windows, or examples when fine-tuning
+# windows, or examples (rows of examples with pack) when fine-tuning
 global_batch_size = micro_batch_size * accumulation_steps * world_size
+if not fine_tuning:
+    per_step = f"{global_batch_size * block_size:,} tokens"
+elif pack:
+    per_step = f"{global_batch_size} packed rows of up to {max_length} tokens ({global_batch_size * max_length:,})"
+else:
+    per_step = f"{global_batch_size} examples"
 log(f"device {local_device}, dtype {ptdtype}, {world_size} process(es){' (FSDP)' if parallel == 'fsdp' else ''}, "
-    f"{raw_model.get_num_params() / 1e6:.2f}M params, "
-    + (f"{global_batch_size} examples" if fine_tuning else f"{global_batch_size * block_size:,} tokens") + " per step")
+    f"{raw_model.get_num_params() / 1e6:.2f}M params, {per_step} per step")
 
 # loss: token-weighted cross-entropy (losses.py), plus the terms weighted in loss_weights
 token_weight = token_weight_table(tokenizer.vocab_size, token_weights, tokenizer).to(local_device) \
@@ -455,7 +461,9 @@ while iter_num < max_iters:
         step_tokens = step_labels = global_batch_size * block_size
     while True:
         try:
-            shares = train_step(global_batch.tensor_split(world_size)[rank].view(accumulation_steps, micro_batch_size))
+            # packed fine-tuning's batch is (rows, examples of a row)
+            shares = train_step(global_batch.tensor_split(world_size)[rank].unflatten(0, (accumulation_steps,
+                                                                                          micro_batch_size)))
             break
         # CUDA raises torch.OutOfMemoryError, MPS a plain RuntimeError
         except RuntimeError as error:
@@ -490,6 +498,7 @@ while iter_num < max_iters:
                                      block_size)
         level = monitor.check()
         event = dict(step=iter_num, train_loss=loss, lr=lr, grad_norm=grad_norm, tokens_per_sec=tokens_per_sec,
+                     tokens_per_step=step_tokens,
                      mfu=mfu, memory_level=level, memory_usage=monitor.usage, memory_check_s=monitor.overhead_s,
                      peak_memory_mb=(peak_memory_bytes(local_device) or 0) / 2**20,
                      loss_scale=scaler.get_scale())

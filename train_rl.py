@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from configurator import FOLDER, POSITIVE, UserError, at_least, check_values, configure, interval, one_of
 from lm.adamw8bit import in_8_bits
-from lm.chat_data import PromptSampler, load_prompt_split, rl_prompt
+from lm.chat_data import EpochSampler, load_prompt_split, rl_prompt
 from lm.generate import generate_batch, stop_tokens
 from lm.heldout_eval import HeldOut, report_heldout
 from lm.lora import LORA_SETTINGS, apply_lora, disable_adapters, frozen_base_dtype, lora_optimizer, lora_state_dict, \
@@ -209,7 +209,7 @@ exact_match_prompts = [(ids, record['response']) for ids, record, _ in held_out_
 train_prompts_hash = hashlib.sha256(json.dumps([ids for ids, _, _ in train_prompts]).encode()).hexdigest()
 same_prompts = bool(ckpt) and ckpt.get('train_prompts_hash') == train_prompts_hash
 train_data_hash = training_data_hash(train_path, ckpt, out_dir, 'rl_data', same_prompts)
-train_sampler = PromptSampler(len(train_prompts), seed)
+train_sampler = EpochSampler(len(train_prompts), seed)
 # greedy exact match on the held-out prompts that have a reference answer, at the start and the end
 held_out = HeldOut(tokenizer, exact_match_prompts, ['exact_match'], prompts_per_step, model_args['block_size'])
 reward_fns, reward_weights_list = load_rewards(reward, reward_weights, format_reward)

@@ -15,7 +15,7 @@ lora_alpha = 16.0
 lora_dropout = 0.0           # the task has plenty of data for the adapters' few parameters
 lora_target_modules = 'all-linear'
 
-batch_size = 32              # examples per micro-batch
+batch_size = 32              # examples per micro-batch (--pack=True: rows of max_length tokens)
 max_length = 64              # the tasks' examples are 13-36 tokens
 exact_match_examples = 200
 

@@ -12,7 +12,7 @@ lora_alpha = 32.0
 lora_dropout = 0.05
 lora_target_modules = 'q_proj,k_proj,v_proj,o_proj'  # Hugging Face names (PEFT's target_modules) or nanotrain's
 
-batch_size = 8               # examples per micro-batch
+batch_size = 8               # examples per micro-batch (--pack=True: rows of max_length tokens)
 gradient_accumulation_steps = 2
 block_size = 512
 max_length = 512

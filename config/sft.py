@@ -10,7 +10,7 @@ training_type = 'sft'
 init_from = 'out/ckpt.pt'
 out_dir = 'out-sft'
 
-batch_size = 32              # examples per micro-batch
+batch_size = 32              # examples per micro-batch (--pack=True: rows of max_length tokens)
 max_length = 64              # the tasks' examples are 13-36 tokens
 exact_match_examples = 200
 

@@ -10,7 +10,7 @@ training_type = 'sft'
 init_from = 'models/smollm2-135m-instruct'
 out_dir = 'out-sft-hf'
 
-batch_size = 8               # examples per micro-batch
+batch_size = 8               # examples per micro-batch (--pack=True: rows of max_length tokens)
 gradient_accumulation_steps = 2
 block_size = 512
 max_length = 512

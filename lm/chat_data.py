@@ -19,6 +19,7 @@ The prompt is rendered with the chat template up to its final <|assistant|> (as 
 a completion is the reply's content and the <|end|> that closes it (the EOS token).
 """
 
+import bisect
 import json
 import os
 import re
@@ -146,18 +147,35 @@ def load_sft_data(folder, tokenizer, max_length, overlong='truncate', skip_malfo
     return train_examples, val_examples, held_out
 
 
-def pack_rows(items, lengths, capacity):
-    """Items grouped into rows of at most capacity tokens: first fit, longest first."""
-    rows, room = [], []
-    for n, i in sorted(zip(lengths, items), key=lambda pair: -pair[0]):
-        r = next((r for r, free in enumerate(room) if free >= n), None)
-        if r is None:
-            rows.append([i])
-            room.append(capacity - n)
+def best_fit_decreasing(lengths, capacity):
+    """Rows of at most capacity tokens, as lists of indices into lengths: the longest item first, each
+    into the row it leaves with the least room (a new row if none has room), as TRL's packing_strategy='bfd'.
+    Deterministic: equal lengths keep their order, and of rows with equal room the last opened is used."""
+    rows, open_rows, rooms = [], {}, []  # open_rows: room -> rows with that room; rooms: those rooms, sorted
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        k = bisect.bisect_left(rooms, lengths[i])
+        if k == len(rooms):
+            row, room = [], capacity
+            rows.append(row)
         else:
-            rows[r].append(i)
-            room[r] -= n
+            room = rooms[k]
+            row = open_rows[room].pop()
+            if not open_rows[room]:
+                del open_rows[room], rooms[k]
+        row.append(i)
+        room -= lengths[i]
+        if room:
+            if room not in open_rows:
+                open_rows[room] = []
+                bisect.insort(rooms, room)
+            open_rows[room].append(row)
     return rows
+
+
+def row_tensor(rows):
+    """Rows (lists of example indices) as a (len(rows), k) tensor, -1 after a row's last example."""
+    k = max((len(row) for row in rows), default=1)
+    return torch.tensor([row + [-1] * (k - len(row)) for row in rows], dtype=torch.long).view(len(rows), k)
 
 
 def build_rows(rows, inputs, targets, pad_id, device='cpu'):
@@ -204,80 +222,157 @@ def branched_rows(units, rows, pad_id, device='cpu'):
     return dict(zip(tensors, to_device(tensors.values(), device)))
 
 
-class SFTBatches:
-    """Batches of tokenized chat examples: (ids, labels) pairs.
+class EpochSampler:
+    """Indices 0..n-1 in a seeded random order, reshuffled every epoch: SFT examples, DPO pairs, RL prompts.
+    Every rank draws the same order (same seed, same draws) and takes its own slice of each global batch."""
 
-    Like TokenBatches, every rank draws the indices of the whole global batch (same seed, same draws)
-    and takes its own contiguous slice. Examples come in a shuffled order, reshuffled every epoch.
-    Length bucketing: bucket_batches global batches' worth of examples at a time are sorted by length
-    and cut into global batches of similar lengths, served in random order, so a micro-batch (padded
-    to its longest example) carries little padding. With pack=True several examples share a row of up
-    to max_length tokens, and doc_ids keep attention inside each example."""
+    def __init__(self, n, seed):
+        self.n = n
+        self.generator = torch.Generator().manual_seed(seed)
+        self.order, self.position = torch.randperm(n, generator=self.generator), 0
+
+    def remaining(self):
+        """The rest of this epoch's order, or a new epoch's once it is used up; the caller advances position."""
+        if self.position == self.n:
+            self.order, self.position = torch.randperm(self.n, generator=self.generator), 0
+        return self.order[self.position:]
+
+    def sample(self, n):
+        """The next n indices, continuing into a new epoch's order where this one ends."""
+        taken = []
+        while n:
+            taken.append(self.remaining()[:n])
+            self.position += len(taken[-1])
+            n -= len(taken[-1])
+        return torch.cat(taken)
+
+    def state_dict(self):
+        return {'generator': self.generator.get_state(), 'order': self.order, 'position': self.position}
+
+    def load_state_dict(self, state):
+        if len(state['order']) != self.n:
+            raise UserError(f"the checkpoint's sampler drew from {len(state['order'])} training examples (usable lines "
+                            f"of train.jsonl), the data now has {self.n}: the training data changed. Restore it, or "
+                            f"start a new run.")
+        self.generator.set_state(state['generator'])
+        self.order, self.position = state['order'], state['position']
+
+
+class SFTBatches:
+    """Batches of tokenized chat examples, (ids, labels) pairs, as rows of example indices.
+
+    Like TokenBatches, every rank draws the rows of the whole global batch (same seed, same draws) and
+    takes its own contiguous slice. Examples come in a shuffled order, reshuffled every epoch.
+    Unpacked, a row is one example, and a micro-batch is padded to its longest. Length bucketing:
+    bucket_batches global batches' worth of examples at a time are sorted by length and cut into global
+    batches of similar lengths, served in random order, so a micro-batch carries little padding.
+    Packed (pack=True), as TRL's packing_strategy='bfd': the epoch's order is cut into windows of one
+    global batch's worth of tokens (n rows x max_length), each window's examples are packed whole into
+    rows of up to max_length tokens by best fit decreasing, and its rows are served in random order;
+    the emptiest row of a window is packed again with the next window's examples (only an epoch's last
+    rows run part-empty). A row holds as many examples as fit, and every example is trained once an
+    epoch (a row never spans two epochs). doc_ids keep attention and positions inside each example."""
 
     def __init__(self, examples, seed, pad_id, max_length, pack=False, bucket_batches=1):
+        if pack and bucket_batches > 1:
+            raise UserError(f"bucket_batches={bucket_batches} with pack=True: packed rows are filled to max_length, so "
+                            f"there is no padding for bucketing to cut. Set bucket_batches=1, or pack=False.")
         # position t predicts labels[t + 1]
         self.inputs = [torch.tensor(ids[:-1]) for ids, _ in examples]
         self.targets = [torch.tensor(labels[1:]) for _, labels in examples]
         self.lengths = torch.tensor([len(ids) - 1 for ids, _ in examples])
         self.label_counts = torch.tensor([int((targets != -100).sum()) for targets in self.targets])
         self.pad_id, self.max_length, self.pack, self.bucket_batches = pad_id, max_length, pack, bucket_batches
-        self.generator = torch.Generator().manual_seed(seed)
-        self.order = torch.randperm(len(examples), generator=self.generator)
-        self.position = 0       # next place in order
-        self.pending = []       # global batches of the current bucket, not yet served
+        self.sampler = EpochSampler(len(examples), seed)
+        self.pending = []  # rows drawn but not yet served, in serving order (each a list of example indices)
+        self.carry = []  # packed: examples of the epoch taken from the order, to be packed with the next window
         self.batches_drawn = 0
 
     def _take(self, n, max_len):
-        """The next n indices of the shuffled order that are at most max_len long; a new shuffle each epoch."""
+        """The next n examples of the shuffled order that are at most max_len long (longer ones are skipped)."""
         taken = []
         while n:
-            if self.position == len(self.order):
-                self.order = torch.randperm(len(self.lengths), generator=self.generator)
-                self.position = 0
-            rest = self.order[self.position:]
+            rest = self.sampler.remaining()
             fits = (self.lengths[rest] <= max_len).nonzero().flatten()[:n]
-            self.position += int(fits[-1]) + 1 if len(fits) == n else len(rest)
+            self.sampler.position += int(fits[-1]) + 1 if len(fits) == n else len(rest)
             taken.append(rest[fits])
             n -= len(fits)
         return torch.cat(taken)
 
+    def _window(self, tokens, max_len):
+        """The next examples of this epoch's order that are at most max_len long (longer ones are skipped),
+        until they hold tokens tokens or the epoch ends."""
+        rest = self.sampler.remaining()
+        fits = self.lengths[rest] <= max_len
+        held = torch.where(fits, self.lengths[rest], 0).cumsum(0)
+        end = min(int((held < tokens).sum()) + 1, len(rest))
+        self.sampler.position += end
+        return rest[:end][fits[:end]]
+
+    def _draw(self, n, max_len):
+        """Groups of rows to serve: packed, one window's rows, each a group; else bucket_batches global batches."""
+        if self.pack:
+            window = self.carry + self._window(n * self.max_length, max_len).tolist()
+            rows = [[window[i] for i in row] for row in best_fit_decreasing(self.lengths[window].tolist(),
+                                                                            self.max_length)]
+            # the emptiest row waits to be packed again with the next window, unless the epoch ends here
+            self.carry = []
+            if rows and self.sampler.position < self.sampler.n:
+                self.carry = rows.pop(min(range(len(rows)), key=lambda r: self.lengths[rows[r]].sum()))
+            return [[row] for row in rows]
+        pool = self._take(n * self.bucket_batches, max_len)
+        return [[[i] for i in batch.tolist()] for batch in pool[self.lengths[pool].argsort(stable=True)].split(n)]
+
     def sample(self, n, max_len=None):
-        """Indices of the next global batch of n examples; max_len (a length curriculum) skips longer ones."""
-        # (a resumed run may use another global batch)
-        if not self.pending or len(self.pending[-1]) != n:
-            pool = self._take(n * self.bucket_batches, self.max_length if max_len is None else max_len)
-            batches = pool[self.lengths[pool].argsort(stable=True)].split(n)
-            self.pending = [batches[i] for i in torch.randperm(len(batches), generator=self.generator)]
+        """The next global batch of n rows; max_len (a length curriculum) skips longer examples. Unpacked: (n,)
+        example indices; packed: (n, k) rows of example indices, -1 after a row's last (row_tensor)."""
+        while len(self.pending) < n:
+            groups = self._draw(n, self.max_length if max_len is None else max_len)
+            # in random order (last drawn first, as earlier versions served them: their runs resume unchanged)
+            for g in torch.randperm(len(groups), generator=self.sampler.generator).flip(0).tolist():
+                self.pending += groups[g]
+        batch, self.pending = self.pending[:n], self.pending[n:]
         self.batches_drawn += 1
-        return self.pending.pop()
+        return row_tensor(batch) if self.pack else row_tensor(batch).flatten()
 
-    def count_tokens(self, indices):
-        return int(self.lengths[indices].sum())
-
-    def count_labels(self, indices):
-        """Positions with a label (the ones that go through the output layer)."""
-        return int(self.label_counts[indices].sum())
-
-    def _rows(self, indices):
+    def rows(self, indices):
+        """Examples (n,) as rows for get(): packed, into rows of up to max_length tokens by best fit
+        decreasing (as row_tensor); unpacked, as they are (one a row)."""
         if not self.pack:
-            return [[i] for i in indices]
-        return pack_rows(indices, [len(self.inputs[i]) for i in indices], self.max_length)
+            return indices
+        indices = indices.tolist()
+        rows = best_fit_decreasing(self.lengths[indices].tolist(), self.max_length)
+        return row_tensor([[indices[i] for i in row] for row in rows])
 
-    def get(self, indices, device='cpu'):
-        """(x, y, doc_ids) for the examples at indices, right-padded to the longest row (y is -100 on
-        padding and prompts). doc_ids (B, T) numbers the examples of each packed row (-1 on padding);
-        None without packing, where no mask is needed: causal attention never sees the padding after a token."""
-        x, y, doc_ids, _ = build_rows(self._rows(indices.tolist()), self.inputs, self.targets, self.pad_id, device)
+    def count_tokens(self, rows):
+        return int(self.lengths[rows[rows >= 0]].sum())
+
+    def count_labels(self, rows):
+        """Positions with a label (the ones that go through the output layer)."""
+        return int(self.label_counts[rows[rows >= 0]].sum())
+
+    def get(self, rows, device='cpu'):
+        """(x, y, doc_ids) for rows of examples (as sample() or rows() gives them), right-padded to the longest
+        row (y is -100 on padding and prompts). doc_ids (B, T) numbers the examples of each packed row (-1 on
+        padding), so that each is attended to and positioned as alone; None without packing, where no mask is
+        needed: causal attention never sees the padding after a token."""
+        rows = [[i for i in row if i >= 0] for row in rows.reshape(len(rows), -1).tolist()]
+        x, y, doc_ids, _ = build_rows(rows, self.inputs, self.targets, self.pad_id, device)
         return x, y, doc_ids if self.pack else None
 
     def state_dict(self):
-        return {'generator': self.generator.get_state(), 'order': self.order, 'position': self.position,
-                'pending': list(self.pending), 'batches_drawn': self.batches_drawn}
+        return {**self.sampler.state_dict(), 'pending': row_tensor(self.pending),
+                'carry': torch.tensor(self.carry, dtype=torch.long), 'batches_drawn': self.batches_drawn}
 
     def load_state_dict(self, state):
-        self.generator.set_state(state['generator'])
-        self.order, self.position = state['order'], state['position']
-        self.pending, self.batches_drawn = list(state['pending']), state['batches_drawn']
+        self.sampler.load_state_dict(state)
+        pending, carry = state['pending'], state.get('carry', torch.tensor([])).tolist()
+        if isinstance(pending, list):  # earlier versions: global batches of examples, served from the end
+            pending = torch.cat(pending[::-1])[:, None] if pending else row_tensor([])
+        rows = [[i for i in row if i >= 0] for row in pending.tolist()]
+        if not self.pack:  # resumed with pack=False: the examples of packed rows one a row
+            rows, carry = [[i] for row in rows + [carry] for i in row], []
+        self.pending, self.carry, self.batches_drawn = rows, carry, state['batches_drawn']
 
 
 # -----------------------------------------------------------------------------
@@ -436,22 +531,13 @@ class PreferenceBatches:
         # input tokens per pair
         self.lengths = torch.tensor([len(x) for x in self.inputs]).view(2, -1).sum(0)
         self.pad_id, self.max_length, self.pack = pad_id, max_length, pack
-        self.generator = torch.Generator().manual_seed(seed)
-        self.order = torch.randperm(self.n_pairs, generator=self.generator)
-        self.position = 0
+        self.sampler = EpochSampler(self.n_pairs, seed)
         self.batches_drawn = 0
 
     def sample(self, n):
         """Pair indices of the next global batch of n pairs, in shuffled order; a new shuffle each epoch."""
-        taken = []
-        while n:
-            if self.position == self.n_pairs:
-                self.order, self.position = torch.randperm(self.n_pairs, generator=self.generator), 0
-            taken.append(self.order[self.position:self.position + n])
-            self.position += len(taken[-1])
-            n -= len(taken[-1])
         self.batches_drawn += 1
-        return torch.cat(taken)
+        return self.sampler.sample(n)
 
     def count_tokens(self, indices):
         return int(self.lengths[indices].sum())
@@ -466,7 +552,7 @@ class PreferenceBatches:
         completions attend to the prompt and to themselves only and continue its positions, and the
         prompt's last position scores the first token of both, so the prompt is computed once and
         every completion token sees exactly what it would see in its own row. Pairs fill rows of up
-        to 2 * max_length tokens, first fit."""
+        to 2 * max_length tokens, best fit decreasing."""
         if not self.pack:
             sequences = indices.tolist() + [i + self.n_pairs for i in indices.tolist()]
             x, y, _, seq = build_rows([[s] for s in range(len(sequences))], [self.inputs[s] for s in sequences],
@@ -485,19 +571,15 @@ class PreferenceBatches:
             scored += [(p - 1, rejected[0], n + k)]
             scored += [(p + c + t, target, n + k) for t, target in enumerate(rejected[1:])]
             units.append((tokens, positions, branch, scored))
-        packed = pack_rows(range(n), [len(u[0]) for u in units], 2 * self.max_length)
-        return branched_rows(units, packed, self.pad_id, device)
+        return branched_rows(units, best_fit_decreasing([len(u[0]) for u in units], 2 * self.max_length), self.pad_id,
+                             device)
 
     def state_dict(self):
-        return {'generator': self.generator.get_state(), 'order': self.order, 'position': self.position,
-                'batches_drawn': self.batches_drawn}
+        return {**self.sampler.state_dict(), 'batches_drawn': self.batches_drawn}
 
     def load_state_dict(self, state):
-        if len(state['order']) != self.n_pairs:
-            raise UserError(f"the checkpoint's sampler drew from {len(state['order'])} training pairs, the data now "
-                            f"has {self.n_pairs}: the training data changed. Restore it, or start a new run.")
-        self.generator.set_state(state['generator'])
-        self.order, self.position, self.batches_drawn = state['order'], state['position'], state['batches_drawn']
+        self.sampler.load_state_dict(state)
+        self.batches_drawn = state['batches_drawn']
 
 
 # -----------------------------------------------------------------------------
@@ -547,33 +629,3 @@ def load_prompt_split(path, tokenizer, max_prompt_length, skip_malformed=False):
                         f"{{\"prompt\": \"What is 2+2?\", \"response\": \"4\"}}; raise max_prompt_length if they are "
                         f"too long.")
     return prompts
-
-
-class PromptSampler:
-    """Indices of the prompts of each RL step, in shuffled order, a new shuffle each epoch; every rank draws the
-    same global batch (same seed) and takes its own slice."""
-
-    def __init__(self, n_prompts, seed):
-        self.n_prompts = n_prompts
-        self.generator = torch.Generator().manual_seed(seed)
-        self.order, self.position = torch.randperm(n_prompts, generator=self.generator), 0
-
-    def sample(self, n):
-        taken = []
-        while n:
-            if self.position == self.n_prompts:
-                self.order, self.position = torch.randperm(self.n_prompts, generator=self.generator), 0
-            taken.append(self.order[self.position:self.position + n])
-            self.position += len(taken[-1])
-            n -= len(taken[-1])
-        return torch.cat(taken)
-
-    def state_dict(self):
-        return {'generator': self.generator.get_state(), 'order': self.order, 'position': self.position}
-
-    def load_state_dict(self, state):
-        if len(state['order']) != self.n_prompts:
-            raise UserError(f"the checkpoint's sampler drew from {len(state['order'])} training prompts, the data "
-                            f"now has {self.n_prompts}: the training data changed. Restore it, or start a new run.")
-        self.generator.set_state(state['generator'])
-        self.order, self.position = state['order'], state['position']

@@ -16,6 +16,7 @@ from lm.chat_data import SFTBatches, load_sft_split
 from conftest import (ANSWERS, CHARS, assert_user_error, char_tokenizer, checked_answer, kill_and_relaunch, load,
                       logged, read_log, run, sft, sft_args, torch_saved, torchrun, train_losses, write_jsonl)
 from data import prepare
+from losses import target_weights, weighted_cross_entropy
 from lm.tokenizer import ChatTokenizer, load_tokenizer, prompt_and_answer
 from model import GPT, GPTConfig
 from tasks.number_tasks import addition_working, digit_copies, prepare_number_tasks, subtraction_working
@@ -208,14 +209,50 @@ def test_curriculum_limit_skips_longer_examples():
 def test_packing_fills_rows_and_numbers_documents():
     lengths = [10, 7, 5, 3, 3, 2]
     batches = SFTBatches(examples_of_lengths(lengths), seed=0, pad_id=0, max_length=12, pack=True)
-    x, y, doc_ids = batches.get(torch.arange(6))
-    # positions (length - 1) 9, 6, 4, 2, 2, 1, first fit, longest first into 12: [9, 2, 1], [6, 4, 2]
-    assert batches._rows(list(range(6))) == [[0, 3, 5], [1, 2, 4]] and x.shape == (2, 12)
+    rows = batches.rows(torch.arange(6))
+    # positions (length - 1) 9, 6, 4, 2, 2, 1 into 12, longest first, each into the row it fills most (best fit):
+    # 9 | 6 | 4 joins 6 (room 6 beats 3) | 2 fills it | 2 and 1 fill 9's row; first fit would give [9, 2, 1], [6, 4, 2]
+    assert rows.tolist() == [[0, 4, 5], [1, 2, 3]]
+    x, y, doc_ids = batches.get(rows)
+    assert x.shape == (2, 12) and (doc_ids >= 0).all()  # both rows full
     assert (y != -100).sum() == sum((torch.tensor(l[1:]) != -100).sum() for _, l in examples_of_lengths(lengths))
     for row in doc_ids:
         real = row[row >= 0].tolist()
         assert real == sorted(real)  # documents are contiguous runs
         assert (row[len(real):] == -1).all()
+    with pytest.raises(UserError, match='bucket_batches=2 with pack=True'):
+        SFTBatches(examples_of_lengths(lengths), seed=0, pad_id=0, max_length=12, pack=True, bucket_batches=2)
+
+
+def test_packed_epochs_fill_rows_with_every_example_once():
+    """pack=True: a global batch is n rows of up to max_length tokens, filled with whole examples (as TRL's and
+    torchtune's packing), and every epoch trains every example exactly once; the rows of an epoch hold no other
+    epoch's examples. Before, a global batch was n examples: a few dozen tokens where rows hold 512."""
+    lengths = torch.randint(4, 25, (600,), generator=torch.Generator().manual_seed(4)).tolist()
+    batches = SFTBatches(examples_of_lengths(lengths), seed=1, pad_id=0, max_length=64, pack=True)
+    drawn, seen, epochs = [], [], []
+    while len(epochs) < 2:
+        rows = batches.sample(8)
+        assert rows.shape[0] == 8 and (batches.lengths[rows.clamp(min=0)] * (rows >= 0)).sum(1).max() <= 64
+        drawn.append(rows)
+        for row in rows.tolist():
+            seen += [i for i in row if i >= 0]
+            if len(seen) >= len(lengths):  # an epoch's examples end with a row
+                assert len(seen) == len(lengths) and sorted(seen) == list(range(len(lengths)))
+                epochs.append(seen)
+                seen = []
+    assert epochs[0] != epochs[1]  # reshuffled
+    fill = [batches.count_tokens(rows) / (8 * 64) for rows in drawn]
+    # measured: 0.993 (0.975 at least): only the rows ending an epoch run part-empty
+    assert sum(fill) / len(fill) > 0.97, fill
+    x, y, doc_ids = batches.get(drawn[0])
+    assert x.shape[1] <= 64 and int((doc_ids >= 0).sum()) == batches.count_tokens(drawn[0])
+    assert batches.count_labels(drawn[0]) == int((y != -100).sum())
+    # a length curriculum (a limit that only grows) packs only the examples it allows
+    curriculum = SFTBatches(examples_of_lengths(lengths), seed=1, pad_id=0, max_length=64, pack=True)
+    for limit in (6, 6, 15, 15):
+        rows = curriculum.sample(8, limit)
+        assert (curriculum.lengths[rows[rows >= 0]] <= limit).all()
 
 
 @pytest.mark.comparison
@@ -225,18 +262,84 @@ def test_packed_rows_give_the_logits_of_separate_examples(pos_emb):
     model = GPT(GPTConfig(block_size=16, vocab_size=10, n_layer=2, n_head=2, n_embd=16, pos_emb=pos_emb)).eval()
     examples = examples_of_lengths([9, 5, 4, 3])
     packed = SFTBatches(examples, seed=0, pad_id=0, max_length=16, pack=True)
-    x, _, doc_ids = packed.get(torch.arange(4))
+    rows = packed.rows(torch.arange(4))
+    x, _, doc_ids = packed.get(rows)
     logits, _ = model(x, doc_ids=doc_ids)
-    rows = packed._rows(list(range(4)))
-    for r, row in enumerate(rows):
+    assert len(rows) < 4
+    for r, row in enumerate(rows.tolist()):
         t = 0
         for i in row:
+            if i < 0:
+                continue
             alone, _ = model(torch.tensor([examples[i][0][:-1]]))
             n = alone.size(1)
             torch.testing.assert_close(logits[r, t:t + n], alone[0], rtol=1e-5, atol=1e-5)
             t += n
     unmasked, _ = model(x)
     assert not torch.allclose(unmasked, logits, atol=1e-3)  # the mask matters
+
+
+def step_gradient(model, batches, micro_batches, token_weight):
+    """The gradient of one step as train.py's train_step takes it: each micro-batch's weighted CE over the labelled
+    positions, divided by the whole step's token weight, the micro-batches' gradients added."""
+    model.zero_grad()
+    data = [batches.get(rows) for rows in micro_batches]
+    weight_sum = sum(target_weights(y, token_weight).sum() for _, y, _ in data)
+    for x, y, doc_ids in data:
+        labels_at = y != -100
+        logits, _ = model(x, doc_ids=doc_ids, logits_at=labels_at)
+        weighted_cross_entropy(logits, y[labels_at], token_weight, weight_sum).backward()
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+@pytest.mark.comparison
+def test_packed_step_has_the_gradient_of_its_examples_however_split():
+    """A packed global batch's gradient equals that of the same examples unpacked (one a row, padded), and that of
+    its rows split as train.py splits them over ranks and micro-batches (tensor_split, then unflatten): 1 x 4 =
+    4 x 1 = 2 ranks x 2 accumulation. Every token is divided by the whole step's weight, so a row holding three
+    examples weighs as they would apart. float64 weights (the loss itself is float32, as in train.py): the sides
+    add the same float32 per-token losses (float32's eps 1.2e-7) in other orders and shapes, so the gradients differ
+    by ~1e-7 of their norm (1e-5 allowed: ~100 terms a sum); a micro-batch normalized by its own weight is off by
+    > 1e-2."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=32, vocab_size=10, n_layer=2, n_head=2, n_embd=16)).double()
+    lengths = torch.randint(4, 14, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    examples = examples_of_lengths(lengths)
+    packed = SFTBatches(examples, seed=0, pad_id=0, max_length=32, pack=True)
+    token_weight = torch.rand(10, generator=torch.Generator().manual_seed(6)) + 0.5
+    rows = packed.sample(4)
+    assert (rows >= 0).sum(1).min() >= 2  # several examples a row
+    whole = step_gradient(model, packed, [rows], token_weight)
+    examples_of_rows = rows[rows >= 0]
+    unpacked = SFTBatches(examples, seed=0, pad_id=0, max_length=32)
+    alone = step_gradient(model, unpacked, [examples_of_rows], token_weight)
+    assert (alone - whole).norm() <= 1e-5 * whole.norm()
+    for world_size, accumulation, micro in [(1, 4, 1), (2, 2, 1), (2, 1, 2)]:
+        shares = [rows.tensor_split(world_size)[rank].unflatten(0, (accumulation, micro)) for rank in range(world_size)]
+        split = step_gradient(model, packed, [m for share in shares for m in share], token_weight)
+        assert (split - whole).norm() <= 1e-5 * whole.norm()
+    own = sum(step_gradient(model, packed, [m], token_weight) for m in rows.split(1)) / 4
+    assert (own - whole).norm() > 1e-2 * whole.norm()  # each micro-batch normalized by its own weight
+
+
+def test_packed_sampling_resumes_exactly_and_reads_the_earlier_format():
+    """The rows after a state_dict round trip are the rows straight on, through epochs' ends (468 tokens an epoch:
+    25 global batches of 4 rows of 16 hold ~3 epochs). A state as earlier versions wrote it (pending: global batches
+    of examples, served from the end) serves those batches, in that order."""
+    examples = examples_of_lengths(torch.randint(3, 12, (80,), generator=torch.Generator().manual_seed(7)).tolist())
+    a = SFTBatches(examples, seed=3, pad_id=0, max_length=16, pack=True)
+    for _ in range(9):
+        a.sample(4)
+    state = a.state_dict()
+    assert len(state['carry']) and len(state['pending'])  # mid-window: a row carried to the next one, rows waiting
+    expected = [a.sample(4).tolist() for _ in range(16)]
+    b = SFTBatches(examples, seed=99, pad_id=0, max_length=16, pack=True)
+    b.load_state_dict(torch.load(torch_saved(state), weights_only=True))
+    assert [b.sample(4).tolist() for _ in range(16)] == expected
+    old = dict(state, pending=[torch.tensor([5, 6]), torch.tensor([1, 2])])
+    c = SFTBatches(examples, seed=99, pad_id=0, max_length=16)
+    c.load_state_dict(old)
+    assert c.sample(2).tolist() == [1, 2] and c.sample(2).tolist() == [5, 6]
 
 
 def test_resize_vocab_keeps_old_tokens_and_adds_distinct_rows():
@@ -266,13 +369,17 @@ FOUNDATION_FIELDS = {'kind', 'model', 'model_args', 'optimizer', 'scaler', 'iter
 
 @pytest.mark.slow
 def test_sft_trains_reports_exact_match_and_resumes_bit_exactly(tmp_path, sft_env):
-    """Packing, bucketing, a length curriculum, token weights, z-loss, dropout and accumulation, all resumed exactly."""
+    """Packing, a length curriculum, token weights, z-loss, dropout and accumulation, all resumed exactly (bucketing:
+    test_lora's resume)."""
     common = ['--dropout=0.1', '--lr_decay_iters=8', '--eval_interval=4', '--gradient_accumulation_steps=2',
-              '--pack=True', '--curriculum_iters=6', "--token_weights={'digits': (1.5, ['1', '2', '3'])}",
-              "--loss_weights={'ce': 1.0, 'z_loss': 1e-3}"]
+              '--pack=True', '--bucket_batches=1', '--curriculum_iters=6',
+              "--token_weights={'digits': (1.5, ['1', '2', '3'])}", "--loss_weights={'ce': 1.0, 'z_loss': 1e-3}"]
     straight, split = tmp_path / 'straight', tmp_path / 'split'
     p = sft(sft_env, straight, '--max_iters=8', *common)
     assert '200 examples' in p.stdout and 'exact_match' in p.stdout
+    assert '8 packed rows of up to 48 tokens (384) per step' in p.stdout
+    tokens = logged(straight, 'tokens_per_step')
+    assert sorted(tokens) == list(range(1, 9)) and all(40 < t <= 384 for t in tokens.values()), tokens
     sft(sft_env, split, '--max_iters=4', *common)
     p = sft(sft_env, split, '--max_iters=8', *common)
     assert 'resuming' in p.stdout + p.stderr
@@ -297,15 +404,18 @@ def test_accumulation_and_ddp_match_one_big_batch(tmp_path, sft_env):
     """The loss is normalized by the whole global batch's token weight: 4 x 1 = 1 x 4 = 2 ranks x (1 x 2) give the
     same train loss at every step, the same gradient norm at the first (same weights: the accumulated gradient
     itself) and the same val loss of the final weights (the same 8 val examples: eval_iters x batch_size = 8).
+    Packed (a global batch of 4 rows of up to 48 tokens, split over ranks and micro-batches by rows; unpacked, one
+    example a row, the same split: test_lora's DDP test).
     rtol=1e-5: the runs add the same float32 terms in other orders (other micro-batch shapes, other BLAS kernels
-    on other CPUs), which moves a sum of n terms by at most ~n * 2^-24 relative, ~1e-5 for the <= 4 x 47 positions of a
+    on other CPUs), which moves a sum of n terms by at most ~n * 2^-24 relative, ~1e-5 for the <= 4 x 48 positions of a
     global batch (measured: <= 5e-7, also with one run on SSE kernels); a micro-batch normalized by its own weight
     is off by > 1e-2. The weights are not compared one by one: Adam divides each gradient by its own root mean
     square, so a weight whose gradient is rounding noise (~1e-9 against Adam's eps 1e-8) moves by up to ~lr either
     way, differently on each CPU; with a gradient ~0 such weights hardly change any loss, and a small lr keeps their
     second-order effect on the later steps and the final val loss far below the tolerance."""
     common = ['--max_iters=3', '--eval_interval=3', '--lr_decay_iters=3', '--exact_match_examples=0',
-              '--learning_rate=1e-3', '--min_lr=1e-4', "--token_weights={'digits': (2.0, ['1', '5', '9'])}"]
+              '--learning_rate=1e-3', '--min_lr=1e-4', "--token_weights={'digits': (2.0, ['1', '5', '9'])}",
+              '--pack=True', '--bucket_batches=1']
     big, accumulated, ddp = tmp_path / 'big', tmp_path / 'accumulated', tmp_path / 'ddp'
     sft(sft_env, big, '--batch_size=4', '--gradient_accumulation_steps=1', *common)
     sft(sft_env, accumulated, '--batch_size=1', '--gradient_accumulation_steps=4', '--eval_iters=8', *common)

@@ -3,7 +3,8 @@ One command for a GPU: what nanotrain measures on one, part after part on the sa
 in its own process under its own time limit. A part that fails or runs out of time is recorded as such and the
 next one starts; the JSON is written after every part, so a run that is killed keeps what it measured, and a
 rerun with --parts=... fills in the parts it names (the rest of the same day's JSON is kept). Run it first
-whenever a GPU is at hand (8 minutes on one H100 by its budget):
+whenever a GPU is at hand. Its budget is 8 minutes; how long compiling the 8B body takes is not measured yet, so
+its compiled parts may not fit in the first call: `--parts=` then runs what was skipped.
 
     cp -r ../shared/peers/nanogpt bench/results/nanogpt          # nanoGPT, unchanged, in an ignored folder
     mkdir -p models/smollm2-tokenizer && cp models/smollm2-135m-instruct/{tokenizer.json,tokenizer_config.json,special_tokens_map.json} models/smollm2-tokenizer/
@@ -18,10 +19,12 @@ The parts, in the order they run (the most wanted first: the budget may end befo
   from nanogpt_dir (its "time per iteration": the mean of 20 steps after 10); gpt_b32 also writes a kernel profile;
 - llama8b_folder: a Llama-3.1-8B-bodied Hugging Face folder (32 x 4096, MLP 14,336, 32 heads / 8 KV heads,
   untied) with SmolLM2's tokenizer and 49,152-token vocabulary: random bf16 weights drawn on the GPU, written once;
-- lora8b_*: LoRA r=16 on every Linear through train.py on that folder, 4 rows of 4,096 tokens a step, activation
-  checkpointing, a bf16 or an NF4 base, eager or compiled: tokens/s, MFU and peak memory from train.py's
-  log.jsonl (the median of the logged steps after the first); lora8b_pack: the number tasks, packed rows of 4,096;
-- rl1b: train_rl.py's rollouts on the Llama-3.2-1B shape (bench/bench_rl_1b.py's large_lora mode, a few steps).
+- lora8b_bfloat16, lora8b_nf4, then the two compiled: LoRA r=16 on every Linear through train.py on that folder,
+  4 rows of 4,096 tokens a step, activation checkpointing, a bf16 or an NF4 base, eager or compiled: tokens/s, MFU
+  and peak memory from train.py's log.jsonl (the median of the logged steps after the first);
+- rl1b (and rl1b_compiled_decoding): train_rl.py's rollouts on the Llama-3.2-1B shape (bench/bench_rl_1b.py's
+  large_lora mode, a few steps);
+- lora8b_pack: the same LoRA on the number tasks, packed into rows of 4,096 tokens (PACKING).
 Writes <out_dir>/gpu_<card>_<date>.json (the runs under <out_dir>/gpu/) and prints one table.
 """
 
@@ -302,9 +305,9 @@ PARTS = {  # name: (what, its time limit in seconds, the function that runs it)
     'llama8b_folder': ('the Llama-3.1-8B-bodied folder, random bf16 weights drawn on the device', 90, llama8b_folder),
     'lora8b_bfloat16': ('LoRA r=16 on every Linear, 8B body, 4 x 4,096 tokens, bf16 base, eager', 120,
                         lambda s: lora8b('bfloat16', False, s)),
-    'lora8b_nf4_compiled': ('the same, NF4 base, compiled', 240, lambda s: lora8b('nf4', True, s)),
-    'lora8b_bfloat16_compiled': ('the same, bf16 base, compiled', 240, lambda s: lora8b('bfloat16', True, s)),
     'lora8b_nf4': ('the same, NF4 base, eager', 150, lambda s: lora8b('nf4', False, s)),
+    'lora8b_bfloat16_compiled': ('the same, bf16 base, compiled', 240, lambda s: lora8b('bfloat16', True, s)),
+    'lora8b_nf4_compiled': ('the same, NF4 base, compiled', 240, lambda s: lora8b('nf4', True, s)),
     'rl1b': ('train_rl.py, 1B shape, 32 prompts x 8, 256 new tokens, LoRA, bf16 base', 120, lambda s: rl1b([], s)),
     'rl1b_compiled_decoding': ('the same with compiled decoding', 120, compiled_decoding),
     'lora8b_pack': ('LoRA on the 8B body, the number tasks packed into 4,096-token rows, bf16 base, eager', 90,

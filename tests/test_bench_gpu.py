@@ -11,7 +11,7 @@ from configurator import UserError
 from conftest import ROOT, run, script_definitions
 
 PARTS = ['tests', 'gpt_b16', 'nanogpt_b16', 'gpt_b32', 'nanogpt_b32', 'llama8b_folder', 'lora8b_bfloat16',
-         'lora8b_nf4_compiled', 'lora8b_bfloat16_compiled', 'lora8b_nf4', 'rl1b', 'rl1b_compiled_decoding',
+         'lora8b_nf4', 'lora8b_bfloat16_compiled', 'lora8b_nf4_compiled', 'rl1b', 'rl1b_compiled_decoding',
          'lora8b_pack']
 
 

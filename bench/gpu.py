@@ -252,7 +252,7 @@ def lora8b(base, compiled, limit, pack=False):
             f'--block_size={ROW}', f'--max_length={ROW}', '--log_interval=1', '--max_iters=100000',
             '--eval_interval=100000', '--eval_iters=1', '--tensorboard=False', '--exact_match_examples=0',
             '--sample_tokens=0', '--warmup_iters=1', '--learning_rate=1e-5']
-    args += ['--batch_size=1', *PACKING] if pack else [f'--batch_size={LORA_ROWS}', f"--sft_data={write_rows(sft_rows)}"]
+    args += [f'--batch_size={LORA_ROWS}', *(PACKING if pack else [f"--sft_data={write_rows(sft_rows)}"])]
     if dry_run and base == 'bfloat16':
         args.append('--dtype=bfloat16')  # a bf16 base computes in bf16: on a GPU that is the default
     t0 = time.time()

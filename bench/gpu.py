@@ -264,7 +264,9 @@ def lora8b(base, compiled, limit, pack=False):
                          + ('' if late else f": {output.strip().splitlines()[-1] if output.strip() else ''}"))
     timed = logged[1:1 + TIMED_STEPS]  # the log may hold more by the time it is read
     mfu = [e['mfu'] for e in timed if e.get('mfu') is not None]
+    per_step = [e['tokens_per_step'] for e in timed if 'tokens_per_step' in e]  # packing fills rows, or not
     return dict(tokens_per_sec=statistics.median(e['tokens_per_sec'] for e in timed),
+                tokens_per_step=statistics.median(per_step) if per_step else None,
                 mfu=statistics.median(mfu) if mfu else None, peak_memory_mb=timed[-1]['peak_memory_mb'],
                 steps=len(timed), command=' '.join(['python', *args[1:]]).replace(ROOT + os.sep, ''))
 
@@ -341,7 +343,8 @@ def result_text(name, part, saved):
         return f"{part['tokens_per_sec']:,.0f} tokens/s ({part['step_ms']:.1f} ms a step)"
     if name.startswith('lora8b_'):
         return (f"{part['tokens_per_sec']:,.0f} tokens/s" + (f", MFU {part['mfu'] * 100:.1f}%" if part['mfu'] else '')
-                + f", peak {gib(part['peak_memory_mb'])}")
+                + f", peak {gib(part['peak_memory_mb'])}"
+                + (f", {part['tokens_per_step']:,.0f} tokens a step" if part.get('tokens_per_step') else ''))
     if name.startswith('rl1b'):
         return (f"{part['generation_tokens_per_sec']:,.0f} generated tokens/s, {part['steps_per_sec']:.2f} steps/s, "
                 f"rollouts {part['generation_s'] / (part['generation_s'] + part['training_s']):.0%} of a step, "

@@ -72,6 +72,114 @@ def z_loss(logits, targets, normalizer=None, ignore_index=-100):
     return squared[keep].sum() / (keep.sum() if normalizer is None else normalizer)
 
 
+# -----------------------------------------------------------------------------
+# the output layer and its loss in one, chunk by chunk of positions (model.py's forward with targets)
+
+IGNORE_INDEX = -100
+CHUNK_LOGITS = 2**27  # logits a chunk computes at once (512 MiB in float32): all the loss ever holds of them
+
+
+def linear_cross_entropy(h, weight, targets, ce_weights, z_weights=None, softcap=0.0, chunk_logits=None):
+    """(sum(ce_weights * CE), sum(z_weights * logsumexp^2)) of logits = softcap(h @ weight.T), the second None
+    without z_weights: weighted_cross_entropy's and z_loss's terms, their normalizers folded into the
+    per-position weights. h (N, C), targets (N,) (IGNORE_INDEX: no loss there), weights (N,). The logits are
+    computed chunk_logits at a time (CHUNK_LOGITS), never all (N, V), and each chunk's gradient while they exist
+    (LinearCrossEntropy): the output layer costs the plain path's three matmuls and holds no (N, V) buffer."""
+    rows = max(1, (chunk_logits or CHUNK_LOGITS) // weight.size(0))  # a chunk's
+    n_chunks = max(1, -(-h.size(0) // rows))
+    grads = (h.requires_grad, weight.requires_grad) if torch.is_grad_enabled() else (False, False)
+    ce, z = LinearCrossEntropy.apply(h, weight, targets, ce_weights, z_weights, softcap, n_chunks, grads)
+    return ce, (z if z_weights is not None else None)
+
+
+def cross_entropy_terms(logits, targets, ce_weights, z_weights=None):
+    """linear_cross_entropy's two sums from logits (N, V) themselves (an output layer that is no plain matrix)."""
+    keep = targets != IGNORE_INDEX
+    logits = logits.float()
+    ce = (torch.where(keep, ce_weights, 0.0) * F.cross_entropy(logits, targets, reduction='none')).sum()
+    if z_weights is None:
+        return ce, None
+    return ce, (torch.where(keep, z_weights, 0.0) * torch.logsumexp(logits, dim=-1).square()).sum()
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """linear_cross_entropy's two sums. Per chunk of rows, with P the softmax of the logits, a the CE weights
+    and c = 2 * z_weights * logsumexp, the gradient of g_ce * ce + g_z * z in the logits is
+    g_ce * a * (P - onehot(target)) + g_z * c * P (times the soft cap's slope 1 - tanh^2). The forward computes
+    (P - onehot) @ weight and P @ weight (N, C), and (a * (P - onehot)).T @ h and (c * P).T @ h (V, C), while
+    the chunk's logits exist; the backward only scales them by g_ce and g_z. So each matmul of the plain path
+    runs once, on the same operands rounded to the same dtype (autocast's), and nothing is recomputed (Liger's
+    fused linear cross-entropy does the same in Triton). The z-loss doubles the gradient matmuls."""
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, ce_weights, z_weights, softcap, n_chunks, grads):
+        autocast = torch.is_autocast_enabled(h.device.type)
+        dtype = torch.get_autocast_dtype(h.device.type) if autocast else weight.dtype  # the matmuls'
+        exact = torch.promote_types(dtype, torch.float32)  # the softmax's and the sums'
+        keep = targets != IGNORE_INDEX
+        a = torch.where(keep, ce_weights, 0.0).to(exact)
+        b = None if z_weights is None else torch.where(keep, z_weights, 0.0).to(exact)
+        w = weight.to(dtype)  # once, not once a chunk
+        safe_targets = targets.clamp(min=0)
+        ce = z = torch.zeros((), device=h.device, dtype=exact)
+        lse_rows, h_grads, weight_grads = [], ([], []), ([], [])  # per chunk: the ce term's, the z term's
+        for hc, tc, ac, bc in zip(h.tensor_split(n_chunks), safe_targets[:, None].tensor_split(n_chunks),
+                                  a.tensor_split(n_chunks), (a if b is None else b).tensor_split(n_chunks)):
+            logits = F.linear(hc.to(dtype), w).to(exact)
+            if softcap:
+                capped = torch.tanh(logits / softcap)
+                logits = softcap * capped
+            # in place from here on (nothing else holds these): eagerly, a chunk's (R, V) buffers are two or three
+            logp = torch.log_softmax(logits, dim=-1)
+            ce = ce - (ac * logp.gather(1, tc).squeeze(1)).sum()
+            if b is not None:
+                lse = torch.logsumexp(logits, dim=-1)
+                z = z + (bc * lse.square()).sum()
+                lse_rows.append(lse)
+            if not any(grads):
+                continue
+            p = logp.exp_()
+            if softcap:  # the cap's slope, 1 - tanh^2
+                slope = capped.square_().neg_().add_(1)
+                p.mul_(slope)
+            # each term's gradient in the logits without its per-row weights (a, c), which scale h instead (the
+            # weight's gradient) or the result (h's, in the backward): (R, C) products, not (R, V)
+            if b is not None:  # the z term's first: it is P itself
+                d = p.to(dtype)
+                if grads[0]:
+                    h_grads[1].append(d @ w)
+                if grads[1]:
+                    weight_grads[1].append(d.t() @ (hc * (2 * bc * lse)[:, None]).to(dtype))
+            # P - onehot(target) (times the slope at the target), in place of P
+            p.scatter_add_(1, tc, -(slope.gather(1, tc) if softcap else torch.ones_like(tc, dtype=p.dtype)))
+            d = p.to(dtype)
+            if grads[0]:
+                h_grads[0].append(d @ w)
+            if grads[1]:
+                weight_grads[0].append(d.t() @ (hc * ac[:, None]).to(dtype))
+        if any(grads):
+            c = 2 * b * torch.cat(lse_rows) if b is not None else None
+            # the chunks' weight gradients summed in float32 at the end: compiled, one pass over them all
+            ctx.save_for_backward(a, c, *(torch.cat(g) if g else None for g in h_grads),
+                                  *(sum(g.to(exact) for g in parts) if parts else None for parts in weight_grads))
+            ctx.h_dtype, ctx.weight_dtype = h.dtype, weight.dtype
+        return ce, z
+
+    @staticmethod
+    def backward(ctx, g_ce, g_z):
+        a, c, h_ce, h_z, weight_ce, weight_z = ctx.saved_tensors
+        grad_h = grad_weight = None
+        if h_ce is not None:
+            grad_h = (g_ce * a)[:, None] * h_ce.to(a.dtype)
+            if h_z is not None:
+                grad_h = grad_h + (g_z * c)[:, None] * h_z.to(a.dtype)
+            grad_h = grad_h.to(ctx.h_dtype)
+        if weight_ce is not None:
+            grad_weight = g_ce * weight_ce if weight_z is None else g_ce * weight_ce + g_z * weight_z
+            grad_weight = grad_weight.to(ctx.weight_dtype)
+        return grad_h, grad_weight, None, None, None, None, None, None
+
+
 def check_loss_weights(weights, terms=('ce', 'z_loss')):
     """A UserError unless weights ({term: weight}) names only known terms, with finite weights >= 0, one positive."""
     if set(weights) - set(terms):

@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+import losses
 from configurator import UserError
 from run.device import peak_flops
 
@@ -122,7 +123,8 @@ def rope_cos_sin(block_size, head_dim, theta, scaling=None):
 
 
 def apply_rope(x, cos, sin):
-    """Rotate (x[..., i], x[..., i + D/2]) pairs of x (B, H, T, D) by position-dependent angles."""
+    """Rotate (x[..., i], x[..., i + D/2]) pairs of x (..., D) by position-dependent angles cos, sin (..., D/2),
+    broadcast against x (the model's: (B, T, H, D) by (1 or B, T, 1, D/2))."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
 
@@ -228,12 +230,16 @@ class CausalSelfAttention(nn.Module):
             bias = None if self.q.bias is None else torch.cat([m.bias for m in layers])
             qkv = F.linear(x, torch.cat([m.weight for m in layers]), bias).split([m.out_features for m in layers], -1)
             q, k, v = (m.add_adapter(x, y) if hasattr(m, 'add_adapter') else y for m, y in zip(layers, qkv))
-        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-        k, v = (y.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2) for y in (k, v))
+        q = q.view(B, T, self.n_head, self.head_dim)
+        k, v = (y.view(B, T, self.n_kv_head, self.head_dim) for y in (k, v))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        # attention takes (B, H, T, D) views of these (B, T, H, D) tensors: a GPU's fused kernels return their
+        # output and gradients in that layout too, so neither y below nor the backward's q/k gradients need a
+        # transposing copy
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         dropout = self.dropout if self.training else 0.0
         # a cache, or a mask that is no tensor (a layout), computes its own attention (GPT.hidden_states)
         if cache is not None:
@@ -461,8 +467,8 @@ class GPT(nn.Module):
         rope = None
         if self.config.pos_emb == 'learned':
             x = x + self.transformer.wpe(pos)
-        else:  # (1 or B, 1, T, D/2): per-row positions broadcast over heads
-            rope = (self.rope_cos[pos].unsqueeze(-3), self.rope_sin[pos].unsqueeze(-3))
+        else:  # (1 or B, T, 1, D/2): per-row positions broadcast over heads
+            rope = (self.rope_cos[pos].unsqueeze(-2), self.rope_sin[pos].unsqueeze(-2))
         window = self.config.sliding_window
         # else is_causal, the fast kernel, is exact; a layout (no tensor) applies its own
         if window and (torch.is_tensor(mask) or mask is None and start + T > window):
@@ -495,19 +501,45 @@ class GPT(nn.Module):
             logits = cap * torch.tanh(logits / cap)
         return logits
 
-    def forward(self, idx, targets=None, doc_ids=None, logits_at=None, positions=None, mask=None):
-        """idx (B, T) with T <= block_size -> (logits (B, T, V), mean cross-entropy over targets != -100
-        or None). Logits are returned for every position either way. doc_ids, positions, mask: see
-        hidden_states. logits_at, a (B, T) bool mask or a (rows, cols) pair of index tensors: logits (and
-        loss) only at those positions, (N, V); fine-tuning computes them at the labelled ones and spares
-        the output layer the work on prompts and padding."""
+    def head_weight(self):
+        """lm_head's matrix as it computes (lm/lora.py's trained chat-token rows swapped in), or None where it is
+        not one plain matrix (then the loss goes through lm_head itself)."""
+        head = self.lm_head
+        if hasattr(head, 'computed_weight'):
+            return head.computed_weight()
+        return head.weight if type(head) is nn.Linear and head.bias is None else None
+
+    def forward(self, idx, targets=None, doc_ids=None, logits_at=None, positions=None, mask=None, weights=None):
+        """idx (B, T) with T <= block_size. Without targets: (logits (B, T, V), None). With targets (B, T):
+        (None, the mean cross-entropy over targets != -100), computed chunk by chunk of positions with its
+        gradient (losses.linear_cross_entropy): no (B, T, V) logits are ever held, so a caller that needs logits
+        calls model(idx). weights=(ce, z), per-position weights like targets (z may be None): the loss is then
+        the pair (sum(ce * CE), sum(z * logsumexp^2)) (z None without z weights), train.py's token-weighted
+        cross-entropy and z-loss with their normalizers folded in. doc_ids, positions, mask: see hidden_states.
+        logits_at, a (B, T) bool mask or a (rows, cols) pair of index tensors: logits (and loss) only at those
+        positions, (N, V); fine-tuning computes them at the labelled ones and spares the output layer the work
+        on prompts and padding."""
         h = self.hidden_states(idx, doc_ids=doc_ids, positions=positions, mask=mask)
-        logits = self.logits(h if logits_at is None else h[logits_at])
-        loss = None
-        if targets is not None:
-            targets = targets if logits_at is None else targets[logits_at]
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-100)
-        return logits, loss
+        if logits_at is not None:
+            h = h[logits_at]
+            if targets is not None:
+                targets = targets[logits_at]
+            if weights is not None:
+                weights = tuple(None if w is None else w[logits_at] for w in weights)
+        if targets is None:
+            return self.logits(h), None
+        h, targets = h.reshape(-1, h.size(-1)), targets.reshape(-1)
+        if weights is None:
+            keep = (targets != -100).float()
+            ce_weights, z_weights = keep / keep.sum(), None
+        else:
+            ce_weights, z_weights = (None if w is None else w.reshape(-1) for w in weights)
+        weight = self.head_weight()
+        if weight is None:
+            ce, z = losses.cross_entropy_terms(self.logits(h), targets, ce_weights, z_weights)
+        else:
+            ce, z = losses.linear_cross_entropy(h, weight, targets, ce_weights, z_weights, self.config.logit_softcap)
+        return None, (ce if weights is None else (ce, z))
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
         """AdamW with weight decay on the matmul weights only: norms, biases and embeddings

@@ -25,8 +25,7 @@ from lm.heldout_eval import HeldOut, metric_names, print_sample, report_heldout
 from lm.lora import apply_lora, frozen_base_dtype, load_adapters, lora_optimizer, lora_state_dict, save_merged
 from lm.muon import Muon, muon_param_groups
 from lm.tokenizer import chat_tokenizer, dataset_file, prompt_and_answer, read_meta
-from losses import (check_loss_weights, combine_losses, target_weights, token_weight_table, weighted_cross_entropy,
-                    z_loss)
+from losses import check_loss_weights, combine_losses, target_weights, token_weight_table
 from memory import MemoryMonitor, halve_micro_batch, peak_memory_bytes, recover_from_oom, resumed_micro_batch
 from run.checkpoint import (CHECKPOINT_FORMATS, check_compatible, restore_training_state, training_state,
                             write_checkpoint)
@@ -340,12 +339,14 @@ def get_batch(batches, indices):
     return (*batches.get(indices, local_device), None)
 
 
-def labelled(x, y, doc_ids):
-    """Logits and targets at the positions that have a label (fine-tuning: only the responses pass
-    through the output layer; pretraining: every position)."""
+def loss_terms(x, y, doc_ids, ce_weights, z_weights=None):
+    """(sum(ce_weights * cross-entropy), sum(z_weights * logsumexp^2) or None) over the positions that have a
+    label, weights (B, T) per position. The model computes them chunk by chunk, never holding (B, T, V) logits
+    (losses.linear_cross_entropy); fine-tuning passes only the labelled positions (the responses) through the
+    output layer, pretraining every position."""
     labels_at = y != -100 if fine_tuning else None
-    logits, _ = model(x, doc_ids=doc_ids, logits_at=labels_at)
-    return logits, y if labels_at is None else y[labels_at]
+    _, terms = model(x, y, doc_ids=doc_ids, logits_at=labels_at, weights=(ce_weights, z_weights))
+    return terms
 
 
 @torch.no_grad()
@@ -354,11 +355,12 @@ def evaluate(micro_batch_size):
     model.eval()
     total = torch.zeros(2, device=local_device)  # loss sum, token count
     for indices, counted in rank_batches(val_indices, micro_batch_size, rank, world_size, lockstep=parallel == 'fsdp'):
+        x, y, doc_ids = get_batch(val_batches, indices)
+        labels = target_weights(y)  # 1 where labelled
         with autocast:
-            logits, targets = labelled(*get_batch(val_batches, indices))
+            ce, _ = loss_terms(x, y, doc_ids, labels)
         if counted:
-            total += torch.stack([weighted_cross_entropy(logits, targets, normalizer=1.0),
-                                  (targets != -100).sum().float()])
+            total += torch.stack([ce, labels.sum()])
     if ddp:
         dist.all_reduce(total)
     model.train()
@@ -405,10 +407,10 @@ def train_step(micro_batch_indices):
         # only the last micro-batch reduces gradients across ranks
         with gradient_sync(model, raw_model, sync=micro_step == len(micro_batches) - 1):
             with profiler.section('forward'), autocast:
-                logits, targets = labelled(x, y, doc_ids)
-                terms = {'ce': weighted_cross_entropy(logits, targets, token_weight, weight_sum)}
-                if loss_weights.get('z_loss'):
-                    terms['z_loss'] = z_loss(logits, targets, label_count)
+                # weighted_cross_entropy's and z_loss's terms, each position's weight over the global batch's
+                z_weights = (y != -100) / label_count if loss_weights.get('z_loss') else None
+                ce, z = loss_terms(x, y, doc_ids, target_weights(y, token_weight) / weight_sum, z_weights)
+                terms = {'ce': ce} if z is None else {'ce': ce, 'z_loss': z}
                 loss = combine_losses(terms, loss_weights)
             with profiler.section('backward'):
                 # DDP/FSDP average gradients over ranks: undo 1/world_size

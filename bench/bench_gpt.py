@@ -4,9 +4,10 @@ Training throughput of a GPT shape: tokens/s (median over timed steps) and, on k
 `python bench/bench_gpt.py --n_layer=12 --n_head=12 --n_embd=768 --block_size=1024 --batch_size=16 --vocab_size=50304 --compile=True`
 LoRA on the Llama-3.2-1B shape: `--n_layer=16 --n_head=32 --n_kv_head=8 --n_embd=2048 --mlp=swiglu --mlp_hidden=8192
 --vocab_size=128256 --block_size=2048 --batch_size=4 --lora_r=16`. `--profile=FILE` writes torch.profiler's kernel
-table of `profile_steps` steps after the timed ones.
+table of `profile_steps` steps after the timed ones; `--out=FILE` the figures as JSON (bench/gpu.py reads them).
 """
 
+import json
 import os
 import statistics
 import sys
@@ -44,6 +45,7 @@ warmup_steps = 3             # untimed steps (compilation, allocator warm-up)
 steps = 10                   # timed steps
 profile = ''                 # a file for torch.profiler's table of the slowest ops, '' = none
 profile_steps = 3
+out = ''                     # a JSON file for the figures, '' = print only
 # -----------------------------------------------------------------------------
 config = configure(globals())
 check_values(config, [(at_least(1), ('batch_size', 'block_size', 'n_layer', 'n_head', 'n_embd'))])
@@ -112,3 +114,8 @@ print(f"{device_name}, {ptdtype}, compile={compile and compile_mode}, sdpa={sdpa
       f"batch {batch_size} x {block_size}: median step {step_time * 1000:.1f} ms, {tokens_per_sec:,.0f} tokens/s, "
       + (f"MFU {mfu * 100:.1f}%" if mfu is not None else "MFU unknown (no peak-FLOPs figure for this device)")
       + (f", peak memory {peak / 2**20:.0f} MiB" if peak else ""))
+if out:
+    with open(out, 'w') as f:
+        json.dump(dict(device=device_name, dtype=str(ptdtype), compile=compile and compile_mode, batch_size=batch_size,
+                       block_size=block_size, params=model.get_num_params(), step_ms=step_time * 1000,
+                       tokens_per_sec=tokens_per_sec, mfu=mfu, peak_memory_mb=peak / 2**20 if peak else None), f, indent=1)

@@ -37,6 +37,7 @@ vocab_size = 49152           # the tokenizer's: a random model samples every id,
 warmup = 2                   # steps at the start that are not timed (allocator, kernels, compilation)
 steps = 4                    # timed steps per mode
 modes = 'all'                # 'all' or a comma-separated subset of MODES' names
+extra_flags = ''             # more flags for every mode's train_rl.py, e.g. a decoding switch
 device = 'cuda'
 timeout = 150                # seconds a mode may take
 out = os.path.join(ROOT, 'bench', 'results', 'rl_1b')
@@ -65,7 +66,7 @@ def run(name, flags, model_folder):
     args = [sys.executable, 'train_rl.py', 'config/rl_hf.py', f'--init_from={model_folder}', f'--out_dir={run_dir}',
             '--resume=False', f'--device={device}', '--log_interval=1', '--max_iters=100000',
             '--eval_interval=100000', '--tensorboard=False', '--exact_match_examples=0', '--eval_prompts=8',
-            '--pass_k=2', '--reward=bench/digits_reward.py:digits', *flags]
+            '--pass_k=2', '--reward=bench/digits_reward.py:digits', *flags, *extra_flags.split()]
     t0 = time.time()
     logged, output = run_until_logged(args, os.path.join(run_dir, 'log.jsonl'), 'time/generation_s', warmup + steps,
                                       timeout)

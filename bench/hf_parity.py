@@ -175,9 +175,10 @@ def warm_page_cache(folder):
                 pass
 
 
-def write_random_llama(folder, hf_config, shard_bytes, tokenizer_folder=SMOLLM2):
+def write_random_llama(folder, hf_config, shard_bytes, tokenizer_folder=SMOLLM2, device='cpu'):
     """A Hugging Face Llama folder of random bf16 weights: config.json, model-0000k-of-0000n.safetensors
-    shards of at most shard_bytes with their index, and the tokenizer files of tokenizer_folder (SmolLM2's)."""
+    shards of at most shard_bytes with their index, and the tokenizer files of tokenizer_folder (SmolLM2's).
+    device: where the weights are drawn (a GPU draws an 8B model's in seconds; the CPU takes minutes)."""
     from safetensors.torch import save_file
     c = hf_config
     hidden, kv = c['hidden_size'], c['num_key_value_heads'] * c['head_dim']
@@ -193,6 +194,8 @@ def write_random_llama(folder, hf_config, shard_bytes, tokenizer_folder=SMOLLM2)
                        p + 'mlp.up_proj.weight': (c['intermediate_size'], hidden),
                        p + 'mlp.down_proj.weight': (hidden, c['intermediate_size'])})
     shapes['model.norm.weight'] = (hidden,)
+    if not c.get('tie_word_embeddings', True):
+        shapes['lm_head.weight'] = (c['vocab_size'], hidden)
     groups, size = [[]], 0  # names per shard
     for name, shape in shapes.items():
         nbytes = 2 * torch.Size(shape).numel()
@@ -201,12 +204,13 @@ def write_random_llama(folder, hf_config, shard_bytes, tokenizer_folder=SMOLLM2)
             size = 0
         groups[-1].append(name)
         size += nbytes
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator(device).manual_seed(0)
     weight_map = {}
     for k, names in enumerate(groups, 1):  # one shard's tensors in memory at a time
         file = f'model-{k:05d}-of-{len(groups):05d}.safetensors'
         tensors = {n: torch.ones(shapes[n], dtype=torch.bfloat16) if len(shapes[n]) == 1 else
-                   torch.randn(shapes[n], generator=generator, dtype=torch.bfloat16) * 0.02 for n in names}
+                   (torch.randn(shapes[n], generator=generator, dtype=torch.bfloat16, device=device) * 0.02).cpu()
+                   for n in names}
         save_file(tensors, os.path.join(folder, file), metadata={'format': 'pt'})
         weight_map.update(dict.fromkeys(names, file))
     total = sum(2 * torch.Size(s).numel() for s in shapes.values())

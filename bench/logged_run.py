@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import subprocess
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,7 +39,9 @@ def run_until_logged(args, log_path, key, count, timeout):
     if os.path.exists(log_path):
         os.remove(log_path)
     t0 = time.time()
-    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    # a file, not a pipe: a script that prints more than a pipe holds (64 KiB) would stop until it is read
+    output_file = tempfile.TemporaryFile(mode='w+')
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=output_file, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     entries = []
     try:
@@ -53,6 +56,8 @@ def run_until_logged(args, log_path, key, count, timeout):
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-    output = proc.stdout.read()
     proc.wait()
+    output_file.seek(0)
+    output = output_file.read()
+    output_file.close()
     return entries, output

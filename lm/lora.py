@@ -124,7 +124,11 @@ class AddedRowsLinear(nn.Linear):
         self.enabled = True
 
     def forward(self, x):
-        return F.linear(x, with_added_rows(self))
+        return F.linear(x, self.computed_weight())
+
+    def computed_weight(self):
+        """The matrix the layer computes with (model.GPT.head_weight: the loss takes it without the logits)."""
+        return with_added_rows(self)
 
 
 # The frozen base may be kept in the run's 16-bit dtype (lora_base_dtype; torchtune and litgpt keep

@@ -36,19 +36,32 @@ from tasks.number_tasks import prepare_number_tasks
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HF_FIXTURES = os.path.join(ROOT, 'tests', 'fixtures', 'hf')
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked cuda need a CUDA GPU: skipped without one (bench/gpu.py runs them on one)."""
+    if not torch.cuda.is_available():
+        for item in items:
+            if item.get_closest_marker('cuda'):
+                item.add_marker(pytest.mark.skip(reason='needs a CUDA GPU'))
+
+
 # ----------------------------------------------------------------------------- running the scripts
 
 
 def script_definitions(script, *names):
-    """The named top-level classes and functions of a root script, compiled with the script's own
-    imports but without running it (importing a script runs its training): tests reach the code
-    the script runs, where nanoGPT's layout keeps it."""
+    """The named top-level classes, functions and constants (plain assignments) of a root script, compiled with
+    the script's own imports but without running it (importing a script runs its training): tests reach the
+    code the script runs, where nanoGPT's layout keeps it."""
     path = os.path.join(ROOT, script)
     with open(path) as f:
         tree = ast.parse(f.read())
-    body = [node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))
-            or isinstance(node, (ast.ClassDef, ast.FunctionDef)) and node.name in names]
-    missing = set(names) - {node.name for node in body if hasattr(node, 'name')}
+
+    def defined(node):
+        if isinstance(node, ast.Assign):
+            return {t.id for t in node.targets if isinstance(t, ast.Name)} | \
+                {e.id for t in node.targets if isinstance(t, ast.Tuple) for e in t.elts if isinstance(e, ast.Name)}
+        return {node.name} if isinstance(node, (ast.ClassDef, ast.FunctionDef)) else set()
+    body = [node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom)) or defined(node) & set(names)]
+    missing = set(names) - set().union(*map(defined, body))
     assert not missing, f'{script} defines no {missing}'
     namespace = {'__name__': script[:-3]}
     exec(compile(ast.Module(body=body, type_ignores=[]), path, 'exec'), namespace)

@@ -328,7 +328,7 @@ def test_eval_offsets_fixed_and_in_range():
     assert not torch.equal(a, eval_offsets(100, 10, 500, seed=1))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
+@pytest.mark.cuda
 def test_cuda_batches_match_cpu(tmp_path):
     batches = TokenBatches(make_bin(tmp_path, 5000), 16, seed=0)
     offsets = batches.sample_offsets(4)

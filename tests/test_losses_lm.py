@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import losses
 from configurator import UserError
 from losses import combine_losses, target_weights, token_weight_table, weighted_cross_entropy, z_loss
 from model import GPT, GPTConfig
@@ -167,3 +168,131 @@ def test_combine_losses():
     assert combine_losses(terms, {'ce': 1.0, 'z_loss': 1e-2}).item() == pytest.approx(2.3)
     with pytest.raises(UserError, match='z_loss'):
         combine_losses(terms, {'ce': 1.0})
+
+
+# -- the output layer and its loss in one, chunk by chunk (losses.linear_cross_entropy: model.py's forward) ----
+
+EPS32 = torch.finfo(torch.float32).eps
+
+
+def reference_terms(h, weight, targets, ce_weights, z_weights, softcap=0.0):
+    """The two sums from every (N, V) logit at once, through F.cross_entropy and torch.logsumexp."""
+    logits = h @ weight.T
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    keep = targets != -100
+    ce = (torch.where(keep, ce_weights, 0.0) * F.cross_entropy(logits, targets, reduction='none')).sum()
+    return ce, (torch.where(keep, z_weights, 0.0) * torch.logsumexp(logits, dim=-1).square()).sum()
+
+
+def terms_and_grads(fn, h, weight, *args):
+    h, weight = h.detach().requires_grad_(), weight.detach().requires_grad_()
+    ce, z = fn(h, weight, *args)
+    (2 * ce + 3 * z).backward()
+    return ce.detach(), z.detach(), h.grad, weight.grad
+
+
+@pytest.mark.comparison
+@pytest.mark.parametrize('softcap', [0.0, 2.0])
+def test_linear_cross_entropy_matches_cross_entropy_in_values_and_gradients(softcap, monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    N, C, V = 37, 8, 23
+    h, weight = torch.randn(N, C, generator=g, dtype=torch.float64), torch.randn(V, C, generator=g, dtype=torch.float64)
+    targets = torch.randint(V, (N,), generator=g)
+    targets[[0, 5, 6, 30]] = -100
+    ce_weights, z_weights = torch.rand(N, generator=g, dtype=torch.float64), torch.rand(N, generator=g, dtype=torch.float64)
+    ce_weights[5] = float('nan')  # a weight at an ignored position counts for nothing, whatever it is
+    widest = []  # the logits each chunk computes: never more than chunk_logits
+    linear = F.linear
+    monkeypatch.setattr(F, 'linear', lambda *a: widest.append(a[0].size(0) * a[1].size(0)) or linear(*a))
+    chunked = terms_and_grads(lambda *a: losses.linear_cross_entropy(*a, softcap=softcap, chunk_logits=100),
+                              h, weight, targets, ce_weights, z_weights)
+    assert len(widest) == 10 and max(widest) <= 100  # 4 rows (92 logits) a chunk
+    monkeypatch.undo()
+    expected = terms_and_grads(lambda *a: reference_terms(*a, softcap), h, weight, targets, ce_weights, z_weights)
+    # float64, the same arithmetic in another order: equal to ~1e-15 relative
+    for got, want in zip(chunked, expected):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12 * want.abs().max().item())
+    # float32 (the model's), against float64: each logit a sum of 8 products and each log-softmax of 23 terms, a few
+    # dozen roundings of eps32 apart at most, so 64 eps32 of each result's scale
+    single = terms_and_grads(lambda *a: losses.linear_cross_entropy(*a, softcap=softcap, chunk_logits=100),
+                             h.float(), weight.float(), targets, ce_weights.float(), z_weights.float())
+    for got, want in zip(single, expected):
+        torch.testing.assert_close(got.double(), want, rtol=64 * EPS32, atol=64 * EPS32 * want.abs().max().item())
+    assert losses.linear_cross_entropy(h, weight, targets, ce_weights)[1] is None  # no z weights, no z term
+
+
+@pytest.mark.comparison
+@pytest.mark.parametrize('tie', [True, False])
+def test_model_loss_is_train_pys_weighted_cross_entropy_and_z_loss_of_its_logits(tie, monkeypatch):
+    """forward(targets, logits_at, weights) against weighted_cross_entropy and z_loss of forward's logits (train.py's
+    terms before they were computed chunk by chunk), float64, several chunks, a soft cap, chat-token rows that LoRA
+    trains (lm_head's computed_weight)."""
+    from lm.lora import apply_lora
+    monkeypatch.setattr(losses, 'CHUNK_LOGITS', 64)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=8, vocab_size=9, n_layer=1, n_head=2, n_embd=16, logit_softcap=3.0,
+                          tie_embeddings=tie))
+    model.resize_vocab(11)
+    apply_lora(model, r=2, lora_alpha=4, target_modules='all-linear', added_tokens=2)
+    model.double()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(('lora_B', 'added_rows')):
+                p.add_(torch.randn_like(p) * 0.1)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randint(11, (3, 8), generator=g), torch.randint(11, (3, 8), generator=g)
+    y[0, :5] = -100
+    table = torch.linspace(0.5, 2.0, 11, dtype=torch.float64)
+    weight_sum, label_count = target_weights(y, table).sum(), (y != -100).sum()
+    labels_at = y != -100
+
+    def grads():
+        out = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        model.zero_grad()
+        return out
+    _, (ce, z) = model(x, y, logits_at=labels_at, weights=(target_weights(y, table) / weight_sum,
+                                                             labels_at / label_count))
+    (ce + 0.1 * z).backward()
+    chunked = grads()
+    logits, _ = model(x, logits_at=labels_at)
+    ce_ref = weighted_cross_entropy(logits, y[labels_at], table, weight_sum)
+    z_ref = z_loss(logits, y[labels_at], label_count)
+    (ce_ref + 0.1 * z_ref).backward()
+    # weighted_cross_entropy and z_loss compute in float32 (logits.float()): their rounding, not ours
+    torch.testing.assert_close(ce, ce_ref.double(), rtol=16 * EPS32, atol=0)
+    torch.testing.assert_close(z, z_ref.double(), rtol=16 * EPS32, atol=0)
+    for name, grad in grads().items():
+        torch.testing.assert_close(chunked[name], grad, rtol=64 * EPS32, atol=64 * EPS32 * grad.abs().max().item())
+    assert any(n.endswith('added_rows') for n in chunked)
+
+
+@pytest.mark.cuda
+def test_linear_cross_entropy_under_bf16_autocast_on_cuda_holds_no_logits():
+    """On a GPU under bf16 autocast: the plain path's values and gradients within bf16's rounding, and a peak memory
+    below the plain path's by at least its (N, V) bf16 logits."""
+    torch.manual_seed(0)
+    N, C, V = 8192, 256, 32768
+    h = torch.randn(N, C, device='cuda')
+    weight = torch.randn(V, C, device='cuda') * 0.05
+    targets = torch.randint(V, (N,), device='cuda')
+    keep = torch.ones(N, device='cuda')
+
+    def run(fn):
+        hh, ww = h.clone().requires_grad_(), weight.clone().requires_grad_()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        with torch.autocast('cuda', dtype=torch.bfloat16):
+            loss = fn(hh, ww)
+        loss.backward()
+        torch.cuda.synchronize()
+        return loss.detach().float(), hh.grad, ww.grad, torch.cuda.max_memory_allocated() - base
+
+    chunked = run(lambda hh, ww: losses.linear_cross_entropy(hh, ww, targets, keep / N, chunk_logits=2**24)[0])
+    plain = run(lambda hh, ww: F.cross_entropy(F.linear(hh, ww).float(), targets))
+    # both round the same operands to bf16 (8 bits): the loss to ~2^-8 relative, each gradient to a few 2^-8
+    torch.testing.assert_close(chunked[0], plain[0], rtol=2**-8, atol=0)
+    for got, want in zip(chunked[1:3], plain[1:3]):
+        torch.testing.assert_close(got, want, rtol=0, atol=2**-6 * want.abs().max().item())
+    assert chunked[3] < plain[3] - N * V * 2, (chunked[3], plain[3])

@@ -22,7 +22,8 @@ so a meaningless value (batch_size=0, dropout=1.5) stops the run at start-up wit
 the key, not deep inside it. dataclass_args() builds a model's arguments from its config dataclass.
 
 UserError is the exception every module raises for bad user input (missing file, malformed row,
-...); configure() installs an excepthook that prints it as one paragraph without a traceback.
+...); configure() installs an excepthook that prints it as one paragraph without a traceback, after undoing
+what the refused script had written (on_refusal: a training run's new files in out_dir).
 """
 
 import ast
@@ -50,15 +51,57 @@ class UserError(Exception):
     """Bad user input. The message names the file/line/key and says how to fix it."""
 
 
-def require_writable_folder(path, key='out_dir'):
+def require_writable_folder(path, key='out_dir', keep=True, fix=None):
     """Create the folder path if it is missing and check that a file can be written in it: a UserError
-    naming key otherwise (a path under a file, /dev/null/x, /proc, a read-only disk)."""
+    naming key otherwise (a path under a file, /dev/null/x, /proc, a read-only disk), with fix (default: point
+    --key elsewhere). Returns the folders it created, outermost first; keep=False removes them again (a
+    script that checks its output folder before long work and writes it only at the end)."""
+    missing, folder = [], os.path.abspath(path)
+    while not os.path.isdir(folder) and os.path.dirname(folder) != folder:
+        missing.append(folder)
+        folder = os.path.dirname(folder)
+    created = []
     try:
-        os.makedirs(path, exist_ok=True)
+        for folder in reversed(missing):
+            try:
+                os.mkdir(folder)
+                created.append(folder)
+            except FileExistsError:  # made meanwhile by another process, or a file (the next step says so)
+                pass
         tempfile.TemporaryFile(dir=path).close()
     except OSError as e:
-        raise UserError(f"{key}={path!r} cannot be created or written ({e.strerror}). Point --{key} at a folder you "
-                        f"can write, e.g. --{key}=out-run.") from None
+        remove_folders(created)
+        raise UserError(f"{key}={path!r} cannot be created or written ({e.strerror}). "
+                        + (fix or f"Point --{key} at a folder you can write, e.g. --{key}=out-run.")) from None
+    if not keep:
+        remove_folders(created)
+    return created
+
+
+def remove_folders(created):
+    """Remove the empty folders require_writable_folder created (outermost first), innermost first."""
+    for folder in reversed(created):
+        try:
+            os.rmdir(folder)
+        except OSError:  # something was written there after all: it stays
+            break
+
+
+# what to undo when a UserError ends the script (run/run_folder.claim_out_dir's): a refused run leaves no trace
+REFUSAL_CLEANUPS = []
+
+
+def on_refusal(cleanup):
+    """Call cleanup() if a UserError ends this process (the excepthook runs it before exiting with status 2)."""
+    REFUSAL_CLEANUPS.append(cleanup)
+
+
+def run_refusal_cleanups():
+    while REFUSAL_CLEANUPS:
+        try:
+            REFUSAL_CLEANUPS.pop()()
+        except OSError:  # a file that cannot be removed stays; the refusal's message matters more
+            pass
 
 
 def same_file(a, b):
@@ -92,12 +135,14 @@ PEER_GONE = ('Connection closed by peer', 'Connection reset by peer', 'Broken pi
 
 def _excepthook(exc_type, exc, tb, previous=sys.excepthook):
     if issubclass(exc_type, UserError):
+        run_refusal_cleanups()
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)  # raising SystemExit from the hook sets the exit status; atexit still runs
     # under torchrun a rank that stopped (bad input, a crash) fails the others' collectives: its
     # message says why, theirs would be a traceback about a closed connection
     if int(os.environ.get('WORLD_SIZE', '1')) > 1 and issubclass(exc_type, RuntimeError) and any(
             s in str(exc) for s in PEER_GONE):
+        run_refusal_cleanups()
         print(f"error: rank {os.environ.get('RANK')} stopped: another process of this torchrun ended first (its "
               f"message, above or below, says why).", file=sys.stderr)
         sys.exit(2)

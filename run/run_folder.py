@@ -16,19 +16,38 @@ import hashlib
 import json
 import math
 import os
+import re
+import shutil
 from typing import NamedTuple
 
-from configurator import UserError, require_writable_folder
+from configurator import UserError, on_refusal, require_writable_folder
 from run.checkpoint import file_sha256, load_checkpoint, save_checkpoint
 from run.runtime import log
+
+
+# the temporaries of a killed save (run.checkpoint.atomic_file's <name>.pt.XXXXXXXX.tmp) or log rewrite
+# (run_log's log.jsonl.tmp), never another *.tmp a user keeps in out_dir
+STALE = re.compile(r'.+\.pt\.[a-z0-9_]{8}\.tmp|log\.jsonl\.tmp')
+# what a training run writes in out_dir: a run that wrote one of these is never undone (leave_as_found)
+CHECKPOINT_NAMES = ('ckpt.pt', 'best.pt', 'merged.pt')
+
+
+def folder_entries(folder):
+    """{name: modification time} of the entries of folder."""
+    with os.scandir(folder) as entries:
+        return {e.name: e.stat(follow_symlinks=False).st_mtime_ns for e in entries}
 
 
 def claim_out_dir(out_dir):
     """Create out_dir, check that files can be written in it, and lock it for the life of this process
     (the lock goes with the process, so a killed run leaves none behind). Temporaries of a save that
-    was killed are removed. Returns the open lock file: keep a reference to it."""
-    require_writable_folder(out_dir)
-    lock = open(os.path.join(out_dir, 'run.lock'), 'a+')
+    was killed are removed. A run refused before it saved a checkpoint (a UserError) leaves out_dir as it
+    found it: a folder it created is removed, from one that was there what it added (leave_as_found).
+    Returns the open lock file: keep a reference to it."""
+    created = require_writable_folder(out_dir)
+    found = folder_entries(out_dir)
+    lock_path = os.path.join(out_dir, 'run.lock')
+    lock = open(lock_path, 'a+')
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -40,8 +59,31 @@ def claim_out_dir(out_dir):
     lock.write(f"{os.getpid()}\n")
     lock.flush()
     for stale in glob.glob(os.path.join(glob.escape(out_dir), '*.tmp')):
-        os.remove(stale)
+        if STALE.match(os.path.basename(stale)):
+            os.remove(stale)
+    on_refusal(lambda: leave_as_found(out_dir, created, found))
     return lock
+
+
+def leave_as_found(out_dir, created, found):
+    """Undo a refused run's traces in out_dir, unless it saved a checkpoint there (then it is a run that
+    stopped, and everything stays): the folders it created (created, outermost first) go, and from a
+    folder that was there (found: its entries then, {name: mtime}) the entries it added (run.lock,
+    log.jsonl, tb/, a cache). The run's process still holds the lock; none else can be in out_dir."""
+    now = folder_entries(out_dir)
+    saved = [name for name in now if (name in CHECKPOINT_NAMES or name.endswith('.dcp'))
+             and found.get(name) != now[name]]
+    if saved:
+        return
+    if created:
+        shutil.rmtree(created[0])
+        return
+    for name in set(now) - set(found):
+        path = os.path.join(out_dir, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
 
 
 def continued_origin(init_from, out_dir, resume, new_run="--init_from=scratch or a checkpoint"):

@@ -88,6 +88,40 @@ def test_check_compatible_lists_every_difference():
     assert 'b: checkpoint has 2, config has 5' in msg and 'c: checkpoint has 3, config has 4' in msg and 'x.pt' in msg
 
 
+def test_a_refused_run_leaves_its_out_dir_as_it_found_it(tmp_path):
+    """A run refused (a UserError, through the excepthook) before it saved a checkpoint: a folder it created is
+    gone, one that was there keeps only what it held (a user's *.tmp too; a killed save's temporary goes at the
+    claim); a run that saved a checkpoint keeps everything."""
+    import configurator
+    from run.run_folder import claim_out_dir
+
+    def refuse():
+        with pytest.raises(SystemExit) as e:
+            configurator._excepthook(UserError, UserError('refused'), None)
+        assert e.value.code == 2
+
+    new = tmp_path / 'new' / 'run'
+    claim_out_dir(str(new))
+    (new / 'log.jsonl').write_text('{}\n')
+    (new / 'mel_cache').mkdir()
+    refuse()
+    assert not (tmp_path / 'new').exists()
+    there = tmp_path / 'there'
+    there.mkdir()
+    (there / 'notes.tmp').write_text('a user file')
+    (there / 'ckpt.pt.a1b2c3d4.tmp').write_bytes(b'half a save')
+    claim_out_dir(str(there))
+    (there / 'tb').mkdir()
+    (there / 'log.jsonl').write_text('{}\n')
+    refuse()
+    assert os.listdir(there) == ['notes.tmp']
+    claim_out_dir(str(there))
+    save_checkpoint(there / 'ckpt.pt', {'iter_num': 1})
+    (there / 'log.jsonl').write_text('{}\n')
+    refuse()  # stopped after its first save: a run to continue
+    assert sorted(os.listdir(there)) == ['ckpt.pt', 'log.jsonl', 'notes.tmp', 'run.lock']
+
+
 def test_stop_signal_sets_flag_and_exit_code():
     old = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     try:

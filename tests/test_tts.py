@@ -474,14 +474,15 @@ def test_decoder_lr_scale_zero_trains_all_but_the_decoder(tmp_path, corpus):
 @pytest.mark.slow
 def test_settings_that_cannot_work_are_clear_errors(tmp_path, corpus, straight_run):
     """eval_only with nothing to evaluate, a model shape that does not fit together, a sample_tts.py wav path in
-    no folder: exit 2 naming the keys, before any work."""
+    no folder: exit 2 naming the keys, before any work, and no out_dir left behind (the refused runs made it, and
+    a mel cache in it)."""
     cases = [(['--eval_only=True'], 'eval_only=True needs a trained model'),
              (['--enc_heads=3'], 'enc_heads=3'), (['--enc_kernel=4'], 'enc_kernel=4 must be odd'),
              ([f'--vocoder={tmp_path / "v.pth.tar"}'], 'no such file')]
     for args, message in cases:
         p = train(tmp_path / 'out', corpus, *args, check=False)
         assert_user_error(p, message)
-    assert not (tmp_path / 'out' / 'ckpt.pt').exists()
+        assert not (tmp_path / 'out').exists()
     p = run(['sample_tts.py', f'--out_dir={straight_run[0]}', '--device=cpu',
              f'--wav={tmp_path / "nowhere" / "x.wav"}'], check=False)
     assert_user_error(p, 'must be a file path in an existing folder')

@@ -61,7 +61,7 @@ def run_tokenizer(data_dir, model_ckpt, model_path, compute, chat_template_varia
                             f"pass --init_from=<where it is now>).")
         return data_dir, load_hf_tokenizer(data_dir, chat_template_variables)
     if not data_dir:
-        prepare_once(prepare_default, compute)
+        prepare_once(prepare_default, compute, key='')  # train.py names no folder for it
         data_dir = DEFAULT_DATA_DIR
     return data_dir, load_tokenizer(data_dir)
 

@@ -38,7 +38,7 @@ from lm.rl import (IMPORTANCE_LEVELS, LOSS_TYPES, SCALE_REWARDS, clipped_token_l
 from lm.tokenizer import chat_tokenizer
 from memory import peak_memory_bytes
 from model import GPTConfig
-from run.checkpoint import check_compatible, restore_training_state, training_state, write_checkpoint
+from run.checkpoint import NEW_RUN, check_compatible, restore_training_state, training_state, write_checkpoint
 from run.device import DTYPES, GradScaler, autocast_context, pick_dtype
 from run.fsdp import place_model
 from run.run_folder import continued_origin, open_run, run_log, run_origin, training_data_hash
@@ -247,7 +247,7 @@ iter_num, best_pass_at_1, evals_without_improvement = 0, -math.inf, 0
 if ckpt:
     if (ckpt['prompts_per_step'], ckpt['num_generations']) != (prompts_per_step, num_generations):
         raise UserError(f"{ckpt_path} was trained with prompts_per_step={ckpt['prompts_per_step']} and "
-                        f"num_generations={ckpt['num_generations']}; resume with those, or start a new run.")
+                        f"num_generations={ckpt['num_generations']}; resume with those, {NEW_RUN}.")
     train_sampler.load_state_dict(ckpt['train_sampler'])
     iter_num, stored_best, evals_without_improvement = restore_training_state(ckpt, ckpt_path, optimizer, scaler,
                                                                               rank, world_size, raw_model)

@@ -246,8 +246,13 @@ def file_sha256(*paths):
     return digest.hexdigest()
 
 
-def check_compatible(saved, wanted, what, path, fix="Set these keys to the checkpoint's values, or use a different "
-                     "out_dir / --init_from=scratch to train a new model.", may_differ=()):
+# how a refused relaunch starts over: init_from says where a new run starts, but the run in out_dir is continued
+# whatever it says (run/run_folder.py), so a new run needs another out_dir or resume=False
+NEW_RUN = "or start a new run: another --out_dir, or --resume=False to replace the one there"
+
+
+def check_compatible(saved, wanted, what, path, fix=f"Set these keys back to the checkpoint's values to continue its "
+                     f"run, {NEW_RUN}.", may_differ=()):
     """Raise a UserError listing every field where a checkpoint disagrees with the current config, then fix.
     may_differ: fields a run may change (e.g. dropout)."""
     diffs = [f"{k}: checkpoint has {saved.get(k)!r}, config has {wanted.get(k)!r}"

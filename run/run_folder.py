@@ -133,6 +133,8 @@ def run_to_continue(out_dir, resume, run, eval_only, whole=True):
     checkpoint recorded by another run is refused unless resume=False (which replaces that run).
     eval_only evaluates whatever run of this script is there, wherever its weights started."""
     path = os.path.join(out_dir, 'ckpt.pt')
+    if not resume and os.path.exists(path) and not eval_only:
+        log(f"resume=False: a new run starts in {out_dir}, and its saves replace the checkpoints of the run there")
     if not resume or not os.path.exists(path):
         return None
     ckpt = load_checkpoint(path, whole)

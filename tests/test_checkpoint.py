@@ -81,11 +81,15 @@ def test_rng_state_round_trip_through_checkpoint(tmp_path):
 
 
 def test_check_compatible_lists_every_difference():
+    """Every differing field is named; the default advice is a continued run's (train.py's optimizer): set the keys
+    back, or start over with another out_dir or --resume=False, never --init_from=scratch, which the run in out_dir
+    ignores (it is continued whatever init_from says, so that advice was refused the same way)."""
     check_compatible({'a': 1, 'b': 2}, {'a': 1, 'b': 2}, 'model shape', 'x.pt')
     with pytest.raises(UserError) as e:
         check_compatible({'a': 1, 'b': 2, 'c': 3}, {'a': 1, 'b': 5, 'c': 4}, 'model shape', 'x.pt')
     msg = str(e.value)
     assert 'b: checkpoint has 2, config has 5' in msg and 'c: checkpoint has 3, config has 4' in msg and 'x.pt' in msg
+    assert 'another --out_dir, or --resume=False' in msg and 'scratch' not in msg
 
 
 def test_a_refused_run_leaves_its_out_dir_as_it_found_it(tmp_path):
@@ -181,4 +185,8 @@ def test_a_fine_tune_of_another_shape_is_told_to_match_it():
                 model_args=dict(n_layer=6, vocab_size=10))
     with pytest.raises(UserError, match=r"n_layer: checkpoint has 6, config has 4\). Set these keys") as e:
         check_starting_model(ckpt, 'out/ckpt.pt', dict(n_layer=4), Tokenizer(), base_tokenizer=Tokenizer())
-    assert 'scratch' not in str(e.value)
+    assert 'scratch' not in str(e.value) and 'point --init_from at a model' in str(e.value)
+    # the checkpoint of the run being continued: init_from is not read, so only a new run changes the shape
+    with pytest.raises(UserError, match=r"n_layer: checkpoint has 6, config has 4\). Set these keys") as e:
+        check_starting_model(ckpt, 'out/ckpt.pt', dict(n_layer=4), Tokenizer(), Tokenizer(), resuming=True)
+    assert '--init_from' not in str(e.value) and 'another --out_dir, or --resume=False' in str(e.value)

@@ -585,7 +585,9 @@ def test_a_phoneme_front_end_model_trains_on_plain_text_and_speaks_it(tmp_path, 
     p = run(['sample_tts.py', f'--out_dir={out}', '--device=cpu', f'--wav={wav}', '--text=Aa mm', '--n_timesteps=2'])
     assert wav.exists() and 'skipped characters' not in p.stderr
     p = train(out, corpus, '--max_iters=4', '--eval_interval=2', '--add_blank=False', check=False)
-    assert_user_error(p, "text_frontend: checkpoint has 'phonemes', config has 'characters'")
+    assert_user_error(p, "text_frontend: checkpoint has 'phonemes', config has 'characters'",
+                      'another --out_dir, or --resume=False')
+    assert '--init_from' not in p.stderr  # the run in out_dir is continued whatever init_from says
 
 
 @pytest.mark.slow
@@ -670,7 +672,8 @@ def test_a_multi_speaker_model_speaks_each_voice(tmp_path):
         assert_user_error(p, message)
     assert not (tmp_path / 'y.wav').exists()
     p = train(out, corpus, '--max_iters=4', '--eval_interval=2', '--spk_channels=8', check=False)
-    assert_user_error(p, "speakers: checkpoint has ('hi', 'lo'), config has ()")
+    assert_user_error(p, "speakers: checkpoint has ('hi', 'lo'), config has ()", '--resume=False to replace')
+    assert '--init_from' not in p.stderr
 
 
 def test_speaker_rows_are_checked_and_one_voice_models_have_no_speaker_weights(tmp_path):

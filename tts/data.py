@@ -325,8 +325,8 @@ class FrameBudgetSampler:
         began_with = state.get('frame_budget', self.frame_budget), state.get('lengths', self.lengths)
         if began_with != (self.frame_budget, self.lengths):
             raise UserError(f"the run being resumed batched other utterances or frame_budget={began_with[0]}; "
-                            f"resume with its frame_budget and data, or start a new run (another out_dir, or "
-                            f"--init_from=<its ckpt.pt> to start from its weights)")
+                            f"resume with its frame_budget and data, or start a new run: another --out_dir (with "
+                            f"--init_from=<its ckpt.pt> to start from its weights), or --resume=False to replace it")
         self.epoch, self.position = state['epoch'], state['position']
         self.batches = self.epoch_batches(self.epoch)
 

@@ -112,11 +112,12 @@ def same_file(a, b):
         return os.path.realpath(a) == os.path.realpath(b)
 
 
-def check_output_file(path, key, kind, is_earlier_output, reads=()):
+def check_output_file(path, key, kind, is_earlier_output, reads=(),
+                      others="a checkpoint, a data file or another model's output"):
     """A UserError unless the file path (config key `key`) may be written as a script's output of `kind` ('the
-    results JSON', 'the WAV'): a file path in an existing folder, none of the files the script reads (reads),
+    results JSON', 'a WAV'): a file path in an existing folder, none of the files the script reads (reads),
     and, if a file is there already, one that is_earlier_output(path) recognises as an earlier output of the
-    same kind (a checkpoint, a data file or another model's results are never written over)."""
+    same kind (others, what is never written over, say it in the message)."""
     if os.path.isdir(path) or not os.path.isdir(os.path.dirname(os.path.abspath(path))):
         raise UserError(f"{key}={path!r} must be a file path in an existing folder (nothing was written).")
     for read in reads:
@@ -124,9 +125,9 @@ def check_output_file(path, key, kind, is_earlier_output, reads=()):
             raise UserError(f"{key}={path!r} is {read}, which this command reads; writing {kind} there would destroy "
                             f"it. Point --{key} at a new file (nothing was written).")
     if os.path.lexists(path) and not (os.path.isfile(path) and is_earlier_output(path)):
-        raise UserError(f"{key}={path!r} exists and is not {kind} of an earlier run of this command (a checkpoint, a "
-                        f"data file or another model's output, say), so it is left as it is. Point --{key} at a new "
-                        f"file, or delete that one yourself if it can go (nothing was written).")
+        raise UserError(f"{key}={path!r} exists and is not {kind} of an earlier run of this command ({others}, "
+                        f"say), so it is left as it is. Point --{key} at a new file, or delete that one yourself if it "
+                        f"can go (nothing was written).")
 
 
 # how gloo (and NCCL) report a collective whose peer process has gone

@@ -19,7 +19,7 @@ from configurator import UserError
 from conftest import assert_user_error, kill_and_relaunch, launch, load, read_log, run
 from tts.data import (MEL_SETTINGS, FrameBudgetSampler, LJSpeechDataset, MelExtractor, encode_text,
                       make_espeak_corpus, read_metadata, read_speakers, read_wav, reads_phonemes, split_ids,
-                      write_wav)
+                      wav_software, write_wav)
 from tts.eval import alignment_stats, dtw_mean_cost, mel_cepstral_distortion
 from tts.losses import duration_loss, flow_matching_loss, flow_matching_path, prior_loss
 from tts.phonemes import phonemize
@@ -489,17 +489,34 @@ def test_settings_that_cannot_work_are_clear_errors(tmp_path, corpus, straight_r
     for empty in ('', '   '):  # nothing to say, whatever the model reads
         p = run(['sample_tts.py', f'--out_dir={straight_run[0]}', '--device=cpu', f'--text={empty}'], check=False)
         assert_user_error(p, f'text={empty!r} is empty')
-    # --wav onto the checkpoint it speaks with, or any file that is not a WAV: refused, kept
+    # --wav onto the checkpoint it speaks with, or a corpus's recording (any file but a WAV sample_tts.py wrote):
+    # refused, kept
     ckpt = os.path.join(straight_run[0], 'ckpt.pt')
-    notes = tmp_path / 'notes.txt'
-    notes.write_text('keep me')
-    for target, message in [(ckpt, 'which this command reads'), (notes, 'exists and is not a WAV'),
+    recording = corpus / 'wavs' / 'U001.wav'
+    for target, message in [(ckpt, 'which this command reads'), (recording, 'exists and is not a WAV of an earlier '
+                                                                            "run of this command (a recording"),
                             (VOCODER, 'which this command reads')]:
         before = open(target, 'rb').read()
         p = run(['sample_tts.py', f'--out_dir={straight_run[0]}', '--device=cpu', f'--wav={target}',
                  f'--vocoder={VOCODER}'], check=False)
         assert_user_error(p, message)
         assert open(target, 'rb').read() == before
+
+
+def test_write_wav_marks_the_software_and_wav_software_reads_it_back(tmp_path):
+    """write_wav's LIST/INFO chunk after the samples (the mark sample_tts.py replaces its own WAVs by) leaves the
+    audio as it reads, and wav_software finds it; a WAV without one (a recording), or a file that is no WAV,
+    has none."""
+    audio = torch.linspace(-0.5, 0.5, 1001)
+    for software in ('nanotrain sample_tts.py', 'odd'):  # an odd-length entry is padded to an even chunk
+        write_wav(tmp_path / 'ours.wav', audio, SR, software=software)
+        assert wav_software(tmp_path / 'ours.wav') == software
+        assert torch.equal(read_wav(str(tmp_path / 'ours.wav'))[0], (audio * 32768).round() / 32768)
+        assert os.path.getsize(tmp_path / 'ours.wav') % 2 == 0
+    write_pcm(tmp_path / 'recording.wav', np.arange(-500, 500) * 30)
+    write_wav(tmp_path / 'plain.wav', audio, SR)
+    (tmp_path / 'notes.txt').write_text('RIFF....WAVE but text')
+    assert [wav_software(tmp_path / f) for f in ('recording.wav', 'plain.wav', 'notes.txt', 'none.wav')] == [''] * 4
 
 
 @pytest.mark.slow
@@ -560,12 +577,13 @@ def test_a_model_of_a_corpus_spelled_in_phonemes_speaks_plain_text(tmp_path, str
     assert reads_phonemes(ipa)
     (tmp_path / 'ipa').mkdir()
     torch.save(ckpt, tmp_path / 'ipa' / 'ckpt.pt')
-    for text in ('aa mm', ipa[:4]):
-        wav = tmp_path / f'{len(text)}.wav'
+    wav = tmp_path / 'x.wav'
+    for text in ('aa mm', ipa[:4]):  # the second replaces the first: a WAV sample_tts.py wrote (its mark)
         p = run(['sample_tts.py', f'--out_dir={tmp_path / "ipa"}', '--device=cpu', f'--wav={wav}', f'--text={text}',
                  '--n_timesteps=2'])
         skipped = p.stderr.split('not trained on: ')[1] if 'not trained on' in p.stderr else ''
-        assert wav.exists() and 'a' not in skipped  # phonemes the toy vocabulary lacks, never the spelling
+        assert f'wrote {wav}' in p.stdout and 'a' not in skipped  # phonemes the toy vocabulary lacks, never spelling
+        assert wav_software(wav) == 'nanotrain sample_tts.py'
 
 
 @pytest.mark.slow

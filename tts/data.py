@@ -7,6 +7,7 @@ import os
 import random
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import wave
@@ -48,14 +49,50 @@ def read_wav(path, sample_rate=None):
     return audio, rate
 
 
-def write_wav(path, audio, sample_rate):
-    """float waveform in [-1, 1] (clipped) -> 16-bit PCM mono WAV; read_wav inverts it to 1/65536."""
+def write_wav(path, audio, sample_rate, software=''):
+    """float waveform in [-1, 1] (clipped) -> 16-bit PCM mono WAV; read_wav inverts it to 1/65536. software: what
+    wrote it, in a LIST/INFO chunk's ISFT entry after the samples (as ffmpeg names itself; players skip it):
+    sample_tts.py marks its WAVs so, and replaces no other (wav_software)."""
     pcm = (audio.detach().float().cpu() * 32768).round().clamp(-32768, 32767).to(torch.int16).numpy()
     with wave.open(os.fspath(path), 'wb') as w:
         w.setnchannels(1)
         w.setsampwidth(2)
         w.setframerate(sample_rate)
         w.writeframes(pcm.astype('<i2').tobytes())
+    if software:
+        text = software.encode() + b'\0'  # a RIFF string ends with a NUL; a chunk is padded to even length
+        info = b'INFO' + b'ISFT' + struct.pack('<I', len(text)) + text + b'\0' * (len(text) % 2)
+        with open(path, 'r+b') as f:
+            f.seek(0, os.SEEK_END)  # 16-bit samples: the data chunk ends at an even offset
+            f.write(b'LIST' + struct.pack('<I', len(info)) + info)
+            size = f.tell() - 8
+            f.seek(4)
+            f.write(struct.pack('<I', size))
+
+
+def wav_software(path):
+    """The ISFT entry (the software that wrote it) of a WAV file's LIST/INFO chunk: '' if it has none or is not a
+    WAV. Reads the chunk headers only, whatever the length of the audio."""
+    try:
+        with open(path, 'rb') as f:
+            header = f.read(12)
+            if header[:4] != b'RIFF' or header[8:] != b'WAVE':
+                return ''
+            while len(chunk := f.read(8)) == 8:
+                name, size = chunk[:4], struct.unpack('<I', chunk[4:])[0]
+                if name != b'LIST':
+                    f.seek(size + size % 2, os.SEEK_CUR)
+                    continue
+                body = f.read(size + size % 2)
+                at = 4
+                while body[:4] == b'INFO' and at + 8 <= len(body):
+                    entry, length = body[at:at + 4], struct.unpack('<I', body[at + 4:at + 8])[0]
+                    if entry == b'ISFT':
+                        return body[at + 8:at + 8 + length].split(b'\0')[0].decode('utf-8', 'replace')
+                    at += 8 + length + length % 2
+    except OSError:
+        pass
+    return ''
 
 # -----------------------------------------------------------------------------
 # log-mel features

@@ -15,7 +15,7 @@ import time
 from configurator import FOLDER, POSITIVE, UserError, at_least, check_output_file, check_values, configure
 from run.checkpoint import load_checkpoint
 from run.device import pick_device
-from tts.data import MEL_SETTINGS, read_wav, wav_software, write_wav
+from tts.data import MEL_SETTINGS, read_voice_clip, wav_software, write_wav
 from tts.model import clip_voice, load_tts, synthesize
 from tts.vocoder import load_vocoder, vocoder_name
 
@@ -67,7 +67,7 @@ if ckpt['kind'] != 'tts':
 run_device = pick_device(device)
 model = load_tts(ckpt, run_device)
 vocode = load_vocoder(vocoder, run_device)
-voice = clip_voice(model, read_wav(voice_clip, MEL_SETTINGS['sample_rate'])[0]) if voice_clip else None
+voice = clip_voice(model, read_voice_clip(voice_clip, MEL_SETTINGS['sample_rate'])) if voice_clip else None
 t0 = time.time()
 audio, _ = synthesize(model, text, n_timesteps=n_timesteps, temperature=tts_temperature,
                       length_scale=length_scale, guidance=guidance, seed=seed, vocode=vocode, speaker=speaker,

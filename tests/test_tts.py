@@ -18,8 +18,8 @@ import torch
 from configurator import UserError
 from conftest import assert_user_error, kill_and_relaunch, launch, load, read_log, run
 from tts.data import (MEL_SETTINGS, FrameBudgetSampler, LJSpeechDataset, MelExtractor, encode_text,
-                      make_espeak_corpus, read_metadata, read_speakers, read_wav, reads_phonemes, split_ids,
-                      wav_software, write_wav)
+                      make_espeak_corpus, read_metadata, read_speakers, read_voice_clip, read_wav, reads_phonemes,
+                      split_ids, wav_software, write_wav)
 from tts.eval import alignment_stats, dtw_mean_cost, mel_cepstral_distortion
 from tts.losses import duration_loss, flow_matching_loss, flow_matching_path, prior_loss
 from tts.phonemes import phonemize
@@ -503,6 +503,18 @@ def test_settings_that_cannot_work_are_clear_errors(tmp_path, corpus, straight_r
         assert open(target, 'rb').read() == before
 
 
+def test_a_silent_voice_clip_is_refused_naming_it(tmp_path):
+    """sample_tts.py --voice_clip reads the clip with read_voice_clip: all zeros, or nothing above -60 dBFS (dither),
+    is refused naming the file; a quiet recording of speech is read as read_wav reads it."""
+    for name, samples, says in (('zeros.wav', np.zeros(SR), 'every sample is 0'),
+                                ('dither.wav', np.resize([1, -1, 0], SR), 'its loudest sample is -90 dBFS')):
+        write_pcm(tmp_path / name, samples)
+        with pytest.raises(UserError, match=rf"voice_clip=.*{name} is silent \({says};"):
+            read_voice_clip(str(tmp_path / name), SR)
+    write_pcm(tmp_path / 'quiet.wav', np.sin(np.arange(SR) / 10) * 100)  # -50 dBFS
+    assert torch.equal(read_voice_clip(str(tmp_path / 'quiet.wav'), SR), read_wav(str(tmp_path / 'quiet.wav'))[0])
+
+
 def test_write_wav_marks_the_software_and_wav_software_reads_it_back(tmp_path):
     """write_wav's LIST/INFO chunk after the samples (the mark sample_tts.py replaces its own WAVs by) leaves the
     audio as it reads, and wav_software finds it; a WAV without one (a recording), or a file that is no WAV,
@@ -713,7 +725,7 @@ def test_a_voice_from_a_clip(tmp_path):
     """voice_clips=True: a clip encoder learns each training speaker's voice vector from their utterances
     (its loss logged, its gradient kept off the table it learns from); sample_tts.py --voice_clip speaks in the
     voice of a clip; a clip and a name together, a clip for a model without the encoder, a clip of a fraction
-    of a second, voice_clips without multi_speaker: clear errors."""
+    of a second, a silent clip, voice_clips without multi_speaker: clear errors."""
     corpus = make_speaker_corpus(tmp_path / 'corpus')
     out = tmp_path / 'out'
     train(out, corpus, '--max_iters=2', '--eval_interval=2', '--multi_speaker=True', '--voice_clips=True',
@@ -730,10 +742,12 @@ def test_a_voice_from_a_clip(tmp_path):
     run(['sample_tts.py', f'--out_dir={out}', '--device=cpu', f'--wav={wav}', '--text=aa mm', f'--voice_clip={clip}',
          '--n_timesteps=2'])
     assert wav.exists()
-    short = tmp_path / 'short.wav'
-    write_pcm(short, np.zeros(SR // 10))
+    short, silent = tmp_path / 'short.wav', tmp_path / 'silent.wav'
+    write_pcm(short, np.sin(np.arange(SR // 10) / 10) * 5000)
+    write_pcm(silent, np.zeros(2 * SR))
     for extra, message in (([f'--voice_clip={clip}', '--speaker=hi'], 'give one voice, a name or a clip'),
                            ([f'--voice_clip={short}'], 'the voice clip is 0.10 s long'),
+                           ([f'--voice_clip={silent}'], f'voice_clip={silent} is silent (every sample is 0'),
                            ([f'--voice_clip={clip}', f'--wav={clip}'], 'which this command reads')):
         before = clip.read_bytes()
         p = run(['sample_tts.py', f'--out_dir={out}', '--device=cpu', f'--wav={tmp_path / "y.wav"}', '--text=aa',

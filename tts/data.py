@@ -3,6 +3,7 @@ TTS data: LJSpeech-layout corpora, WAV I/O with the standard library, log-mel fe
 character front end, held-out split and a length-bucketed frame-budget batch sampler.
 """
 import hashlib
+import math
 import os
 import random
 import re
@@ -47,6 +48,21 @@ def read_wav(path, sample_rate=None):
         audio = torchaudio.functional.resample(audio, rate, sample_rate)
         rate = sample_rate
     return audio, rate
+
+
+SILENCE_DBFS = -60  # a clip whose loudest sample is below this holds no speech (16-bit dither is -90)
+
+
+def read_voice_clip(path, sample_rate):
+    """A clip of the voice to speak in (sample_tts.py --voice_clip), as read_wav reads it; a silent one is a UserError
+    naming it: the clip encoder would still turn silence into some voice, and the model speak in it."""
+    audio, _ = read_wav(path, sample_rate)
+    peak = audio.abs().max().item() if len(audio) else 1.0  # an empty clip: clip_voice says it is too short
+    if peak < 10 ** (SILENCE_DBFS / 20):
+        level = 'every sample is 0' if peak == 0 else f'its loudest sample is {20 * math.log10(peak):.0f} dBFS'
+        raise UserError(f"voice_clip={path} is silent ({level}; speech peaks near 0 dBFS, below {SILENCE_DBFS} is "
+                        f"silence): there is no voice in it to speak in. Give a few seconds of the voice's speech.")
+    return audio
 
 
 def write_wav(path, audio, sample_rate, software=''):

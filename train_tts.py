@@ -155,7 +155,7 @@ require_starting_weights(ckpt, start_from, eval_only, ckpt_path, what='a TTS che
 if not data_dir:
     raise UserError("data_dir is not set: pass --data_dir=PATH to an LJSpeech-layout folder (metadata.csv with "
                     "id|raw text|normalized text rows and wavs/<id>.wav), e.g. LJSpeech-1.1.")
-rows = read_metadata(data_dir)
+rows = read_metadata(data_dir, multi_speaker)
 words = dict(rows)  # what evaluation says, as sample_tts.py is given it
 train_ids, val_ids = split_ids([utt_id for utt_id, _ in rows], val_fraction)
 features_dir = cache_dir or os.path.join(out_dir, 'mel_cache')

@@ -42,7 +42,7 @@ def synthesize(args):
     vocode = load_vocoder(args.vocoder)
     settings = (c['n_timesteps'], c['temperature'], c['length_scale'], c['guidance'], c['seed'], vocode)
     rate = MEL_SETTINGS['sample_rate']
-    texts = dict(read_metadata(args.held_out_dir))
+    texts = dict(read_metadata(args.held_out_dir, multi_speaker=True))
     speaker_of = read_speakers(args.held_out_dir)
     voices = {}
     for utt_id, speaker in speaker_of.items():

@@ -707,14 +707,21 @@ def test_a_multi_speaker_model_speaks_each_voice(tmp_path):
 
 
 def test_speaker_rows_are_checked_and_one_voice_models_have_no_speaker_weights(tmp_path):
-    """A row without its speaker stops a multi-speaker run naming the line; a one-voice model's weights are
-    those of before multi-speaker models (its checkpoints load as they were)."""
+    """A row without its speaker, or with a '|' in its speaker's name, stops a multi-speaker run naming the line; a
+    one-voice model's weights are those of before multi-speaker models (its checkpoints load as they were)."""
     data = make_corpus(tmp_path / 'c', n=3)
     lines = (data / 'metadata.csv').read_text().splitlines()
     for broken in (f"{lines[1].split('|')[0]}|aa mm", f"{lines[1].split('|')[0]}| |aa mm"):
         (data / 'metadata.csv').write_text('\n'.join([lines[0], broken, lines[2]]) + '\n')
         with pytest.raises(UserError, match=r"metadata.csv:2: multi_speaker=True reads rows 'id\|speaker\|text'"):
             read_speakers(str(data))
+    # a speaker's name holding '|': said so, not blamed on the transcript under the one-voice layouts
+    rows = [f"{line.split('|')[0]}|{speaker}|aa" for line, speaker in zip(lines, ('lo', 'hi|2', 'lo'))]
+    (data / 'metadata.csv').write_text('\n'.join(rows) + '\n')
+    with pytest.raises(UserError, match=r"metadata.csv:2: multi_speaker=True reads rows 'id\|speaker\|text', got 4 "
+                                        r"fields in .*; a speaker's name and a transcript may not contain '\|'") as e:
+        read_metadata(str(data), multi_speaker=True)
+    assert 'raw text' not in str(e.value)
     one_voice = TTSModel(TTSConfig(symbols='abc', enc_channels=16, enc_layers=1, enc_ff_channels=16, dp_channels=8,
                                    dec_channels=16, dec_blocks=1))
     assert not any('speaker' in k for k in one_voice.state_dict())

@@ -183,9 +183,9 @@ def encode_text(text, symbols, add_blank=True):
 # -----------------------------------------------------------------------------
 # LJSpeech layout: metadata.csv (id|raw text|normalized text) and wavs/<id>.wav
 
-def read_metadata(data_dir):
+def read_metadata(data_dir, multi_speaker=False):
     """-> list of (id, text) using the normalized column (the raw one if there are two). UTF-8, a BOM
-    allowed; each id once, a plain file name."""
+    allowed; each id once, a plain file name. multi_speaker: the rows are id|speaker|text (read_speakers)."""
     path = os.path.join(data_dir, 'metadata.csv')
     if not os.path.isfile(path):
         raise UserError(f"{path}: not found; data_dir must be an LJSpeech-layout folder with "
@@ -201,6 +201,12 @@ def read_metadata(data_dir):
             if not line.strip():
                 continue
             fields = line.split('|')
+            if multi_speaker and len(fields) != 3:
+                raise UserError(f"{path}:{line_no}: multi_speaker=True reads rows 'id|speaker|text', got {len(fields)} "
+                                f"fields in {line[:60]!r}; " + (
+                                    "a speaker's name and a transcript may not contain '|': rename the speaker or "
+                                    "take the '|' out of the text" if len(fields) > 3 else
+                                    "give every row its speaker, or train one voice (multi_speaker=False)"))
             if not 2 <= len(fields) <= 3:
                 raise UserError(f"{path}:{line_no}: expected 'id|raw text|normalized text' (or 'id|text'), got "
                                 f"{len(fields)} fields in {line[:60]!r}; a transcript may not contain '|'")

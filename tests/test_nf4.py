@@ -349,6 +349,31 @@ def test_other_4_bit_formats_are_refused_with_the_reason(tmp_path):
             load_hf_checkpoint(edited_copy(tmp_path / f'tensors{i}', tensors=tensors))
 
 
+def test_a_4_bit_config_and_weights_that_disagree_say_which_is_missing(tmp_path, capsys):
+    """4-bit weights whose config.json lost its quantization_config: the entry is named missing (it is the same
+    model, not another); a config that says 4-bit beside unquantized weights: they are read as stored, with a
+    note that quantization_config was ignored."""
+    folder = edited_copy(tmp_path / 'lost')
+    hf = read_json_file(os.path.join(folder, 'config.json'))
+    (tmp_path / 'lost' / 'bnb' / 'config.json').write_text(json.dumps({k: v for k, v in hf.items()
+                                                                       if k != 'quantization_config'}))
+    with pytest.raises(UserError, match=r"is part of a weight bitsandbytes saved in 4 bits, but .*config.json has no "
+                                        r"quantization_config.*the entry is missing") as e:
+        load_hf_checkpoint(folder)
+    assert 'different models' not in str(e.value)
+    stored = load_file(os.path.join(BNB_FOLDER, 'model.safetensors'))
+    plain = {name: BNB_EXPECTED.get(f'dequantized.{name}', tensor) for name, tensor in stored.items()
+             if '.weight.' not in name}  # the packed weights dequantized, their quantization's tensors left out
+    unquantized = edited_copy(tmp_path / 'plain')
+    save_file(plain, os.path.join(unquantized, 'model.safetensors'))
+    capsys.readouterr()
+    read = load_hf_checkpoint(unquantized)
+    assert 'none of them is quantized: they are read as stored, and quantization_config is ignored' in \
+        capsys.readouterr().out
+    expected = load_hf_checkpoint(BNB_FOLDER)['model']
+    assert all(torch.equal(read['model'][k], expected[k]) for k in expected)
+
+
 def test_a_4_bit_lm_head_is_dequantized_for_a_4_bit_base(tmp_path):
     """A folder whose lm_head bitsandbytes also quantized (llm_int8_skip_modules without it): a 4-bit base keeps
     the blocks' bits and dequantizes the head, which stays float32 as every weight outside the blocks does."""

@@ -94,7 +94,8 @@ model, tokenizer, chat, ckpt_path = load_for_generation(model_path(init_from, ou
                                                         chat_template_variables, local_device)
 block_size = model.config.block_size
 try:
-    rows = with_fewshot(kind, rows, num_fewshot, description, target_delimiter, chat)
+    rows = with_fewshot(kind, rows, num_fewshot, description, target_delimiter, chat,
+                        rows_cut=len(rows) == max_examples)  # the file may hold more rows than were read
 except UserError as e:
     raise UserError(f"{task_path}, {e}") from None
 

@@ -397,6 +397,13 @@ def test_few_shot_contexts_are_lm_evals(models, tmp_path):
         assert example['prompt'].startswith(f"<|system|>Be brief.<|end|><|user|>{shot['prompt']}<|end|><|assistant|>"
                                             f"{shot['reference']}<|end|><|user|>{gen[i]['prompt']}<|end|>")
     assert 'num_fewshot=4 needs that many other examples' in bad(models, [gen[0]] * 4, '--num_fewshot=4')
+    # the advice fits what was read: every row read (max_examples=0, or all the file's) cannot raise max_examples
+    too_many = bad(models, gen, '--num_fewshot=20')
+    assert 'the task has 3 besides this one' in too_many and 'lower num_fewshot to 3 or less.' in too_many
+    assert 'max_examples' not in too_many and 'max_examples' not in bad(models, gen, '--num_fewshot=20',
+                                                                         '--max_examples=8')
+    assert 'or raise max_examples, which reads only the file\'s first 2 rows' in bad(models, gen, '--num_fewshot=3',
+                                                                                    '--max_examples=2')
 
 
 def test_fewshot_draws_are_lm_evals():

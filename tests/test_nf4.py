@@ -396,7 +396,8 @@ def test_a_4_bit_lm_head_is_dequantized_for_a_4_bit_base(tmp_path):
 @pytest.mark.slow
 def test_train_py_qlora_on_a_bitsandbytes_folder(tmp_path, task):
     """train.py's LoRA on the 4-bit folder with lora_base_dtype='nf4': trains on its bits as stored; merged.pt is
-    bitsandbytes' dequantized weight plus the update; the export is an unquantized model that reads back."""
+    bitsandbytes' dequantized weight plus the update; the export is an unquantized model that reads back, in the
+    published model's bf16 by default (the line says so), in float32 with --dtype=float32."""
     out = tmp_path / 'out'
     fine_tune(out, task, 'llama_bnb4', *LORA, training_type='lora')
     losses = val_losses(out)
@@ -406,7 +407,14 @@ def test_train_py_qlora_on_a_bitsandbytes_folder(tmp_path, task):
     expected = BNB_EXPECTED['dequantized.model.layers.1.mlp.down_proj.weight'].float() + low_rank_delta(
         adapters['transformer.h.1.mlp.proj.lora_A'], adapters['transformer.h.1.mlp.proj.lora_B'], 8 / 4)
     assert torch.equal(merged['transformer.h.1.mlp.proj.weight'], expected)
-    run(['export.py', str(out / 'merged.pt'), str(tmp_path / 'exported')])
+    p = run(['export.py', str(out / 'merged.pt'), str(tmp_path / 'exported')])
     assert 'quantization_config' not in read_json_file(str(tmp_path / 'exported' / 'config.json'))
-    exported = load_gpt(str(tmp_path / 'exported'))  # in the model's published dtype, bfloat16
+    exported = load_gpt(str(tmp_path / 'exported'))  # in the model's published dtype, bfloat16, which is named
     assert all(torch.equal(v, merged[k].bfloat16().float()) for k, v in exported.state_dict().items())
+    assert '(LlamaForCausalLM, bfloat16, the published model\'s; the checkpoint holds float32, which ' \
+           '--dtype=float32 writes)' in p.stdout
+    p = run(['export.py', str(out / 'merged.pt'), str(tmp_path / 'float32'), '--dtype=float32'])
+    assert '(LlamaForCausalLM, float32) to' in p.stdout
+    assert read_json_file(str(tmp_path / 'float32' / 'config.json'))['dtype'] == 'float32'
+    exported = load_gpt(str(tmp_path / 'float32'))  # the merged weights as the run holds them
+    assert all(torch.equal(v, merged[k]) for k, v in exported.state_dict().items())

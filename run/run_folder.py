@@ -27,7 +27,7 @@ from run.runtime import log
 
 # the temporaries of a killed save (run.checkpoint.atomic_file's <name>.pt.XXXXXXXX.tmp) or log rewrite
 # (run_log's log.jsonl.tmp), never another *.tmp a user keeps in out_dir
-STALE = re.compile(r'.+\.pt\.[a-z0-9_]{8}\.tmp|log\.jsonl\.tmp')
+STALE = re.compile(r'.+\.pt\.[a-z0-9_]+\.tmp|log\.jsonl\.tmp')
 # what a training run writes in out_dir: a run that wrote one of these is never undone (leave_as_found)
 CHECKPOINT_NAMES = ('ckpt.pt', 'best.pt', 'merged.pt')
 
@@ -133,11 +133,13 @@ def run_to_continue(out_dir, resume, run, eval_only, whole=True):
     checkpoint recorded by another run is refused unless resume=False (which replaces that run).
     eval_only evaluates whatever run of this script is there, wherever its weights started."""
     path = os.path.join(out_dir, 'ckpt.pt')
-    if not resume and os.path.exists(path) and not eval_only:
-        log(f"resume=False: a new run starts in {out_dir}, and its saves replace the checkpoints of the run there")
     if not resume or not os.path.exists(path):
+        if not eval_only:  # a new run: what it will save over must be an earlier run's, replaced on request
+            check_replaceable(out_dir, resume, run)
         return None
     ckpt = load_checkpoint(path, whole)
+    if not (isinstance(ckpt, dict) and 'kind' in ckpt):
+        raise UserError(foreign(path))
     saved = ckpt.get('run', {})  # older checkpoints do not say: continue them
     # init_from may differ to evaluate, or where the model the run began from has moved (gone from
     # where it was, there where this command says: the script checks it is the same model, by its
@@ -151,6 +153,43 @@ def run_to_continue(out_dir, resume, run, eval_only, whole=True):
                         + "; ".join(diffs) + "). Use another --out_dir, or --resume=False to start a new run there "
                         "in its place.")
     return ckpt
+
+
+def foreign(path):
+    return (f"{path} is not a checkpoint nanotrain wrote (it holds no 'kind'), and a run in its folder would save "
+            f"over it: such a file is never replaced. Use another --out_dir, or move that file away.")
+
+
+def check_replaceable(out_dir, resume, run):
+    """A UserError unless a new run (run: its identity, as in run_to_continue) may save its checkpoints
+    (CHECKPOINT_NAMES) in out_dir: none there, or an earlier run's that resume=False replaces (one too corrupt
+    to read counts as another run's). A file nanotrain did not write is never replaced. Without resume=False
+    (so without a ckpt.pt) another run's best.pt or merged.pt (a folder cleaned to keep its best model) is
+    refused; this run's own is replaced, as a relaunch after a kill between its first two saves (best.pt,
+    then ckpt.pt) must."""
+    found, others = [], []
+    for name in CHECKPOINT_NAMES:
+        path = os.path.join(out_dir, name)
+        if not os.path.isfile(path):
+            continue
+        found.append(name)
+        try:
+            ckpt = load_checkpoint(path, whole=False)
+        except UserError:  # corrupt, cut short, or its shards gone: whose, none can say
+            others.append(name)
+            continue
+        if not (isinstance(ckpt, dict) and 'kind' in ckpt):
+            raise UserError(foreign(path))
+        saved = ckpt.get('run', {})
+        if any(saved[k] != run.get(k) for k in saved) or not saved:
+            others.append(name)
+    if others and resume:
+        raise UserError(f"{out_dir} holds {' and '.join(others)} of another run (or unreadable) but no ckpt.pt to "
+                        f"continue it, and this new run would replace {'them' if len(others) > 1 else 'it'}. Use "
+                        f"another --out_dir, or --resume=False to start a new run there in its place.")
+    if found:
+        log(f"{'resume=False: ' if not resume else ''}a new run starts in {out_dir}, and its saves replace the "
+            f"{', '.join(found)} there")
 
 
 class OpenRun(NamedTuple):

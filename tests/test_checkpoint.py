@@ -126,6 +126,36 @@ def test_a_refused_run_leaves_its_out_dir_as_it_found_it(tmp_path):
     assert sorted(os.listdir(there)) == ['ckpt.pt', 'log.jsonl', 'notes.tmp', 'run.lock']
 
 
+def test_a_new_run_replaces_only_checkpoints_of_its_own_or_on_request(tmp_path, capsys):
+    """What a new run would save over in out_dir: a file nanotrain did not write (a ckpt.pt, best.pt or merged.pt
+    holding no 'kind') is refused even with resume=False, and as ckpt.pt is not continued (a KeyError before);
+    another run's best.pt without the ckpt.pt that continues it only with resume=False, which says what it
+    replaces; this run's own (a kill between its first two saves) is replaced, saying so."""
+    from run.run_folder import run_to_continue
+    this = dict(script='train.py', training_type='from_scratch', init_from='scratch')
+    out = tmp_path / 'out'
+    out.mkdir()
+    torch.save({'w': torch.zeros(2)}, out / 'ckpt.pt')  # someone's own weights
+    for resume in (True, False):
+        with pytest.raises(UserError, match=r"ckpt.pt is not a checkpoint nanotrain wrote .* never replaced"):
+            run_to_continue(str(out), resume, this, eval_only=False)
+    os.remove(out / 'ckpt.pt')
+    save_checkpoint(out / 'best.pt', {'kind': 'gpt', 'run': dict(this, init_from='/models/other.pt')})
+    with pytest.raises(UserError, match=r"holds best.pt of another run \(or unreadable\) but no ckpt.pt to continue.*"
+                                        r"--resume=False to start a new run there in its place"):
+        run_to_continue(str(out), True, this, eval_only=False)
+    capsys.readouterr()
+    assert run_to_continue(str(out), False, this, eval_only=False) is None
+    assert 'resume=False: a new run starts in' in capsys.readouterr().out
+    assert run_to_continue(str(out), True, this, eval_only=True) is None  # eval_only saves nothing
+    save_checkpoint(out / 'best.pt', {'kind': 'gpt', 'run': this})
+    assert run_to_continue(str(out), True, this, eval_only=False) is None
+    assert 'its saves replace the best.pt there' in capsys.readouterr().out
+    (out / 'merged.pt').write_text('my notes')  # unreadable as a checkpoint: replaced on request only
+    with pytest.raises(UserError, match='holds merged.pt of another run'):
+        run_to_continue(str(out), True, this, eval_only=False)
+
+
 def test_stop_signal_sets_flag_and_exit_code():
     old = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     try:

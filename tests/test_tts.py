@@ -384,6 +384,19 @@ def test_espeak_corpus_command_with_a_fake_espeak(tmp_path, monkeypatch):
     rows = read_metadata(out)
     assert rows == [('ES0000', 'Hello there.'), ('ES0001', 'Second LINE')]
     assert len(read_wav(os.path.join(out, 'wavs', 'ES0001.wav'))[0]) == 2205 * len('Second LINE')
+    # a corpus there is never written over (its recordings were replaced before); a missing text file is named
+    before = {f: (tmp_path / 'corpus' / 'wavs' / f).read_bytes() for f in os.listdir(tmp_path / 'corpus' / 'wavs')}
+    (tmp_path / 'other.txt').write_text('Another voice.\n')
+    with pytest.raises(UserError, match=r"corpus exists and is not an empty folder"):
+        make_espeak_corpus(str(tmp_path / 'other.txt'), out)
+    assert {f: (tmp_path / 'corpus' / 'wavs' / f).read_bytes() for f in before} == before and read_metadata(out) == rows
+    with pytest.raises(UserError, match=r"missing.txt cannot be read"):
+        make_espeak_corpus(str(tmp_path / 'missing.txt'), str(tmp_path / 'new'))
+    # espeak-ng failing on a line: nothing left behind, not even the folder made for it
+    fake.write_text(f"#!{sys.executable}\nimport sys\nsys.exit('unknown voice')\n")
+    with pytest.raises(UserError, match=r"espeak-ng could not speak line 1 .*unknown voice.*nothing was written"):
+        make_espeak_corpus(str(tmp_path / 'other.txt'), str(tmp_path / 'new'))
+    assert sorted(os.listdir(tmp_path)) == ['bin', 'corpus', 'lines.txt', 'other.txt']
 
 # ----------------------------------------------------------------------------- training end to end
 

@@ -11,6 +11,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import tempfile
 import wave
 
 import numpy as np
@@ -406,24 +407,48 @@ def eval_batches(lengths, frame_budget):
 
 def make_espeak_corpus(text_file, out_dir, voice='en-us', speed=175, max_utterances=None):
     """Speak each non-empty line of text_file with espeak-ng into out_dir/wavs/ESnnnn.wav
-    (resampled to 22050 Hz) and write out_dir/metadata.csv."""
+    (resampled to 22050 Hz) and write out_dir/metadata.csv. out_dir must be new or empty (a corpus there, its
+    recordings and metadata.csv, is never written over); the corpus is made in a folder beside it and renamed
+    into place at the end, so a failed or killed run leaves nothing."""
+    if os.path.isdir(out_dir) and os.listdir(out_dir) or os.path.lexists(out_dir) and not os.path.isdir(out_dir):
+        raise UserError(f"--out_dir={out_dir} exists and is not an empty folder (a corpus's recordings and metadata.csv "
+                        f"are never written over); give a new folder, or delete that one yourself if it can go.")
     if shutil.which('espeak-ng') is None:
         raise UserError("espeak-ng is not installed (e.g. `apt-get install espeak-ng`)")
-    with open(text_file, encoding='utf-8') as f:
-        lines = [re.sub(r'\s+', ' ', line).strip() for line in f if line.strip()]
+    try:
+        with open(text_file, encoding='utf-8') as f:
+            lines = [re.sub(r'\s+', ' ', line).strip() for line in f if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"--text_file={text_file} cannot be read ({e}); give a UTF-8 text file, one sentence a "
+                        f"line.") from None
     lines = lines[:max_utterances]
-    os.makedirs(os.path.join(out_dir, 'wavs'), exist_ok=True)
-    rows = []
-    for n, line in enumerate(lines):
-        utt_id = f'ES{n:04d}'
-        wav_path = os.path.join(out_dir, 'wavs', utt_id + '.wav')
-        subprocess.run(['espeak-ng', '-v', voice, '-s', str(speed), '-w', wav_path, line],
-                       check=True)
-        audio, _ = read_wav(wav_path, MEL_SETTINGS['sample_rate'])
-        write_wav(wav_path, audio, MEL_SETTINGS['sample_rate'])
-        rows.append(f'{utt_id}|{line}|{line}')
-    with open(os.path.join(out_dir, 'metadata.csv'), 'w', encoding='utf-8') as f:
-        f.write('\n'.join(rows) + '\n')
+    if not lines:
+        raise UserError(f"--text_file={text_file} holds no text; give a UTF-8 text file, one sentence a line.")
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(dir=parent, prefix=os.path.basename(os.path.abspath(out_dir)) + '.', suffix='.tmp')
+    try:
+        os.makedirs(os.path.join(staging, 'wavs'))
+        rows = []
+        for n, line in enumerate(lines):
+            utt_id = f'ES{n:04d}'
+            wav_path = os.path.join(staging, 'wavs', utt_id + '.wav')
+            spoken = subprocess.run(['espeak-ng', '-v', voice, '-s', str(speed), '-w', wav_path, line],
+                                    capture_output=True, text=True)
+            if spoken.returncode:
+                raise UserError(f"espeak-ng could not speak line {n + 1} of {text_file} with voice {voice!r} "
+                                f"({spoken.stderr.strip()[:200] or f'exit {spoken.returncode}'}); nothing was written.")
+            audio, _ = read_wav(wav_path, MEL_SETTINGS['sample_rate'])
+            write_wav(wav_path, audio, MEL_SETTINGS['sample_rate'])
+            rows.append(f'{utt_id}|{line}|{line}')
+        with open(os.path.join(staging, 'metadata.csv'), 'w', encoding='utf-8') as f:
+            f.write('\n'.join(rows) + '\n')
+        os.chmod(staging, 0o755)  # mkdtemp makes it 0700
+        if os.path.isdir(out_dir):
+            os.rmdir(out_dir)  # empty, checked above
+        os.rename(staging, out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return out_dir
 
 

@@ -23,12 +23,13 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tts_asr import write_16k  # noqa: E402  (Resemblyzer's input rate is Whisper's, 16 kHz)
+from tts_asr import check_wav_dir, write_16k  # noqa: E402  (Resemblyzer's input rate is Whisper's, 16 kHz)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def synthesize(args):
+    check_wav_dir(args.wav_dir)
     import torch
     sys.path.insert(0, ROOT)
     from tts.data import MEL_SETTINGS, read_metadata, read_speakers, read_wav

@@ -165,8 +165,9 @@ def shard_folders(path):
     return glob.glob(glob.escape(os.path.splitext(path)[0]) + '-*.dcp')
 
 
-RUN_FIX = ("point --init_from at another checkpoint, or start a new run (another out_dir, or --resume=False to "
-           "replace the run in this one)")  # what a training script can do without a checkpoint
+RUN_FIX = "point --init_from at another checkpoint"  # what a training script can do without its starting model
+# ... and without the checkpoint of the run in out_dir, which is continued whatever init_from says
+RESUME_FIX = "start a new run (another --out_dir, or --resume=False to replace the run there)"
 
 
 def load_checkpoint(path, whole=True, fix=RUN_FIX):

@@ -21,7 +21,7 @@ import shutil
 from typing import NamedTuple
 
 from configurator import UserError, on_refusal, require_writable_folder
-from run.checkpoint import file_sha256, load_checkpoint, save_checkpoint
+from run.checkpoint import RESUME_FIX, file_sha256, load_checkpoint, save_checkpoint
 from run.runtime import log
 
 
@@ -104,7 +104,7 @@ def continued_origin(init_from, out_dir, resume, new_run="--init_from=scratch or
     if not os.path.exists(path):
         raise UserError(f"init_from='resume' continues the run in {out_dir}, but there is none ({path} does not "
                         f"exist). Point --out_dir at the run's folder, or start a new run with {new_run}.")
-    return load_checkpoint(path, whole=False).get('run', {}).get('init_from', 'scratch')
+    return load_checkpoint(path, whole=False, fix=RESUME_FIX).get('run', {}).get('init_from', 'scratch')
 
 
 def run_origin(init_from):
@@ -137,7 +137,7 @@ def run_to_continue(out_dir, resume, run, eval_only, whole=True):
         if not eval_only:  # a new run: what it will save over must be an earlier run's, replaced on request
             check_replaceable(out_dir, resume, run)
         return None
-    ckpt = load_checkpoint(path, whole)
+    ckpt = load_checkpoint(path, whole, fix=RESUME_FIX)
     if not (isinstance(ckpt, dict) and 'kind' in ckpt):
         raise UserError(foreign(path))
     saved = ckpt.get('run', {})  # older checkpoints do not say: continue them

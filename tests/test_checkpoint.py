@@ -154,6 +154,12 @@ def test_a_new_run_replaces_only_checkpoints_of_its_own_or_on_request(tmp_path, 
     (out / 'merged.pt').write_text('my notes')  # unreadable as a checkpoint: replaced on request only
     with pytest.raises(UserError, match='holds merged.pt of another run'):
         run_to_continue(str(out), True, this, eval_only=False)
+    # a corrupt ckpt.pt of the run there: init_from is no way out (that run is continued whatever it says)
+    (out / 'ckpt.pt').write_bytes(b'PK\x03\x04 cut short')
+    with pytest.raises(UserError, match=r"restore it from a backup, or start a new run \(another --out_dir, or "
+                                        r"--resume=False to replace the run there\)") as e:
+        run_to_continue(str(out), True, this, eval_only=False)
+    assert '--init_from' not in str(e.value)
 
 
 def test_stop_signal_sets_flag_and_exit_code():

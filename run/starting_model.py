@@ -23,7 +23,7 @@ from lm.lora import cast_frozen_base
 from lm.nf4 import NF4Weight
 from lm.tokenizer import DEFAULT_DATA_DIR, load_tokenizer
 from model import GPT, GPTConfig, new_seed
-from run.checkpoint import NEW_RUN, check_compatible, file_sha256, load_checkpoint
+from run.checkpoint import NEW_RUN, RESUME_FIX, check_compatible, file_sha256, load_checkpoint
 from run.fsdp import place_model
 from run.run_folder import require_init_from
 from run.runtime import prepare_once
@@ -115,8 +115,9 @@ def full_model_checkpoint(ckpt, ckpt_path, init_from, out_dir, training_type, as
     else:
         path, model_ckpt = init_from, load_model(init_from, as_stored, keep_nf4)
     if model_ckpt['kind'] not in ('gpt', 'lora'):
-        raise UserError(f"{path} is a {model_ckpt['kind']!r} checkpoint, not a GPT's; point --init_from at a "
-                        f"train.py checkpoint, or use another out_dir.")
+        raise UserError(f"{path} is a {model_ckpt['kind']!r} checkpoint, not a GPT's; " + (
+            RESUME_FIX if ckpt is not None else "point --init_from at a train.py checkpoint or a Hugging Face model "
+                                                "folder") + ".")
     if model_ckpt['kind'] == 'lora':
         if ckpt is None:
             raise UserError(f"{path} holds LoRA adapters only; start from the merged model of that run "

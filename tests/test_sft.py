@@ -359,7 +359,8 @@ def test_resume_refuses_changed_data_and_pretraining_a_chat_model(tmp_path, sft_
     assert_user_error(p, "is a chat model (training_type='sft')")
     torch.save(dict(kind='tts'), tmp_path / 'tts.pt')
     p = sft(sft_env, tmp_path / 'c', f'--init_from={tmp_path / "tts.pt"}', check=False)
-    assert_user_error(p, "is a 'tts' checkpoint, not a GPT's")
+    assert_user_error(p, "is a 'tts' checkpoint, not a GPT's; point --init_from at a train.py checkpoint")
+    assert not (tmp_path / 'c').exists()  # the refused run's out_dir is gone
 
 
 @pytest.mark.slow

@@ -21,6 +21,7 @@ import hashlib
 import os
 import pickle
 import random
+import re
 import shutil
 import struct
 import tempfile
@@ -161,8 +162,11 @@ def write_checksums(f, checksums):
 
 
 def shard_folders(path):
-    """The folders of shards written for the checkpoint file path (ckpt.pt: ckpt-<step>.dcp)."""
-    return glob.glob(glob.escape(os.path.splitext(path)[0]) + '-*.dcp')
+    """The folders of shards written for the checkpoint file path (ckpt.pt: ckpt-<step>.dcp, ckpt-<step>.<n>.dcp;
+    run/sharded_checkpoint.py names them), not another folder a user keeps there (ckpt-100-copy.dcp)."""
+    stem = os.path.splitext(path)[0]
+    return [folder for folder in glob.glob(glob.escape(stem) + '-*.dcp')
+            if re.fullmatch(r'\d{6,}(\.\d+)?\.dcp', folder[len(stem) + 1:])]
 
 
 RUN_FIX = "point --init_from at another checkpoint"  # what a training script can do without its starting model

@@ -162,6 +162,16 @@ def test_a_new_run_replaces_only_checkpoints_of_its_own_or_on_request(tmp_path, 
     assert '--init_from' not in str(e.value)
 
 
+def test_only_the_shard_folders_a_save_wrote_are_its_own(tmp_path):
+    """A sharded save removes its earlier shard folders (shard_folders), never a folder of a similar name a user
+    keeps beside them (a copy of one)."""
+    from run.checkpoint import shard_folders
+    for name in ('ckpt-000004.dcp', 'ckpt-000004.1.dcp', 'ckpt-000004-copy.dcp', 'ckpt-old.dcp', 'best-000002.dcp'):
+        (tmp_path / name).mkdir()
+    assert sorted(os.path.basename(f) for f in shard_folders(str(tmp_path / 'ckpt.pt'))) == [
+        'ckpt-000004.1.dcp', 'ckpt-000004.dcp']
+
+
 def test_stop_signal_sets_flag_and_exit_code():
     old = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     try:

@@ -155,9 +155,9 @@ def run_to_continue(out_dir, resume, run, eval_only, whole=True):
     return ckpt
 
 
-def foreign(path):
-    return (f"{path} is not a checkpoint nanotrain wrote (it holds no 'kind'), and a run in its folder would save "
-            f"over it: such a file is never replaced. Use another --out_dir, or move that file away.")
+def foreign(path, what="a checkpoint nanotrain wrote (it holds no 'kind')"):
+    return (f"{path} is not {what}, and a run in its folder would write over it: such a file is never replaced. "
+            f"Use another --out_dir, or move that file away.")
 
 
 def check_replaceable(out_dir, resume, run):
@@ -168,6 +168,12 @@ def check_replaceable(out_dir, resume, run):
     refused; this run's own is replaced, as a relaunch after a kill between its first two saves (best.pt,
     then ckpt.pt) must."""
     found, others = [], []
+    log_path = os.path.join(out_dir, 'log.jsonl')
+    if os.path.isfile(log_path):  # a new run empties it: only a run's log, whose lines are events with a step
+        with open(log_path, 'rb') as f:
+            first = f.readline().decode('utf-8', 'replace')
+        if first.strip() and logged_step(first) is None:
+            raise UserError(foreign(log_path, "a run's log (its first line is no event with a step)"))
     for name in CHECKPOINT_NAMES:
         path = os.path.join(out_dir, name)
         if not os.path.isfile(path):

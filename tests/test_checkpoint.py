@@ -140,6 +140,10 @@ def test_a_new_run_replaces_only_checkpoints_of_its_own_or_on_request(tmp_path, 
         with pytest.raises(UserError, match=r"ckpt.pt is not a checkpoint nanotrain wrote .* never replaced"):
             run_to_continue(str(out), resume, this, eval_only=False)
     os.remove(out / 'ckpt.pt')
+    (out / 'log.jsonl').write_text('my own log\n')  # a new run empties a run's log, never another file
+    with pytest.raises(UserError, match=r"log.jsonl is not a run's log .* never replaced"):
+        run_to_continue(str(out), False, this, eval_only=False)
+    (out / 'log.jsonl').write_text('{"step": 0, "val_loss": 1.0}\n')
     save_checkpoint(out / 'best.pt', {'kind': 'gpt', 'run': dict(this, init_from='/models/other.pt')})
     with pytest.raises(UserError, match=r"holds best.pt of another run \(or unreadable\) but no ckpt.pt to continue.*"
                                         r"--resume=False to start a new run there in its place"):

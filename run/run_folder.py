@@ -59,7 +59,7 @@ def claim_out_dir(out_dir):
     lock.write(f"{os.getpid()}\n")
     lock.flush()
     for stale in glob.glob(os.path.join(glob.escape(out_dir), '*.tmp')):
-        if STALE.match(os.path.basename(stale)):
+        if STALE.fullmatch(os.path.basename(stale)):
             os.remove(stale)
     on_refusal(lambda: leave_as_found(out_dir, created, found))
     return lock

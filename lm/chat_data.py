@@ -27,7 +27,6 @@ import torch
 
 from configurator import UserError
 from lm.tokenizer import CHAT_ROLES
-from run.checkpoint import NEW_RUN
 from run.device import to_device
 
 
@@ -496,7 +495,7 @@ class PreferenceBatches:
     def load_state_dict(self, state):
         if len(state['order']) != self.n_pairs:
             raise UserError(f"the checkpoint's sampler drew from {len(state['order'])} training pairs, the data now "
-                            f"has {self.n_pairs}: the training data changed. Restore it, {NEW_RUN}.")
+                            f"has {self.n_pairs}: the training data changed. Restore it, or start a new run.")
         self.generator.set_state(state['generator'])
         self.order, self.position, self.batches_drawn = state['order'], state['position'], state['batches_drawn']
 
@@ -575,6 +574,6 @@ class PromptSampler:
     def load_state_dict(self, state):
         if len(state['order']) != self.n_prompts:
             raise UserError(f"the checkpoint's sampler drew from {len(state['order'])} training prompts, the data "
-                            f"now has {self.n_prompts}: the training data changed. Restore it, {NEW_RUN}.")
+                            f"now has {self.n_prompts}: the training data changed. Restore it, or start a new run.")
         self.generator.set_state(state['generator'])
         self.order, self.position = state['order'], state['position']

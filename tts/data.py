@@ -411,8 +411,9 @@ def make_espeak_corpus(text_file, out_dir, voice='en-us', speed=175, max_utteran
     recordings and metadata.csv, is never written over); the corpus is made in a folder beside it and renamed
     into place at the end, so a failed or killed run leaves nothing."""
     if os.path.isdir(out_dir) and os.listdir(out_dir) or os.path.lexists(out_dir) and not os.path.isdir(out_dir):
-        raise UserError(f"--out_dir={out_dir} exists and is not an empty folder (a corpus's recordings and metadata.csv "
-                        f"are never written over); give a new folder, or delete that one yourself if it can go.")
+        raise UserError(f"--out_dir={out_dir} exists and is not an empty folder (a corpus's recordings and "
+                        f"metadata.csv are never written over); give a new folder, or delete that one yourself if it "
+                        f"can go.")
     if shutil.which('espeak-ng') is None:
         raise UserError("espeak-ng is not installed (e.g. `apt-get install espeak-ng`)")
     try:

@@ -22,7 +22,8 @@ so a meaningless value (batch_size=0, dropout=1.5) stops the run at start-up wit
 the key, not deep inside it. dataclass_args() builds a model's arguments from its config dataclass.
 
 UserError is the exception every module raises for bad user input (missing file, malformed row,
-...); configure() installs an excepthook that prints it as one paragraph without a traceback.
+...); configure() installs an excepthook that prints it as one paragraph without a traceback, after undoing
+what the refused script had written (on_refusal: a training run's new files in out_dir).
 """
 
 import ast
@@ -50,15 +51,57 @@ class UserError(Exception):
     """Bad user input. The message names the file/line/key and says how to fix it."""
 
 
-def require_writable_folder(path, key='out_dir'):
+def require_writable_folder(path, key='out_dir', keep=True, fix=None):
     """Create the folder path if it is missing and check that a file can be written in it: a UserError
-    naming key otherwise (a path under a file, /dev/null/x, /proc, a read-only disk)."""
+    naming key otherwise (a path under a file, /dev/null/x, /proc, a read-only disk), with fix (default: point
+    --key elsewhere). Returns the folders it created, outermost first; keep=False removes them again (a
+    script that checks its output folder before long work and writes it only at the end)."""
+    missing, folder = [], os.path.abspath(path)
+    while not os.path.isdir(folder) and os.path.dirname(folder) != folder:
+        missing.append(folder)
+        folder = os.path.dirname(folder)
+    created = []
     try:
-        os.makedirs(path, exist_ok=True)
+        for folder in reversed(missing):
+            try:
+                os.mkdir(folder)
+                created.append(folder)
+            except FileExistsError:  # made meanwhile by another process, or a file (the next step says so)
+                pass
         tempfile.TemporaryFile(dir=path).close()
     except OSError as e:
-        raise UserError(f"{key}={path!r} cannot be created or written ({e.strerror}). Point --{key} at a folder you "
-                        f"can write, e.g. --{key}=out-run.") from None
+        remove_folders(created)
+        raise UserError(f"{key}={path!r} cannot be created or written ({e.strerror}). "
+                        + (fix or f"Point --{key} at a folder you can write, e.g. --{key}=out-run.")) from None
+    if not keep:
+        remove_folders(created)
+    return created
+
+
+def remove_folders(created):
+    """Remove the empty folders require_writable_folder created (outermost first), innermost first."""
+    for folder in reversed(created):
+        try:
+            os.rmdir(folder)
+        except OSError:  # something was written there after all: it stays
+            break
+
+
+# what to undo when a UserError ends the script (run/run_folder.claim_out_dir's): a refused run leaves no trace
+REFUSAL_CLEANUPS = []
+
+
+def on_refusal(cleanup):
+    """Call cleanup() if a UserError ends this process (the excepthook runs it before exiting with status 2)."""
+    REFUSAL_CLEANUPS.append(cleanup)
+
+
+def run_refusal_cleanups():
+    while REFUSAL_CLEANUPS:
+        try:
+            REFUSAL_CLEANUPS.pop()()
+        except OSError:  # a file that cannot be removed stays; the refusal's message matters more
+            pass
 
 
 def same_file(a, b):
@@ -69,11 +112,12 @@ def same_file(a, b):
         return os.path.realpath(a) == os.path.realpath(b)
 
 
-def check_output_file(path, key, kind, is_earlier_output, reads=()):
+def check_output_file(path, key, kind, is_earlier_output, reads=(),
+                      others="a checkpoint, a data file or another model's output"):
     """A UserError unless the file path (config key `key`) may be written as a script's output of `kind` ('the
-    results JSON', 'the WAV'): a file path in an existing folder, none of the files the script reads (reads),
+    results JSON', 'a WAV'): a file path in an existing folder, none of the files the script reads (reads),
     and, if a file is there already, one that is_earlier_output(path) recognises as an earlier output of the
-    same kind (a checkpoint, a data file or another model's results are never written over)."""
+    same kind (others, what is never written over, say it in the message)."""
     if os.path.isdir(path) or not os.path.isdir(os.path.dirname(os.path.abspath(path))):
         raise UserError(f"{key}={path!r} must be a file path in an existing folder (nothing was written).")
     for read in reads:
@@ -81,9 +125,9 @@ def check_output_file(path, key, kind, is_earlier_output, reads=()):
             raise UserError(f"{key}={path!r} is {read}, which this command reads; writing {kind} there would destroy "
                             f"it. Point --{key} at a new file (nothing was written).")
     if os.path.lexists(path) and not (os.path.isfile(path) and is_earlier_output(path)):
-        raise UserError(f"{key}={path!r} exists and is not {kind} of an earlier run of this command (a checkpoint, a "
-                        f"data file or another model's output, say), so it is left as it is. Point --{key} at a new "
-                        f"file, or delete that one yourself if it can go (nothing was written).")
+        raise UserError(f"{key}={path!r} exists and is not {kind} of an earlier run of this command ({others}, "
+                        f"say), so it is left as it is. Point --{key} at a new file, or delete that one yourself if it "
+                        f"can go (nothing was written).")
 
 
 # how gloo (and NCCL) report a collective whose peer process has gone
@@ -92,12 +136,14 @@ PEER_GONE = ('Connection closed by peer', 'Connection reset by peer', 'Broken pi
 
 def _excepthook(exc_type, exc, tb, previous=sys.excepthook):
     if issubclass(exc_type, UserError):
+        run_refusal_cleanups()
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)  # raising SystemExit from the hook sets the exit status; atexit still runs
     # under torchrun a rank that stopped (bad input, a crash) fails the others' collectives: its
     # message says why, theirs would be a traceback about a closed connection
     if int(os.environ.get('WORLD_SIZE', '1')) > 1 and issubclass(exc_type, RuntimeError) and any(
             s in str(exc) for s in PEER_GONE):
+        run_refusal_cleanups()
         print(f"error: rank {os.environ.get('RANK')} stopped: another process of this torchrun ended first (its "
               f"message, above or below, says why).", file=sys.stderr)
         sys.exit(2)

@@ -149,7 +149,8 @@ def write_dataset(docs, out_dir, tokenizer='char', vocab_size=4096, val_fraction
     else:
         model_bytes = train_bpe(train_docs, vocab_size)  # train split only: val stays unseen
         tok = BPETokenizer(model_bytes)
-    # only now that the tokenizer stands is an existing dataset in out_dir replaced
+    # only now that the tokenizer stands is an existing dataset in out_dir replaced, if it has the same one
+    check_replaceable(out_dir, tok, source)
     os.makedirs(out_dir, exist_ok=True)
     meta_path = os.path.join(out_dir, 'meta.json')
     if os.path.exists(meta_path):
@@ -173,15 +174,50 @@ def write_dataset(docs, out_dir, tokenizer='char', vocab_size=4096, val_fraction
     return out_dir
 
 
+def check_replaceable(out_dir, tok, source):
+    """A UserError unless a dataset whose tokenizer is tok (prepared from source) may be written to out_dir: the
+    folder holds no dataset (no meta.json), or one with the same tokenizer. The models trained on a dataset read
+    and write text through its tokenizer, which they find in its folder (their data_dir): preparing another
+    corpus or tokenizer over it would leave them unreadable, so that takes the user's own deleting."""
+    path = os.path.join(out_dir, 'meta.json')
+    if not os.path.isfile(path):
+        return
+    try:
+        with open(path) as f:
+            old = json.load(f)
+    except (OSError, ValueError):  # a corrupt dataset, which read_meta tells to prepare again
+        return
+    try:
+        same = old['hash'] == tok.identity()['hash']
+        what = f"{old.get('source') or 'another corpus'} ({old['tokenizer']} tokenizer, {old['vocab_size']} tokens)"
+    except (KeyError, TypeError):
+        raise UserError(f"{out_dir} holds a meta.json that is not a data.py dataset's, so nothing is written there. "
+                        f"Prepare the corpus into another folder.") from None
+    if same:
+        return
+    if source == old.get('source') or source.startswith('Python ') and old.get('source', '').startswith('Python '):
+        change = "with other settings" if source == old.get('source') else "from this Python's standard library"
+    else:
+        change = f"from {source}"
+    raise UserError(f"{out_dir} holds a dataset prepared from {what}; preparing it {change} would replace its "
+                    f"tokenizer, and every model trained on that dataset reads and writes text through it (they find "
+                    f"it in {out_dir}). Nothing was written. Prepare into another folder, or move {out_dir} aside "
+                    f"first (a model trained on it then takes --data_dir=<its new place>) or delete it if no such "
+                    f"model is kept.")
+
+
 def prepare(input, out_dir, tokenizer='char', vocab_size=4096, val_fraction=0.1):
     """Tokenize a text file, a folder of text files or an http(s) URL into out_dir."""
     input = str(input)
-    require_writable_folder(out_dir)  # before reading and tokenizing: a bad out_dir fails at once
+    # before reading and tokenizing: a bad out_dir fails at once (and a folder made to check it is removed
+    # again, so a run refused meanwhile leaves none behind; write_dataset makes it)
+    require_writable_folder(out_dir, keep=False)
     return write_dataset(read_documents(input), out_dir, tokenizer, vocab_size, val_fraction, source=input)
 
 
-def prepare_default(data_dir=DEFAULT_DATA_DIR, vocab_size=4096):
-    """The default corpus (stdlib sources, BPE), prepared once; reused while the stdlib is unchanged."""
+def prepare_default(data_dir=DEFAULT_DATA_DIR, vocab_size=4096, key='data_dir'):
+    """The default corpus (stdlib sources, BPE), prepared once; reused while the stdlib is unchanged. key: the
+    flag that names data_dir, for messages (data.py's --out_dir; '' for a script that prepares it by default)."""
     docs = stdlib_documents()
     digest = hashlib.sha256('\0'.join(docs).encode()).hexdigest()
     source = f"Python {sysconfig.get_python_version()} standard library, {len(docs)} files, sha256 {digest}"
@@ -190,7 +226,9 @@ def prepare_default(data_dir=DEFAULT_DATA_DIR, vocab_size=4096):
         if (meta.get('source'), meta.get('tokenizer'), meta.get('vocab_size')) == (source, 'bpe', vocab_size):
             return data_dir
     print(f"preparing the default corpus (the Python standard library's sources) in {data_dir}, once")
-    require_writable_folder(data_dir, 'data_dir')
+    require_writable_folder(data_dir, key or 'data_dir', fix=None if key else (
+        f"Prepare the default corpus in a folder you can write, `python data.py --out_dir=DIR`, and pass "
+        f"--data_dir=DIR."))
     return write_dataset(docs, data_dir, 'bpe', vocab_size, 0.1, source)
 
 
@@ -214,7 +252,7 @@ def main(argv=None):
     if args.input is None:
         if args.tokenizer == 'char':
             parser.error("the default corpus uses --tokenizer=bpe; pass --input=... for another corpus")
-        prepare_default(args.out_dir or DEFAULT_DATA_DIR, args.vocab_size)
+        prepare_default(args.out_dir or DEFAULT_DATA_DIR, args.vocab_size, 'out_dir')
     elif args.out_dir is None:
         parser.error("--out_dir is required with --input, e.g. --out_dir=data/mycorpus")
     else:

@@ -18,6 +18,7 @@ example's prediction and scores, so that two models can be compared example by e
 
 import json
 import os
+import tempfile
 
 import torch
 from tqdm import tqdm
@@ -94,7 +95,8 @@ model, tokenizer, chat, ckpt_path = load_for_generation(model_path(init_from, ou
                                                         chat_template_variables, local_device)
 block_size = model.config.block_size
 try:
-    rows = with_fewshot(kind, rows, num_fewshot, description, target_delimiter, chat)
+    rows = with_fewshot(kind, rows, num_fewshot, description, target_delimiter, chat,
+                        rows_cut=len(rows) == max_examples)  # the file may hold more rows than were read
 except UserError as e:
     raise UserError(f"{task_path}, {e}") from None
 
@@ -237,7 +239,10 @@ for name, value in scores.items():
     print(f"{name:<16}{value:>10.4f}{stderr:>10}{len(examples):>8}  {scale}")
 result = dict(init_from=ckpt_path, eval_data=task_path, task=kind, n=len(examples), config=config, scores=scores,
               stderr=stderrs, examples=examples)
-with open(results_path + '.tmp', 'w', encoding='utf-8') as f:
+# whole or not at all, through a temporary of its own name (a file <out>.tmp of the user's stays)
+fd, temporary = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(results_path)), suffix='.tmp')
+with os.fdopen(fd, 'w', encoding='utf-8') as f:
     json.dump(result, f, indent=1, ensure_ascii=False)
-os.replace(results_path + '.tmp', results_path)
+os.chmod(temporary, 0o644)  # mkstemp makes it 0600
+os.replace(temporary, results_path)
 print(f"wrote {results_path}")

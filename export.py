@@ -20,12 +20,17 @@ A model nanotrain trained itself is written as the family that computes the same
 - pos_emb='learned', norm='layernorm', mlp 'gelu' / 'gelu_tanh': GPT2LMHeadModel (zero biases if bias=False).
 Any other model is refused, naming the settings no family has: config/speedrun_cpu.py's (qk_norm with a
 GELU MLP), logit_softcap, RoPE with LayerNorm, learned positions with RMSNorm.
+
+--dtype=float32 (or bfloat16, float16) writes the weights in that dtype instead, config.json saying so: a
+fine-tune of a bf16 model, or a QLoRA run's merged.pt, trained in float32 and is written in bf16 by default
+(its logits then differ from the run's by bf16's rounding); the line printed names the dtype written.
 """
 import os
 import shutil
 import sys
 import tempfile
 
+import torch
 from safetensors import SafetensorError
 
 from configurator import UserError, install_excepthook
@@ -36,12 +41,20 @@ from hf.tokenizer_json import write_tokenizer_files
 from lm.tokenizer import ChatTokenizer, load_tokenizer
 from run.checkpoint import load_checkpoint
 
+DTYPES = ('float32', 'bfloat16', 'float16')
+
 install_excepthook()
-if len(sys.argv) != 3 or sys.argv[1].startswith('-'):
+options = [arg for arg in sys.argv[1:] if arg.startswith('--dtype=')]
+paths = [arg for arg in sys.argv[1:] if arg not in options]
+if len(paths) != 2 or len(options) > 1 or paths[0].startswith('-'):
     print(__doc__.strip())
-    print("\nusage: python export.py CHECKPOINT OUT_FOLDER")
+    print(f"\nusage: python export.py CHECKPOINT OUT_FOLDER [--dtype={'|'.join(DTYPES)}]")
     sys.exit(0 if len(sys.argv) == 2 and sys.argv[1] in ('-h', '--help') else 2)
-ckpt_path, out_folder = sys.argv[1:]
+ckpt_path, out_folder = paths
+dtype = options[0].partition('=')[2] if options else ''  # '' = the published model's dtype, or float32
+if dtype and dtype not in DTYPES:
+    raise UserError(f"--dtype={dtype}: write the weights in one of {', '.join(DTYPES)} (or leave --dtype out: the "
+                    f"published model's dtype, float32 for a model nanotrain trained itself).")
 if not os.path.isfile(ckpt_path):
     raise UserError(f"{ckpt_path} is not a checkpoint file; pass a train.py checkpoint (e.g. out-sft/ckpt.pt).")
 if os.path.exists(out_folder) and not (os.path.isdir(out_folder) and not os.listdir(out_folder)):
@@ -80,6 +93,23 @@ if tokenizer.identity() != ckpt['tokenizer'] and not chat_tokens_added:
     raise UserError(f"the tokenizer in {tokenizer_folder} has changed since {ckpt_path} was trained with it; put "
                     f"that folder back as it was.")
 
+def with_dtype(hf_config, dtype):
+    """hf_config with its dtype (torch_dtype, or newer transformers' dtype: save_hf_model writes the weights in
+    it) set to dtype; '' leaves it as it is."""
+    keys = [k for k in ('torch_dtype', 'dtype') if k in hf_config] or ['torch_dtype']
+    return dict(hf_config, **dict.fromkeys(keys, dtype)) if dtype else hf_config
+
+
+def written_dtype(hf_config, state):
+    """The dtype save_hf_model writes (hf_config's), for the line printed; without --dtype, with the way to the
+    checkpoint's own where it is wider (a float32 fine-tune of a bf16 model)."""
+    name = hf_config.get('torch_dtype') or hf_config.get('dtype') or 'float32'
+    held = {str(t.dtype).removeprefix('torch.') for t in state.values() if t.is_floating_point()}
+    wider = not dtype and held == {'float32'} and name != 'float32'
+    return name + (", the published model's; the checkpoint holds float32, which --dtype=float32 writes" if wider
+                   else '')
+
+
 # written to a temporary folder next to out_folder and
 # renamed at the end: a failed export leaves nothing behind
 staging = None
@@ -87,21 +117,24 @@ try:
     os.makedirs(parent, exist_ok=True)
     staging = tempfile.mkdtemp(dir=parent, prefix=os.path.basename(out_folder) + '.', suffix='.tmp')
     if ckpt['kind'] == 'lora':
-        save_peft_adapter(ckpt['model'], ckpt['config'], ckpt['hf_config'], ckpt['base_checkpoint'], staging)
-        what = f"the adapters of {ckpt_path} (PEFT LoRA on {ckpt['base_checkpoint']})"
+        adapters = {k: v.to(getattr(torch, dtype)) for k, v in ckpt['model'].items()} if dtype else ckpt['model']
+        save_peft_adapter(adapters, ckpt['config'], ckpt['hf_config'], ckpt['base_checkpoint'], staging)
+        written = str(next(iter(adapters.values())).dtype).removeprefix('torch.')
+        what = f"the adapters of {ckpt_path} (PEFT LoRA on {ckpt['base_checkpoint']}, {written})"
     elif published:
-        hf_config = dict(ckpt['hf_config'], vocab_size=ckpt['model_args']['vocab_size'])
+        hf_config = with_dtype(dict(ckpt['hf_config'], vocab_size=ckpt['model_args']['vocab_size']), dtype)
         save_hf_model(ckpt['model'], hf_config, staging, tokenizer_folder, ckpt.get('generation_config'))
         if chat_tokens_added:
             save_chat_tokenizer(tokenizer, staging, ckpt.get('generation_config'))
         else:  # the variables the run rendered its template with, as the template's defaults
             set_template_defaults(staging, ckpt.get('chat_template_variables'))
-        what = f"{ckpt_path} ({hf_config['architectures'][0]})"
+        what = f"{ckpt_path} ({hf_config['architectures'][0]}, {written_dtype(hf_config, ckpt['model'])})"
     else:
         generation = write_tokenizer_files(ChatTokenizer(tokenizer) if chat_tokens_added else tokenizer, staging)
-        hf_config.update({k: generation.get(k) for k in ('bos_token_id', 'eos_token_id')})
+        hf_config = with_dtype(dict(hf_config, **{k: generation.get(k) for k in ('bos_token_id', 'eos_token_id')}),
+                               dtype)
         save_hf_model(state, hf_config, staging, None, generation)
-        what = f"{ckpt_path} ({hf_config['architectures'][0]}, float32)"
+        what = f"{ckpt_path} ({hf_config['architectures'][0]}, {written_dtype(hf_config, state)})"
     os.chmod(staging, 0o755)  # mkdtemp makes it 0700
     if os.path.isdir(out_folder):
         os.rmdir(out_folder)  # empty, checked above

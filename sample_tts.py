@@ -5,6 +5,8 @@ Speak with a trained text-to-speech checkpoint (train_tts.py):
 A model trained on phonemes (--text_frontend=phonemes, or a corpus spelled in them) is given plain text too: its
 phonemes are made inside (tts/phonemes.py); IPA given is read as it is.
 GPT checkpoints and published models generate text with sample.py instead.
+--wav replaces an existing file only if it is a WAV sample_tts.py wrote (it names itself in each WAV's LIST/INFO
+chunk, ISFT 'nanotrain sample_tts.py'): a recording, a corpus's WAV or any other file there is refused, untouched.
 """
 
 import os
@@ -13,15 +15,17 @@ import time
 from configurator import FOLDER, POSITIVE, UserError, at_least, check_output_file, check_values, configure
 from run.checkpoint import load_checkpoint
 from run.device import pick_device
-from tts.data import MEL_SETTINGS, read_wav, write_wav
+from tts.data import MEL_SETTINGS, read_voice_clip, wav_software, write_wav
 from tts.model import clip_voice, load_tts, synthesize
 from tts.vocoder import load_vocoder, vocoder_name
+
+SOFTWARE = 'nanotrain sample_tts.py'  # the mark of this script's WAVs (tts/data.py, write_wav)
 
 # -----------------------------------------------------------------------------
 out_dir = 'out-tts'          # folder of the train_tts.py run to speak with
 ckpt_name = 'ckpt.pt'        # 'ckpt.pt' (latest) or 'best.pt'
 text = 'I will unfold some causes of your deaths.'  # what to say
-wav = 'out.wav'              # where to write the waveform
+wav = 'out.wav'              # where to write the waveform (an existing file only if sample_tts.py wrote it)
 n_timesteps = 10             # Euler steps of the flow-matching ODE
 tts_temperature = 0.667      # scale of the starting noise
 length_scale = 1.0           # > 1 speaks slower
@@ -48,32 +52,27 @@ if not os.path.isfile(ckpt_path):
     found = sorted(f for f in os.listdir(out_dir) if f.endswith('.pt')) if os.path.isdir(out_dir) else []
     raise UserError(f"no model to speak with: {ckpt_path} does not exist. " + (
         f"{out_dir} holds {', '.join(found)}: pick one with --ckpt_name." if found else
-        f"Train one there first (`python train_tts.py --out_dir={out_dir}`), or point --out_dir at a run's folder."))
-
-
-def earlier_wav(path):
-    """Whether path is a WAV file (an earlier output, which a new one replaces)."""
-    with open(path, 'rb') as f:
-        header = f.read(12)
-    return header[:4] == b'RIFF' and header[8:] == b'WAVE'
-
-
-check_output_file(wav, 'wav', 'a WAV', earlier_wav, reads=[ckpt_path, vocoder, voice_clip])
+        f"Train one there first (`python train_tts.py --out_dir={out_dir} --data_dir=<an LJSpeech-layout corpus>`), "
+        f"or point --out_dir at a run's folder."))
+# the one file --wav replaces: this script's own earlier output, by its mark
+check_output_file(wav, 'wav', 'a WAV', lambda path: wav_software(path) == SOFTWARE,
+                  reads=[ckpt_path, vocoder, voice_clip], others="a recording, a corpus's WAV or another program's")
 if speaker and voice_clip:
     raise UserError(f"speaker={speaker!r} and voice_clip={voice_clip!r}: give one voice, a name or a clip.")
 ckpt = load_checkpoint(ckpt_path, fix="speak with another checkpoint (--ckpt_name=best.pt, say)")
 if ckpt['kind'] != 'tts':
     raise UserError(f"{ckpt_path} is a {ckpt['kind']!r} checkpoint, not a text-to-speech one (train_tts.py); "
-                    f"generate text from it with `python sample.py --out_dir={out_dir}`.")
+                    f"generate text from it with `python sample.py --out_dir={out_dir}"
+                    + (f" --ckpt_name={ckpt_name}" if ckpt_name != 'ckpt.pt' else '') + "`.")
 run_device = pick_device(device)
 model = load_tts(ckpt, run_device)
 vocode = load_vocoder(vocoder, run_device)
-voice = clip_voice(model, read_wav(voice_clip, MEL_SETTINGS['sample_rate'])[0]) if voice_clip else None
+voice = clip_voice(model, read_voice_clip(voice_clip, MEL_SETTINGS['sample_rate'])) if voice_clip else None
 t0 = time.time()
 audio, _ = synthesize(model, text, n_timesteps=n_timesteps, temperature=tts_temperature,
                       length_scale=length_scale, guidance=guidance, seed=seed, vocode=vocode, speaker=speaker,
                       voice=voice)
-write_wav(wav, audio, MEL_SETTINGS['sample_rate'])
+write_wav(wav, audio, MEL_SETTINGS['sample_rate'], software=SOFTWARE)
 seconds = len(audio) / MEL_SETTINGS['sample_rate']
 print(f"wrote {wav}: {seconds:.2f} s of audio through {vocoder_name(vocoder)}, real-time factor "
       f"{(time.time() - t0) / seconds:.3f}")

@@ -273,7 +273,7 @@ if ckpt is not None:
 with same_init_on_every_rank(seed, enabled=parallel == 'fsdp'):
     # fine-tuning may add the chat tokens' rows (vocab_size: the rows the model had)
     model, vocab_size = starting_gpt(model_args, model_ckpt, model_ckpt_path, tokenizer,
-                                     base_tokenizer if fine_tuning else None, parallel == 'fsdp', base_dtype)
+                                     base_tokenizer if fine_tuning else None, parallel == 'fsdp', base_dtype, resuming)
     if training_type == 'lora':
         # the chat tokens added above train too (none for a chat model)
         added_tokens = tokenizer.vocab_size - vocab_size

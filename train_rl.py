@@ -38,7 +38,7 @@ from lm.rl import (IMPORTANCE_LEVELS, LOSS_TYPES, SCALE_REWARDS, clipped_token_l
 from lm.tokenizer import chat_tokenizer
 from memory import peak_memory_bytes
 from model import GPTConfig
-from run.checkpoint import check_compatible, restore_training_state, training_state, write_checkpoint
+from run.checkpoint import NEW_RUN, check_compatible, restore_training_state, training_state, write_checkpoint
 from run.device import DTYPES, GradScaler, autocast_context, pick_dtype
 from run.fsdp import place_model
 from run.run_folder import continued_origin, open_run, run_log, run_origin, training_data_hash
@@ -247,7 +247,7 @@ iter_num, best_pass_at_1, evals_without_improvement = 0, -math.inf, 0
 if ckpt:
     if (ckpt['prompts_per_step'], ckpt['num_generations']) != (prompts_per_step, num_generations):
         raise UserError(f"{ckpt_path} was trained with prompts_per_step={ckpt['prompts_per_step']} and "
-                        f"num_generations={ckpt['num_generations']}; resume with those, or start a new run.")
+                        f"num_generations={ckpt['num_generations']}; resume with those, {NEW_RUN}.")
     train_sampler.load_state_dict(ckpt['train_sampler'])
     iter_num, stored_best, evals_without_improvement = restore_training_state(ckpt, ckpt_path, optimizer, scaler,
                                                                               rank, world_size, raw_model)
@@ -365,6 +365,23 @@ def gathered(tensor):
     return torch.cat(parts)
 
 
+def per_reward_metrics(rewards, per_reward):
+    """rewards/<name>/mean and /std of each of rewards (Rewards) over a step's completions, per_reward (n, rewards)
+    their values, NaN where one returned None: TRL's nanmean and nanstd (Bessel's) of the values it scored, left
+    out where they do not exist (TRL logs NaN): the mean of a reward that scored none, the std of one that scored
+    fewer than two. Also returns the names of the rewards that scored no completion."""
+    metrics, scored_none = {}, []
+    for r, values in zip(rewards, per_reward.T):
+        scored = values[~values.isnan()]
+        if len(scored) == 0:
+            scored_none.append(r.name)
+            continue
+        metrics[f'rewards/{r.name}/mean'] = scored.mean().item()
+        if len(scored) > 1:
+            metrics[f'rewards/{r.name}/std'] = scored.std().item()
+    return metrics, scored_none
+
+
 @torch.no_grad()
 def evaluate(iter_num):
     """pass@1 and pass@pass_k of the held-out prompts, each sampled pass_k times (in batches of prompts_per_step,
@@ -419,6 +436,7 @@ if eval_only:
 stop = StopSignal()
 bad_steps = 0
 window = defaultdict(list)  # each metric's values since the last log line, logged as their mean (as TRL)
+said_scored_none = set()  # the rewards whose warning that they scored no completion of a step was given
 progress = tqdm(total=max_iters, initial=iter_num, disable=not master, dynamic_ncols=True, desc='rl')
 while iter_num < max_iters:
     lr = get_lr(iter_num)
@@ -476,10 +494,12 @@ while iter_num < max_iters:
                     'completions/clipped_ratio': 1 - n_stopped / n_completions,
                     'time/generation_s': t1 - t0, 'time/training_s': t2 - t1,
                     'generation/tokens_per_sec': generated_tokens / (t1 - t0)}
-    for r, values in zip(reward_fns, all_per_reward.T):  # TRL's nanmean and nanstd (Bessel's): None left out
-        scored_values = values[~values.isnan()]
-        step_metrics[f'rewards/{r.name}/mean'] = scored_values.mean().item()
-        step_metrics[f'rewards/{r.name}/std'] = scored_values.std().item()
+    reward_metrics, scored_none = per_reward_metrics(reward_fns, all_per_reward)
+    step_metrics.update(reward_metrics)
+    for name in sorted(set(scored_none) - said_scored_none):  # once a reward: a run may go on for days
+        log(f"step {iter_num}: warning: reward {name} scored none of the {n_completions} completions (it returned None "
+            f"for each), so it added 0 to their rewards; None is for a completion a reward cannot score. Said once.")
+        said_scored_none.add(name)
     for k, v in step_metrics.items():
         window[k].append(v)
 
@@ -490,11 +510,14 @@ while iter_num < max_iters:
                     peak_memory_mb=(peak_memory_bytes(local_device) or 0) / 2**20, **means))
         progress.set_postfix(reward=f"{means['reward']:.3f}")
         no_signal = means['frac_reward_zero_std'] == 1
+        # no rewards/<name>/mean in the window: every reward returned None for every completion
+        why = "no reward scored any completion" if not any(f'rewards/{r.name}/mean' in means for r in reward_fns) \
+            else "too hard or too easy prompts, or a constant reward"
         log(f"step {iter_num}: reward {means['reward']:.3f} (std {means['reward_std']:.3f}), loss {means['loss']:.4f}, "
             f"length {means['completions/mean_length']:.1f}, lr {lr:.2e}, grad norm {grad_norm:.3f}, generation "
             f"{means['time/generation_s']:.2f}s, training {means['time/training_s']:.2f}s" + (
                 f"; warning: every group's {num_generations} rewards were equal, so every advantage was 0 and "
-                f"nothing was learned (too hard or too easy prompts, or a constant reward)" if no_signal else ''))
+                f"nothing was learned ({why})" if no_signal else ''))
 
     if iter_num % eval_interval == 0 or iter_num == max_iters:
         pass_at_1 = evaluate(iter_num)

@@ -19,8 +19,8 @@ from tqdm import tqdm
 from configurator import (EMPTY_OR_FOLDER, FOLDER, POSITIVE, UserError, at_least, check_values, configure,
                           dataclass_args, interval, one_of)
 from memory import MemoryMonitor, peak_memory_bytes, recover_from_oom, split_micro_batches
-from run.checkpoint import (check_compatible, load_checkpoint, restore_training_state, rng_state, set_rng_state,
-                            training_state, write_checkpoint)
+from run.checkpoint import (NEW_RUN, check_compatible, load_checkpoint, restore_training_state, rng_state,
+                            set_rng_state, training_state, write_checkpoint)
 from run.device import GradScaler, autocast_context, pick_dtype, to_device
 from run.run_folder import continued_origin, open_run, require_starting_weights, run_log, run_origin
 from run.runtime import (StepProfiler, StopSignal, all_reduce_metrics, bad_step, clip_grad_norm, compute_cleanup,
@@ -155,7 +155,7 @@ require_starting_weights(ckpt, start_from, eval_only, ckpt_path, what='a TTS che
 if not data_dir:
     raise UserError("data_dir is not set: pass --data_dir=PATH to an LJSpeech-layout folder (metadata.csv with "
                     "id|raw text|normalized text rows and wavs/<id>.wav), e.g. LJSpeech-1.1.")
-rows = read_metadata(data_dir)
+rows = read_metadata(data_dir, multi_speaker)
 words = dict(rows)  # what evaluation says, as sample_tts.py is given it
 train_ids, val_ids = split_ids([utt_id for utt_id, _ in rows], val_fraction)
 features_dir = cache_dir or os.path.join(out_dir, 'mel_cache')
@@ -187,13 +187,16 @@ model_args = dataclass_args(TTSConfig, config, symbols=symbols, n_mels=mel_setti
 if resuming or start_from != 'scratch':
     ckpt_source = ckpt_path if resuming else start_from
     ckpt = ckpt if resuming else load_checkpoint(start_from)
+    # a run in out_dir is continued whatever init_from says: a new run takes another out_dir or resume=False
+    new_run = NEW_RUN if resuming else "or point --init_from at another TTS checkpoint, or use --init_from=scratch"
     if ckpt.get('kind') != 'tts':
-        raise UserError(f"{ckpt_source} is not a train_tts.py checkpoint (kind={ckpt.get('kind')!r}); point "
-                        f"--init_from at a TTS checkpoint or use --init_from=scratch.")
+        raise UserError(f"{ckpt_source} is not a train_tts.py checkpoint (kind={ckpt.get('kind')!r}); "
+                        f"{new_run.removeprefix('or ')}.")
     saved_args = dataclasses.asdict(TTSConfig(**ckpt['model_args']))  # keys newer than the checkpoint: defaults
     check_compatible(saved_args, model_args, 'model shape or vocabulary', ckpt_source,
-                     fix="Set the model keys to the checkpoint's values (symbols come from the transcripts: use its "
-                         "data_dir), or use a different out_dir / --init_from=scratch to train a new model.",
+                     fix=f"Set the model keys to the checkpoint's values (symbols come from the transcripts and "
+                         f"text_frontend, speakers from a corpus read with multi_speaker=True: use the run's data_dir "
+                         f"and settings), {new_run}.",
                      may_differ=('dropout', 'cfg_drop'))
 model = TTSModel(TTSConfig(**model_args))
 if ckpt is not None:

@@ -16,6 +16,7 @@ Writes results/fsdp_memory.json (with --trim=True, results/fsdp_memory_trim.json
 import ctypes
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -26,7 +27,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint  # noqa: F401  imported before measuring (run/fsdp.py and run/checkpoint.py import
 import torch.distributed.fsdp  # noqa: F401         these when first needed, ~130 MB)
 
-from configurator import at_least, check_values, configure
+from configurator import UserError, at_least, check_values, configure
 from model import GPTConfig
 from run.checkpoint import write_checkpoint
 from run.fsdp import same_init_on_every_rank, shard_model
@@ -68,6 +69,11 @@ def peak_of(work):
 
 
 if not case:
+    # deleted between the cases: a folder of the checkpoints they write, or none; never another folder
+    if os.path.lexists(out_dir) and not (os.path.isdir(out_dir) and all(
+            re.fullmatch(r'ckpt\.pt|ckpt-.+\.dcp|.+\.tmp', entry) for entry in os.listdir(out_dir))):
+        raise UserError(f"out_dir={out_dir!r} holds other things than this benchmark's checkpoints, and it deletes "
+                        f"its out_dir between cases: pass a new folder (--out_dir=...).")
     results = dict(config=config, cases={})
     for name in CASES:
         shutil.rmtree(out_dir, ignore_errors=True)

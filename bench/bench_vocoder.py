@@ -20,6 +20,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from configurator import check_output_file, install_excepthook  # noqa: E402
 from tts.data import MEL_SETTINGS, MelExtractor, read_metadata, read_wav  # noqa: E402
 from tts.vocoder import load_hifigan  # noqa: E402
 
@@ -32,6 +33,20 @@ parser.add_argument('--threads', type=int, default=2)
 parser.add_argument('--compile', type=int, default=1, help='also time the generator under torch.compile')
 parser.add_argument('--out', default=os.path.join(ROOT, 'bench', 'results', 'vocoder_rtf.json'))
 args = parser.parse_args()
+install_excepthook()
+
+
+def earlier_result(path):
+    """Whether path holds this script's results: the one file --out replaces."""
+    try:
+        with open(path) as f:
+            return {'vocoder', 'rtf'} <= set(json.load(f))
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+check_output_file(args.out, 'out', 'the results JSON', earlier_result, reads=[args.vocoder])
 torch.set_num_threads(args.threads)
 
 extractor = MelExtractor(**MEL_SETTINGS)

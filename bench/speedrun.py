@@ -18,6 +18,7 @@ import importlib.util
 import io
 import json
 import os
+import re
 import shutil
 import statistics
 import struct
@@ -33,7 +34,7 @@ sys.path.insert(0, ROOT)
 import numpy as np
 import torch
 
-from configurator import UserError, configure
+from configurator import UserError, check_output_file, configure
 from data import prepare
 from model import GPT, GPTConfig
 
@@ -260,8 +261,18 @@ def draw_plot(path, curves, target):
 
 # ---------------------------------------------------------------------------- main
 
+# what main() writes in work_dir: a folder holding nothing else is an earlier speedrun's, which a new one replaces
+WORK_ENTRIES = re.compile(r'data|results\.json|\d+-(nanogpt|nanotrain)|shape-.+')
+
+
 def main():
-    if os.path.exists(work_dir):
+    check_output_file(plot, 'plot', 'a PNG', lambda path: open(path, 'rb').read(8) == b'\x89PNG\r\n\x1a\n',
+                      others="a file of another kind")
+    if os.path.lexists(work_dir):
+        if not os.path.isdir(work_dir) or not all(WORK_ENTRIES.fullmatch(e) for e in os.listdir(work_dir)):
+            raise UserError(f"work_dir={work_dir!r} holds other things than a speedrun's runs, and a speedrun starts "
+                            f"by deleting its work_dir: pass a new folder (--work_dir=...), or delete that one "
+                            f"yourself if it can go.")
         shutil.rmtree(work_dir)
     os.makedirs(work_dir)
     nt_data, val = prepare_data()

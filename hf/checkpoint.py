@@ -438,6 +438,12 @@ def read_hf_weights(folder, hf, as_stored=False, keep_nf4=False):
             if four_bit and (part in BNB_PARTS or tensor.dtype == torch.uint8):
                 quantized.setdefault(f'{layer}.weight' if part else hf_name, {})[part or 'packed'] = tensor
                 continue
+            if part in BNB_PARTS or tensor.dtype == torch.uint8:  # the same model, its config.json's entry lost
+                raise UserError(f"{path}: tensor {hf_name} is part of a weight bitsandbytes saved in 4 bits, but "
+                                f"{folder}/config.json has no quantization_config, which transformers writes beside "
+                                f"such weights: the entry is missing. Put back the model's quantization_config "
+                                f"(quant_method 'bitsandbytes', load_in_4bit, bnb_4bit_quant_type 'nf4', "
+                                f"bnb_4bit_use_double_quant), or use the model's unquantized release.")
             if hf_name not in nano_names:
                 raise UserError(f"{path}: tensor {hf_name} is not part of a {hf['architectures'][0]} with this "
                                 f"config.json; the weights and config.json are of different models.")
@@ -449,6 +455,10 @@ def read_hf_weights(folder, hf, as_stored=False, keep_nf4=False):
                                     f"config.json are of different models.")
                 state[nano] = (part if as_stored else part.float()).contiguous()
             loaded.add(hf_name)
+    if four_bit and not quantized:  # a 4-bit config.json beside unquantized weights
+        from run.runtime import log  # not at the top: it imports this module's neighbours
+        log(f"note: {folder}/config.json says its weights are bitsandbytes' 4-bit NF4 (quantization_config), but "
+            f"none of them is quantized: they are read as stored, and quantization_config is ignored")
     for hf_name, parts in quantized.items():
         nano = nano_names.get(hf_name, [])
         if len(nano) != 1 or is_conv1d(hf_name, hf):

@@ -28,6 +28,7 @@ import torch
 
 from configurator import UserError
 from lm.tokenizer import CHAT_ROLES
+from run.checkpoint import NEW_RUN
 from run.device import to_device
 
 
@@ -252,8 +253,8 @@ class EpochSampler:
     def load_state_dict(self, state):
         if len(state['order']) != self.n:
             raise UserError(f"the checkpoint's sampler drew from {len(state['order'])} training examples (usable lines "
-                            f"of train.jsonl), the data now has {self.n}: the training data changed. Restore it, or "
-                            f"start a new run.")
+                            f"of the training file), the data now has {self.n}: the training data changed. Restore it, "
+                            f"{NEW_RUN}.")
         self.generator.set_state(state['generator'])
         self.order, self.position = state['order'], state['position']
 

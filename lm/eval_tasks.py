@@ -148,12 +148,13 @@ FEWSHOT_DELIMITER = '\n\n'  # lm-eval's, between the examples and before the que
 FEWSHOT_SEED = 1234  # lm-eval's fewshot_random_seed
 
 
-def with_fewshot(kind, rows, num_fewshot, description, target_delimiter, chat):
+def with_fewshot(kind, rows, num_fewshot, description, target_delimiter, chat, rows_cut=False):
     """rows with num_fewshot solved examples before each, laid out as lm-eval's ConfigurableTask.fewshot_context:
     description, then each example's text + target_delimiter + its answer (a choice's label, a generation's first
     reference), FEWSHOT_DELIMITER after each, then the row's own text. The examples are other rows of the same
     file, drawn as lm-eval's sampler draws them (fewshot_draws). A chat model gets them as earlier turns instead
-    (lm-eval's --apply_chat_template --fewshot_as_multiturn), the description as a system turn."""
+    (lm-eval's --apply_chat_template --fewshot_as_multiturn), the description as a system turn. rows_cut: the
+    file may have more rows than were read (max_examples), for the message when there are too few."""
     if not num_fewshot and not description:
         return rows
     if kind == ROLLING:
@@ -161,7 +162,7 @@ def with_fewshot(kind, rows, num_fewshot, description, target_delimiter, chat):
     if kind == GENERATION and num_fewshot and any(row['references'] is None for row in rows):
         raise UserError("num_fewshot shows solved examples, but some rows have no reference to show as the answer.")
     out = []
-    for row, shots in zip(rows, fewshot_draws(rows, num_fewshot)):
+    for row, shots in zip(rows, fewshot_draws(rows, num_fewshot, rows_cut)):
         if kind == MULTIPLE_CHOICE:
             solved = ''.join(s['context'] + target_delimiter + s['choices'][s['label']] + FEWSHOT_DELIMITER
                              for s in shots)
@@ -179,18 +180,22 @@ def with_fewshot(kind, rows, num_fewshot, description, target_delimiter, chat):
     return out
 
 
-def fewshot_draws(rows, num_fewshot):
+def fewshot_draws(rows, num_fewshot, rows_cut=False):
     """For each row, the num_fewshot other rows shown before it, drawn as lm-eval's ContextSampler draws them
     when the fewshot split is the evaluated one: one random.Random(1234) for the task, for each row in order
     rnd.sample(rows, num_fewshot + 1), the rows equal to it dropped, the first num_fewshot kept; if its copies
-    left fewer, rnd.sample(the rows without them, num_fewshot)."""
+    left fewer, rnd.sample(the rows without them, num_fewshot). rows_cut: as in with_fewshot."""
     rnd, draws = random.Random(FEWSHOT_SEED), []
     for row in rows:
         others = [shot for shot in rows if not same_row(shot, row)]
         if len(others) < num_fewshot:
+            most = min(sum(not same_row(shot, r) for shot in rows) for r in rows)  # what every row can have
             raise UserError(f"line {row['line']}: num_fewshot={num_fewshot} needs that many other examples, and the "
-                            f"task has {len(others)} besides this one and its copies; lower num_fewshot (or raise "
-                            f"max_examples).")
+                            f"task has {len(others)} besides this one and its copies; "
+                            + (f"lower num_fewshot to {most} or less" if most else
+                               "add other examples (a row's copies are never its examples)")
+                            + (f", or raise max_examples, which reads only the file's first {len(rows)} rows" if
+                               rows_cut else "") + ".")
         shots = [shot for shot in rnd.sample(rows, num_fewshot + 1) if not same_row(shot, row)][:num_fewshot]
         draws.append(shots if len(shots) == num_fewshot else rnd.sample(others, num_fewshot))
     return draws

@@ -21,6 +21,7 @@ import hashlib
 import os
 import pickle
 import random
+import re
 import shutil
 import struct
 import tempfile
@@ -161,12 +162,16 @@ def write_checksums(f, checksums):
 
 
 def shard_folders(path):
-    """The folders of shards written for the checkpoint file path (ckpt.pt: ckpt-<step>.dcp)."""
-    return glob.glob(glob.escape(os.path.splitext(path)[0]) + '-*.dcp')
+    """The folders of shards written for the checkpoint file path (ckpt.pt: ckpt-<step>.dcp, ckpt-<step>.<n>.dcp;
+    run/sharded_checkpoint.py names them), not another folder a user keeps there (ckpt-100-copy.dcp)."""
+    stem = os.path.splitext(path)[0]
+    return [folder for folder in glob.glob(glob.escape(stem) + '-*.dcp')
+            if re.fullmatch(r'\d{6,}(\.\d+)?\.dcp', folder[len(stem) + 1:])]
 
 
-RUN_FIX = ("point --init_from at another checkpoint, or start a new run (another out_dir, or --resume=False to "
-           "replace the run in this one)")  # what a training script can do without a checkpoint
+RUN_FIX = "point --init_from at another checkpoint"  # what a training script can do without its starting model
+# ... and without the checkpoint of the run in out_dir, which is continued whatever init_from says
+RESUME_FIX = "start a new run (another --out_dir, or --resume=False to replace the run there)"
 
 
 def load_checkpoint(path, whole=True, fix=RUN_FIX):
@@ -246,8 +251,13 @@ def file_sha256(*paths):
     return digest.hexdigest()
 
 
-def check_compatible(saved, wanted, what, path, fix="Set these keys to the checkpoint's values, or use a different "
-                     "out_dir / --init_from=scratch to train a new model.", may_differ=()):
+# how a refused relaunch starts over: init_from says where a new run starts, but the run in out_dir is continued
+# whatever it says (run/run_folder.py), so a new run needs another out_dir or resume=False
+NEW_RUN = "or start a new run: another --out_dir, or --resume=False to replace the one there"
+
+
+def check_compatible(saved, wanted, what, path, fix=f"Set these keys back to the checkpoint's values to continue its "
+                     f"run, {NEW_RUN}.", may_differ=()):
     """Raise a UserError listing every field where a checkpoint disagrees with the current config, then fix.
     may_differ: fields a run may change (e.g. dropout)."""
     diffs = [f"{k}: checkpoint has {saved.get(k)!r}, config has {wanted.get(k)!r}"

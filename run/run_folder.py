@@ -16,19 +16,38 @@ import hashlib
 import json
 import math
 import os
+import re
+import shutil
 from typing import NamedTuple
 
-from configurator import UserError, require_writable_folder
-from run.checkpoint import file_sha256, load_checkpoint, save_checkpoint
+from configurator import UserError, on_refusal, require_writable_folder
+from run.checkpoint import RESUME_FIX, file_sha256, load_checkpoint, save_checkpoint
 from run.runtime import log
+
+
+# the temporaries of a killed save (run.checkpoint.atomic_file's <name>.pt.XXXXXXXX.tmp) or log rewrite
+# (run_log's log.jsonl.tmp), never another *.tmp a user keeps in out_dir
+STALE = re.compile(r'.+\.pt\.[a-z0-9_]+\.tmp|log\.jsonl\.tmp')
+# what a training run writes in out_dir: a run that wrote one of these is never undone (leave_as_found)
+CHECKPOINT_NAMES = ('ckpt.pt', 'best.pt', 'merged.pt')
+
+
+def folder_entries(folder):
+    """{name: modification time} of the entries of folder."""
+    with os.scandir(folder) as entries:
+        return {e.name: e.stat(follow_symlinks=False).st_mtime_ns for e in entries}
 
 
 def claim_out_dir(out_dir):
     """Create out_dir, check that files can be written in it, and lock it for the life of this process
     (the lock goes with the process, so a killed run leaves none behind). Temporaries of a save that
-    was killed are removed. Returns the open lock file: keep a reference to it."""
-    require_writable_folder(out_dir)
-    lock = open(os.path.join(out_dir, 'run.lock'), 'a+')
+    was killed are removed. A run refused before it saved a checkpoint (a UserError) leaves out_dir as it
+    found it: a folder it created is removed, from one that was there what it added (leave_as_found).
+    Returns the open lock file: keep a reference to it."""
+    created = require_writable_folder(out_dir)
+    found = folder_entries(out_dir)
+    lock_path = os.path.join(out_dir, 'run.lock')
+    lock = open(lock_path, 'a+')
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -40,8 +59,31 @@ def claim_out_dir(out_dir):
     lock.write(f"{os.getpid()}\n")
     lock.flush()
     for stale in glob.glob(os.path.join(glob.escape(out_dir), '*.tmp')):
-        os.remove(stale)
+        if STALE.fullmatch(os.path.basename(stale)):
+            os.remove(stale)
+    on_refusal(lambda: leave_as_found(out_dir, created, found))
     return lock
+
+
+def leave_as_found(out_dir, created, found):
+    """Undo a refused run's traces in out_dir, unless it saved a checkpoint there (then it is a run that
+    stopped, and everything stays): the folders it created (created, outermost first) go, and from a
+    folder that was there (found: its entries then, {name: mtime}) the entries it added (run.lock,
+    log.jsonl, tb/, a cache). The run's process still holds the lock; none else can be in out_dir."""
+    now = folder_entries(out_dir)
+    saved = [name for name in now if (name in CHECKPOINT_NAMES or name.endswith('.dcp'))
+             and found.get(name) != now[name]]
+    if saved:
+        return
+    if created:
+        shutil.rmtree(created[0])
+        return
+    for name in set(now) - set(found):
+        path = os.path.join(out_dir, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
 
 
 def continued_origin(init_from, out_dir, resume, new_run="--init_from=scratch or a checkpoint"):
@@ -62,7 +104,7 @@ def continued_origin(init_from, out_dir, resume, new_run="--init_from=scratch or
     if not os.path.exists(path):
         raise UserError(f"init_from='resume' continues the run in {out_dir}, but there is none ({path} does not "
                         f"exist). Point --out_dir at the run's folder, or start a new run with {new_run}.")
-    return load_checkpoint(path, whole=False).get('run', {}).get('init_from', 'scratch')
+    return load_checkpoint(path, whole=False, fix=RESUME_FIX).get('run', {}).get('init_from', 'scratch')
 
 
 def run_origin(init_from):
@@ -92,8 +134,12 @@ def run_to_continue(out_dir, resume, run, eval_only, whole=True):
     eval_only evaluates whatever run of this script is there, wherever its weights started."""
     path = os.path.join(out_dir, 'ckpt.pt')
     if not resume or not os.path.exists(path):
+        if not eval_only:  # a new run: what it will save over must be an earlier run's, replaced on request
+            check_replaceable(out_dir, resume, run)
         return None
-    ckpt = load_checkpoint(path, whole)
+    ckpt = load_checkpoint(path, whole, fix=RESUME_FIX)
+    if not (isinstance(ckpt, dict) and 'kind' in ckpt):
+        raise UserError(foreign(path))
     saved = ckpt.get('run', {})  # older checkpoints do not say: continue them
     # init_from may differ to evaluate, or where the model the run began from has moved (gone from
     # where it was, there where this command says: the script checks it is the same model, by its
@@ -107,6 +153,49 @@ def run_to_continue(out_dir, resume, run, eval_only, whole=True):
                         + "; ".join(diffs) + "). Use another --out_dir, or --resume=False to start a new run there "
                         "in its place.")
     return ckpt
+
+
+def foreign(path, what="a checkpoint nanotrain wrote (it holds no 'kind')"):
+    return (f"{path} is not {what}, and a run in its folder would write over it: such a file is never replaced. "
+            f"Use another --out_dir, or move that file away.")
+
+
+def check_replaceable(out_dir, resume, run):
+    """A UserError unless a new run (run: its identity, as in run_to_continue) may save its checkpoints
+    (CHECKPOINT_NAMES) in out_dir: none there, or an earlier run's that resume=False replaces (one too corrupt
+    to read counts as another run's). A file nanotrain did not write is never replaced. Without resume=False
+    (so without a ckpt.pt) another run's best.pt or merged.pt (a folder cleaned to keep its best model) is
+    refused; this run's own is replaced, as a relaunch after a kill between its first two saves (best.pt,
+    then ckpt.pt) must."""
+    found, others = [], []
+    log_path = os.path.join(out_dir, 'log.jsonl')
+    if os.path.isfile(log_path):  # a new run empties it: only a run's log, whose lines are events with a step
+        with open(log_path, 'rb') as f:
+            first = f.readline().decode('utf-8', 'replace')
+        if first.strip() and logged_step(first) is None:
+            raise UserError(foreign(log_path, "a run's log (its first line is no event with a step)"))
+    for name in CHECKPOINT_NAMES:
+        path = os.path.join(out_dir, name)
+        if not os.path.isfile(path):
+            continue
+        found.append(name)
+        try:
+            ckpt = load_checkpoint(path, whole=False)
+        except UserError:  # corrupt, cut short, or its shards gone: whose, none can say
+            others.append(name)
+            continue
+        if not (isinstance(ckpt, dict) and 'kind' in ckpt):
+            raise UserError(foreign(path))
+        saved = ckpt.get('run', {})
+        if any(saved[k] != run.get(k) for k in saved) or not saved:
+            others.append(name)
+    if others and resume:
+        raise UserError(f"{out_dir} holds {' and '.join(others)} of another run (or unreadable) but no ckpt.pt to "
+                        f"continue it, and this new run would replace {'them' if len(others) > 1 else 'it'}. Use "
+                        f"another --out_dir, or --resume=False to start a new run there in its place.")
+    if found:
+        log(f"{'resume=False: ' if not resume else ''}a new run starts in {out_dir}, and its saves replace the "
+            f"{', '.join(found)} there")
 
 
 class OpenRun(NamedTuple):

@@ -23,28 +23,30 @@ from lm.lora import cast_frozen_base
 from lm.nf4 import NF4Weight
 from lm.tokenizer import DEFAULT_DATA_DIR, load_tokenizer
 from model import GPT, GPTConfig, new_seed
-from run.checkpoint import check_compatible, file_sha256, load_checkpoint
+from run.checkpoint import NEW_RUN, RESUME_FIX, check_compatible, file_sha256, load_checkpoint
 from run.fsdp import place_model
 from run.run_folder import require_init_from
 from run.runtime import prepare_once
 
 
-def check_starting_model(model_ckpt, path, model_args, tokenizer, base_tokenizer=None):
+def check_starting_model(model_ckpt, path, model_args, tokenizer, base_tokenizer=None, resuming=False):
     """The vocabulary size of the model a train.py run starts from (model_ckpt, read from path), after
     checking that it fits the run: a chat model is not pretrained further; its tokenizer is the run's
     (a pretrained model being fine-tuned has base_tokenizer, the run's without the chat template's
-    tokens; None when pretraining); its shape is model_args'."""
+    tokens; None when pretraining); its shape is model_args'. resuming: model_ckpt is the checkpoint of the
+    run this launch continues (a new run needs another out_dir or resume=False), not init_from's."""
     chat_model = model_ckpt['config'].get('training_type', 'from_scratch') != 'from_scratch'
     if chat_model and base_tokenizer is None:
         raise UserError(f"{path} is a chat model (training_type={model_ckpt['config']['training_type']!r}); "
                         f"train it further with training_type='sft' or 'lora', not as pretraining.")
     expected = (base_tokenizer if base_tokenizer is not None and not chat_model else tokenizer).identity()
     check_compatible(model_ckpt['tokenizer'], expected, 'tokenizer', path,
-                     fix="Point data_dir at the tokenizer folder it was trained with, or use a different out_dir / "
-                         "--init_from=scratch to train a new model.")
+                     fix="Point data_dir at the tokenizer folder it was trained with, " + (
+                         f"{NEW_RUN}." if resuming else "or start from another model (--init_from) or from scratch."))
     check_compatible(model_ckpt['model_args'], dict(model_args, vocab_size=expected['vocab_size']), 'model shape',
-                     path, fix="Set these keys to the checkpoint's values (a fine-tune keeps its model's shape), or "
-                               "point --init_from at a model of the config's shape.", may_differ=('dropout',))
+                     path, fix="Set these keys to the checkpoint's values (a fine-tune keeps its model's shape), " + (
+                         f"{NEW_RUN}." if resuming else "or point --init_from at a model of the config's shape."),
+                     may_differ=('dropout',))
     return expected['vocab_size']
 
 
@@ -61,7 +63,7 @@ def run_tokenizer(data_dir, model_ckpt, model_path, compute, chat_template_varia
                             f"pass --init_from=<where it is now>).")
         return data_dir, load_hf_tokenizer(data_dir, chat_template_variables)
     if not data_dir:
-        prepare_once(prepare_default, compute)
+        prepare_once(prepare_default, compute, key='')  # train.py names no folder for it
         data_dir = DEFAULT_DATA_DIR
     return data_dir, load_tokenizer(data_dir)
 
@@ -113,8 +115,9 @@ def full_model_checkpoint(ckpt, ckpt_path, init_from, out_dir, training_type, as
     else:
         path, model_ckpt = init_from, load_model(init_from, as_stored, keep_nf4)
     if model_ckpt['kind'] not in ('gpt', 'lora'):
-        raise UserError(f"{path} is a {model_ckpt['kind']!r} checkpoint, not a GPT's; point --init_from at a "
-                        f"train.py checkpoint, or use another out_dir.")
+        raise UserError(f"{path} is a {model_ckpt['kind']!r} checkpoint, not a GPT's; " + (
+            RESUME_FIX if ckpt is not None else "point --init_from at a train.py checkpoint or a Hugging Face model "
+                                                "folder") + ".")
     if model_ckpt['kind'] == 'lora':
         if ckpt is None:
             raise UserError(f"{path} holds LoRA adapters only; start from the merged model of that run "
@@ -168,13 +171,14 @@ def reference_checkpoint(ckpt, init_from, out_dir, made_by=None, as_stored=False
 
 
 def starting_gpt(model_args, model_ckpt, model_path, tokenizer, base_tokenizer=None, assign=False,
-                 linear_dtype=torch.float32):
+                 linear_dtype=torch.float32, resuming=False):
     """(the GPT a train.py run starts from, the vocabulary size it starts with): model_ckpt's (None: a new
     model of model_args), checked with check_starting_model, its vocabulary grown to tokenizer's when the
-    run adds the chat template's tokens. assign, linear_dtype: as in build_model."""
+    run adds the chat template's tokens. assign, linear_dtype: as in build_model; resuming: as in
+    check_starting_model."""
     vocab_size = tokenizer.vocab_size
     if model_ckpt is not None:  # a pretrained model being fine-tuned has the base tokenizer
-        vocab_size = check_starting_model(model_ckpt, model_path, model_args, tokenizer, base_tokenizer)
+        vocab_size = check_starting_model(model_ckpt, model_path, model_args, tokenizer, base_tokenizer, resuming)
     model = build_model(GPTConfig(**dict(model_args, vocab_size=vocab_size)), model_ckpt, assign, linear_dtype)
     if vocab_size < tokenizer.vocab_size:
         model.resize_vocab(tokenizer.vocab_size)

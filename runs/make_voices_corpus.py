@@ -62,6 +62,10 @@ def main():
     speeds = {voice: rng.randint(140, 185) for voice in voices + unseen}  # words a minute: each its own pace
 
     held_dir = a.out.rstrip('/') + '-heldout'
+    for d in (a.out, held_dir):  # a corpus there (its recordings, metadata.csv) is never written over
+        if os.path.isdir(d) and os.listdir(d) or os.path.lexists(d) and not os.path.isdir(d):
+            raise SystemExit(f"{d} exists and is not an empty folder: give --out a new folder (it and {held_dir} "
+                             f"are written), or delete that one yourself if it can go.")
     for d in (a.out, held_dir):
         os.makedirs(os.path.join(d, 'wavs'), exist_ok=True)
     with open(os.path.join(a.out, 'metadata.csv'), 'w', encoding='utf-8') as meta:

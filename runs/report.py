@@ -173,15 +173,22 @@ def run_stage(stage, seed, extra=(), name=None):
         args.append(f'--init_from={hf_model}')
     if stage in TTS_CORPORA:
         args.append(f'--data_dir={TTS_CORPORA[stage][0]}')
-    finished = os.path.join(ROOT, out_dir, 'report_run.json')  # the command, its code and wall time, once it has ended
+    # the command and its code when it starts, its wall time once it has ended: what marks this script's runs
+    finished = os.path.join(ROOT, out_dir, 'report_run.json')
     code = code_hash(args)
     if reuse and os.path.exists(finished):
         with open(finished) as f:
             previous = json.load(f)
-        if previous['args'] == args and previous['code'] == code:
+        if previous['args'] == args and previous['code'] == code and 'wall_s' in previous:
             print(f"[reused] python {' '.join(args)}", flush=True)
             REUSED.append(1)
             return figures_of(stage, read_log(os.path.join(ROOT, out_dir))), previous['wall_s']
+    if os.path.exists(os.path.join(ROOT, out_dir, 'ckpt.pt')) and not os.path.exists(finished):
+        sys.exit(f"error: {out_dir} holds a run this script did not start (no report_run.json), which its "
+                 f"--resume=False would replace; pass another --work_dir, or delete that folder yourself.")
+    os.makedirs(os.path.join(ROOT, out_dir), exist_ok=True)
+    with open(finished, 'w') as f:
+        json.dump(dict(args=args, code=code), f)
     print(f"[{time.strftime('%H:%M:%S')}] python {' '.join(args)}", flush=True)
     t0 = time.time()
     run_checked([sys.executable, *args], f"{stage} (seed {seed})")

@@ -71,8 +71,24 @@ def write_16k(path, wav, rate):
     write_wav(path, wav / max(1.0, wav.abs().max().item()), ASR_RATE)
 
 
+# what the synthesize and score steps of this script, runs/tts_voices.py and runs/tts_mos.py write in wav_dir
+WAV_DIR_ENTRIES = re.compile(r'(reference|griffin_lim|vocoder|model|clip|speaker)|'
+                             r'(manifest|similarity|(whisper|dnsmos)_[a-z_]+)\.json')
+
+
+def check_wav_dir(wav_dir):
+    """Exit with a message unless wav_dir may take a synthesize step's WAVs and manifest.json: new, or holding
+    only what these scripts write there (an earlier step's, whose kinds a later one adds to, or one killed
+    midway); another folder (a corpus, its recordings) is never written into."""
+    if os.path.lexists(wav_dir) and not (os.path.isdir(wav_dir) and all(
+            WAV_DIR_ENTRIES.fullmatch(entry) for entry in os.listdir(wav_dir))):
+        raise SystemExit(f"--wav_dir={wav_dir} holds other files than these scripts write there (kind folders, "
+                         f"manifest.json): give a new folder, or delete that one yourself if it can go.")
+
+
 def synthesize(args):
     # torch and nanotrain only here: `score` runs in the ASR venv, which has neither
+    check_wav_dir(args.wav_dir)
     import torch
     sys.path.insert(0, ROOT)
     from tts.data import MEL_SETTINGS, MelExtractor, read_metadata, read_speakers, read_wav, split_ids

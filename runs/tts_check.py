@@ -22,10 +22,21 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from configurator import check_output_file, install_excepthook  # noqa: E402
 from tts.data import LJSpeechDataset, read_metadata, read_speakers, split_ids  # noqa: E402
 from tts.eval import alignment_stats  # noqa: E402
 from tts.phonemes import phonemize_corpus  # noqa: E402
 from tts.model import load_tts  # noqa: E402
+
+
+def earlier_result(path):
+    """Whether path holds this script's results: the one file --json replaces."""
+    try:
+        with open(path) as f:
+            return {'command', 'train_args', 'results'} <= set(json.load(f))
+    except (OSError, ValueError, TypeError):
+        return False
+
 
 parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
 parser.add_argument('--data_dir', required=True, help='the espeak corpus (LJSpeech layout)')
@@ -46,6 +57,9 @@ args, train_args = parser.parse_known_args()
 data_dir = os.path.abspath(args.data_dir)  # train_tts.py runs in the repository root
 config = args.config if os.path.exists(args.config) else os.path.join(ROOT, args.config)
 
+install_excepthook()
+if args.json:  # checked before the runs: the one file it replaces is an earlier result of this script
+    check_output_file(args.json, 'json', 'the results JSON', earlier_result)
 work_dir = args.work_dir or tempfile.mkdtemp(prefix='tts_check_')
 results, failed = [], False
 print(f"{'seed':>6} {'train prior':>11} {'held-out prior':>14} {'one-frame':>9} {'sharpness':>9} {'minutes':>7}  "

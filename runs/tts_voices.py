@@ -23,12 +23,13 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tts_asr import write_16k  # noqa: E402  (Resemblyzer's input rate is Whisper's, 16 kHz)
+from tts_asr import check_wav_dir, write_16k  # noqa: E402  (Resemblyzer's input rate is Whisper's, 16 kHz)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def synthesize(args):
+    check_wav_dir(args.wav_dir)
     import torch
     sys.path.insert(0, ROOT)
     from tts.data import MEL_SETTINGS, read_metadata, read_speakers, read_wav
@@ -42,7 +43,7 @@ def synthesize(args):
     vocode = load_vocoder(args.vocoder)
     settings = (c['n_timesteps'], c['temperature'], c['length_scale'], c['guidance'], c['seed'], vocode)
     rate = MEL_SETTINGS['sample_rate']
-    texts = dict(read_metadata(args.held_out_dir))
+    texts = dict(read_metadata(args.held_out_dir, multi_speaker=True))
     speaker_of = read_speakers(args.held_out_dir)
     voices = {}
     for utt_id, speaker in speaker_of.items():

@@ -12,6 +12,7 @@ import os
 import random
 import re
 
+from configurator import UserError
 from lm.metrics import normalize_answer
 
 NUMBER_TASKS_DIR = os.path.join('data', 'number_tasks')
@@ -114,10 +115,21 @@ def prepare_number_tasks(out_dir=NUMBER_TASKS_DIR, n_train=10_000, n_eval=500, s
     meta = {'task': 'number_preferences' if preferences else 'number_tasks', 'sizes': sizes, 'seed': seed,
             'version': 3}  # 3: sums and differences worked column by column; the kinds of wrong answers
     meta_path = os.path.join(out_dir, 'meta.json')
+    old = None
     if os.path.exists(meta_path):
-        with open(meta_path) as f:
-            if json.load(f) == meta:
-                return out_dir
+        try:
+            with open(meta_path) as f:
+                old = json.load(f)
+        except ValueError:  # cut short (written last, whole: not by this function)
+            pass
+        if old == meta:
+            return out_dir
+    # what is replaced: an earlier version's task files (its meta.json), or none; a user's own are never
+    ours = isinstance(old, dict) and old.get('task') in ('number_tasks', 'number_preferences')
+    if not ours and any(os.path.exists(os.path.join(out_dir, f'{split}.jsonl')) for split in sizes):
+        raise UserError(f"{out_dir} holds task files the embedded number tasks did not write (no meta.json of theirs), "
+                        f"and they would be written there. Move your files to a folder of their own (then point "
+                        f"sft_data, dpo_data, rl_data or eval_data at it), or delete them if they can go.")
     rng, wrong_rng = random.Random(seed), random.Random(seed + 1)
     splits = {split: {} for split in sizes}  # question -> (answer, mistakes): no duplicates within a split either
     while any(len(splits[s]) < sizes[s] for s in sizes):

@@ -124,7 +124,9 @@ def test_train_py_with_8_bit_moments_resumes_exactly_and_refuses_another_optimiz
     state = load(tmp_path / 'resumed' / 'ckpt.pt')['optimizer']['state']
     assert any(t.dtype == torch.uint8 for s in state.values() for t in s.values())
     p = train(tmp_path / 'resumed', data_dir, '--n_embd=64', '--max_iters=9', check=False)
-    assert_user_error(p, 'optimizer_type')
+    # the advice starts over the way that works in out_dir (--init_from=scratch was refused alike)
+    assert_user_error(p, 'optimizer_type', 'another --out_dir, or --resume=False')
+    assert '--init_from' not in p.stderr
 
 
 @pytest.mark.slow

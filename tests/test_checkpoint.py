@@ -81,11 +81,99 @@ def test_rng_state_round_trip_through_checkpoint(tmp_path):
 
 
 def test_check_compatible_lists_every_difference():
+    """Every differing field is named; the default advice is a continued run's (train.py's optimizer): set the keys
+    back, or start over with another out_dir or --resume=False, never --init_from=scratch, which the run in out_dir
+    ignores (it is continued whatever init_from says, so that advice was refused the same way)."""
     check_compatible({'a': 1, 'b': 2}, {'a': 1, 'b': 2}, 'model shape', 'x.pt')
     with pytest.raises(UserError) as e:
         check_compatible({'a': 1, 'b': 2, 'c': 3}, {'a': 1, 'b': 5, 'c': 4}, 'model shape', 'x.pt')
     msg = str(e.value)
     assert 'b: checkpoint has 2, config has 5' in msg and 'c: checkpoint has 3, config has 4' in msg and 'x.pt' in msg
+    assert 'another --out_dir, or --resume=False' in msg and 'scratch' not in msg
+
+
+def test_a_refused_run_leaves_its_out_dir_as_it_found_it(tmp_path):
+    """A run refused (a UserError, through the excepthook) before it saved a checkpoint: a folder it created is
+    gone, one that was there keeps only what it held (a user's *.tmp too; a killed save's temporary goes at the
+    claim); a run that saved a checkpoint keeps everything."""
+    import configurator
+    from run.run_folder import claim_out_dir
+
+    def refuse():
+        with pytest.raises(SystemExit) as e:
+            configurator._excepthook(UserError, UserError('refused'), None)
+        assert e.value.code == 2
+
+    new = tmp_path / 'new' / 'run'
+    claim_out_dir(str(new))
+    (new / 'log.jsonl').write_text('{}\n')
+    (new / 'mel_cache').mkdir()
+    refuse()
+    assert not (tmp_path / 'new').exists()
+    there = tmp_path / 'there'
+    there.mkdir()
+    (there / 'notes.tmp').write_text('a user file')
+    (there / 'ckpt.pt.a1b2c3d4.tmp').write_bytes(b'half a save')
+    claim_out_dir(str(there))
+    (there / 'tb').mkdir()
+    (there / 'log.jsonl').write_text('{}\n')
+    refuse()
+    assert os.listdir(there) == ['notes.tmp']
+    claim_out_dir(str(there))
+    save_checkpoint(there / 'ckpt.pt', {'iter_num': 1})
+    (there / 'log.jsonl').write_text('{}\n')
+    refuse()  # stopped after its first save: a run to continue
+    assert sorted(os.listdir(there)) == ['ckpt.pt', 'log.jsonl', 'notes.tmp', 'run.lock']
+
+
+def test_a_new_run_replaces_only_checkpoints_of_its_own_or_on_request(tmp_path, capsys):
+    """What a new run would save over in out_dir: a file nanotrain did not write (a ckpt.pt, best.pt or merged.pt
+    holding no 'kind') is refused even with resume=False, and as ckpt.pt is not continued (a KeyError before);
+    another run's best.pt without the ckpt.pt that continues it only with resume=False, which says what it
+    replaces; this run's own (a kill between its first two saves) is replaced, saying so."""
+    from run.run_folder import run_to_continue
+    this = dict(script='train.py', training_type='from_scratch', init_from='scratch')
+    out = tmp_path / 'out'
+    out.mkdir()
+    torch.save({'w': torch.zeros(2)}, out / 'ckpt.pt')  # someone's own weights
+    for resume in (True, False):
+        with pytest.raises(UserError, match=r"ckpt.pt is not a checkpoint nanotrain wrote .* never replaced"):
+            run_to_continue(str(out), resume, this, eval_only=False)
+    os.remove(out / 'ckpt.pt')
+    (out / 'log.jsonl').write_text('my own log\n')  # a new run empties a run's log, never another file
+    with pytest.raises(UserError, match=r"log.jsonl is not a run's log .* never replaced"):
+        run_to_continue(str(out), False, this, eval_only=False)
+    (out / 'log.jsonl').write_text('{"step": 0, "val_loss": 1.0}\n')
+    save_checkpoint(out / 'best.pt', {'kind': 'gpt', 'run': dict(this, init_from='/models/other.pt')})
+    with pytest.raises(UserError, match=r"holds best.pt of another run \(or unreadable\) but no ckpt.pt to continue.*"
+                                        r"--resume=False to start a new run there in its place"):
+        run_to_continue(str(out), True, this, eval_only=False)
+    capsys.readouterr()
+    assert run_to_continue(str(out), False, this, eval_only=False) is None
+    assert 'resume=False: a new run starts in' in capsys.readouterr().out
+    assert run_to_continue(str(out), True, this, eval_only=True) is None  # eval_only saves nothing
+    save_checkpoint(out / 'best.pt', {'kind': 'gpt', 'run': this})
+    assert run_to_continue(str(out), True, this, eval_only=False) is None
+    assert 'its saves replace the best.pt there' in capsys.readouterr().out
+    (out / 'merged.pt').write_text('my notes')  # unreadable as a checkpoint: replaced on request only
+    with pytest.raises(UserError, match='holds merged.pt of another run'):
+        run_to_continue(str(out), True, this, eval_only=False)
+    # a corrupt ckpt.pt of the run there: init_from is no way out (that run is continued whatever it says)
+    (out / 'ckpt.pt').write_bytes(b'PK\x03\x04 cut short')
+    with pytest.raises(UserError, match=r"restore it from a backup, or start a new run \(another --out_dir, or "
+                                        r"--resume=False to replace the run there\)") as e:
+        run_to_continue(str(out), True, this, eval_only=False)
+    assert '--init_from' not in str(e.value)
+
+
+def test_only_the_shard_folders_a_save_wrote_are_its_own(tmp_path):
+    """A sharded save removes its earlier shard folders (shard_folders), never a folder of a similar name a user
+    keeps beside them (a copy of one)."""
+    from run.checkpoint import shard_folders
+    for name in ('ckpt-000004.dcp', 'ckpt-000004.1.dcp', 'ckpt-000004-copy.dcp', 'ckpt-old.dcp', 'best-000002.dcp'):
+        (tmp_path / name).mkdir()
+    assert sorted(os.path.basename(f) for f in shard_folders(str(tmp_path / 'ckpt.pt'))) == [
+        'ckpt-000004.1.dcp', 'ckpt-000004.dcp']
 
 
 def test_stop_signal_sets_flag_and_exit_code():
@@ -147,4 +235,8 @@ def test_a_fine_tune_of_another_shape_is_told_to_match_it():
                 model_args=dict(n_layer=6, vocab_size=10))
     with pytest.raises(UserError, match=r"n_layer: checkpoint has 6, config has 4\). Set these keys") as e:
         check_starting_model(ckpt, 'out/ckpt.pt', dict(n_layer=4), Tokenizer(), base_tokenizer=Tokenizer())
-    assert 'scratch' not in str(e.value)
+    assert 'scratch' not in str(e.value) and 'point --init_from at a model' in str(e.value)
+    # the checkpoint of the run being continued: init_from is not read, so only a new run changes the shape
+    with pytest.raises(UserError, match=r"n_layer: checkpoint has 6, config has 4\). Set these keys") as e:
+        check_starting_model(ckpt, 'out/ckpt.pt', dict(n_layer=4), Tokenizer(), Tokenizer(), resuming=True)
+    assert '--init_from' not in str(e.value) and 'another --out_dir, or --resume=False' in str(e.value)

@@ -203,6 +203,38 @@ def test_missing_input(tmp_path):
         data.prepare(tmp_path / 'no_such.txt', tmp_path / 'ds')
 
 
+def test_a_dataset_is_replaced_only_by_one_with_its_tokenizer(tmp_path, monkeypatch):
+    """A missing input leaves no folder behind; the same corpus prepared again replaces its dataset, another
+    corpus (or the default corpus of another standard library) over it is refused with nothing written: every
+    model trained on a dataset reads text through its tokenizer, found in its folder. A corrupt meta.json is
+    prepared over, as its message advises; another program's is not."""
+    with pytest.raises(UserError, match='does not exist'):
+        data.prepare(tmp_path / 'no_such.txt', tmp_path / 'new' / 'ds')
+    assert not (tmp_path / 'new').exists()
+    ds = data.prepare(write(tmp_path / 'in.txt', TEXT), tmp_path / 'ds', 'char')
+    data.prepare(tmp_path / 'in.txt', ds, 'char')
+    before = {f: (tmp_path / 'ds' / f).read_bytes() for f in os.listdir(ds)}
+    with pytest.raises(UserError, match=r"holds a dataset prepared from .*in.txt \(char tokenizer, \d+ tokens\); "
+                                        r"preparing it from .*other.txt would replace its tokenizer"):
+        data.prepare(write(tmp_path / 'other.txt', 'zzz'), ds, 'char')
+    assert {f: (tmp_path / 'ds' / f).read_bytes() for f in os.listdir(ds)} == before
+    (tmp_path / 'ds' / 'meta.json').write_text('{"tokenizer": ')
+    data.prepare(tmp_path / 'other.txt', ds, 'char')
+    (tmp_path / 'ds' / 'meta.json').write_text('{"name": "not a dataset"}')
+    with pytest.raises(UserError, match="not a data.py dataset's"):
+        data.prepare(tmp_path / 'other.txt', ds, 'char')
+    monkeypatch.setattr(data, 'stdlib_documents', lambda: [CODE])
+    data.prepare_default(tmp_path / 'stdlib', vocab_size=300)
+    monkeypatch.setattr(data, 'stdlib_documents', lambda: [CODE, CODE.upper()])
+    with pytest.raises(UserError, match="from this Python's standard library would replace its tokenizer"):
+        data.prepare_default(tmp_path / 'stdlib', vocab_size=300)
+    # the default corpus where it cannot be written: data.py's flag is --out_dir, train.py has none for it
+    with pytest.raises(UserError, match=r"cannot be created or written .*Point --out_dir at a folder"):
+        data.main([f'--out_dir={tmp_path / "in.txt" / "ds"}', '--vocab_size=300'])
+    with pytest.raises(UserError, match=r"`python data.py --out_dir=DIR`, and pass --data_dir=DIR"):
+        data.prepare_default(tmp_path / 'in.txt' / 'ds', 300, key='')
+
+
 def test_empty_corpus(tmp_path):
     with pytest.raises(UserError, match='holds no text'):
         data.prepare(write(tmp_path / 'empty.txt', ''), tmp_path / 'ds')

@@ -275,8 +275,8 @@ def test_sft_rows_and_a_byte_order_mark_are_read(models, tmp_path):
 
 def test_out_never_writes_over_what_it_reads_or_another_models_results(models, tmp_path):
     """--out onto the task file, the checkpoint or any file that is not this model's results on this task is
-    refused and leaves the file as it was; the same model's results are replaced; a second model whose folder
-    has the same name as the first's gets its own default results file."""
+    refused and leaves the file as it was (a <out>.tmp too); the same model's results are replaced; a second model
+    whose folder has the same name as the first's gets its own default results file."""
     data = write_jsonl(tmp_path / 'task.jsonl', [dict(prompt='abc', reference='d')])
     other = tmp_path / 'notes.json'
     other.write_text('{"mine": 1}')
@@ -287,8 +287,11 @@ def test_out_never_writes_over_what_it_reads_or_another_models_results(models, t
             eval_py(f"--init_from={models['base']}", f'--eval_data={data}', f'--out={out}', '--max_new_tokens=2')
         assert message in str(e.value) and open(out, 'rb').read() == before
     args = (f'--eval_data={data}', '--max_new_tokens=2')
+    (tmp_path / 'task.eval.base.json.tmp').write_text('a file of the user\'s')  # the old temporary's name
     first = eval_py(f"--init_from={models['base']}", *args)
     assert first['path'] == str(tmp_path / 'task.eval.base.json')
+    assert (tmp_path / 'task.eval.base.json.tmp').read_text() == 'a file of the user\'s'
+    assert oct(os.stat(first['path']).st_mode & 0o777) == '0o644' and not list(tmp_path.glob('tmp*.tmp'))
     again = eval_py(f"--init_from={models['base']}", *args, f"--out={first['path']}")  # its own results: replaced
     assert again['path'] == first['path']
     twin = tmp_path / 'r2' / 'base' / 'ckpt.pt'  # another model in a folder of the same name
@@ -397,6 +400,13 @@ def test_few_shot_contexts_are_lm_evals(models, tmp_path):
         assert example['prompt'].startswith(f"<|system|>Be brief.<|end|><|user|>{shot['prompt']}<|end|><|assistant|>"
                                             f"{shot['reference']}<|end|><|user|>{gen[i]['prompt']}<|end|>")
     assert 'num_fewshot=4 needs that many other examples' in bad(models, [gen[0]] * 4, '--num_fewshot=4')
+    # the advice fits what was read: every row read (max_examples=0, or all the file's) cannot raise max_examples
+    too_many = bad(models, gen, '--num_fewshot=20')
+    assert 'the task has 3 besides this one' in too_many and 'lower num_fewshot to 3 or less.' in too_many
+    assert 'max_examples' not in too_many and 'max_examples' not in bad(models, gen, '--num_fewshot=20',
+                                                                         '--max_examples=8')
+    assert 'or raise max_examples, which reads only the file\'s first 2 rows' in bad(models, gen, '--num_fewshot=3',
+                                                                                    '--max_examples=2')
 
 
 def test_fewshot_draws_are_lm_evals():

@@ -178,6 +178,9 @@ def test_export_py_refuses_speedrun_cpus_model_and_a_missing_tokenizer_writing_n
     p = run(['export.py', str(tmp_path / 'moved.pt'), str(tmp_path / 'out' / 'hf')], check=False)
     assert_user_error(p, 'no longer exists')
     assert not (tmp_path / 'out').exists()
+    p = run(['export.py', str(tmp_path / 'moved.pt'), str(tmp_path / 'out' / 'hf'), '--dtype=fp8'], check=False)
+    assert_user_error(p, '--dtype=fp8: write the weights in one of float32, bfloat16, float16')
+    assert not (tmp_path / 'out').exists()
 
 
 @pytest.mark.slow

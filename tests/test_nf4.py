@@ -349,6 +349,31 @@ def test_other_4_bit_formats_are_refused_with_the_reason(tmp_path):
             load_hf_checkpoint(edited_copy(tmp_path / f'tensors{i}', tensors=tensors))
 
 
+def test_a_4_bit_config_and_weights_that_disagree_say_which_is_missing(tmp_path, capsys):
+    """4-bit weights whose config.json lost its quantization_config: the entry is named missing (it is the same
+    model, not another); a config that says 4-bit beside unquantized weights: they are read as stored, with a
+    note that quantization_config was ignored."""
+    folder = edited_copy(tmp_path / 'lost')
+    hf = read_json_file(os.path.join(folder, 'config.json'))
+    (tmp_path / 'lost' / 'bnb' / 'config.json').write_text(json.dumps({k: v for k, v in hf.items()
+                                                                       if k != 'quantization_config'}))
+    with pytest.raises(UserError, match=r"is part of a weight bitsandbytes saved in 4 bits, but .*config.json has no "
+                                        r"quantization_config.*the entry is missing") as e:
+        load_hf_checkpoint(folder)
+    assert 'different models' not in str(e.value)
+    stored = load_file(os.path.join(BNB_FOLDER, 'model.safetensors'))
+    plain = {name: BNB_EXPECTED.get(f'dequantized.{name}', tensor) for name, tensor in stored.items()
+             if '.weight.' not in name}  # the packed weights dequantized, their quantization's tensors left out
+    unquantized = edited_copy(tmp_path / 'plain')
+    save_file(plain, os.path.join(unquantized, 'model.safetensors'))
+    capsys.readouterr()
+    read = load_hf_checkpoint(unquantized)
+    assert 'none of them is quantized: they are read as stored, and quantization_config is ignored' in \
+        capsys.readouterr().out
+    expected = load_hf_checkpoint(BNB_FOLDER)['model']
+    assert all(torch.equal(read['model'][k], expected[k]) for k in expected)
+
+
 def test_a_4_bit_lm_head_is_dequantized_for_a_4_bit_base(tmp_path):
     """A folder whose lm_head bitsandbytes also quantized (llm_int8_skip_modules without it): a 4-bit base keeps
     the blocks' bits and dequantizes the head, which stays float32 as every weight outside the blocks does."""
@@ -371,7 +396,8 @@ def test_a_4_bit_lm_head_is_dequantized_for_a_4_bit_base(tmp_path):
 @pytest.mark.slow
 def test_train_py_qlora_on_a_bitsandbytes_folder(tmp_path, task):
     """train.py's LoRA on the 4-bit folder with lora_base_dtype='nf4': trains on its bits as stored; merged.pt is
-    bitsandbytes' dequantized weight plus the update; the export is an unquantized model that reads back."""
+    bitsandbytes' dequantized weight plus the update; the export is an unquantized model that reads back, in the
+    published model's bf16 by default (the line says so), in float32 with --dtype=float32."""
     out = tmp_path / 'out'
     fine_tune(out, task, 'llama_bnb4', *LORA, training_type='lora')
     losses = val_losses(out)
@@ -381,7 +407,14 @@ def test_train_py_qlora_on_a_bitsandbytes_folder(tmp_path, task):
     expected = BNB_EXPECTED['dequantized.model.layers.1.mlp.down_proj.weight'].float() + low_rank_delta(
         adapters['transformer.h.1.mlp.proj.lora_A'], adapters['transformer.h.1.mlp.proj.lora_B'], 8 / 4)
     assert torch.equal(merged['transformer.h.1.mlp.proj.weight'], expected)
-    run(['export.py', str(out / 'merged.pt'), str(tmp_path / 'exported')])
+    p = run(['export.py', str(out / 'merged.pt'), str(tmp_path / 'exported')])
     assert 'quantization_config' not in read_json_file(str(tmp_path / 'exported' / 'config.json'))
-    exported = load_gpt(str(tmp_path / 'exported'))  # in the model's published dtype, bfloat16
+    exported = load_gpt(str(tmp_path / 'exported'))  # in the model's published dtype, bfloat16, which is named
     assert all(torch.equal(v, merged[k].bfloat16().float()) for k, v in exported.state_dict().items())
+    assert '(LlamaForCausalLM, bfloat16, the published model\'s; the checkpoint holds float32, which ' \
+           '--dtype=float32 writes)' in p.stdout
+    p = run(['export.py', str(out / 'merged.pt'), str(tmp_path / 'float32'), '--dtype=float32'])
+    assert '(LlamaForCausalLM, float32) to' in p.stdout
+    assert read_json_file(str(tmp_path / 'float32' / 'config.json'))['dtype'] == 'float32'
+    exported = load_gpt(str(tmp_path / 'float32'))  # the merged weights as the run holds them
+    assert all(torch.equal(v, merged[k]) for k, v in exported.state_dict().items())

@@ -9,15 +9,16 @@ import os
 import re
 import shutil
 import signal
+import warnings
 
 import pytest
 import torch
 
-from conftest import (assert_user_error, hf_fixture, kill_and_relaunch, load, read_log, run, sft, sigterm_after_steps,
-                      torchrun, write_jsonl)
+from conftest import (assert_user_error, hf_fixture, kill_and_relaunch, load, read_log, run, script_definitions, sft,
+                      sigterm_after_steps, torchrun, write_jsonl)
 from configurator import UserError
 from lm.chat_data import rl_prompt
-from lm.rewards import check_rows, load_reward, load_rewards, reward_values
+from lm.rewards import Reward, check_rows, load_reward, load_rewards, reward_values
 from lm.tokenizer import CharTokenizer, ChatTokenizer
 from lm.rl import (clipped_token_loss, completion_batches, group_advantages, k3_kl, normalized_loss, sequence_log_ratio,
                    token_entropy)
@@ -504,14 +505,24 @@ def test_reward_function_that_raises_exits_2(tmp_path, rl_env):
 @pytest.mark.slow
 def test_constant_reward_warns_and_stays_finite(tmp_path, rl_env):
     """A reward that never varies within a group: every advantage is 0 (no NaN from the 0 std), the loss and the
-    gradient are 0, and each step's log line says that nothing was learned."""
-    (tmp_path / 'r.py').write_text("def one(prompt, completion, row):\n    return 1\n")
+    gradient are 0, and each step's log line says that nothing was learned. A reward that returns None for every
+    completion says so, once, and is not logged as NaN (nor warned about by torch's std)."""
+    (tmp_path / 'r.py').write_text("def one(prompt, completion, row):\n    return 1\n\n"
+                                   "def never(prompt, completion, row):\n    return None\n")
     p = rl(rl_env, tmp_path / 'out', f'--reward={tmp_path / "r.py"}:one', '--max_iters=2', '--eval_prompts=1',
            '--exact_match_examples=0')
     assert "warning: every group's 4 rewards were equal" in p.stdout + p.stderr
+    assert "(too hard or too easy prompts, or a constant reward)" in p.stdout + p.stderr
     for e in train_events(tmp_path / 'out').values():
         assert e['reward'] == 1 and e['reward_std'] == 0 and e['frac_reward_zero_std'] == 1
         assert e['loss'] == 0 and e['grad_norm'] == 0 and e['accuracy'] == 1
+    p = rl(rl_env, tmp_path / 'never', f'--reward={tmp_path / "r.py"}:never', '--max_iters=2', '--eval_prompts=1',
+           '--exact_match_examples=0')
+    output = p.stdout + p.stderr
+    assert output.count('warning: reward never scored none of the 16 completions') == 1
+    assert "nothing was learned (no reward scored any completion)" in output and 'degrees of freedom' not in output
+    assert all('rewards/never/mean' not in e and e['reward'] == 0 for e in train_events(tmp_path / 'never').values())
+    assert 'NaN' not in (tmp_path / 'never' / 'log.jsonl').read_text()
 
 
 @pytest.mark.slow
@@ -740,19 +751,38 @@ def test_several_rewards_weights_none_and_batched_calls(tmp_path):
         reward_values(load_reward(f'{tmp_path / "r.py"}:wrong_count'), [[]] * 3, completions, rows, ['w'] * 3)
 
 
+def test_per_reward_metrics_leave_out_what_a_reward_did_not_score():
+    """TRL's nanmean and nanstd of each reward's values, without NaN or torch's 'degrees of freedom' warning: no
+    mean for a reward that scored no completion (named), no std for one that scored one."""
+    per_reward_metrics, = script_definitions('train_rl.py', 'per_reward_metrics')
+    rewards = [Reward(None, name, name, False) for name in ('one', 'none', 'once')]
+    nan = math.nan
+    values = torch.tensor([[1.0, nan, nan], [3.0, nan, 2.0], [2.0, nan, nan]])
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        metrics, scored_none = per_reward_metrics(rewards, values)
+    assert metrics == {'rewards/one/mean': 2.0, 'rewards/one/std': 1.0, 'rewards/once/mean': 2.0}
+    assert scored_none == ['none']
+
+
 @pytest.mark.slow
 def test_several_rewards_are_logged_each_and_summed(tmp_path, rl_env):
-    """--reward=a,b --reward_weights=2,1: rewards/<name>/mean and /std of each (None left out), the logged reward
-    their weighted sum."""
+    """--reward=a,b,c --reward_weights=2,1,1: rewards/<name>/mean and /std of each (None left out), the logged
+    reward their weighted sum; the third returns None for every completion."""
     (tmp_path / 'r.py').write_text(
         "def one(prompt, completion, row):\n    return 1\n\n"
         "def odd(prompts, completions, rows):\n    return [0.5 if len(c) % 2 else None for c in completions]\n"
-        "odd.batched = True\n")
-    rl(rl_env, tmp_path / 'out', f'--reward={tmp_path / "r.py"}:one,{tmp_path / "r.py"}:odd', '--reward_weights=2,1',
-       '--max_iters=2', '--eval_prompts=1', '--exact_match_examples=0', '--correct_reward=2')
+        "odd.batched = True\n\n"
+        "def never(prompt, completion, row):\n    return None\n")
+    p = rl(rl_env, tmp_path / 'out', f'--reward={tmp_path / "r.py"}:one,{tmp_path / "r.py"}:odd,'
+           f'{tmp_path / "r.py"}:never', '--reward_weights=2,1,1', '--max_iters=2', '--eval_prompts=1',
+           '--exact_match_examples=0', '--correct_reward=2')
     for e in train_events(tmp_path / 'out').values():
         assert e['rewards/one/mean'] == 1 and e['rewards/one/std'] == 0 and e['rewards/odd/mean'] == 0.5
-        assert 2 <= e['reward'] <= 2.5 and e['accuracy'] == 1
+        assert 2 <= e['reward'] <= 2.5 and e['accuracy'] == 1 and 'rewards/never/mean' not in e
+    # the one that scored nothing is named once, and neither logged as NaN nor warned about by torch's std
+    assert (p.stdout + p.stderr).count('warning: reward never scored none of the 16 completions') == 1
+    assert 'degrees of freedom' not in p.stderr and 'NaN' not in (tmp_path / 'out' / 'log.jsonl').read_text()
 
 
 

@@ -147,6 +147,17 @@ def test_number_tasks_are_correct_disjoint_and_cached(tmp_path):
     assert os.path.getmtime(os.path.join(out, 'train.jsonl')) == before  # reused
     again = prepare_number_tasks(str(tmp_path / 'b'), n_train=300, n_eval=30)
     assert open(os.path.join(again, 'test.jsonl')).read() == open(os.path.join(out, 'test.jsonl')).read()
+    # an earlier version's are written over (its meta.json says so), a user's own task files in the folder never
+    with open(os.path.join(again, 'meta.json')) as f:
+        meta = json.load(f)
+    with open(os.path.join(again, 'meta.json'), 'w') as f:
+        json.dump(dict(meta, version=meta['version'] - 1), f)
+    prepare_number_tasks(str(tmp_path / 'b'), n_train=300, n_eval=30)
+    os.makedirs(tmp_path / 'mine')
+    (tmp_path / 'mine' / 'train.jsonl').write_text('{"prompt": "my task", "response": "mine"}\n')
+    with pytest.raises(UserError, match='holds task files the embedded number tasks did not write'):
+        prepare_number_tasks(str(tmp_path / 'mine'), n_train=300, n_eval=30)
+    assert os.listdir(tmp_path / 'mine') == ['train.jsonl']
 
 
 # -- batching ------------------------------------------------------------------------------------
@@ -469,7 +480,8 @@ def test_resume_refuses_changed_data_and_pretraining_a_chat_model(tmp_path, sft_
     assert_user_error(p, "is a chat model (training_type='sft')")
     torch.save(dict(kind='tts'), tmp_path / 'tts.pt')
     p = sft(sft_env, tmp_path / 'c', f'--init_from={tmp_path / "tts.pt"}', check=False)
-    assert_user_error(p, "is a 'tts' checkpoint, not a GPT's")
+    assert_user_error(p, "is a 'tts' checkpoint, not a GPT's; point --init_from at a train.py checkpoint")
+    assert not (tmp_path / 'c').exists()  # the refused run's out_dir is gone
 
 
 @pytest.mark.slow

@@ -18,8 +18,8 @@ import torch
 from configurator import UserError
 from conftest import assert_user_error, kill_and_relaunch, launch, load, read_log, run
 from tts.data import (MEL_SETTINGS, FrameBudgetSampler, LJSpeechDataset, MelExtractor, encode_text,
-                      make_espeak_corpus, read_metadata, read_speakers, read_wav, reads_phonemes, split_ids,
-                      write_wav)
+                      make_espeak_corpus, read_metadata, read_speakers, read_voice_clip, read_wav, reads_phonemes,
+                      split_ids, wav_software, write_wav)
 from tts.eval import alignment_stats, dtw_mean_cost, mel_cepstral_distortion
 from tts.losses import duration_loss, flow_matching_loss, flow_matching_path, prior_loss
 from tts.phonemes import phonemize
@@ -384,6 +384,19 @@ def test_espeak_corpus_command_with_a_fake_espeak(tmp_path, monkeypatch):
     rows = read_metadata(out)
     assert rows == [('ES0000', 'Hello there.'), ('ES0001', 'Second LINE')]
     assert len(read_wav(os.path.join(out, 'wavs', 'ES0001.wav'))[0]) == 2205 * len('Second LINE')
+    # a corpus there is never written over (its recordings were replaced before); a missing text file is named
+    before = {f: (tmp_path / 'corpus' / 'wavs' / f).read_bytes() for f in os.listdir(tmp_path / 'corpus' / 'wavs')}
+    (tmp_path / 'other.txt').write_text('Another voice.\n')
+    with pytest.raises(UserError, match=r"corpus exists and is not an empty folder"):
+        make_espeak_corpus(str(tmp_path / 'other.txt'), out)
+    assert {f: (tmp_path / 'corpus' / 'wavs' / f).read_bytes() for f in before} == before and read_metadata(out) == rows
+    with pytest.raises(UserError, match=r"missing.txt cannot be read"):
+        make_espeak_corpus(str(tmp_path / 'missing.txt'), str(tmp_path / 'new'))
+    # espeak-ng failing on a line: nothing left behind, not even the folder made for it
+    fake.write_text(f"#!{sys.executable}\nimport sys\nsys.exit('unknown voice')\n")
+    with pytest.raises(UserError, match=r"espeak-ng could not speak line 1 .*unknown voice.*nothing was written"):
+        make_espeak_corpus(str(tmp_path / 'other.txt'), str(tmp_path / 'new'))
+    assert sorted(os.listdir(tmp_path)) == ['bin', 'corpus', 'lines.txt', 'other.txt']
 
 # ----------------------------------------------------------------------------- training end to end
 
@@ -474,31 +487,61 @@ def test_decoder_lr_scale_zero_trains_all_but_the_decoder(tmp_path, corpus):
 @pytest.mark.slow
 def test_settings_that_cannot_work_are_clear_errors(tmp_path, corpus, straight_run):
     """eval_only with nothing to evaluate, a model shape that does not fit together, a sample_tts.py wav path in
-    no folder: exit 2 naming the keys, before any work."""
+    no folder: exit 2 naming the keys, before any work, and no out_dir left behind (the refused runs made it, and
+    a mel cache in it)."""
     cases = [(['--eval_only=True'], 'eval_only=True needs a trained model'),
              (['--enc_heads=3'], 'enc_heads=3'), (['--enc_kernel=4'], 'enc_kernel=4 must be odd'),
              ([f'--vocoder={tmp_path / "v.pth.tar"}'], 'no such file')]
     for args, message in cases:
         p = train(tmp_path / 'out', corpus, *args, check=False)
         assert_user_error(p, message)
-    assert not (tmp_path / 'out' / 'ckpt.pt').exists()
+        assert not (tmp_path / 'out').exists()
     p = run(['sample_tts.py', f'--out_dir={straight_run[0]}', '--device=cpu',
              f'--wav={tmp_path / "nowhere" / "x.wav"}'], check=False)
     assert_user_error(p, 'must be a file path in an existing folder')
     for empty in ('', '   '):  # nothing to say, whatever the model reads
         p = run(['sample_tts.py', f'--out_dir={straight_run[0]}', '--device=cpu', f'--text={empty}'], check=False)
         assert_user_error(p, f'text={empty!r} is empty')
-    # --wav onto the checkpoint it speaks with, or any file that is not a WAV: refused, kept
+    # --wav onto the checkpoint it speaks with, or a corpus's recording (any file but a WAV sample_tts.py wrote):
+    # refused, kept
     ckpt = os.path.join(straight_run[0], 'ckpt.pt')
-    notes = tmp_path / 'notes.txt'
-    notes.write_text('keep me')
-    for target, message in [(ckpt, 'which this command reads'), (notes, 'exists and is not a WAV'),
+    recording = corpus / 'wavs' / 'U001.wav'
+    for target, message in [(ckpt, 'which this command reads'), (recording, 'exists and is not a WAV of an earlier '
+                                                                            "run of this command (a recording"),
                             (VOCODER, 'which this command reads')]:
         before = open(target, 'rb').read()
         p = run(['sample_tts.py', f'--out_dir={straight_run[0]}', '--device=cpu', f'--wav={target}',
                  f'--vocoder={VOCODER}'], check=False)
         assert_user_error(p, message)
         assert open(target, 'rb').read() == before
+
+
+def test_a_silent_voice_clip_is_refused_naming_it(tmp_path):
+    """sample_tts.py --voice_clip reads the clip with read_voice_clip: all zeros, or nothing above -60 dBFS (dither),
+    is refused naming the file; a quiet recording of speech is read as read_wav reads it."""
+    for name, samples, says in (('zeros.wav', np.zeros(SR), 'every sample is 0'),
+                                ('dither.wav', np.resize([1, -1, 0], SR), 'its loudest sample is -90 dBFS')):
+        write_pcm(tmp_path / name, samples)
+        with pytest.raises(UserError, match=rf"voice_clip=.*{name} is silent \({says};"):
+            read_voice_clip(str(tmp_path / name), SR)
+    write_pcm(tmp_path / 'quiet.wav', np.sin(np.arange(SR) / 10) * 100)  # -50 dBFS
+    assert torch.equal(read_voice_clip(str(tmp_path / 'quiet.wav'), SR), read_wav(str(tmp_path / 'quiet.wav'))[0])
+
+
+def test_write_wav_marks_the_software_and_wav_software_reads_it_back(tmp_path):
+    """write_wav's LIST/INFO chunk after the samples (the mark sample_tts.py replaces its own WAVs by) leaves the
+    audio as it reads, and wav_software finds it; a WAV without one (a recording), or a file that is no WAV,
+    has none."""
+    audio = torch.linspace(-0.5, 0.5, 1001)
+    for software in ('nanotrain sample_tts.py', 'odd'):  # an odd-length entry is padded to an even chunk
+        write_wav(tmp_path / 'ours.wav', audio, SR, software=software)
+        assert wav_software(tmp_path / 'ours.wav') == software
+        assert torch.equal(read_wav(str(tmp_path / 'ours.wav'))[0], (audio * 32768).round() / 32768)
+        assert os.path.getsize(tmp_path / 'ours.wav') % 2 == 0
+    write_pcm(tmp_path / 'recording.wav', np.arange(-500, 500) * 30)
+    write_wav(tmp_path / 'plain.wav', audio, SR)
+    (tmp_path / 'notes.txt').write_text('RIFF....WAVE but text')
+    assert [wav_software(tmp_path / f) for f in ('recording.wav', 'plain.wav', 'notes.txt', 'none.wav')] == [''] * 4
 
 
 @pytest.mark.slow
@@ -559,12 +602,13 @@ def test_a_model_of_a_corpus_spelled_in_phonemes_speaks_plain_text(tmp_path, str
     assert reads_phonemes(ipa)
     (tmp_path / 'ipa').mkdir()
     torch.save(ckpt, tmp_path / 'ipa' / 'ckpt.pt')
-    for text in ('aa mm', ipa[:4]):
-        wav = tmp_path / f'{len(text)}.wav'
+    wav = tmp_path / 'x.wav'
+    for text in ('aa mm', ipa[:4]):  # the second replaces the first: a WAV sample_tts.py wrote (its mark)
         p = run(['sample_tts.py', f'--out_dir={tmp_path / "ipa"}', '--device=cpu', f'--wav={wav}', f'--text={text}',
                  '--n_timesteps=2'])
         skipped = p.stderr.split('not trained on: ')[1] if 'not trained on' in p.stderr else ''
-        assert wav.exists() and 'a' not in skipped  # phonemes the toy vocabulary lacks, never the spelling
+        assert f'wrote {wav}' in p.stdout and 'a' not in skipped  # phonemes the toy vocabulary lacks, never spelling
+        assert wav_software(wav) == 'nanotrain sample_tts.py'
 
 
 @pytest.mark.slow
@@ -584,7 +628,9 @@ def test_a_phoneme_front_end_model_trains_on_plain_text_and_speaks_it(tmp_path, 
     p = run(['sample_tts.py', f'--out_dir={out}', '--device=cpu', f'--wav={wav}', '--text=Aa mm', '--n_timesteps=2'])
     assert wav.exists() and 'skipped characters' not in p.stderr
     p = train(out, corpus, '--max_iters=4', '--eval_interval=2', '--add_blank=False', check=False)
-    assert_user_error(p, "text_frontend: checkpoint has 'phonemes', config has 'characters'")
+    assert_user_error(p, "text_frontend: checkpoint has 'phonemes', config has 'characters'",
+                      'another --out_dir, or --resume=False')
+    assert '--init_from' not in p.stderr  # the run in out_dir is continued whatever init_from says
 
 
 @pytest.mark.slow
@@ -669,18 +715,26 @@ def test_a_multi_speaker_model_speaks_each_voice(tmp_path):
         assert_user_error(p, message)
     assert not (tmp_path / 'y.wav').exists()
     p = train(out, corpus, '--max_iters=4', '--eval_interval=2', '--spk_channels=8', check=False)
-    assert_user_error(p, "speakers: checkpoint has ('hi', 'lo'), config has ()")
+    assert_user_error(p, "speakers: checkpoint has ('hi', 'lo'), config has ()", '--resume=False to replace')
+    assert '--init_from' not in p.stderr
 
 
 def test_speaker_rows_are_checked_and_one_voice_models_have_no_speaker_weights(tmp_path):
-    """A row without its speaker stops a multi-speaker run naming the line; a one-voice model's weights are
-    those of before multi-speaker models (its checkpoints load as they were)."""
+    """A row without its speaker, or with a '|' in its speaker's name, stops a multi-speaker run naming the line; a
+    one-voice model's weights are those of before multi-speaker models (its checkpoints load as they were)."""
     data = make_corpus(tmp_path / 'c', n=3)
     lines = (data / 'metadata.csv').read_text().splitlines()
     for broken in (f"{lines[1].split('|')[0]}|aa mm", f"{lines[1].split('|')[0]}| |aa mm"):
         (data / 'metadata.csv').write_text('\n'.join([lines[0], broken, lines[2]]) + '\n')
         with pytest.raises(UserError, match=r"metadata.csv:2: multi_speaker=True reads rows 'id\|speaker\|text'"):
             read_speakers(str(data))
+    # a speaker's name holding '|': said so, not blamed on the transcript under the one-voice layouts
+    rows = [f"{line.split('|')[0]}|{speaker}|aa" for line, speaker in zip(lines, ('lo', 'hi|2', 'lo'))]
+    (data / 'metadata.csv').write_text('\n'.join(rows) + '\n')
+    with pytest.raises(UserError, match=r"metadata.csv:2: multi_speaker=True reads rows 'id\|speaker\|text', got 4 "
+                                        r"fields in .*; a speaker's name and a transcript may not contain '\|'") as e:
+        read_metadata(str(data), multi_speaker=True)
+    assert 'raw text' not in str(e.value)
     one_voice = TTSModel(TTSConfig(symbols='abc', enc_channels=16, enc_layers=1, enc_ff_channels=16, dp_channels=8,
                                    dec_channels=16, dec_blocks=1))
     assert not any('speaker' in k for k in one_voice.state_dict())
@@ -691,7 +745,7 @@ def test_a_voice_from_a_clip(tmp_path):
     """voice_clips=True: a clip encoder learns each training speaker's voice vector from their utterances
     (its loss logged, its gradient kept off the table it learns from); sample_tts.py --voice_clip speaks in the
     voice of a clip; a clip and a name together, a clip for a model without the encoder, a clip of a fraction
-    of a second, voice_clips without multi_speaker: clear errors."""
+    of a second, a silent clip, voice_clips without multi_speaker: clear errors."""
     corpus = make_speaker_corpus(tmp_path / 'corpus')
     out = tmp_path / 'out'
     train(out, corpus, '--max_iters=2', '--eval_interval=2', '--multi_speaker=True', '--voice_clips=True',
@@ -708,10 +762,12 @@ def test_a_voice_from_a_clip(tmp_path):
     run(['sample_tts.py', f'--out_dir={out}', '--device=cpu', f'--wav={wav}', '--text=aa mm', f'--voice_clip={clip}',
          '--n_timesteps=2'])
     assert wav.exists()
-    short = tmp_path / 'short.wav'
-    write_pcm(short, np.zeros(SR // 10))
+    short, silent = tmp_path / 'short.wav', tmp_path / 'silent.wav'
+    write_pcm(short, np.sin(np.arange(SR // 10) / 10) * 5000)
+    write_pcm(silent, np.zeros(2 * SR))
     for extra, message in (([f'--voice_clip={clip}', '--speaker=hi'], 'give one voice, a name or a clip'),
                            ([f'--voice_clip={short}'], 'the voice clip is 0.10 s long'),
+                           ([f'--voice_clip={silent}'], f'voice_clip={silent} is silent (every sample is 0'),
                            ([f'--voice_clip={clip}', f'--wav={clip}'], 'which this command reads')):
         before = clip.read_bytes()
         p = run(['sample_tts.py', f'--out_dir={out}', '--device=cpu', f'--wav={tmp_path / "y.wav"}', '--text=aa',

@@ -7,7 +7,9 @@ import subprocess
 import sys
 import wave
 
-from runs.tts_asr import edit_distance, error_rates, normalize
+import pytest
+
+from runs.tts_asr import check_wav_dir, edit_distance, error_rates, normalize
 
 
 def test_normalize_lowercases_strips_punctuation_and_collapses_spaces():
@@ -59,3 +61,16 @@ def test_dnsmos_means_every_kind_over_the_held_out(tmp_path):
     assert result['means']['reference'] == dict(ovrl_mos=1.5, sig_mos=3.0, bak_mos=4.5, p808_mos=6.0)
     assert result['means']['model']['ovrl_mos'] == 1.0 and result['utterances']['model']['b']['p808_mos'] == 6.0
     assert 'reference' in p.stdout and '1.50' in p.stdout
+
+
+def test_synthesize_writes_only_into_a_folder_of_its_own(tmp_path):
+    """--wav_dir: new, or holding only what the synthesize and score steps write (a later step adds its kinds, a
+    killed one is run again); a corpus (its wavs/ and metadata.csv) or any other folder is refused."""
+    check_wav_dir(str(tmp_path / 'new'))
+    (tmp_path / 'ours' / 'model').mkdir(parents=True)
+    (tmp_path / 'ours' / 'whisper_model.json').write_text('{}')
+    check_wav_dir(str(tmp_path / 'ours'))
+    (tmp_path / 'corpus' / 'wavs').mkdir(parents=True)
+    (tmp_path / 'corpus' / 'metadata.csv').write_text('a|b|c\n')
+    with pytest.raises(SystemExit, match='holds other files than these scripts write there'):
+        check_wav_dir(str(tmp_path / 'corpus'))

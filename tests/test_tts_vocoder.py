@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from configurator import UserError
-from tts.data import MEL_SETTINGS
+from tts.data import MEL_SETTINGS, write_wav
 from tts.vocoder import HiFiGAN, HiFiGANConfig, fold_weight_norm, load_hifigan, load_vocoder
 
 FIXTURES = os.path.join(os.path.dirname(__file__), 'fixtures', 'hifigan')
@@ -107,13 +107,26 @@ def test_vocoder_files_that_cannot_work_are_clear_errors(tmp_path):
     with pytest.raises(UserError, match="no config.json beside it .* not of V1's shape"):
         load_hifigan(str(generator))
     folder = copy_fixture(tmp_path / 'b')
-    (folder / 'generator.pth.tar').write_bytes(b'not a checkpoint')
+    (folder / 'generator.pth.tar').write_bytes(b'PK\x03\x04 cut short')
     with pytest.raises(UserError, match='not a readable PyTorch checkpoint'):
         load_hifigan(str(folder / 'generator.pth.tar'))
     torch.save({'mpd': {'x': torch.zeros(1)}, 'steps': 3}, folder / 'do_00000003')  # a training checkpoint
     shutil.copy(os.path.join(FIXTURES, 'v1', 'config.json'), folder / 'config.json')
     with pytest.raises(UserError, match="not a HiFi-GAN generator checkpoint.*discriminators"):
         load_hifigan(str(folder / 'do_00000003'))
+    # what the file is, named: nanotrain's own checkpoints (a TTS model, a GPT), audio, text
+    torch.save({'kind': 'tts', 'model': {}, 'model_args': {}}, folder / 'ckpt.pt')
+    torch.save({'kind': 'gpt', 'model': {}, 'model_args': {}}, folder / 'gpt.pt')
+    write_wav(folder / 'clip.wav', torch.zeros(100), 22050)
+    (folder / 'notes.txt').write_text('the vocoder is in models/hifigan\n')
+    for name, says in (('ckpt.pt', r'is a nanotrain checkpoint \(a train_tts.py text-to-speech model'),
+                       ('gpt.pt', r'is a nanotrain checkpoint \(a train.py language model\)'),
+                       ('clip.wav', r'is a WAV file \(audio\), not a HiFi-GAN generator'),
+                       ('notes.txt', 'is a text file, not a HiFi-GAN generator'),
+                       ('config.json', 'is a JSON file, not a HiFi-GAN generator')):
+        with pytest.raises(UserError, match=f"vocoder=.*{name} {says}") as e:
+            load_hifigan(str(folder / name))
+        assert 'discriminators' not in str(e.value) and 'download it again' not in str(e.value)
 
 
 def test_a_v1_generator_without_config_is_taken_as_v1(tmp_path, monkeypatch, capsys):

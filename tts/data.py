@@ -3,12 +3,15 @@ TTS data: LJSpeech-layout corpora, WAV I/O with the standard library, log-mel fe
 character front end, held-out split and a length-bucketed frame-budget batch sampler.
 """
 import hashlib
+import math
 import os
 import random
 import re
 import shutil
+import struct
 import subprocess
 import sys
+import tempfile
 import wave
 
 import numpy as np
@@ -48,14 +51,65 @@ def read_wav(path, sample_rate=None):
     return audio, rate
 
 
-def write_wav(path, audio, sample_rate):
-    """float waveform in [-1, 1] (clipped) -> 16-bit PCM mono WAV; read_wav inverts it to 1/65536."""
+SILENCE_DBFS = -60  # a clip whose loudest sample is below this holds no speech (16-bit dither is -90)
+
+
+def read_voice_clip(path, sample_rate):
+    """A clip of the voice to speak in (sample_tts.py --voice_clip), as read_wav reads it; a silent one is a UserError
+    naming it: the clip encoder would still turn silence into some voice, and the model speak in it."""
+    audio, _ = read_wav(path, sample_rate)
+    peak = audio.abs().max().item() if len(audio) else 1.0  # an empty clip: clip_voice says it is too short
+    if peak < 10 ** (SILENCE_DBFS / 20):
+        level = 'every sample is 0' if peak == 0 else f'its loudest sample is {20 * math.log10(peak):.0f} dBFS'
+        raise UserError(f"voice_clip={path} is silent ({level}; speech peaks near 0 dBFS, below {SILENCE_DBFS} is "
+                        f"silence): there is no voice in it to speak in. Give a few seconds of the voice's speech.")
+    return audio
+
+
+def write_wav(path, audio, sample_rate, software=''):
+    """float waveform in [-1, 1] (clipped) -> 16-bit PCM mono WAV; read_wav inverts it to 1/65536. software: what
+    wrote it, in a LIST/INFO chunk's ISFT entry after the samples (as ffmpeg names itself; players skip it):
+    sample_tts.py marks its WAVs so, and replaces no other (wav_software)."""
     pcm = (audio.detach().float().cpu() * 32768).round().clamp(-32768, 32767).to(torch.int16).numpy()
     with wave.open(os.fspath(path), 'wb') as w:
         w.setnchannels(1)
         w.setsampwidth(2)
         w.setframerate(sample_rate)
         w.writeframes(pcm.astype('<i2').tobytes())
+    if software:
+        text = software.encode() + b'\0'  # a RIFF string ends with a NUL; a chunk is padded to even length
+        info = b'INFO' + b'ISFT' + struct.pack('<I', len(text)) + text + b'\0' * (len(text) % 2)
+        with open(path, 'r+b') as f:
+            f.seek(0, os.SEEK_END)  # 16-bit samples: the data chunk ends at an even offset
+            f.write(b'LIST' + struct.pack('<I', len(info)) + info)
+            size = f.tell() - 8
+            f.seek(4)
+            f.write(struct.pack('<I', size))
+
+
+def wav_software(path):
+    """The ISFT entry (the software that wrote it) of a WAV file's LIST/INFO chunk: '' if it has none or is not a
+    WAV. Reads the chunk headers only, whatever the length of the audio."""
+    try:
+        with open(path, 'rb') as f:
+            header = f.read(12)
+            if header[:4] != b'RIFF' or header[8:] != b'WAVE':
+                return ''
+            while len(chunk := f.read(8)) == 8:
+                name, size = chunk[:4], struct.unpack('<I', chunk[4:])[0]
+                if name != b'LIST':
+                    f.seek(size + size % 2, os.SEEK_CUR)
+                    continue
+                body = f.read(size + size % 2)
+                at = 4
+                while body[:4] == b'INFO' and at + 8 <= len(body):
+                    entry, length = body[at:at + 4], struct.unpack('<I', body[at + 4:at + 8])[0]
+                    if entry == b'ISFT':
+                        return body[at + 8:at + 8 + length].split(b'\0')[0].decode('utf-8', 'replace')
+                    at += 8 + length + length % 2
+    except OSError:
+        pass
+    return ''
 
 # -----------------------------------------------------------------------------
 # log-mel features
@@ -130,9 +184,9 @@ def encode_text(text, symbols, add_blank=True):
 # -----------------------------------------------------------------------------
 # LJSpeech layout: metadata.csv (id|raw text|normalized text) and wavs/<id>.wav
 
-def read_metadata(data_dir):
+def read_metadata(data_dir, multi_speaker=False):
     """-> list of (id, text) using the normalized column (the raw one if there are two). UTF-8, a BOM
-    allowed; each id once, a plain file name."""
+    allowed; each id once, a plain file name. multi_speaker: the rows are id|speaker|text (read_speakers)."""
     path = os.path.join(data_dir, 'metadata.csv')
     if not os.path.isfile(path):
         raise UserError(f"{path}: not found; data_dir must be an LJSpeech-layout folder with "
@@ -148,6 +202,12 @@ def read_metadata(data_dir):
             if not line.strip():
                 continue
             fields = line.split('|')
+            if multi_speaker and len(fields) != 3:
+                raise UserError(f"{path}:{line_no}: multi_speaker=True reads rows 'id|speaker|text', got {len(fields)} "
+                                f"fields in {line[:60]!r}; " + (
+                                    "a speaker's name and a transcript may not contain '|': rename the speaker or "
+                                    "take the '|' out of the text" if len(fields) > 3 else
+                                    "give every row its speaker, or train one voice (multi_speaker=False)"))
             if not 2 <= len(fields) <= 3:
                 raise UserError(f"{path}:{line_no}: expected 'id|raw text|normalized text' (or 'id|text'), got "
                                 f"{len(fields)} fields in {line[:60]!r}; a transcript may not contain '|'")
@@ -325,8 +385,8 @@ class FrameBudgetSampler:
         began_with = state.get('frame_budget', self.frame_budget), state.get('lengths', self.lengths)
         if began_with != (self.frame_budget, self.lengths):
             raise UserError(f"the run being resumed batched other utterances or frame_budget={began_with[0]}; "
-                            f"resume with its frame_budget and data, or start a new run (another out_dir, or "
-                            f"--init_from=<its ckpt.pt> to start from its weights)")
+                            f"resume with its frame_budget and data, or start a new run: another --out_dir (with "
+                            f"--init_from=<its ckpt.pt> to start from its weights), or --resume=False to replace it")
         self.epoch, self.position = state['epoch'], state['position']
         self.batches = self.epoch_batches(self.epoch)
 
@@ -347,24 +407,49 @@ def eval_batches(lengths, frame_budget):
 
 def make_espeak_corpus(text_file, out_dir, voice='en-us', speed=175, max_utterances=None):
     """Speak each non-empty line of text_file with espeak-ng into out_dir/wavs/ESnnnn.wav
-    (resampled to 22050 Hz) and write out_dir/metadata.csv."""
+    (resampled to 22050 Hz) and write out_dir/metadata.csv. out_dir must be new or empty (a corpus there, its
+    recordings and metadata.csv, is never written over); the corpus is made in a folder beside it and renamed
+    into place at the end, so a failed or killed run leaves nothing."""
+    if os.path.isdir(out_dir) and os.listdir(out_dir) or os.path.lexists(out_dir) and not os.path.isdir(out_dir):
+        raise UserError(f"--out_dir={out_dir} exists and is not an empty folder (a corpus's recordings and "
+                        f"metadata.csv are never written over); give a new folder, or delete that one yourself if it "
+                        f"can go.")
     if shutil.which('espeak-ng') is None:
         raise UserError("espeak-ng is not installed (e.g. `apt-get install espeak-ng`)")
-    with open(text_file, encoding='utf-8') as f:
-        lines = [re.sub(r'\s+', ' ', line).strip() for line in f if line.strip()]
+    try:
+        with open(text_file, encoding='utf-8') as f:
+            lines = [re.sub(r'\s+', ' ', line).strip() for line in f if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"--text_file={text_file} cannot be read ({e}); give a UTF-8 text file, one sentence a "
+                        f"line.") from None
     lines = lines[:max_utterances]
-    os.makedirs(os.path.join(out_dir, 'wavs'), exist_ok=True)
-    rows = []
-    for n, line in enumerate(lines):
-        utt_id = f'ES{n:04d}'
-        wav_path = os.path.join(out_dir, 'wavs', utt_id + '.wav')
-        subprocess.run(['espeak-ng', '-v', voice, '-s', str(speed), '-w', wav_path, line],
-                       check=True)
-        audio, _ = read_wav(wav_path, MEL_SETTINGS['sample_rate'])
-        write_wav(wav_path, audio, MEL_SETTINGS['sample_rate'])
-        rows.append(f'{utt_id}|{line}|{line}')
-    with open(os.path.join(out_dir, 'metadata.csv'), 'w', encoding='utf-8') as f:
-        f.write('\n'.join(rows) + '\n')
+    if not lines:
+        raise UserError(f"--text_file={text_file} holds no text; give a UTF-8 text file, one sentence a line.")
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(dir=parent, prefix=os.path.basename(os.path.abspath(out_dir)) + '.', suffix='.tmp')
+    try:
+        os.makedirs(os.path.join(staging, 'wavs'))
+        rows = []
+        for n, line in enumerate(lines):
+            utt_id = f'ES{n:04d}'
+            wav_path = os.path.join(staging, 'wavs', utt_id + '.wav')
+            spoken = subprocess.run(['espeak-ng', '-v', voice, '-s', str(speed), '-w', wav_path, line],
+                                    capture_output=True, text=True)
+            if spoken.returncode:
+                raise UserError(f"espeak-ng could not speak line {n + 1} of {text_file} with voice {voice!r} "
+                                f"({spoken.stderr.strip()[:200] or f'exit {spoken.returncode}'}); nothing was written.")
+            audio, _ = read_wav(wav_path, MEL_SETTINGS['sample_rate'])
+            write_wav(wav_path, audio, MEL_SETTINGS['sample_rate'])
+            rows.append(f'{utt_id}|{line}|{line}')
+        with open(os.path.join(staging, 'metadata.csv'), 'w', encoding='utf-8') as f:
+            f.write('\n'.join(rows) + '\n')
+        os.chmod(staging, 0o755)  # mkdtemp makes it 0700
+        if os.path.isdir(out_dir):
+            os.rmdir(out_dir)  # empty, checked above
+        os.rename(staging, out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return out_dir
 
 

@@ -159,6 +159,28 @@ def shape_problems(model, state):
         [f"unexpected {', '.join(unexpected[:3])}"] if unexpected else []) + shapes[:3]
 
 
+def file_kind(path):
+    """What a file that is no PyTorch checkpoint is, by its first bytes ('a WAV file (audio)', 'a text file',
+    ...), for messages; '' for a file torch.save may have written (a zip archive, a pickle)."""
+    with open(path, 'rb') as f:
+        head = f.read(4096)
+    if not head:
+        return 'empty'
+    if head[:4] == b'PK\x03\x04' or head[:1] == b'\x80':  # torch.save's zip; a legacy pickle (protocol 2+)
+        return ''
+    if head[:4] == b'RIFF' and head[8:12] == b'WAVE':
+        return 'a WAV file (audio)'
+    if len(head) > 8 and head[8:10] == b'{"':  # a little-endian header length, then its JSON
+        return 'a safetensors file'
+    try:
+        text = head.decode('utf-8')
+    except UnicodeDecodeError as e:
+        text = head[:e.start].decode('utf-8') if e.start > len(head) - 4 else None  # cut mid-character at 4096
+    if text is None or '\0' in text:
+        return ''
+    return 'a JSON file' if text.lstrip().startswith(('{', '[')) else 'a text file'
+
+
 def load_hifigan(path, device='cpu'):
     """A HiFi-GAN generator file of the original release (config.json beside it; without one, a file of V1's
     shape is taken as V1, as Matcha-TTS takes its downloads) -> HiFiGAN in eval mode, weight norm folded."""
@@ -173,15 +195,30 @@ def load_hifigan(path, device='cpu'):
                         f"says where to get them), or --vocoder='' for Griffin-Lim.")
     config_path = os.path.join(os.path.dirname(path), 'config.json')
     config = read_generator_config(config_path, path) if os.path.isfile(config_path) else None
+    kind = file_kind(path)
+    if kind:
+        raise UserError(f"vocoder={path} is {kind}, not a HiFi-GAN generator; give the generator file (e.g. "
+                        f"models/hifigan/generator_universal.pth.tar, config.json beside it), or --vocoder='' for "
+                        f"Griffin-Lim.")
     try:
         ckpt = torch.load(path, map_location='cpu', weights_only=True)
     except Exception as e:  # torch raises several kinds for a file that is not its own
         raise UserError(f"vocoder={path}: not a readable PyTorch checkpoint ({type(e).__name__}: "
                         f"{str(e).splitlines()[0] if str(e) else 'no detail'}); download it again.")
+    if isinstance(ckpt, dict) and 'kind' in ckpt and 'model_args' in ckpt:  # nanotrain's own (run/checkpoint.py)
+        made_by = {'tts': "a train_tts.py text-to-speech model, which sample_tts.py takes as its run folder, --out_dir",
+                   'gpt': "a train.py language model", 'lora': "a train.py run's LoRA adapters"}
+        raise UserError(f"vocoder={path} is a nanotrain checkpoint ({made_by.get(ckpt['kind'], repr(ckpt['kind']))}), "
+                        f"not a vocoder; give a HiFi-GAN generator file, or --vocoder='' for Griffin-Lim.")
     state = ckpt.get('generator', ckpt) if isinstance(ckpt, dict) else None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        if isinstance(ckpt, dict) and {'mpd', 'msd'} & set(ckpt):
+            held = "the discriminators (mpd, msd): a training checkpoint (do_*), whose generator is its g_* file"
+        else:
+            held = (', '.join(map(str, list(ckpt)[:4])) or 'nothing') if isinstance(ckpt, dict) else \
+                f"a {type(ckpt).__name__}"
         raise UserError(f"vocoder={path}: not a HiFi-GAN generator checkpoint (expected {{'generator': state_dict}}, "
-                        f"as the release saves it); a training checkpoint (do_*) holds the discriminators instead.")
+                        f"as the release saves it, or a state dict); it holds {held}.")
     state = fold_weight_norm(state)
     if config is None:
         if shape_problems(HiFiGAN(V1), state):

@@ -54,8 +54,8 @@ val_fraction = 0.05          # held-out share without tts_ckpt (with one, its sp
 n_timesteps = 10             # the TTS model's ODE steps for its mels (its synthesis setting)
 temperature = 0.667          # the TTS model's starting noise (its synthesis setting)
 # losses and optimizer (the release's)
-discriminators = True        # HiFi-GAN's adversarial and feature-matching losses; False = the mel L1 alone (~8x faster)
-discriminator_divisor = 1    # the discriminators' widths and groups divided by this (1: the release's; 4: ~16x cheaper)
+discriminators = True        # HiFi-GAN's adversarial and feature-matching losses; False = the mel L1 alone (~5x faster)
+discriminator_divisor = 1    # the discriminators' widths and groups divided by this (1: the release's; 4: ~3x faster)
 mel_weight = 45.0            # weight of the mel L1 against the adversarial and feature-matching losses
 learning_rate = 2e-4         # AdamW's, for the generator and the discriminators
 beta1 = 0.8

@@ -55,7 +55,7 @@ CELLS = {
     'steps-10k': (['train_tts.py', *RECIPE, *STEPS_10K], 'piper-ljspeech', None),
     'model-wide': (['train_tts.py', *RECIPE, *WIDE], 'piper-ljspeech', None),
     # the LJSpeech generator fine-tuned on base's teacher-forced mels: 2,000 segments of 8,192 samples with
-    # quarter-width fresh discriminators (~1 CPU-hour; the release's full widths cost ~5x that a segment)
+    # quarter-width fresh discriminators (~1.5 CPU-hours; the release's full widths cost 3.3x that a segment)
     'vocoder-ft': (['train_vocoder.py', '--init_from=../models/hifigan/generator_LJSpeech.pth.tar', '--batch_size=4',
                     '--max_iters=500', '--discriminator_divisor=4'], 'piper-ljspeech', 'base'),
 }

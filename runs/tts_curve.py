@@ -156,18 +156,22 @@ def short(vocoder):
 
 
 def table(results, floors):
-    recorded = floors['recordings']['wer']
+    """The curve as markdown: the floors, then a row a cell (WER also as a multiple of the recordings'), and the
+    real-time factor of the model with the first generator (one thread, as OMP_NUM_THREADS set it)."""
+    recorded, names = floors['recordings']['wer'], list(floors['vocoders'])
     lines = ['| cell | command (one seed) | CPU time, h | ' + ' | '.join(
-             f'WER / CER / OVRL, HiFi-GAN {v}' for v in floors['vocoders']) + ' |',
-             '| --- | --- | --- |' + ' --- |' * len(floors['vocoders'])]
+             f'WER / CER / OVRL, HiFi-GAN {v}' for v in names) + f' | RTF, HiFi-GAN {names[0]} |',
+             '| --- | --- | --- |' + ' --- |' * (len(names) + 1)]
     lines.append(f"| recordings | | | {recorded:.1%} / {floors['recordings']['cer']:.1%} / "
-                 f"{floors['recordings']['ovrl']:.2f} |" + ' |' * (len(floors['vocoders']) - 1))
+                 f"{floors['recordings']['ovrl']:.2f} |" + ' |' * len(names))
     lines.append('| their mel through the generator (floor) | | | ' + ' | '.join(
-        f"{s['wer']:.1%} / {s['cer']:.1%} / {s['ovrl']:.2f}" for s in floors['vocoders'].values()) + ' |')
+        f"{s['wer']:.1%} / {s['cer']:.1%} / {s['ovrl']:.2f}" for s in floors['vocoders'].values()) + ' | |')
     for cell, r in results.items():
+        first = r['speech'].get(names[0])
         lines.append(f"| {cell} | `python {' '.join(r['args'])}` | {r['cpu_s'] / 3600:.2f} | " + ' | '.join(
             f"{s['wer']:.1%} ({s['wer'] / recorded:.2f}x) / {s['cer']:.1%} / {s['ovrl']:.2f}"
-            if (s := r['speech'].get(v)) else '' for v in floors['vocoders']) + ' |')
+            if (s := r['speech'].get(v)) else '' for v in names)
+            + (f" | {first['rtf']:.2f} |" if first and first['rtf'] is not None else ' | |'))
     return '\n'.join(lines)
 
 

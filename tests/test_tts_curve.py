@@ -29,8 +29,11 @@ def test_the_table_puts_each_cell_under_its_generator():
     floors = dict(recordings=score(0.10), vocoders={'LJSpeech': score(0.11), 'universal': score(0.12)})
     results = {'base': dict(args=['train_tts.py'], cpu_s=7200,
                             speech={'LJSpeech': score(0.13), 'universal': score(0.15)}),
-               'vocoder-ft': dict(args=['train_vocoder.py'], cpu_s=3600, speech={'LJSpeech': score(0.12)})}
+               'vocoder-ft': dict(args=['train_vocoder.py'], cpu_s=3600, speech={'LJSpeech': score(0.12)}),
+               'unscored-rtf': dict(args=['x.py'], cpu_s=0, speech={'universal': dict(score(0.2), rtf=None)})}
     rows = table(results, floors).splitlines()
     assert rows[4] == ('| base | `python train_tts.py` | 2.00 | 13.0% (1.30x) / 6.5% / 3.00 | '
-                       '15.0% (1.50x) / 7.5% / 3.00 |')
-    assert rows[5] == '| vocoder-ft | `python train_vocoder.py` | 1.00 | 12.0% (1.20x) / 6.0% / 3.00 |  |'
+                       '15.0% (1.50x) / 7.5% / 3.00 | 0.30 |')
+    assert rows[5] == '| vocoder-ft | `python train_vocoder.py` | 1.00 | 12.0% (1.20x) / 6.0% / 3.00 |  | 0.30 |'
+    assert rows[6] == '| unscored-rtf | `python x.py` | 0.00 |  | 20.0% (2.00x) / 10.0% / 3.00 | |'
+    assert all(row.count('|') == rows[0].count('|') for row in rows)

@@ -22,6 +22,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from configurator import (FOLDER, UserError, at_least, check_values, configure, interval)
 from run.checkpoint import file_sha256, load_checkpoint, rng_state, set_rng_state, write_checkpoint
@@ -121,7 +122,7 @@ def aligned_mels(ids):
                               progress=True, speakers={i: tts.config.speakers.index(s) for i, s in speakers.items()})
     noise = torch.Generator(device=local_device).manual_seed(seed)
     mels = {}
-    for indices in eval_batches(dataset.lengths, 3000):
+    for indices in tqdm(eval_batches(dataset.lengths, 3000), desc='teacher-forced mels', dynamic_ncols=True):
         x, x_lengths, y, y_lengths, spk = [t.to(local_device) for t in dataset.collate(
             indices, tts.mel_mean.item(), tts.mel_std.item())]
         mel, _ = tts.teacher_forced(x, x_lengths, y, y_lengths, spk, n_timesteps=n_timesteps,

@@ -58,10 +58,14 @@ temperature = 0.667          # the TTS model's starting noise (its synthesis set
 discriminators = True        # HiFi-GAN's adversarial and feature-matching losses; False = the mel L1 alone (~5x faster)
 discriminator_divisor = 1    # the discriminators' widths and groups divided by this (1: the release's; 4: ~3x faster)
 mel_weight = 45.0            # weight of the mel L1 against the adversarial and feature-matching losses
-learning_rate = 2e-4         # AdamW's, for the generator and the discriminators
+# the generator's AdamW lr: the release's 2e-4 had decayed to ~1e-5 (x 0.999 an epoch, ~3,000 epochs) when the
+# published generators were saved; a fresh AdamW at 2e-4 tripled the held-out mel error in one step
+learning_rate = 2e-5
+discriminator_learning_rate = 2e-4  # the fresh discriminators' (the release's)
 beta1 = 0.8
 beta2 = 0.99
-lr_decay = 0.999             # the learning rate is multiplied by this every epoch of the training utterances
+warmup_iters = 100           # both learning rates rise linearly over these steps (a fresh AdamW's first steps are big)
+lr_decay = 0.999             # both learning rates are multiplied by this every epoch of the training utterances
 max_iters = 1000             # optimizer steps (one of the discriminators, one of the generator)
 max_bad_steps = 5            # abort after this many steps in a row with a non-finite loss
 device = 'auto'              # 'auto' (cuda, else mps, else cpu) | 'cpu' | 'cuda' | 'cuda:1' | 'mps'
@@ -70,7 +74,7 @@ config = configure(globals())
 check_values(config, [
     (at_least(1), ('eval_interval', 'log_interval', 'eval_utterances', 'segment_frames', 'batch_size', 'n_timesteps',
                    'max_iters', 'max_bad_steps', 'discriminator_divisor')),
-    (at_least(0), ('temperature', 'mel_weight', 'learning_rate')),
+    (at_least(0), ('temperature', 'mel_weight', 'learning_rate', 'discriminator_learning_rate', 'warmup_iters')),
     (interval('(0, 1)'), ('val_fraction', 'beta1', 'beta2')),
     (interval('(0, 1]'), ('lr_decay',)),
     (FOLDER, ('out_dir',)),
@@ -171,7 +175,8 @@ generator = with_weight_norm(load_hifigan(init_from, local_device)).train()
 mpd = MultiPeriodDiscriminator(discriminator_divisor).to(local_device)
 msd = MultiScaleDiscriminator(discriminator_divisor).to(local_device)
 optimizer_g = torch.optim.AdamW(generator.parameters(), learning_rate, betas=(beta1, beta2))
-optimizer_d = torch.optim.AdamW([*mpd.parameters(), *msd.parameters()], learning_rate, betas=(beta1, beta2))
+optimizer_d = torch.optim.AdamW([*mpd.parameters(), *msd.parameters()], discriminator_learning_rate,
+                                betas=(beta1, beta2))
 iter_num, best_val_loss, resuming = 0, float('inf'), ckpt is not None
 if resuming:
     generator.load_state_dict(ckpt['generator'])
@@ -224,9 +229,11 @@ stop = StopSignal()
 discriminator_list = (mpd, msd)
 bad_steps, t0 = 0, time.time()
 while iter_num < max_iters:
-    lr = learning_rate * lr_decay ** (iter_num * batch_size // len(train_ids))
-    for group in [*optimizer_g.param_groups, *optimizer_d.param_groups]:
-        group['lr'] = lr
+    warmup = min(1.0, (iter_num + 1) / warmup_iters) if warmup_iters else 1.0
+    lr_scale = warmup * lr_decay ** (iter_num * batch_size // len(train_ids))  # x lr_decay an epoch
+    for optimizer, lr in ((optimizer_g, learning_rate), (optimizer_d, discriminator_learning_rate)):
+        for group in optimizer.param_groups:
+            group['lr'] = lr * lr_scale
     mel, audio = segments(iter_num)
     real = audio[:, None]
     fake = generator(mel)[:, None]  # (B, 1, segment_samples)
@@ -274,9 +281,11 @@ while iter_num < max_iters:
     if iter_num % log_interval == 0 or iter_num == max_iters:
         seconds = (time.time() - t0) / log_interval
         record(dict(step=iter_num, mel_loss=mel_loss.item(), adversarial_loss=adversarial.item(),
-                    feature_loss=features.item(), discriminator_loss=d_loss.item(), lr=lr, s_per_step=seconds))
+                    feature_loss=features.item(), discriminator_loss=d_loss.item(), lr=learning_rate * lr_scale,
+                    s_per_step=seconds))
         log(f"step {iter_num}: mel L1 {mel_loss.item():.4f}, adversarial {adversarial.item():.3f}, features "
-            f"{features.item():.3f}, discriminators {d_loss.item():.3f}, lr {lr:.2e}, {seconds:.2f} s/step")
+            f"{features.item():.3f}, discriminators {d_loss.item():.3f}, lr {learning_rate * lr_scale:.2e}, "
+            f"{seconds:.2f} s/step")
         t0 = time.time()
     if iter_num % eval_interval == 0 or iter_num == max_iters:
         val_loss = evaluate()

@@ -227,6 +227,10 @@ def test_the_generator_learns_the_models_teacher_forced_mels(tiny, straight):
     assert [e['step'] for e in events if 'val_mel_error' in e] == [0, 2, 4]
     assert all(e['adversarial_loss'] > 0 and e['feature_loss'] > 0 and e['discriminator_loss'] > 0
                for e in events if 'mel_loss' in e)
+    # the generator's learning rate rises over warmup_iters (100) from the first step, x 0.999 an epoch (4 training
+    # utterances: 2 steps of 2)
+    expected = [2e-5 * step / 100 * 0.999 ** ((step - 1) // 2) for step in (1, 2, 3, 4)]
+    assert [e['lr'] for e in events if 'mel_loss' in e] == pytest.approx(expected, rel=1e-9)
     tuned, start = load_hifigan(str(straight / 'generator.pth.tar')), load_hifigan(VOCODER)
     assert isinstance(tuned, HiFiGAN) and tuned.config == start.config
     assert any(not torch.equal(a, b) for a, b in zip(tuned.state_dict().values(), start.state_dict().values()))

@@ -54,10 +54,10 @@ CELLS = {
     'data-4k-10k-steps': (['train_tts.py', *RECIPE, *STEPS_10K], 'piper-4k', None),
     'steps-10k': (['train_tts.py', *RECIPE, *STEPS_10K], 'piper-ljspeech', None),
     'model-wide': (['train_tts.py', *RECIPE, *WIDE], 'piper-ljspeech', None),
-    # the LJSpeech generator fine-tuned on base's teacher-forced mels: 2,000 segments of 8,192 samples with
+    # the first of vocoders fine-tuned on base's teacher-forced mels: 2,000 segments of 8,192 samples with
     # quarter-width fresh discriminators (~1.5 CPU-hours; the release's full widths cost 3.3x that a segment)
-    'vocoder-ft': (['train_vocoder.py', '--init_from=../models/hifigan/generator_LJSpeech.pth.tar', '--batch_size=4',
-                    '--max_iters=500', '--discriminator_divisor=4'], 'piper-ljspeech', 'base'),
+    'vocoder-ft': (['train_vocoder.py', '--batch_size=4', '--max_iters=500', '--discriminator_divisor=4'],
+                   'piper-ljspeech', 'base'),
 }
 HELD_OUT = 'piper-ljspeech-heldout'
 
@@ -115,8 +115,8 @@ def train(cell):
         with open(finished) as f:
             return json.load(f)
     args = [*command, f'--out_dir={out_dir}', f'--seed={seed}']
-    args += ([f'--tts_ckpt={os.path.join(work_dir, base, "ckpt.pt")}'] if base else
-             [f'--data_dir={os.path.join(data_root, corpus)}'])
+    args += ([f'--tts_ckpt={os.path.join(work_dir, base, "ckpt.pt")}', f"--init_from={vocoders.split(',')[0]}"]
+             if base else [f'--data_dir={os.path.join(data_root, corpus)}'])
     print(f"[{time.strftime('%H:%M:%S')}] python {' '.join(args)}", flush=True)
     cpu, t0 = cpu_seconds(), time.time()
     subprocess.run([sys.executable, *args], cwd=ROOT, check=True)
@@ -194,8 +194,7 @@ if __name__ == '__main__':
             record = train(cell)
             base = CELLS[cell][2]
             if base:  # the base cell's model through this cell's generator, in the column of the one it started from
-                start = next(a.split('=', 1)[1] for a in CELLS[cell][0] if a.startswith('--init_from='))
-                speech = {short(start): scored(
+                speech = {short(generators[0]): scored(
                     os.path.join(work_dir, cell, 'asr'), 'model', os.path.join(work_dir, base, 'ckpt.pt'),
                     os.path.join(work_dir, cell, 'generator.pth.tar'))['model']}
             else:

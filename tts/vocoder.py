@@ -4,6 +4,7 @@ out here and loads the published generator checkpoints as released (`{'generator
 norm, and the config.json beside it); Griffin-Lim (tts/data.py) is the default that needs no download.
 docs/tts.md says where the published generators come from.
 """
+import dataclasses
 import json
 import math
 import os
@@ -15,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from configurator import UserError
+from run.checkpoint import atomic_file
 from tts.data import MEL_SETTINGS, MelExtractor
 
 LRELU_SLOPE = 0.1
@@ -236,6 +238,26 @@ def load_hifigan(path, device='cpu'):
                         f"{'; '.join(problems)}. Use the config.json released with this generator.")
     model.load_state_dict({k: v.float() for k, v in state.items()})
     return model.eval().to(device)
+
+
+def with_weight_norm(generator):
+    """The generator as the release trains it: every convolution's weight reparametrized as g * v / |v| (weight
+    norm, norm over all but the first dimension), starting from its plain weights (train_vocoder.py). In place."""
+    for module in generator.modules():
+        if isinstance(module, (nn.Conv1d, nn.ConvTranspose1d)):
+            nn.utils.parametrizations.weight_norm(module)
+    return generator
+
+
+def save_hifigan(generator, path):
+    """A generator (with or without weight norm) as a file load_hifigan reads: `{'generator': state_dict}` with the
+    weight norm folded, and the config.json of its shape and of our mel settings beside it."""
+    with atomic_file(path) as f:
+        torch.save({'generator': fold_weight_norm(generator.state_dict())}, f)
+    config = dict(dataclasses.asdict(generator.config),
+                  **{name: MEL_SETTINGS[ours] for ours, name in CONFIG_MEL_KEYS.items()})
+    with atomic_file(os.path.join(os.path.dirname(path), 'config.json')) as f:
+        f.write(json.dumps(config, indent=1).encode())
 
 
 def load_vocoder(path, device='cpu'):

@@ -1,0 +1,39 @@
+"""runs/tts_curve.py: the larger corpora are the report's 1,000 utterances and the first rows of the extra ones
+(the same held-out sentences for every cell), and the table puts each cell's scores under their generator."""
+
+import os
+
+from conftest import script_definitions
+
+assemble, table = script_definitions('runs/tts_curve.py', 'assemble', 'table')
+
+
+def test_a_larger_corpus_is_the_first_ones_and_the_first_extra_rows(tmp_path):
+    for folder, prefix, n in (('small', 'PJ', 3), ('extra', 'PK', 4)):
+        os.makedirs(tmp_path / folder / 'wavs')
+        rows = [f'{prefix}{i}|line {prefix}{i}|line {prefix}{i}\n' for i in range(n)]
+        (tmp_path / folder / 'metadata.csv').write_text(''.join(rows))
+        for i in range(n):
+            (tmp_path / folder / 'wavs' / f'{prefix}{i}.wav').write_bytes(f'{prefix}{i}'.encode())
+    assemble(str(tmp_path), 'both', [('small', 3), ('extra', 2)])
+    lines = (tmp_path / 'both' / 'metadata.csv').read_text().splitlines()
+    assert [line.split('|')[0] for line in lines] == ['PJ0', 'PJ1', 'PJ2', 'PK0', 'PK1']
+    assert sorted(os.listdir(tmp_path / 'both' / 'wavs')) == [f'{i}.wav' for i in ('PJ0', 'PJ1', 'PJ2', 'PK0', 'PK1')]
+    assert (tmp_path / 'both' / 'wavs' / 'PK1.wav').read_bytes() == b'PK1'
+    assemble(str(tmp_path), 'both', [('small', 3), ('extra', 2)])  # again: the same corpus, no error
+    assert (tmp_path / 'both' / 'metadata.csv').read_text().splitlines() == lines
+
+
+def test_the_table_puts_each_cell_under_its_generator():
+    score = lambda wer: dict(wer=wer, cer=wer / 2, ovrl=3.0, rtf=0.3)
+    floors = dict(recordings=score(0.10), vocoders={'LJSpeech': score(0.11), 'universal': score(0.12)})
+    results = {'base': dict(args=['train_tts.py'], cpu_s=7200,
+                            speech={'LJSpeech': score(0.13), 'universal': score(0.15)}),
+               'vocoder-ft': dict(args=['train_vocoder.py'], cpu_s=3600, speech={'LJSpeech': score(0.12)}),
+               'unscored-rtf': dict(args=['x.py'], cpu_s=0, speech={'universal': dict(score(0.2), rtf=None)})}
+    rows = table(results, floors).splitlines()
+    assert rows[4] == ('| base | `python train_tts.py` | 2.00 | 13.0% (1.30x) / 6.5% / 3.00 | '
+                       '15.0% (1.50x) / 7.5% / 3.00 | 0.30 |')
+    assert rows[5] == '| vocoder-ft | `python train_vocoder.py` | 1.00 | 12.0% (1.20x) / 6.0% / 3.00 |  | 0.30 |'
+    assert rows[6] == '| unscored-rtf | `python x.py` | 0.00 |  | 20.0% (2.00x) / 10.0% / 3.00 | |'
+    assert all(row.count('|') == rows[0].count('|') for row in rows)

@@ -150,7 +150,7 @@ def write_checksums(f, checksums):
         start = info.header_offset + 30 + name_length + extra_length  # past the local header
         f.seek(entry + 28)
         entry_length = 46 + sum(struct.unpack('<HHH', f.read(6)))  # + name, extra field, comment
-        if start in checksums:
+        if start in checksums and info.compress_size:  # an empty tensor's record has no descriptor
             crc = struct.pack('<I', checksums[start])
             f.seek(start + info.compress_size)
             if f.read(4) != b'PK\x07\x08':

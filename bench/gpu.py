@@ -45,7 +45,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, 'bench'))
 
 from configurator import UserError, at_least, check_values, configure
-from logged_run import descendants, run_until_logged
+from logged_run import kill_tree, run_until_logged
 
 # -----------------------------------------------------------------------------
 nanogpt_dir = ''             # an unchanged nanoGPT checkout (its bench.py); '' = its parts are skipped, with a note
@@ -105,11 +105,7 @@ def launch(args, limit, cwd=ROOT):
         except subprocess.TimeoutExpired:
             code = None
         finally:
-            for pid in [proc.pid, *descendants(proc.pid)]:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            kill_tree(proc.pid)
             proc.wait()
         output.seek(0)
         return code, output.read()

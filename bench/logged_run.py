@@ -31,6 +31,15 @@ def descendants(pid):
     return found
 
 
+def kill_tree(pid):
+    """SIGKILL pid and every process it started (a script's torchrun workers too)."""
+    for each in [pid, *descendants(pid)]:
+        try:
+            os.kill(each, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def run_until_logged(args, log_path, key, count, timeout):
     """Run args in the repository root until log_path (removed first: an old run's lines would count) holds
     count entries with key, the script ends, or timeout seconds pass; then SIGKILL it and what it started
@@ -51,11 +60,7 @@ def run_until_logged(args, log_path, key, count, timeout):
                 with open(log_path) as f:
                     entries = [e for e in map(json.loads, filter(str.strip, f)) if key in e]
     finally:
-        for pid in [proc.pid, *descendants(proc.pid)]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_tree(proc.pid)
     proc.wait()
     output_file.seek(0)
     output = output_file.read()

@@ -16,6 +16,18 @@ from tts.data import MEL_SETTINGS
 LRELU_SLOPE = 0.1
 
 
+def scores_and_features(convs, conv_post, x):
+    """x through each convolution and leaky ReLU, then conv_post: (scores (B, N), every layer's output), the
+    feature-matching loss's maps."""
+    features = []
+    for conv in convs:
+        x = F.leaky_relu(conv(x), LRELU_SLOPE)
+        features.append(x)
+    x = conv_post(x)
+    features.append(x)
+    return x.flatten(1), features
+
+
 class PeriodDiscriminator(nn.Module):
     """The waveform (B, 1, T) folded into (B, 1, T / period, period), so each column holds every period-th
     sample; 2-D convolutions of width 1 along the columns see periodic structure (pitch) at that period.
@@ -35,13 +47,7 @@ class PeriodDiscriminator(nn.Module):
         if x.shape[2] % self.period:  # reflect-pad to whole periods
             x = F.pad(x, (0, self.period - x.shape[2] % self.period), 'reflect')
         x = x.view(x.shape[0], 1, x.shape[2] // self.period, self.period)
-        features = []
-        for conv in self.convs:
-            x = F.leaky_relu(conv(x), LRELU_SLOPE)
-            features.append(x)
-        x = self.conv_post(x)
-        features.append(x)
-        return x.flatten(1), features
+        return scores_and_features(self.convs, self.conv_post, x)
 
 
 class ScaleDiscriminator(nn.Module):
@@ -59,13 +65,7 @@ class ScaleDiscriminator(nn.Module):
         self.conv_post = norm(nn.Conv1d(1024 // divisor, 1, 3, 1, padding=1))
 
     def forward(self, x):
-        features = []
-        for conv in self.convs:
-            x = F.leaky_relu(conv(x), LRELU_SLOPE)
-            features.append(x)
-        x = self.conv_post(x)
-        features.append(x)
-        return x.flatten(1), features
+        return scores_and_features(self.convs, self.conv_post, x)
 
 
 class MultiPeriodDiscriminator(nn.Module):

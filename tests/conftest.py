@@ -16,9 +16,11 @@ import json
 import os
 import random
 import re
+import select
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -74,10 +76,46 @@ def script_env(**extra):
     return dict(os.environ, OMP_NUM_THREADS='1', PYTHONUNBUFFERED='1', **extra)
 
 
+class ForkServer:
+    """A Python that has imported torch, forking each launch of a script (tests/forkserver.py says how and why)."""
+
+    def __init__(self):
+        self.process = None
+
+    def run(self, args, env, timeout):
+        """`python *args` in the repository root with env: a subprocess.CompletedProcess, output as text."""
+        if self.process is None or self.process.poll() is not None:
+            self.process = subprocess.Popen([sys.executable, os.path.join(ROOT, 'tests', 'forkserver.py')], cwd=ROOT,
+                                            env=script_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        with tempfile.TemporaryDirectory() as folder:
+            out, err = os.path.join(folder, 'stdout'), os.path.join(folder, 'stderr')
+            request = dict(args=list(args), cwd=ROOT, env=env, stdout=out, stderr=err)
+            self.process.stdin.write(json.dumps(request) + '\n')
+            self.process.stdin.flush()
+            pid = int(self.process.stdout.readline())
+            ready, _, _ = select.select([self.process.stdout], [], [], timeout)
+            if not ready:
+                os.killpg(pid, signal.SIGKILL)
+            code = int(self.process.stdout.readline())
+            with open(out, errors='replace') as f, open(err, errors='replace') as g:
+                stdout, stderr = f.read(), g.read()
+        if not ready:
+            raise subprocess.TimeoutExpired([sys.executable, *args], timeout, stdout, stderr)
+        return subprocess.CompletedProcess([sys.executable, *args], code, stdout, stderr)
+
+
+FORK_SERVER = ForkServer() if os.environ.get('NANOTRAIN_TESTS_FORK', '1') != '0' else None
+
+
 def run(args, env_extra=None, check=True, timeout=300, **kw):
-    """`python *args` in the repository root; check: fail the test, with the output's ends, on a non-zero exit."""
-    p = subprocess.run([sys.executable, *args], cwd=ROOT, env=script_env(**(env_extra or {})), capture_output=True,
-                       text=True, timeout=timeout, **kw)
+    """`python *args` in the repository root; check: fail the test, with the output's ends, on a non-zero exit.
+    A script's launch (not `-m`) forks from FORK_SERVER."""
+    env = script_env(**(env_extra or {}))
+    if FORK_SERVER and args[0].endswith('.py') and not kw and not env_extra:
+        p = FORK_SERVER.run(args, env, timeout)
+    else:
+        p = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=timeout, **kw)
     if check and p.returncode != 0:
         raise AssertionError(f"exit {p.returncode}\nSTDOUT:\n{p.stdout[-3000:]}\nSTDERR:\n{p.stderr[-3000:]}")
     return p

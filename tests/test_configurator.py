@@ -11,7 +11,7 @@ import pytest
 
 from configurator import (EMPTY_OR_FOLDER, FOLDER, POSITIVE, assignment_lines, at_least, check_values, configure,
                           dataclass_args, interval, one_of)
-from conftest import ROOT
+from conftest import ROOT, run
 from scheduler import SCHEDULES
 
 
@@ -51,7 +51,7 @@ def test_upper_case_constants_are_not_keys():
 def test_scripts_configs_hold_only_plain_values():
     # a checkpoint stores its config and is read back with weights_only=True: no functions, no imported constants
     for script in ('train.py', 'train_dpo.py', 'train_tts.py'):
-        p = subprocess.run([sys.executable, script, '--help'], cwd=ROOT, capture_output=True, text=True, check=True)
+        p = run([script, '--help'])
         assert not re.search(r'^ *--[A-Z]', p.stdout, re.M), p.stdout
 
 
@@ -360,5 +360,5 @@ def test_scripts_check_only_their_own_keys(script):
     ('sample.py', '--top_p=2', 'top_p=2.0 must be in [0, 1].'),
     ('bench/bench_gpt.py', '--n_head=0', 'n_head=0 must be at least 1.')])
 def test_scripts_refuse_meaningless_values_at_start_up(script, arg, message):
-    r = subprocess.run([sys.executable, script, arg], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = run([script, arg], check=False, timeout=120)
     assert r.returncode == 2 and r.stderr.startswith('config error: ') and message in r.stderr, r.stderr

@@ -1,0 +1,76 @@
+"""
+Launching the scripts from a Python that has already imported torch: each launch a fork of it, the script then
+run as `python script.py args` runs it (its own argv, sys.path, environment, working directory, output files
+and exit status). Importing torch is most of what a short launch costs on a CPU (~2 of ~4 CPU-seconds for
+a script that refuses its config), and the suite launches its scripts a few hundred times.
+
+conftest.run uses it for `python <script>.py ...` launches; `-m` launches (torchrun) and the tests that
+signal a running script start a real process. NANOTRAIN_TESTS_FORK=0 turns it off (every launch a new
+Python). A fork shares the server's hash seed, which the server draws once per pytest process.
+
+Protocol: the server reads one JSON request a line on stdin ({args, cwd, env, stdout, stderr}) and answers
+on stdout with the child's pid, then, when it exits, its exit status (subprocess's convention: -N for a
+signal).
+"""
+
+import json
+import os
+import sys
+
+if __name__ == '__main__':
+    import numpy  # noqa: F401  (what every script imports first, loaded once; nothing runs that starts threads)
+    import torch  # noqa: F401
+    BASE_PATH = sys.path[1:]  # without this file's folder: a child's first entry is its script's folder
+
+    def child(request):
+        """In the forked child: become `python *args` and never return."""
+        code = 1
+        try:
+            os.setpgid(0, 0)  # its own group: a timeout kills it and whatever it started
+            os.chdir(request['cwd'])
+            os.environ.clear()
+            os.environ.update(request['env'])
+            for fd, path in ((1, request['stdout']), (2, request['stderr'])):
+                os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+            os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+            import random
+            import runpy
+            import numpy as np
+            random.seed()  # a new process's streams, not the server's copy
+            np.random.seed()
+            script = request['args'][0]
+            sys.argv = list(request['args'])
+            extra = [p for p in os.environ.get('PYTHONPATH', '').split(os.pathsep) if p]
+            sys.path[:] = [os.path.dirname(os.path.abspath(script)), *extra, *BASE_PATH]
+            try:
+                try:
+                    runpy.run_path(script, run_name='__main__')
+                    code = 0
+                except SystemExit:
+                    raise
+                except BaseException as e:  # as the interpreter: the script's excepthook, which may exit
+                    sys.excepthook(type(e), e, e.__traceback__)
+            except SystemExit as e:
+                if e.code is None or isinstance(e.code, int):
+                    code = e.code or 0
+                else:
+                    print(e.code, file=sys.stderr)
+            import threading
+            threading._shutdown()  # as the interpreter's exit: wait for the script's non-daemon threads
+            import atexit
+            atexit._run_exitfuncs()
+        finally:
+            try:
+                sys.stdout.flush()
+                sys.stderr.flush()
+            finally:
+                os._exit(code)
+
+    for line in sys.stdin:
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            child(request)
+        print(pid, flush=True)
+        _, status = os.waitpid(pid, 0)
+        print(-os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status), flush=True)

@@ -90,26 +90,38 @@ def length_groups(lengths, waste=0.25):
     return groups
 
 
-def prefill(model, prompts, width):
+def prefill(model, prompts, groups, width):
     """Each prompt's next-token logits (P, V) and the keys and values of all of them, left-padded to the longest:
     per layer (k, v), each (P, Hkv, width, D), width >= the longest prompt, slots after the prompts (and the
-    padding) zero. The prompts are computed in length_groups, each padded to its own longest only."""
-    lengths, device = [len(p) for p in prompts], model.lm_head.weight.device
-    longest = max(lengths)
-    logits, layers = None, None
-    for group in length_groups(lengths):
+    padding) zero. Rows in the order of groups (length_groups), each group computed padded to its own longest."""
+    device, longest = model.lm_head.weight.device, max(map(len, prompts))
+    logits, layers, row = None, None, 0
+    for group in groups:
         idx, starts = left_pad([prompts[i] for i in group], device)
         caches = [KVCache(idx.size(1)) for _ in model.transformer.h]
         out = next_logits(model, idx, starts, caches)
         if layers is None:
             logits = out.new_empty(len(prompts), out.size(1))
             layers = [tuple(x.new_zeros(len(prompts), x.size(1), width, x.size(3)) for x in (c.k, c.v)) for c in caches]
-        rows = torch.tensor(group, device=device)
+        rows = slice(row, row + len(group))
         logits[rows] = out
         for (k, v), cache in zip(layers, caches):  # the group's slots end where the longest prompt's do
             k[rows, :, longest - idx.size(1):longest] = cache.k
             v[rows, :, longest - idx.size(1):longest] = cache.v
+        row += len(group)
     return logits, layers
+
+
+def key_chunks(groups, starts):
+    """(first row, end row, first slot) of each run of rows of one length group (groups: each row's, rows in group
+    order) and the first slot any of them reads (starts: each row's padding): eager attention reads no slot that
+    is padding for every row of a run."""
+    chunks, first = [], 0
+    for row in range(1, len(groups) + 1):
+        if row == len(groups) or groups[row] != groups[first]:
+            chunks.append((first, row, min(starts[first:row])))
+            first = row
+    return chunks
 
 
 def attend_one(q, k, v, mask):
@@ -127,11 +139,12 @@ def attend_one(q, k, v, mask):
 class DecodeCache:
     """One layer's keys and values of a batch decoding a token a row a step (decode_step), preallocated: k, v (B, Hkv,
     width, D) hold the prompts left-padded (prefill) and slots for the tokens to come; a step writes its token's at
-    slot, a (1,) tensor every layer shares, in place (index_copy_), and attends over the first slots its mask covers.
-    Its shapes never change, so a compiled step is captured once (CompiledDecoding)."""
+    slot, a (1,) tensor every layer shares, in place (index_copy_), and attends over the first slots its mask covers;
+    eagerly, each run of rows of similar length (chunks: key_chunks) from its own first slot, skipping padding. Its
+    shapes never change, so a compiled step (CompiledDecoding, chunks None) is captured once."""
 
-    def __init__(self, k, v, slot):
-        self.k, self.v, self.slot = k, v, slot
+    def __init__(self, k, v, slot, chunks=None):
+        self.k, self.v, self.slot, self.chunks = k, v, slot, chunks
         self.len = k.size(2)  # what hidden_states reads as the cached length; decode_step gives positions and mask
 
     def keep(self, rows):
@@ -141,7 +154,10 @@ class DecodeCache:
         self.k.index_copy_(2, self.slot, k)
         self.v.index_copy_(2, self.slot, v)
         n = mask.size(-1)
-        return attend_one(q, self.k[:, :, :n], self.v[:, :, :n], mask)
+        if self.chunks is None:
+            return attend_one(q, self.k[:, :, :n], self.v[:, :, :n], mask)
+        return torch.cat([attend_one(q[a:b], self.k[a:b, :, first:n], self.v[a:b, :, first:n], mask[a:b, ..., first:n])
+                          for a, b, first in self.chunks])
 
 
 def decode_step(model, token, slot, starts, caches, n_keys=None):
@@ -213,12 +229,18 @@ def generate_batch(model, prompts, max_new_tokens, temperature=0.0, top_k=None, 
         return completions
     device = model.lm_head.weight.device
     longest = max(map(len, prompts))
-    starts = torch.tensor([longest - len(p) for p in prompts], device=device).repeat_interleave(num_samples)
+    # the batch's rows: each prompt's num_samples, prompts in groups of similar length (prefill, key_chunks)
+    groups = length_groups([len(p) for p in prompts])
+    order = [i for group in groups for i in group]
+    rows = [i * num_samples + s for i in order for s in range(num_samples)]  # the completion each row writes to
+    starts_list = [longest - len(prompts[r // num_samples]) for r in rows]
+    group_of = [g for g, group in enumerate(groups) for _ in range(len(group) * num_samples)]
+    starts = torch.tensor(starts_list, device=device)
     share = num_samples > 1 and decoding is None and (device.type == 'cpu' if share_prompts is None else share_prompts)
     width = longest + (0 if share else max_new_tokens - 1)
     if decoding is not None:
         width = -(-width // decoding.WIDTH_STEP) * decoding.WIDTH_STEP
-    logits, layers = prefill(model, prompts, width)
+    logits, layers = prefill(model, prompts, groups, width)
     logits = logits.repeat_interleave(num_samples, dim=0)
     slot = torch.full((1,), longest, device=device)  # where the first new token goes
     if share:
@@ -231,15 +253,15 @@ def generate_batch(model, prompts, max_new_tokens, temperature=0.0, top_k=None, 
         layers = [(k.repeat_interleave(num_samples, 0), v.repeat_interleave(num_samples, 0)) for k, v in layers] \
             if num_samples > 1 else layers
         if decoding is None:
-            caches = [DecodeCache(k, v, slot) for k, v in layers]
+            chunks = key_chunks(group_of, starts_list)
+            caches = [DecodeCache(k, v, slot, chunks) for k, v in layers]
         else:
             caches = decoding.static_caches(layers)
             slot = caches[0].slot
             slot.fill_(longest)
     stop_ids = set(stop_ids)
-    rows = list(range(len(completions)))  # the completion each batch row writes to; None once it stopped
     first, total = rows_of or (0, len(completions))
-    owners = torch.arange(len(completions), device=device) + first  # each batch row's number in the draw
+    owners = torch.tensor(rows, device=device) + first  # each batch row's number in the draw
     for step in range(max_new_tokens):
         uniform = None if temperature == 0 else torch.rand(total, generator=generator, device=device,
                                                             dtype=sampling_dtype(device))[owners]
@@ -254,10 +276,14 @@ def generate_batch(model, prompts, max_new_tokens, temperature=0.0, top_k=None, 
         # finished rows leave together (each leaving copies the caches), once computing them in the
         # steps left would cost more than a decode step of the batch; until then, tokens thrown away
         if decoding is None and running.count(False) * (max_new_tokens - 1 - step) >= len(rows):
-            keep = torch.tensor([i for i, r in enumerate(running) if r], device=device)
+            kept = [i for i, r in enumerate(running) if r]
+            keep = torch.tensor(kept, device=device)
+            rows, group_of, starts_list = ([x[i] for i in kept] for x in (rows, group_of, starts_list))
+            chunks = key_chunks(group_of, starts_list)
             for cache in caches:
                 cache.keep(keep)
-            rows = [row for row in rows if row is not None]
+                if isinstance(cache, DecodeCache):
+                    cache.chunks = chunks
             token, starts, owners = token[keep], starts[keep], owners[keep]
         if decoding is None:
             logits = decode_step(model, token, slot, starts, caches, longest + step + 1)

@@ -223,3 +223,48 @@ def test_a_device_without_float64_samples_in_float32(monkeypatch):
     assert len(out) == 6 and all(len(c) == 6 for c in out)
     freq = torch.bincount(picks[:, 0], minlength=4).float() / len(picks)
     torch.testing.assert_close(freq, probs, atol=0.01, rtol=0)
+
+
+def decode_compiled(m, device, **kw):
+    """generate_batch's compiled decoding (lm.generate.CompiledDecoding) and its eager path on the same calls."""
+    from lm.generate import CompiledDecoding
+    decoding = CompiledDecoding()
+    # one shape (4 prompts x 2 samples), so one compilation
+    runs = [dict(), dict(stop_ids=[9]), dict(temperature=1.5, stop_ids=[8, 9])]
+
+    def run(d, opts):
+        g = torch.Generator(device=device).manual_seed(5)
+        return generate_batch(m, PROMPTS, 10, num_samples=2, generator=g, decoding=d, **kw, **opts)
+    return decoding, [(run(decoding, opts), run(None, opts)) for opts in runs]
+
+
+@pytest.mark.comparison
+def test_compiled_static_cache_decoding_draws_what_eager_decoding_draws():
+    """torch.compile'd decode steps over the static caches (the CPU runs inductor's C++ kernels) give the tokens the
+    eager path gives, which are GPT.generate's one prompt at a time: greedy, G samples of each prompt stopping at a
+    stop id (every row stays in the compiled batch, its tokens after the stop thrown away), and sampled with a fixed
+    seed (each row's number is the same in both; float64, so no draw flips: ~1e-15 apart). A second call of the same
+    shape reuses the caches (a CUDA graph reads fixed addresses)."""
+    m = sharp_model(n_layer=1, n_head=4, n_kv_head=2, sliding_window=5)
+    decoding, runs = decode_compiled(m, 'cpu')
+    for compiled, eager in runs:
+        assert compiled == eager
+    (greedy, _), (stopped, _), (sampled, _) = runs
+    assert greedy == [c for c in one_at_a_time(m, PROMPTS, 10, temperature=0) for _ in range(2)]
+    assert stopped == [c[:c.index(9) + 1] if 9 in c else c for c in greedy] != greedy
+    assert len(set(map(tuple, sampled))) > 4 and min(map(len, sampled)) < 10  # diverse, some stopped
+    assert len(decoding.caches) == 1  # the caches of the first call, reused by the others
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
+def test_compiled_decoding_replays_cuda_graphs():
+    """On a GPU the compiled step is a CUDA graph (mode='reduce-overhead'; none skipped) and draws what eager
+    decoding draws; float32 with TF32 off, where a near tie could flip a greedy choice (none in this model)."""
+    from torch._dynamo.utils import counters
+    torch.backends.cuda.matmul.allow_tf32 = False
+    counters.clear()
+    m = sharp_model(n_layer=2, n_head=4, n_kv_head=2).float().cuda()
+    _, runs = decode_compiled(m, 'cuda')
+    for compiled, eager in runs:
+        assert compiled == eager
+    assert not counters['inductor']['cudagraph_skips']

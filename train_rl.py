@@ -493,10 +493,11 @@ while iter_num < max_iters:
             bad_steps = bad_step(bad_steps, config, iter_num, loss, grad_norm)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
-    t_merge = time.time()
+    merge_seconds = 0.0
     if policy is not raw_model:  # the next rollouts sample from the adapters as they are now
+        t_merge = time.time()
         refresh_merged_copy(policy, raw_model)
-    merge_seconds = time.time() - t_merge
+        merge_seconds = time.time() - t_merge
     iter_num += 1
     progress.update(1)
     t2 = time.time()

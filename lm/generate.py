@@ -175,8 +175,8 @@ class CompiledDecoding:
     a launch a kernel, as gpt-fast decodes) and the caches it writes in place, kept for later calls of the same shape
     (a graph reads and writes fixed addresses; torch._dynamo.mark_static_address). Widths are rounded up to a multiple
     of WIDTH_STEP, so prompts of about the same length reuse one graph. One per model and script: generate_batch's
-    decoding=. Cost: a compilation at the first call of a shape (minutes on a CPU, ~1 on a GPU), and the caches of the
-    last MAX_SHAPES shapes."""
+    decoding=. Cost: a compilation at the first call (minutes on a CPU), a graph recorded at the first call of each
+    shape, and the caches of the last MAX_SHAPES shapes."""
     WIDTH_STEP, MAX_SHAPES = 64, 4
 
     def __init__(self):
@@ -203,7 +203,9 @@ class CompiledDecoding:
     def __call__(self, model, token, slot, starts, caches):
         if self.step is None:
             mode = 'reduce-overhead' if token.device.type == 'cuda' else None  # CUDA graphs exist on CUDA only
-            self.step = torch.compile(decode_step, mode=mode, fullgraph=True)
+            # dynamic: one compilation for every batch size and width (RL's rollouts and its evals); a CUDA graph
+            # is still recorded for each shape, which is cheap
+            self.step = torch.compile(decode_step, mode=mode, fullgraph=True, dynamic=True)
         if token.device.type == 'cuda':
             torch.compiler.cudagraph_mark_step_begin()  # the last step's logits are consumed: its buffers are free
         return self.step(model, token, slot, starts, caches)

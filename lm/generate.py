@@ -176,11 +176,12 @@ class CompiledDecoding:
     (a graph reads and writes fixed addresses; torch._dynamo.mark_static_address). Widths are rounded up to a multiple
     of WIDTH_STEP, so prompts of about the same length reuse one graph. One per model and script: generate_batch's
     decoding=. Cost: a compilation at the first call (minutes on a CPU), a graph recorded at the first call of each
-    shape, and the caches of the last MAX_SHAPES shapes."""
+    shape, and the caches of the last MAX_SHAPES shapes. backend: torch.compile's ('aot_eager' traces and
+    functionalizes the step as inductor does, without generating kernels: the CPU tests' cheap check)."""
     WIDTH_STEP, MAX_SHAPES = 64, 4
 
-    def __init__(self):
-        self.step, self.caches = None, {}
+    def __init__(self, backend='inductor'):
+        self.step, self.caches, self.backend = None, {}, backend
 
     def static_caches(self, layers):
         """DecodeCaches of these (k, v) tensors' shape whose tensors stay the same between calls: the values copied in."""
@@ -202,10 +203,12 @@ class CompiledDecoding:
 
     def __call__(self, model, token, slot, starts, caches):
         if self.step is None:
-            mode = 'reduce-overhead' if token.device.type == 'cuda' else None  # CUDA graphs exist on CUDA only
-            # dynamic: one compilation for every batch size and width (RL's rollouts and its evals); a CUDA graph
-            # is still recorded for each shape, which is cheap
-            self.step = torch.compile(decode_step, mode=mode, fullgraph=True, dynamic=True)
+            # CUDA graphs exist on CUDA only, and come from inductor
+            mode = 'reduce-overhead' if token.device.type == 'cuda' and self.backend == 'inductor' else None
+            # the first shape compiled static (a tenth of a dynamic compilation's time on a CPU, and kernels of
+            # fixed sizes); a second shape (RL's evals) recompiles once with the changed sizes dynamic, after which
+            # each new shape only records its CUDA graph
+            self.step = torch.compile(decode_step, backend=self.backend, mode=mode, fullgraph=True)
         if token.device.type == 'cuda':
             torch.compiler.cudagraph_mark_step_begin()  # the last step's logits are consumed: its buffers are free
         return self.step(model, token, slot, starts, caches)

@@ -225,10 +225,10 @@ def test_a_device_without_float64_samples_in_float32(monkeypatch):
     torch.testing.assert_close(freq, probs, atol=0.01, rtol=0)
 
 
-def decode_compiled(m, device, **kw):
+def decode_compiled(m, device, backend='inductor', **kw):
     """generate_batch's compiled decoding (lm.generate.CompiledDecoding) and its eager path on the same calls."""
     from lm.generate import CompiledDecoding
-    decoding = CompiledDecoding()
+    decoding = CompiledDecoding(backend)
     # one shape (4 prompts x 2 samples), so one compilation
     runs = [dict(), dict(stop_ids=[9]), dict(temperature=1.5, stop_ids=[8, 9])]
 
@@ -240,13 +240,15 @@ def decode_compiled(m, device, **kw):
 
 @pytest.mark.comparison
 def test_compiled_static_cache_decoding_draws_what_eager_decoding_draws():
-    """torch.compile'd decode steps over the static caches (the CPU runs inductor's C++ kernels) give the tokens the
-    eager path gives, which are GPT.generate's one prompt at a time: greedy, G samples of each prompt stopping at a
-    stop id (every row stays in the compiled batch, its tokens after the stop thrown away), and sampled with a fixed
-    seed (each row's number is the same in both; float64, so no draw flips: ~1e-15 apart). A second call of the same
-    shape reuses the caches (a CUDA graph reads fixed addresses)."""
+    """torch.compile'd decode steps over the static caches (traced whole and functionalized, the in-place cache
+    writes included; aot_eager: inductor's C++ kernels take ~100 s to build on a loaded 2-core machine, and the cuda
+    test below runs inductor's) give the tokens the eager path gives, which are GPT.generate's one prompt at a time:
+    greedy, G samples of each prompt stopping at a stop id (every row stays in the compiled batch, its tokens after
+    the stop thrown away), and sampled with a fixed seed (each row's number is the same in both; float64, so no
+    draw flips: ~1e-15 apart). A second call of the same shape reuses the caches (a CUDA graph reads fixed
+    addresses)."""
     m = sharp_model(n_layer=1, n_head=4, n_kv_head=2, sliding_window=5)
-    decoding, runs = decode_compiled(m, 'cpu')
+    decoding, runs = decode_compiled(m, 'cpu', 'aot_eager')
     for compiled, eager in runs:
         assert compiled == eager
     (greedy, _), (stopped, _), (sampled, _) = runs
@@ -256,7 +258,7 @@ def test_compiled_static_cache_decoding_draws_what_eager_decoding_draws():
     assert len(decoding.caches) == 1  # the caches of the first call, reused by the others
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
+@pytest.mark.cuda
 def test_compiled_decoding_replays_cuda_graphs():
     """On a GPU the compiled step is a CUDA graph (mode='reduce-overhead'; none skipped) and draws what eager
     decoding draws; float32 with TF32 off, where a near tie could flip a greedy choice (none in this model)."""

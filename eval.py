@@ -26,7 +26,7 @@ from tqdm import tqdm
 from configurator import FOLDER, UserError, at_least, check_output_file, check_values, configure, interval, same_file
 from lm.eval_tasks import (GENERATION, ROLLING, choice_logliks, choice_predictions, choice_requests, generation_prompt,
                            read_task, rolling_requests, rolling_scores, with_fewshot)
-from lm.generate import generate_batch, stop_tokens
+from lm.generate import CompiledDecoding, generate_batch, stop_tokens
 from lm.loading import load_for_generation, model_path
 from lm.metrics import (corpus_scores, corpus_stderrs, exact_match, example_scores, mean_pass_at_k, mean_stderr,
                         parse_metric_names, pass_at_k)
@@ -51,6 +51,7 @@ target_delimiter = ' '       # multiple choice: put between the context and each
 num_fewshot = 0              # solved examples (other rows of the file) before each question, as lm-eval's
 description = ''             # text before the few-shot examples (lm-eval's description); a chat model's system turn
 batch_size = 16              # prompts per generation batch; multiple choice: sequences per forward pass
+compile_decode = None        # generation: decode through torch.compile over a static KV cache (CUDA graphs); None = on CUDA
 max_examples = 0             # evaluate the first this many examples; 0 = all
 out = ''                     # the JSON file written; '' = next to eval_data: <name>.eval.<model>.json
 seed = 1337                  # random seed of sampling
@@ -75,6 +76,8 @@ except ValueError:
 if any(not 1 <= k <= num_samples for k in ks):
     raise UserError(f"pass_k={pass_k!r}: each k must be from 1 to num_samples={num_samples} (pass@k draws k of the "
                     f"num_samples answers); raise num_samples or lower k.")
+if compile_decode not in (None, True, False):
+    raise UserError(f"compile_decode={compile_decode!r} must be True, False or None (None: on a GPU, not on a CPU).")
 if num_samples > 1 and temperature == 0:
     raise UserError(f"num_samples={num_samples} with temperature=0: greedy decoding gives one answer "
                     f"{num_samples} times; set temperature > 0 (e.g. 0.8) to sample.")
@@ -155,6 +158,9 @@ if generation:
         print(f"answers of up to {new_tokens} tokens: the longest prompt ({task_path}:{rows[longest]['line']}, "
               f"{len(prompts[longest])} tokens) leaves that many of the model's block_size of {block_size}")
     generator = torch.Generator(device=local_device).manual_seed(seed)
+    # a compiled step pays for itself over many steps on a GPU; on a CPU compiling takes minutes (docs/eval.md)
+    compiled = local_device.startswith('cuda') if compile_decode is None else compile_decode
+    decoding = CompiledDecoding() if compiled else None
     progress = tqdm(total=len(rows), desc=f"generation {os.path.basename(task_path)}", unit='example')
     # shortest prompts first: a batch pads its prompts to its longest
     order = sorted(range(len(rows)), key=lambda i: len(prompts[i]))
@@ -163,7 +169,8 @@ if generation:
         batch = order[first:first + batch_size]
         with autocast:
             completions = generate_batch(model, [prompts[i] for i in batch], new_tokens, temperature,
-                                         top_k or None, top_p or None, stop_ids, num_samples, generator)
+                                         top_k or None, top_p or None, stop_ids, num_samples, generator,
+                                         decoding=decoding)
         for b, i in enumerate(batch):
             row, samples = rows[i], []
             for ids in completions[b * num_samples:(b + 1) * num_samples]:

@@ -11,6 +11,7 @@ Text-to-speech checkpoints (train_tts.py) speak with sample_tts.py.
 import torch
 
 from configurator import FOLDER, UserError, at_least, check_values, configure, interval
+from lm.generate import CompiledDecoding, generate_batch
 from lm.loading import load_for_generation, model_path
 from run.device import autocast_context, pick_device, pick_dtype
 
@@ -27,6 +28,7 @@ temperature = 0.8            # 0 = greedy
 top_k = 50                   # 0 = off
 top_p = 0.0                  # nucleus sampling; 0 = off
 use_kv_cache = True          # cache keys and values while generating (same samples, faster)
+compile_decode = False       # decode through torch.compile over a static KV cache (CUDA graphs): ~1 min to compile
 seed = 1337                  # random seed
 device = 'auto'              # 'auto' (cuda, else mps, else cpu) | 'cpu' | 'cuda' | 'cuda:1' | 'mps'
 dtype = 'auto'               # 'auto' = bf16 on GPUs with it, else fp16; fp32 on CPU
@@ -58,13 +60,26 @@ ids = (tokenizer.encode_prompt([{'role': 'user', 'content': text}]) if chat
        else tokenizer.document_prefix + tokenizer.encode(text))
 if not ids:
     raise UserError("start is empty: give the model something to continue, e.g. --start='\\n' or a sentence.")
+if compile_decode and not use_kv_cache:
+    raise UserError("compile_decode=True decodes over a static KV cache; it cannot run with use_kv_cache=False. "
+                    "Drop one of them.")
+# a static cache holds the whole sample: one that passes block_size slides its context (GPT.generate) instead
+fits = len(ids) + max_new_tokens - 1 <= model.config.block_size
+if compile_decode and not fits:
+    print(f"compile_decode: {len(ids)} prompt tokens + max_new_tokens={max_new_tokens} pass block_size="
+          f"{model.config.block_size}, so the context slides; sampling without compiling")
+decoding = CompiledDecoding() if compile_decode and fits else None
 prompt = torch.tensor([ids], dtype=torch.long, device=local_device)
 generator = torch.Generator(device=local_device).manual_seed(seed)
+eos_id = tokenizer.eos_id if chat else None  # a chat answer ends at <|end|>
 with torch.no_grad(), autocast:
     for _ in range(num_samples):
-        out = model.generate(prompt, max_new_tokens, temperature=temperature, top_k=top_k or None,
-                             top_p=top_p or None, use_kv_cache=use_kv_cache, generator=generator,
-                             # a chat answer ends at <|end|>
-                             eos_id=tokenizer.eos_id if chat else None)
-        print(tokenizer.decode(out[0].tolist()))
+        if decoding is not None:  # the draws GPT.generate makes from generator (lm/generate.py), compiled
+            out = ids + generate_batch(model, [ids], max_new_tokens, temperature, top_k or None, top_p or None,
+                                       [] if eos_id is None else [eos_id], generator=generator, decoding=decoding)[0]
+        else:
+            out = model.generate(prompt, max_new_tokens, temperature=temperature, top_k=top_k or None,
+                                 top_p=top_p or None, use_kv_cache=use_kv_cache, generator=generator,
+                                 eos_id=eos_id)[0].tolist()
+        print(tokenizer.decode(out))
         print('---------------')

@@ -27,10 +27,10 @@ from tqdm import tqdm
 from configurator import FOLDER, POSITIVE, UserError, at_least, check_values, configure, interval, one_of
 from lm.adamw8bit import in_8_bits
 from lm.chat_data import EpochSampler, load_prompt_split, rl_prompt
-from lm.generate import generate_batch, stop_tokens
+from lm.generate import CompiledDecoding, generate_batch, stop_tokens
 from lm.heldout_eval import HeldOut, report_heldout
-from lm.lora import LORA_SETTINGS, apply_lora, disable_adapters, frozen_base_dtype, lora_optimizer, lora_state_dict, \
-    save_merged
+from lm.lora import (LORA_SETTINGS, apply_lora, disable_adapters, frozen_base_dtype, lora_optimizer, lora_state_dict,
+                     merged_copy, refresh_merged_copy, save_merged)
 from lm.metrics import mean_pass_at_k
 from lm.rewards import check_rows, load_rewards, reward_values
 from lm.rl import (IMPORTANCE_LEVELS, LOSS_TYPES, SCALE_REWARDS, clipped_token_loss, completion_batches,
@@ -120,7 +120,9 @@ decay_frac = 0.2             # 'wsd': the last fraction of lr_decay_iters, a lin
 # system
 device = 'auto'              # 'auto' (cuda, else mps, else cpu) | 'cpu' | 'cuda' | 'cuda:1' | 'mps'
 dtype = 'auto'               # 'auto' = bf16 on GPUs with it, else fp16 + loss scaling; fp32 on CPU
-compile = False              # torch.compile the policy's training forward (generation is not compiled)
+compile = False              # torch.compile the policy's training forward
+compile_decode = None        # rollouts decode through torch.compile over a static KV cache (CUDA graphs); None = on CUDA
+merged_rollouts = None       # LoRA: rollouts from a copy in the run's dtype, adapters merged, refreshed each step; None = on CUDA
 num_threads = 0              # torch.set_num_threads for CPU ops; 0 = torch's default
 # -----------------------------------------------------------------------------
 config = configure(globals())
@@ -147,6 +149,12 @@ if epsilon_high is not None and (isinstance(epsilon_high, bool) or not isinstanc
                                  or not 0 <= epsilon_high < math.inf):
     raise UserError(f"epsilon_high={epsilon_high!r} must be a number >= 0 (e.g. 0.28), or None for epsilon's value.")
 clip_high = epsilon if epsilon_high is None else epsilon_high  # the ratio's upper bound is 1 + clip_high
+for key in ('compile_decode', 'merged_rollouts'):
+    if config[key] not in (None, True, False):
+        raise UserError(f"{key}={config[key]!r} must be True, False or None (None: on a GPU, not on a CPU).")
+if merged_rollouts and not use_lora:
+    raise UserError("merged_rollouts=True merges LoRA adapters into a copy for the rollouts, but this run trains every "
+                    "weight (use_lora=False) and samples from the model itself; drop merged_rollouts or set use_lora=True.")
 
 # processes and device (run/runtime.py: one process per GPU under torchrun), precision
 compute = compute_init(device, seed, num_threads)
@@ -156,6 +164,10 @@ master, device_type = rank == 0, local_device.split(':')[0]
 ptdtype = pick_dtype(local_device, dtype)
 autocast = autocast_context(local_device, ptdtype)
 base_dtype = frozen_base_dtype(lora_base_dtype, ptdtype, use_lora, 'ddp', 'use_lora=True')
+# on a GPU a decode step waits on kernel launches, which a CUDA graph and merged adapters remove; on a CPU it
+# waits on arithmetic, and compiling costs minutes (docs/rl.md)
+decoding = CompiledDecoding() if (device_type == 'cuda' if compile_decode is None else compile_decode) else None
+sample_merged = use_lora and (device_type == 'cuda' if merged_rollouts is None else merged_rollouts)
 if prompts_per_step % world_size or prompts_per_step // world_size * num_generations % gradient_accumulation_steps:
     raise UserError(f"prompts_per_step={prompts_per_step} must split evenly over the {world_size} process(es), and "
                     f"each one's {prompts_per_step // world_size} x num_generations={num_generations} completions "
@@ -255,6 +267,8 @@ if ckpt:
     best_pass_at_1 = -stored_best
 ckpt = None
 model = wrap_model(model, compile, ddp, local_rank, device_type)
+# the model rollouts sample from: the adapters merged into a copy of the weights in the run's dtype, or the model
+policy = merged_copy(raw_model, ptdtype) if sample_merged else raw_model
 log(f"device {local_device}, dtype {ptdtype}, {world_size} process(es), "
     f"{raw_model.get_num_params() / 1e6:.2f}M params, {prompts_per_step} prompts x {num_generations} completions "
     f"per step, loss {loss_type}, ratio clipped to [{1 - epsilon:g}, {1 + clip_high:g}], reward {reward_name}, "
@@ -284,9 +298,9 @@ def rollouts(batch, n_samples, generator):
     prompts = batch[start:stop]
     raw_model.eval()
     with autocast:
-        completions = generate_batch(raw_model, [ids for ids, _, _ in prompts], max_new_tokens, temperature,
+        completions = generate_batch(policy, [ids for ids, _, _ in prompts], max_new_tokens, temperature,
                                      top_k or None, top_p, stop_ids, n_samples, generator,
-                                     rows_of=(start * n_samples, len(batch) * n_samples))
+                                     rows_of=(start * n_samples, len(batch) * n_samples), decoding=decoding)
     raw_model.train()
     stopped = torch.tensor([bool(c) and c[-1] in stop_ids for c in completions])
     rows = [prompts[i // n_samples] for i in range(len(completions))]
@@ -479,6 +493,11 @@ while iter_num < max_iters:
             bad_steps = bad_step(bad_steps, config, iter_num, loss, grad_norm)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
+    merge_seconds = 0.0
+    if policy is not raw_model:  # the next rollouts sample from the adapters as they are now
+        t_merge = time.time()
+        refresh_merged_copy(policy, raw_model)
+        merge_seconds = time.time() - t_merge
     iter_num += 1
     progress.update(1)
     t2 = time.time()
@@ -492,7 +511,7 @@ while iter_num < max_iters:
                     'frac_reward_zero_std': reward_stds.isclose(torch.zeros_like(reward_stds)).float().mean().item(),
                     'completions/mean_length': generated_tokens / n_completions,
                     'completions/clipped_ratio': 1 - n_stopped / n_completions,
-                    'time/generation_s': t1 - t0, 'time/training_s': t2 - t1,
+                    'time/generation_s': t1 - t0, 'time/training_s': t2 - t1, 'time/merge_s': merge_seconds,
                     'generation/tokens_per_sec': generated_tokens / (t1 - t0)}
     reward_metrics, scored_none = per_reward_metrics(reward_fns, all_per_reward)
     step_metrics.update(reward_metrics)

@@ -22,8 +22,9 @@ The parts, in the order they run (the most wanted first: the budget may end befo
 - lora8b_bfloat16, lora8b_nf4, then the two compiled: LoRA r=16 on every Linear through train.py on that folder,
   4 rows of 4,096 tokens a step, activation checkpointing, a bf16 or an NF4 base, eager or compiled: tokens/s, MFU
   and peak memory from train.py's log.jsonl (the median of the logged steps after the first);
-- rl1b (and rl1b_compiled_decoding): train_rl.py's rollouts on the Llama-3.2-1B shape (bench/bench_rl_1b.py's
-  large_lora mode, a few steps);
+- rl1b, rl1b_compiled_decoding: train_rl.py's rollouts on the Llama-3.2-1B shape (bench/bench_rl_1b.py's
+  large_lora mode, a few steps), eager from the adapter model as before issue 54 (EAGER_DECODING), then each
+  decode step a CUDA graph from a bf16 copy with the adapters merged (COMPILED_DECODING), with the ratio;
 - lora8b_pack: the same LoRA on the number tasks, packed into rows of 4,096 tokens (PACKING).
 Writes <out_dir>/gpu_<card>_<date>.json (the runs under <out_dir>/gpu/) and prints one table.
 """
@@ -62,8 +63,10 @@ check_values(config, [(at_least(1), ('budget',))])
 # Flags the rest of issue 54 adds, each list going into its parts' commands as it is: filling one in is the
 # one-line change that measures it. Packing that fills rows (item 4; pack=True may come to mean it):
 PACKING = ['--pack=True']
-# compiled static-cache decoding in train_rl.py's rollouts (item 5), e.g. ['--compile_decoding=True']; empty: skipped
-COMPILED_DECODING = []
+# compiled static-cache decoding in train_rl.py's rollouts (item 5) from a copy with the adapters merged, against
+# the rollouts before it (on CUDA both are train_rl.py's defaults now, so the eager part names its flags too)
+COMPILED_DECODING = ['--compile_decode=True', '--merged_rollouts=True']
+EAGER_DECODING = ['--compile_decode=False', '--merged_rollouts=False']
 # NF4 under torch.compile (item 3) needs no flag: lora8b_nf4_compiled runs --lora_base_dtype=nf4 --compile=True
 
 GPT2 = ['--n_layer=12', '--n_head=12', '--n_embd=768', '--block_size=1024', '--vocab_size=50304']
@@ -289,9 +292,8 @@ def rl1b(flags, limit):
 
 
 def compiled_decoding(limit):
-    if not COMPILED_DECODING:
-        raise PartFailed('skipped', "no compiled-decoding flag yet (issue 54 item 5): fill in COMPILED_DECODING")
-    return rl1b(COMPILED_DECODING, limit)
+    # compile is off in a dry run: the merged copy's rollouts, decoded eagerly
+    return rl1b(COMPILED_DECODING + (['--compile_decode=False'] if dry_run else []), limit)
 
 
 PARTS = {  # name: (what, its time limit in seconds, the function that runs it)
@@ -306,8 +308,10 @@ PARTS = {  # name: (what, its time limit in seconds, the function that runs it)
     'lora8b_nf4': ('the same, NF4 base, eager', 150, lambda s: lora8b('nf4', False, s)),
     'lora8b_bfloat16_compiled': ('the same, bf16 base, compiled', 240, lambda s: lora8b('bfloat16', True, s)),
     'lora8b_nf4_compiled': ('the same, NF4 base, compiled', 240, lambda s: lora8b('nf4', True, s)),
-    'rl1b': ('train_rl.py, 1B shape, 32 prompts x 8, 256 new tokens, LoRA, bf16 base', 120, lambda s: rl1b([], s)),
-    'rl1b_compiled_decoding': ('the same with compiled decoding', 120, compiled_decoding),
+    'rl1b': ('train_rl.py, 1B shape, 32 prompts x 8, 256 new tokens, LoRA, bf16 base, eager rollouts', 120,
+             lambda s: rl1b(EAGER_DECODING, s)),
+    'rl1b_compiled_decoding': ('the same, rollouts compiled (CUDA graphs) from a merged bf16 copy', 180,
+                               compiled_decoding),
     'lora8b_pack': ('LoRA on the 8B body, the number tasks packed into 4,096-token rows, bf16 base, eager', 90,
                     lambda s: lora8b('bfloat16', False, s, pack=True)),
 }
@@ -342,9 +346,14 @@ def result_text(name, part, saved):
                 + f", peak {gib(part['peak_memory_mb'])}"
                 + (f", {part['tokens_per_step']:,.0f} tokens a step" if part.get('tokens_per_step') else ''))
     if name.startswith('rl1b'):
-        return (f"{part['generation_tokens_per_sec']:,.0f} generated tokens/s, {part['steps_per_sec']:.2f} steps/s, "
+        text = (f"{part['generation_tokens_per_sec']:,.0f} generated tokens/s, {part['steps_per_sec']:.2f} steps/s, "
                 f"rollouts {part['generation_s'] / (part['generation_s'] + part['training_s']):.0%} of a step, "
                 f"peak {gib(part['peak_memory_mb'])}")
+        eager = saved.get('rl1b') if name == 'rl1b_compiled_decoding' else None
+        if eager and eager['status'] == 'ok':
+            text += (f"; eager rollouts' tokens/s: "
+                     f"**{part['generation_tokens_per_sec'] / eager['generation_tokens_per_sec']:.2f}x**")
+        return text
     if name == 'llama8b_folder':
         return part.get('note') or f"{part['gigabytes']:.1f} GB, vocabulary {part['vocab_size']:,}"
     return part.get('note', 'ok')

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from configurator import UserError
 from lm.nf4 import nf4_linear, quantize_blocks
 from memory import page_out
+from model import GPT
 from run.checkpoint import check_compatible, save_checkpoint
 from run.device import DTYPES
 from run.fsdp import model_state_dict
@@ -333,6 +334,53 @@ def merged_state_dict(model, state=None):
             state[name + '.weight'] = folded[id(m.weight)]
     # float32 stays the same tensor: a tied weight stays one
     return {k: v.float() for k, v in state.items()}
+
+
+# Sampling from a LoRA model computes each adapted layer's frozen matmul and its adapter's two small ones, and
+# casts float32 weights to the run's dtype at every use: on a GPU, where a decode step waits on launches, that
+# took 1.7x the rollout time of a plain model (runs/RESULTS.md). train_rl.py samples from a merged copy instead:
+# a plain GPT whose Linear weights are base + update in the run's dtype, refreshed after each optimizer step.
+
+def linear_weight(layer):
+    """The weight a Linear layer of a (LoRA) model computes with, in float32: a 4-bit base dequantized, an
+    adapter's update added (unless merged or disabled)."""
+    base = layer.nf4.dequantize() if getattr(layer, 'nf4', None) is not None else layer.weight
+    if isinstance(layer, LoRALinear) and layer.enabled and not layer.merged:
+        return torch.addmm(base.float(), layer.lora_B, layer.lora_A, alpha=layer.scaling)
+    return base.float()
+
+
+@torch.no_grad()
+def merged_copy(model, dtype):
+    """A plain GPT (eval mode, nothing trains) computing what model computes with its adapters, to sample from: every
+    Linear layer of its blocks a dtype weight of its own holding linear_weight (refresh_merged_copy writes it
+    again in place, so a captured CUDA graph reads the new values), and with dtype not float32 (the run's 16-bit
+    dtype) an untied lm_head in dtype, which autocast would cast every step; every other tensor the model's own
+    (embedding, norms, biases: a trained bias is read as it is). Memory: dtype's bytes for every block weight
+    (2 a parameter in 16 bits: on a 1B model 2 GB; with a 4-bit base 4x what the base takes), and lm_head's."""
+    if any(isinstance(m, (AddedRowsEmbedding, AddedRowsLinear)) for m in model.modules()):
+        raise ValueError("merged_copy does not fold trained added rows (train_rl.py trains none)")
+    linears = {name: m for name, m in model.transformer.h.named_modules(prefix='transformer.h')
+               if isinstance(m, nn.Linear)}
+    state = {k: v for k, v in model.state_dict(keep_vars=True).items()
+             if k.rsplit('.', 1)[0] not in linears and not any(k.startswith(name + '.nf4.') for name in linears)}
+    for name, m in linears.items():
+        state[name + '.weight'] = linear_weight(m).to(dtype)
+        if m.bias is not None:
+            state[name + '.bias'] = m.bias
+    # detached: the copy's parameters are its own, the same memory
+    copy = GPT.from_state_dict(model.config, {k: v.detach() for k, v in state.items()})
+    if dtype != torch.float32:
+        copy.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().to(dtype))
+    return copy.to(model.lm_head.weight.device).requires_grad_(False).eval()  # .to: the RoPE tables
+
+
+@torch.no_grad()
+def refresh_merged_copy(copy, model):
+    """Write model's adapted weights (linear_weight) into merged_copy's, in place (after an optimizer step)."""
+    for name, m in model.transformer.h.named_modules(prefix='transformer.h'):
+        if isinstance(m, LoRALinear):
+            copy.get_submodule(name).weight.copy_(linear_weight(m))
 
 
 def lora_param_groups(model, weight_decay, loraplus_lr_ratio=1.0):

@@ -17,7 +17,7 @@ PARTS = ['tests', 'gpt_b16', 'nanogpt_b16', 'gpt_b32', 'nanogpt_b32', 'llama8b_f
 
 @pytest.mark.slow
 def test_dry_run_runs_every_part_and_records_its_figures(tmp_path):
-    run(['bench/gpu.py', '--dry_run=True', f'--out_dir={tmp_path}'], timeout=240)
+    run(['bench/gpu.py', '--dry_run=True', f'--out_dir={tmp_path}'], timeout=360)
     [path] = glob.glob(str(tmp_path / 'gpu' / 'gpu_cpu_*.json'))  # beside its runs, where git ignores it
     with open(path) as f:
         saved = json.load(f)
@@ -25,11 +25,9 @@ def test_dry_run_runs_every_part_and_records_its_figures(tmp_path):
     assert saved['dry_run'] and list(parts) == PARTS
     for name in ('nanogpt_b16', 'nanogpt_b32'):  # no nanoGPT folder given: skipped, saying how to give one
         assert parts[name]['status'] == 'skipped' and 'nanogpt_dir' in parts[name]['note']
-    assert parts['rl1b_compiled_decoding']['status'] == 'skipped'  # until issue 54's item 5 fills in its flag
     for name in ('lora8b_nf4_compiled', 'lora8b_bfloat16_compiled'):  # compile off: the eager parts' commands
         assert parts[name]['status'] == 'skipped' and 'compile off' in parts[name]['note']
-    ran = [p for p in PARTS if p not in ('nanogpt_b16', 'nanogpt_b32', 'rl1b_compiled_decoding', 'lora8b_nf4_compiled',
-                                         'lora8b_bfloat16_compiled')]
+    ran = [p for p in PARTS if p not in ('nanogpt_b16', 'nanogpt_b32', 'lora8b_nf4_compiled', 'lora8b_bfloat16_compiled')]
     assert {p: parts[p]['status'] for p in ran} == dict.fromkeys(ran, 'ok')
     assert parts['tests']['skipped'] >= 4 and 'failed' not in parts['tests']  # the cuda tests, skipped on a CPU
     for name in ('gpt_b16', 'gpt_b32'):
@@ -39,7 +37,12 @@ def test_dry_run_runs_every_part_and_records_its_figures(tmp_path):
         assert '--lora_target_modules=all-linear' in parts[name]['command']
     assert '--lora_base_dtype=nf4' in parts['lora8b_nf4']['command']
     assert '--pack=True' in parts['lora8b_pack']['command']
-    assert parts['rl1b']['generation_tokens_per_sec'] > 0 and parts['rl1b']['steps_per_sec'] > 0
+    for name in ('rl1b', 'rl1b_compiled_decoding'):
+        assert parts[name]['generation_tokens_per_sec'] > 0 and parts[name]['steps_per_sec'] > 0
+    # rollouts as before issue 54, then from the merged copy (compiled on a GPU; compile off in a dry run)
+    assert '--compile_decode=False --merged_rollouts=False' in parts['rl1b']['command']
+    assert parts['rl1b']['merge_s'] == 0 < parts['rl1b_compiled_decoding']['merge_s']
+    assert '--merged_rollouts=True' in parts['rl1b_compiled_decoding']['command']
     # a dry run's figures never become the README's GPU rows
     p = run(['bench/gpu.py', f'--table_only={path}'], check=False)
     assert p.returncode == 2 and 'dry run' in p.stderr and 'Traceback' not in p.stderr

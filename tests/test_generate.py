@@ -1,10 +1,11 @@
 import pytest
 import torch
 
-from lm.generate import generate_batch
+from lm.generate import generate_batch, length_groups
 from model import GPT, GPTConfig
 
 PROMPTS = [[5, 9, 1], [7], [3, 3, 8, 2, 11, 30, 4], [12, 6]]  # different lengths: padding in play
+PREFILLS = len(length_groups(list(map(len, PROMPTS))))  # the prefill's passes: 1 token; 2 and 3; 7
 
 
 def sharp_model(**kw):
@@ -56,7 +57,7 @@ def test_each_row_stops_after_its_first_stop_id_and_leaves_the_batch():
     seen = count_fed(m)
     assert generate_batch(m, PROMPTS, 12, stop_ids=stops) == want
     # a row is fed every token but its last; each stop here is early enough for its row to leave at once
-    assert [rows for rows, _ in seen[1:]] == [sum(len(c) > step for c in want) for step in range(1, 12)]
+    assert [rows for rows, _ in seen[PREFILLS:]] == [sum(len(c) > step for c in want) for step in range(1, 12)]
 
 
 @pytest.mark.comparison
@@ -69,7 +70,7 @@ def test_a_row_stopping_near_the_end_runs_on_in_the_batch():
     assert [i for i, c in enumerate(free) if 28 in c] == [1] and free[1].index(28) == 9
     seen = count_fed(m)
     assert generate_batch(m, PROMPTS, 12, stop_ids=[28]) == [free[0], free[1][:10], free[2], free[3]]
-    assert [rows for rows, _ in seen[1:]] == [4] * 11
+    assert [rows for rows, _ in seen[PREFILLS:]] == [4] * 11
 
 
 def test_all_rows_stopping_ends_generation():
@@ -77,14 +78,15 @@ def test_all_rows_stopping_ends_generation():
     free = generate_batch(m, PROMPTS, 8)
     seen = count_fed(m)
     assert generate_batch(m, PROMPTS, 8, stop_ids=[c[0] for c in free]) == [c[:1] for c in free]
-    assert len(seen) == 1  # the prefill only
+    assert len(seen) == PREFILLS  # the prefill only
 
 
 def test_samples_share_one_prefill_per_prompt():
     m = sharp_model()
     seen = count_fed(m)
     generate_batch(m, PROMPTS, 4, temperature=1.0, num_samples=5, generator=torch.Generator().manual_seed(0))
-    assert seen == [(4, 7)] + [(20, 1)] * 3  # 4 padded prompts once, then 4 x 5 rows a token a step
+    # each prompt once, in groups of similar length padded to their longest, then 4 x 5 rows a token a step
+    assert seen == [(1, 1), (2, 3), (1, 7)] + [(20, 1)] * 3
 
 
 @pytest.mark.comparison
@@ -104,7 +106,8 @@ def test_rows_sharing_their_prompts_cache_sample_what_rows_with_copies_do(opts):
                               generator=torch.Generator().manual_seed(5)), list(caches)
     (shared, shared_caches), (copied, copied_caches) = draw(None), draw(False)
     assert shared == copied
-    assert shared_caches == ['KVCache'] + ['SharedPromptCache'] * 9 and set(copied_caches) == {'KVCache'}
+    assert shared_caches == ['KVCache'] * PREFILLS + ['SharedPromptCache'] * 9
+    assert copied_caches == ['KVCache'] * PREFILLS + ['DecodeCache'] * 9
     assert len(set(map(tuple, shared))) > 6 and min(map(len, shared)) < 10  # diverse, and some rows stopped early
     greedy = lambda share: generate_batch(m, PROMPTS, 10, num_samples=3, stop_ids=[first], share_prompts=share)
     assert greedy(True) == greedy(False) and greedy(True)[:3] == [[first]] * 3
@@ -220,3 +223,50 @@ def test_a_device_without_float64_samples_in_float32(monkeypatch):
     assert len(out) == 6 and all(len(c) == 6 for c in out)
     freq = torch.bincount(picks[:, 0], minlength=4).float() / len(picks)
     torch.testing.assert_close(freq, probs, atol=0.01, rtol=0)
+
+
+def decode_compiled(m, device, backend='inductor', **kw):
+    """generate_batch's compiled decoding (lm.generate.CompiledDecoding) and its eager path on the same calls."""
+    from lm.generate import CompiledDecoding
+    decoding = CompiledDecoding(backend)
+    # one shape (4 prompts x 2 samples), so one compilation
+    runs = [dict(), dict(stop_ids=[9]), dict(temperature=1.5, stop_ids=[8, 9])]
+
+    def run(d, opts):
+        g = torch.Generator(device=device).manual_seed(5)
+        return generate_batch(m, PROMPTS, 10, num_samples=2, generator=g, decoding=d, **kw, **opts)
+    return decoding, [(run(decoding, opts), run(None, opts)) for opts in runs]
+
+
+@pytest.mark.comparison
+def test_compiled_static_cache_decoding_draws_what_eager_decoding_draws():
+    """torch.compile'd decode steps over the static caches (traced whole and functionalized, the in-place cache
+    writes included; aot_eager: inductor's C++ kernels take ~100 s to build on a loaded 2-core machine, and the cuda
+    test below runs inductor's) give the tokens the eager path gives, which are GPT.generate's one prompt at a time:
+    greedy, G samples of each prompt stopping at a stop id (every row stays in the compiled batch, its tokens after
+    the stop thrown away), and sampled with a fixed seed (each row's number is the same in both; float64, so no
+    draw flips: ~1e-15 apart). A second call of the same shape reuses the caches (a CUDA graph reads fixed
+    addresses)."""
+    m = sharp_model(n_layer=1, n_head=4, n_kv_head=2, sliding_window=5)
+    decoding, runs = decode_compiled(m, 'cpu', 'aot_eager')
+    for compiled, eager in runs:
+        assert compiled == eager
+    (greedy, _), (stopped, _), (sampled, _) = runs
+    assert greedy == [c for c in one_at_a_time(m, PROMPTS, 10, temperature=0) for _ in range(2)]
+    assert stopped == [c[:c.index(9) + 1] if 9 in c else c for c in greedy] != greedy
+    assert len(set(map(tuple, sampled))) > 4 and min(map(len, sampled)) < 10  # diverse, some stopped
+    assert len(decoding.caches) == 1  # the caches of the first call, reused by the others
+
+
+@pytest.mark.cuda
+def test_compiled_decoding_replays_cuda_graphs():
+    """On a GPU the compiled step is a CUDA graph (mode='reduce-overhead'; none skipped) and draws what eager
+    decoding draws; float32 with TF32 off, where a near tie could flip a greedy choice (none in this model)."""
+    from torch._dynamo.utils import counters
+    torch.backends.cuda.matmul.allow_tf32 = False
+    counters.clear()
+    m = sharp_model(n_layer=2, n_head=4, n_kv_head=2).float().cuda()
+    _, runs = decode_compiled(m, 'cuda')
+    for compiled, eager in runs:
+        assert compiled == eager
+    assert not counters['inductor']['cudagraph_skips']

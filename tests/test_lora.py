@@ -13,7 +13,7 @@ from configurator import UserError
 from conftest import assert_user_error, load, logged, read_log, run, sft, sft_args, torchrun, train_losses
 from lm.loading import load_for_generation
 from lm.lora import (LoRALinear, apply_lora, disable_adapters, lora_optimizer, lora_param_groups, lora_state_dict,
-                     merge_lora, merged_state_dict, unmerge_lora)
+                     merge_lora, merged_copy, merged_state_dict, refresh_merged_copy, unmerge_lora)
 from model import GPT, GPTConfig
 
 
@@ -77,6 +77,40 @@ def test_merged_equals_unmerged_and_merged_state_dict_is_a_plain_gpt():
     torch.testing.assert_close(model(x)[0], unmerged, rtol=1e-5, atol=1e-5)
     unmerge_lora(model)
     torch.testing.assert_close(model(x)[0], unmerged, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.comparison
+@pytest.mark.parametrize('base', ['float32', 'nf4'])
+def test_merged_rollout_copy_computes_what_the_adapters_do_and_follows_their_training(base):
+    """train_rl.py's rollouts sample from merged_copy: a plain GPT whose block weights are base + update (a 4-bit
+    base dequantized), refreshed in place after each step, the rest shared (a trained bias as it trains). In
+    float32 it gives the adapter model's logits up to float32 rounding; in bf16 under autocast it is as close to
+    the exact (float32) logits as the adapter model under the same autocast is: each weight rounded to bf16 once
+    (2^-9 relative) where autocast rounds the base and the update separately."""
+    from lm.nf4 import quantize_blocks
+    model = tiny_gpt(n_embd=64, bias=True)
+    if base == 'nf4':
+        quantize_blocks(model)
+    apply_lora(model, r=4, lora_alpha=8, target_modules='attn.q,attn.v,mlp.fc', bias='all')  # attn.k, proj: frozen
+    nudge_adapters(model)
+    x = torch.randint(16, (2, 8))
+    bf16 = torch.autocast('cpu', dtype=torch.bfloat16)
+    copies = {dtype: merged_copy(model, dtype) for dtype in (torch.float32, torch.bfloat16)}
+    assert type(copies[torch.float32]) is GPT and copies[torch.bfloat16].transformer.h[0].attn.k.weight.dtype == torch.bfloat16
+    for step in range(2):
+        exact = model(x)[0]
+        torch.testing.assert_close(copies[torch.float32](x)[0], exact, rtol=1e-5, atol=1e-5)
+        with bf16:
+            adapters_error = (model(x)[0].float() - exact).abs().max()
+            copy_error = (copies[torch.bfloat16](x)[0].float() - exact).abs().max()
+        assert 0 < copy_error <= 2 * adapters_error
+        # a training step: the adapters and biases move; the copy's weights follow after a refresh
+        nudge(model, 'lora_B', 2 + step)
+        nudge(model, 'bias', 4 + step)
+        for copy in copies.values():
+            refresh_merged_copy(copy, model)
+    assert all(not p.requires_grad for c in copies.values() for p in c.parameters())
+    assert model.transformer.h[0].attn.q.bias.requires_grad  # the model's own still train
 
 
 @pytest.mark.comparison

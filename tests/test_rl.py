@@ -233,7 +233,7 @@ RL = ['--device=cpu', '--dtype=float32', '--tensorboard=False', '--prompts_per_s
       '--log_interval=1', '--learning_rate=1e-3']
 TRAIN_METRICS = ('loss', 'reward', 'reward_std', 'accuracy', 'frac_reward_zero_std', 'completions/mean_length',
                  'completions/clipped_ratio', 'clip_ratio/region_mean', 'clip_ratio/low_mean', 'clip_ratio/high_mean',
-                 'entropy', 'time/generation_s', 'time/training_s',
+                 'entropy', 'time/generation_s', 'time/training_s', 'time/merge_s',
                  'generation/tokens_per_sec', 'grad_norm')
 
 
@@ -330,10 +330,13 @@ def test_reference_is_the_starting_model_kl_0_at_the_first_step(tmp_path, rl_env
     """beta > 0 with one iteration: at step 1 the policy is still the reference (a frozen copy, or the LoRA model
     with its adapters disabled, B = 0), so the KL is exactly 0; after updates it is not. LoRA saves merged.pt."""
     out = tmp_path / 'out'
+    # LoRA samples from the merged copy (lora.merged_copy, the GPU default), refreshed after every step
     rl(rl_env, out, '--beta=0.1', '--max_iters=3', '--eval_interval=3', f'--use_lora={use_lora}',
-       f'--reward={rl_env["rewards"]}:chars', '--eval_prompts=1', '--exact_match_examples=0')
+       f'--merged_rollouts={use_lora}', f'--reward={rl_env["rewards"]}:chars', '--eval_prompts=1',
+       '--exact_match_examples=0')
     events = train_events(out)
     assert events[1]['kl'] == 0 and events[3]['kl'] > 0 and events[1]['grad_norm'] > 0
+    assert (events[3]['time/merge_s'] > 0) == use_lora
     ckpt = load(out / 'ckpt.pt')
     assert ckpt['kind'] == ('lora' if use_lora else 'gpt') and (out / 'merged.pt').exists() == use_lora
 

@@ -16,7 +16,7 @@ from configurator import UserError
 from conftest import (HF_FIXTURES, HF_TINY, dpo, evals, fine_tune, hf_fixture, kill_and_relaunch, load, load_gpt,
                       read_json_file, run, train_losses, val_losses)
 from hf.checkpoint import hf_names, load_hf_checkpoint
-from lm.lora import apply_lora, cast_frozen_base, disable_adapters, frozen_base_dtype, low_rank_delta, \
+from lm.lora import LoRALinear, apply_lora, cast_frozen_base, disable_adapters, frozen_base_dtype, low_rank_delta, \
     lora_state_dict, merged_state_dict
 from lm.loading import load_for_generation
 from lm import nf4
@@ -50,6 +50,9 @@ def test_the_bits_are_bitsandbytes(case):
     for name in ('packed', 'absmax_codes', 'absmax_scales', 'absmax_offset'):
         getattr(ours, name).copy_(ref[name])
     assert ours.dequantize().dtype == ref['weight'].dtype and torch.equal(ours.dequantize(), ref['dequantized'])
+    # compiled (one fused kernel), the same bits; straight to bf16, its values rounded once, as a cast rounds them
+    assert torch.equal(torch.compile(ours.dequantize)(), ref['dequantized'])
+    assert torch.equal(ours.dequantize(torch.bfloat16), ref['dequantized'].bfloat16())
 
 
 def test_each_value_takes_the_nearest_level_of_its_block():
@@ -110,6 +113,45 @@ def test_the_matmul_is_the_dequantized_weights_and_keeps_no_copy_for_backward():
     assert all(n < dequantized.numel() for n in saved), saved
     with torch.autocast('cpu', dtype=torch.bfloat16):
         assert torch.equal(nf4_linear(x, layer.nf4), F.linear(x, dequantized))
+
+
+def assert_within_rounding(a, b, magnitude, n):
+    """a and b, two float32 computations of the same sums of at most n products each, in any order, differ by at
+    most twice γ_n = n u / (1 - n u) times magnitude, the sums of the products' absolute values (Higham, Accuracy
+    and Stability of Numerical Algorithms, 3.1)."""
+    u = 2.0 ** -24
+    assert ((a - b).abs() <= 2 * n * u / (1 - n * u) * magnitude).all(), (a - b).abs().max()
+
+
+@pytest.mark.comparison
+def test_compiled_a_layer_on_a_4_bit_base_computes_what_it_does_eagerly_and_keeps_no_weight():
+    """torch.compile'd, a LoRA layer on a 4-bit base gives eager's output and gradients up to float32's rounding of
+    the same sums, and its forward saves no tensor of the weight's size for the backward: the dequantization, one
+    fused kernel, runs again there (without nf4_linear's checkpointed region the compiled graph kept the weight)."""
+    torch.manual_seed(0)
+    layer = LoRALinear(NF4Linear(torch.nn.Linear(128, 64)), r=4, lora_alpha=8)
+    with torch.no_grad():
+        layer.lora_B.normal_()
+    w, A, B, s = layer.nf4.dequantize(), layer.lora_A, layer.lora_B, layer.scaling
+    x, g = torch.randn(6, 128), torch.randn(6, 64)
+
+    def forward_backward(f):
+        xg = x.clone().requires_grad_()
+        layer.zero_grad()
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+            y = f(xg)
+        (y * g).sum().backward()
+        assert all(n < w.numel() for n in saved), saved
+        return y, xg.grad, A.grad, B.grad
+
+    eager, compiled = forward_backward(layer), forward_backward(torch.compile(layer))
+    with torch.no_grad():
+        xA, gB = x.abs() @ A.abs().T, g.abs() @ B.abs()
+        magnitudes = (x.abs() @ w.abs().T + layer.bias.abs() + s * xA @ B.abs().T, g.abs() @ w.abs() + s * gB @ A.abs(),
+                      s * gB.T @ x.abs(), s * g.abs().T @ xA)
+    for e, c, magnitude in zip(eager, compiled, magnitudes):
+        assert_within_rounding(c, e, magnitude, 128 + 6 + 4)
 
 
 def tiny_gpt():

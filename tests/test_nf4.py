@@ -77,9 +77,10 @@ def test_each_value_takes_the_nearest_level_of_its_block():
 
 @pytest.mark.comparison
 def test_dequantizing_a_chunk_at_a_time_changes_nothing(monkeypatch):
-    """dequantize() works through DEQUANTIZE_CHUNK values at a time (a bounded scratch: 225 MB above its 112 MB
-    result for an 8B model's MLP weight, 1.1 GB before); chunks that split the weight anywhere, and a short last
-    block, give the values of one pass bit for bit."""
+    """Eagerly, dequantize() works through CPU_DEQUANTIZE_CHUNK values at a time on a CPU (a scratch of 1.5 MB a
+    chunk, within cache, beside the blocks' absmaxes), DEQUANTIZE_CHUNK elsewhere;
+    compiled, through the whole weight at once. Chunks that split the weight anywhere, a short last block, and
+    the compiled pass give the values of one eager pass bit for bit."""
     torch.manual_seed(0)
     for weight in (torch.randn(40, 96, dtype=torch.bfloat16), torch.randn(7, 50)):  # 3840 = 60 blocks; 350 = 5.5
         q = NF4Weight(weight)
@@ -88,8 +89,9 @@ def test_dequantizing_a_chunk_at_a_time_changes_nothing(monkeypatch):
             q.absmax().repeat_interleave(BLOCK)[:weight.numel()]
         assert torch.equal(whole, expected.to(weight.dtype).view_as(weight))
         for chunk in (BLOCK, 3 * BLOCK, 1024):
-            monkeypatch.setattr(nf4, 'DEQUANTIZE_CHUNK', chunk)
+            monkeypatch.setattr(nf4, 'CPU_DEQUANTIZE_CHUNK', chunk)
             assert torch.equal(q.dequantize(), whole)
+        assert torch.equal(torch.compile(q.dequantize)(), whole)
 
 
 def test_the_matmul_is_the_dequantized_weights_and_keeps_no_copy_for_backward():
@@ -152,6 +154,43 @@ def test_compiled_a_layer_on_a_4_bit_base_computes_what_it_does_eagerly_and_keep
                       s * gB.T @ x.abs(), s * g.abs().T @ xA)
     for e, c, magnitude in zip(eager, compiled, magnitudes):
         assert_within_rounding(c, e, magnitude, 128 + 6 + 4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA (the GPU command runs it)')
+def test_on_a_gpu_one_compiled_kernel_dequantizes_and_no_weight_waits_for_the_backward():
+    """On CUDA, compiled: one generated kernel dequantizes a whole weight (the absmaxes come from their own op, so
+    their multiply and add stay two roundings, not one fused multiply-add) to bitsandbytes' bits for its fixture
+    and to the CPU's eager bits for 65,536 blocks; eagerly too. An 8B model's MLP weight under bf16 autocast:
+    the compiled forward saves nothing of the weight's size for the backward, and the input's gradient is
+    F.linear's with the dequantized weight up to bf16's rounding of the same products' sums."""
+    from torch._inductor.utils import run_and_get_code
+    ref = {k.split('.', 1)[1]: v for k, v in load_file(BNB).items() if k.startswith('bf16.')}
+    fixture = NF4Weight.stored(ref['weight'].shape, torch.bfloat16, *(
+        ref[k] for k in ('packed', 'absmax_codes', 'absmax_scales', 'absmax_offset')))
+    torch.manual_seed(0)
+    blocks = NF4Weight(torch.randn(4096, 1024, dtype=torch.bfloat16))
+    for q, expected in ((fixture, ref['dequantized']), (blocks, blocks.dequantize())):
+        q = q.cuda()
+        assert torch.equal(q.dequantize().cpu(), expected)
+        out, (code, *_) = run_and_get_code(torch.compile(q.dequantize))
+        assert torch.equal(out.cpu(), expected) and code.count('@triton.jit') == 1, code
+
+    layer = NF4Linear(torch.nn.Linear(4096, 14336, bias=False, device='cuda', dtype=torch.bfloat16))
+    w = layer.nf4.dequantize()
+    x, g = torch.randn(512, 4096, device='cuda'), torch.randn(512, 14336, device='cuda', dtype=torch.bfloat16)
+    compiled = torch.compile(layer)
+    grads, saved = [], []
+    for f in (compiled, compiled, lambda x: F.linear(x, w)):  # the first compiles
+        xg = x.clone().requires_grad_()
+        saved.append([])
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved[-1].append(t.numel()) or t, lambda t: t), \
+                torch.autocast('cuda', dtype=torch.bfloat16):
+            y = f(xg)
+        y.backward(g)
+        grads.append(xg.grad)
+    assert all(n < w.numel() for n in saved[1]), saved[1]
+    magnitude = g.float().abs() @ w.float().abs()
+    assert ((grads[1] - grads[2]).abs() <= 2 * 2 ** -8 * magnitude).all()  # each rounded to bf16 once
 
 
 def tiny_gpt():

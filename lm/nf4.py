@@ -83,16 +83,19 @@ def scale_blocks(values, absmax, block):
     return values
 
 
-@torch.library.custom_op('nanotrain::nf4_absmax', mutates_args=())
-def stored_absmax(codes: torch.Tensor, scales: torch.Tensor, offset: torch.Tensor,
+def blocks_absmax(codes: torch.Tensor, scales: torch.Tensor, offset: torch.Tensor,
                   levels: torch.Tensor) -> torch.Tensor:
     """Each block's absmax as double quantization keeps it: its 8-bit code's level times its group's scale, plus
-    the offset, two roundings as bitsandbytes rounds them. An op of its own, so that torch.compile runs it as it
-    is: fused into one kernel, the multiply and the add become one fused multiply-add on a GPU (one rounding)."""
+    the offset, two roundings as bitsandbytes rounds them."""
     return scale_blocks(levels.index_select(0, codes.int()), scales, SCALE_BLOCK).add_(offset)
 
 
-@stored_absmax.register_fake
+# the same as an op of its own, which torch.compile runs as it is: fused into one kernel, the multiply and the add
+# would become one fused multiply-add on a GPU (one rounding)
+compiled_blocks_absmax = torch.library.custom_op('nanotrain::nf4_absmax', blocks_absmax, mutates_args=())
+
+
+@compiled_blocks_absmax.register_fake
 def _(codes, scales, offset, levels):
     return codes.new_empty(codes.shape, dtype=torch.float32)
 
@@ -150,16 +153,18 @@ class NF4Weight(nn.Module):
 
     def absmax(self):
         """The blocks' absmaxes as double quantization keeps them."""
-        return stored_absmax(self.absmax_codes, self.absmax_scales, self.absmax_offset, self.absmax_levels)
+        absmax = compiled_blocks_absmax if torch.compiler.is_compiling() else blocks_absmax
+        return absmax(self.absmax_codes, self.absmax_scales, self.absmax_offset, self.absmax_levels)
 
     def dequantize(self, dtype=None):
         """The weight in dtype (its own by default): each value its level times its block's absmax in float32,
         rounded once to dtype (so float32 or its own dtype give its values; the others round them again).
         Compiled, one expression over the whole weight, which torch.compile makes one kernel that writes only the
         result. Eagerly a chunk at a time: each byte's two values looked up at once, as one 8-byte word (a 1-D
-        gather: 3x the speed of 2-value rows on a CPU), each block times its absmax in place, written into the
-        result; the scratch is one chunk's float32 values and int32 byte indices (an int64 index a value, all at
-        once, took 10x the result: 1.1 GB for an 8B MLP's)."""
+        gather: 3x the speed of 2-value rows on a CPU), each block times its absmax in place, in the result itself
+        in float32, else in a scratch of the chunk's float32 values that the copy into the result rounds (with the
+        int32 byte indices, 1.5 MB on a CPU; an int64 index a value, all at once, took 10x the result: 1.1 GB for an
+        8B MLP's)."""
         dtype = dtype or self.dtype
         absmax = self.absmax()
         if torch.compiler.is_compiling():
@@ -169,9 +174,13 @@ class NF4Weight(nn.Module):
         words = self.pairs.view(torch.int64).view(-1)
         chunk = CPU_DEQUANTIZE_CHUNK if out.is_cpu else DEQUANTIZE_CHUNK
         for start in range(0, len(out), chunk):  # whole blocks; only the last may be short
-            values = words.index_select(0, self.packed[start // 2:(start + chunk) // 2].int()).view(torch.float32)
-            out[start:start + len(values)] = scale_blocks(
-                values, absmax[start // BLOCK:(start + len(values) + BLOCK - 1) // BLOCK], BLOCK)
+            part = out[start:start + chunk]
+            values = part if dtype == torch.float32 else torch.empty(len(part), device=out.device)
+            torch.index_select(words, 0, self.packed[start // 2:(start + chunk) // 2].int(),
+                               out=values.view(torch.int64))
+            scale_blocks(values, absmax[start // BLOCK:(start + len(values) + BLOCK - 1) // BLOCK], BLOCK)
+            if values is not part:
+                part.copy_(values)
         return out.view(self.shape)
 
 

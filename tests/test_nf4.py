@@ -502,3 +502,22 @@ def test_train_py_qlora_on_a_bitsandbytes_folder(tmp_path, task):
     assert read_json_file(str(tmp_path / 'float32' / 'config.json'))['dtype'] == 'float32'
     exported = load_gpt(str(tmp_path / 'float32'))  # the merged weights as the run holds them
     assert all(torch.equal(v, merged[k]) for k, v in exported.state_dict().items())
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA (the GPU command runs it)')
+def test_train_py_qlora_compiled_on_a_gpu(tmp_path, task):
+    """train.py's QLoRA compiled on a GPU in bf16 (--compile=True: one fused kernel dequantizes each weight, again
+    in the backward), on the 4-bit folder's bits as stored: the loss falls; merged.pt is bitsandbytes' dequantized
+    weight plus the update, up to TF32's rounding of the update's product (train.py allows TF32 on CUDA).
+    On a CPU the compiled path is the unit tests' (a compiled launch there takes minutes)."""
+    out = tmp_path / 'out'
+    fine_tune(out, task, 'llama_bnb4', *LORA, '--compile=True', '--device=cuda', '--dtype=bfloat16',
+              training_type='lora', timeout=900)
+    losses = val_losses(out)
+    assert losses[-1] < losses[0], losses
+    adapters = load(out / 'ckpt.pt')['model']
+    A, B = adapters['transformer.h.1.mlp.proj.lora_A'], adapters['transformer.h.1.mlp.proj.lora_B']
+    expected = BNB_EXPECTED['dequantized.model.layers.1.mlp.down_proj.weight'].float() + low_rank_delta(A, B, 8 / 4)
+    bound = 8 / 4 * B.abs() @ A.abs() * 2 ** -9 + expected.abs() * 2 ** -23  # TF32's 10-bit inputs, one float32 add
+    assert ((load(out / 'merged.pt')['model']['transformer.h.1.mlp.proj.weight'] - expected).abs() <= bound).all()

@@ -159,7 +159,7 @@ def test_compiled_a_layer_on_a_4_bit_base_computes_what_it_does_eagerly_and_keep
         assert_within_rounding(c, e, magnitude, 128 + 6 + 4)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA (the GPU command runs it)')
+@pytest.mark.cuda
 def test_on_a_gpu_one_compiled_kernel_dequantizes_and_no_weight_waits_for_the_backward():
     """On CUDA, compiled: one generated kernel dequantizes a whole weight (the absmaxes come from their own op, so
     their multiply and add stay two roundings, not one fused multiply-add) to bitsandbytes' bits for its fixture
@@ -259,6 +259,36 @@ def test_lora_on_a_4_bit_base():
     GPT(model.config).load_state_dict(merged)  # strict: a plain GPT
     with pytest.raises(RuntimeError, match='4-bit base cannot hold the update'):
         model.transformer.h[0].attn.q.merge()
+
+
+@pytest.mark.slow  # ~10 s of CPU: dynamo traces the whole model
+@pytest.mark.comparison
+def test_the_scripts_compiled_4_bit_model_computes_what_it_does_eagerly():
+    """train.py, train_dpo.py and train_rl.py with --compile=True call torch.compile(model) on the 4-bit LoRA GPT
+    (run/runtime.wrap_model), train.py with activation checkpointing too: the compiled branch of nf4_linear (its
+    checkpointed region and absmax op) nested in a block's checkpoint, traced whole, gives eager's loss and
+    adapter gradients, called as DPO and RL call it (positions, mask, logits_at) and with targets as train.py.
+    aot_eager runs what dynamo and AOTAutograd trace (the part that sees those regions) as aten ops, in seconds;
+    inductor's code for the dequantization is the layer test's above."""
+    model = lora_on(tiny_gpt(), 'nf4')
+    model.activation_checkpointing = True
+    trained = [p for p in model.parameters() if p.requires_grad]
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randint(20, (2, 8), generator=g), torch.randint(20, (2, 8), generator=g)
+    positions, mask = torch.arange(8).expand(2, 8), torch.ones(2, 1, 8, 8, dtype=torch.bool).tril()
+    at = (torch.tensor([0, 1, 1]), torch.tensor([5, 6, 7]))
+
+    def loss_and_grads(f):
+        for p in trained:
+            p.grad = None
+        loss = f(x, y, positions=positions, mask=mask, logits_at=at)[1]
+        loss.backward()
+        return [loss.detach()] + [p.grad for p in trained]
+
+    compiled = torch.compile(model, backend='aot_eager')
+    # the same float32 ops, at most reassociated within a sum of 32 products (tolerance as test_lora_on_a_4_bit_base)
+    for e, c in zip(loss_and_grads(model), loss_and_grads(compiled)):
+        torch.testing.assert_close(c, e, rtol=0, atol=1e-5)
 
 
 def test_a_4_bit_base_trains_its_adapters():
@@ -505,7 +535,7 @@ def test_train_py_qlora_on_a_bitsandbytes_folder(tmp_path, task):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA (the GPU command runs it)')
+@pytest.mark.cuda
 def test_train_py_qlora_compiled_on_a_gpu(tmp_path, task):
     """train.py's QLoRA compiled on a GPU in bf16 (--compile=True: one fused kernel dequantizes each weight, again
     in the backward), on the 4-bit folder's bits as stored: the loss falls; merged.pt is bitsandbytes' dequantized

@@ -11,6 +11,12 @@ NF4 bases compute in float32 (the CPU default; on a GPU QLoRA computes in bf16).
     python bench/bench_qlora.py --bases=nf4 --max_iters=20 --heldout=0   # a quick look
     python bench/bench_qlora.py --bases=bfloat16,nf4 --extra="--dtype=bfloat16 --seed=2" \
         --out=bench/results/qlora_bf16_seed2      # both computing in bf16, another seed
+    # the recipe's training step alone (all-linear adapters, bf16 compute), the bases alternating in one process,
+    # CPU time of one thread: what the 4-bit base costs, steady on a shared machine
+    OMP_NUM_THREADS=1 python bench/bench_qlora.py --step_bench=True --bases=bfloat16,nf4 --out=bench/results/qlora_step
+    # on a GPU, compiled, rows of 4,096 tokens (a bigger folder: --model=...), peak memory per base
+    python bench/bench_qlora.py --step_bench=True --step_device=cuda --compile=True --bases=bfloat16,nf4 \
+        --rows=4 --row_tokens=4096 --activation_checkpointing=True --out=bench/results/qlora_step_gpu
     # a Llama-3.2-1B-shaped folder of random bf16 weights, a few steps
     python bench/bench_qlora.py --llama_1b=True --max_iters=4 --heldout=0 --out=bench/results/qlora_1b \
         --extra="--batch_size=1 --gradient_accumulation_steps=1 --eval_iters=1 --exact_match_examples=0"
@@ -27,7 +33,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from configurator import at_least, check_values, configure  # noqa: E402
+from configurator import at_least, check_values, configure, one_of  # noqa: E402
 
 # -----------------------------------------------------------------------------
 model = 'models/smollm2-135m-instruct'  # a Hugging Face folder
@@ -36,10 +42,19 @@ max_iters = 0                # 0 = the recipe's own (config/lora_hf.py: 150 step
 heldout = 200                # test prompts eval.py answers with each merged model; 0 = skip
 llama_1b = False             # instead of model: a Llama-3.2-1B-shaped folder of random bf16 weights (its tokenizer)
 extra = ''                   # more flags for train.py, e.g. a smaller batch for the 1B shape on a CPU
+step_bench = False           # instead of the recipe: its training step only, the bases alternating in this process
+repeats = 7                  # step_bench: steps of each base (after one to warm up); medians
+rows = 0                     # step_bench: rows a micro-batch; 0 = the recipe's batch_size
+row_tokens = 52              # step_bench: tokens a row (the number tasks' prompt and answer), the last quarter labelled
+step_device = 'cpu'          # step_bench: 'cpu' | 'cuda'
+activation_checkpointing = False  # step_bench: recompute each block in the backward (long rows on a GPU)
+step_dtype = 'bfloat16'      # step_bench: the compute dtype (float32: the bases float32 and nf4)
+compile = False              # step_bench: torch.compile the model (as train.py --compile=True)
 out = os.path.join(ROOT, 'bench', 'results', 'qlora')
 # -----------------------------------------------------------------------------
 config = configure(globals())
-check_values(config, [(at_least(0), ('max_iters', 'heldout'))])
+check_values(config, [(at_least(0), ('max_iters', 'heldout', 'rows')), (at_least(1), ('repeats', 'row_tokens')),
+                      (one_of(('bfloat16', 'float32')), ('step_dtype',)), (one_of(('cpu', 'cuda')), ('step_device',))])
 
 LOAD = """
 import resource, sys, torch
@@ -98,11 +113,100 @@ def recipe(base):
     return result
 
 
+def step_bench_results():
+    """The recipe's optimizer step (config/lora_hf.py: its adapters on every Linear, its micro-batches and
+    accumulation; in step_dtype, under autocast for bf16 as the all-linear rows of the README's table) on random
+    token rows, for each base in turn, repeats times: medians of the seconds a step and of the step's tokens per
+    second, by the clock and on a CPU by this thread's CPU time (a shared machine's other work does not count);
+    on a GPU each base's peak memory."""
+    import torch
+    from lm.lora import apply_lora, frozen_base_dtype, lora_optimizer
+    from lm.tokenizer import chat_tokenizer
+    from run.device import DTYPES, autocast_context
+    from run.runtime import Compute
+    from run.starting_model import full_model_checkpoint, run_model_args, run_tokenizer, starting_gpt
+    recipe_config = {}
+    with open(os.path.join(ROOT, 'config', 'lora_hf.py')) as f:
+        exec(f.read(), recipe_config)
+    steps, cuda = recipe_config['gradient_accumulation_steps'], step_device == 'cuda'
+    built, times, peaks = {}, {base: [] for base in bases.split(',')}, {}
+    autocast = autocast_context(step_device, DTYPES[step_dtype])
+    for base in times:
+        dtype = frozen_base_dtype(base, DTYPES[step_dtype], True, 'ddp', '')
+        folder = os.path.join(ROOT, model)
+        ckpt, path = full_model_checkpoint(None, None, folder, '', 'lora', as_stored=dtype != torch.float32)
+        _, base_tokenizer = run_tokenizer('', ckpt, path, Compute(False, 0, 0, 1, 'cpu'), None, folder)
+        tokenizer = chat_tokenizer(base_tokenizer)
+        args = run_model_args(dict(dropout=0.0, block_size=row_tokens), ckpt, path, tokenizer)
+        gpt, vocab_size = starting_gpt(args, ckpt, path, tokenizer, base_tokenizer, False, dtype)
+        apply_lora(gpt, recipe_config['lora_r'], recipe_config['lora_alpha'], recipe_config['lora_dropout'],
+                   'all-linear', added_tokens=tokenizer.vocab_size - vocab_size)
+        gpt.to(step_device).train().activation_checkpointing = activation_checkpointing
+        optimizer = lora_optimizer(gpt, 0.0, recipe_config['learning_rate'], (0.9, 0.999), step_device)
+        built[base] = (gpt, torch.compile(gpt) if compile else gpt, optimizer)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(gpt.config.vocab_size, (steps, rows or recipe_config['batch_size'], row_tokens), generator=g)
+    y = torch.roll(x, -1, 2)
+    y[..., :row_tokens * 3 // 4] = -100  # the prompt: no label
+    x, y = x.to(step_device), y.to(step_device)
+
+    def step(base):
+        gpt, forward, optimizer = built[base]
+        cpu, wall = time.thread_time(), time.perf_counter()
+        for i in range(steps):
+            with autocast:
+                loss = forward(x[i], y[i], logits_at=y[i] != -100)[1] / steps
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+        return time.thread_time() - cpu, time.perf_counter() - wall
+
+    for base in times:
+        step(base)  # warm-up (and compiling)
+    for _ in range(repeats):
+        for base in times:
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            times[base].append(step(base))
+            if cuda:
+                peaks[base] = max(peaks.get(base, 0), torch.cuda.max_memory_allocated() / 2**30)
+    tokens = x.numel()
+    results = {}
+    for base, measured in times.items():
+        cpu, wall = (statistics.median(t[i] for t in measured) for i in (0, 1))
+        results[base] = dict(step_wall_s=wall, tokens_per_sec=tokens / wall, wall_s=[t for _, t in measured],
+                             **(dict(peak_gib=peaks[base]) if cuda else dict(
+                                 step_cpu_s=cpu, tokens_per_cpu_s=tokens / cpu, cpu_s=[t for t, _ in measured])))
+    return results
+
+
 os.makedirs(out, exist_ok=True)
 if llama_1b:  # bench/hf_parity.py's helper, written once
     sys.path.insert(0, os.path.join(ROOT, 'bench'))
     from hf_parity import random_llama_folder
     model = random_llama_folder(out, 2048, 16, 49152, model)[0]
+if step_bench:
+    import torch
+    results = step_bench_results()
+    device = torch.cuda.get_device_name() if step_device == 'cuda' else f'cpu, {torch.get_num_threads()} threads'
+    with open(out.rstrip('/') + '.json', 'w') as f:
+        json.dump(dict(model=model, step_bench=True, device=device, dtype=step_dtype, compile=compile,
+                       repeats=repeats, rows=rows, row_tokens=row_tokens,
+                       activation_checkpointing=activation_checkpointing, torch=torch.__version__,
+                       date=time.strftime('%Y-%m-%d'), results=results), f, indent=1)
+    first = next(iter(results.values()))
+    print(f"\n{device}\n| base | s a step | tokens/s | ratio | " + (
+        "peak GiB |" if step_device == 'cuda' else "s a step (CPU time) | tokens/CPU s | ratio |"))
+    print("|---|---:|---:|---:|---:|" + ("" if step_device == 'cuda' else "---:|---:|"))
+    for base, r in results.items():
+        print(f"| {base} | {r['step_wall_s']:.2f} | {r['tokens_per_sec']:,.1f} | "
+              f"{r['tokens_per_sec'] / first['tokens_per_sec']:.3f} | " + (
+                  f"{r['peak_gib']:.1f} |" if step_device == 'cuda' else
+                  f"{r['step_cpu_s']:.2f} | {r['tokens_per_cpu_s']:,.1f} | "
+                  f"{r['tokens_per_cpu_s'] / first['tokens_per_cpu_s']:.3f} |"))
+    sys.exit(0)
 results = {}
 for base in bases.split(','):
     results[base] = dict(load_peak_mb=load_peak(base) / 2**20, **recipe(base))

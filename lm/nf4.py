@@ -9,6 +9,7 @@ from a dependency: a forward dequantizes one layer's weight and multiplies, as b
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from memory import page_out
 
@@ -21,7 +22,9 @@ NF4_LEVELS = torch.tensor([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39
 # a byte's two values, the high nibble's first: byte b holds levels b >> 4 and b & 15
 NF4_PAIRS = torch.stack([NF4_LEVELS.repeat_interleave(16), NF4_LEVELS.repeat(16)], 1)
 CHUNK = 1 << 20  # values quantized at once: a bounded scratch (int64 indices) for any weight's size
-DEQUANTIZE_CHUNK = 1 << 24  # values dequantized at once (whole blocks): 96 MB of scratch, a few kernels each
+# values dequantized at once, eagerly (whole blocks): on a CPU 1 MB of float32 scratch, so that the passes over
+# a chunk stay in cache; elsewhere (an eager GPU run) 64 MB, a few kernels a chunk. Compiled: the whole weight
+CPU_DEQUANTIZE_CHUNK, DEQUANTIZE_CHUNK = 1 << 18, 1 << 24
 
 
 def linspace_as_on_x86(start, end, intervals):
@@ -80,6 +83,23 @@ def scale_blocks(values, absmax, block):
     return values
 
 
+def blocks_absmax(codes: torch.Tensor, scales: torch.Tensor, offset: torch.Tensor,
+                  levels: torch.Tensor) -> torch.Tensor:
+    """Each block's absmax as double quantization keeps it: its 8-bit code's level times its group's scale, plus
+    the offset, two roundings as bitsandbytes rounds them."""
+    return scale_blocks(levels.index_select(0, codes.int()), scales, SCALE_BLOCK).add_(offset)
+
+
+# the same as an op of its own, which torch.compile runs as it is: fused into one kernel, the multiply and the add
+# would become one fused multiply-add on a GPU (one rounding)
+compiled_blocks_absmax = torch.library.custom_op('nanotrain::nf4_absmax', blocks_absmax, mutates_args=())
+
+
+@compiled_blocks_absmax.register_fake
+def _(codes, scales, offset, levels):
+    return codes.new_empty(codes.shape, dtype=torch.float32)
+
+
 def spread(per_block, block, n):
     """Each block's value repeated for its n values; 0 (a block of zeros) as 1, so its values stay 0."""
     return torch.where(per_block == 0, 1.0, per_block).repeat_interleave(block)[:n]
@@ -110,6 +130,13 @@ class NF4Weight(nn.Module):
                                                            DYNAMIC_LEVELS))
         self.register_buffer('absmax_scales', scales)
         self.register_buffer('absmax_offset', offset)
+        self.register_tables()
+
+    def register_tables(self):
+        """The lookup tables, as buffers that move with the model (not saved): on a GPU a dequantization reads
+        them there, no copy from the host (a synchronization) each time."""
+        self.register_buffer('pairs', NF4_PAIRS.to(self.packed.device), persistent=False)
+        self.register_buffer('absmax_levels', DYNAMIC_LEVELS.to(self.packed.device), persistent=False)
 
     @classmethod
     def stored(cls, shape, dtype, packed, absmax_codes, absmax_scales, absmax_offset):
@@ -121,42 +148,65 @@ class NF4Weight(nn.Module):
         for name, value in (('packed', packed), ('absmax_codes', absmax_codes), ('absmax_scales', absmax_scales),
                             ('absmax_offset', absmax_offset)):
             weight.register_buffer(name, value)
+        weight.register_tables()
         return weight
 
     def absmax(self):
         """The blocks' absmaxes as double quantization keeps them."""
-        scales = self.absmax_scales.repeat_interleave(SCALE_BLOCK)[:len(self.absmax_codes)]
-        return DYNAMIC_LEVELS.to(scales.device)[self.absmax_codes.long()] * scales + self.absmax_offset
+        absmax = compiled_blocks_absmax if torch.compiler.is_compiling() else blocks_absmax
+        return absmax(self.absmax_codes, self.absmax_scales, self.absmax_offset, self.absmax_levels)
 
-    def dequantize(self):
-        """The weight in its dtype, DEQUANTIZE_CHUNK values at a time: each byte's two values looked up at once,
-        each block times its absmax, written into the result; the scratch is one chunk's float32 values and
-        int32 byte indices (an int64 index a value, all at once, took 10x the result: 1.1 GB for an 8B MLP's)."""
+    def dequantize(self, dtype=None):
+        """The weight in dtype (its own by default): each value its level times its block's absmax in float32,
+        rounded once to dtype (so float32 or its own dtype give its values; the others round them again).
+        Compiled, one expression over the whole weight, which torch.compile makes one kernel that writes only the
+        result. Eagerly a chunk at a time: each byte's two values looked up at once, as one 8-byte word (a 1-D
+        gather: 3x the speed of 2-value rows on a CPU), each block times its absmax in place, in the result itself
+        in float32, else in a scratch of the chunk's float32 values that the copy into the result rounds (with the
+        int32 byte indices, 1.5 MB on a CPU; an int64 index a value, all at once, took 10x the result: 1.1 GB for an
+        8B MLP's)."""
+        dtype = dtype or self.dtype
         absmax = self.absmax()
-        out = torch.empty(self.packed.numel() * 2, dtype=self.dtype, device=self.packed.device)
-        pairs = NF4_PAIRS.to(self.packed.device)
-        for start in range(0, len(out), DEQUANTIZE_CHUNK):  # whole blocks; only the last may be short
-            # index_select: twice advanced indexing's speed on a CPU
-            values = pairs.index_select(0, self.packed[start // 2:(start + DEQUANTIZE_CHUNK) // 2].int()).view(-1)
-            out[start:start + len(values)] = scale_blocks(
-                values, absmax[start // BLOCK:(start + len(values) + BLOCK - 1) // BLOCK], BLOCK)
+        if torch.compiler.is_compiling():
+            values = self.pairs[self.packed.long()].view(-1)
+            return (values * absmax.repeat_interleave(BLOCK)[:len(values)]).to(dtype).view(self.shape)
+        out = torch.empty(self.packed.numel() * 2, dtype=dtype, device=self.packed.device)
+        words = self.pairs.view(torch.int64).view(-1)
+        chunk = CPU_DEQUANTIZE_CHUNK if out.is_cpu else DEQUANTIZE_CHUNK
+        for start in range(0, len(out), chunk):  # whole blocks; only the last may be short
+            part = out[start:start + chunk]
+            values = part if dtype == torch.float32 else torch.empty(len(part), device=out.device)
+            torch.index_select(words, 0, self.packed[start // 2:(start + chunk) // 2].int(),
+                               out=values.view(torch.int64))
+            scale_blocks(values, absmax[start // BLOCK:(start + len(values) + BLOCK - 1) // BLOCK], BLOCK)
+            if values is not part:
+                part.copy_(values)
         return out.view(self.shape)
 
 
+def matmul_weight(nf4, x):
+    """nf4's weight as F.linear with x computes with it: dequantized straight to the run's dtype (autocast's, else
+    x's), as the float32 weight cast to it would be; a weight stored in another 16-bit dtype keeps that rounding
+    first (then autocast casts it, or here to x's dtype)."""
+    device = x.device.type
+    autocast = torch.is_autocast_enabled(device)
+    run = torch.get_autocast_dtype(device) if autocast else x.dtype
+    w = nf4.dequantize(run if nf4.dtype in (torch.float32, run) else nf4.dtype)
+    return w if autocast else w.to(x.dtype)
+
+
 class NF4Matmul(torch.autograd.Function):
-    """x @ W.T for a frozen NF4 weight W: dequantized in the forward and again in the backward, so that no
-    dequantized weight waits in memory between the two (the input's gradient only: W does not train)."""
+    """x @ W.T for a frozen NF4 weight W, eagerly: dequantized in the forward and again in the backward, so that
+    no dequantized weight waits in memory between the two (the input's gradient only: W does not train)."""
 
     @staticmethod
     def forward(ctx, x, weight):
         ctx.weight = weight
-        w = weight.dequantize()
-        # autocast casts both to the run's dtype; without it the input's dtype is the run's
-        return F.linear(x, w if torch.is_autocast_enabled(x.device.type) else w.to(x.dtype))
+        return F.linear(x, matmul_weight(weight, x))
 
     @staticmethod
     def backward(ctx, grad):
-        return grad @ ctx.weight.dequantize().to(grad.dtype), None
+        return grad @ matmul_weight(ctx.weight, grad), None
 
 
 class NF4Linear(nn.Linear):
@@ -173,7 +223,12 @@ class NF4Linear(nn.Linear):
 
 
 def nf4_linear(x, nf4, bias=None):
-    y = NF4Matmul.apply(x, nf4)
+    if torch.compiler.is_compiling():
+        # one fused kernel dequantizes; as a checkpointed region it runs again in the backward: without it, the
+        # compiled graph would keep each dequantized weight from the forward for the backward
+        y = F.linear(x, checkpoint(matmul_weight, nf4, x, use_reentrant=False))
+    else:
+        y = NF4Matmul.apply(x, nf4)
     return y if bias is None else y + bias
 
 

@@ -293,8 +293,10 @@ class SFTBatches:
         """The next n examples of the shuffled order that are at most max_len long (longer ones are skipped)."""
         taken = []
         while n:
-            rest = self.sampler.remaining()
-            fits = (self.lengths[rest] <= max_len).nonzero().flatten()[:n]
+            rest, span = self.sampler.remaining(), 1024
+            # looked for in a head of the order that grows as needed (not the whole epoch's each step)
+            while len(fits := (self.lengths[rest[:span]] <= max_len).nonzero().flatten()[:n]) < n and span < len(rest):
+                span *= 4
             self.sampler.position += int(fits[-1]) + 1 if len(fits) == n else len(rest)
             taken.append(rest[fits])
             n -= len(fits)
@@ -303,24 +305,30 @@ class SFTBatches:
     def _window(self, tokens, max_len):
         """The next examples of this epoch's order that are at most max_len long (longer ones are skipped),
         until they hold tokens tokens or the epoch ends."""
-        rest = self.sampler.remaining()
-        fits = self.lengths[rest] <= max_len
-        held = torch.where(fits, self.lengths[rest], 0).cumsum(0)
-        end = min(int((held < tokens).sum()) + 1, len(rest))
+        rest, span = self.sampler.remaining(), 1024
+        while True:  # in a head of the order that grows until it holds the tokens (as _take)
+            head = rest[:span]
+            fits = self.lengths[head] <= max_len
+            held = torch.where(fits, self.lengths[head], 0).cumsum(0)
+            if held[-1] >= tokens or span >= len(rest):
+                break
+            span *= 4
+        end = min(int((held < tokens).sum()) + 1, len(head))
         self.sampler.position += end
-        return rest[:end][fits[:end]]
+        return head[:end][fits[:end]]
 
     def _draw(self, n, max_len):
         """Groups of rows to serve: packed, one window's rows, each a group; else bucket_batches global batches."""
         if self.pack:
             window = self.carry + self._window(n * self.max_length, max_len).tolist()
-            rows = [[window[i] for i in row] for row in best_fit_decreasing(self.lengths[window].tolist(),
-                                                                            self.max_length)]
+            lengths = self.lengths[window].tolist()
+            rows = best_fit_decreasing(lengths, self.max_length)
             # the emptiest row waits to be packed again with the next window, unless the epoch ends here
             self.carry = []
             if rows and self.sampler.position < self.sampler.n:
-                self.carry = rows.pop(min(range(len(rows)), key=lambda r: self.lengths[rows[r]].sum()))
-            return [[row] for row in rows]
+                emptiest = rows.pop(min(range(len(rows)), key=lambda r: sum(lengths[i] for i in rows[r])))
+                self.carry = [window[i] for i in emptiest]
+            return [[[window[i] for i in row]] for row in rows]
         pool = self._take(n * self.bucket_batches, max_len)
         return [[[i] for i in batch.tolist()] for batch in pool[self.lengths[pool].argsort(stable=True)].split(n)]
 

@@ -36,6 +36,7 @@ from run.run_folder import (continued_origin, open_run, require_starting_weights
 from run.runtime import (StepProfiler, StopSignal, all_reduce_metrics, bad_step, clip_grad_norm, compute_cleanup,
                          compute_init, gradient_sync, log, prepare_once, rank_batches, wrap_model)
 from run.starting_model import full_model_checkpoint, hf_source, model_hash, run_model_args, run_tokenizer, starting_gpt
+from run.tracker import require_wandb, start_wandb
 from scheduler import SCHEDULES, LRSchedule, set_lr
 from tasks.number_tasks import NUMBER_TASKS_DIR, prepare_number_tasks
 
@@ -55,6 +56,9 @@ always_save_checkpoint = True  # save ckpt.pt at every eval, not only when val l
 early_stopping_patience = 0  # stop after this many evals without val improvement; 0 = never
 max_bad_steps = 5            # abort after this many non-finite steps (loss/grad norm) in a row
 tensorboard = True           # write TensorBoard logs to out_dir/tb
+wandb_log = False            # also log to Weights & Biases (`pip install wandb`; run/tracker.py)
+wandb_project = 'nanotrain'  # the W&B project
+wandb_run_name = ''          # the W&B run's name; '' = out_dir's folder name
 profile = False              # time data/forward/backward/optimizer per step (adds syncs on GPU)
 sample_tokens = 200          # tokens generated at the end of training
 seed = 1337                  # random seed
@@ -150,6 +154,7 @@ eval_metric_names = metric_names(eval_metrics)
 if training_type == 'lora' and optimizer_type == 'muon':
     raise UserError("training_type='lora' trains its adapters with AdamW; set optimizer_type='adamw' (or 'adamw8bit').")
 fine_tuning = training_type != 'from_scratch'
+require_wandb(wandb_log)
 
 if fine_tuning and max_length > block_size:
     raise UserError(f"max_length={max_length} is longer than block_size={block_size}; lower max_length.")
@@ -311,6 +316,8 @@ if ckpt is not None:
         log(note)
     iter_num, best_val_loss, evals_without_improvement = restore_training_state(ckpt, ckpt_path, optimizer, scaler,
                                                                                 rank, world_size, raw_model)
+# rank 0 logs to Weights & Biases too, a continued run to its W&B run
+tracker = start_wandb(config, ckpt and ckpt.get('wandb_run_id'), master)
 ckpt = model_ckpt = None  # free memory
 
 model = wrap_model(model, compile, ddp and parallel == 'ddp', local_rank, device_type)
@@ -377,7 +384,7 @@ def save(path, iter_num, best_val_loss, evals_without_improvement):
                  kind='gpt', model=weights, model_args=model_args, tokenizer=tokenizer.identity(),
                  data_dir=os.path.abspath(corpus_dir), train_batches=train_batches.state_dict(),
                  batch_size=micro_batch_size, gradient_accumulation_steps=accumulation_steps,
-                 train_data_hash=train_data_hash, **hf_files)
+                 train_data_hash=train_data_hash, wandb_run_id=tracker and tracker.id, **hf_files)
     # adapters only: the frozen base stays in its own checkpoint, named by path and hash
     if training_type == 'lora':
         state.update(kind='lora', model=lora_state_dict(raw_model, weights), base_checkpoint=lora_base[0],
@@ -421,7 +428,8 @@ def train_step(micro_batch_indices):
 
 
 # an eval_only run appends to the log; a continued run drops what it logged past its checkpoint
-record, writer = run_log(out_dir, master, tensorboard, math.inf if eval_only else iter_num if resuming else -1)
+record, writer = run_log(out_dir, master, tensorboard, math.inf if eval_only else iter_num if resuming else -1,
+                         tracker)
 
 if eval_only:
     val_loss = evaluate(micro_batch_size)

@@ -36,6 +36,7 @@ from run.runtime import (StopSignal, all_reduce_metrics, bad_step, clip_grad_nor
                          gradient_sync, log, prepare_once, rank_batches, wrap_model)
 from run.starting_model import (build_model, frozen_model, hf_source, load_model, reference_checkpoint,
                                 run_tokenizer)
+from run.tracker import require_wandb, start_wandb
 from scheduler import SCHEDULES, LRSchedule, set_lr
 from tasks.number_tasks import PREFERENCES_DIR, prepare_number_tasks
 
@@ -55,6 +56,9 @@ always_save_checkpoint = True  # save ckpt.pt at every eval, not only when eval 
 early_stopping_patience = 0  # stop after this many evals without eval-loss improvement; 0 = never
 max_bad_steps = 5            # abort after this many non-finite steps (loss/grad norm) in a row
 tensorboard = True           # write TensorBoard logs to out_dir/tb
+wandb_log = False            # also log to Weights & Biases (`pip install wandb`; run/tracker.py)
+wandb_project = 'nanotrain'  # the W&B project
+wandb_run_name = ''          # the W&B run's name; '' = out_dir's folder name
 exact_match_examples = 500   # held-out prompts answered greedily, scored against chosen each eval; 0 = skip
 eval_metrics = 'exact_match'  # their metrics, comma-separated: exact_match, bleu, chrf, rouge1, rouge2, rouge_l
 seed = 1337                  # random seed
@@ -141,6 +145,7 @@ if parallel == 'fsdp' and use_lora and lora_bias != 'none' and not reference_fre
                     f"parallel='ddp', or reference_free=True.")
 if reference_free and precompute_ref_logps:
     raise UserError("reference_free=True has no reference to precompute; drop precompute_ref_logps.")
+require_wandb(wandb_log)
 
 # processes and device (run/runtime.py: one process per GPU under torchrun), precision
 compute = compute_init(device, seed, num_threads)
@@ -245,6 +250,8 @@ if ckpt:
         log(note)
     iter_num, best_val_loss, evals_without_improvement = restore_training_state(ckpt, ckpt_path, optimizer, scaler,
                                                                                 rank, world_size, raw_model)
+# rank 0 logs to Weights & Biases too, a continued run to its W&B run
+tracker = start_wandb(config, ckpt and ckpt.get('wandb_run_id'), master)
 ckpt = None
 
 
@@ -347,7 +354,7 @@ def save(path, iter_num, best_val_loss, evals_without_improvement):
                  data_dir=os.path.abspath(corpus_dir), train_batches=train_batches.state_dict(),
                  batch_size=micro_batch_size, gradient_accumulation_steps=accumulation_steps,
                  reference_checkpoint=os.path.abspath(reference_path), reference_hash=reference_hash,
-                 train_data_hash=train_data_hash, **hf_files)
+                 train_data_hash=train_data_hash, wandb_run_id=tracker and tracker.id, **hf_files)
     if use_lora:  # adapters only: the base is the reference checkpoint, named by path and hash
         state.update(kind='lora', model=lora_state_dict(raw_model, weights),
                      base_checkpoint=state['reference_checkpoint'], base_hash=reference_hash)
@@ -371,7 +378,8 @@ def train_step(micro_batch_indices, batch_counts):
 
 
 # an eval_only run appends to the log; a continued run drops what it logged past its checkpoint
-record, writer = run_log(out_dir, master, tensorboard, math.inf if eval_only else iter_num if resuming else -1)
+record, writer = run_log(out_dir, master, tensorboard, math.inf if eval_only else iter_num if resuming else -1,
+                         tracker)
 
 if eval_only or iter_num == 0:
     evaluate(iter_num, micro_batch_size)

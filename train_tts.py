@@ -25,6 +25,7 @@ from run.device import GradScaler, autocast_context, pick_dtype, to_device
 from run.run_folder import continued_origin, open_run, require_starting_weights, run_log, run_origin
 from run.runtime import (StepProfiler, StopSignal, all_reduce_metrics, bad_step, clip_grad_norm, compute_cleanup,
                          compute_init, gradient_sync, log, wrap_model)
+from run.tracker import require_wandb, start_wandb
 from scheduler import SCHEDULES, LRSchedule, set_lr
 from tts import data as tts_data
 from tts.data import (FrameBudgetSampler, LJSpeechDataset, build_symbols, eval_batches, read_metadata, read_speakers,
@@ -50,6 +51,9 @@ early_stopping_patience = 0  # stop after this many evals without val improvemen
 max_bad_steps = 5            # abort after this many non-finite steps (loss/grad norm) in a row
 max_minutes = 0.0            # minutes until a clean stop (checkpoint, final eval); 0 = no limit
 tensorboard = True           # write TensorBoard logs (losses, mel images, audio) to out_dir/tb
+wandb_log = False            # also log the losses to Weights & Biases (`pip install wandb`; run/tracker.py)
+wandb_project = 'nanotrain'  # the W&B project
+wandb_run_name = ''          # the W&B run's name; '' = out_dir's folder name
 profile = False              # time data/forward/backward/optimizer per step (adds syncs on GPU)
 seed = 1337                  # random seed
 # data
@@ -128,6 +132,7 @@ check_values(config, [
     (FOLDER, ('out_dir',)),
     (EMPTY_OR_FOLDER, ('cache_dir',)),
 ])
+require_wandb(wandb_log)
 if voice_clips and not multi_speaker:
     raise UserError("voice_clips=True learns to tell the voices of a multi-speaker corpus from a clip: add "
                     "--multi_speaker=True (rows id|speaker|text), or drop voice_clips.")
@@ -218,6 +223,8 @@ if resuming:
     batch_splits = ckpt['batch_splits']
     iter_num, best_val_loss, evals_without_improvement = restore_training_state(ckpt, ckpt_path, optimizer, scaler,
                                                                                 rank, world_size)
+# rank 0 logs to Weights & Biases too, a continued run to its W&B run
+tracker = start_wandb(config, ckpt and ckpt.get('wandb_run_id'), master)
 ckpt = None  # free memory
 
 if compile:  # in place, so state dict keys stay clean; MAS (a Python loop) stays eager
@@ -271,7 +278,8 @@ def save(path, iter_num, best_val_loss, evals_without_improvement):
     state = dict(training_state(this_run, config, optimizer, scaler, iter_num, best_val_loss,
                                 evals_without_improvement),
                  kind='tts', model=raw_model.state_dict(), model_args=model_args, data_dir=os.path.abspath(data_dir),
-                 sampler=sampler.state_dict(), batch_splits=batch_splits, mel_settings=mel_settings)
+                 sampler=sampler.state_dict(), batch_splits=batch_splits, mel_settings=mel_settings,
+                 wandb_run_id=tracker and tracker.id)
     write_checkpoint(path, state, False, master)
 
 
@@ -309,7 +317,8 @@ def train_step(batches, align_prior, batch_splits):
 
 
 # an eval_only run appends to the log; a continued run drops what it logged past its checkpoint
-record, writer = run_log(out_dir, master, tensorboard, math.inf if eval_only else iter_num if resuming else -1)
+record, writer = run_log(out_dir, master, tensorboard, math.inf if eval_only else iter_num if resuming else -1,
+                         tracker)
 # speech from held-out text
 synthesis = SynthesisEval(**dataclass_args(SynthesisEval, config, texts=words, vocode=vocode,
                                            speakers=utterance_speakers))

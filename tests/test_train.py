@@ -2,6 +2,7 @@
 
 import glob
 import hashlib
+import importlib.util
 import os
 import subprocess
 import sys
@@ -192,7 +193,11 @@ def test_bad_inputs_exit_with_clear_errors(tmp_path, data_dir):
     p = run(['train.py', f'--out_dir={tmp_path / "c"}', f'--data_dir={tmp_path / "missing"}', *TINY], check=False)
     assert p.returncode != 0 and 'missing' in p.stderr and 'Traceback' not in p.stderr
     p = run(['train.py', '--help'])
-    assert 'learning_rate' in p.stdout and 'init_from' in p.stdout
+    assert 'learning_rate' in p.stdout and 'init_from' in p.stdout and 'wandb_log = False' in p.stdout
+    if importlib.util.find_spec('wandb') is None:  # the optional tracker, asked for but not installed
+        p = train(tmp_path / 'e', data_dir, '--wandb_log=True', check=False)
+        assert_user_error(p, 'wandb_log=True', '`pip install wandb`')
+        assert not (tmp_path / 'e').exists()  # before any work
 
 
 @pytest.mark.slow

@@ -193,7 +193,10 @@ def test_bad_inputs_exit_with_clear_errors(tmp_path, data_dir):
     p = run(['train.py', f'--out_dir={tmp_path / "c"}', f'--data_dir={tmp_path / "missing"}', *TINY], check=False)
     assert p.returncode != 0 and 'missing' in p.stderr and 'Traceback' not in p.stderr
     p = run(['train.py', '--help'])
-    assert 'learning_rate' in p.stdout and 'init_from' in p.stdout and 'wandb_log = False' in p.stdout
+    assert 'learning_rate' in p.stdout and 'init_from' in p.stdout
+    assert 'num_train_epochs = 0.0' in p.stdout and 'wandb_log = False' in p.stdout
+    p = train(tmp_path / 'd', data_dir, '--num_train_epochs=2', check=False)
+    assert_user_error(p, "pretraining (training_type='from_scratch') draws random windows of its corpus")
     if importlib.util.find_spec('wandb') is None:  # the optional tracker, asked for but not installed
         p = train(tmp_path / 'e', data_dir, '--wandb_log=True', check=False)
         assert_user_error(p, 'wandb_log=True', '`pip install wandb`')

@@ -367,7 +367,7 @@ else:
 log(f"device {local_device}, dtype {ptdtype}, {world_size} process(es){' (FSDP)' if parallel == 'fsdp' else ''}, "
     f"{raw_model.get_num_params() / 1e6:.2f}M params, {per_step} per step")
 if epoch_plan:
-    log(epoch_plan.describe(per_step))
+    log(epoch_plan.describe(per_step, lr_schedule))
 
 # loss: token-weighted cross-entropy (losses.py), plus the terms weighted in loss_weights
 token_weight = token_weight_table(tokenizer.vocab_size, token_weights, tokenizer).to(local_device) \

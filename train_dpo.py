@@ -296,7 +296,7 @@ log(f"device {local_device}, dtype {ptdtype}, {world_size} process(es), "
     + ('none (reference-free)' if reference_free else 'precomputed log-probs' if ref_cache else
        'the model with adapters disabled' if use_lora else 'a frozen copy'))
 if epoch_plan:
-    log(epoch_plan.describe(f"{global_batch_size} pairs"))
+    log(epoch_plan.describe(f"{global_batch_size} pairs", lr_schedule))
 
 
 def pair_terms(net, batches, indices, cache, batch_counts):

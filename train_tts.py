@@ -253,7 +253,8 @@ log(f"device {local_device}, dtype {ptdtype}, {world_size} process(es), "
     f"{raw_model.get_num_params() / 1e6:.2f}M params, frame budget {frame_budget} x {gradient_accumulation_steps} "
     f"accumulation")
 if epoch_plan:
-    log(epoch_plan.describe(f"{gradient_accumulation_steps} batch(es) of {frame_budget} frames per process"))
+    log(epoch_plan.describe(f"{gradient_accumulation_steps} batch(es) of {frame_budget} frames per process",
+                            lr_schedule))
 
 
 def weighted_loss(losses):
@@ -356,8 +357,9 @@ def final_report(step):
 def log_eval(step, result, note=''):
     log(f"step {step}: val loss {result['loss']:.4f} (prior {result['prior']:.4f}, duration {result['duration']:.4f}, "
         f"flow {result['flow']:.4f}), teacher-forced mel L1 {result['mel_l1']:.4f}{note}")
-    record(dict(step=step, val_loss=result['loss'], val_prior_loss=result['prior'],
-                val_duration_loss=result['duration'], val_flow_loss=result['flow'], val_mel_l1=result['mel_l1']))
+    record(dict(step=step, **({'epoch': epoch_plan.epoch(step)} if epoch_plan else {}), val_loss=result['loss'],
+                val_prior_loss=result['prior'], val_duration_loss=result['duration'], val_flow_loss=result['flow'],
+                val_mel_l1=result['mel_l1']))
 
 
 if eval_only:

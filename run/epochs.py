@@ -20,6 +20,8 @@ import math
 
 from configurator import UserError, where_set
 
+DECAYING = ('cosine', 'linear', 'wsd')  # the schedules that end at lr_decay_iters, here at the run's last step
+
 
 def counts_epochs(config):
     """Whether the run is counted in epochs: num_train_epochs > 0, and not overridden by a max_iters set after it.
@@ -71,14 +73,15 @@ class EpochPlan:
         """The number of the epoch that the step after `step` steps is in (the last one's after the run's end)."""
         return min(bisect.bisect_right(self.ends, step) + 1, len(self.ends))
 
-    def describe(self, per_step):
+    def describe(self, per_step, lr_schedule):
         """The plan in a line, per_step: what a step holds ('8 rows of up to 48 tokens')."""
         first = self.epoch_steps[0]
         each = (f"{first} step{'s' * (first != 1)} each" if len(set(self.epoch_steps)) == 1 else
                 f"{', '.join(map(str, self.epoch_steps))} steps (each epoch's shuffle packs its own rows)")
         return (f"num_train_epochs={self.num_train_epochs:g}: {len(self.epoch_steps)} epoch(s) of {each}, {per_step} "
-                f"a step (an epoch's last takes what is left): {self.steps} steps, the lr decaying to min_lr where "
-                f"they end")
+                f"a step (an epoch's last takes what is left): {self.steps} steps, "
+                + ("the lr decaying to min_lr where they end" if lr_schedule in DECAYING else
+                   f"lr_schedule={lr_schedule!r} keeping its own shape (only cosine, linear and wsd end)"))
 
     def check_resumed(self, saved, ckpt_path):
         """A UserError unless saved (a continued run's checkpoint's epoch_steps) agrees with this plan over the

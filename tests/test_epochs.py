@@ -79,7 +79,7 @@ def test_sft_epochs_are_planned_exactly_and_never_share_a_batch(pack, bucket_bat
 
 def test_preference_and_tts_epochs_end_with_their_planned_steps():
     """DPO: an epoch of 40 pairs in global batches of 12 is 4 steps, the last 4 pairs then -1 (no pair), each pair
-    once. TTS: an epoch of B batches a rank in steps of A batches is ceil(B / A) steps, the last one taking those left."""
+    once. TTS: an epoch of B batches a rank in steps of A batches is ceil(B / A) steps, the last taking those left."""
     pairs = PreferenceBatches([([1, 2], [3], [4 + i % 5]) for i in range(40)], 0, 0, 8, whole_epochs=True)
     assert pairs.epoch_steps(12, 2) == [hf_steps_per_epoch(40, 3, 2, 2)] * 2 == [4, 4]
     for _ in range(2):
@@ -107,6 +107,8 @@ def test_epoch_plan_counts_as_trainer_does():
     assert [plan.epoch(s) for s in (0, 2, 4, 9, 11, 13)] == [0, 0.5, 1, 2, 2.5, 3]
     assert [plan.ending(s) for s in range(14)] == [0, 0, 0, 0, 1, 0, 0, 0, 0, 2, 0, 0, 0, 3]
     assert [plan.under_way(s) for s in (0, 3, 4, 12, 13)] == [1, 1, 2, 3, 3]
+    assert 'epoch(s) of 4, 5, 4 steps' in plan.describe('8 rows', 'cosine') and 'to min_lr' in plan.describe('', 'wsd')
+    assert "lr_schedule='noam' keeping its own shape" in plan.describe('8 rows', 'noam')
     assert EpochPlan([10, 10], 1.25).steps == 13 == math.ceil(1.25 * 10)
     assert EpochPlan([10], 0.5).steps == 5
     with pytest.raises(UserError, match='warmup_iters=13 is as long as the whole run'):

@@ -1,7 +1,8 @@
 """Runs counted in epochs (num_train_epochs, run/epochs.py): the steps of each epoch worked out from the data and the
 global batch against the steps the samplers then draw (SFT padded, packed, bucketed and with a curriculum; DPO pairs;
-TTS batches), the plan's epochs, which of max_iters and num_train_epochs counts, the schedule's end, and an SFT run
-counted in epochs end to end (its epochs' ends, evals there, a stop mid-epoch continued bit for bit, W&B)."""
+TTS batches), the plan's epochs, which of max_iters and num_train_epochs counts and the schedule's end. End to end:
+an SFT run counted in epochs (test_sft's resume), DPO's (test_dpo's held-out metrics), TTS's (test_tts's decoder
+without attention)."""
 
 import math
 import random
@@ -12,8 +13,6 @@ import pytest
 import torch
 
 from configurator import UserError, configure
-from conftest import (assert_logged_to_wandb, load, read_log, run, sft, sft_args, train_losses, wandb_calls, wandb_env,
-                      write_jsonl)
 from lm.chat_data import PreferenceBatches, SFTBatches
 from run.epochs import EpochPlan, counts_epochs, warmup_fits
 from scheduler import LRSchedule
@@ -156,51 +155,3 @@ def test_an_epoch_counted_schedule_ends_at_the_last_step():
     assert get_lr(13) == 0.1 and get_lr(12) > 0.1 and get_lr(12) == LRSchedule.from_config(
         dict(config, lr_decay_iters=13))(12)
     assert LRSchedule.from_config(config)(13) > 0.9  # lr_decay_iters=600 would hardly have begun
-
-
-@pytest.mark.slow
-def test_sft_counted_in_epochs_ends_at_its_last_epoch_and_continues_mid_epoch(tmp_path, sft_env):
-    """2 epochs of 40 packed examples: the plan printed, evals at each epoch's end (eval_every_epochs=1), the epoch in
-    every event, the lr at min_lr where the last epoch ends. Stopped mid-epoch 2 (SIGTERM) and relaunched, the run
-    is the straight one bit for bit. With --wandb_log=True (a stand-in wandb package) every number of log.jsonl
-    went to W&B at its step, with the config, and the relaunch resumed the same W&B run."""
-    task = tmp_path / 'task'
-    task.mkdir()
-    lines = open(f"{sft_env['task']}/train.jsonl").read().splitlines()
-    write_jsonl(task / 'train.jsonl', lines[:40])
-    for split in ('val', 'test'):
-        (task / f'{split}.jsonl').write_text(open(f"{sft_env['task']}/{split}.jsonl").read())
-    common = [f'--sft_data={task}', '--pack=True', '--bucket_batches=1', '--gradient_accumulation_steps=2',
-              '--dropout=0.1', '--num_train_epochs=2', '--eval_every_epochs=1', '--eval_interval=1000',
-              '--wandb_log=True']
-    straight, split = tmp_path / 'straight', tmp_path / 'split'
-    p = sft(sft_env, straight, *common, env_extra=wandb_env())
-    plan = read_plan(p.stdout)
-    assert plan == [5, 5], p.stdout  # 40 examples of 20-40 tokens, 8 rows of 48 a step
-    events = read_log(straight)
-    losses = train_losses(straight)
-    assert sorted(losses) == list(range(1, 11))
-    assert [(e['step'], e.get('epoch')) for e in events if 'val_loss' in e] == [(0, None), (5, 1.0), (10, 2.0)]
-    assert [e['epoch'] for e in events if 'train_loss' in e] == [k / 5 for k in range(1, 11)]
-    last = [e for e in events if 'train_loss' in e][-1]
-    assert last['lr'] == pytest.approx(1e-3 + 0.5 * (1 + math.cos(math.pi * 7 / 8)) * (1e-2 - 1e-3))  # step 9 of 10
-    assert load(straight / 'ckpt.pt')['epoch_steps'] == [5, 5]
-    assert_logged_to_wandb(straight)
-
-    p = run(['tests/faults.py', 'term@6', *sft_args(sft_env, split, *common)], env_extra=wandb_env(), check=False)
-    assert p.returncode == 143 and load(split / 'ckpt.pt')['iter_num'] == 7  # stopped in epoch 2
-    sft(sft_env, split, *common, env_extra=wandb_env())
-    assert train_losses(split) == losses  # bit for bit
-    assert_logged_to_wandb(split, launches=2)
-    first, relaunch = (c for c in wandb_calls(split) if c['call'] == 'init')
-    assert (first['id'], first['resume']) == (None, None) and relaunch['resume'] == 'allow'
-    assert relaunch['id'] == load(split / 'ckpt.pt')['wandb_run_id'] and relaunch['name'] == 'split'
-
-
-def read_plan(stdout):
-    """The steps of each epoch in the line a run counted in epochs prints at its start."""
-    line = next(line for line in stdout.splitlines() if line.startswith('num_train_epochs='))
-    if 'steps each' in line:
-        count, steps = line.split(' epoch(s) of ')[0].split(': ')[1], line.split(' epoch(s) of ')[1].split(' ')[0]
-        return [int(steps)] * int(count)
-    return [int(s) for s in line.split(' epoch(s) of ')[1].split(' steps')[0].split(', ')]

@@ -83,12 +83,12 @@ check_values(config, [
     (interval('(0, 1]'), ('lr_decay',)),
     (FOLDER, ('out_dir',)),
 ])
+require_wandb(wandb_log)
 if not init_from:
     raise UserError("init_from is not set: give the published generator to fine-tune, e.g. --init_from="
                     "models/hifigan/generator_LJSpeech.pth.tar (with its config.json beside it; docs/tts.md says where "
                     "to get one).")
 require_init_from(init_from)
-require_wandb(wandb_log)
 if 32 % discriminator_divisor:
     raise UserError(f"discriminator_divisor={discriminator_divisor}: the discriminators' widths (32 to 1024) must "
                     f"divide by it; use 1, 2, 4, 8, 16 or 32.")

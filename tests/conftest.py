@@ -100,6 +100,26 @@ def launch(script, out_dir, data_dir, *args, faults=None, ranks=1, **kw):
     return run([*launcher, script, f'--out_dir={out_dir}', f'--data_dir={data_dir}', *args], **kw)
 
 
+def start_up_refusal(monkeypatch, script, *args):
+    """The UserError a script raises at start-up (before it does any work) for args, run in this process: ~0.1 s
+    where a launch costs seconds. configure() installs its excepthook and stream wrappers: put back afterwards. A
+    script that goes on to its work (compute_init, every training script's first) fails the test there."""
+    import runpy
+    from configurator import UserError
+    from run import runtime
+
+    def no_work(*_, **__):
+        raise AssertionError(f'{script} {" ".join(args)} was not refused at start-up')
+
+    monkeypatch.setattr(runtime, 'compute_init', no_work)
+    for name in ('excepthook', 'stdout', 'stderr'):
+        monkeypatch.setattr(sys, name, getattr(sys, name))
+    monkeypatch.setattr(sys, 'argv', [script, *args])
+    with pytest.raises(UserError) as refused:
+        runpy.run_path(os.path.join(ROOT, script), run_name='__main__')
+    return str(refused.value)
+
+
 def assert_user_error(p, *says):
     """p, a finished script, stopped on a user error: exit status 2, each of says in its stderr, no traceback."""
     assert p.returncode == 2 and 'Traceback' not in p.stderr and all(s in p.stderr for s in says), (

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from configurator import UserError, configure
+from conftest import start_up_refusal
 from lm.chat_data import PreferenceBatches, SFTBatches
 from run.epochs import EpochPlan, counts_epochs, warmup_fits
 from scheduler import LRSchedule
@@ -155,3 +156,15 @@ def test_an_epoch_counted_schedule_ends_at_the_last_step():
     assert get_lr(13) == 0.1 and get_lr(12) > 0.1 and get_lr(12) == LRSchedule.from_config(
         dict(config, lr_decay_iters=13))(12)
     assert LRSchedule.from_config(config)(13) > 0.9  # lr_decay_iters=600 would hardly have begun
+
+
+def test_epochs_where_a_script_has_none_are_refused_at_start_up(monkeypatch, tmp_path):
+    """Pretraining draws random windows (no epochs): num_train_epochs is refused, max_iters named; eval_every_epochs
+    without num_train_epochs is refused in each script that has it."""
+    out = f'--out_dir={tmp_path / "out"}'
+    message = start_up_refusal(monkeypatch, 'train.py', out, '--num_train_epochs=2')
+    assert "pretraining (training_type='from_scratch') draws random windows" in message and 'max_iters' in message
+    for script, *args in [('train.py', '--training_type=sft'), ('train_dpo.py',), ('train_tts.py',)]:
+        message = start_up_refusal(monkeypatch, script, out, *args, '--eval_every_epochs=1')
+        assert 'eval_every_epochs=1 evaluates at the end of epochs' in message, script
+    assert not (tmp_path / 'out').exists()

@@ -1,5 +1,6 @@
-"""Weights & Biases with the real wandb package (run/tracker.py), offline: skipped where it is not installed (CI: it is
-no dependency). The stand-in package the other tests use: conftest.assert_logged_to_wandb."""
+"""Weights & Biases (run/tracker.py): with the real wandb package offline, skipped where it is not installed (CI: it is
+no dependency; docs/tests.md says how to run it); every script's error when it is missing. The stand-in package the
+other tests use: conftest.assert_logged_to_wandb."""
 
 import glob
 import importlib.util
@@ -10,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, load, read_log, script_env, train
+from conftest import ROOT, load, read_log, script_env, start_up_refusal, train
 
 
 @pytest.mark.slow
@@ -51,3 +52,13 @@ def test_an_offline_run_and_its_relaunch_are_one_wandb_run_that_wandb_reads_back
         for k, v in event.items():
             if k != 'step' and isinstance(v, (int, float)):
                 assert history[event['step']][k] == pytest.approx(v, rel=1e-12), (event['step'], k)
+
+
+@pytest.mark.parametrize('script', ['train.py', 'train_dpo.py', 'train_rl.py', 'train_tts.py', 'train_vocoder.py'])
+def test_a_missing_wandb_is_named_before_any_work(monkeypatch, tmp_path, script):
+    """wandb_log=True without the wandb package (here hidden: find_spec finds nothing, import fails): a UserError that
+    names `pip install wandb` and offline mode, raised before the script makes out_dir."""
+    monkeypatch.setitem(sys.modules, 'wandb', None)
+    message = start_up_refusal(monkeypatch, script, f'--out_dir={tmp_path / "out"}', '--wandb_log=True')
+    assert 'wandb_log=True' in message and '`pip install wandb`' in message and 'WANDB_MODE=offline' in message
+    assert not (tmp_path / 'out').exists()

@@ -24,6 +24,8 @@ the key, not deep inside it. dataclass_args() builds a model's arguments from it
 UserError is the exception every module raises for bad user input (missing file, malformed row,
 ...); configure() installs an excepthook that prints it as one paragraph without a traceback, after undoing
 what the refused script had written (on_refusal: a training run's new files in out_dir).
+where_set(key) says where the last configure() took a key's value from (two keys that say the same
+thing, max_iters and num_train_epochs, are settled by which was set later: run/epochs.py).
 """
 
 import ast
@@ -36,8 +38,24 @@ import sys
 import tempfile
 import tokenize
 import types
+from typing import NamedTuple
 
 CONFIG_TYPES = (int, float, bool, str, type(None), tuple, list, dict)
+
+
+class Setting(NamedTuple):
+    """Where a key's value came from (where_set): a config file or the command line, and when."""
+    order: int  # the position in argv of the file or --key=value that set it last
+    source: str  # the config file's path, or 'the command line'
+
+
+# key -> Setting, of the last configure(); a key left at its default has none
+_set_by = {}
+
+
+def where_set(key):
+    """The Setting the last configure() took key's value from; None when it kept the script's default."""
+    return _set_by.get(key)
 
 def folder_path(path):
     """Whether path can be a folder: neither it nor any folder above it is an existing file."""
@@ -345,14 +363,16 @@ def configure(g, argv=None):
     argv = sys.argv[1:] if argv is None else argv
     # types are checked against these, not against a config file's values
     defaults = config_defaults(g)
+    _set_by.clear()
     if '-h' in argv or '--help' in argv:
         print_help(g, defaults)  # `--help | head`: ClosedPipeSafe drops the rest
         sys.exit(0)
-    for arg in argv:
+    for order, arg in enumerate(argv):
         if not arg.startswith('-'):
             settings = load_config_file(arg, defaults)
             for key, value in settings.items():
                 print(f"overriding {key} = {value!r} (from {arg})")
+                _set_by[key] = Setting(order, arg)
             g.update(settings)
             continue
         if not arg.startswith('--') or '=' not in arg:
@@ -364,6 +384,7 @@ def configure(g, argv=None):
         value = parse_value(key, text, defaults[key])
         print(f"overriding {key} = {value!r}")
         g[key] = value
+        _set_by[key] = Setting(order, 'the command line')
     config = {k: g[k] for k in defaults}
     for key, value in config.items():
         if isinstance(value, float) and not math.isfinite(value):

@@ -4,11 +4,12 @@ Learning-rate schedules as pure functions of the optimizer step (0-based).
 Every schedule starts with the same linear warmup, max_lr*(step+1)/(warmup_iters+1) (nanoGPT's:
 step 0 already gets a small nonzero lr, so no step is wasted), peaks at max_lr at step warmup_iters,
 then follows its own shape. LRSchedule is the single entry point the training scripts use: built once
-from every schedule's config keys (`get_lr = LRSchedule.from_config(config)`), called as get_lr(step).
+from every schedule's config keys (`get_lr = LRSchedule.from_config(config)`; a run counted in epochs
+gives the step its decay ends at, its last), called as get_lr(step).
 """
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 SCHEDULES = ("cosine", "cosine_restarts", "noam", "constant", "linear", "wsd")
 
@@ -94,8 +95,10 @@ class LRSchedule:
     decay_frac: float
 
     @classmethod
-    def from_config(cls, config):
-        return cls(**{field.name: config[field.name] for field in fields(cls)})
+    def from_config(cls, config, decay_end=None):
+        """decay_end: where an epoch-counted run's decay ends, its last step (run/epochs.py), for lr_decay_iters."""
+        schedule = cls(**{field.name: config[field.name] for field in fields(cls)})
+        return schedule if decay_end is None else replace(schedule, lr_decay_iters=decay_end)
 
     def __call__(self, step):
         schedule, max_lr, min_lr, warmup = self.lr_schedule, self.learning_rate, self.min_lr, self.warmup_iters

@@ -4,7 +4,8 @@ sources (prepared once under data/stdlib); `python train.py config/shakespeare_c
 another prepared corpus; `torchrun --nproc_per_node=8 train.py ...` runs data-parallel.
 `python train.py config/sft.py` fine-tunes a trained model on chat examples (training_type='sft'),
 `python train.py config/lora.py` trains low-rank adapters on it instead (training_type='lora').
-`python train.py config/sft_hf.py --init_from=<Hugging Face model folder>` fine-tunes a published model.
+`python train.py config/sft_hf.py --init_from=<Hugging Face model folder>` fine-tunes a published model;
+fine-tuning runs max_iters steps, or num_train_epochs passes over its data (run/epochs.py).
 Every config key below can be overridden by a config file or --key=value (`--help` lists them).
 """
 
@@ -30,12 +31,14 @@ from memory import MemoryMonitor, halve_micro_batch, peak_memory_bytes, recover_
 from run.checkpoint import (CHECKPOINT_FORMATS, check_compatible, restore_training_state, training_state,
                             write_checkpoint)
 from run.device import DTYPES, GradScaler, autocast_context, pick_dtype, to_device
+from run.epochs import EpochPlan, counts_epochs, warmup_fits
 from run.fsdp import PARALLEL, check_parallel, place_model, same_init_on_every_rank
 from run.run_folder import (continued_origin, open_run, require_starting_weights, run_log, run_origin,
                             training_data_hash)
 from run.runtime import (StepProfiler, StopSignal, all_reduce_metrics, bad_step, clip_grad_norm, compute_cleanup,
                          compute_init, gradient_sync, log, prepare_once, rank_batches, wrap_model)
 from run.starting_model import full_model_checkpoint, hf_source, model_hash, run_model_args, run_tokenizer, starting_gpt
+from run.tracker import require_wandb, start_wandb
 from scheduler import SCHEDULES, LRSchedule, set_lr
 from tasks.number_tasks import NUMBER_TASKS_DIR, prepare_number_tasks
 
@@ -48,6 +51,7 @@ init_from = 'scratch'        # 'scratch' | a checkpoint | a Hugging Face model f
 chat_template_variables = {}  # published model's chat-template variables; {} = as it was fine-tuned
 resume = True                # continue out_dir's run if any; False = start a new one, replacing it
 eval_interval = 100          # steps between evals (and checkpoint saves)
+eval_every_epochs = 0        # with num_train_epochs: also eval (and save) at the end of every this many epochs
 eval_iters = 20              # val batches per eval
 log_interval = 10            # steps between train-loss log lines
 eval_only = False            # evaluate the checkpoint and exit
@@ -55,6 +59,9 @@ always_save_checkpoint = True  # save ckpt.pt at every eval, not only when val l
 early_stopping_patience = 0  # stop after this many evals without val improvement; 0 = never
 max_bad_steps = 5            # abort after this many non-finite steps (loss/grad norm) in a row
 tensorboard = True           # write TensorBoard logs to out_dir/tb
+wandb_log = False            # also log to Weights & Biases (`pip install wandb`; run/tracker.py)
+wandb_project = 'nanotrain'  # the W&B project
+wandb_run_name = ''          # the W&B run's name; '' = out_dir's folder name
 profile = False              # time data/forward/backward/optimizer per step (adds syncs on GPU)
 sample_tokens = 200          # tokens generated at the end of training
 seed = 1337                  # random seed
@@ -101,6 +108,7 @@ activation_checkpointing = False  # recompute activations in backward to save me
 # optimizer
 learning_rate = 3e-3         # peak lr of every lr_schedule
 max_iters = 600              # optimizer steps in the run
+num_train_epochs = 0.0       # fine-tuning: passes over sft_data, for max_iters (HF Trainer's key); 0 = off
 weight_decay = 0.1           # decoupled weight decay; 0 = none
 beta1 = 0.9                  # AdamW's momentum (first-moment decay)
 beta2 = 0.95                 # AdamW's second-moment decay
@@ -132,7 +140,7 @@ check_values(config, [
                    'bucket_batches', 'restart_iters', 'restart_mult')),
     (at_least(0), ('early_stopping_patience', 'exact_match_examples', 'warmup_iters', 'lr_decay_iters',
                    'curriculum_iters', 'sample_tokens', 'num_threads', 'learning_rate', 'min_lr', 'muon_lr',
-                   'weight_decay', 'grad_clip', 'logit_softcap')),
+                   'weight_decay', 'grad_clip', 'logit_softcap', 'num_train_epochs', 'eval_every_epochs')),
     (interval('[0, 1)'), ('dropout', 'lora_dropout', 'beta1', 'beta2', 'muon_momentum')),
     (interval('[0, 1]'), ('decay_frac',)),
     (POSITIVE, ('lora_alpha', 'loraplus_lr_ratio')),
@@ -150,6 +158,16 @@ eval_metric_names = metric_names(eval_metrics)
 if training_type == 'lora' and optimizer_type == 'muon':
     raise UserError("training_type='lora' trains its adapters with AdamW; set optimizer_type='adamw' (or 'adamw8bit').")
 fine_tuning = training_type != 'from_scratch'
+if num_train_epochs and not fine_tuning:
+    raise UserError(f"num_train_epochs={num_train_epochs:g} counts passes over a fine-tuning data set; pretraining "
+                    f"(training_type='from_scratch') draws random windows of its corpus, which has no epochs: set "
+                    f"max_iters instead.")
+by_epochs = counts_epochs(config)  # else max_iters counts the run
+if eval_every_epochs and not by_epochs:
+    raise UserError(f"eval_every_epochs={eval_every_epochs} evaluates at the end of epochs, which a run counted in "
+                    f"max_iters does not plan: set num_train_epochs (with nothing setting max_iters after it), or use "
+                    f"eval_interval.")
+require_wandb(wandb_log)
 
 if fine_tuning and max_length > block_size:
     raise UserError(f"max_length={max_length} is longer than block_size={block_size}; lower max_length.")
@@ -251,7 +269,7 @@ else:
         prepare_once(prepare_number_tasks, compute)
     train_examples, val_examples, held_out_chats = load_sft_data(sft_folder, tokenizer, max_length, overlong,
                                                                  skip_malformed)
-    train_batches = SFTBatches(train_examples, seed, tokenizer.eos_id, max_length, pack, bucket_batches)
+    train_batches = SFTBatches(train_examples, seed, tokenizer.eos_id, max_length, pack, bucket_batches, by_epochs)
     val_batches = SFTBatches(val_examples, seed, tokenizer.eos_id, max_length, pack)
     # the same val examples packed or not (val losses compare), packed into rows with pack=True
     val_indices = val_batches.rows(torch.arange(min(len(val_examples), eval_examples)))
@@ -299,7 +317,6 @@ else:
 if optimizer_type == 'adamw8bit':  # the same groups, the moments in 8 bits (lm/adamw8bit.py)
     optimizer = in_8_bits(optimizer)
 scaler = GradScaler(enabled=ptdtype == torch.float16)
-get_lr = LRSchedule.from_config(config)
 # the step's split into micro-batches: the config's, or what a continued run (or an OOM) left
 micro_batch_size, accumulation_steps = batch_size, gradient_accumulation_steps
 iter_num, best_val_loss, evals_without_improvement = 0, float('inf'), 0
@@ -311,13 +328,36 @@ if ckpt is not None:
         log(note)
     iter_num, best_val_loss, evals_without_improvement = restore_training_state(ckpt, ckpt_path, optimizer, scaler,
                                                                                 rank, world_size, raw_model)
+# windows, or examples (rows of examples with pack) when fine-tuning
+global_batch_size = micro_batch_size * accumulation_steps * world_size
+
+
+def example_limit(step):
+    """The length curriculum: the longest example allowed at step grows linearly from the shortest to max_length."""
+    if step >= curriculum_iters:
+        return max_length
+    shortest = int(train_batches.lengths.min())
+    return shortest + (max_length - shortest) * step // curriculum_iters
+
+
+# the run's steps: max_iters, or an epoch-counted run's, planned from its data and global batch
+# (run/epochs.py); its lr decays to min_lr over all of them
+epoch_plan = None
+if by_epochs:
+    epoch_plan = EpochPlan(train_batches.epoch_steps(global_batch_size, math.ceil(num_train_epochs),
+                                                     example_limit if curriculum_iters else None), num_train_epochs)
+    if ckpt is not None:
+        epoch_plan.check_resumed(ckpt.get('epoch_steps'), ckpt_path)
+    warmup_fits(warmup_iters, epoch_plan)
+run_iters = epoch_plan.steps if epoch_plan else max_iters
+get_lr = LRSchedule.from_config(config, epoch_plan.steps if epoch_plan else None)
+# rank 0 logs to Weights & Biases too, a continued run to its W&B run
+tracker = start_wandb(config, ckpt and ckpt.get('wandb_run_id'), master)
 ckpt = model_ckpt = None  # free memory
 
 model = wrap_model(model, compile, ddp and parallel == 'ddp', local_rank, device_type)
 
 device_name = torch.cuda.get_device_name(local_device) if device_type == 'cuda' else device_type
-# windows, or examples (rows of examples with pack) when fine-tuning
-global_batch_size = micro_batch_size * accumulation_steps * world_size
 if not fine_tuning:
     per_step = f"{global_batch_size * block_size:,} tokens"
 elif pack:
@@ -326,6 +366,8 @@ else:
     per_step = f"{global_batch_size} examples"
 log(f"device {local_device}, dtype {ptdtype}, {world_size} process(es){' (FSDP)' if parallel == 'fsdp' else ''}, "
     f"{raw_model.get_num_params() / 1e6:.2f}M params, {per_step} per step")
+if epoch_plan:
+    log(epoch_plan.describe(per_step, lr_schedule))
 
 # loss: token-weighted cross-entropy (losses.py), plus the terms weighted in loss_weights
 token_weight = token_weight_table(tokenizer.vocab_size, token_weights, tokenizer).to(local_device) \
@@ -377,7 +419,8 @@ def save(path, iter_num, best_val_loss, evals_without_improvement):
                  kind='gpt', model=weights, model_args=model_args, tokenizer=tokenizer.identity(),
                  data_dir=os.path.abspath(corpus_dir), train_batches=train_batches.state_dict(),
                  batch_size=micro_batch_size, gradient_accumulation_steps=accumulation_steps,
-                 train_data_hash=train_data_hash, **hf_files)
+                 train_data_hash=train_data_hash, epoch_steps=epoch_plan and epoch_plan.epoch_steps,
+                 wandb_run_id=tracker and tracker.id, **hf_files)
     # adapters only: the frozen base stays in its own checkpoint, named by path and hash
     if training_type == 'lora':
         state.update(kind='lora', model=lora_state_dict(raw_model, weights), base_checkpoint=lora_base[0],
@@ -421,7 +464,8 @@ def train_step(micro_batch_indices):
 
 
 # an eval_only run appends to the log; a continued run drops what it logged past its checkpoint
-record, writer = run_log(out_dir, master, tensorboard, math.inf if eval_only else iter_num if resuming else -1)
+record, writer = run_log(out_dir, master, tensorboard, math.inf if eval_only else iter_num if resuming else -1,
+                         tracker)
 
 if eval_only:
     val_loss = evaluate(micro_batch_size)
@@ -443,19 +487,14 @@ if iter_num == 0:
 bad_steps = 0
 # throughput window; labels: the positions that pass through the output layer
 window_start, window_tokens, window_labels = time.time(), 0, 0
-progress = tqdm(total=max_iters, initial=iter_num, disable=not master, dynamic_ncols=True, desc='train')
-while iter_num < max_iters:
+progress = tqdm(total=run_iters, initial=iter_num, disable=not master, dynamic_ncols=True, desc='train')
+while iter_num < run_iters:
     lr = get_lr(iter_num)
     set_lr(optimizer, lr)
 
     # the whole global batch is drawn on every rank; each rank trains on its slice
     if fine_tuning:
-        # length curriculum: the longest example allowed grows linearly from shortest to max_length
-        limit = max_length
-        if iter_num < curriculum_iters:
-            shortest = int(train_batches.lengths.min())
-            limit = shortest + (max_length - shortest) * iter_num // curriculum_iters
-        global_batch = train_batches.sample(global_batch_size, limit)
+        global_batch = train_batches.sample(global_batch_size, example_limit(iter_num))
         step_tokens = train_batches.count_tokens(global_batch)
         step_labels = train_batches.count_labels(global_batch)
     else:
@@ -491,16 +530,22 @@ while iter_num < max_iters:
     progress.update(1)
     window_tokens += step_tokens
     window_labels += step_labels
+    # an epoch-counted run's epochs done (Trainer's fractional 'epoch'), and the epoch this step ended, if any
+    epoch = {'epoch': epoch_plan.epoch(iter_num)} if epoch_plan else {}
+    epoch_end = epoch_plan.ending(iter_num) if epoch_plan else 0
+    if epoch_plan:
+        progress.set_description(f'epoch {epoch_plan.under_way(iter_num)}/{len(epoch_plan.epoch_steps)}',
+                                 refresh=False)
 
-    if iter_num % log_interval == 0 or iter_num == max_iters:
+    if iter_num % log_interval == 0 or iter_num == run_iters:
         now = time.time()
         # all of the window's time, logging included
         tokens_per_sec = window_tokens / (now - window_start)
         mfu = raw_model.estimate_mfu(tokens_per_sec / world_size, device_name, window_labels / window_tokens,
                                      block_size)
         level = monitor.check()
-        event = dict(step=iter_num, train_loss=loss, lr=lr, grad_norm=grad_norm, tokens_per_sec=tokens_per_sec,
-                     tokens_per_step=step_tokens,
+        event = dict(step=iter_num, **epoch, train_loss=loss, lr=lr, grad_norm=grad_norm,
+                     tokens_per_sec=tokens_per_sec, tokens_per_step=step_tokens,
                      mfu=mfu, memory_level=level, memory_usage=monitor.usage, memory_check_s=monitor.overhead_s,
                      peak_memory_mb=(peak_memory_bytes(local_device) or 0) / 2**20,
                      loss_scale=scaler.get_scale())
@@ -509,20 +554,23 @@ while iter_num < max_iters:
         event.update({f'time_ms/{k}': v for k, v in profiler.summary().items()})
         record(event)
         progress.set_postfix(loss=f'{loss:.4f}', tok_s=f'{tokens_per_sec:,.0f}')
-        log(f"step {iter_num}: loss {loss:.4f}, lr {lr:.2e}, grad norm {grad_norm:.3f}, {tokens_per_sec:,.0f} tok/s, "
+        log(f"step {iter_num}" + (f" (epoch {epoch['epoch']:.2f})" if epoch else "") + f": loss {loss:.4f}, lr "
+            f"{lr:.2e}, grad norm {grad_norm:.3f}, {tokens_per_sec:,.0f} tok/s, "
             + (f"MFU {mfu * 100:.1f}%" if mfu is not None else "MFU unknown"))
         window_start, window_tokens, window_labels = now, 0, 0
 
-    if iter_num % eval_interval == 0 or iter_num == max_iters:
+    if (iter_num % eval_interval == 0 or iter_num == run_iters
+            or eval_every_epochs and epoch_end and epoch_end % eval_every_epochs == 0):
         val_loss = evaluate(micro_batch_size)
         improved = val_loss < best_val_loss
         if improved:
             best_val_loss, evals_without_improvement = val_loss, 0
         else:
             evals_without_improvement += 1
-        log(f"step {iter_num}: val loss {val_loss:.4f}, perplexity {math.exp(val_loss):.2f}"
+        log(f"step {iter_num}" + (f" (end of epoch {epoch_end})" if epoch_end else "") + f": val loss {val_loss:.4f}, "
+            f"perplexity {math.exp(val_loss):.2f}"
             + (" (best)" if improved else f" (no improvement for {evals_without_improvement} evals)"))
-        record(dict(step=iter_num, val_loss=val_loss, val_ppl=math.exp(val_loss), lr=lr))
+        record(dict(step=iter_num, **epoch, val_loss=val_loss, val_ppl=math.exp(val_loss), lr=lr))
         report_heldout(raw_model, held_out, autocast, iter_num, record)
         if improved:
             save(os.path.join(out_dir, 'best.pt'), iter_num, best_val_loss, evals_without_improvement)

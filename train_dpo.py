@@ -4,8 +4,9 @@ the rejected completion of each preference pair, relative to a frozen reference 
 `python train_dpo.py` trains the SFT model of config/sft.py (out-sft/ckpt.pt) on the embedded
 number-task pairs (a correct answer chosen, a near miss rejected) into out-dpo/;
 `python train_dpo.py config/dpo.py` does the same with the config's settings, and
-`torchrun --nproc_per_node=8 train_dpo.py ...` runs data-parallel. Every config key below can be
-overridden by a config file or --key=value (`--help` lists them).
+`torchrun --nproc_per_node=8 train_dpo.py ...` runs data-parallel. A run is max_iters steps, or
+num_train_epochs passes over its pairs (run/epochs.py). Every config key below can be overridden by a
+config file or --key=value (`--help` lists them).
 """
 
 import math
@@ -30,12 +31,14 @@ from model import GPTConfig
 from run.checkpoint import (CHECKPOINT_FORMATS, check_compatible, file_sha256, restore_training_state, training_state,
                             write_checkpoint)
 from run.device import DTYPES, GradScaler, autocast_context, pick_dtype
+from run.epochs import EpochPlan, counts_epochs, warmup_fits
 from run.fsdp import PARALLEL, check_parallel, place_model, same_init_on_every_rank
 from run.run_folder import continued_origin, open_run, run_log, run_origin, training_data_hash
 from run.runtime import (StopSignal, all_reduce_metrics, bad_step, clip_grad_norm, compute_cleanup, compute_init,
                          gradient_sync, log, prepare_once, rank_batches, wrap_model)
 from run.starting_model import (build_model, frozen_model, hf_source, load_model, reference_checkpoint,
                                 run_tokenizer)
+from run.tracker import require_wandb, start_wandb
 from scheduler import SCHEDULES, LRSchedule, set_lr
 from tasks.number_tasks import PREFERENCES_DIR, prepare_number_tasks
 
@@ -48,6 +51,7 @@ resume = True                # continue out_dir's run if any; False = start a ne
 data_dir = ''                # the base tokenizer's data.py folder; '' = data/stdlib
 dpo_data = ''                # folder of train/val(/test).jsonl; '' = the embedded number-task pairs
 eval_interval = 200          # steps between evals (and checkpoint saves)
+eval_every_epochs = 0        # with num_train_epochs: also eval (and save) at the end of every this many epochs
 eval_pairs = 500             # held-out pairs per eval (val.jsonl)
 log_interval = 50            # steps between train log lines
 eval_only = False            # evaluate init_from (or the resumed checkpoint) and exit
@@ -55,6 +59,9 @@ always_save_checkpoint = True  # save ckpt.pt at every eval, not only when eval 
 early_stopping_patience = 0  # stop after this many evals without eval-loss improvement; 0 = never
 max_bad_steps = 5            # abort after this many non-finite steps (loss/grad norm) in a row
 tensorboard = True           # write TensorBoard logs to out_dir/tb
+wandb_log = False            # also log to Weights & Biases (`pip install wandb`; run/tracker.py)
+wandb_project = 'nanotrain'  # the W&B project
+wandb_run_name = ''          # the W&B run's name; '' = out_dir's folder name
 exact_match_examples = 500   # held-out prompts answered greedily, scored against chosen each eval; 0 = skip
 eval_metrics = 'exact_match'  # their metrics, comma-separated: exact_match, bleu, chrf, rouge1, rouge2, rouge_l
 seed = 1337                  # random seed
@@ -89,6 +96,7 @@ activation_checkpointing = False  # recompute activations in backward to save me
 # optimizer (AdamW)
 learning_rate = 1e-3         # peak lr of every lr_schedule
 max_iters = 800              # optimizer steps in the run
+num_train_epochs = 0.0       # passes over dpo_data, for max_iters (HF Trainer's key); 0 = off
 weight_decay = 0.0           # decoupled weight decay; 0 = none
 beta1 = 0.9                  # AdamW's momentum (first-moment decay)
 beta2 = 0.95                 # AdamW's second-moment decay
@@ -117,7 +125,8 @@ check_values(config, [
                    'eval_pairs', 'max_bad_steps', 'max_length', 'max_prompt_length', 'lora_r', 'restart_iters',
                    'restart_mult')),
     (at_least(0), ('early_stopping_patience', 'exact_match_examples', 'warmup_iters', 'lr_decay_iters', 'num_threads',
-                   'learning_rate', 'min_lr', 'weight_decay', 'grad_clip', 'rpo_alpha')),
+                   'learning_rate', 'min_lr', 'weight_decay', 'grad_clip', 'rpo_alpha', 'num_train_epochs',
+                   'eval_every_epochs')),
     (interval('[0, 1)'), ('dropout', 'lora_dropout', 'beta1', 'beta2')),
     (interval('[0, 1]'), ('decay_frac',)),
     (POSITIVE, ('beta', 'lora_alpha', 'loraplus_lr_ratio')),
@@ -141,6 +150,12 @@ if parallel == 'fsdp' and use_lora and lora_bias != 'none' and not reference_fre
                     f"parallel='ddp', or reference_free=True.")
 if reference_free and precompute_ref_logps:
     raise UserError("reference_free=True has no reference to precompute; drop precompute_ref_logps.")
+by_epochs = counts_epochs(config)  # else max_iters counts the run
+if eval_every_epochs and not by_epochs:
+    raise UserError(f"eval_every_epochs={eval_every_epochs} evaluates at the end of epochs, which a run counted in "
+                    f"max_iters does not plan: set num_train_epochs (with nothing setting max_iters after it), or use "
+                    f"eval_interval.")
+require_wandb(wandb_log)
 
 # processes and device (run/runtime.py: one process per GPU under torchrun), precision
 compute = compute_init(device, seed, num_threads)
@@ -195,7 +210,7 @@ val_references, val_pairs = load_preference_split(val_path, tokenizer, max_lengt
 # exact match: test.jsonl's prompts and chosen answers where there is one, else val.jsonl's
 held_out_references = (load_preference_split(test_path, tokenizer, max_length, max_prompt_length, skip_malformed)[0]
                        if exact_match_examples and os.path.exists(test_path) else val_references)
-train_batches = PreferenceBatches(train_pairs, seed, tokenizer.eos_id, max_length, pack)
+train_batches = PreferenceBatches(train_pairs, seed, tokenizer.eos_id, max_length, pack, by_epochs)
 val_batches = PreferenceBatches(val_pairs, seed, tokenizer.eos_id, max_length, pack)
 # every eval scores the same first eval_pairs held-out pairs
 val_indices = torch.arange(min(len(val_pairs), eval_pairs))
@@ -233,7 +248,6 @@ optimizer = (lora_optimizer(raw_model, weight_decay, learning_rate, (beta1, beta
 if optimizer_type == 'adamw8bit':  # the same groups, the moments in 8 bits
     optimizer = in_8_bits(optimizer)
 scaler = GradScaler(enabled=ptdtype == torch.float16)
-get_lr = LRSchedule.from_config(config)
 # the step's split into micro-batches: the config's, or what a continued run's checkpoint holds
 micro_batch_size, accumulation_steps = batch_size, gradient_accumulation_steps
 iter_num, best_val_loss, evals_without_improvement = 0, float('inf'), 0
@@ -245,6 +259,18 @@ if ckpt:
         log(note)
     iter_num, best_val_loss, evals_without_improvement = restore_training_state(ckpt, ckpt_path, optimizer, scaler,
                                                                                 rank, world_size, raw_model)
+global_batch_size = micro_batch_size * accumulation_steps * world_size
+# the run's steps: max_iters, or an epoch-counted run's (run/epochs.py); its lr decays to min_lr over all of them
+epoch_plan = None
+if by_epochs:
+    epoch_plan = EpochPlan(train_batches.epoch_steps(global_batch_size, math.ceil(num_train_epochs)), num_train_epochs)
+    if ckpt:
+        epoch_plan.check_resumed(ckpt.get('epoch_steps'), ckpt_path)
+    warmup_fits(warmup_iters, epoch_plan)
+run_iters = epoch_plan.steps if epoch_plan else max_iters
+get_lr = LRSchedule.from_config(config, epoch_plan.steps if epoch_plan else None)
+# rank 0 logs to Weights & Biases too, a continued run to its W&B run
+tracker = start_wandb(config, ckpt and ckpt.get('wandb_run_id'), master)
 ckpt = None
 
 
@@ -265,17 +291,21 @@ if precompute_ref_logps:
     reference = None
 
 model = wrap_model(model, compile, ddp and parallel == 'ddp', local_rank, device_type)
-global_batch_size = micro_batch_size * accumulation_steps * world_size
 log(f"device {local_device}, dtype {ptdtype}, {world_size} process(es), "
     f"{raw_model.get_num_params() / 1e6:.2f}M params, {global_batch_size} pairs per step, reference: "
     + ('none (reference-free)' if reference_free else 'precomputed log-probs' if ref_cache else
        'the model with adapters disabled' if use_lora else 'a frozen copy'))
+if epoch_plan:
+    log(epoch_plan.describe(f"{global_batch_size} pairs", lr_schedule))
 
 
 def pair_terms(net, batches, indices, cache, batch_counts):
     """Forward pass over the pairs at indices: (loss, metrics). Every sum is divided by the size of
     the whole batch it belongs to (batch_counts: pairs, chosen and rejected completion tokens, over all
-    micro-batches and ranks), so micro-batches and ranks add up to the batch mean however it is split."""
+    micro-batches and ranks), so micro-batches and ranks add up to the batch mean however it is split.
+    An index -1 (no pair: the end of an epoch's last batch) is computed as pair 0 and left out of every sum."""
+    real = (indices >= 0).float().to(local_device)
+    indices = indices.clamp(min=0)
     batch, n = batches.get(indices, local_device), len(indices)
     ref_logits = None
     if reference_free:
@@ -287,39 +317,40 @@ def pair_terms(net, batches, indices, cache, batch_counts):
     with autocast:
         sums, token_logps, logits = sequence_logps_and_logits(net, batch, n)
     chosen_pos, pairs, chosen_tokens, rejected_tokens = batch['owners'] < n, *batch_counts
+    real_token = real.repeat(2)[batch['owners']]  # whether a scored token's pair is real
     policy, ref = sums, ref_sums
     if loss_type == 'ipo' and ipo_length_normalize:  # per-token means
         lengths = torch.bincount(batch['owners'], minlength=2 * n)
         policy, ref = sums / lengths, ref_sums / lengths
     losses, chosen_rewards, rejected_rewards = dpo_loss(policy[:n], policy[n:], ref[:n], ref[n:], beta, loss_type,
                                                         label_smoothing)
-    loss = losses.sum() / pairs
-    nll = -token_logps[chosen_pos].sum() / chosen_tokens
+    loss = (losses * real).sum() / pairs
+    nll = -(token_logps * real_token)[chosen_pos].sum() / chosen_tokens
     if rpo_alpha:
         loss = loss + rpo_alpha * nll
     with torch.no_grad():
-        mean_logits = logits.float().mean(-1)
-        metrics = {'loss': loss, 'rewards/chosen': chosen_rewards.sum() / pairs,
-                   'rewards/rejected': rejected_rewards.sum() / pairs,
+        mean_logits = logits.float().mean(-1) * real_token
+        metrics = {'loss': loss, 'rewards/chosen': (chosen_rewards * real).sum() / pairs,
+                   'rewards/rejected': (rejected_rewards * real).sum() / pairs,
                    # TRL's: chosen strictly ahead, so a tie (every pair at step 0 with a
                    # live reference) counts wrong
-                   'rewards/accuracies': (chosen_rewards > rejected_rewards).float().sum() / pairs,
-                   'rewards/margins': (chosen_rewards - rejected_rewards).sum() / pairs,
-                   'logps/chosen': sums[:n].sum() / pairs, 'logps/rejected': sums[n:].sum() / pairs,
+                   'rewards/accuracies': ((chosen_rewards > rejected_rewards).float() * real).sum() / pairs,
+                   'rewards/margins': ((chosen_rewards - rejected_rewards) * real).sum() / pairs,
+                   'logps/chosen': (sums[:n] * real).sum() / pairs, 'logps/rejected': (sums[n:] * real).sum() / pairs,
                    'logits/chosen': mean_logits[chosen_pos].sum() / chosen_tokens,
                    'logits/rejected': mean_logits[~chosen_pos].sum() / rejected_tokens,
                    'nll/chosen': nll}
         if ref_logits is not None:
             # KL(policy || reference) per chosen completion token, exact over the vocabulary
             p, q = logits[chosen_pos].float().log_softmax(-1), ref_logits[chosen_pos].float().log_softmax(-1)
-            metrics['kl'] = (p.exp() * (p - q)).sum() / chosen_tokens
+            metrics['kl'] = ((p.exp() * (p - q)).sum(-1) * real_token[chosen_pos]).sum() / chosen_tokens
     return loss, {k: v.detach().float() for k, v in metrics.items()}
 
 
 @torch.no_grad()
-def evaluate(iter_num, micro_batch_size):
+def evaluate(iter_num, micro_batch_size, epoch=None):
     """The metrics of the fixed held-out pairs (split across ranks in micro-batches, policy in eval mode),
-    logged and recorded at step iter_num; returns the loss."""
+    logged and recorded at step iter_num (with epoch: {'epoch': the epochs done}); returns the loss."""
     model.eval()
     batch_counts, sums = (len(val_indices), *val_batches.completion_tokens[val_indices].sum(0).tolist()), {}
     for indices, counted in rank_batches(val_indices, micro_batch_size, rank, world_size, lockstep=parallel == 'fsdp'):
@@ -332,7 +363,7 @@ def evaluate(iter_num, micro_batch_size):
     metrics = dict(zip(sums, stats.tolist()))
     log(f"step {iter_num}: eval loss {metrics['loss']:.4f}, rewards/accuracies {metrics['rewards/accuracies']:.3f}, "
         f"rewards/margins {metrics['rewards/margins']:.3f}" + (f", kl {metrics['kl']:.4f}" if 'kl' in metrics else ''))
-    record(dict(step=iter_num, **{f'eval/{k}': v for k, v in metrics.items()}))
+    record(dict(step=iter_num, **(epoch or {}), **{f'eval/{k}': v for k, v in metrics.items()}))
     return metrics['loss']
 
 
@@ -347,7 +378,8 @@ def save(path, iter_num, best_val_loss, evals_without_improvement):
                  data_dir=os.path.abspath(corpus_dir), train_batches=train_batches.state_dict(),
                  batch_size=micro_batch_size, gradient_accumulation_steps=accumulation_steps,
                  reference_checkpoint=os.path.abspath(reference_path), reference_hash=reference_hash,
-                 train_data_hash=train_data_hash, **hf_files)
+                 train_data_hash=train_data_hash, epoch_steps=epoch_plan and epoch_plan.epoch_steps,
+                 wandb_run_id=tracker and tracker.id, **hf_files)
     if use_lora:  # adapters only: the base is the reference checkpoint, named by path and hash
         state.update(kind='lora', model=lora_state_dict(raw_model, weights),
                      base_checkpoint=state['reference_checkpoint'], base_hash=reference_hash)
@@ -371,7 +403,8 @@ def train_step(micro_batch_indices, batch_counts):
 
 
 # an eval_only run appends to the log; a continued run drops what it logged past its checkpoint
-record, writer = run_log(out_dir, master, tensorboard, math.inf if eval_only else iter_num if resuming else -1)
+record, writer = run_log(out_dir, master, tensorboard, math.inf if eval_only else iter_num if resuming else -1,
+                         tracker)
 
 if eval_only or iter_num == 0:
     evaluate(iter_num, micro_batch_size)
@@ -382,15 +415,16 @@ if eval_only:
 stop = StopSignal()
 bad_steps = 0
 window_start, window_tokens, window_steps = time.time(), 0, 0
-progress = tqdm(total=max_iters, initial=iter_num, disable=not master, dynamic_ncols=True, desc='dpo')
-while iter_num < max_iters:
+progress = tqdm(total=run_iters, initial=iter_num, disable=not master, dynamic_ncols=True, desc='dpo')
+while iter_num < run_iters:
     lr = get_lr(iter_num)
     set_lr(optimizer, lr)
 
     # the whole global batch is drawn on every rank; each rank trains on its slice, and every sum is
     # divided by the whole batch's counts (pairs, chosen and rejected completion tokens)
     global_batch = train_batches.sample(global_batch_size)
-    batch_counts = (len(global_batch), *train_batches.completion_tokens[global_batch].sum(0).tolist())
+    real_pairs = global_batch[global_batch >= 0]  # an epoch's last batch may end with no pair (-1)
+    batch_counts = (len(real_pairs), *train_batches.completion_tokens[real_pairs].sum(0).tolist())
     shares = train_step(global_batch.tensor_split(world_size)[rank].view(accumulation_steps, micro_batch_size),
                         batch_counts)
     scaler.unscale_(optimizer)
@@ -409,22 +443,30 @@ while iter_num < max_iters:
     progress.update(1)
     window_tokens += train_batches.count_tokens(global_batch)
     window_steps += 1
+    # an epoch-counted run's epochs done (Trainer's fractional 'epoch'), and the epoch this step ended, if any
+    epoch = {'epoch': epoch_plan.epoch(iter_num)} if epoch_plan else {}
+    epoch_end = epoch_plan.ending(iter_num) if epoch_plan else 0
+    if epoch_plan:
+        progress.set_description(f'epoch {epoch_plan.under_way(iter_num)}/{len(epoch_plan.epoch_steps)}',
+                                 refresh=False)
 
-    if iter_num % log_interval == 0 or iter_num == max_iters:
+    if iter_num % log_interval == 0 or iter_num == run_iters:
         now = time.time()
         elapsed = now - window_start  # all of the window's time, logging included
-        record(dict(step=iter_num, lr=lr, grad_norm=grad_norm, steps_per_sec=window_steps / elapsed,
+        record(dict(step=iter_num, **epoch, lr=lr, grad_norm=grad_norm, steps_per_sec=window_steps / elapsed,
                     tokens_per_sec=window_tokens / elapsed,
                     peak_memory_mb=(peak_memory_bytes(local_device) or 0) / 2**20, loss_scale=scaler.get_scale(),
                     **metrics))
         progress.set_postfix(loss=f'{loss:.4f}', acc=f"{metrics['rewards/accuracies']:.2f}")
-        log(f"step {iter_num}: loss {loss:.4f}, rewards/accuracies {metrics['rewards/accuracies']:.3f}, "
-            f"rewards/margins {metrics['rewards/margins']:.3f}, lr {lr:.2e}, grad norm {grad_norm:.3f}, "
-            f"{window_steps / elapsed:.2f} steps/s")
+        log(f"step {iter_num}" + (f" (epoch {epoch['epoch']:.2f})" if epoch else "") + f": loss {loss:.4f}, "
+            f"rewards/accuracies {metrics['rewards/accuracies']:.3f}, rewards/margins "
+            f"{metrics['rewards/margins']:.3f}, lr {lr:.2e}, grad norm {grad_norm:.3f}, {window_steps / elapsed:.2f} "
+            f"steps/s")
         window_start, window_tokens, window_steps = now, 0, 0
 
-    if iter_num % eval_interval == 0 or iter_num == max_iters:
-        val_loss = evaluate(iter_num, micro_batch_size)
+    if (iter_num % eval_interval == 0 or iter_num == run_iters
+            or eval_every_epochs and epoch_end and epoch_end % eval_every_epochs == 0):
+        val_loss = evaluate(iter_num, micro_batch_size, epoch)
         improved = val_loss < best_val_loss
         if improved:
             best_val_loss, evals_without_improvement = val_loss, 0

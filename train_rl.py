@@ -45,6 +45,7 @@ from run.run_folder import continued_origin, open_run, run_log, run_origin, trai
 from run.runtime import (StopSignal, all_reduce_metrics, bad_step, clip_grad_norm, compute_cleanup, compute_init,
                          gradient_sync, log, prepare_once, wrap_model)
 from run.starting_model import build_model, frozen_model, hf_source, reference_checkpoint, run_tokenizer
+from run.tracker import require_wandb, start_wandb
 from scheduler import SCHEDULES, LRSchedule, set_lr
 from tasks.number_tasks import NUMBER_TASKS_DIR, prepare_number_tasks
 
@@ -69,6 +70,9 @@ eval_only = False            # evaluate init_from (or the resumed checkpoint) an
 always_save_checkpoint = True  # save ckpt.pt at every eval, not only when pass@1 improves
 max_bad_steps = 5            # abort after this many non-finite steps (loss/grad norm) in a row
 tensorboard = True           # write TensorBoard logs to out_dir/tb
+wandb_log = False            # also log to Weights & Biases (`pip install wandb`; run/tracker.py)
+wandb_project = 'nanotrain'  # the W&B project
+wandb_run_name = ''          # the W&B run's name; '' = out_dir's folder name
 seed = 1337                  # random seed
 skip_malformed = False       # skip and count malformed JSONL lines instead of stopping at the first
 # rollouts
@@ -155,6 +159,7 @@ for key in ('compile_decode', 'merged_rollouts'):
 if merged_rollouts and not use_lora:
     raise UserError("merged_rollouts=True merges LoRA adapters into a copy for the rollouts, but this run trains every "
                     "weight (use_lora=False) and samples from the model itself; drop merged_rollouts or set use_lora=True.")
+require_wandb(wandb_log)
 
 # processes and device (run/runtime.py: one process per GPU under torchrun), precision
 compute = compute_init(device, seed, num_threads)
@@ -265,6 +270,8 @@ if ckpt:
                                                                               rank, world_size, raw_model)
     # checkpoints store it as a loss, -pass@1 (save)
     best_pass_at_1 = -stored_best
+# rank 0 logs to Weights & Biases too, a continued run to its W&B run
+tracker = start_wandb(config, ckpt and ckpt.get('wandb_run_id'), master)
 ckpt = None
 model = wrap_model(model, compile, ddp, local_rank, device_type)
 # the model rollouts sample from: the adapters merged into a copy of the weights in the run's dtype, or the model
@@ -431,7 +438,8 @@ def save(path, iter_num, best_pass_at_1, evals_without_improvement):
                  data_dir=os.path.abspath(corpus_dir), train_sampler=train_sampler.state_dict(),
                  prompts_per_step=prompts_per_step, num_generations=num_generations,
                  reference_checkpoint=os.path.abspath(reference_path), reference_hash=reference_hash,
-                 train_data_hash=train_data_hash, train_prompts_hash=train_prompts_hash, **hf_files)
+                 train_data_hash=train_data_hash, train_prompts_hash=train_prompts_hash,
+                 wandb_run_id=tracker and tracker.id, **hf_files)
     if use_lora:  # adapters only: the base is the reference checkpoint, named by path and hash
         state.update(kind='lora', model=lora_state_dict(raw_model, weights),
                      base_checkpoint=state['reference_checkpoint'], base_hash=reference_hash)
@@ -439,7 +447,8 @@ def save(path, iter_num, best_pass_at_1, evals_without_improvement):
 
 
 # an eval_only run appends to the log; a continued run drops what it logged past its checkpoint
-record, writer = run_log(out_dir, master, tensorboard, math.inf if eval_only else iter_num if resuming else -1)
+record, writer = run_log(out_dir, master, tensorboard, math.inf if eval_only else iter_num if resuming else -1,
+                         tracker)
 
 if eval_only or iter_num == 0:
     evaluate(iter_num)

@@ -2,7 +2,8 @@
 Train a flow-matching text-to-speech model (Matcha-TTS in miniature) on an LJSpeech-layout
 corpus: `python train_tts.py config/tts_ljspeech.py --data_dir=PATH`. Relaunching the same
 command resumes; `--eval_only=True` evaluates the checkpoint (val losses, MCD-DTW, RTF);
-`python sample_tts.py --out_dir=out-tts --text="..." --wav=out.wav` speaks.
+`python sample_tts.py --out_dir=out-tts --text="..." --wav=out.wav` speaks. A run is max_iters steps, or
+num_train_epochs passes over the training utterances (run/epochs.py).
 Every config key below can be overridden by a config file or --key=value (`--help` lists them).
 """
 
@@ -22,9 +23,11 @@ from memory import MemoryMonitor, peak_memory_bytes, recover_from_oom, split_mic
 from run.checkpoint import (NEW_RUN, check_compatible, load_checkpoint, restore_training_state, rng_state,
                             set_rng_state, training_state, write_checkpoint)
 from run.device import GradScaler, autocast_context, pick_dtype, to_device
+from run.epochs import EpochPlan, counts_epochs, warmup_fits
 from run.run_folder import continued_origin, open_run, require_starting_weights, run_log, run_origin
 from run.runtime import (StepProfiler, StopSignal, all_reduce_metrics, bad_step, clip_grad_norm, compute_cleanup,
                          compute_init, gradient_sync, log, wrap_model)
+from run.tracker import require_wandb, start_wandb
 from scheduler import SCHEDULES, LRSchedule, set_lr
 from tts import data as tts_data
 from tts.data import (FrameBudgetSampler, LJSpeechDataset, build_symbols, eval_batches, read_metadata, read_speakers,
@@ -43,6 +46,7 @@ cache_dir = ''               # log-mel feature (and phoneme) cache; '' = <out_di
 init_from = 'scratch'        # where a new run's weights start: 'scratch' | path to a TTS checkpoint
 resume = True                # continue out_dir's run if any; False = start a new one, replacing it
 eval_interval = 200          # steps between evals (and checkpoint saves)
+eval_every_epochs = 0        # with num_train_epochs: also eval (and save) at the end of every this many epochs
 log_interval = 10            # steps between train-loss log lines
 eval_only = False            # evaluate the checkpoint (val losses, MCD-DTW, RTF) and exit
 always_save_checkpoint = True  # save ckpt.pt at every eval, not only when val loss improves
@@ -50,6 +54,9 @@ early_stopping_patience = 0  # stop after this many evals without val improvemen
 max_bad_steps = 5            # abort after this many non-finite steps (loss/grad norm) in a row
 max_minutes = 0.0            # minutes until a clean stop (checkpoint, final eval); 0 = no limit
 tensorboard = True           # write TensorBoard logs (losses, mel images, audio) to out_dir/tb
+wandb_log = False            # also log the losses to Weights & Biases (`pip install wandb`; run/tracker.py)
+wandb_project = 'nanotrain'  # the W&B project
+wandb_run_name = ''          # the W&B run's name; '' = out_dir's folder name
 profile = False              # time data/forward/backward/optimizer per step (adds syncs on GPU)
 seed = 1337                  # random seed
 # data
@@ -84,6 +91,7 @@ voice_weight = 1.0           # the clip encoder's loss (voice_clips)
 learning_rate = 1e-4         # peak lr of every lr_schedule
 decoder_lr_scale = 1.0       # the flow decoder's lr / learning_rate (docs/tts.md)
 max_iters = 100000           # optimizer steps in the run
+num_train_epochs = 0.0       # passes over the training utterances, for max_iters; 0 = off
 weight_decay = 0.0           # decoupled weight decay; 0 = none
 beta1 = 0.9                  # AdamW's momentum (first-moment decay)
 beta2 = 0.99                 # AdamW's second-moment decay
@@ -118,7 +126,7 @@ check_values(config, [
     (at_least(0), ('dec_heads', 'early_stopping_patience', 'warmup_iters', 'lr_decay_iters', 'learning_rate',
                    'decoder_lr_scale', 'min_lr', 'weight_decay', 'grad_clip', 'max_minutes', 'eval_utterances',
                    'audio_samples', 'temperature', 'guidance', 'prior_weight', 'duration_weight', 'flow_weight',
-                   'align_prior_iters', 'voice_weight')),
+                   'align_prior_iters', 'voice_weight', 'num_train_epochs', 'eval_every_epochs')),
     (interval('[0, 1)'), ('dropout', 'beta1', 'beta2', 'cfg_drop', 'sigma_min')),
     (interval('(0, 1)'), ('val_fraction',)),
     (interval('[0, 1]'), ('decay_frac',)),
@@ -128,6 +136,12 @@ check_values(config, [
     (FOLDER, ('out_dir',)),
     (EMPTY_OR_FOLDER, ('cache_dir',)),
 ])
+by_epochs = counts_epochs(config)  # else max_iters counts the run
+if eval_every_epochs and not by_epochs:
+    raise UserError(f"eval_every_epochs={eval_every_epochs} evaluates at the end of epochs, which a run counted in "
+                    f"max_iters does not plan: set num_train_epochs (with nothing setting max_iters after it), or use "
+                    f"eval_interval.")
+require_wandb(wandb_log)
 if voice_clips and not multi_speaker:
     raise UserError("voice_clips=True learns to tell the voices of a multi-speaker corpus from a clip: add "
                     "--multi_speaker=True (rows id|speaker|text), or drop voice_clips.")
@@ -211,13 +225,24 @@ mel_mean, mel_std = raw_model.mel_mean.item(), raw_model.mel_std.item()
 
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), decoder_lr_scale, device_type)
 scaler = GradScaler(enabled=ptdtype == torch.float16)
-get_lr = LRSchedule.from_config(config)
 iter_num, best_val_loss, evals_without_improvement, batch_splits = 0, float('inf'), 0, 1
 if resuming:
     sampler.load_state_dict(ckpt['sampler'])
     batch_splits = ckpt['batch_splits']
     iter_num, best_val_loss, evals_without_improvement = restore_training_state(ckpt, ckpt_path, optimizer, scaler,
                                                                                 rank, world_size)
+# the run's steps: max_iters, or an epoch-counted run's (run/epochs.py); its lr decays to min_lr over all of them
+epoch_plan = None
+if by_epochs:
+    epoch_plan = EpochPlan(sampler.epoch_steps(gradient_accumulation_steps, math.ceil(num_train_epochs)),
+                           num_train_epochs)
+    if resuming:
+        epoch_plan.check_resumed(ckpt.get('epoch_steps'), ckpt_path)
+    warmup_fits(warmup_iters, epoch_plan)
+run_iters = epoch_plan.steps if epoch_plan else max_iters
+get_lr = LRSchedule.from_config(config, epoch_plan.steps if epoch_plan else None)
+# rank 0 logs to Weights & Biases too, a continued run to its W&B run
+tracker = start_wandb(config, ckpt and ckpt.get('wandb_run_id'), master)
 ckpt = None  # free memory
 
 if compile:  # in place, so state dict keys stay clean; MAS (a Python loop) stays eager
@@ -227,6 +252,9 @@ model = wrap_model(model, False, ddp, local_rank, device_type)  # compiled in pl
 log(f"device {local_device}, dtype {ptdtype}, {world_size} process(es), "
     f"{raw_model.get_num_params() / 1e6:.2f}M params, frame budget {frame_budget} x {gradient_accumulation_steps} "
     f"accumulation")
+if epoch_plan:
+    log(epoch_plan.describe(f"{gradient_accumulation_steps} batch(es) of {frame_budget} frames per process",
+                            lr_schedule))
 
 
 def weighted_loss(losses):
@@ -271,7 +299,8 @@ def save(path, iter_num, best_val_loss, evals_without_improvement):
     state = dict(training_state(this_run, config, optimizer, scaler, iter_num, best_val_loss,
                                 evals_without_improvement),
                  kind='tts', model=raw_model.state_dict(), model_args=model_args, data_dir=os.path.abspath(data_dir),
-                 sampler=sampler.state_dict(), batch_splits=batch_splits, mel_settings=mel_settings)
+                 sampler=sampler.state_dict(), batch_splits=batch_splits, mel_settings=mel_settings,
+                 epoch_steps=epoch_plan and epoch_plan.epoch_steps, wandb_run_id=tracker and tracker.id)
     write_checkpoint(path, state, False, master)
 
 
@@ -309,7 +338,8 @@ def train_step(batches, align_prior, batch_splits):
 
 
 # an eval_only run appends to the log; a continued run drops what it logged past its checkpoint
-record, writer = run_log(out_dir, master, tensorboard, math.inf if eval_only else iter_num if resuming else -1)
+record, writer = run_log(out_dir, master, tensorboard, math.inf if eval_only else iter_num if resuming else -1,
+                         tracker)
 # speech from held-out text
 synthesis = SynthesisEval(**dataclass_args(SynthesisEval, config, texts=words, vocode=vocode,
                                            speakers=utterance_speakers))
@@ -327,8 +357,9 @@ def final_report(step):
 def log_eval(step, result, note=''):
     log(f"step {step}: val loss {result['loss']:.4f} (prior {result['prior']:.4f}, duration {result['duration']:.4f}, "
         f"flow {result['flow']:.4f}), teacher-forced mel L1 {result['mel_l1']:.4f}{note}")
-    record(dict(step=step, val_loss=result['loss'], val_prior_loss=result['prior'],
-                val_duration_loss=result['duration'], val_flow_loss=result['flow'], val_mel_l1=result['mel_l1']))
+    record(dict(step=step, **({'epoch': epoch_plan.epoch(step)} if epoch_plan else {}), val_loss=result['loss'],
+                val_prior_loss=result['prior'], val_duration_loss=result['duration'], val_flow_loss=result['flow'],
+                val_mel_l1=result['mel_l1']))
 
 
 if eval_only:
@@ -343,13 +374,13 @@ if iter_num == 0:
     log_eval(0, evaluate())
 bad_steps = 0
 window_start, window_frames = time.time(), 0
-progress = tqdm(total=max_iters, initial=iter_num, disable=not master, dynamic_ncols=True, desc='train')
-while iter_num < max_iters:
+progress = tqdm(total=run_iters, initial=iter_num, disable=not master, dynamic_ncols=True, desc='train')
+while iter_num < run_iters:
     lr = get_lr(iter_num)
     set_lr(optimizer, lr)
     align_prior = max(0.0, 1.0 - iter_num / align_prior_iters) if align_prior_iters else 0.0
 
-    batches = [sampler.next_batch() for _ in range(gradient_accumulation_steps)]
+    batches = sampler.next_batches(gradient_accumulation_steps, within_epoch=by_epochs)
     while True:
         try:
             shares = train_step(batches, align_prior, batch_splits)
@@ -379,22 +410,31 @@ while iter_num < max_iters:
     iter_num += 1
     progress.update(1)
     window_frames += sum(train_set.lengths[i] for b in batches for i in b) * world_size
+    # the epochs done: an epoch-counted run's fractional (Trainer's), else the sampler's whole ones; and the epoch
+    # this step ended, if any
+    epoch = epoch_plan.epoch(iter_num) if epoch_plan else sampler.epoch
+    epoch_end = epoch_plan.ending(iter_num) if epoch_plan else 0
+    if epoch_plan:
+        progress.set_description(f'epoch {epoch_plan.under_way(iter_num)}/{len(epoch_plan.epoch_steps)}',
+                                 refresh=False)
 
-    if iter_num % log_interval == 0 or iter_num == max_iters:
+    if iter_num % log_interval == 0 or iter_num == run_iters:
         frames_per_sec = window_frames / (time.time() - window_start)
         level = monitor.check()
         event = dict(step=iter_num, train_loss=loss, prior_loss=prior, duration_loss=duration, flow_loss=flow, lr=lr,
                      **({'voice_loss': losses['voice']} if voice_clips else {}),
-                     grad_norm=grad_norm, frames_per_sec=frames_per_sec, epoch=sampler.epoch, memory_level=level,
+                     grad_norm=grad_norm, frames_per_sec=frames_per_sec, epoch=epoch, memory_level=level,
                      peak_memory_mb=(peak_memory_bytes(local_device) or 0) / 2**20, loss_scale=scaler.get_scale())
         event.update({f'time_ms/{k}': v for k, v in profiler.summary().items()})
         record(event)
         progress.set_postfix(loss=f'{loss:.4f}', frames_s=f'{frames_per_sec:,.0f}')
         log(f"step {iter_num}: loss {loss:.4f} (prior {prior:.4f}, duration {duration:.4f}, flow {flow:.4f}), "
-            f"lr {lr:.2e}, grad norm {grad_norm:.3f}, {frames_per_sec:,.0f} frames/s, epoch {sampler.epoch}")
+            f"lr {lr:.2e}, grad norm {grad_norm:.3f}, {frames_per_sec:,.0f} frames/s, "
+            + (f"epoch {epoch:.2f}" if epoch_plan else f"epoch {epoch}"))
         window_start, window_frames = time.time(), 0
 
-    if iter_num % eval_interval == 0 or iter_num == max_iters or out_of_time:
+    if (iter_num % eval_interval == 0 or iter_num == run_iters or out_of_time
+            or eval_every_epochs and epoch_end and epoch_end % eval_every_epochs == 0):
         result = evaluate()
         improved = result['loss'] < best_val_loss
         if improved:

@@ -28,6 +28,7 @@ from configurator import (FOLDER, UserError, at_least, check_values, configure, 
 from run.checkpoint import file_sha256, load_checkpoint, rng_state, set_rng_state, write_checkpoint
 from run.run_folder import cached_tensors, open_run, require_init_from, run_log
 from run.runtime import StopSignal, compute_init, log
+from run.tracker import finish_wandb, require_wandb, start_wandb
 from tts.data import (MEL_SETTINGS, LJSpeechDataset, MelExtractor, eval_batches, read_metadata, read_speakers,
                       read_wav, split_ids)
 from tts.discriminators import (MultiPeriodDiscriminator, MultiScaleDiscriminator, discriminator_loss,
@@ -48,6 +49,9 @@ eval_interval = 100          # steps between evals (and saves)
 log_interval = 10            # steps between train-loss log lines
 eval_utterances = 16         # held-out utterances (the TTS model's held-out split) whose mel error is evaluated
 seed = 1337                  # random seed (segments, the TTS model's noise)
+wandb_log = False            # also log to Weights & Biases (`pip install wandb`; run/tracker.py)
+wandb_project = 'nanotrain'  # the W&B project
+wandb_run_name = ''          # the W&B run's name; '' = out_dir's folder name
 # data
 segment_frames = 32          # mel frames per training segment (x 256 = 8192 samples, the release's segment_size)
 batch_size = 4               # segments per step (the release: 16)
@@ -79,6 +83,7 @@ check_values(config, [
     (interval('(0, 1]'), ('lr_decay',)),
     (FOLDER, ('out_dir',)),
 ])
+require_wandb(wandb_log)
 if not init_from:
     raise UserError("init_from is not set: give the published generator to fine-tune, e.g. --init_from="
                     "models/hifigan/generator_LJSpeech.pth.tar (with its config.json beside it; docs/tts.md says where "
@@ -187,6 +192,8 @@ if resuming:
     iter_num, best_val_loss = ckpt['iter_num'], ckpt['best_val_loss']
     set_rng_state(ckpt['rng'])
     log(f"resuming from {ckpt_path} at step {iter_num}")
+# logs to Weights & Biases too, a continued run to its W&B run
+tracker = start_wandb(config, ckpt and ckpt.get('wandb_run_id'), True)
 ckpt = None
 log(f"device {local_device}: generator {sum(p.numel() for p in generator.parameters()) / 1e6:.1f}M parameters"
     + (f", discriminators {sum(p.numel() for p in [*mpd.parameters(), *msd.parameters()]) / 1e6:.1f}M"
@@ -211,18 +218,19 @@ def save(path, iter_num, best_val_loss):
     state = dict(kind='vocoder', run=this_run, config=config, iter_num=iter_num, best_val_loss=best_val_loss,
                  generator=generator.state_dict(), generator_config=dataclasses.asdict(generator.config),
                  mpd=mpd.state_dict(), msd=msd.state_dict(), optimizer_g=optimizer_g.state_dict(),
-                 optimizer_d=optimizer_d.state_dict(), rng=rng_state())
+                 optimizer_d=optimizer_d.state_dict(), rng=rng_state(), wandb_run_id=tracker and tracker.id)
     write_checkpoint(path, state, False, True)
     save_hifigan(generator, os.path.join(out_dir, 'generator.pth.tar'))
 
 
 # an eval_only run appends to the log; a continued run drops what it logged past its checkpoint
-record, _ = run_log(out_dir, True, False, math.inf if eval_only else iter_num if resuming else -1)
+record, _ = run_log(out_dir, True, False, math.inf if eval_only else iter_num if resuming else -1, tracker)
 if eval_only or iter_num == 0:
     val_loss = evaluate()
     log(f"step {iter_num}: held-out mel error {val_loss:.4f}")
     record(dict(step=iter_num, val_mel_error=val_loss))
     if eval_only:
+        finish_wandb()
         sys.exit(0)
 
 stop = StopSignal()
@@ -296,6 +304,7 @@ while iter_num < max_iters:
         t0 = time.time()
     if stop.requested:
         save(ckpt_path, iter_num, best_val_loss)
-        stop.exit(ckpt_path, iter_num, False)
+        stop.exit(ckpt_path, iter_num, False)  # finishes the W&B run too
 log(f"training ended at step {iter_num}: {os.path.join(out_dir, 'generator.pth.tar')} is the fine-tuned generator "
     f"(--vocoder=...)")
+finish_wandb()

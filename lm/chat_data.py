@@ -20,6 +20,7 @@ a completion is the reply's content and the <|end|> that closes it (the EOS toke
 """
 
 import bisect
+import copy
 import json
 import os
 import re
@@ -183,7 +184,8 @@ def build_rows(rows, inputs, targets, pad_id, device='cpu'):
     """Tensors (B, T) for rows of sequences (each row a list of indices into inputs/targets), right-
     padded to the longest row: x (pad_id on padding), y (-100 on padding), doc_ids (the sequence's
     place in its row, -1 on padding) and seq (the sequence's index, -1 on padding)."""
-    T = max(sum(len(inputs[i]) for i in row) for row in rows)
+    # at least one position: an empty row fills an epoch's last, short batch (SFTBatches)
+    T = max(1, max(sum(len(inputs[i]) for i in row) for row in rows))
     x, y = torch.full((len(rows), T), pad_id), torch.full((len(rows), T), -100)
     doc_ids, seq = torch.full((len(rows), T), -1), torch.full((len(rows), T), -1)
     for r, row in enumerate(rows):
@@ -238,14 +240,19 @@ class EpochSampler:
             self.order, self.position = torch.randperm(self.n, generator=self.generator), 0
         return self.order[self.position:]
 
-    def sample(self, n):
-        """The next n indices, continuing into a new epoch's order where this one ends."""
+    def sample(self, n, within_epoch=False):
+        """The next n indices, continuing into a new epoch's order where this one ends; within_epoch: fewer
+        where fewer are left, so that no batch holds two epochs (an epoch-counted run's, run/epochs.py)."""
         taken = []
-        while n:
+        while n and not (within_epoch and taken and self.ended()):
             taken.append(self.remaining()[:n])
             self.position += len(taken[-1])
             n -= len(taken[-1])
         return torch.cat(taken)
+
+    def ended(self):
+        """Whether this epoch's order is used up (the next draw starts a new epoch)."""
+        return self.position == self.n
 
     def state_dict(self):
         return {'generator': self.generator.get_state(), 'order': self.order, 'position': self.position}
@@ -272,9 +279,12 @@ class SFTBatches:
     rows of up to max_length tokens by best fit decreasing, and its rows are served in random order;
     the emptiest row of a window is packed again with the next window's examples (only an epoch's last
     rows run part-empty). A row holds as many examples as fit, and every example is trained once an
-    epoch (a row never spans two epochs). doc_ids keep attention and positions inside each example."""
+    epoch (a row never spans two epochs). doc_ids keep attention and positions inside each example.
+    whole_epochs (a run counted in epochs, run/epochs.py): a global batch never holds two epochs' rows either;
+    an epoch's last one holds the rows left, then empty rows (they hold no label, so they add nothing), as
+    Hugging Face Trainer's last batch of an epoch is smaller; epoch_steps() counts the steps of each epoch."""
 
-    def __init__(self, examples, seed, pad_id, max_length, pack=False, bucket_batches=1):
+    def __init__(self, examples, seed, pad_id, max_length, pack=False, bucket_batches=1, whole_epochs=False):
         if pack and bucket_batches > 1:
             raise UserError(f"bucket_batches={bucket_batches} with pack=True: packed rows are filled to max_length, so "
                             f"there is no padding for bucketing to cut. Set bucket_batches=1, or pack=False.")
@@ -284,6 +294,7 @@ class SFTBatches:
         self.lengths = torch.tensor([len(ids) - 1 for ids, _ in examples])
         self.label_counts = torch.tensor([int((targets != -100).sum()) for targets in self.targets])
         self.pad_id, self.max_length, self.pack, self.bucket_batches = pad_id, max_length, pack, bucket_batches
+        self.seed, self.whole_epochs = seed, whole_epochs
         self.sampler = EpochSampler(len(examples), seed)
         self.pending = []  # rows drawn but not yet served, in serving order (each a list of example indices)
         self.carry = []  # packed: examples of the epoch taken from the order, to be packed with the next window
@@ -292,9 +303,11 @@ class SFTBatches:
     def _take(self, n, max_len):
         """The next n examples of the shuffled order that are at most max_len long (longer ones are skipped)."""
         taken = []
-        while n:
-            rest = self.sampler.remaining()
-            fits = (self.lengths[rest] <= max_len).nonzero().flatten()[:n]
+        while n and not (self.whole_epochs and taken and self.sampler.ended()):
+            rest, span = self.sampler.remaining(), 1024
+            # looked for in a head of the order that grows as needed (not the whole epoch's each step)
+            while len(fits := (self.lengths[rest[:span]] <= max_len).nonzero().flatten()[:n]) < n and span < len(rest):
+                span *= 4
             self.sampler.position += int(fits[-1]) + 1 if len(fits) == n else len(rest)
             taken.append(rest[fits])
             n -= len(fits)
@@ -303,38 +316,66 @@ class SFTBatches:
     def _window(self, tokens, max_len):
         """The next examples of this epoch's order that are at most max_len long (longer ones are skipped),
         until they hold tokens tokens or the epoch ends."""
-        rest = self.sampler.remaining()
-        fits = self.lengths[rest] <= max_len
-        held = torch.where(fits, self.lengths[rest], 0).cumsum(0)
-        end = min(int((held < tokens).sum()) + 1, len(rest))
+        rest, span = self.sampler.remaining(), 1024
+        while True:  # in a head of the order that grows until it holds the tokens (as _take)
+            head = rest[:span]
+            fits = self.lengths[head] <= max_len
+            held = torch.where(fits, self.lengths[head], 0).cumsum(0)
+            if held[-1] >= tokens or span >= len(rest):
+                break
+            span *= 4
+        end = min(int((held < tokens).sum()) + 1, len(head))
         self.sampler.position += end
-        return rest[:end][fits[:end]]
+        return head[:end][fits[:end]]
 
     def _draw(self, n, max_len):
         """Groups of rows to serve: packed, one window's rows, each a group; else bucket_batches global batches."""
         if self.pack:
             window = self.carry + self._window(n * self.max_length, max_len).tolist()
-            rows = [[window[i] for i in row] for row in best_fit_decreasing(self.lengths[window].tolist(),
-                                                                            self.max_length)]
+            lengths = self.lengths[window].tolist()
+            rows = best_fit_decreasing(lengths, self.max_length)
             # the emptiest row waits to be packed again with the next window, unless the epoch ends here
             self.carry = []
             if rows and self.sampler.position < self.sampler.n:
-                self.carry = rows.pop(min(range(len(rows)), key=lambda r: self.lengths[rows[r]].sum()))
-            return [[row] for row in rows]
+                emptiest = rows.pop(min(range(len(rows)), key=lambda r: sum(lengths[i] for i in rows[r])))
+                self.carry = [window[i] for i in emptiest]
+            return [[[window[i] for i in row]] for row in rows]
         pool = self._take(n * self.bucket_batches, max_len)
         return [[[i] for i in batch.tolist()] for batch in pool[self.lengths[pool].argsort(stable=True)].split(n)]
 
     def sample(self, n, max_len=None):
         """The next global batch of n rows; max_len (a length curriculum) skips longer examples. Unpacked: (n,)
         example indices; packed: (n, k) rows of example indices, -1 after a row's last (row_tensor)."""
-        while len(self.pending) < n:
+        while len(self.pending) < n and not (self.whole_epochs and self.pending and self.epoch_ended()):
             groups = self._draw(n, self.max_length if max_len is None else max_len)
             # in random order (last drawn first, as earlier versions served them: their runs resume unchanged)
             for g in torch.randperm(len(groups), generator=self.sampler.generator).flip(0).tolist():
                 self.pending += groups[g]
         batch, self.pending = self.pending[:n], self.pending[n:]
+        batch += [[]] * (n - len(batch))  # whole_epochs: the epoch's last batch, filled with empty rows
         self.batches_drawn += 1
         return row_tensor(batch) if self.pack else row_tensor(batch).flatten()
+
+    def epoch_ended(self):
+        """Whether every row of this epoch has been drawn."""
+        return self.sampler.ended() and not self.carry
+
+    def epoch_steps(self, n, epochs, max_len=None):
+        """The steps, global batches of n rows in whole epochs, of each of the first `epochs` epochs: drawn as a run
+        drawing them from its start does (packed rows, examples a curriculum skips and all), on a copy started from
+        the seed; this one is left as it is. max_len(step): a length curriculum's limit at each step."""
+        if not self.pack and max_len is None:  # every example once an epoch, one a row
+            return [-(-self.sampler.n // n)] * epochs
+        replay = copy.copy(self)
+        replay.sampler, replay.pending, replay.carry = EpochSampler(self.sampler.n, self.seed), [], []
+        replay.whole_epochs = True
+        steps = []
+        for _ in range(epochs):
+            steps.append(0)
+            while not steps[-1] or replay.pending or not replay.epoch_ended():
+                replay.sample(n, max_len(sum(steps)) if max_len else None)
+                steps[-1] += 1
+        return steps
 
     def rows(self, indices):
         """Examples (n,) as rows for get(): packed, into rows of up to max_length tokens by best fit
@@ -515,9 +556,11 @@ def load_preference_split(path, tokenizer, max_length, max_prompt_length, skip_m
 class PreferenceBatches:
     """Batches of preference pairs for DPO. Like SFTBatches, every rank draws the pair indices of the
     whole global batch (same seed, same draws, a new shuffle each epoch) and takes its own slice.
-    get() serves chosen and rejected completions in one batch, so one forward pass scores both."""
+    get() serves chosen and rejected completions in one batch, so one forward pass scores both.
+    whole_epochs (a run counted in epochs): an epoch's last batch holds the pairs left, then -1 (no pair),
+    which train_dpo.py leaves out of every sum."""
 
-    def __init__(self, pairs, seed, pad_id, max_length, pack=False):
+    def __init__(self, pairs, seed, pad_id, max_length, pack=False, whole_epochs=False):
         self.pairs = pairs
         # padded layout: chosen sequences of all pairs, then rejected ones
         self.inputs, self.targets = [], []
@@ -531,17 +574,22 @@ class PreferenceBatches:
         self.completion_tokens = torch.tensor([[len(c), len(r)] for _, c, r in pairs])  # (pairs, 2)
         # input tokens per pair
         self.lengths = torch.tensor([len(x) for x in self.inputs]).view(2, -1).sum(0)
-        self.pad_id, self.max_length, self.pack = pad_id, max_length, pack
+        self.pad_id, self.max_length, self.pack, self.whole_epochs = pad_id, max_length, pack, whole_epochs
         self.sampler = EpochSampler(self.n_pairs, seed)
         self.batches_drawn = 0
 
     def sample(self, n):
         """Pair indices of the next global batch of n pairs, in shuffled order; a new shuffle each epoch."""
         self.batches_drawn += 1
-        return self.sampler.sample(n)
+        indices = self.sampler.sample(n, self.whole_epochs)
+        return torch.cat([indices, indices.new_full((n - len(indices),), -1)])
+
+    def epoch_steps(self, n, epochs):
+        """The steps, global batches of n pairs in whole epochs, of each of the first `epochs` epochs."""
+        return [-(-self.n_pairs // n)] * epochs
 
     def count_tokens(self, indices):
-        return int(self.lengths[indices].sum())
+        return int(self.lengths[indices[indices >= 0]].sum())
 
     def get(self, indices, device='cpu'):
         """The n pairs at indices as a dict of tensors: x (B, T) tokens; positions (B, T) and mask

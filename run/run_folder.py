@@ -5,7 +5,8 @@ The run folder (out_dir): what a training script does with it besides writing ch
   decides whether a launch continues the run out_dir holds, so that relaunching the same command
   after a kill continues it and a different run never overwrites it; open_run does both, as every
   training script starts. require_starting_weights: a new run's init_from must be there.
-- run_log is what every training script writes besides checkpoints: out_dir/log.jsonl and TensorBoard.
+- run_log is what every training script writes besides checkpoints: out_dir/log.jsonl and TensorBoard,
+  and with wandb_log the same numbers to Weights & Biases (run/tracker.py).
 - training_data_hash: a continued run must read the training file it began with; cached_tensors:
   values computed once per run and kept in out_dir (DPO's reference log-probs).
 (The checkpoint files themselves: run/checkpoint.py.)
@@ -236,12 +237,12 @@ def logged_step(line):
         return None
 
 
-def run_log(out_dir, enabled, tensorboard, keep_until):
+def run_log(out_dir, enabled, tensorboard, keep_until, tracker=None):
     """(record, writer): record(event) appends a dict with a 'step' to out_dir/log.jsonl and writes its
-    numbers to TensorBoard (writer, None when tensorboard=False). keep_until: the existing log keeps
-    its events up to this step: a continued run's step (the events a killed run wrote past its
-    checkpoint are done again), -1 for a new run (an empty log), math.inf to append (eval_only).
-    Not enabled (every rank but 0): record does nothing and writer is None."""
+    numbers to TensorBoard (writer, None when tensorboard=False) and to tracker (run/tracker.py's WandbRun,
+    or None). keep_until: the existing log keeps its events up to this step: a continued run's step (the
+    events a killed run wrote past its checkpoint are done again), -1 for a new run (an empty log),
+    math.inf to append (eval_only). Not enabled (every rank but 0): record does nothing and writer is None."""
     if not enabled:
         return (lambda event: None), None
     log_path = os.path.join(out_dir, 'log.jsonl')
@@ -269,6 +270,8 @@ def run_log(out_dir, enabled, tensorboard, keep_until):
             # on disk now, like log.jsonl: a torchrun process
             # ends without closing it (run/runtime.py)
             writer.flush()
+        if tracker:
+            tracker.log(event)
     return record, writer
 
 

@@ -24,6 +24,7 @@ from configurator import install_excepthook
 from memory import synchronize
 from run.device import pick_device
 from run.fsdp import is_dtensor, is_sharded
+from run.tracker import finish_wandb
 
 
 class Compute(NamedTuple):
@@ -61,10 +62,12 @@ def compute_init(device, seed, num_threads=0):
 
 
 def compute_cleanup(ddp, exit_code=0):
-    """Under torchrun: leave the process group together, then end the process here with exit_code, skipping
-    the interpreter's teardown. A gloo worker thread may still be releasing finished collectives (tensors
-    Python holds) when Python shuts down, and one that then needs the GIL aborts the process: seen at the end
-    of FSDP runs on a busy CPU, 1 run in 15, the job reported failed after saving everything."""
+    """End the run's W&B run if any (run/tracker.py). Under torchrun: leave the process group together, then
+    end the process here with exit_code, skipping the interpreter's teardown. A gloo worker thread may still
+    be releasing finished collectives (tensors Python holds) when Python shuts down, and one that then needs
+    the GIL aborts the process: seen at the end of FSDP runs on a busy CPU, 1 run in 15, the job reported
+    failed after saving everything."""
+    finish_wandb(exit_code)
     if ddp:
         # leave together: a rank tearing down while another still works can abort gloo
         dist.barrier()

@@ -138,6 +138,26 @@ def launch(script, out_dir, data_dir, *args, faults=None, ranks=1, **kw):
     return run([*launcher, script, f'--out_dir={out_dir}', f'--data_dir={data_dir}', *args], **kw)
 
 
+def start_up_refusal(monkeypatch, script, *args):
+    """The UserError a script raises at start-up (before it does any work) for args, run in this process: ~0.1 s
+    where a launch costs seconds. configure() installs its excepthook and stream wrappers: put back afterwards. A
+    script that goes on to its work (compute_init, every training script's first) fails the test there."""
+    import runpy
+    from configurator import UserError
+    from run import runtime
+
+    def no_work(*_, **__):
+        raise AssertionError(f'{script} {" ".join(args)} was not refused at start-up')
+
+    monkeypatch.setattr(runtime, 'compute_init', no_work)
+    for name in ('excepthook', 'stdout', 'stderr'):
+        monkeypatch.setattr(sys, name, getattr(sys, name))
+    monkeypatch.setattr(sys, 'argv', [script, *args])
+    with pytest.raises(UserError) as refused:
+        runpy.run_path(os.path.join(ROOT, script), run_name='__main__')
+    return str(refused.value)
+
+
 def assert_user_error(p, *says):
     """p, a finished script, stopped on a user error: exit status 2, each of says in its stderr, no traceback."""
     assert p.returncode == 2 and 'Traceback' not in p.stderr and all(s in p.stderr for s in says), (
@@ -196,6 +216,42 @@ def kill_and_relaunch(args, out_dir, step_key='train_loss', timeout=240):
     killed_at = load(ckpt_path)['iter_num']
     p = run(args)
     return killed_at, p.stdout + p.stderr, [e['step'] for e in read_log(out_dir) if step_key in e]
+
+# ----------------------------------------------------------------------------- Weights & Biases (run/tracker.py)
+
+FAKE_WANDB = os.path.join(ROOT, 'tests', 'fixtures', 'fake_wandb')
+
+
+def wandb_env():
+    """The env_extra of a launch whose `import wandb` finds the stand-in package in tests/fixtures/fake_wandb, which
+    writes each call to out_dir/wandb/fake_calls.jsonl."""
+    return {'PYTHONPATH': FAKE_WANDB}
+
+
+def wandb_calls(out_dir):
+    """The stand-in wandb's calls in a run, in order: dicts with 'call' ('init', 'log', 'finish') and its arguments."""
+    with open(os.path.join(out_dir, 'wandb', 'fake_calls.jsonl')) as f:
+        return [json.loads(line) for line in f]
+
+
+def assert_logged_to_wandb(out_dir, launches=1):
+    """Every number of every log.jsonl event went to W&B at the event's step, each launch started its W&B run (the
+    last with the checkpoint's config) and ended it; a relaunch resumed the first launch's W&B run."""
+    calls = wandb_calls(out_dir)
+    inits, finishes = [c for c in calls if c['call'] == 'init'], [c for c in calls if c['call'] == 'finish']
+    assert len(inits) == len(finishes) == launches, calls
+    ckpt = load(os.path.join(out_dir, 'ckpt.pt'))
+    config = json.loads(json.dumps(ckpt['config']))  # DPO's and RL's add their training_type
+    assert inits[-1]['config'] == {k: config[k] for k in inits[-1]['config']}
+    assert set(config) - set(inits[-1]['config']) <= {'training_type'}
+    assert all(c['id'] == ckpt['wandb_run_id'] for c in inits[1:])
+    logged_at = {}
+    for c in calls:
+        if c['call'] == 'log':
+            logged_at.setdefault(c['step'], {}).update(c['data'])
+    for event in read_log(out_dir):
+        numbers = {k: v for k, v in event.items() if k != 'step' and isinstance(v, (int, float))}
+        assert numbers.items() <= logged_at.get(event['step'], {}).items(), (event, logged_at.get(event['step']))
 
 # ----------------------------------------------------------------------------- what a run leaves
 

@@ -1,10 +1,10 @@
 """
 Fault injection for the end-to-end tests: runs a training script as `python script.py ...` would,
-with an out-of-memory error or a NaN loss injected at the named training steps:
+with an out-of-memory error, a NaN loss or a SIGTERM injected at the named training steps:
 
     python tests/faults.py nan@2,oom@1 train.py --max_iters=6 ...
 
-N in oom@N / nan@N is the script's iter_num: the step the run started at, plus the training steps it
+N in oom@N / nan@N / term@N is the script's iter_num: the step the run started at, plus the training steps it
 has finished since. The scripts have no code for this; before the script runs, three library functions
 that every training script calls are wrapped (each still does all it did):
 
@@ -17,7 +17,8 @@ that every training script calls are wrapped (each still does all it did):
   train_step, so that is where the faults go in. oom@N raises torch.OutOfMemoryError there (before
   backward: the script's OOM retry catches it), nan@N makes the loss going into backward NaN (the
   gradients and their norm turn NaN: a non-finite step, skipped; the logged loss stays finite, and under
-  float16 the scaler takes it for an overflow).
+  float16 the scaler takes it for an overflow), term@N sends the process SIGTERM there (the step finishes,
+  the run saves at step N + 1 and exits 143, as on a real SIGTERM: a stop at a step of the test's choosing).
 
 Each fault fires once, at the first micro-batch of its step, so the step retried after an injected OOM
 goes through. Under torchrun every rank runs this file and counts its own steps.
@@ -25,6 +26,7 @@ goes through. Under torchrun every rank runs this file and counts its own steps.
 
 import os
 import runpy
+import signal
 import sys
 
 import torch
@@ -41,7 +43,7 @@ class Faults:
         self.pending = set()
         for fault in spec.replace(' ', '').split(','):
             name, _, step = fault.partition('@')
-            assert name in ('oom', 'nan') and step.isdigit(), f"fault {fault!r}: expected oom@N or nan@N"
+            assert name in ('oom', 'nan', 'term') and step.isdigit(), f"fault {fault!r}: expected oom@N, nan@N, term@N"
             self.pending.add((name, int(step)))
         self.step = 0  # the script's iter_num
 
@@ -57,6 +59,8 @@ class Faults:
         scale, update, restore = device.GradScaler.scale, device.GradScaler.update, checkpoint.restore_training_state
 
         def scale_with_faults(scaler, loss):
+            if self.fires('term'):
+                os.kill(os.getpid(), signal.SIGTERM)
             if self.fires('oom'):
                 raise torch.OutOfMemoryError(f'injected OOM at step {self.step}')
             scaled = scale(scaler, loss)

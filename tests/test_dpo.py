@@ -15,9 +15,10 @@ import torch
 
 from configurator import UserError
 from lm.chat_data import PreferenceBatches, load_preference_split
-from conftest import (ANSWERS, REFERENCE, TRAIN_METRICS, WORKING, assert_user_error, char_tokenizer, checked_answer,
-                      dpo, dpo_args, evals, kill_and_relaunch, load, parameter_bytes, random_pairs, read_log,
-                      reference_logps_under_bf16_autocast, sigterm_after_steps, torch_saved, train_metrics, write_jsonl)
+from conftest import (ANSWERS, REFERENCE, TRAIN_METRICS, WORKING, assert_logged_to_wandb, assert_user_error,
+                      char_tokenizer, checked_answer, dpo, dpo_args, evals, kill_and_relaunch, load, parameter_bytes,
+                      random_pairs, read_log, reference_logps_under_bf16_autocast, sigterm_after_steps, torch_saved,
+                      train_metrics, wandb_env, write_jsonl)
 from lm.tokenizer import ChatTokenizer, load_tokenizer
 from losses import DPO_LOSS_TYPES, dpo_loss, sequence_logps
 from model import GPT, GPTConfig
@@ -449,12 +450,28 @@ def test_step0_lora_reference_is_the_model_with_adapters_disabled(tmp_path, dpo_
 @pytest.mark.slow
 def test_held_out_metrics_at_every_eval(tmp_path, dpo_env):
     """eval_metrics: greedy answers to the held-out prompts scored against the chosen answers at step 0 and
-    every eval, as eval/<name> next to eval/loss."""
-    p = dpo(dpo_env, tmp_path, '--max_iters=2', '--eval_interval=1', '--exact_match_examples=4',
-            '--eval_metrics=exact_match,chrf')
+    every eval, as eval/<name> next to eval/loss. Counted in epochs, evaluated at each epoch's end: 2 epochs of the
+    40 pairs in global batches of 48 are a step each, whose last 8 places hold no pair; at step 1 (the starting
+    weights) the loss is ln 2 and the chosen log-probs the mean over the 40 pairs, as if the 8 were not there.
+    With --wandb_log=True (a stand-in wandb package) every number of log.jsonl went to W&B too."""
+    p = dpo(dpo_env, tmp_path, '--num_train_epochs=2', '--eval_every_epochs=1', '--eval_interval=1000',
+            '--batch_size=24', '--gradient_accumulation_steps=2', '--exact_match_examples=4',
+            '--eval_metrics=exact_match,chrf', '--wandb_log=True', env_extra=wandb_env())
     held_out = [e for e in read_log(tmp_path) if 'eval/exact_match' in e]
     assert [e['step'] for e in held_out] == [0, 1, 2] and all(0 <= e['eval/chrf'] <= 100 for e in held_out)
     assert 'step 2: exact_match ' in p.stdout and 'on 4 held-out prompts' in p.stdout
+    assert 'num_train_epochs=2: 2 epoch(s) of 1 step each, 48 pairs a step' in p.stdout
+    step1 = train_metrics(tmp_path)[1]
+    assert step1['epoch'] == 1.0 and abs(step1['loss'] - LN2) < 1e-6 and step1['rewards/accuracies'] == 0
+    ckpt = load(dpo_env['sft'])
+    model = GPT(GPTConfig(**ckpt['model_args'])).eval()
+    model.load_state_dict(ckpt['model'])
+    _, pairs = load_preference_split(os.path.join(dpo_env['pairs'], 'train.jsonl'),
+                                     ChatTokenizer(load_tokenizer(dpo_env['data_dir'])), 40, 32)
+    with torch.no_grad():
+        chosen = [hand_completion_logps(model, p, c) for p, c, _ in pairs]
+    assert len(pairs) == 40 and step1['logps/chosen'] == pytest.approx(sum(chosen) / 40, abs=1e-4)
+    assert_logged_to_wandb(tmp_path)
 
 
 @pytest.mark.slow

@@ -14,8 +14,8 @@ import warnings
 import pytest
 import torch
 
-from conftest import (assert_user_error, hf_fixture, kill_and_relaunch, load, read_log, run, script_definitions, sft,
-                      sigterm_after_steps, torchrun, write_jsonl)
+from conftest import (assert_logged_to_wandb, assert_user_error, hf_fixture, kill_and_relaunch, load, read_log, run,
+                      script_definitions, sft, sigterm_after_steps, torchrun, wandb_env, write_jsonl)
 from configurator import UserError
 from lm.chat_data import rl_prompt
 from lm.rewards import Reward, check_rows, load_reward, load_rewards, reward_values
@@ -268,13 +268,15 @@ def train_events(out_dir):
 def test_run_logs_metrics_and_resumes_bit_exactly(tmp_path, rl_env):
     """2 steps straight to 4 = 2 steps then resumed to 4 (sampling, two iterations per batch with the PPO clip,
     a KL penalty against the frozen reference, accumulation): every logged metric but the timings, the weights and
-    the optimizer state equal exactly; the metrics are all in log.jsonl, with evals at 0, 2, 4."""
+    the optimizer state equal exactly; the metrics are all in log.jsonl, with evals at 0, 2, 4. The resumed run logs
+    to W&B too (a stand-in wandb package): all of log.jsonl's numbers, in the one W&B run of its two launches."""
     common = ['--num_iterations=2', '--beta=0.05', '--gradient_accumulation_steps=2', '--eval_interval=2',
               '--loss_type=grpo', f'--reward={rl_env["rewards"]}:chars', '--correct_reward=2']
     straight, split_run = tmp_path / 'straight', tmp_path / 'split'
     rl(rl_env, straight, '--max_iters=4', *common)
-    rl(rl_env, split_run, '--max_iters=2', *common)
-    p = rl(rl_env, split_run, '--max_iters=4', '--init_from=resume', *common)  # nanoGPT's: the run's own origin
+    rl(rl_env, split_run, '--max_iters=2', *common, '--wandb_log=True', env_extra=wandb_env())
+    p = rl(rl_env, split_run, '--max_iters=4', '--init_from=resume', *common, '--wandb_log=True',  # nanoGPT's: the
+           env_extra=wandb_env())  # run's own origin
     assert 'resuming' in p.stdout + p.stderr
     a, b = train_events(straight), train_events(split_run)
     assert sorted(a) == sorted(b) == [1, 2, 3, 4]
@@ -302,6 +304,7 @@ def test_run_logs_metrics_and_resumes_bit_exactly(tmp_path, rl_env):
     assert ca['best_val_loss'] == cb['best_val_loss'] == -max(e['eval/pass@1'] for e in evals[1:])
     start = load(rl_env['sft'])['model']
     assert max((ca['model'][k] - start[k]).abs().max().item() for k in start) > 0  # it trained
+    assert_logged_to_wandb(split_run, launches=2)
 
 
 @pytest.mark.slow

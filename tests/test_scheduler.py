@@ -109,7 +109,9 @@ def test_scripts_set_and_pass_every_schedule_parameter(script):
         calls = [ast.unparse(node) for node in ast.walk(ast.parse(f.read()))
                  if isinstance(node, ast.Call) and 'LRSchedule' in ast.unparse(node.func)
                  or isinstance(node, ast.Call) and getattr(node.func, 'id', None) == 'get_lr']
-    assert sorted(calls) == ['LRSchedule.from_config(config)', 'get_lr(iter_num)']
+    # an epoch-counted run's decay ends at its last step (run/epochs.py)
+    assert sorted(calls) == ['LRSchedule.from_config(config, epoch_plan.steps if epoch_plan else None)',
+                             'get_lr(iter_num)']
     with pytest.raises(KeyError, match='decay_frac'):  # a key missing from the config is no hidden default
         LRSchedule.from_config({k: v for k, v in script_defaults(script).items() if k != 'decay_frac'})
     # and the keys can be set (--restart_iters was once rejected as unknown)

@@ -3,6 +3,7 @@ packing, curriculum), packed attention, vocabulary growth, and train.py with tra
 through subprocesses (resume, accumulation/DDP parity, errors)."""
 
 import json
+import math
 import os
 import re
 import shutil
@@ -13,8 +14,9 @@ import torch
 from configurator import UserError
 from lm import chat_data
 from lm.chat_data import SFTBatches, load_sft_split
-from conftest import (ANSWERS, CHARS, assert_user_error, char_tokenizer, checked_answer, kill_and_relaunch, load,
-                      logged, read_log, run, sft, sft_args, torch_saved, torchrun, train_losses, write_jsonl)
+from conftest import (ANSWERS, CHARS, assert_logged_to_wandb, assert_user_error, char_tokenizer, checked_answer,
+                      kill_and_relaunch, load, logged, read_log, run, sft, sft_args, torch_saved, torchrun,
+                      train_losses, wandb_calls, wandb_env, write_jsonl)
 from data import prepare
 from losses import target_weights, weighted_cross_entropy
 from lm.tokenizer import ChatTokenizer, load_tokenizer, prompt_and_answer
@@ -380,28 +382,58 @@ FOUNDATION_FIELDS = {'kind', 'model', 'model_args', 'optimizer', 'scaler', 'iter
 
 @pytest.mark.slow
 def test_sft_trains_reports_exact_match_and_resumes_bit_exactly(tmp_path, sft_env):
-    """Packing, a length curriculum, token weights, z-loss, dropout and accumulation, all resumed exactly (bucketing:
-    test_lora's resume)."""
-    common = ['--dropout=0.1', '--lr_decay_iters=8', '--eval_interval=4', '--gradient_accumulation_steps=2',
-              '--pack=True', '--bucket_batches=1', '--curriculum_iters=6',
-              "--token_weights={'digits': (1.5, ['1', '2', '3'])}", "--loss_weights={'ce': 1.0, 'z_loss': 1e-3}"]
+    """Packing, a length curriculum, token weights, z-loss, dropout and accumulation, in a run counted in epochs
+    (run/epochs.py: 3 passes over 40 examples, the first short: its rows are the few the curriculum allows then):
+    the plan printed and kept, the epoch in every event, evals every
+    eval_interval steps and at each epoch's end (eval_every_epochs=1), the lr at min_lr where the last epoch ends.
+    Stopped mid-epoch 2 (SIGTERM) and relaunched, the run is the straight one bit for bit (bucketing and max_iters
+    extended: test_lora's resume). With --wandb_log=True (a stand-in wandb package) every number of log.jsonl went to
+    W&B at its step, with the config, and the relaunch resumed the same W&B run."""
+    task = tmp_path / 'task'
+    task.mkdir()
+    write_jsonl(task / 'train.jsonl', open(f"{sft_env['task']}/train.jsonl").read().splitlines()[:40])
+    for split in ('val', 'test'):
+        shutil.copy(f"{sft_env['task']}/{split}.jsonl", task)
+    common = [f'--sft_data={task}', '--num_train_epochs=3', '--eval_every_epochs=1', '--eval_interval=4',
+              '--dropout=0.1', '--gradient_accumulation_steps=2', '--pack=True', '--bucket_batches=1',
+              '--curriculum_iters=2', "--token_weights={'digits': (1.5, ['1', '2', '3'])}",
+              "--loss_weights={'ce': 1.0, 'z_loss': 1e-3}", '--wandb_log=True']
     straight, split = tmp_path / 'straight', tmp_path / 'split'
-    p = sft(sft_env, straight, '--max_iters=8', *common)
-    assert '200 examples' in p.stdout and 'exact_match' in p.stdout
+    p = sft(sft_env, straight, *common, env_extra=wandb_env())
+    assert '40 examples' in p.stdout and 'exact_match' in p.stdout
     assert '8 packed rows of up to 48 tokens (384) per step' in p.stdout
+    plan = load(straight / 'ckpt.pt')['epoch_steps']
+    steps = sum(plan)
+    assert len(plan) == 3 and plan[1] > 2 and f'num_train_epochs=3: 3 epoch(s) of {plan[0]}, ' in p.stdout
+    assert f'a step (an epoch\'s last takes what is left): {steps} steps, the lr decaying to min_lr' in p.stdout
     tokens = logged(straight, 'tokens_per_step')
-    assert sorted(tokens) == list(range(1, 9)) and all(40 < t <= 384 for t in tokens.values()), tokens
-    sft(sft_env, split, '--max_iters=4', *common)
-    p = sft(sft_env, split, '--max_iters=8', *common)
+    assert sorted(tokens) == list(range(1, steps + 1)) and all(0 < t <= 384 for t in tokens.values()), tokens
+    events = read_log(straight)
+    train = [e for e in events if 'train_loss' in e]
+    ends = [plan[0], plan[0] + plan[1], steps]
+    assert [e['epoch'] for e in train] == [k + (s - start) / plan[k] for k, start in enumerate([0, *ends[:2]])
+                                           for s in range(start + 1, ends[k] + 1)]
+    assert [e['step'] for e in events if 'eval/exact_match' in e] == sorted({0, *ends, *range(4, steps + 1, 4)})
+    assert [e.get('epoch') for e in events if 'val_loss' in e and e['step'] in ends] == [1.0, 2.0, 3.0]
+    progress = (steps - 1 - 2) / (steps - 2)  # the last step's lr, after 2 warmup steps: just above min_lr
+    assert train[-1]['lr'] == pytest.approx(1e-3 + 0.5 * (1 + math.cos(math.pi * progress)) * (1e-2 - 1e-3))
+    assert all('train_ce' in e and 'train_z_loss' in e for e in train)
+    assert_logged_to_wandb(straight)
+
+    p = run(['tests/faults.py', f'term@{plan[0]}', *sft_args(sft_env, split, *common)], env_extra=wandb_env(),
+            check=False)
+    assert p.returncode == 143 and load(split / 'ckpt.pt')['iter_num'] == plan[0] + 1  # stopped mid-epoch 2
+    p = sft(sft_env, split, *common, env_extra=wandb_env())
     assert 'resuming' in p.stdout + p.stderr
     a, b = train_losses(straight), train_losses(split)
-    assert sorted(a) == sorted(b) == list(range(1, 9)) and all(a[s] == b[s] for s in a), (a, b)
+    assert sorted(b) == list(range(1, steps + 1)) and all(a[s] == b[s] for s in a), (a, b)
     wa, wb = load(straight / 'ckpt.pt')['model'], load(split / 'ckpt.pt')['model']
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert_logged_to_wandb(split, launches=2)
+    first, relaunch = (c for c in wandb_calls(split) if c['call'] == 'init')
+    assert (first['id'], first['resume']) == (None, None) and relaunch['resume'] == 'allow'
+    assert relaunch['id'] == load(split / 'ckpt.pt')['wandb_run_id'] and relaunch['name'] == 'split'
 
-    events = read_log(straight)
-    assert [e['step'] for e in events if 'eval/exact_match' in e] == [0, 4, 8]
-    assert all('train_ce' in e and 'train_z_loss' in e for e in events if 'train_loss' in e)
     ckpt = load(straight / 'ckpt.pt')
     assert FOUNDATION_FIELDS <= set(ckpt) and ckpt['kind'] == 'gpt'
     base = load(sft_env['base'])

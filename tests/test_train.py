@@ -193,6 +193,7 @@ def test_bad_inputs_exit_with_clear_errors(tmp_path, data_dir):
     assert p.returncode != 0 and 'missing' in p.stderr and 'Traceback' not in p.stderr
     p = run(['train.py', '--help'])
     assert 'learning_rate' in p.stdout and 'init_from' in p.stdout
+    assert 'num_train_epochs = 0.0' in p.stdout and 'wandb_log = False' in p.stdout
 
 
 @pytest.mark.slow

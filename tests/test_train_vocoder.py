@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_user_error, launch, load, read_log
+from conftest import assert_logged_to_wandb, assert_user_error, launch, load, read_log, wandb_env
 from tts.data import MEL_SETTINGS, LJSpeechDataset, eval_batches, read_metadata, split_ids
 from tts.discriminators import (MultiPeriodDiscriminator, MultiScaleDiscriminator, PeriodDiscriminator,
                                 discriminator_loss, feature_loss, generator_loss, loss_mel)
@@ -239,10 +239,11 @@ def test_the_generator_learns_the_models_teacher_forced_mels(tiny, straight):
 @pytest.mark.slow
 def test_a_continued_run_is_the_run_made_straight(tiny, straight, tmp_path):
     """Stopped after 2 steps and relaunched to 4: the same generator, discriminators and losses, bit for bit (the
-    segments, their starts and the cached mels all come back); a relaunch of a finished run changes nothing."""
+    segments, their starts and the cached mels all come back); a relaunch of a finished run changes nothing. With
+    --wandb_log=True (a stand-in wandb package) every number of log.jsonl went to W&B, in one W&B run."""
     split = tmp_path / 'split'
-    fine_tune(split, tiny[1], '--max_iters=2')
-    p = fine_tune(split, tiny[1], '--max_iters=4')
+    fine_tune(split, tiny[1], '--max_iters=2', '--wandb_log=True', env_extra=wandb_env())
+    p = fine_tune(split, tiny[1], '--max_iters=4', '--wandb_log=True', env_extra=wandb_env())
     assert 'resuming from' in p.stdout + p.stderr and "teacher-forced mels from" in p.stdout + p.stderr
     losses = lambda out: {e['step']: (e['mel_loss'], e['adversarial_loss'], e['feature_loss'],
                                       e['discriminator_loss']) for e in read_log(out) if 'mel_loss' in e}
@@ -250,6 +251,7 @@ def test_a_continued_run_is_the_run_made_straight(tiny, straight, tmp_path):
     a, b = load(straight / 'ckpt.pt'), load(split / 'ckpt.pt')
     for part in ('generator', 'mpd', 'msd'):
         assert all(torch.equal(a[part][k], b[part][k]) for k in a[part]), part
+    assert_logged_to_wandb(split, launches=2)
 
 
 @pytest.mark.slow

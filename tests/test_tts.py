@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from configurator import UserError
-from conftest import assert_user_error, kill_and_relaunch, launch, load, read_log, run
+from conftest import (assert_logged_to_wandb, assert_user_error, kill_and_relaunch, launch, load, read_log, run,
+                      wandb_env)
 from tts.data import (MEL_SETTINGS, FrameBudgetSampler, LJSpeechDataset, MelExtractor, encode_text,
                       make_espeak_corpus, read_metadata, read_speakers, read_voice_clip, read_wav, reads_phonemes,
                       split_ids, wav_software, write_wav)
@@ -547,10 +548,18 @@ def test_write_wav_marks_the_software_and_wav_software_reads_it_back(tmp_path):
 @pytest.mark.slow
 def test_a_decoder_without_attention_trains(tmp_path, corpus):
     """dec_heads=0, which --help calls 'none': a U-Net bottleneck without attention trains and speaks; the
-    final evaluation speaks through --vocoder, and its floor is the reference mel through that vocoder."""
-    p = train(tmp_path / 'out', corpus, '--max_iters=1', '--dec_heads=0', '--eval_interval=1', f'--vocoder={VOCODER}',
-              '--audio_samples=1')
+    final evaluation speaks through --vocoder, and its floor is the reference mel through that vocoder. The run is
+    counted in epochs: one pass over the 8 training utterances (3 batches of 100 frames: 2 steps of 2 batches, the
+    last step's 1 left), its end evaluated; every number of log.jsonl went to W&B too (a stand-in wandb package)."""
+    p = train(tmp_path / 'out', corpus, '--num_train_epochs=1', '--eval_every_epochs=1', '--frame_budget=100',
+              '--gradient_accumulation_steps=2', '--warmup_iters=1', '--dec_heads=0', f'--vocoder={VOCODER}',
+              '--audio_samples=1', '--wandb_log=True', env_extra=wandb_env())
     output = p.stdout + p.stderr
+    assert 'num_train_epochs=1: 1 epoch(s) of 2 steps each' in output
+    assert "lr_schedule='cosine_restarts' keeping its own shape" in output  # the TTS default: cycles, no end
+    assert [(e['step'], e['epoch']) for e in read_log(tmp_path / 'out') if 'train_loss' in e] == [(1, 0.5), (2, 1.0)]
+    assert [(e['step'], e.get('epoch')) for e in read_log(tmp_path / 'out') if 'val_loss' in e] == [(0, 0.0), (2, 1.0)]
+    assert_logged_to_wandb(tmp_path / 'out')
     assert 'HiFi-GAN generator.pth.tar audio' in output and 'reference mel through HiFi-GAN' in output
     sample = read_wav(str(next((tmp_path / 'out' / 'samples').iterdir())))[0]
     assert len(sample) % 256 == 0  # the generator's frames; Griffin-Lim's would be one frame short

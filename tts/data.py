@@ -376,6 +376,17 @@ class FrameBudgetSampler:
         self.position += 1
         return batch
 
+    def next_batches(self, n, within_epoch=False):
+        """The next n batches; within_epoch: fewer where the epoch has fewer left (a run counted in epochs)."""
+        batches = [self.next_batch()]
+        while len(batches) < n and not (within_epoch and self.position == len(self.batches)):
+            batches.append(self.next_batch())
+        return batches
+
+    def epoch_steps(self, n, epochs):
+        """The steps of n batches (an epoch's last: those left) in each of the first `epochs` epochs."""
+        return [-(-len(self.epoch_batches(epoch)) // n) for epoch in range(epochs)]
+
     def state_dict(self):
         return {'epoch': self.epoch, 'position': self.position, 'frame_budget': self.frame_budget,
                 'lengths': self.lengths}

@@ -80,6 +80,30 @@ def test_malformed_lines_name_file_and_line(tmp_path, capsys):
         load_sft_split(write_jsonl(tmp_path / 'c.jsonl', [{'prompt': '$', 'response': 'b'}]), tok, 64)
 
 
+def test_named_sources_load_apart_and_name_themselves_in_errors(tmp_path):
+    """load_sft_sources: each source's folder read by load_sft_data, in order; a weight-0 source (evaluated, not
+    trained) has no train examples and needs no train.jsonl; a malformed line names its source, file and line."""
+    tok = char_tokenizer()
+    for name, n in (('a', 3), ('b', 2)):
+        (tmp_path / name).mkdir()
+        for split in ('train', 'val'):
+            write_jsonl(tmp_path / name / f'{split}.jsonl', [{'prompt': name, 'response': 'x'}] * n)
+    (tmp_path / 'b' / 'train.jsonl').unlink()
+    (train_a, val_a, held_a), (train_b, val_b, held_b) = chat_data.load_sft_sources(
+        [('a', str(tmp_path / 'a'), 1.0), ('b', str(tmp_path / 'b'), 0.0)], tok, 64)
+    assert (len(train_a), len(val_a), len(held_a), len(train_b), len(val_b)) == (3, 3, 3, 0, 2)
+    examples, sources = chat_data.concatenated([train_a + val_a, val_b])
+    assert len(examples) == 8 and sources.tolist() == [0] * 6 + [1] * 2
+    with pytest.raises(UserError, match=r"^sft_data source 'b': SFT data file .*/b/train.jsonl does not exist"):
+        chat_data.load_sft_sources([('a', str(tmp_path / 'a'), 1.0), ('b', str(tmp_path / 'b'), 0.5)], tok, 64)
+    bad = write_jsonl(tmp_path / 'b' / 'val.jsonl', [{'prompt': 'b', 'response': 'x'}, '{"prompt": 1}'])
+    with pytest.raises(UserError, match=rf"^sft_data source 'b': {bad}:2: "):
+        chat_data.load_sft_sources([('a', str(tmp_path / 'a'), 1.0), ('b', str(tmp_path / 'b'), 0.0)], tok, 64)
+    write_jsonl(tmp_path / 'b' / 'train.jsonl', [{'prompt': 'b', 'response': 'x'}])
+    with pytest.raises(UserError, match=rf"^{bad}:2: "):  # one folder: as before
+        chat_data.load_sft_sources([(None, str(tmp_path / 'b'), 1.0)], tok, 64)
+
+
 def test_empty_dataset_is_an_error(tmp_path):
     with pytest.raises(UserError, match='no usable examples'):
         load_sft_split(write_jsonl(tmp_path / 'e.jsonl', ['']), char_tokenizer(), 64)
@@ -489,6 +513,14 @@ def test_sft_trains_reports_exact_match_and_resumes_bit_exactly(tmp_path, sft_en
         assert logged(straight, key) == logged(split, key), key  # the same mixture order: the same sources' losses
 
     events = read_log(straight)
+    # val_loss weighs each source's by its loss weight and its tokens: those of its first 8 val examples
+    tok = ChatTokenizer(load_tokenizer(sft_env['data_dir']))
+    tokens = {source: sum(sum(label != -100 for label in labels[1:]) for _, labels in load_sft_split(
+        os.path.join(sft_env['task'], source, 'val.jsonl'), tok, 48)[1][:8]) for source in ('arithmetic', 'digits')}
+    for e in (e for e in events if 'val_loss' in e):
+        weighted = {'arithmetic': tokens['arithmetic'], 'digits': 0.5 * tokens['digits']}
+        assert e['val_loss'] == pytest.approx(sum(weighted[s] * e[f'val_loss/{s}'] for s in weighted)
+                                              / sum(weighted.values()), rel=1e-5)
     for key in ('eval/exact_match', 'eval/exact_match/arithmetic', 'eval/exact_match/digits', 'val_loss/arithmetic',
                 'val_loss/digits'):
         assert [e['step'] for e in events if key in e] == [0, 4, 8], key

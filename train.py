@@ -64,7 +64,7 @@ batch_size = 16              # micro-batch per process: windows, examples, or pa
 block_size = 128             # context length
 gradient_accumulation_steps = 1  # micro-batches per optimizer step per process
 # fine-tuning data (training_type 'sft' | 'lora'; docs/finetuning.md)
-sft_data = ''                # folder of train/val(/test).jsonl | {'name': (folder, loss weight), ...}; '' = the tasks
+sft_data = ''                # train/val(/test).jsonl folder, or {'name': (folder, loss weight)}; '' = number tasks
 max_length = 128             # longest example in tokens (<= block_size); see overlong
 overlong = 'truncate'        # examples over max_length: 'truncate' (keep their start) | 'drop'
 skip_malformed = False       # skip and count malformed JSONL lines instead of stopping at the first

@@ -149,17 +149,24 @@ def load_sft_data(folder, tokenizer, max_length, overlong='truncate', skip_malfo
     return train_examples, val_examples, held_out
 
 
-def load_sft_sources(sources, tokenizer, max_length, overlong='truncate', skip_malformed=False):
-    """load_sft_data of each source of sft_data, [(name, folder, weight)] (configurator.data_sources), in order; a
-    source of weight 0 is evaluated, not trained: its train.jsonl is not read. An error in a named source's data
-    names the source as well as the file and line."""
+def load_sources(sources, key, load):
+    """[load(folder, weight) for each source (name, folder, weight) of the config key `key`, as
+    configurator.data_sources lists them], in order. An error in a named source's data names the key and
+    the source as well as the file and line."""
     data = []
     for name, folder, weight in sources:
         try:
-            data.append(load_sft_data(folder, tokenizer, max_length, overlong, skip_malformed, train=weight > 0))
+            data.append(load(folder, weight))
         except UserError as e:
-            raise UserError(f"sft_data source {name!r}: {e}" if name else str(e)) from None
+            raise UserError(f"{key} source {name!r}: {e}" if name else str(e)) from None
     return data
+
+
+def load_sft_sources(sources, tokenizer, max_length, overlong='truncate', skip_malformed=False):
+    """load_sft_data of each source of sft_data (load_sources); a source of weight 0 is evaluated, not
+    trained: its train.jsonl is not read."""
+    return load_sources(sources, 'sft_data', lambda folder, weight: load_sft_data(
+        folder, tokenizer, max_length, overlong, skip_malformed, train=weight > 0))
 
 
 def describe_sources(sources, batches):

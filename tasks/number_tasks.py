@@ -27,9 +27,10 @@ def task_kind(question):
     return 'arithmetic' if re.fullmatch(r'What is \d+[+-]\d+\?', question) else 'digits'
 
 
-def is_number_tasks(folder):
-    """Whether folder is the embedded tasks' (NUMBER_TASKS_DIR, or a kind's folder in it): written on first use."""
-    return os.path.abspath(folder) in [os.path.abspath(os.path.join(NUMBER_TASKS_DIR, kind))
+def is_number_tasks(folder, tasks_dir=NUMBER_TASKS_DIR):
+    """Whether folder is the embedded tasks' (tasks_dir: NUMBER_TASKS_DIR or PREFERENCES_DIR, or a kind's folder
+    in it), which are written on first use."""
+    return os.path.abspath(folder) in [os.path.abspath(os.path.join(tasks_dir, kind))
                                        for kind in ('', *NUMBER_TASK_KINDS)]
 
 

@@ -10,7 +10,9 @@ after which e.g.
 
 first runs each config file (it may only set existing keys), then applies each --key=value.
 Values are Python literals (parsed with ast.literal_eval; a bare word is kept as a string where
-the default is a string or None) and must have the default's type. Unlike nanoGPT's exec-based
+the default is a string or None) and must have the default's type; a key the script names in
+configure(globals(), sources=(...)) takes one folder (a string) or named data sources with weights,
+{name: (folder, weight)} (see check_sources). Unlike nanoGPT's exec-based
 configurator, a typo or a wrong type is an error that names the key and the fix, and --help
 lists every key with its default and the comment from its line in the script.
 
@@ -34,6 +36,7 @@ import difflib
 import io
 import math
 import os
+import re
 import sys
 import tempfile
 import tokenize
@@ -263,7 +266,44 @@ def check_type(key, value, default):
                   f"got {value!r} ({a_type(value)})")
 
 
-def parse_value(key, text, default):
+# a source's name: it is written into log keys (train_loss/<name>) and TensorBoard tags
+SOURCE_NAME = re.compile(r'[A-Za-z0-9_.-]+')
+
+
+def check_sources(key, value):
+    """None if value names data as a sources key may: one folder (a string), or named sources {name: (folder,
+    weight)} (a folder alone: weight 1), names of letters, digits, '_', '.', '-', weights finite numbers >= 0,
+    one of them positive; else what is wrong."""
+    example = f"e.g. {key}={{'math': ('data/math', 1.0), 'chat': ('data/chat', 0.5)}}"
+    if isinstance(value, str):
+        return None
+    if not isinstance(value, dict) or not value:
+        return (f"{key} must be a folder (a string) or named sources {{name: (folder, weight)}}, {example}; got "
+                f"{value!r}")
+    for name, source in value.items():
+        folder, weight = (source, 1.0) if isinstance(source, str) else \
+            source if isinstance(source, (tuple, list)) and len(source) == 2 else (None, None)
+        if not (isinstance(name, str) and SOURCE_NAME.fullmatch(name)):
+            return f"{key}: the source name {name!r} must be letters, digits, '_', '.' or '-' ({example})"
+        if not isinstance(folder, str) or isinstance(weight, bool) or not isinstance(weight, (int, float)) \
+                or not math.isfinite(weight) or weight < 0:
+            return (f"{key}[{name!r}] = {source!r} must be (folder, weight) with a finite weight >= 0, or a folder "
+                    f"alone (weight 1); {example}")
+    if not any(weight for _, _, weight in data_sources(value)):
+        return f"{key}={value!r}: every weight is 0; give one source a positive weight"
+    return None
+
+
+def data_sources(value):
+    """The sources a sources key names (check_sources) as [(name, folder, weight)]: one folder is [(None, folder,
+    1.0)], unnamed."""
+    if isinstance(value, str):
+        return [(None, value, 1.0)]
+    return [(name, *((source, 1.0) if isinstance(source, str) else (source[0], float(source[1]))))
+            for name, source in value.items()]
+
+
+def parse_value(key, text, default, sources=False):
     try:
         value = ast.literal_eval(text)
     except (ValueError, SyntaxError):
@@ -271,8 +311,13 @@ def parse_value(key, text, default):
         if default is not None and not isinstance(default, str):
             fail(f"--{key}={text}: {text!r} is not a Python literal; {key} is {a_type(default)}, "
                  f"e.g. --{key}={default!r}.")
-    if isinstance(default, str) and not isinstance(value, str):
+    if isinstance(default, str) and not isinstance(value, str) and not (sources and isinstance(value, dict)):
         value = text  # --out_dir=2024 or --device=0 mean the string
+    if sources:
+        problem = check_sources(key, value)
+        if problem:
+            fail(f"--{key}={text}: {problem}.")
+        return value
     value, problem = check_type(key, value, default)
     if problem:
         fail(f"--{key}={text}: {problem}. Pass e.g. --{key}={default!r}.")
@@ -327,8 +372,8 @@ def line_in_traceback(exc, path):
     return line
 
 
-def load_config_file(path, defaults):
-    """Run a config file in a fresh namespace and return its (checked) settings."""
+def load_config_file(path, defaults, sources=()):
+    """Run a config file in a fresh namespace and return its (checked) settings (sources: as configure's)."""
     if not os.path.isfile(path):
         fail(f"config file {path!r} not found (looked relative to {os.getcwd()}). "
              f"Pass the path of an existing file, e.g. config/shakespeare_char.py.")
@@ -349,15 +394,16 @@ def load_config_file(path, defaults):
         where = f"{path} line {lines[key]}" if key in lines else path
         if key not in defaults:
             fail(f"{where}: {unknown_key_message(key, defaults)}")
-        value, problem = check_type(key, value, defaults[key])
+        value, problem = (value, check_sources(key, value)) if key in sources else check_type(key, value, defaults[key])
         if problem:
             fail(f"{where}: {problem}. Fix the value in the config file.")
         settings[key] = value
     return settings
 
 
-def configure(g, argv=None):
+def configure(g, argv=None, sources=()):
     """Apply config files and --key=value overrides from argv to the globals dict g.
+    sources: keys that take named data sources as well as one folder (check_sources).
     Returns {key: value} for every config key (the resolved config)."""
     install_excepthook()
     argv = sys.argv[1:] if argv is None else argv
@@ -369,7 +415,7 @@ def configure(g, argv=None):
         sys.exit(0)
     for order, arg in enumerate(argv):
         if not arg.startswith('-'):
-            settings = load_config_file(arg, defaults)
+            settings = load_config_file(arg, defaults, sources)
             for key, value in settings.items():
                 print(f"overriding {key} = {value!r} (from {arg})")
                 _set_by[key] = Setting(order, arg)
@@ -381,7 +427,7 @@ def configure(g, argv=None):
         key, text = arg[2:].split('=', 1)
         if key not in defaults:
             fail(f"--{key}: {unknown_key_message(key, defaults)}")
-        value = parse_value(key, text, defaults[key])
+        value = parse_value(key, text, defaults[key], key in sources)
         print(f"overriding {key} = {value!r}")
         g[key] = value
         _set_by[key] = Setting(order, 'the command line')

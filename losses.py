@@ -7,6 +7,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from configurator import UserError
 
@@ -79,27 +80,21 @@ IGNORE_INDEX = -100
 CHUNK_LOGITS = 2**27  # logits a chunk computes at once (512 MiB in float32): all the loss ever holds of them
 
 
-def linear_cross_entropy(h, weight, targets, ce_weights, z_weights=None, softcap=0.0, chunk_logits=None):
+def linear_cross_entropy(h, weight, targets, ce_weights, z_weights=None, softcap=0.0, chunk_logits=None,
+                         values=False):
     """(sum(ce_weights * CE), sum(z_weights * logsumexp^2)) of logits = softcap(h @ weight.T), the second None
     without z_weights: weighted_cross_entropy's and z_loss's terms, their normalizers folded into the
     per-position weights. h (N, C), targets (N,) (IGNORE_INDEX: no loss there), weights (N,). The logits are
     computed chunk_logits at a time (CHUNK_LOGITS), never all (N, V), and each chunk's gradient while they exist
-    (LinearCrossEntropy): the output layer costs the plain path's three matmuls and holds no (N, V) buffer."""
+    (LinearCrossEntropy): the output layer costs the plain path's three matmuls and holds no (N, V) buffer.
+    values=True adds each position's CE and logsumexp^2 (N,) (the latter None without z_weights), detached."""
     rows = max(1, (chunk_logits or CHUNK_LOGITS) // weight.size(0))  # a chunk's
     n_chunks = max(1, -(-h.size(0) // rows))
     grads = (h.requires_grad, weight.requires_grad) if torch.is_grad_enabled() else (False, False)
-    ce, z = LinearCrossEntropy.apply(h, weight, targets, ce_weights, z_weights, softcap, n_chunks, grads)
-    return ce, (z if z_weights is not None else None)
-
-
-def cross_entropy_terms(logits, targets, ce_weights, z_weights=None):
-    """linear_cross_entropy's two sums from logits (N, V) themselves (an output layer that is no plain matrix)."""
-    keep = targets != IGNORE_INDEX
-    logits = logits.float()
-    ce = (torch.where(keep, ce_weights, 0.0) * F.cross_entropy(logits, targets, reduction='none')).sum()
-    if z_weights is None:
-        return ce, None
-    return ce, (torch.where(keep, z_weights, 0.0) * torch.logsumexp(logits, dim=-1).square()).sum()
+    ce, z, ce_rows, z_rows = LinearCrossEntropy.apply(h, weight, targets, ce_weights, z_weights, softcap, n_chunks,
+                                                      grads)
+    terms = ce, (z if z_weights is not None else None)
+    return (*terms, (ce_rows, z_rows if z_weights is not None else None)) if values else terms
 
 
 class LinearCrossEntropy(torch.autograd.Function):
@@ -122,7 +117,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         w = weight.to(dtype)  # once, not once a chunk
         safe_targets = targets.clamp(min=0)
         ce = z = torch.zeros((), device=h.device, dtype=exact)
-        lse_rows, h_grads, weight_grads = [], ([], []), ([], [])  # per chunk: the ce term's, the z term's
+        ce_rows, lse_rows, h_grads, weight_grads = [], [], ([], []), ([], [])  # per chunk: the ce term's, the z's
         for hc, tc, ac, bc in zip(h.tensor_split(n_chunks), safe_targets[:, None].tensor_split(n_chunks),
                                   a.tensor_split(n_chunks), (a if b is None else b).tensor_split(n_chunks)):
             logits = F.linear(hc.to(dtype), w).to(exact)
@@ -131,7 +126,8 @@ class LinearCrossEntropy(torch.autograd.Function):
                 logits = softcap * capped
             # in place from here on (nothing else holds these): eagerly, a chunk's (R, V) buffers are two or three
             logp = torch.log_softmax(logits, dim=-1)
-            ce = ce - (ac * logp.gather(1, tc).squeeze(1)).sum()
+            ce_rows.append(-logp.gather(1, tc).squeeze(1))
+            ce = ce + (ac * ce_rows[-1]).sum()
             if b is not None:
                 lse = torch.logsumexp(logits, dim=-1)
                 z = z + (bc * lse.square()).sum()
@@ -163,10 +159,14 @@ class LinearCrossEntropy(torch.autograd.Function):
             ctx.save_for_backward(a, c, *(torch.cat(g) if g else None for g in h_grads),
                                   *(sum(g.to(exact) for g in parts) if parts else None for parts in weight_grads))
             ctx.h_dtype, ctx.weight_dtype = h.dtype, weight.dtype
-        return ce, z
+        # each position's values, for the logs (no gradient)
+        ce_rows = torch.cat(ce_rows) if ce_rows else a.new_zeros(0)
+        z_rows = torch.cat(lse_rows).square() if lse_rows else a.new_zeros(0)
+        ctx.mark_non_differentiable(ce_rows, z_rows)
+        return ce, z, ce_rows, z_rows
 
     @staticmethod
-    def backward(ctx, g_ce, g_z):
+    def backward(ctx, g_ce, g_z, _ce_rows, _z_rows):
         a, c, h_ce, h_z, weight_ce, weight_z = ctx.saved_tensors
         grad_h = grad_weight = None
         if h_ce is not None:
@@ -180,11 +180,93 @@ class LinearCrossEntropy(torch.autograd.Function):
         return grad_h, grad_weight, None, None, None, None, None, None
 
 
-def check_loss_weights(weights, terms=('ce', 'z_loss')):
-    """A UserError unless weights ({term: weight}) names only known terms, with finite weights >= 0, one positive."""
+def cross_entropy(logits, targets):
+    """Each position's cross-entropy -log p(target), (N,): logits (N, V), targets (N,)."""
+    return F.cross_entropy(logits, targets, reduction='none')
+
+
+def log_z_squared(logits, targets):
+    """Each position's z-loss log(Z)^2 (PaLM's; Z = sum of exp(logits)), (N,)."""
+    return torch.logsumexp(logits, dim=-1).square()
+
+
+# The loss terms train.py's step adds up, by their loss_weights name: (values, weighted). values(logits (N, V), in
+# float32 or wider, targets (N,)) is the term at each labelled position, (N,); the step's term is their mean over the whole global
+# batch, each position counted by its loss weight (weighted: its token's weight in token_weights times its source's in
+# sft_data) or all alike (the z-loss: it is about the softmax normalizer, not about which predictions matter). A new
+# term is a function and an entry here, and its weight in loss_weights: the check, the step and the logs (train_<name>)
+# take it from here (docs/configuration.md). Every term is a sum over positions, so head_loss_terms adds up values()
+# chunk by chunk of positions and never holds all the logits at once.
+LOSS_TERMS = {'ce': (cross_entropy, True), 'z_loss': (log_z_squared, False)}
+FUSED = ('ce', 'z_loss')  # the two linear_cross_entropy computes without their logits (the others: through them)
+
+
+def term_weights(weights, totals, loss_weights):
+    """{name: each position's weight in the term} of the terms loss_weights weighs (> 0): weights (2, ...), each
+    position's loss weight and 1 (0 where unlabelled), over the total (totals (2, S): per source, summed over the whole
+    global batch, all micro-batches and ranks) of the one the term counts by. A micro-batch's terms, sums of these
+    times values, add up over micro-batches and ranks to the global batch's weighted means however it is split."""
+    return {name: weights[0 if weighted else 1] / totals[0 if weighted else 1].sum()
+            for name, (_, weighted) in LOSS_TERMS.items() if loss_weights.get(name)}
+
+
+def source_shares(terms, weights, sources, totals):
+    """{name: (S,)} each source's share of its own mean of each term (0 for a source not in the batch; the shares add
+    up over micro-batches and ranks as the terms do), for the logs: terms {name: (sum, values (N,))} as
+    head_loss_terms gives them, weights (2, N) and sources (N,) at the same positions, totals as term_weights'."""
+    shares = {}
+    for name, (_, values) in terms.items():
+        k = 0 if LOSS_TERMS[name][1] else 1
+        weighted = (values * weights[k]).to(totals.dtype)
+        shares[name] = torch.zeros_like(totals[k]).index_add_(0, sources, weighted) / totals[k].clamp(min=1e-30)
+    return shares
+
+
+def head_loss_terms(h, targets, weights, logits, vocab_size, head_weight=None, softcap=0.0):
+    """{name: (sum(weights[name] * values), values (N,) detached)} of the LOSS_TERMS named in weights ({name: (N,)
+    each position's weight}) at hidden states h (N, C) and targets (N,) (IGNORE_INDEX: no loss there). 'ce' and
+    'z_loss' of a plain output matrix (head_weight, its soft cap softcap) go through linear_cross_entropy; any other
+    term, and every term of a head that is no plain matrix, through logits(h) (model.py's output layer) one chunk of
+    CHUNK_LOGITS logits at a time, each chunk's logits recomputed for the backward (torch.utils.checkpoint) rather
+    than kept: no term ever holds (N, V) logits."""
+    keep = targets != IGNORE_INDEX
+    terms = {}
+    if head_weight is not None and any(name in weights for name in FUSED):
+        no_ce = torch.zeros_like(targets, dtype=h.dtype)  # the ce term is computed anyway
+        ce, z, (ce_values, z_values) = linear_cross_entropy(h, head_weight, targets, weights.get('ce', no_ce),
+                                                            weights.get('z_loss'), softcap, values=True)
+        terms.update({name: (term, torch.where(keep, values, 0.0)) for name, term, values
+                      in (('ce', ce, ce_values), ('z_loss', z, z_values)) if name in weights})
+    rest = [name for name in weights if name not in terms]
+    if not rest:
+        return terms
+
+    def chunk_values(hc, tc):  # (len(rest), R): each term's values at a chunk of positions
+        chunk_logits = logits(hc)
+        chunk_logits = chunk_logits.to(torch.promote_types(chunk_logits.dtype, torch.float32))
+        return torch.stack([LOSS_TERMS[name][0](chunk_logits, tc) for name in rest])
+
+    rows = max(1, CHUNK_LOGITS // vocab_size)
+    recompute = torch.is_grad_enabled() and h.requires_grad
+    values = torch.cat([checkpoint(chunk_values, hc, tc, use_reentrant=False) if recompute else chunk_values(hc, tc)
+                        for hc, tc in zip(h.split(rows), targets.split(rows))], dim=1)
+    values = torch.where(keep, values, 0.0)  # whatever a term says where there is no label
+    for name, v in zip(rest, values):
+        terms[name] = (torch.where(keep, weights[name], 0.0) * v).sum(), v.detach()
+    return terms
+
+
+def check_loss_weights(weights, terms=None):
+    """A UserError unless weights ({term: weight}) names only known terms (terms, by default LOSS_TERMS'), with
+    finite weights >= 0, one positive."""
+    terms = LOSS_TERMS if terms is None else terms
     if set(weights) - set(terms):
         raise UserError(f"loss_weights has unknown terms {sorted(set(weights) - set(terms))}; the loss terms "
-                        f"are 'ce' (cross-entropy) and 'z_loss', e.g. loss_weights={{'ce': 1.0, 'z_loss': 1e-4}}.")
+                        f"are {', '.join(map(repr, terms))} (losses.LOSS_TERMS), e.g. loss_weights={{'ce': 1.0, "
+                        f"'z_loss': 1e-4}}.")
+    if 'ce' in terms and 'ce' not in weights:  # a term left out weighs 0: no language modelling, unless said
+        raise UserError(f"loss_weights={weights} has no 'ce' (cross-entropy): a term left out weighs 0, so the "
+                        f"model would not learn its data. Add 'ce': 1.0 (or 'ce': 0.0 to train on the others alone).")
     if not all(isinstance(w, (int, float)) and math.isfinite(w) and w >= 0 for w in weights.values()) \
             or not any(weights.values()):
         raise UserError(f"loss_weights={weights}: weights must be finite numbers >= 0, and one of them positive, "

@@ -512,34 +512,31 @@ class GPT(nn.Module):
     def forward(self, idx, targets=None, doc_ids=None, logits_at=None, positions=None, mask=None, weights=None):
         """idx (B, T) with T <= block_size. Without targets: (logits (B, T, V), None). With targets (B, T):
         (None, the mean cross-entropy over targets != -100), computed chunk by chunk of positions with its
-        gradient (losses.linear_cross_entropy): no (B, T, V) logits are ever held, so a caller that needs logits
-        calls model(idx). weights=(ce, z), per-position weights like targets (z may be None): the loss is then
-        the pair (sum(ce * CE), sum(z * logsumexp^2)) (z None without z weights), train.py's token-weighted
-        cross-entropy and z-loss with their normalizers folded in. doc_ids, positions, mask: see hidden_states.
-        logits_at, a (B, T) bool mask or a (rows, cols) pair of index tensors: logits (and loss) only at those
-        positions, (N, V); fine-tuning computes them at the labelled ones and spares the output layer the work
-        on prompts and padding."""
+        gradient (losses.head_loss_terms): no (B, T, V) logits are ever held, so a caller that needs logits
+        calls model(idx). weights={term: per-position weights like targets}, terms of losses.LOSS_TERMS: the loss
+        is then {term: (sum(weights * the term's values), the values at the positions, detached)}, train.py's
+        token-weighted cross-entropy, z-loss and any other term with their normalizers folded in. doc_ids,
+        positions, mask: see hidden_states. logits_at, a (B, T) bool mask or a (rows, cols) pair of index
+        tensors: logits (and loss, and its values) only at those positions, (N, V); fine-tuning computes them at
+        the labelled ones and spares the output layer the work on prompts and padding."""
         h = self.hidden_states(idx, doc_ids=doc_ids, positions=positions, mask=mask)
         if logits_at is not None:
             h = h[logits_at]
             if targets is not None:
                 targets = targets[logits_at]
             if weights is not None:
-                weights = tuple(None if w is None else w[logits_at] for w in weights)
+                weights = {name: w[logits_at] for name, w in weights.items()}
         if targets is None:
             return self.logits(h), None
         h, targets = h.reshape(-1, h.size(-1)), targets.reshape(-1)
         if weights is None:
             keep = (targets != -100).float()
-            ce_weights, z_weights = keep / keep.sum(), None
+            terms = {'ce': keep / keep.sum()}
         else:
-            ce_weights, z_weights = (None if w is None else w.reshape(-1) for w in weights)
-        weight = self.head_weight()
-        if weight is None:
-            ce, z = losses.cross_entropy_terms(self.logits(h), targets, ce_weights, z_weights)
-        else:
-            ce, z = losses.linear_cross_entropy(h, weight, targets, ce_weights, z_weights, self.config.logit_softcap)
-        return None, (ce if weights is None else (ce, z))
+            terms = {name: w.reshape(-1) for name, w in weights.items()}
+        terms = losses.head_loss_terms(h, targets, terms, self.logits, self.config.vocab_size, self.head_weight(),
+                                       self.config.logit_softcap)
+        return None, (terms['ce'][0] if weights is None else terms)
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
         """AdamW with weight decay on the matmul weights only: norms, biases and embeddings

@@ -19,14 +19,15 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from configurator import FOLDER, POSITIVE, UserError, at_least, check_values, configure, interval, one_of
+from configurator import FOLDER, POSITIVE, UserError, at_least, check_values, configure, data_sources, interval, one_of
 from lm.adamw8bit import in_8_bits
-from lm.chat_data import SFTBatches, load_sft_data
+from lm.chat_data import SFTBatches, concatenated, describe_sources, load_sft_sources
 from lm.heldout_eval import HeldOut, metric_names, print_sample, report_heldout
 from lm.lora import apply_lora, frozen_base_dtype, load_adapters, lora_optimizer, lora_state_dict, save_merged
 from lm.muon import Muon, muon_param_groups
 from lm.tokenizer import chat_tokenizer, dataset_file, prompt_and_answer, read_meta
-from losses import check_loss_weights, combine_losses, target_weights, token_weight_table
+from losses import (check_loss_weights, combine_losses, source_shares, target_weights, term_weights,
+                    token_weight_table)
 from memory import MemoryMonitor, halve_micro_batch, peak_memory_bytes, recover_from_oom, resumed_micro_batch
 from run.checkpoint import (CHECKPOINT_FORMATS, check_compatible, restore_training_state, training_state,
                             write_checkpoint)
@@ -34,13 +35,13 @@ from run.device import DTYPES, GradScaler, autocast_context, pick_dtype, to_devi
 from run.epochs import EpochPlan, counts_epochs, warmup_fits
 from run.fsdp import PARALLEL, check_parallel, place_model, same_init_on_every_rank
 from run.run_folder import (continued_origin, open_run, require_starting_weights, run_log, run_origin,
-                            training_data_hash)
+                            sources_data_hash, training_data_hash)
 from run.runtime import (StepProfiler, StopSignal, all_reduce_metrics, bad_step, clip_grad_norm, compute_cleanup,
                          compute_init, gradient_sync, log, prepare_once, rank_batches, wrap_model)
 from run.starting_model import full_model_checkpoint, hf_source, model_hash, run_model_args, run_tokenizer, starting_gpt
 from run.tracker import require_wandb, start_wandb
 from scheduler import SCHEDULES, LRSchedule, set_lr
-from tasks.number_tasks import NUMBER_TASKS_DIR, prepare_number_tasks
+from tasks.number_tasks import NUMBER_TASKS_DIR, is_number_tasks, prepare_number_tasks
 
 # -----------------------------------------------------------------------------
 # I/O
@@ -70,7 +71,7 @@ batch_size = 16              # micro-batch per process: windows, examples, or pa
 block_size = 128             # context length
 gradient_accumulation_steps = 1  # micro-batches per optimizer step per process
 # fine-tuning data (training_type 'sft' | 'lora'; docs/finetuning.md)
-sft_data = ''                # folder of train/val(/test).jsonl; '' = the embedded number tasks
+sft_data = ''                # train/val(/test).jsonl folder, or {'name': (folder, loss weight)}; '' = number tasks
 max_length = 128             # longest example in tokens (<= block_size); see overlong
 overlong = 'truncate'        # examples over max_length: 'truncate' (keep their start) | 'drop'
 skip_malformed = False       # skip and count malformed JSONL lines instead of stopping at the first
@@ -90,7 +91,7 @@ loraplus_lr_ratio = 1.0      # LoRA+: the B matrices learn at this times the lea
 lora_base_dtype = 'float32'  # the frozen base's Linear weights: 'float32' | the run's dtype | 'nf4' (QLoRA)
 # loss
 token_weights = {}           # token-weighted CE: {'group': (weight, [tokens])}; {} = plain CE
-loss_weights = {'ce': 1.0, 'z_loss': 0.0}  # weight of each loss term (z_loss: PaLM's, e.g. 1e-4)
+loss_weights = {'ce': 1.0, 'z_loss': 0.0}  # weight of each term of losses.LOSS_TERMS (z_loss: PaLM's, e.g. 1e-4)
 # model
 n_layer = 4
 n_head = 4
@@ -133,7 +134,7 @@ fsdp_cpu_offload = False     # 'fsdp' on GPUs: keep the shards and optimizer sta
 checkpoint_format = 'file'   # 'file' | 'sharded' (each rank's shards; docs/checkpoints.md)
 num_threads = 0              # torch.set_num_threads for CPU ops; 0 = torch's default
 # -----------------------------------------------------------------------------
-config = configure(globals())
+config = configure(globals(), sources=('sft_data',))
 check_values(config, [
     (at_least(1), ('batch_size', 'gradient_accumulation_steps', 'max_iters', 'eval_interval', 'log_interval',
                    'eval_iters', 'max_bad_steps', 'block_size', 'max_length', 'n_layer', 'n_head', 'n_embd', 'lora_r',
@@ -259,26 +260,45 @@ if not fine_tuning:
     train_batches = TokenBatches(os.path.join(corpus_dir, 'train.bin'), block_size, seed)
     val_batches = TokenBatches(os.path.join(corpus_dir, 'val.bin'), block_size, seed)
     val_indices = eval_offsets(val_batches.n_tokens, block_size, eval_examples)
-    sample_prompt, exact_match_prompts, train_data_hash = tokenizer.encode('\n'), [], None
+    sample_prompt, exact_match_prompts, held_out_sources, train_data_hash = tokenizer.encode('\n'), [], [], None
+    sources = [(None, corpus_dir, 1.0)]  # one, unnamed
 else:
     # fine-tuning (docs/finetuning.md): chat examples in the model's own chat template, or in
-    # nanotrain's, whose special tokens it gains; '' = the embedded number tasks
+    # nanotrain's, whose special tokens it gains; sft_data: one folder, or named sources, each with
+    # its loss weight, drawn as one set ('' = the embedded number tasks)
     tokenizer = chat_tokenizer(base_tokenizer)
-    sft_folder = sft_data or NUMBER_TASKS_DIR
-    if not sft_data:
+    sources = [(name, folder or NUMBER_TASKS_DIR, weight) for name, folder, weight in data_sources(sft_data)]
+    if any(is_number_tasks(folder) for _, folder, _ in sources):
         prepare_once(prepare_number_tasks, compute)
-    train_examples, val_examples, held_out_chats = load_sft_data(sft_folder, tokenizer, max_length, overlong,
-                                                                 skip_malformed)
-    train_batches = SFTBatches(train_examples, seed, tokenizer.eos_id, max_length, pack, bucket_batches, by_epochs)
-    val_batches = SFTBatches(val_examples, seed, tokenizer.eos_id, max_length, pack)
-    # the same val examples packed or not (val losses compare), packed into rows with pack=True
-    val_indices = val_batches.rows(torch.arange(min(len(val_examples), eval_examples)))
-    exact_match_prompts = [prompt_and_answer(tokenizer, chat) for chat in held_out_chats[:exact_match_examples]]
-    sample_prompt = prompt_and_answer(tokenizer, held_out_chats[0])[0]
+    source_data = load_sft_sources(sources, tokenizer, max_length, overlong, skip_malformed)
+    train_examples, train_sources = concatenated([train for train, _, _ in source_data])
+    val_examples, val_sources = concatenated([val for _, val, _ in source_data])
+    train_batches = SFTBatches(train_examples, seed, tokenizer.eos_id, max_length, pack, bucket_batches, by_epochs,
+                               train_sources)
+    val_batches = SFTBatches(val_examples, seed, tokenizer.eos_id, max_length, pack, sources=val_sources)
+    # each source's first eval_examples val examples, the same packed or not (val losses compare), packed
+    # into rows with pack=True
+    val_indices = val_batches.rows(torch.cat([(val_sources == s).nonzero().flatten()[:eval_examples]
+                                              for s in range(len(sources))]))
+    # each source's first exact_match_examples held-out prompts
+    held_out_chats = [(chat, name) for (_, _, chats), (name, _, _) in zip(source_data, sources)
+                      for chat in chats[:exact_match_examples]]
+    exact_match_prompts = [prompt_and_answer(tokenizer, chat) for chat, _ in held_out_chats]
+    held_out_sources = [name for _, name in held_out_chats] if sources[0][0] else []
+    sample_prompt = prompt_and_answer(tokenizer, source_data[0][2][0])[0]
     # a continued run must still read the same examples
-    train_data_hash = training_data_hash(os.path.join(sft_folder, 'train.jsonl'), ckpt, out_dir, 'sft_data')
+    if sources[0][0] is None:
+        train_data_hash = training_data_hash(os.path.join(sources[0][1], 'train.jsonl'), ckpt, out_dir, 'sft_data')
+    else:
+        train_data_hash = sources_data_hash({name: os.path.join(folder, 'train.jsonl') for name, folder, weight
+                                             in sources if weight > 0}, ckpt, out_dir, 'sft_data')
+    if sources[0][0]:
+        log(describe_sources(sources, train_batches))
+# named sources are logged apart as well (train_loss/<name>, ...); one folder has one unnamed source
+source_names = [name for name, _, _ in sources if name]
+source_weight = torch.tensor([weight for _, _, weight in sources], device=local_device)
 # the held-out prompts answered and scored at each eval (none when pretraining)
-held_out = HeldOut(tokenizer, exact_match_prompts, eval_metric_names, batch_size, max_length)
+held_out = HeldOut(tokenizer, exact_match_prompts, eval_metric_names, batch_size, max_length, held_out_sources)
 
 # model: from scratch, a checkpoint (its shape and tokenizer must match the config's) or a published
 # model (its own shape)
@@ -375,38 +395,70 @@ token_weight = token_weight_table(tokenizer.vocab_size, token_weights, tokenizer
 
 
 def get_batch(batches, indices):
-    """(x, y, doc_ids) on the device; doc_ids only for packed fine-tuning rows, else None."""
+    """(x, y, doc_ids, source_ids) on the device; doc_ids only for packed fine-tuning rows, else None;
+    source_ids (B, T): each position's source (pretraining: all 0)."""
     if fine_tuning:
         return batches.get(indices, local_device)
-    return (*batches.get(indices, local_device), None)
+    x, y = batches.get(indices, local_device)
+    return x, y, None, torch.zeros_like(y)
 
 
-def loss_terms(x, y, doc_ids, ce_weights, z_weights=None):
-    """(sum(ce_weights * cross-entropy), sum(z_weights * logsumexp^2) or None) over the positions that have a
-    label, weights (B, T) per position. The model computes them chunk by chunk, never holding (B, T, V) logits
-    (losses.linear_cross_entropy); fine-tuning passes only the labelled positions (the responses) through the
-    output layer, pretraining every position."""
-    labels_at = y != -100 if fine_tuning else None
-    _, terms = model(x, y, doc_ids=doc_ids, logits_at=labels_at, weights=(ce_weights, z_weights))
-    return terms
+def labelled_at(y):
+    """Where the positions with a label are, a (B, T) mask (fine-tuning: only the responses pass through the
+    output layer), or None: everywhere (pretraining)."""
+    return y != -100 if fine_tuning else None
+
+
+def at_labels(values, labels_at):
+    """values (..., B, T) at the labelled positions (labelled_at's), (..., N)."""
+    return values.flatten(-2) if labels_at is None else values[..., labels_at]
+
+
+def loss_terms(x, y, doc_ids, source_ids, weights, totals):
+    """{term: (this micro-batch's share of it, each source's share of its own mean (S,))} of the terms loss_weights
+    weighs: weights (2, B, T) each position's loss weight and 1, totals (2, S) their sums over the whole global
+    batch (losses.term_weights). The model computes the terms chunk by chunk, never holding (B, T, V) logits
+    (losses.head_loss_terms)."""
+    labels_at = labelled_at(y)
+    _, terms = model(x, y, doc_ids=doc_ids, logits_at=labels_at, weights=term_weights(weights, totals, loss_weights))
+    means = source_shares(terms, at_labels(weights, labels_at), at_labels(source_ids, labels_at), totals)
+    return {name: (term, means[name]) for name, (term, _) in terms.items()}
+
+
+def source_means(sums, counts):
+    """{name: sum / count} of the named sources with a count (sums, counts: (S,) per source, in sources' order)."""
+    return {name: (sums[s] / counts[s]).item() for s, (name, _, _) in enumerate(sources) if name and counts[s] > 0}
+
+
+def per_source(key, means):
+    """{key/<name>: mean} of each named source's mean (means: {name: mean}), for a log event."""
+    return {f'{key}/{name}': mean for name, mean in means.items()}
+
+
+def shown(means):
+    """' (<name> <mean>, ...)' of each named source's mean for a log line; '' with none."""
+    return f" ({', '.join(f'{name} {mean:.4f}' for name, mean in means.items())})" if means else ''
 
 
 @torch.no_grad()
 def evaluate(micro_batch_size):
-    """Mean val loss per token (plain cross-entropy) over fixed val windows or examples, split across ranks."""
+    """Mean val loss per token (plain cross-entropy) over fixed val windows or examples, split across ranks:
+    (of all sources, each weighted by its loss weight; {name: each named source's})."""
     model.eval()
-    total = torch.zeros(2, device=local_device)  # loss sum, token count
+    total = torch.zeros(2, len(sources), device=local_device)  # per source: loss sum, token count
     for indices, counted in rank_batches(val_indices, micro_batch_size, rank, world_size, lockstep=parallel == 'fsdp'):
-        x, y, doc_ids = get_batch(val_batches, indices)
-        labels = target_weights(y)  # 1 where labelled
+        x, y, doc_ids, source_ids = get_batch(val_batches, indices)
+        labels_at, labels = labelled_at(y), target_weights(y)  # 1 where labelled
         with autocast:
-            ce, _ = loss_terms(x, y, doc_ids, labels)
+            _, terms = model(x, y, doc_ids=doc_ids, logits_at=labels_at, weights={'ce': labels})
         if counted:
-            total += torch.stack([ce, labels.sum()])
+            ce = terms['ce'][1].to(total.dtype)  # each position's
+            total.index_add_(1, at_labels(source_ids, labels_at), torch.stack([ce, at_labels(labels, labels_at)]))
     if ddp:
         dist.all_reduce(total)
     model.train()
-    return (total[0] / total[1]).item()
+    weighted = total * source_weight
+    return (weighted[0].sum() / weighted[1].sum()).item(), source_means(*total)
 
 
 def save(path, iter_num, best_val_loss, evals_without_improvement):
@@ -433,34 +485,41 @@ profiler = StepProfiler(local_device, enabled=profile)
 
 def train_step(micro_batch_indices):
     """Forward/backward over this rank's share of the global batch, one row of micro_batch_indices per
-    micro-batch. Every token's loss is divided by the total token weight of the whole global batch (all
-    micro-batches, all ranks; the z-loss: by its number of labelled positions), known before the first
-    backward, so the gradient is the same however the batch is split (1 x 4 accumulation = 4 x 1). Returns
-    this rank's share of the total loss and of each term (shares add up over ranks)."""
+    micro-batch. Every position's loss is divided by the total loss weight of the whole global batch (all
+    micro-batches, all ranks; a position's loss weight is its token's times its source's; the z-loss
+    counts positions alike: losses.LOSS_TERMS), known before the first backward, so the gradient is the
+    same however the batch is split (1 x 4 accumulation = 4 x 1). Returns this rank's shares of the total
+    loss, of each term and of each named source's mean of each term (shares add up over ranks), and the
+    global batch's loss weight and labelled positions per source (2, S)."""
     with profiler.section('data'):
         micro_batches = [get_batch(train_batches, indices) for indices in micro_batch_indices]
-        weight_sum = sum(target_weights(y, token_weight).sum() for _, y, _ in micro_batches)
-        label_count = sum((y != -100).sum() for _, y, _ in micro_batches).float()
-        normalizers = torch.stack([weight_sum, label_count])
+        # each position's loss weight and 1, where labelled (2, B, T)
+        weights = [torch.stack([target_weights(y, token_weight) * source_weight[source_ids],
+                                (y != -100).float()]) for _, y, _, source_ids in micro_batches]
+        totals = sum(torch.zeros(2, len(sources), device=local_device).index_add_(1, source_ids.flatten(), w.flatten(1))
+                     for (_, _, _, source_ids), w in zip(micro_batches, weights))
         if ddp:
-            dist.all_reduce(normalizers)
-        weight_sum, label_count = normalizers
+            dist.all_reduce(totals)
     shares = {}
-    for micro_step, (x, y, doc_ids) in enumerate(micro_batches):
+    for micro_step, ((x, y, doc_ids, source_ids), w) in enumerate(zip(micro_batches, weights)):
         # only the last micro-batch reduces gradients across ranks
         with gradient_sync(model, raw_model, sync=micro_step == len(micro_batches) - 1):
             with profiler.section('forward'), autocast:
-                # weighted_cross_entropy's and z_loss's terms, each position's weight over the global batch's
-                z_weights = (y != -100) / label_count if loss_weights.get('z_loss') else None
-                ce, z = loss_terms(x, y, doc_ids, target_weights(y, token_weight) / weight_sum, z_weights)
-                terms = {'ce': ce} if z is None else {'ce': ce, 'z_loss': z}
-                loss = combine_losses(terms, loss_weights)
+                terms = loss_terms(x, y, doc_ids, source_ids, w, totals)
+                loss = combine_losses({name: term for name, (term, _) in terms.items()}, loss_weights)
             with profiler.section('backward'):
                 # DDP/FSDP average gradients over ranks: undo 1/world_size
                 scaler.scale(loss * world_size).backward()
-        for name, value in {'loss': loss, **terms}.items():
-            shares[name] = shares.get(name, 0.0) + value.detach().float()
-    return shares
+        shares['loss'] = shares.get('loss', 0.0) + loss.detach().float()
+        by_source = {'loss': sum(loss_weights[name] * means for name, (_, means) in terms.items())}
+        for name, (term, means) in terms.items():
+            shares[name] = shares.get(name, 0.0) + term.detach().float()
+            by_source[name] = means
+        # each named source's own mean of the loss and of each term, for the logs
+        for name, means in by_source.items():
+            for source, mean in zip(source_names, means):
+                shares[f'{name}/{source}'] = shares.get(f'{name}/{source}', 0.0) + mean
+    return shares, totals
 
 
 # an eval_only run appends to the log; a continued run drops what it logged past its checkpoint
@@ -468,9 +527,9 @@ record, writer = run_log(out_dir, master, tensorboard, math.inf if eval_only els
                          tracker)
 
 if eval_only:
-    val_loss = evaluate(micro_batch_size)
-    log(f"step {iter_num}: val loss {val_loss:.4f}, perplexity {math.exp(val_loss):.2f}")
-    record(dict(step=iter_num, val_loss=val_loss, val_ppl=math.exp(val_loss)))
+    val_loss, val_losses = evaluate(micro_batch_size)
+    log(f"step {iter_num}: val loss {val_loss:.4f}{shown(val_losses)}, perplexity {math.exp(val_loss):.2f}")
+    record(dict(step=iter_num, val_loss=val_loss, val_ppl=math.exp(val_loss), **per_source('val_loss', val_losses)))
     report_heldout(raw_model, held_out, autocast, iter_num, record)
     compute_cleanup(ddp)
     sys.exit(0)
@@ -480,9 +539,9 @@ if eval_only:
 stop = StopSignal()
 monitor = MemoryMonitor(local_device)
 if iter_num == 0:
-    val_loss = evaluate(micro_batch_size)
-    log(f"step 0: val loss {val_loss:.4f}")
-    record(dict(step=0, val_loss=val_loss, val_ppl=math.exp(val_loss), lr=0.0))
+    val_loss, val_losses = evaluate(micro_batch_size)
+    log(f"step 0: val loss {val_loss:.4f}{shown(val_losses)}")
+    record(dict(step=0, val_loss=val_loss, val_ppl=math.exp(val_loss), lr=0.0, **per_source('val_loss', val_losses)))
     report_heldout(raw_model, held_out, autocast, iter_num, record)
 bad_steps = 0
 # throughput window; labels: the positions that pass through the output layer
@@ -503,8 +562,8 @@ while iter_num < run_iters:
     while True:
         try:
             # packed fine-tuning's batch is (rows, examples of a row)
-            shares = train_step(global_batch.tensor_split(world_size)[rank].unflatten(0, (accumulation_steps,
-                                                                                          micro_batch_size)))
+            shares, totals = train_step(global_batch.tensor_split(world_size)[rank].unflatten(
+                0, (accumulation_steps, micro_batch_size)))
             break
         # CUDA raises torch.OutOfMemoryError, MPS a plain RuntimeError
         except RuntimeError as error:
@@ -549,28 +608,31 @@ while iter_num < run_iters:
                      mfu=mfu, memory_level=level, memory_usage=monitor.usage, memory_check_s=monitor.overhead_s,
                      peak_memory_mb=(peak_memory_bytes(local_device) or 0) / 2**20,
                      loss_scale=scaler.get_scale())
-        # each loss term separately
-        event.update({f'train_{k}': v for k, v in losses.items() if k != 'loss'})
+        # each loss term separately; each named source's loss and terms, of the sources in this step
+        in_step = [name for name, count in zip(source_names, totals[1].tolist()) if count]
+        event.update({f'train_{k}': v for k, v in losses.items()
+                      if k != 'loss' and k.partition('/')[2] in ('', *in_step)})
         event.update({f'time_ms/{k}': v for k, v in profiler.summary().items()})
         record(event)
         progress.set_postfix(loss=f'{loss:.4f}', tok_s=f'{tokens_per_sec:,.0f}')
-        log(f"step {iter_num}" + (f" (epoch {epoch['epoch']:.2f})" if epoch else "") + f": loss {loss:.4f}, lr "
-            f"{lr:.2e}, grad norm {grad_norm:.3f}, {tokens_per_sec:,.0f} tok/s, "
-            + (f"MFU {mfu * 100:.1f}%" if mfu is not None else "MFU unknown"))
+        log(f"step {iter_num}" + (f" (epoch {epoch['epoch']:.2f})" if epoch else "") + f": loss {loss:.4f}"
+            f"{shown({s: losses[f'loss/{s}'] for s in in_step})}, lr {lr:.2e}, grad norm {grad_norm:.3f}, "
+            f"{tokens_per_sec:,.0f} tok/s, " + (f"MFU {mfu * 100:.1f}%" if mfu is not None else "MFU unknown"))
         window_start, window_tokens, window_labels = now, 0, 0
 
     if (iter_num % eval_interval == 0 or iter_num == run_iters
             or eval_every_epochs and epoch_end and epoch_end % eval_every_epochs == 0):
-        val_loss = evaluate(micro_batch_size)
+        val_loss, val_losses = evaluate(micro_batch_size)
         improved = val_loss < best_val_loss
         if improved:
             best_val_loss, evals_without_improvement = val_loss, 0
         else:
             evals_without_improvement += 1
-        log(f"step {iter_num}" + (f" (end of epoch {epoch_end})" if epoch_end else "") + f": val loss {val_loss:.4f}, "
-            f"perplexity {math.exp(val_loss):.2f}"
+        log(f"step {iter_num}" + (f" (end of epoch {epoch_end})" if epoch_end else "") + f": val loss {val_loss:.4f}"
+            f"{shown(val_losses)}, perplexity {math.exp(val_loss):.2f}"
             + (" (best)" if improved else f" (no improvement for {evals_without_improvement} evals)"))
-        record(dict(step=iter_num, **epoch, val_loss=val_loss, val_ppl=math.exp(val_loss), lr=lr))
+        record(dict(step=iter_num, **epoch, val_loss=val_loss, val_ppl=math.exp(val_loss), lr=lr,
+                    **per_source('val_loss', val_losses)))
         report_heldout(raw_model, held_out, autocast, iter_num, record)
         if improved:
             save(os.path.join(out_dir, 'best.pt'), iter_num, best_val_loss, evals_without_improvement)

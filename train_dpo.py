@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from configurator import FOLDER, POSITIVE, UserError, at_least, check_values, configure, interval, one_of
+from configurator import FOLDER, POSITIVE, UserError, at_least, check_values, configure, data_sources, interval, one_of
 from lm.adamw8bit import in_8_bits
-from lm.chat_data import PreferenceBatches, load_preference_split
+from lm.chat_data import PreferenceBatches, concatenated, load_preference_split, load_sources
 from lm.dpo import precomputed_reference_logps, reference_logps, sequence_logps_and_logits
 from lm.heldout_eval import HeldOut, metric_names, report_heldout
 from lm.lora import LORA_SETTINGS, apply_lora, frozen_base_dtype, lora_optimizer, lora_state_dict, save_merged
@@ -33,14 +33,14 @@ from run.checkpoint import (CHECKPOINT_FORMATS, check_compatible, file_sha256, r
 from run.device import DTYPES, GradScaler, autocast_context, pick_dtype
 from run.epochs import EpochPlan, counts_epochs, warmup_fits
 from run.fsdp import PARALLEL, check_parallel, place_model, same_init_on_every_rank
-from run.run_folder import continued_origin, open_run, run_log, run_origin, training_data_hash
+from run.run_folder import continued_origin, open_run, run_log, run_origin, sources_data_hash, training_data_hash
 from run.runtime import (StopSignal, all_reduce_metrics, bad_step, clip_grad_norm, compute_cleanup, compute_init,
                          gradient_sync, log, prepare_once, rank_batches, wrap_model)
 from run.starting_model import (build_model, frozen_model, hf_source, load_model, reference_checkpoint,
                                 run_tokenizer)
 from run.tracker import require_wandb, start_wandb
 from scheduler import SCHEDULES, LRSchedule, set_lr
-from tasks.number_tasks import PREFERENCES_DIR, prepare_number_tasks
+from tasks.number_tasks import PREFERENCES_DIR, is_number_tasks, prepare_number_tasks
 
 # -----------------------------------------------------------------------------
 # I/O
@@ -49,7 +49,7 @@ init_from = 'out-sft/ckpt.pt'  # the chat model the policy and reference start a
 chat_template_variables = {}  # published model's chat-template variables; {} = as it was fine-tuned
 resume = True                # continue out_dir's run if any; False = start a new one, replacing it
 data_dir = ''                # the base tokenizer's data.py folder; '' = data/stdlib
-dpo_data = ''                # folder of train/val(/test).jsonl; '' = the embedded number-task pairs
+dpo_data = ''                # train/val(/test).jsonl folder, or {'name': (folder, loss weight)}; '' = number tasks
 eval_interval = 200          # steps between evals (and checkpoint saves)
 eval_every_epochs = 0        # with num_train_epochs: also eval (and save) at the end of every this many epochs
 eval_pairs = 500             # held-out pairs per eval (val.jsonl)
@@ -119,7 +119,7 @@ fsdp_cpu_offload = False     # 'fsdp' on GPUs: keep the shards and optimizer sta
 checkpoint_format = 'file'   # 'file' | 'sharded' (each rank's shards; docs/checkpoints.md)
 num_threads = 0              # torch.set_num_threads for CPU ops; 0 = torch's default
 # -----------------------------------------------------------------------------
-config = configure(globals())
+config = configure(globals(), sources=('dpo_data',))
 check_values(config, [
     (at_least(1), ('batch_size', 'gradient_accumulation_steps', 'max_iters', 'eval_interval', 'log_interval',
                    'eval_pairs', 'max_bad_steps', 'max_length', 'max_prompt_length', 'lora_r', 'restart_iters',
@@ -194,9 +194,10 @@ tokenizer = chat_tokenizer(base_tokenizer)
 check_compatible(reference_ckpt['tokenizer'], tokenizer.identity(), 'tokenizer', reference_path,
                  fix="Point data_dir at the tokenizer folder the model was trained with ('' for the default).")
 model_args = dict(reference_ckpt['model_args'], dropout=dropout)
-# the preference pairs of dpo_data, or the embedded number-task pairs (rank 0 prepares them once)
-pairs_dir = dpo_data or PREFERENCES_DIR
-if not dpo_data:
+# the preference pairs of dpo_data: one folder, or named sources, each with its loss weight, drawn as one
+# set ('' = the embedded number-task pairs, which rank 0 prepares once)
+sources = [(name, folder or PREFERENCES_DIR, weight) for name, folder, weight in data_sources(dpo_data)]
+if any(is_number_tasks(folder, PREFERENCES_DIR) for _, folder, _ in sources):
     prepare_once(prepare_number_tasks, compute, out_dir=PREFERENCES_DIR, seed=1, preferences=True)
 if max_length > model_args['block_size']:
     raise UserError(f"max_length={max_length} is longer than the model's block_size={model_args['block_size']}; "
@@ -204,19 +205,41 @@ if max_length > model_args['block_size']:
 if max_prompt_length >= max_length:
     raise UserError(f"max_prompt_length={max_prompt_length} must leave room for a completion in "
                     f"max_length={max_length}; lower it.")
-train_path, val_path, test_path = (os.path.join(pairs_dir, f'{name}.jsonl') for name in ('train', 'val', 'test'))
-_, train_pairs = load_preference_split(train_path, tokenizer, max_length, max_prompt_length, skip_malformed)
-val_references, val_pairs = load_preference_split(val_path, tokenizer, max_length, max_prompt_length, skip_malformed)
-# exact match: test.jsonl's prompts and chosen answers where there is one, else val.jsonl's
-held_out_references = (load_preference_split(test_path, tokenizer, max_length, max_prompt_length, skip_malformed)[0]
-                       if exact_match_examples and os.path.exists(test_path) else val_references)
+
+
+def read_pairs(folder, weight):
+    """A source's (train pairs, val pairs, held-out references): exact match scores test.jsonl's prompts and
+    chosen answers where there is one, else val.jsonl's; a source of weight 0 is evaluated, not trained."""
+    train_path, val_path, test_path = (os.path.join(folder, f'{name}.jsonl') for name in ('train', 'val', 'test'))
+    train = load_preference_split(train_path, tokenizer, max_length, max_prompt_length, skip_malformed)[1] \
+        if weight > 0 else []
+    val_references, val = load_preference_split(val_path, tokenizer, max_length, max_prompt_length, skip_malformed)
+    held = load_preference_split(test_path, tokenizer, max_length, max_prompt_length, skip_malformed)[0] \
+        if exact_match_examples and os.path.exists(test_path) else val_references
+    return train, val, held
+
+
+source_data = load_sources(sources, 'dpo_data', read_pairs)
+train_pairs, train_sources = concatenated([train for train, _, _ in source_data])
+val_pairs, val_sources = concatenated([val for _, val, _ in source_data])
 train_batches = PreferenceBatches(train_pairs, seed, tokenizer.eos_id, max_length, pack, by_epochs)
 val_batches = PreferenceBatches(val_pairs, seed, tokenizer.eos_id, max_length, pack)
-# every eval scores the same first eval_pairs held-out pairs
-val_indices = torch.arange(min(len(val_pairs), eval_pairs))
+# every eval scores the same first eval_pairs held-out pairs of each source
+val_indices = torch.cat([(val_sources == s).nonzero().flatten()[:eval_pairs] for s in range(len(sources))])
+# each source's first exact_match_examples held-out prompts
+held_out_references = [(reference, name) for (_, _, references), (name, _, _) in zip(source_data, sources)
+                       for reference in references[:exact_match_examples]]
 # a continued run must still read the same pairs
-train_data_hash = training_data_hash(train_path, ckpt, out_dir, 'dpo_data')
-held_out = HeldOut(tokenizer, held_out_references[:exact_match_examples], eval_metric_names, batch_size, max_length)
+if sources[0][0] is None:
+    train_data_hash = training_data_hash(os.path.join(sources[0][1], 'train.jsonl'), ckpt, out_dir, 'dpo_data')
+else:
+    train_data_hash = sources_data_hash({name: os.path.join(folder, 'train.jsonl') for name, folder, weight in sources
+                                         if weight > 0}, ckpt, out_dir, 'dpo_data')
+# named sources are logged apart as well (eval/loss/<name>, ...); one folder has one unnamed source
+source_names = [name for name, _, _ in sources if name]
+pair_weight = torch.tensor([weight for _, _, weight in sources])
+held_out = HeldOut(tokenizer, [reference for reference, _ in held_out_references], eval_metric_names, batch_size,
+                   max_length, [name for _, name in held_out_references] if source_names else [])
 
 # policy, and the reference: a frozen copy when training all weights, the policy itself with its
 # adapters disabled when training LoRA, or none in memory with precomputed log-probs
@@ -278,8 +301,9 @@ ckpt = None
 # hash of everything they depend on; training then needs no reference in memory
 ref_cache = None
 if precompute_ref_logps:
-    depends_on = [reference_hash, train_data_hash, file_sha256(val_path), tokenizer.identity(), max_length,
-                  max_prompt_length, str(ptdtype)]
+    depends_on = [reference_hash, train_data_hash, *(file_sha256(os.path.join(folder, 'val.jsonl'))
+                                                     for _, folder, _ in sources),
+                  tokenizer.identity(), max_length, max_prompt_length, str(ptdtype)]
 
     def load_reference():  # the policy has trained, so it is no longer the reference: read it again
         weights = load_model(reference_path, as_stored=parallel == 'fsdp')['model']
@@ -299,11 +323,26 @@ if epoch_plan:
     log(epoch_plan.describe(f"{global_batch_size} pairs", lr_schedule))
 
 
-def pair_terms(net, batches, indices, cache, batch_counts):
+def batch_counts(batches, pair_sources, indices):
+    """What the sums over a whole batch (the pairs at indices, of batches; pair_sources: each pair's source) are
+    divided by: its pairs, chosen and rejected completion tokens, their loss weights (each pair's and its chosen
+    tokens' weight is its source's) and each source's pairs and chosen tokens, (2, S)."""
+    indices = indices[indices >= 0]  # an epoch's last batch may end with no pair (-1)
+    tokens, source = batches.completion_tokens[indices], pair_sources[indices]
+    weight = pair_weight[source]
+    per_source = torch.zeros(2, len(sources), dtype=torch.float64).index_add_(
+        1, source, torch.stack([torch.ones(len(indices), dtype=torch.float64), tokens[:, 0].double()]))
+    return (len(indices), *tokens.sum(0).tolist(), weight.sum().item(), (weight * tokens[:, 0]).sum().item(),
+            per_source.to(local_device, torch.float32))
+
+
+def pair_terms(net, batches, pair_sources, indices, cache, counts):
     """Forward pass over the pairs at indices: (loss, metrics). Every sum is divided by the size of
-    the whole batch it belongs to (batch_counts: pairs, chosen and rejected completion tokens, over all
-    micro-batches and ranks), so micro-batches and ranks add up to the batch mean however it is split.
-    An index -1 (no pair: the end of an epoch's last batch) is computed as pair 0 and left out of every sum."""
+    the whole batch it belongs to (counts: batch_counts' over all micro-batches and ranks), so micro-batches
+    and ranks add up to the batch mean however it is split. The loss weighs each pair (and with RPO each of
+    its chosen tokens) by its source's weight; each named source's own loss, reward accuracy and margin are
+    metrics too (<metric>/<name>). An index -1 (no pair: the end of an epoch's last batch) is computed as pair 0
+    and left out of every sum."""
     real = (indices >= 0).float().to(local_device)
     indices = indices.clamp(min=0)
     batch, n = batches.get(indices, local_device), len(indices)
@@ -316,18 +355,21 @@ def pair_terms(net, batches, indices, cache, batch_counts):
         ref_sums, ref_logits = reference_logps(raw_model if reference is None else reference, batch, n, autocast)
     with autocast:
         sums, token_logps, logits = sequence_logps_and_logits(net, batch, n)
-    chosen_pos, pairs, chosen_tokens, rejected_tokens = batch['owners'] < n, *batch_counts
+    chosen_pos, (pairs, chosen_tokens, rejected_tokens, weighted_pairs, weighted_chosen, per_source) = \
+        batch['owners'] < n, counts
     real_token = real.repeat(2)[batch['owners']]  # whether a scored token's pair is real
+    source = pair_sources[indices].to(local_device)
+    weight = pair_weight.to(local_device, torch.float32)[source] * real
     policy, ref = sums, ref_sums
     if loss_type == 'ipo' and ipo_length_normalize:  # per-token means
         lengths = torch.bincount(batch['owners'], minlength=2 * n)
         policy, ref = sums / lengths, ref_sums / lengths
     losses, chosen_rewards, rejected_rewards = dpo_loss(policy[:n], policy[n:], ref[:n], ref[n:], beta, loss_type,
                                                         label_smoothing)
-    loss = (losses * real).sum() / pairs
-    nll = -(token_logps * real_token)[chosen_pos].sum() / chosen_tokens
+    loss = (losses * weight).sum() / weighted_pairs
+    chosen_nll = -(token_logps * real_token)[chosen_pos]
     if rpo_alpha:
-        loss = loss + rpo_alpha * nll
+        loss = loss + rpo_alpha * (chosen_nll * weight[batch['owners'][chosen_pos]]).sum() / weighted_chosen
     with torch.no_grad():
         mean_logits = logits.float().mean(-1) * real_token
         metrics = {'loss': loss, 'rewards/chosen': (chosen_rewards * real).sum() / pairs,
@@ -339,7 +381,17 @@ def pair_terms(net, batches, indices, cache, batch_counts):
                    'logps/chosen': (sums[:n] * real).sum() / pairs, 'logps/rejected': (sums[n:] * real).sum() / pairs,
                    'logits/chosen': mean_logits[chosen_pos].sum() / chosen_tokens,
                    'logits/rejected': mean_logits[~chosen_pos].sum() / rejected_tokens,
-                   'nll/chosen': nll}
+                   'nll/chosen': chosen_nll.sum() / chosen_tokens}
+        # each named source's own means: of its pairs, and of its chosen tokens
+        by_source = {'loss': losses, 'rewards/accuracies': (chosen_rewards > rejected_rewards).float(),
+                     'rewards/margins': chosen_rewards - rejected_rewards}
+        for key, values in by_source.items():
+            means = torch.zeros(len(sources), device=local_device).index_add_(0, source, values.float() * real)
+            means = means / per_source[0].clamp(min=1)
+            if key == 'loss' and rpo_alpha:
+                means += rpo_alpha * torch.zeros(len(sources), device=local_device).index_add_(
+                    0, source[batch['owners'][chosen_pos]], chosen_nll.float()) / per_source[1].clamp(min=1)
+            metrics.update({f'{key}/{name}': means[s] for s, name in enumerate(source_names)})
         if ref_logits is not None:
             # KL(policy || reference) per chosen completion token, exact over the vocabulary
             p, q = logits[chosen_pos].float().log_softmax(-1), ref_logits[chosen_pos].float().log_softmax(-1)
@@ -347,22 +399,30 @@ def pair_terms(net, batches, indices, cache, batch_counts):
     return loss, {k: v.detach().float() for k, v in metrics.items()}
 
 
+def shown(metrics):
+    """' (<name> <loss>, ...)' of each named source's loss in metrics, for a log line; '' with none."""
+    losses = ', '.join(f"{name} {metrics[f'loss/{name}']:.4f}" for name in source_names if f'loss/{name}' in metrics)
+    return f" ({losses})" if losses else ''
+
+
 @torch.no_grad()
 def evaluate(iter_num, micro_batch_size, epoch=None):
     """The metrics of the fixed held-out pairs (split across ranks in micro-batches, policy in eval mode),
     logged and recorded at step iter_num (with epoch: {'epoch': the epochs done}); returns the loss."""
     model.eval()
-    batch_counts, sums = (len(val_indices), *val_batches.completion_tokens[val_indices].sum(0).tolist()), {}
+    counts, sums = batch_counts(val_batches, val_sources, val_indices), {}
     for indices, counted in rank_batches(val_indices, micro_batch_size, rank, world_size, lockstep=parallel == 'fsdp'):
-        _, metrics = pair_terms(model, val_batches, indices, ref_cache['val'] if ref_cache else None, batch_counts)
+        _, metrics = pair_terms(model, val_batches, val_sources, indices, ref_cache['val'] if ref_cache else None,
+                                counts)
         sums = {k: sums.get(k, 0.0) + (v if counted else torch.zeros_like(v)) for k, v in metrics.items()}
     stats = torch.stack(list(sums.values()))
     if ddp:
         dist.all_reduce(stats)
     model.train()
     metrics = dict(zip(sums, stats.tolist()))
-    log(f"step {iter_num}: eval loss {metrics['loss']:.4f}, rewards/accuracies {metrics['rewards/accuracies']:.3f}, "
-        f"rewards/margins {metrics['rewards/margins']:.3f}" + (f", kl {metrics['kl']:.4f}" if 'kl' in metrics else ''))
+    log(f"step {iter_num}: eval loss {metrics['loss']:.4f}{shown(metrics)}, rewards/accuracies "
+        f"{metrics['rewards/accuracies']:.3f}, rewards/margins {metrics['rewards/margins']:.3f}"
+        + (f", kl {metrics['kl']:.4f}" if 'kl' in metrics else ''))
     record(dict(step=iter_num, **(epoch or {}), **{f'eval/{k}': v for k, v in metrics.items()}))
     return metrics['loss']
 
@@ -386,16 +446,16 @@ def save(path, iter_num, best_val_loss, evals_without_improvement):
     write_checkpoint(path, state, checkpoint_format == 'sharded', master)
 
 
-def train_step(micro_batch_indices, batch_counts):
+def train_step(micro_batch_indices, counts):
     """Forward/backward over this rank's slice of the global batch, one row of micro_batch_indices (pair
-    indices) per micro-batch, accumulating gradients; batch_counts: as in pair_terms, of the whole global
+    indices) per micro-batch, accumulating gradients; counts: as in pair_terms, of the whole global
     batch. Returns this rank's shares of the metrics (shares add up over ranks)."""
     sums = {}
     for micro_step, indices in enumerate(micro_batch_indices):
         # only the last micro-batch reduces gradients across ranks
         with gradient_sync(model, raw_model, sync=micro_step == len(micro_batch_indices) - 1):
-            loss, metrics = pair_terms(model, train_batches, indices, ref_cache['train'] if ref_cache else None,
-                                       batch_counts)
+            loss, metrics = pair_terms(model, train_batches, train_sources, indices,
+                                       ref_cache['train'] if ref_cache else None, counts)
             # DDP/FSDP average gradients over ranks: undo 1/world_size
             scaler.scale(loss * world_size).backward()
         sums = {k: sums.get(k, 0.0) + v for k, v in metrics.items()}
@@ -421,12 +481,11 @@ while iter_num < run_iters:
     set_lr(optimizer, lr)
 
     # the whole global batch is drawn on every rank; each rank trains on its slice, and every sum is
-    # divided by the whole batch's counts (pairs, chosen and rejected completion tokens)
+    # divided by the whole batch's counts (pairs, chosen and rejected completion tokens, their loss weights)
     global_batch = train_batches.sample(global_batch_size)
-    real_pairs = global_batch[global_batch >= 0]  # an epoch's last batch may end with no pair (-1)
-    batch_counts = (len(real_pairs), *train_batches.completion_tokens[real_pairs].sum(0).tolist())
+    counts = batch_counts(train_batches, train_sources, global_batch)
     shares = train_step(global_batch.tensor_split(world_size)[rank].view(accumulation_steps, micro_batch_size),
-                        batch_counts)
+                        counts)
     scaler.unscale_(optimizer)
     grad_norm = clip_grad_norm(raw_model.parameters(), grad_clip)
     metrics, (stop_requested,) = all_reduce_metrics(shares, [stop.requested is not None], ddp)
@@ -453,13 +512,17 @@ while iter_num < run_iters:
     if iter_num % log_interval == 0 or iter_num == run_iters:
         now = time.time()
         elapsed = now - window_start  # all of the window's time, logging included
+        # each named source's metrics, of the sources in this step
+        absent = {f'{key}/{name}' for name, count in zip(source_names, counts[-1][0].tolist()) if not count
+                  for key in ('loss', 'rewards/accuracies', 'rewards/margins')}
+        metrics = {k: v for k, v in metrics.items() if k not in absent}
         record(dict(step=iter_num, **epoch, lr=lr, grad_norm=grad_norm, steps_per_sec=window_steps / elapsed,
                     tokens_per_sec=window_tokens / elapsed,
                     peak_memory_mb=(peak_memory_bytes(local_device) or 0) / 2**20, loss_scale=scaler.get_scale(),
                     **metrics))
         progress.set_postfix(loss=f'{loss:.4f}', acc=f"{metrics['rewards/accuracies']:.2f}")
-        log(f"step {iter_num}" + (f" (epoch {epoch['epoch']:.2f})" if epoch else "") + f": loss {loss:.4f}, "
-            f"rewards/accuracies {metrics['rewards/accuracies']:.3f}, rewards/margins "
+        log(f"step {iter_num}" + (f" (epoch {epoch['epoch']:.2f})" if epoch else "") + f": loss {loss:.4f}"
+            f"{shown(metrics)}, rewards/accuracies {metrics['rewards/accuracies']:.3f}, rewards/margins "
             f"{metrics['rewards/margins']:.3f}, lr {lr:.2e}, grad norm {grad_norm:.3f}, {window_steps / elapsed:.2f} "
             f"steps/s")
         window_start, window_tokens, window_steps = now, 0, 0

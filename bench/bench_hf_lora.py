@@ -242,7 +242,7 @@ def prepare_batch(path):
         input_ids[i, :len(ids)], labels[i, :len(ids)], attention_mask[i, :len(ids)] = torch.tensor(ids), \
             torch.tensor(labs), 1
     # what train.py would train on: the same tokens at every position that is attended to or labelled
-    x, y, _ = SFTBatches(examples, seed, tokenizer.pad_id, T).get(torch.arange(len(examples)))
+    x, y, _, _ = SFTBatches(examples, seed, tokenizer.pad_id, T).get(torch.arange(len(examples)))
     assert torch.equal(y, labels[:, 1:])
     inside = attention_mask[:, 1:].bool()  # x's real tokens: each example's ids but its last
     assert torch.equal(x[inside], input_ids[:, :-1][inside])

@@ -138,15 +138,54 @@ def load_sft_split(path, tokenizer, max_length, overlong='truncate', skip_malfor
     return conversations, examples
 
 
-def load_sft_data(folder, tokenizer, max_length, overlong='truncate', skip_malformed=False):
+def load_sft_data(folder, tokenizer, max_length, overlong='truncate', skip_malformed=False, train=True):
     """An SFT data folder's (train examples, val examples, held-out conversations): the held-out ones,
-    for exact match, are test.jsonl's, else val.jsonl's. Each split is read by load_sft_split."""
+    for exact match, are test.jsonl's, else val.jsonl's. Each split is read by load_sft_split; with
+    train=False train.jsonl is not read (no train examples)."""
     def read_split(name):
         return load_sft_split(os.path.join(folder, f'{name}.jsonl'), tokenizer, max_length, overlong, skip_malformed)
-    _, train_examples = read_split('train')
+    train_examples = read_split('train')[1] if train else []
     val_conversations, val_examples = read_split('val')
     held_out = read_split('test')[0] if os.path.exists(os.path.join(folder, 'test.jsonl')) else val_conversations
     return train_examples, val_examples, held_out
+
+
+def load_sources(sources, key, load):
+    """[load(folder, weight) for each source (name, folder, weight) of the config key `key`, as
+    configurator.data_sources lists them], in order. An error in a named source's data names the key and
+    the source as well as the file and line."""
+    data = []
+    for name, folder, weight in sources:
+        try:
+            data.append(load(folder, weight))
+        except UserError as e:
+            raise UserError(f"{key} source {name!r}: {e}" if name else str(e)) from None
+    return data
+
+
+def load_sft_sources(sources, tokenizer, max_length, overlong='truncate', skip_malformed=False):
+    """load_sft_data of each source of sft_data (load_sources); a source of weight 0 is evaluated, not
+    trained: its train.jsonl is not read."""
+    return load_sources(sources, 'sft_data', lambda folder, weight: load_sft_data(
+        folder, tokenizer, max_length, overlong, skip_malformed, train=weight > 0))
+
+
+def describe_sources(sources, batches):
+    """A line on the named sources [(name, folder, weight)] of batches (SFTBatches of their train examples): each
+    one's examples, its share of the response tokens, and its share of the loss weight (weight x tokens)."""
+    tokens = torch.zeros(len(sources)).index_add_(0, batches.sources, batches.label_counts.float())
+    weighted = tokens * torch.tensor([weight for _, _, weight in sources])
+    described = [f"{name} {int((batches.sources == s).sum()):,} examples, {tokens[s] / tokens.sum():.1%} of the "
+                 f"response tokens, loss weight {weight:g}: {weighted[s] / weighted.sum():.1%} of the loss"
+                 if weight else
+                 f"{name} weight 0: evaluated, not trained" for s, (name, _, weight) in enumerate(sources)]
+    return f"sft_data: {'; '.join(described)}"
+
+
+def concatenated(lists):
+    """Lists of items, one per source, as one list and each item's source (its list's index), a tensor."""
+    return [item for items in lists for item in items], \
+        torch.tensor([i for i, items in enumerate(lists) for _ in items], dtype=torch.long)
 
 
 def best_fit_decreasing(lengths, capacity):
@@ -282,9 +321,12 @@ class SFTBatches:
     epoch (a row never spans two epochs). doc_ids keep attention and positions inside each example.
     whole_epochs (a run counted in epochs, run/epochs.py): a global batch never holds two epochs' rows either;
     an epoch's last one holds the rows left, then empty rows (they hold no label, so they add nothing), as
-    Hugging Face Trainer's last batch of an epoch is smaller; epoch_steps() counts the steps of each epoch."""
+    Hugging Face Trainer's last batch of an epoch is smaller; epoch_steps() counts the steps of each epoch.
+    Examples of several data sources (sources: each example's source index) are drawn as one set, and
+    rows may mix them; get() says each position's source."""
 
-    def __init__(self, examples, seed, pad_id, max_length, pack=False, bucket_batches=1, whole_epochs=False):
+    def __init__(self, examples, seed, pad_id, max_length, pack=False, bucket_batches=1, whole_epochs=False,
+                 sources=None):
         if pack and bucket_batches > 1:
             raise UserError(f"bucket_batches={bucket_batches} with pack=True: packed rows are filled to max_length, so "
                             f"there is no padding for bucketing to cut. Set bucket_batches=1, or pack=False.")
@@ -293,6 +335,7 @@ class SFTBatches:
         self.targets = [torch.tensor(labels[1:]) for _, labels in examples]
         self.lengths = torch.tensor([len(ids) - 1 for ids, _ in examples])
         self.label_counts = torch.tensor([int((targets != -100).sum()) for targets in self.targets])
+        self.sources = torch.zeros(len(examples), dtype=torch.long) if sources is None else torch.as_tensor(sources)
         self.pad_id, self.max_length, self.pack, self.bucket_batches = pad_id, max_length, pack, bucket_batches
         self.seed, self.whole_epochs = seed, whole_epochs
         self.sampler = EpochSampler(len(examples), seed)
@@ -394,13 +437,14 @@ class SFTBatches:
         return int(self.label_counts[rows[rows >= 0]].sum())
 
     def get(self, rows, device='cpu'):
-        """(x, y, doc_ids) for rows of examples (as sample() or rows() gives them), right-padded to the longest
-        row (y is -100 on padding and prompts). doc_ids (B, T) numbers the examples of each packed row (-1 on
-        padding), so that each is attended to and positioned as alone; None without packing, where no mask is
-        needed: causal attention never sees the padding after a token."""
+        """(x, y, doc_ids, sources) for rows of examples (as sample() or rows() gives them), right-padded to the
+        longest row (y is -100 on padding and prompts). doc_ids (B, T) numbers the examples of each packed row (-1
+        on padding), so that each is attended to and positioned as alone; None without packing, where no mask is
+        needed: causal attention never sees the padding after a token. sources (B, T): each position's source
+        (0 on padding)."""
         rows = [[i for i in row if i >= 0] for row in rows.reshape(len(rows), -1).tolist()]
-        x, y, doc_ids, _ = build_rows(rows, self.inputs, self.targets, self.pad_id, device)
-        return x, y, doc_ids if self.pack else None
+        x, y, doc_ids, seq = build_rows(rows, self.inputs, self.targets, self.pad_id, device)
+        return x, y, doc_ids if self.pack else None, self.sources.to(seq.device)[seq.clamp(min=0)]
 
     def state_dict(self):
         return {**self.sampler.state_dict(), 'pending': row_tensor(self.pending),

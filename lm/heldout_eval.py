@@ -36,6 +36,7 @@ class HeldOut(NamedTuple):
     metrics: list  # names in lm.metrics.METRICS
     batch_size: int  # prompts answered at once
     max_length: int  # prompt + answer tokens an answer may fill (all metrics but exact_match)
+    sources: tuple = ()  # each prompt's data source (a name), scored apart as well; () = one unnamed source
 
 
 def metric_names(value, key='eval_metrics'):
@@ -118,18 +119,31 @@ def heldout_answers(model, held_out, autocast):
     return [answers[i] for i in range(len(rows))]
 
 
+def shown_score(name, score):
+    return f"{score:.1%}" if name == 'exact_match' else f"{score:.4g}"
+
+
 def report_heldout(model, held_out, autocast, step, record):
     """Answer and score the held-out prompts (nothing when there are none), log the scores on one line
-    and record them as eval/<metric> (run_log's record: log.jsonl and TensorBoard) at step. Every rank
-    must call it."""
+    and record them as eval/<metric> (run_log's record: log.jsonl and TensorBoard) at step; with named
+    sources, each source's prompts are scored apart too, eval/<metric>/<source>. Every rank must call it."""
     if not held_out.prompts:
         return
     answers = heldout_answers(model, held_out, autocast)
-    scores = score_answers(held_out.metrics, answers, [ref for _, ref in held_out.prompts], held_out.tokenizer)
-    shown = ', '.join(f"{name} {score:.1%}" if name == 'exact_match' else f"{name} {score:.4g}"
-                      for name, score in scores.items())
-    log(f"step {step}: {shown} on {len(answers)} held-out prompts")
-    record(dict(step=step, **{f'eval/{name}': score for name, score in scores.items()}))
+    references = [ref for _, ref in held_out.prompts]
+    scores = score_answers(held_out.metrics, answers, references, held_out.tokenizer)
+    by_source = {}
+    for source in dict.fromkeys(held_out.sources):  # each once, in order
+        mine = [i for i, s in enumerate(held_out.sources) if s == source]
+        by_source[source] = score_answers(held_out.metrics, [answers[i] for i in mine], [references[i] for i in mine],
+                                          held_out.tokenizer)
+    shown = []
+    for name, score in scores.items():
+        each = ', '.join(f"{source} {shown_score(name, s[name])}" for source, s in by_source.items())
+        shown.append(f"{name} {shown_score(name, score)}" + (f" ({each})" if each else ''))
+    log(f"step {step}: {', '.join(shown)} on {len(answers)} held-out prompts")
+    record(dict(step=step, **{f'eval/{name}': score for name, score in scores.items()},
+                **{f'eval/{name}/{source}': score for source, s in by_source.items() for name, score in s.items()}))
 
 
 def print_sample(model, tokenizer, prompt, max_new_tokens, eos_id, seed, device, heading):

@@ -280,6 +280,10 @@ def training_data_hash(path, ckpt, out_dir, setting, same_examples=False):
     same_examples: the file changed but not the examples the run draws (RL prompt rows whose other fields,
     the reward's, were fixed), which is said. setting: the config key that names the data, for the message."""
     data_hash = file_sha256(path)
+    if ckpt and isinstance(ckpt.get('train_data_hash'), dict):
+        raise UserError(f"the run in {out_dir} began training on the sources {list(ckpt['train_data_hash'])}, and "
+                        f"{setting} now names one folder; resuming would go on with other examples. Restore {setting}, "
+                        f"or start a new run (another out_dir, or --resume=False to replace it).")
     if ckpt and data_hash != ckpt.get('train_data_hash', data_hash):  # older checkpoints: unknown
         if not same_examples:
             raise UserError(f"{path} has changed since the run in {out_dir} began; resuming would go on with other "
@@ -288,6 +292,26 @@ def training_data_hash(path, ckpt, out_dir, setting, same_examples=False):
         log(f"{path} has changed since the run began, but its prompts are the same, in the same order: continuing "
             f"with its other fields as they are now")
     return data_hash
+
+
+def sources_data_hash(paths, ckpt, out_dir, setting):
+    """{name: sha256} of the training file of each named data source ({name: path}, in order); a continued run's
+    (ckpt) must train on the sources it began with: the same names in the same order, each file unchanged.
+    setting: the config key that names the sources, for the message."""
+    hashes = {name: file_sha256(path) for name, path in paths.items()}
+    saved = ckpt.get('train_data_hash', hashes) if ckpt else hashes
+    if not isinstance(saved, dict) or list(saved.items()) != list(hashes.items()):  # in order
+        if not isinstance(saved, dict) or list(saved) != list(hashes):
+            began = f"the sources {list(saved)}" if isinstance(saved, dict) else "one folder"
+            raise UserError(f"the run in {out_dir} began training on {began}, and {setting} now trains on the "
+                            f"sources {list(hashes)} (those of weight > 0, in order); resuming would go on with other "
+                            f"examples. Restore {setting}, or start a new run (another out_dir, or --resume=False to "
+                            f"replace it).")
+        name = next(name for name in hashes if hashes[name] != saved[name])
+        raise UserError(f"{paths[name]} (source {name!r}) has changed since the run in {out_dir} began; resuming would "
+                        f"go on with other examples. Restore the file (or {setting}), or start a new run (another "
+                        f"out_dir, or --resume=False to replace it).")
+    return hashes
 
 
 def cached_tensors(out_dir, name, key, shapes, compute, master, what):

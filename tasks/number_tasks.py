@@ -17,6 +17,21 @@ from lm.metrics import normalize_answer
 
 NUMBER_TASKS_DIR = os.path.join('data', 'number_tasks')
 PREFERENCES_DIR = os.path.join('data', 'number_preferences')
+# the tasks split by kind, each a folder of its own in the tasks' folder (two sources of a mixture, config/sft_mix.py):
+# sums and differences, worked column by column, and the four one-line kinds
+NUMBER_TASK_KINDS = ('arithmetic', 'digits')
+
+
+def task_kind(question):
+    """The NUMBER_TASK_KINDS entry of a question: 'arithmetic' for a sum or difference, else 'digits'."""
+    return 'arithmetic' if re.fullmatch(r'What is \d+[+-]\d+\?', question) else 'digits'
+
+
+def is_number_tasks(folder, tasks_dir=NUMBER_TASKS_DIR):
+    """Whether folder is the embedded tasks' (tasks_dir: NUMBER_TASKS_DIR or PREFERENCES_DIR, or a kind's folder
+    in it), which are written on first use."""
+    return os.path.abspath(folder) in [os.path.abspath(os.path.join(tasks_dir, kind))
+                                       for kind in ('', *NUMBER_TASK_KINDS)]
 
 
 def addition_working(a, b, carry=True, units_slip=0, tens_slip=0):
@@ -108,12 +123,14 @@ def plausible_wrong(answer, mistakes, rng):
 
 def prepare_number_tasks(out_dir=NUMBER_TASKS_DIR, n_train=10_000, n_eval=500, seed=0, preferences=False):
     """The embedded SFT task, a verifiable instruction set (number_task): questions and answers as
-    {"prompt", "response"} JSONL in out_dir/train.jsonl, val.jsonl and test.jsonl, disjoint splits.
+    {"prompt", "response"} JSONL in out_dir/train.jsonl, val.jsonl and test.jsonl, disjoint splits, and
+    the same lines split by kind (task_kind) into out_dir/<kind>/train.jsonl, ... (NUMBER_TASK_KINDS).
     With preferences=True, DPO's version: {"prompt", "chosen", "rejected"} pairs, chosen the answer and
     rejected a plausible wrong answer. Written once; reused while the parameters are unchanged."""
     sizes = {'train': n_train, 'val': n_eval, 'test': n_eval}
+    # 3: sums and differences worked column by column; the kinds of wrong answers; 4: the kinds' folders
     meta = {'task': 'number_preferences' if preferences else 'number_tasks', 'sizes': sizes, 'seed': seed,
-            'version': 3}  # 3: sums and differences worked column by column; the kinds of wrong answers
+            'version': 4}
     meta_path = os.path.join(out_dir, 'meta.json')
     old = None
     if os.path.exists(meta_path):
@@ -137,15 +154,18 @@ def prepare_number_tasks(out_dir=NUMBER_TASKS_DIR, n_train=10_000, n_eval=500, s
         split = task_split(question)
         if len(splits[split]) < sizes[split]:
             splits[split][question] = answer, mistakes
-    os.makedirs(out_dir, exist_ok=True)
+    for kind in NUMBER_TASK_KINDS:
+        os.makedirs(os.path.join(out_dir, kind), exist_ok=True)
     files = {}
     for split, pairs in splits.items():
         lines = []
         for q, (a, mistakes) in pairs.items():
             record = {'prompt': q, 'chosen': a, 'rejected': plausible_wrong(a, mistakes, wrong_rng)} \
                 if preferences else {'prompt': q, 'response': a}
-            lines.append(json.dumps(record) + '\n')
-        files[f'{split}.jsonl'] = ''.join(lines)
+            lines.append((task_kind(q), json.dumps(record) + '\n'))
+        files[f'{split}.jsonl'] = ''.join(line for _, line in lines)
+        for kind in NUMBER_TASK_KINDS:
+            files[os.path.join(kind, f'{split}.jsonl')] = ''.join(line for k, line in lines if k == kind)
     files['meta.json'] = json.dumps(meta)  # written last: marks a complete task folder
     for name, text in files.items():
         # whole files only: another run preparing the same folder at once reads old or new, never half

@@ -358,6 +358,12 @@ def sft(env, out_dir, *extra, training_type='sft', **kw):
     return run(sft_args(env, out_dir, *extra, training_type=training_type), **kw)
 
 
+def sft_mixture(env, arithmetic=1.0, digits=0.5):
+    """--sft_data naming the tasks' two kinds (tasks/number_tasks.py's folders) as two sources with these weights."""
+    task = env['task']
+    return f"--sft_data={{'arithmetic': ('{task}/arithmetic', {arithmetic}), 'digits': ('{task}/digits', {digits})}}"
+
+
 ANSWERS = [  # each kind of question, and how to answer it (sums and differences: the result of the working)
     (r'What is (\d+)\+(\d+)\?', lambda a, b: int(a) + int(b)),
     (r'What is (\d+)-(\d+)\?', lambda a, b: int(a) - int(b)),

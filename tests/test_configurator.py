@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from configurator import (EMPTY_OR_FOLDER, FOLDER, POSITIVE, assignment_lines, at_least, check_values, configure,
-                          dataclass_args, interval, one_of)
+                          data_sources, dataclass_args, interval, one_of)
 from conftest import ROOT, run
 from scheduler import SCHEDULES
 
@@ -110,6 +110,38 @@ def test_list_accepted_for_tuple():
     g = defaults()
     configure(g, ['--betas=[0.8, 0.99]'])
     assert g['betas'] == (0.8, 0.99)
+
+
+def with_sources(g, argv):
+    return configure(g, argv, sources=('data',))
+
+
+def test_a_sources_key_takes_one_folder_or_named_sources(tmp_path, capsys):
+    """A key configure() is told takes sources (train.py's sft_data): a folder as before, or {name: (folder,
+    weight)} on the command line (a dict literal) or in a config file; checked, naming the key (and the line)."""
+    def sources(argv):
+        g = dict(defaults(), data='')
+        configure(g, argv, sources=('data',))
+        return data_sources(g['data'])
+    assert sources([]) == [(None, '', 1.0)] and sources(['--data=data/mine']) == [(None, 'data/mine', 1.0)]
+    assert sources(['--data=2024']) == [(None, '2024', 1.0)]  # a string, as for any string key
+    assert sources(["--data={'math': ('data/math', 1), 'chat': 'data/chat', 'held': ('data/h', 0.0)}"]) == [
+        ('math', 'data/math', 1.0), ('chat', 'data/chat', 1.0), ('held', 'data/h', 0.0)]
+    path = tmp_path / 'mix.py'
+    path.write_text("batch_size = 8\ndata = {'a': ('x', 0.5),\n        'b': ('y', 2.0)}\n")
+    assert sources([str(path)]) == [('a', 'x', 0.5), ('b', 'y', 2.0)]
+    for value, says in [("{'a': ('x', -1.0)}", "data['a'] = ('x', -1.0) must be (folder, weight)"),
+                        ("{'a': ('x', True)}", 'finite weight >= 0'), ("{'a': ('x', 1.0, 2)}", 'must be (folder'),
+                        ("{'a b': 'x'}", "source name 'a b'"), ("{'a': ('x', 0)}", 'every weight is 0'),
+                        ('{}', 'named sources')]:
+        assert says in config_error([f'--data={value}'], capsys, g=dict(defaults(), data=''), run=with_sources)
+    for value, says in [("{'a': ('x', float('nan'))}", 'finite weight'), ("['x']", 'data must be a folder (a string)')]:
+        path.write_text(f"data = {value}\n")
+        err = config_error([str(path)], capsys, g=dict(defaults(), data=''), run=with_sources)
+        assert f'{path} line 1' in err and says in err, err
+    g = dict(defaults(), data='')
+    configure(g, ["--out_dir={'a': ('x', 1.0)}"], sources=('data',))
+    assert g['out_dir'] == "{'a': ('x', 1.0)}"  # another string key keeps the text, as before
 
 
 def test_malformed_argument(capsys):

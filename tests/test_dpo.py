@@ -390,6 +390,21 @@ def test_embedded_pairs_are_correct_disjoint_and_deterministic(tmp_path):
 # -- train_dpo.py --------------------------------------------------------------------------------
 
 @pytest.fixture(scope='module')
+def two_sources(dpo_env, tmp_path_factory):
+    """--dpo_data naming two sources with weights 1 and 0.5: dpo_env's pairs, every other line of each split."""
+    root = tmp_path_factory.mktemp('two_sources')
+    for s, name in enumerate(('a', 'b')):
+        (root / name).mkdir()
+        for split in ('train', 'val', 'test'):
+            lines = open(os.path.join(dpo_env['pairs'], f'{split}.jsonl')).read().splitlines()
+            (root / name / f'{split}.jsonl').write_text('\n'.join(lines[s::2]) + '\n')
+    return f"--dpo_data={{'a': ('{root / 'a'}', 1.0), 'b': ('{root / 'b'}', 0.5)}}"
+
+
+SOURCE_METRICS = [f'{key}/{source}' for key in ('loss', 'rewards/accuracies', 'rewards/margins') for source in 'ab']
+
+
+@pytest.fixture(scope='module')
 def step0(dpo_env, tmp_path_factory):
     """An eval-only run of the SFT model against its frozen copy: the step-0 metrics."""
     out = tmp_path_factory.mktemp('step0')
@@ -493,10 +508,11 @@ def test_step0_precomputed_reference_is_cached_and_reused(tmp_path, dpo_env):
 
 @pytest.mark.slow
 @pytest.mark.comparison
-def test_gradient_accumulation_and_ddp_match_one_big_batch(tmp_path, dpo_env):
-    """Sums are normalized by the whole batch: 4 pairs x 1 = 1 x 4 = 2 x 2 = 2 ranks (torchrun, gloo) x 2 pairs
-    give the same train metrics at every step (RPO's NLL included), the same gradient norm at the first (same
-    weights: the accumulated gradient itself) and the same eval metrics of the final weights.
+def test_gradient_accumulation_and_ddp_match_one_big_batch(tmp_path, dpo_env, two_sources):
+    """Sums are normalized by the whole batch (two sources weighted 1 and 0.5: by its loss weight): 4 pairs x 1 =
+    1 x 4 = 2 x 2 = 2 ranks (torchrun, gloo) x 2 pairs give the same train metrics at every step (RPO's NLL
+    included; each source's too), the same gradient norm at the first (same weights: the accumulated gradient
+    itself) and the same eval metrics of the final weights.
     rel=1e-5, abs=1e-5: the runs add the same float32 terms in other orders (other micro-batch shapes, other BLAS
     kernels on other CPUs), which moves a sum of n terms by at most ~n * 2^-24 of its terms' size: ~1e-6 relative
     for the log-prob sums (completions of <= 8 tokens, means over 4 pairs), ~1e-6 absolute for the rewards (beta x
@@ -505,7 +521,7 @@ def test_gradient_accumulation_and_ddp_match_one_big_batch(tmp_path, dpo_env):
     divides each gradient by its own root mean square, so a weight whose gradient is rounding noise (~1e-9 against
     Adam's eps 1e-8) moves by up to ~lr either way, differently on each CPU; with a gradient ~0 such weights hardly
     change any metric, and a small lr keeps their second-order effect on the later steps far below the tolerance."""
-    common = ['--max_iters=3', '--eval_interval=100', '--rpo_alpha=0.5', '--learning_rate=1e-3']
+    common = ['--max_iters=3', '--eval_interval=100', '--rpo_alpha=0.5', '--learning_rate=1e-3', two_sources]
     runs = {(4, 1, 1): tmp_path / 'big', (1, 4, 1): tmp_path / 'acc4', (2, 2, 1): tmp_path / 'acc2',
             (2, 1, 2): tmp_path / 'ddp'}
     for (bs, accum, ranks), out in runs.items():
@@ -517,7 +533,8 @@ def test_gradient_accumulation_and_ddp_match_one_big_batch(tmp_path, dpo_env):
         other = train_metrics(out)
         assert sorted(other) == [1, 2, 3]
         for step in big:
-            for k in TRAIN_METRICS + ('grad_norm',) * (step == 1):
+            assert {k for k in other[step] if k in SOURCE_METRICS} == {k for k in big[step] if k in SOURCE_METRICS}
+            for k in TRAIN_METRICS + ('grad_norm',) * (step == 1) + tuple(k for k in SOURCE_METRICS if k in big[step]):
                 assert other[step][k] == pytest.approx(big[step][k], rel=1e-5, abs=1e-5), (shape, step, k)
         for e, other_e in zip(big_evals, evals(out), strict=True):
             assert other_e == pytest.approx(e, rel=1e-5, abs=1e-5), shape
@@ -542,11 +559,12 @@ def assert_same_state(a, b, where='state'):
 
 
 @pytest.mark.slow
-def test_resume_is_bit_exact(tmp_path, dpo_env):
-    """4 steps straight = 2 steps, then resumed to 4 (dropout, packing, accumulation): train metrics, weights,
-    optimizer state and sampler state all equal exactly."""
+def test_resume_is_bit_exact(tmp_path, dpo_env, two_sources):
+    """4 steps straight = 2 steps, then resumed to 4 (two weighted sources, dropout, packing, accumulation): train
+    metrics (each source's too), weights, optimizer state and sampler state all equal exactly. Each source's eval
+    metrics and exact match are logged; the eval loss weighs each source's by its weight and pairs."""
     common = ['--dropout=0.1', '--pack=True', '--gradient_accumulation_steps=2', '--batch_size=2',
-              '--eval_interval=2']
+              '--eval_interval=2', '--exact_match_examples=2', two_sources]
     straight, split = tmp_path / 'straight', tmp_path / 'split'
     dpo(dpo_env, straight, '--max_iters=4', *common)
     dpo(dpo_env, split, '--max_iters=2', *common)
@@ -556,6 +574,17 @@ def test_resume_is_bit_exact(tmp_path, dpo_env):
     a, b = train_metrics(straight), train_metrics(split)
     assert sorted(a) == sorted(b) == [1, 2, 3, 4]
     assert all(a[s][k] == b[s][k] for s in a for k in TRAIN_METRICS), (a, b)
+    assert all({k: v for k, v in a[s].items() if k in SOURCE_METRICS} == {k: v for k, v in b[s].items()
+                                                                           if k in SOURCE_METRICS} for s in a)
+    assert sum(k in a[s] for s in a for k in SOURCE_METRICS) >= 18  # most steps hold both sources
+    assert evals(straight)[1:] == evals(split)[1:]
+    pairs = {'a': 4, 'b': 4}  # each source's val pairs (eval_pairs=8 takes them all)
+    for e in evals(straight):
+        assert e['eval/loss'] == pytest.approx((pairs['a'] * e['eval/loss/a'] + 0.5 * pairs['b'] * e['eval/loss/b'])
+                                               / (pairs['a'] + 0.5 * pairs['b']), rel=1e-6)
+    held_out = [e for e in read_log(straight) if 'eval/exact_match' in e]
+    assert len(held_out) == 3 and all('eval/exact_match/a' in e and 'eval/exact_match/b' in e for e in held_out)
+    assert 'step 4: eval loss ' in p.stdout and re.search(r'step 4: eval loss [\d.]+ \(a [\d.]+, b [\d.]+\)', p.stdout)
     ca, cb = load(straight / 'ckpt.pt'), load(split / 'ckpt.pt')
     assert ca['iter_num'] == cb['iter_num'] == 4
     # the checkpoint's config is what the user passed; what the run derived is stored beside it
@@ -632,7 +661,8 @@ def test_bad_inputs_are_clear_errors_and_keep_checkpoints(tmp_path, dpo_env):
     missing = tmp_path / 'nowhere' / 'ckpt.pt'
     cases = [([f'--init_from={missing}'], [str(missing), 'is not a checkpoint file']),
              ([f'--init_from={dpo_env["base"]}'], [dpo_env['base'], 'fine-tune it first']),
-             ([f'--dpo_data={bad}'], [f'{bad / "train.jsonl"}:2:', '"rejected"']),
+             ([f"--dpo_data={{'tasks': ('{dpo_env['pairs']}', 1.0), 'bad': ('{bad}', 0.5)}}"],
+              ["dpo_data source 'bad': ", f'{bad / "train.jsonl"}:2:', '"rejected"']),
              (['--eval_pairs=0'], ['eval_pairs=0', 'at least 1']),
              (['--max_prompt_length=0'], ['max_prompt_length=0', 'at least 1']),
              (['--max_prompt_length=40'], ['max_prompt_length=40', 'room for a completion']),

@@ -8,10 +8,11 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import assert_user_error, logged, read_log, run, sft, sft_args, torchrun
+from conftest import assert_user_error, logged, read_log, run, sft, sft_args, sft_mixture, torchrun
 from lm import metrics
 from lm.generate import generate_batch
-from lm.heldout_eval import HeldOut, answer_batches, heldout_answers, score_answers
+from lm import heldout_eval
+from lm.heldout_eval import HeldOut, answer_batches, heldout_answers, report_heldout, score_answers
 from model import GPT, GPTConfig
 
 PROMPTS = [[5, 9, 1], [7], [3, 3, 8, 2, 11, 30, 4], [12, 6], [1, 2, 3, 4], [20]]  # lengths differ: padding
@@ -97,6 +98,30 @@ def test_exact_match_is_strict_and_uses_the_metrics_normaliser():
     assert score_answers(['exact_match'], answers, references, tok)['exact_match'] == 1 / 5
 
 
+def test_each_source_is_scored_apart(monkeypatch, capsys):
+    """With named sources (train.py's sft_data), each source's prompts are scored on their own as well as all
+    together: eval/<metric>/<source> beside eval/<metric>, on the same log line."""
+    tok = Letters(eos_id=31)
+    references = ['ab', 'cd', 'ef', 'gh', 'ij']
+    texts = ['ab', 'cx', 'ef', 'gh', 'ix']  # a: 2 of 3 right; b: 1 of 2
+    monkeypatch.setattr(heldout_eval, 'heldout_answers', lambda model, held_out, autocast: [
+        tok.encode(t) + [31] for t in texts])
+    held_out = HeldOut(tok, [([0], ref) for ref in references], ['exact_match', 'chrf'], 4, 20,
+                       sources=['a', 'b', 'a', 'b', 'a'])
+    events = []
+    report_heldout(None, held_out, None, 7, events.append)
+    scores = {source: score_answers(['exact_match', 'chrf'], [tok.encode(texts[i]) + [31] for i in mine],
+                                    [references[i] for i in mine], tok) for source, mine in [('a', [0, 2, 4]),
+                                                                                              ('b', [1, 3])]}
+    assert events == [{'step': 7, 'eval/exact_match': 3 / 5, 'eval/chrf': pytest.approx(metrics.corpus_chrf(
+        texts, references)), 'eval/exact_match/a': 2 / 3, 'eval/chrf/a': scores['a']['chrf'],
+        'eval/exact_match/b': 1 / 2, 'eval/chrf/b': scores['b']['chrf']}]
+    assert scores['a']['chrf'] != scores['b']['chrf']
+    assert 'step 7: exact_match 60.0% (a 66.7%, b 50.0%), chrf ' in capsys.readouterr().out
+    report_heldout(None, held_out._replace(sources=()), None, 8, events.append)  # one unnamed source: as before
+    assert set(events[-1]) == {'step', 'eval/exact_match', 'eval/chrf'}
+
+
 def test_batches_fit_the_block_and_batch_size():
     rows = [([0] * n, budget) for n, budget in [(3, 5), (10, 2), (4, 19), (1, 1), (6, 6), (2, 3)]]
     batches = answer_batches(rows, batch_size=3, block_size=22)
@@ -110,15 +135,17 @@ def test_batches_fit_the_block_and_batch_size():
 # -- train.py and train_dpo.py -------------------------------------------------------------------
 
 METRICS = '--eval_metrics=exact_match,bleu,chrf,rouge_l'
-KEYS = ['eval/exact_match', 'eval/bleu', 'eval/chrf', 'eval/rouge_l']
+KEYS = [f'eval/{metric}{source}' for metric in ('exact_match', 'bleu', 'chrf', 'rouge_l')
+        for source in ('', '/arithmetic', '/digits')]
 
 
 @pytest.fixture(scope='module')
 def tuned(sft_env, tmp_path_factory):
-    """An SFT run scoring four metrics every 2 steps, with TensorBoard."""
+    """An SFT run of the two sources of sft_mixture scoring four metrics every 2 steps, each source's too, with
+    TensorBoard: each source's test prompts (4 and 8)."""
     out = tmp_path_factory.mktemp('tuned')
     p = sft(sft_env, out, '--max_iters=4', '--eval_interval=2', '--lr_decay_iters=4', '--exact_match_examples=12',
-            '--tensorboard=True', METRICS)
+            '--tensorboard=True', METRICS, sft_mixture(sft_env))
     return out, p.stdout
 
 
@@ -128,7 +155,8 @@ def test_eval_metrics_logged_recorded_and_in_tensorboard_at_every_eval(tuned):
     for key in KEYS:
         assert sorted(logged(out, key)) == [0, 2, 4], key
     assert [e['step'] for e in read_log(out) if 'val_loss' in e] == [0, 2, 4]
-    assert 'step 2: exact_match 0.0%, bleu ' in stdout and ', rouge_l ' in stdout  # one line per eval
+    # one line per eval
+    assert 'step 2: exact_match 0.0% (arithmetic 0.0%, digits 0.0%), bleu ' in stdout and ', rouge_l ' in stdout
     events = EventAccumulator(glob.glob(str(out / 'tb' / 'events.*'))[0])
     events.Reload()
     for key in KEYS:
@@ -146,7 +174,7 @@ def test_ddp_corpus_scores_equal_one_process(tuned, sft_env, tmp_path):
     batch is computed as one process computes it, one thread each)."""
     out = tuned[0]
     run([*torchrun(2), *sft_args(sft_env, tmp_path, '--eval_only=True', f'--init_from={out / "ckpt.pt"}',
-                                 '--exact_match_examples=12', METRICS)])
+                                 '--exact_match_examples=12', METRICS, sft_mixture(sft_env))])
     one, two = read_log(out)[-1], read_log(tmp_path)[-1]
     assert one['step'] == 4 and {k: one[k] for k in KEYS} == {k: two[k] for k in KEYS}
     assert one['eval/chrf'] > 0  # summed counts: the mean of the ranks' chrF would differ

@@ -41,12 +41,16 @@ def test_package_commands_run_by_module_and_by_path():
         assert 'Traceback' not in p.stderr
 
 
+def configures(node):
+    """Whether an assignment is `config = configure(globals(), ...)`, where a script's config keys end."""
+    return ast.unparse(node.value).startswith('configure(globals()')
+
+
 def config_key_rebindings(path):
     """'name:line' of each config key (a global assigned above `config = configure(globals())`) that the
     script's own top-level code binds again below it: a derived value must have a name of its own."""
     body = ast.parse(open(path).read()).body
-    at = next(i for i, node in enumerate(body) if isinstance(node, ast.Assign) and ast.unparse(node.value)
-              == 'configure(globals())')
+    at = next(i for i, node in enumerate(body) if isinstance(node, ast.Assign) and configures(node))
     keys = {target.id for node in body[:at] if isinstance(node, (ast.Assign, ast.AnnAssign))
             for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
             if isinstance(target, ast.Name)}
@@ -72,8 +76,7 @@ def test_config_keys_keep_the_users_values():
     """After configure, a config key holds what the user set for the whole run, in every script: the resolved
     device, a continued run's origin, a resumed micro-batch are derived names (local_device, start_from, ...)."""
     scripts = [path for path in glob.glob(os.path.join(ROOT, '*.py'))
-               if 'configure(globals())' in [ast.unparse(node.value) for node in ast.parse(open(path).read()).body
-                                             if isinstance(node, ast.Assign)]]
+               if any(isinstance(node, ast.Assign) and configures(node) for node in ast.parse(open(path).read()).body)]
     assert {'train.py', 'train_dpo.py', 'train_rl.py', 'train_tts.py', 'sample.py', 'eval.py'} <= \
         {os.path.basename(path) for path in scripts}
     for path in scripts:

@@ -2,6 +2,7 @@
 independent computations, and global-batch normalization under gradient accumulation."""
 
 import math
+import os
 
 import pytest
 import torch
@@ -9,7 +10,9 @@ import torch.nn.functional as F
 
 import losses
 from configurator import UserError
-from losses import combine_losses, target_weights, token_weight_table, weighted_cross_entropy, z_loss
+from conftest import ROOT
+from losses import (LOSS_TERMS, check_loss_weights, combine_losses, target_weights, token_weight_table,
+                    weighted_cross_entropy, z_loss)
 from model import GPT, GPTConfig
 
 
@@ -251,8 +254,9 @@ def test_model_loss_is_train_pys_weighted_cross_entropy_and_z_loss_of_its_logits
         out = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
         model.zero_grad()
         return out
-    _, (ce, z) = model(x, y, logits_at=labels_at, weights=(target_weights(y, table) / weight_sum,
-                                                             labels_at / label_count))
+    _, terms = model(x, y, logits_at=labels_at, weights={'ce': target_weights(y, table) / weight_sum,
+                                                         'z_loss': labels_at / label_count})
+    (ce, _), (z, _) = terms['ce'], terms['z_loss']
     (ce + 0.1 * z).backward()
     chunked = grads()
     logits, _ = model(x, logits_at=labels_at)
@@ -296,3 +300,130 @@ def test_linear_cross_entropy_under_bf16_autocast_on_cuda_holds_no_logits():
     for got, want in zip(chunked[1:3], plain[1:3]):
         torch.testing.assert_close(got, want, rtol=0, atol=2**-6 * want.abs().max().item())
     assert chunked[3] < plain[3] - N * V * 2, (chunked[3], plain[3])
+
+
+# -- loss terms (losses.LOSS_TERMS): per-position values, each position weighted by its token and its source
+
+def positions(seed=5, N=40, C=6, V=7, S=2):
+    """Labelled positions: float64 hidden states (N, C), an output matrix (V, C), targets, token weights,
+    sources and the sources' weights."""
+    g = torch.Generator().manual_seed(seed)
+    h, head = torch.randn(N, C, generator=g, dtype=torch.float64), torch.randn(V, C, generator=g, dtype=torch.float64)
+    targets = torch.randint(V, (N,), generator=g)
+    token_weight = torch.rand(N, generator=g, dtype=torch.float64) + 0.5
+    sources = torch.randint(S, (N,), generator=g)
+    return h, head, targets, token_weight, sources, torch.tensor([1.0, 0.25], dtype=torch.float64)[:S]
+
+
+def step_totals(weights, sources, S=2):
+    """What train.py's step sums before its first micro-batch: (loss weight, labelled positions) per source."""
+    return torch.zeros(2, S, dtype=weights.dtype).index_add_(1, sources, weights)
+
+
+def step_terms(h, head, targets, weights, sources, totals, loss_weights, head_weight=True):
+    """train.py's loss_terms on positions: {name: (share, per-source shares)} through head_loss_terms."""
+    terms = losses.head_loss_terms(h, targets, losses.term_weights(weights, totals, loss_weights),
+                                   lambda hc: hc @ head.T, head.size(0), head if head_weight else None)
+    shares = losses.source_shares(terms, weights, sources, totals)
+    return {name: (term, shares[name]) for name, (term, _) in terms.items()}
+
+
+@pytest.mark.comparison
+@pytest.mark.parametrize('head_weight', [True, False])
+def test_loss_terms_weigh_positions_by_token_times_source_and_add_up_over_micro_batches(head_weight):
+    """ce = sum(w_token * w_source * CE) / sum(w_token * w_source) over the whole global batch, one position at a
+    time (float64); the z-loss counts every position alike; each source's mean is its own token-weighted mean (its
+    weight cancels). Micro-batches divided by the whole batch's totals add up to it. Through linear_cross_entropy
+    (a plain output matrix) and through the logits chunk by chunk (none): float64 throughout, the same sums in
+    another order, 1e-12 relative."""
+    h, head, targets, token_weight, sources, source_weight = positions()
+    weights = torch.stack([token_weight * source_weight[sources], torch.ones_like(token_weight)])
+    totals = step_totals(weights, sources)
+    loss_weights = {'ce': 1.0, 'z_loss': 0.1}
+    whole = step_terms(h, head, targets, weights, sources, totals, loss_weights, head_weight)
+    logits = h @ head.T
+    ce = [math.log(row.exp().sum().item()) - row[t].item() for row, t in zip(logits, targets.tolist())]
+    lse2 = [math.log(row.exp().sum().item()) ** 2 for row in logits]
+    w = (token_weight * source_weight[sources]).tolist()
+    assert whole['ce'][0].item() == pytest.approx(sum(a * b for a, b in zip(w, ce)) / sum(w), rel=1e-12)
+    assert whole['z_loss'][0].item() == pytest.approx(sum(lse2) / len(lse2), rel=1e-12)
+    for s in range(2):
+        mine = (sources == s).nonzero().flatten().tolist()
+        own = sum(token_weight[i].item() * ce[i] for i in mine) / sum(token_weight[i].item() for i in mine)
+        assert whole['ce'][1][s].item() == pytest.approx(own, rel=1e-12)
+        assert whole['z_loss'][1][s].item() == pytest.approx(sum(lse2[i] for i in mine) / len(mine), rel=1e-12)
+    plain = torch.stack([token_weight, weights[1]])
+    unweighted = step_terms(h, head, targets, plain, sources, step_totals(plain, sources), loss_weights, head_weight)
+    assert unweighted['ce'][0].item() != pytest.approx(whole['ce'][0].item(), rel=1e-3)  # the source weights matter
+    parts = [step_terms(h[i:i + 10], head, targets[i:i + 10], weights[:, i:i + 10], sources[i:i + 10], totals,
+                        loss_weights, head_weight) for i in range(0, 40, 10)]
+    for name in whole:
+        assert sum(p[name][0] for p in parts).item() == pytest.approx(whole[name][0].item(), rel=1e-12)
+        torch.testing.assert_close(sum(p[name][1] for p in parts), whole[name][1], rtol=1e-12, atol=0)
+    assert set(step_terms(h, head, targets, weights, sources, totals, {'ce': 1.0, 'z_loss': 0.0})) == {'ce'}
+
+
+def entropy(logits, targets):
+    """A term a user adds (docs/configuration.md): each position's predictive entropy."""
+    logp = logits.log_softmax(-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+@pytest.mark.comparison
+def test_a_new_loss_term_is_one_function_and_one_entry(monkeypatch):
+    """Adding ('entropy': (entropy, True)) to losses.LOSS_TERMS is all it takes: check_loss_weights knows it,
+    head_loss_terms computes it (and its gradient) chunk by chunk of logits, never more than CHUNK_LOGITS at once,
+    beside the fused ce; train.py's step and logs go by LOSS_TERMS (no term named there: its loss_weights default
+    is its only mention of one; the end-to-end run: test_sft's tests/entropy_term.py)."""
+    with pytest.raises(UserError, match="unknown terms \\['entropy'\\]"):
+        check_loss_weights({'ce': 1.0, 'entropy': 0.1})
+    monkeypatch.setitem(LOSS_TERMS, 'entropy', (entropy, True))
+    check_loss_weights({'ce': 1.0, 'entropy': 0.1})
+    with pytest.raises(UserError, match="'ce', 'z_loss', 'entropy'"):
+        check_loss_weights({'ce': 1.0, 'entropyy': 0.1})
+    monkeypatch.setattr(losses, 'CHUNK_LOGITS', 7 * 8)  # 8 positions a chunk
+    h, head, targets, token_weight, sources, _ = positions()
+    targets[3] = -100  # no label: no term there, whatever the term's function says
+    token_weight[3] = 0.0
+    weights = torch.stack([token_weight, (targets != -100).double()])
+    totals = step_totals(weights, sources)
+    widest = []
+
+    def logits(hc):
+        widest.append(hc.size(0) * head.size(0))
+        return hc @ head.T
+
+    def loss_and_grad(fn):
+        hh = h.clone().requires_grad_()
+        terms = fn(hh)
+        (terms['ce'][0] + 0.1 * terms['entropy'][0]).backward()
+        return terms, hh.grad
+    chunked, grad = loss_and_grad(lambda hh: losses.head_loss_terms(
+        hh, targets, losses.term_weights(weights, totals, {'ce': 1.0, 'entropy': 0.1}), logits, 7, head))
+    assert len(widest) == 10 and max(widest) <= 7 * 8  # 5 chunks, each computed again for the backward
+    keep = targets != -100
+    full = h @ head.T
+    expected = (entropy(full, targets) * token_weight)[keep].sum() / token_weight.sum()
+    assert set(chunked) == {'ce', 'entropy'}
+    assert chunked['entropy'][0].item() == pytest.approx(expected.item(), rel=1e-12)
+    assert chunked['entropy'][1][3] == 0 and chunked['entropy'][1][0] == pytest.approx(entropy(full[:1], None).item())
+
+    def reference(hh):
+        full = hh @ head.T
+        ce = (F.cross_entropy(full, targets, reduction='none') * token_weight).sum() / token_weight.sum()
+        return {'ce': (ce, None), 'entropy': ((entropy(full, targets) * token_weight)[keep].sum() / token_weight.sum(),
+                                              None)}
+    torch.testing.assert_close(grad, loss_and_grad(reference)[1], rtol=1e-12, atol=1e-12)
+    with open(os.path.join(ROOT, 'train.py')) as f:
+        script = f.read()
+    # the step names no term: its terms are loss_weights' (the val loss is the plain CE, by definition)
+    step = script[script.index('\ndef loss_terms('):script.index('\ndef source_means(')]
+    step += script[script.index('\ndef train_step('):script.index('\n\n\n', script.index('\ndef train_step('))]
+    assert "'ce'" not in step and "'z_loss'" not in step and 'LOSS_TERMS' in step, step
+    assert [line for line in script.splitlines() if "'z_loss'" in line][0].startswith('loss_weights = ')
+
+
+def test_loss_weights_must_name_ce():
+    with pytest.raises(UserError, match="has no 'ce'"):
+        check_loss_weights({'z_loss': 1e-4})
+    check_loss_weights({'ce': 0.0, 'z_loss': 1e-4})  # said: the other terms alone

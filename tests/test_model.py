@@ -160,7 +160,8 @@ def test_sdpa_returns_gradients_in_the_layout_of_its_inputs_on_cuda():
 
 def step_terms_and_grads(model, x, y, weights):
     model.zero_grad()
-    _, (ce, z) = model(x, y, weights=weights)
+    _, terms = model(x, y, weights=dict(zip(('ce', 'z_loss'), weights)))
+    (ce, _), (z, _) = terms['ce'], terms['z_loss']
     (ce + z).backward()
     return [ce.detach(), z.detach()] + [p.grad.clone() for p in model.parameters()]
 

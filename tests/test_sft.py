@@ -10,17 +10,19 @@ import shutil
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from configurator import UserError
 from lm import chat_data
 from lm.chat_data import SFTBatches, load_sft_split
 from conftest import (ANSWERS, CHARS, assert_logged_to_wandb, assert_user_error, char_tokenizer, checked_answer,
-                      kill_and_relaunch, load, logged, read_log, run, sft, sft_args, torch_saved, torchrun,
+                      kill_and_relaunch, load, logged, read_log, run, sft, sft_args, sft_mixture, torch_saved, torchrun,
                       train_losses, wandb_calls, wandb_env, write_jsonl)
 from data import prepare
-from losses import target_weights, weighted_cross_entropy
+from losses import combine_losses, target_weights, term_weights
 from lm.tokenizer import ChatTokenizer, load_tokenizer, prompt_and_answer
 from model import GPT, GPTConfig
+from run.run_folder import sources_data_hash, training_data_hash
 from tasks.number_tasks import addition_working, digit_copies, prepare_number_tasks, subtraction_working
 
 # -- chat template -----------------------------------------------------------------------------
@@ -78,6 +80,30 @@ def test_malformed_lines_name_file_and_line(tmp_path, capsys):
             {'messages': [{'role': 'robot', 'content': 'x'}]}]), tok, 64)
     with pytest.raises(UserError, match=r':1: characters .*\$'):  # a char tokenizer cannot encode '$'
         load_sft_split(write_jsonl(tmp_path / 'c.jsonl', [{'prompt': '$', 'response': 'b'}]), tok, 64)
+
+
+def test_named_sources_load_apart_and_name_themselves_in_errors(tmp_path):
+    """load_sft_sources: each source's folder read by load_sft_data, in order; a weight-0 source (evaluated, not
+    trained) has no train examples and needs no train.jsonl; a malformed line names its source, file and line."""
+    tok = char_tokenizer()
+    for name, n in (('a', 3), ('b', 2)):
+        (tmp_path / name).mkdir()
+        for split in ('train', 'val'):
+            write_jsonl(tmp_path / name / f'{split}.jsonl', [{'prompt': name, 'response': 'x'}] * n)
+    (tmp_path / 'b' / 'train.jsonl').unlink()
+    (train_a, val_a, held_a), (train_b, val_b, held_b) = chat_data.load_sft_sources(
+        [('a', str(tmp_path / 'a'), 1.0), ('b', str(tmp_path / 'b'), 0.0)], tok, 64)
+    assert (len(train_a), len(val_a), len(held_a), len(train_b), len(val_b)) == (3, 3, 3, 0, 2)
+    examples, sources = chat_data.concatenated([train_a + val_a, val_b])
+    assert len(examples) == 8 and sources.tolist() == [0] * 6 + [1] * 2
+    with pytest.raises(UserError, match=r"^sft_data source 'b': SFT data file .*/b/train.jsonl does not exist"):
+        chat_data.load_sft_sources([('a', str(tmp_path / 'a'), 1.0), ('b', str(tmp_path / 'b'), 0.5)], tok, 64)
+    bad = write_jsonl(tmp_path / 'b' / 'val.jsonl', [{'prompt': 'b', 'response': 'x'}, '{"prompt": 1}'])
+    with pytest.raises(UserError, match=rf"^sft_data source 'b': {bad}:2: "):
+        chat_data.load_sft_sources([('a', str(tmp_path / 'a'), 1.0), ('b', str(tmp_path / 'b'), 0.0)], tok, 64)
+    write_jsonl(tmp_path / 'b' / 'train.jsonl', [{'prompt': 'b', 'response': 'x'}])
+    with pytest.raises(UserError, match=rf"^{bad}:2: "):  # one folder: as before
+        chat_data.load_sft_sources([(None, str(tmp_path / 'b'), 1.0)], tok, 64)
 
 
 def test_empty_dataset_is_an_error(tmp_path):
@@ -144,6 +170,13 @@ def test_number_tasks_are_correct_disjoint_and_cached(tmp_path):
     assert kinds == set(range(len(ANSWERS)))
     assert not splits['train'] & splits['val'] and not splits['train'] & splits['test']
     assert not splits['val'] & splits['test']
+    for split in ('train', 'val', 'test'):  # the kinds' folders, two sources of a mixture: the same lines, by kind
+        lines = open(os.path.join(out, f'{split}.jsonl')).read().splitlines()
+        sums = [line for line in lines if re.fullmatch(ANSWERS[0][0] + '|' + ANSWERS[1][0], json.loads(line)['prompt'])]
+        assert 0 < len(sums) < len(lines)
+        assert open(os.path.join(out, 'arithmetic', f'{split}.jsonl')).read().splitlines() == sums
+        assert open(os.path.join(out, 'digits', f'{split}.jsonl')).read().splitlines() == [
+            line for line in lines if line not in sums]
     before = os.path.getmtime(os.path.join(out, 'train.jsonl'))
     prepare_number_tasks(str(tmp_path / 'a'), n_train=300, n_eval=30)
     assert os.path.getmtime(os.path.join(out, 'train.jsonl')) == before  # reused
@@ -177,13 +210,14 @@ def examples_of_lengths(lengths, seed=0):
 def test_padding_and_labels():
     examples = examples_of_lengths([5, 9, 3])
     batches = SFTBatches(examples, seed=0, pad_id=99, max_length=16)
-    x, y, doc_ids = batches.get(torch.tensor([0, 1, 2]))
+    x, y, doc_ids, sources = batches.get(torch.tensor([0, 1, 2]))
     assert doc_ids is None and x.shape == y.shape == (3, 8)  # the longest example has 9 tokens: 8 positions
     for row, (ids, labels) in enumerate(examples):
         n = len(ids) - 1
         assert x[row, :n].tolist() == ids[:-1] and y[row, :n].tolist() == labels[1:]
         assert (x[row, n:] == 99).all() and (y[row, n:] == -100).all()
     assert batches.count_labels(torch.tensor([0, 2])) == int((y[[0, 2]] != -100).sum())  # MFU's output-layer count
+    assert (sources == 0).all()  # one source
 
 
 def test_bucketing_cuts_padding_and_each_epoch_sees_every_example_once():
@@ -226,7 +260,7 @@ def test_packing_fills_rows_and_numbers_documents():
     # positions (length - 1) 9, 6, 4, 2, 2, 1 into 12, longest first, each into the row it fills most (best fit):
     # 9 | 6 | 4 joins 6 (room 6 beats 3) | 2 fills it | 2 and 1 fill 9's row; first fit would give [9, 2, 1], [6, 4, 2]
     assert rows.tolist() == [[0, 4, 5], [1, 2, 3]]
-    x, y, doc_ids = batches.get(rows)
+    x, y, doc_ids, _ = batches.get(rows)
     assert x.shape == (2, 12) and (doc_ids >= 0).all()  # both rows full
     assert (y != -100).sum() == sum((torch.tensor(l[1:]) != -100).sum() for _, l in examples_of_lengths(lengths))
     for row in doc_ids:
@@ -258,7 +292,7 @@ def test_packed_epochs_fill_rows_with_every_example_once():
     fill = [batches.count_tokens(rows) / (8 * 64) for rows in drawn]
     # measured: 0.993 (0.975 at least): only the rows ending an epoch run part-empty
     assert sum(fill) / len(fill) > 0.97, fill
-    x, y, doc_ids = batches.get(drawn[0])
+    x, y, doc_ids, _ = batches.get(drawn[0])
     assert x.shape[1] <= 64 and int((doc_ids >= 0).sum()) == batches.count_tokens(drawn[0])
     assert batches.count_labels(drawn[0]) == int((y != -100).sum())
     # a length curriculum (a limit that only grows) packs only the examples it allows
@@ -276,7 +310,7 @@ def test_packed_rows_give_the_logits_of_separate_examples(pos_emb):
     examples = examples_of_lengths([9, 5, 4, 3])
     packed = SFTBatches(examples, seed=0, pad_id=0, max_length=16, pack=True)
     rows = packed.rows(torch.arange(4))
-    x, _, doc_ids = packed.get(rows)
+    x, _, doc_ids, _ = packed.get(rows)
     logits, _ = model(x, doc_ids=doc_ids)
     assert len(rows) < 4
     for r, row in enumerate(rows.tolist()):
@@ -292,47 +326,120 @@ def test_packed_rows_give_the_logits_of_separate_examples(pos_emb):
     assert not torch.allclose(unmasked, logits, atol=1e-3)  # the mask matters
 
 
-def step_gradient(model, batches, micro_batches, token_weight):
-    """The gradient of one step as train.py's train_step takes it: each micro-batch's weighted CE over the labelled
-    positions, divided by the whole step's token weight, the micro-batches' gradients added."""
+LOSS_WEIGHTS = {'ce': 1.0, 'z_loss': 0.1}
+
+
+def step_gradient(model, batches, micro_batches, token_weight, source_weight):
+    """The gradient of one step as train.py's train_step takes it: each micro-batch's loss terms over the labelled
+    positions (losses.term_weights: a position's loss weight is its token's times its source's; the z-loss counts
+    positions alike), divided by the whole step's totals, computed by the model chunk by chunk (forward with
+    weights), the micro-batches' gradients added."""
     model.zero_grad()
     data = [batches.get(rows) for rows in micro_batches]
-    weight_sum = sum(target_weights(y, token_weight).sum() for _, y, _ in data)
-    for x, y, doc_ids in data:
-        labels_at = y != -100
-        logits, _ = model(x, doc_ids=doc_ids, logits_at=labels_at)
-        weighted_cross_entropy(logits, y[labels_at], token_weight, weight_sum).backward()
+    weights = [torch.stack([target_weights(y, token_weight) * source_weight[sources], (y != -100).double()])
+               for _, y, _, sources in data]
+    totals = sum(torch.zeros(2, 2, dtype=torch.float64).index_add_(1, sources.flatten(), w.flatten(1))
+                 for (_, _, _, sources), w in zip(data, weights))
+    for (x, y, doc_ids, sources), w in zip(data, weights):
+        _, terms = model(x, y, doc_ids=doc_ids, logits_at=y != -100, weights=term_weights(w, totals, LOSS_WEIGHTS))
+        combine_losses({name: term for name, (term, _) in terms.items()}, LOSS_WEIGHTS).backward()
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+def formula_gradient(model, batches, examples, token_weight, source_weight):
+    """The gradient of sum(w_token w_source CE) / sum(w_token w_source) + 0.1 mean(log(Z)^2) over the labelled
+    positions of the examples, one a row, in float64 throughout."""
+    model.zero_grad()
+    x, y, _, sources = batches.get(examples)
+    logits, _ = model(x)
+    at = y != -100
+    w = token_weight[y[at]] * source_weight[sources[at]]
+    ce = F.cross_entropy(logits[at], y[at], reduction='none')
+    ((ce * w).sum() / w.sum() + 0.1 * torch.logsumexp(logits[at], -1).square().mean()).backward()
     return torch.cat([p.grad.flatten() for p in model.parameters()])
 
 
 @pytest.mark.comparison
 def test_packed_step_has_the_gradient_of_its_examples_however_split():
-    """A packed global batch's gradient equals that of the same examples unpacked (one a row, padded), and that of
-    its rows split as train.py splits them over ranks and micro-batches (tensor_split, then unflatten): 1 x 4 =
-    4 x 1 = 2 ranks x 2 accumulation. Every token is divided by the whole step's weight, so a row holding three
-    examples weighs as they would apart. float64 weights (the loss itself is float32, as in train.py): the sides
-    add the same float32 per-token losses (float32's eps 1.2e-7) in other orders and shapes, so the gradients differ
-    by ~1e-7 of their norm (1e-5 allowed: ~100 terms a sum); a micro-batch normalized by its own weight is off by
-    > 1e-2."""
+    """A packed global batch of two sources' examples, weighted 1 and 0.3, has the gradient of the loss's formula
+    over the same examples (each position weighted by its token and its source, over the whole step's weight), that
+    of the same examples unpacked (one a row, padded), and that of its rows split as train.py splits them over ranks
+    and micro-batches (tensor_split, then unflatten): 1 x 4 = 4 x 1 = 2 ranks x 2 accumulation. Every token is divided
+    by the whole step's weight, so a row holding three examples weighs as they would apart. float64 weights (the loss
+    terms are float32, as in train.py): the sides add the same float32 per-token losses (float32's eps 1.2e-7) in
+    other orders and shapes, so the gradients differ by ~1e-7 of their norm (1e-5 allowed: ~100 terms a sum); a
+    micro-batch normalized by its own weight, or the sources unweighted, are off by > 1e-2."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=32, vocab_size=10, n_layer=2, n_head=2, n_embd=16)).double()
     lengths = torch.randint(4, 14, (40,), generator=torch.Generator().manual_seed(5)).tolist()
-    examples = examples_of_lengths(lengths)
-    packed = SFTBatches(examples, seed=0, pad_id=0, max_length=32, pack=True)
-    token_weight = torch.rand(10, generator=torch.Generator().manual_seed(6)) + 0.5
+    examples, sources = examples_of_lengths(lengths), torch.arange(40) % 3 == 0
+    packed = SFTBatches(examples, seed=0, pad_id=0, max_length=32, pack=True, sources=sources.long())
+    token_weight = torch.rand(10, generator=torch.Generator().manual_seed(6), dtype=torch.float64) + 0.5
+    source_weight = torch.tensor([1.0, 0.3], dtype=torch.float64)
     rows = packed.sample(4)
-    assert (rows >= 0).sum(1).min() >= 2  # several examples a row
-    whole = step_gradient(model, packed, [rows], token_weight)
+    assert (rows >= 0).sum(1).min() >= 2 and sources[rows[rows >= 0]].unique().tolist() == [False, True]
+    whole = step_gradient(model, packed, [rows], token_weight, source_weight)
     examples_of_rows = rows[rows >= 0]
-    unpacked = SFTBatches(examples, seed=0, pad_id=0, max_length=32)
-    alone = step_gradient(model, unpacked, [examples_of_rows], token_weight)
+    unpacked = SFTBatches(examples, seed=0, pad_id=0, max_length=32, sources=sources.long())
+    formula = formula_gradient(model, unpacked, examples_of_rows, token_weight, source_weight)
+    assert (formula - whole).norm() <= 1e-5 * whole.norm()
+    alone = step_gradient(model, unpacked, [examples_of_rows], token_weight, source_weight)
     assert (alone - whole).norm() <= 1e-5 * whole.norm()
     for world_size, accumulation, micro in [(1, 4, 1), (2, 2, 1), (2, 1, 2)]:
         shares = [rows.tensor_split(world_size)[rank].unflatten(0, (accumulation, micro)) for rank in range(world_size)]
-        split = step_gradient(model, packed, [m for share in shares for m in share], token_weight)
+        split = step_gradient(model, packed, [m for share in shares for m in share], token_weight, source_weight)
         assert (split - whole).norm() <= 1e-5 * whole.norm()
-    own = sum(step_gradient(model, packed, [m], token_weight) for m in rows.split(1)) / 4
+    own = sum(step_gradient(model, packed, [m], token_weight, source_weight) for m in rows.split(1)) / 4
     assert (own - whole).norm() > 1e-2 * whole.norm()  # each micro-batch normalized by its own weight
+    unweighted = step_gradient(model, packed, [rows], token_weight, torch.ones(2, dtype=torch.float64))
+    assert (unweighted - whole).norm() > 1e-2 * whole.norm()
+
+
+@pytest.mark.parametrize('pack', [False, True])
+def test_sources_are_drawn_as_one_set_and_each_position_knows_its_source(pack):
+    """Several sources' examples are drawn as one set (a weight scales the loss, not the draw): every epoch trains
+    every example of every source once, a global batch holds each source in about its share of the examples, packed
+    rows mix them, and get() gives each position its example's source."""
+    lengths = torch.randint(4, 25, (300,), generator=torch.Generator().manual_seed(8)).tolist()
+    sources = torch.tensor([0] * 200 + [1] * 60 + [2] * 40)
+    batches = SFTBatches(examples_of_lengths(lengths), seed=1, pad_id=0, max_length=64, pack=pack, sources=sources)
+    seen, shares, mixed = [], [], 0
+    while len(seen) < 300:
+        drawn = batches.sample(10)
+        examples = drawn[drawn >= 0]
+        seen += examples.tolist()
+        shares.append(torch.bincount(sources[examples], minlength=3) / len(examples))
+        x, y, doc_ids, position_sources = batches.get(drawn)
+        for r, row in enumerate(drawn.reshape(len(drawn), -1).tolist()):
+            row = [i for i in row if i >= 0]
+            assert position_sources[r, :sum(lengths[i] - 1 for i in row)].tolist() == [
+                int(sources[i]) for i in row for _ in range(lengths[i] - 1)]
+            mixed += len(set(sources[row].tolist())) > 1
+    assert sorted(seen[:300]) == list(range(300))  # one epoch (an epoch's last row ends it): each example once
+    share = torch.stack(shares).mean(0)
+    # measured: exact unpacked (batches of 10 examples, one epoch), 0.012 off packed (rows hold 2-10 examples)
+    assert ((share - torch.tensor([200, 60, 40]) / 300).abs() < 0.05).all(), share
+    assert mixed > 0 if pack else mixed == 0
+
+
+def test_a_continued_run_must_train_on_the_sources_it_began_with(tmp_path):
+    """sources_data_hash: the same named sources, in order, each train.jsonl unchanged; one folder after sources
+    (or sources after one folder) is refused too."""
+    paths = {}
+    for name in ('a', 'b'):
+        (tmp_path / name).mkdir()
+        paths[name] = write_jsonl(tmp_path / name / 'train.jsonl', [{'prompt': name, 'response': 'x'}])
+    ckpt = {'train_data_hash': sources_data_hash(paths, None, 'out', 'sft_data')}
+    assert sources_data_hash(paths, ckpt, 'out', 'sft_data') == ckpt['train_data_hash']
+    with pytest.raises(UserError, match=r"began training on the sources \['a', 'b'\].*now trains on the sources \['b', 'a'\]"):
+        sources_data_hash(dict(reversed(paths.items())), ckpt, 'out', 'sft_data')
+    with pytest.raises(UserError, match=r"began training on the sources \['a', 'b'\], and sft_data now names one"):
+        training_data_hash(paths['a'], ckpt, 'out', 'sft_data')
+    with pytest.raises(UserError, match='began training on one folder'):
+        sources_data_hash(paths, {'train_data_hash': ckpt['train_data_hash']['a']}, 'out', 'sft_data')
+    write_jsonl(tmp_path / 'b' / 'train.jsonl', [{'prompt': 'b', 'response': 'y'}])
+    with pytest.raises(UserError, match=rf"{paths['b']} \(source 'b'\) has changed since"):
+        sources_data_hash(paths, ckpt, 'out', 'sft_data')
 
 
 def test_packed_sampling_resumes_exactly_and_reads_the_earlier_format():
@@ -442,13 +549,63 @@ def test_sft_trains_reports_exact_match_and_resumes_bit_exactly(tmp_path, sft_en
 
 
 @pytest.mark.slow
+def test_two_weighted_sources_log_apart_and_resume_bit_exactly(tmp_path, sft_env):
+    """Two weighted sources, packing, a length curriculum, token weights, z-loss, dropout and accumulation, all resumed
+    exactly (bucketing: test_lora's resume); each source's train and val loss and exact match logged under its name."""
+    common = ['--dropout=0.1', '--lr_decay_iters=8', '--eval_interval=4', '--gradient_accumulation_steps=2',
+              '--pack=True', '--bucket_batches=1', '--curriculum_iters=6', sft_mixture(sft_env),
+              "--token_weights={'digits': (1.5, ['1', '2', '3'])}", "--loss_weights={'ce': 1.0, 'z_loss': 1e-3}"]
+    straight, split = tmp_path / 'straight', tmp_path / 'split'
+    p = sft(sft_env, straight, '--max_iters=8', *common)
+    assert re.search(r'sft_data: arithmetic 71 examples, [\d.]+% of the response tokens, loss weight 1: [\d.]+% of the '
+                     r'loss; digits 129 examples, [\d.]+% of the response tokens, loss weight 0.5', p.stdout), p.stdout
+    assert re.search(r'step 8: loss [\d.]+ \(arithmetic [\d.]+, digits [\d.]+\), lr', p.stdout), p.stdout
+    assert re.search(r'step 8: val loss [\d.]+ \(arithmetic [\d.]+, digits [\d.]+\), perplexity', p.stdout)
+    assert re.search(r'step 8: exact_match [\d.]+% \(arithmetic [\d.]+%, digits [\d.]+%\) on 8 held-out', p.stdout)
+    assert '8 packed rows of up to 48 tokens (384) per step' in p.stdout
+    tokens = logged(straight, 'tokens_per_step')
+    assert sorted(tokens) == list(range(1, 9)) and all(40 < t <= 384 for t in tokens.values()), tokens
+    sft(sft_env, split, '--max_iters=4', *common)
+    p = sft(sft_env, split, '--max_iters=8', *common)
+    assert 'resuming' in p.stdout + p.stderr
+    a, b = train_losses(straight), train_losses(split)
+    assert sorted(a) == sorted(b) == list(range(1, 9)) and all(a[s] == b[s] for s in a), (a, b)
+    wa, wb = load(straight / 'ckpt.pt')['model'], load(split / 'ckpt.pt')['model']
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    for key in ('train_loss/arithmetic', 'train_loss/digits', 'val_loss/digits', 'eval/exact_match/arithmetic'):
+        assert logged(straight, key) == logged(split, key), key  # the same mixture order: the same sources' losses
+
+    events = read_log(straight)
+    # val_loss weighs each source's by its loss weight and its tokens: those of its first 8 val examples
+    tok = ChatTokenizer(load_tokenizer(sft_env['data_dir']))
+    tokens = {source: sum(sum(label != -100 for label in labels[1:]) for _, labels in load_sft_split(
+        os.path.join(sft_env['task'], source, 'val.jsonl'), tok, 48)[1][:8]) for source in ('arithmetic', 'digits')}
+    for e in (e for e in events if 'val_loss' in e):
+        weighted = {'arithmetic': tokens['arithmetic'], 'digits': 0.5 * tokens['digits']}
+        assert e['val_loss'] == pytest.approx(sum(weighted[s] * e[f'val_loss/{s}'] for s in weighted)
+                                              / sum(weighted.values()), rel=1e-5)
+    for key in ('eval/exact_match', 'eval/exact_match/arithmetic', 'eval/exact_match/digits', 'val_loss/arithmetic',
+                'val_loss/digits'):
+        assert [e['step'] for e in events if key in e] == [0, 4, 8], key
+    steps = [e for e in events if 'train_loss' in e]
+    assert all('train_ce' in e and 'train_z_loss' in e for e in steps)
+    # the logged steps that held the source (the curriculum keeps the long sums out of the first 4 steps)
+    for source in ('arithmetic', 'digits'):
+        held = [e for e in steps if f'train_loss/{source}' in e]
+        assert len(held) >= 4 and all(e[f'train_loss/{source}'] == pytest.approx(
+            e[f'train_ce/{source}'] + 1e-3 * e[f'train_z_loss/{source}'], rel=1e-5) for e in held)
+
+
+@pytest.mark.slow
 @pytest.mark.comparison
 def test_accumulation_and_ddp_match_one_big_batch(tmp_path, sft_env):
-    """The loss is normalized by the whole global batch's token weight: 4 x 1 = 1 x 4 = 2 ranks x (1 x 2) give the
-    same train loss at every step, the same gradient norm at the first (same weights: the accumulated gradient
-    itself) and the same val loss of the final weights (the same 8 val examples: eval_iters x batch_size = 8).
-    Packed (a global batch of 4 rows of up to 48 tokens, split over ranks and micro-batches by rows; unpacked, one
-    example a row, the same split: test_lora's DDP test).
+    """The loss is normalized by the whole global batch's loss weight (token weights x two sources' weights): 4 x 1 =
+    1 x 4 = 2 ranks x (1 x 2) give the same train loss at every step, the same gradient norm at the first (same
+    weights: the accumulated gradient itself) and the same val loss of the final weights (each source's first 8 val
+    examples: eval_iters x batch_size = 8); the same holds for each source's losses. With a loss term added as a user
+    adds one (tests/entropy_term.py: a function and its LOSS_TERMS entry, train.py unchanged): checked, trained on
+    and logged. Packed (a global batch of 4 rows of up to 48 tokens, split over ranks and micro-batches by rows;
+    unpacked, one example a row, the same split: test_lora's DDP test).
     rtol=1e-5: the runs add the same float32 terms in other orders (other micro-batch shapes, other BLAS kernels
     on other CPUs), which moves a sum of n terms by at most ~n * 2^-24 relative, ~1e-5 for the <= 4 x 48 positions of a
     global batch (measured: <= 5e-7, also with one run on SSE kernels); a micro-batch normalized by its own weight
@@ -458,17 +615,28 @@ def test_accumulation_and_ddp_match_one_big_batch(tmp_path, sft_env):
     second-order effect on the later steps and the final val loss far below the tolerance."""
     common = ['--max_iters=3', '--eval_interval=3', '--lr_decay_iters=3', '--exact_match_examples=0',
               '--learning_rate=1e-3', '--min_lr=1e-4', "--token_weights={'digits': (2.0, ['1', '5', '9'])}",
-              '--pack=True', '--bucket_batches=1']
+              '--pack=True', '--bucket_batches=1', sft_mixture(sft_env, 1.0, 0.25),
+              "--loss_weights={'ce': 1.0, 'entropy_bonus': 0.05}"]
     big, accumulated, ddp = tmp_path / 'big', tmp_path / 'accumulated', tmp_path / 'ddp'
-    sft(sft_env, big, '--batch_size=4', '--gradient_accumulation_steps=1', *common)
-    sft(sft_env, accumulated, '--batch_size=1', '--gradient_accumulation_steps=4', '--eval_iters=8', *common)
-    run([*torchrun(2), *sft_args(sft_env, ddp, '--batch_size=1', '--gradient_accumulation_steps=2', '--eval_iters=8',
-                                 *common)])
-    for key, steps in [('train_loss', [1, 2, 3]), ('grad_norm', [1]), ('val_loss', [0, 3])]:
+    run(['tests/entropy_term.py', *sft_args(sft_env, big, '--batch_size=4', '--gradient_accumulation_steps=1',
+                                            *common)])
+    run(['tests/entropy_term.py', *sft_args(sft_env, accumulated, '--batch_size=1', '--gradient_accumulation_steps=4',
+                                            '--eval_iters=8', *common)])
+    run([*torchrun(2), 'tests/entropy_term.py', *sft_args(sft_env, ddp, '--batch_size=1',
+                                                          '--gradient_accumulation_steps=2', '--eval_iters=8', *common)])
+    for key, steps in [('train_loss', [1, 2, 3]), ('grad_norm', [1]), ('val_loss', [0, 3]),
+                       ('train_entropy_bonus', [1, 2, 3]), ('train_loss/digits', [1, 2, 3]),
+                       ('train_entropy_bonus/arithmetic', [1, 3]), ('val_loss/arithmetic', [0, 3]),  # 2: no sums
+                       ('val_loss/digits', [0, 3])]:
         a, b, c = (logged(out, key) for out in (big, accumulated, ddp))
         assert sorted(a) == sorted(b) == sorted(c) and set(steps) <= set(a), (key, a, b, c)
         assert all(b[s] == pytest.approx(a[s], rel=1e-5) and c[s] == pytest.approx(a[s], rel=1e-5)
                    for s in steps), (key, a, b, c)
+    for e in read_log(big):  # the added term is in each loss the step took
+        for source in ('/arithmetic', '/digits', ''):
+            if f'train_loss{source}' in e:
+                assert e[f'train_loss{source}'] == pytest.approx(e[f'train_ce{source}'] + 0.05 * e[
+                    f'train_entropy_bonus{source}'], rel=1e-5) and e[f'train_entropy_bonus{source}'] < 0
 
 
 @pytest.mark.slow
@@ -477,8 +645,10 @@ def test_sft_bad_inputs_are_clear_errors(tmp_path, sft_env):
     bad.mkdir()
     write_jsonl(bad / 'train.jsonl', [{'prompt': 'What is 1+1?', 'response': '2'}, '{"prompt": 1}'])
     write_jsonl(bad / 'val.jsonl', [{'prompt': 'What is 1+1?', 'response': '2'}])
-    p = sft(sft_env, tmp_path / 'a', f'--sft_data={bad}', check=False)
-    assert_user_error(p, f'{bad / "train.jsonl"}:2:')
+    # a named source's malformed line: its name, file and line
+    p = sft(sft_env, tmp_path / 'a', f"--sft_data={{'tasks': ('{sft_env['task']}', 1.0), 'bad': ('{bad}', 0.5)}}",
+            check=False)
+    assert_user_error(p, "sft_data source 'bad': ", f'{bad / "train.jsonl"}:2:')
     # a base model trained with another tokenizer
     (tmp_path / 'other.txt').write_text(''.join(CHARS) * 40)  # covers the task, but a larger vocabulary
     other = prepare(str(tmp_path / 'other.txt'), str(tmp_path / 'other'), 'char')
@@ -487,7 +657,8 @@ def test_sft_bad_inputs_are_clear_errors(tmp_path, sft_env):
     cases = [(['--eval_only=True', '--init_from=scratch'], 'eval_only=True needs a trained model'),
              (["--loss_weights={'ce': -1.0, 'z_loss': 0.0}"], 'finite numbers >= 0'),
              (["--token_weights={'g': (-2.0, ['a'])}"], 'finite weight >= 0'),
-             (["--token_weights={'g': (2.0, ['Q'])}"], "token_weights['g']: 'Q'")]  # not in this char vocabulary
+             (["--token_weights={'g': (2.0, ['Q'])}"], "token_weights['g']: 'Q'"),  # not in this char vocabulary
+             (["--sft_data={'a': ('x', -1.0)}"], "sft_data['a'] = ('x', -1.0) must be (folder, weight)")]
     for i, (args, message) in enumerate(cases):
         p = sft(sft_env, tmp_path / f'c{i}', *args, check=False)
         assert_user_error(p, message)
@@ -542,9 +713,13 @@ def test_the_number_tasks_are_written_whole(tmp_path, monkeypatch):
         assert 'w' not in mode or str(path).endswith('.tmp'), f"{path} written in place"
         return builtins.open(path, mode, *args, **kwargs)
     monkeypatch.setattr(tasks.number_tasks, 'open', only_temporaries, raising=False)
-    monkeypatch.setattr(tasks.number_tasks.os, 'replace', lambda a, b: renamed.append(os.path.basename(b)) or
-                        os.rename(a, b))
+
+    def replace(a, b):
+        renamed.append(os.path.relpath(b, tmp_path / 'tasks'))
+        os.rename(a, b)
+    monkeypatch.setattr(tasks.number_tasks.os, 'replace', replace)
     out = prepare_number_tasks(str(tmp_path / 'tasks'), n_train=20, n_eval=4)
-    assert renamed == ['train.jsonl', 'val.jsonl', 'test.jsonl', 'meta.json']
+    assert renamed == [os.path.join(kind, f'{split}.jsonl') for split in ('train', 'val', 'test')
+                       for kind in ('', 'arithmetic', 'digits')] + ['meta.json']
     assert len(open(os.path.join(out, 'train.jsonl')).read().splitlines()) == 20
-    assert sorted(os.listdir(out)) == ['meta.json', 'test.jsonl', 'train.jsonl', 'val.jsonl']
+    assert sorted(os.listdir(out)) == ['arithmetic', 'digits', 'meta.json', 'test.jsonl', 'train.jsonl', 'val.jsonl']

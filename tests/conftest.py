@@ -36,6 +36,9 @@ from run.run_folder import logged_step
 from tasks.number_tasks import prepare_number_tasks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if os.environ.get('PYTEST_XDIST_WORKER'):
+    # a worker a core (-n auto), one thread each, as the scripts they launch: more threads than cores spin
+    torch.set_num_threads(1)
 HF_FIXTURES = os.path.join(ROOT, 'tests', 'fixtures', 'hf')
 
 def pytest_collection_modifyitems(config, items):

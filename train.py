@@ -32,7 +32,7 @@ from memory import MemoryMonitor, halve_micro_batch, peak_memory_bytes, recover_
 from run.checkpoint import (CHECKPOINT_FORMATS, check_compatible, restore_training_state, training_state,
                             write_checkpoint)
 from run.device import DTYPES, GradScaler, autocast_context, pick_dtype, to_device
-from run.epochs import EpochPlan, counts_epochs, warmup_fits
+from run.epochs import by_epochs_checked, plan_epochs
 from run.fsdp import PARALLEL, check_parallel, place_model, same_init_on_every_rank
 from run.run_folder import (continued_origin, open_run, require_starting_weights, run_log, run_origin,
                             sources_data_hash, training_data_hash)
@@ -163,11 +163,7 @@ if num_train_epochs and not fine_tuning:
     raise UserError(f"num_train_epochs={num_train_epochs:g} counts passes over a fine-tuning data set; pretraining "
                     f"(training_type='from_scratch') draws random windows of its corpus, which has no epochs: set "
                     f"max_iters instead.")
-by_epochs = counts_epochs(config)  # else max_iters counts the run
-if eval_every_epochs and not by_epochs:
-    raise UserError(f"eval_every_epochs={eval_every_epochs} evaluates at the end of epochs, which a run counted in "
-                    f"max_iters does not plan: set num_train_epochs (with nothing setting max_iters after it), or use "
-                    f"eval_interval.")
+by_epochs = by_epochs_checked(config)  # else max_iters counts the run
 require_wandb(wandb_log)
 
 if fine_tuning and max_length > block_size:
@@ -362,13 +358,9 @@ def example_limit(step):
 
 # the run's steps: max_iters, or an epoch-counted run's, planned from its data and global batch
 # (run/epochs.py); its lr decays to min_lr over all of them
-epoch_plan = None
-if by_epochs:
-    epoch_plan = EpochPlan(train_batches.epoch_steps(global_batch_size, math.ceil(num_train_epochs),
-                                                     example_limit if curriculum_iters else None), num_train_epochs)
-    if ckpt is not None:
-        epoch_plan.check_resumed(ckpt.get('epoch_steps'), ckpt_path)
-    warmup_fits(warmup_iters, epoch_plan)
+epoch_plan = plan_epochs(train_batches.epoch_steps(global_batch_size, math.ceil(num_train_epochs),
+                                                   example_limit if curriculum_iters else None),
+                         config, ckpt, ckpt_path) if by_epochs else None
 run_iters = epoch_plan.steps if epoch_plan else max_iters
 get_lr = LRSchedule.from_config(config, epoch_plan.steps if epoch_plan else None)
 # rank 0 logs to Weights & Biases too, a continued run to its W&B run
@@ -590,11 +582,7 @@ while iter_num < run_iters:
     window_tokens += step_tokens
     window_labels += step_labels
     # an epoch-counted run's epochs done (Trainer's fractional 'epoch'), and the epoch this step ended, if any
-    epoch = {'epoch': epoch_plan.epoch(iter_num)} if epoch_plan else {}
-    epoch_end = epoch_plan.ending(iter_num) if epoch_plan else 0
-    if epoch_plan:
-        progress.set_description(f'epoch {epoch_plan.under_way(iter_num)}/{len(epoch_plan.epoch_steps)}',
-                                 refresh=False)
+    epoch, epoch_end = epoch_plan.after(iter_num, progress) if epoch_plan else ({}, 0)
 
     if iter_num % log_interval == 0 or iter_num == run_iters:
         now = time.time()

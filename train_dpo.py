@@ -31,7 +31,7 @@ from model import GPTConfig
 from run.checkpoint import (CHECKPOINT_FORMATS, check_compatible, file_sha256, restore_training_state, training_state,
                             write_checkpoint)
 from run.device import DTYPES, GradScaler, autocast_context, pick_dtype
-from run.epochs import EpochPlan, counts_epochs, warmup_fits
+from run.epochs import by_epochs_checked, plan_epochs
 from run.fsdp import PARALLEL, check_parallel, place_model, same_init_on_every_rank
 from run.run_folder import continued_origin, open_run, run_log, run_origin, sources_data_hash, training_data_hash
 from run.runtime import (StopSignal, all_reduce_metrics, bad_step, clip_grad_norm, compute_cleanup, compute_init,
@@ -150,11 +150,7 @@ if parallel == 'fsdp' and use_lora and lora_bias != 'none' and not reference_fre
                     f"parallel='ddp', or reference_free=True.")
 if reference_free and precompute_ref_logps:
     raise UserError("reference_free=True has no reference to precompute; drop precompute_ref_logps.")
-by_epochs = counts_epochs(config)  # else max_iters counts the run
-if eval_every_epochs and not by_epochs:
-    raise UserError(f"eval_every_epochs={eval_every_epochs} evaluates at the end of epochs, which a run counted in "
-                    f"max_iters does not plan: set num_train_epochs (with nothing setting max_iters after it), or use "
-                    f"eval_interval.")
+by_epochs = by_epochs_checked(config)  # else max_iters counts the run
 require_wandb(wandb_log)
 
 # processes and device (run/runtime.py: one process per GPU under torchrun), precision
@@ -284,12 +280,8 @@ if ckpt:
                                                                                 rank, world_size, raw_model)
 global_batch_size = micro_batch_size * accumulation_steps * world_size
 # the run's steps: max_iters, or an epoch-counted run's (run/epochs.py); its lr decays to min_lr over all of them
-epoch_plan = None
-if by_epochs:
-    epoch_plan = EpochPlan(train_batches.epoch_steps(global_batch_size, math.ceil(num_train_epochs)), num_train_epochs)
-    if ckpt:
-        epoch_plan.check_resumed(ckpt.get('epoch_steps'), ckpt_path)
-    warmup_fits(warmup_iters, epoch_plan)
+epoch_plan = plan_epochs(train_batches.epoch_steps(global_batch_size, math.ceil(num_train_epochs)), config, ckpt,
+                         ckpt_path) if by_epochs else None
 run_iters = epoch_plan.steps if epoch_plan else max_iters
 get_lr = LRSchedule.from_config(config, epoch_plan.steps if epoch_plan else None)
 # rank 0 logs to Weights & Biases too, a continued run to its W&B run
@@ -503,11 +495,7 @@ while iter_num < run_iters:
     window_tokens += train_batches.count_tokens(global_batch)
     window_steps += 1
     # an epoch-counted run's epochs done (Trainer's fractional 'epoch'), and the epoch this step ended, if any
-    epoch = {'epoch': epoch_plan.epoch(iter_num)} if epoch_plan else {}
-    epoch_end = epoch_plan.ending(iter_num) if epoch_plan else 0
-    if epoch_plan:
-        progress.set_description(f'epoch {epoch_plan.under_way(iter_num)}/{len(epoch_plan.epoch_steps)}',
-                                 refresh=False)
+    epoch, epoch_end = epoch_plan.after(iter_num, progress) if epoch_plan else ({}, 0)
 
     if iter_num % log_interval == 0 or iter_num == run_iters:
         now = time.time()

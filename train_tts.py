@@ -23,7 +23,7 @@ from memory import MemoryMonitor, peak_memory_bytes, recover_from_oom, split_mic
 from run.checkpoint import (NEW_RUN, check_compatible, load_checkpoint, restore_training_state, rng_state,
                             set_rng_state, training_state, write_checkpoint)
 from run.device import GradScaler, autocast_context, pick_dtype, to_device
-from run.epochs import EpochPlan, counts_epochs, warmup_fits
+from run.epochs import by_epochs_checked, plan_epochs
 from run.run_folder import continued_origin, open_run, require_starting_weights, run_log, run_origin
 from run.runtime import (StepProfiler, StopSignal, all_reduce_metrics, bad_step, clip_grad_norm, compute_cleanup,
                          compute_init, gradient_sync, log, wrap_model)
@@ -136,11 +136,7 @@ check_values(config, [
     (FOLDER, ('out_dir',)),
     (EMPTY_OR_FOLDER, ('cache_dir',)),
 ])
-by_epochs = counts_epochs(config)  # else max_iters counts the run
-if eval_every_epochs and not by_epochs:
-    raise UserError(f"eval_every_epochs={eval_every_epochs} evaluates at the end of epochs, which a run counted in "
-                    f"max_iters does not plan: set num_train_epochs (with nothing setting max_iters after it), or use "
-                    f"eval_interval.")
+by_epochs = by_epochs_checked(config)  # else max_iters counts the run
 require_wandb(wandb_log)
 if voice_clips and not multi_speaker:
     raise UserError("voice_clips=True learns to tell the voices of a multi-speaker corpus from a clip: add "
@@ -232,13 +228,8 @@ if resuming:
     iter_num, best_val_loss, evals_without_improvement = restore_training_state(ckpt, ckpt_path, optimizer, scaler,
                                                                                 rank, world_size)
 # the run's steps: max_iters, or an epoch-counted run's (run/epochs.py); its lr decays to min_lr over all of them
-epoch_plan = None
-if by_epochs:
-    epoch_plan = EpochPlan(sampler.epoch_steps(gradient_accumulation_steps, math.ceil(num_train_epochs)),
-                           num_train_epochs)
-    if resuming:
-        epoch_plan.check_resumed(ckpt.get('epoch_steps'), ckpt_path)
-    warmup_fits(warmup_iters, epoch_plan)
+epoch_plan = plan_epochs(sampler.epoch_steps(gradient_accumulation_steps, math.ceil(num_train_epochs)), config,
+                         ckpt if resuming else None, ckpt_path) if by_epochs else None
 run_iters = epoch_plan.steps if epoch_plan else max_iters
 get_lr = LRSchedule.from_config(config, epoch_plan.steps if epoch_plan else None)
 # rank 0 logs to Weights & Biases too, a continued run to its W&B run

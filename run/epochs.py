@@ -45,6 +45,26 @@ def counts_epochs(config):
     return True
 
 
+def by_epochs_checked(config):
+    """counts_epochs(config), refusing eval_every_epochs in a run counted in max_iters."""
+    by_epochs = counts_epochs(config)
+    if config['eval_every_epochs'] and not by_epochs:
+        raise UserError(f"eval_every_epochs={config['eval_every_epochs']} evaluates at the end of epochs, which a run "
+                        f"counted in max_iters does not plan: set num_train_epochs (with nothing setting max_iters "
+                        f"after it), or use eval_interval.")
+    return by_epochs
+
+
+def plan_epochs(epoch_steps, config, ckpt, ckpt_path):
+    """The EpochPlan of an epoch-counted run (epoch_steps: the data's steps of each epoch), checked against the
+    continued run's checkpoint ckpt (None for a new run) and against the config's warmup."""
+    plan = EpochPlan(epoch_steps, config['num_train_epochs'])
+    if ckpt is not None:
+        plan.check_resumed(ckpt.get('epoch_steps'), ckpt_path)
+    warmup_fits(config['warmup_iters'], plan)
+    return plan
+
+
 class EpochPlan:
     """The steps of an epoch-counted run: epoch_steps[k] optimizer steps in epoch k + 1, for each epoch it begins
     (a fractional num_train_epochs, as Trainer's, ends within the last: its share of that epoch's steps, rounded up)."""
@@ -72,6 +92,12 @@ class EpochPlan:
     def under_way(self, step):
         """The number of the epoch that the step after `step` steps is in (the last one's after the run's end)."""
         return min(bisect.bisect_right(self.ends, step) + 1, len(self.ends))
+
+    def after(self, step, progress):
+        """After `step` steps: ({'epoch': the epochs done}, the epoch that ended at step, else 0); the progress bar
+        (tqdm) names the epoch under way."""
+        progress.set_description(f'epoch {self.under_way(step)}/{len(self.epoch_steps)}', refresh=False)
+        return {'epoch': self.epoch(step)}, self.ending(step)
 
     def describe(self, per_step, lr_schedule):
         """The plan in a line, per_step: what a step holds ('8 rows of up to 48 tokens')."""

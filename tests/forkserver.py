@@ -4,8 +4,8 @@ run as `python script.py args` runs it (its own argv, sys.path, environment, wor
 and exit status). Importing torch is most of what a short launch costs on a CPU (~2 of ~4 CPU-seconds for
 a script that refuses its config), and the suite launches its scripts a few hundred times.
 
-conftest.run uses it for `python <script>.py ...` launches; `-m` launches (torchrun) and the tests that
-signal a running script start a real process. NANOTRAIN_TESTS_FORK=0 turns it off (every launch a new
+conftest.run uses it for `python <script>.py ...` and `python -m <module> ...` launches (torchrun's launcher:
+its ranks are new Pythons it starts); the tests that signal a running script start a real process. NANOTRAIN_TESTS_FORK=0 turns it off (every launch a new
 Python). A fork shares the server's hash seed, which the server draws once per pytest process.
 
 Protocol: the server reads one JSON request a line on stdin ({args, cwd, env, stdout, stderr}) and answers
@@ -38,13 +38,18 @@ if __name__ == '__main__':
             import numpy as np
             random.seed()  # a new process's streams, not the server's copy
             np.random.seed()
-            script = request['args'][0]
-            sys.argv = list(request['args'])
+            args = request['args']
+            module = args[1] if args[0] == '-m' else None  # `python -m module ...` (torchrun's launcher)
+            sys.argv = list(args[1:] if module else args)
             extra = [p for p in os.environ.get('PYTHONPATH', '').split(os.pathsep) if p]
-            sys.path[:] = [os.path.dirname(os.path.abspath(script)), *extra, *BASE_PATH]
+            first = os.getcwd() if module else os.path.dirname(os.path.abspath(args[0]))
+            sys.path[:] = [first, *extra, *BASE_PATH]
             try:
                 try:
-                    runpy.run_path(script, run_name='__main__')
+                    if module:
+                        runpy.run_module(module, run_name='__main__', alter_sys=True)
+                    else:
+                        runpy.run_path(args[0], run_name='__main__')
                     code = 0
                 except SystemExit:
                     raise

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from conftest import ROOT
+from conftest import ROOT, run
 
 PACKAGES = ('.', 'lm', 'hf', 'run', 'tts', 'tasks')
 SOURCES = sorted(path for folder in PACKAGES for path in glob.glob(os.path.join(ROOT, folder, '*.py')))
@@ -33,10 +33,10 @@ def test_gpt_side_does_not_import_torchaudio():
 def test_package_commands_run_by_module_and_by_path():
     """The two commands that live in packages run as `python -m ...` and by their path alike."""
     for args in (['-m', 'tts.data', '--help'], ['tts/data.py', '--help']):
-        p = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True)
+        p = run(args, check=False)
         assert p.returncode == 0 and '--text_file' in p.stdout, (args, p.stderr)
     for args in (['-m', 'run.sharded_checkpoint'], ['run/sharded_checkpoint.py']):
-        p = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True)
+        p = run(args, check=False)
         assert p.returncode == 1 and 'usage: python -m run.sharded_checkpoint' in p.stderr, (args, p.stderr)
         assert 'Traceback' not in p.stderr
 

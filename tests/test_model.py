@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from configurator import UserError
+from conftest import INDUCTOR_ON_THIS_CPU
 from model import GPT, GPTConfig, KVCache, apply_rope, rope_cos_sin, sample_next, window_mask
 from run.device import peak_flops
 
@@ -167,6 +168,7 @@ def step_terms_and_grads(model, x, y, weights):
 
 
 @pytest.mark.comparison
+@INDUCTOR_ON_THIS_CPU
 def test_compiled_training_step_equals_eager():
     """torch.compile'd model (Inductor's generated kernels; on the CPU here, on a GPU in the cuda test below) against
     eager: the chunked loss with token weights, z-loss and a soft cap, and every gradient. Inductor reorders float32

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from configurator import UserError
-from conftest import (HF_FIXTURES, HF_TINY, dpo, evals, fine_tune, hf_fixture, kill_and_relaunch, load, load_gpt,
-                      read_json_file, run, train_losses, val_losses)
+from conftest import (HF_FIXTURES, HF_TINY, INDUCTOR_ON_THIS_CPU, dpo, evals, fine_tune, hf_fixture,
+                      kill_and_relaunch, load, load_gpt, read_json_file, run, train_losses, val_losses)
 from hf.checkpoint import hf_names, load_hf_checkpoint
 from lm.lora import LoRALinear, apply_lora, cast_frozen_base, disable_adapters, frozen_base_dtype, low_rank_delta, \
     lora_state_dict, merged_state_dict
@@ -125,10 +125,8 @@ def assert_within_rounding(a, b, magnitude, n):
     assert ((a - b).abs() <= 2 * n * u / (1 - n * u) * magnitude).all(), (a - b).abs().max()
 
 
-# CI reruns comparisons with ATEN_CPU_CAPABILITY=default; there torch 2.11's inductor, told not to vectorize, still
-# writes vector code for some kernels and fails to compile it (a C++ error: 'at::vec' has not been declared)
 @pytest.mark.comparison
-@pytest.mark.skipif(os.environ.get('ATEN_CPU_CAPABILITY') == 'default', reason="inductor's C++ fails to compile there")
+@INDUCTOR_ON_THIS_CPU
 def test_compiled_a_layer_on_a_4_bit_base_computes_what_it_does_eagerly_and_keeps_no_weight():
     """torch.compile'd, a LoRA layer on a 4-bit base gives eager's output and gradients up to float32's rounding of
     the same sums, and its forward saves no tensor of the weight's size for the backward: the dequantization, one

@@ -93,22 +93,36 @@ class ForkServer:
         """`python *args` in the repository root with env: a subprocess.CompletedProcess, output as text."""
         if self.process is None or self.process.poll() is not None:
             self.process = subprocess.Popen([sys.executable, os.path.join(ROOT, 'tests', 'forkserver.py')], cwd=ROOT,
-                                            env=script_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                            env=script_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         with tempfile.TemporaryDirectory() as folder:
             out, err = os.path.join(folder, 'stdout'), os.path.join(folder, 'stderr')
             request = dict(args=list(args), cwd=ROOT, env=env, stdout=out, stderr=err)
-            self.process.stdin.write(json.dumps(request) + '\n')
+            self.process.stdin.write(json.dumps(request).encode() + b'\n')
             self.process.stdin.flush()
-            pid = int(self.process.stdout.readline())
+            pid = self.number()
             ready, _, _ = select.select([self.process.stdout], [], [], timeout)
             if not ready:
-                os.killpg(pid, signal.SIGKILL)
-            code = int(self.process.stdout.readline())
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except ProcessLookupError:  # it ended as the time ran out
+                    pass
+            code = self.number()
             with open(out, errors='replace') as f, open(err, errors='replace') as g:
                 stdout, stderr = f.read(), g.read()
         if not ready:
             raise subprocess.TimeoutExpired([sys.executable, *args], timeout, stdout, stderr)
         return subprocess.CompletedProcess([sys.executable, *args], code, stdout, stderr)
+
+    def number(self):
+        """The next line the server wrote, a number, read a byte at a time from the pipe itself: a buffered reader
+        could take the exit status along with the pid, and select would then wait for a line already read."""
+        line = b''
+        while not line.endswith(b'\n'):
+            byte = os.read(self.process.stdout.fileno(), 1)
+            if not byte:
+                raise RuntimeError('tests/forkserver.py stopped: ' + (line.decode() or 'nothing written'))
+            line += byte
+        return int(line)
 
 
 FORK_SERVER = ForkServer() if os.environ.get('NANOTRAIN_TESTS_FORK', '1') != '0' else None

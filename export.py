@@ -34,12 +34,12 @@ import torch
 from safetensors import SafetensorError
 
 from configurator import UserError, install_excepthook
-from hf.checkpoint import (hf_model, is_hf_folder, save_chat_tokenizer, save_hf_model, save_peft_adapter,
-                           set_template_defaults)
+from hf.checkpoint import hf_model, save_chat_tokenizer, save_hf_model, save_peft_adapter, set_template_defaults
 from hf.tokenizer import load_hf_tokenizer
 from hf.tokenizer_json import write_tokenizer_files
 from lm.tokenizer import ChatTokenizer, load_tokenizer
 from run.checkpoint import load_checkpoint
+from run.run_folder import is_hf_folder
 
 DTYPES = ('float32', 'bfloat16', 'float16')
 

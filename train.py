@@ -19,29 +19,20 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from configurator import FOLDER, POSITIVE, UserError, at_least, check_values, configure, data_sources, interval, one_of
-from lm.adamw8bit import in_8_bits
-from lm.chat_data import SFTBatches, concatenated, describe_sources, load_sft_sources
-from lm.heldout_eval import HeldOut, metric_names, print_sample, report_heldout
-from lm.lora import apply_lora, frozen_base_dtype, load_adapters, lora_optimizer, lora_state_dict, save_merged
-from lm.muon import Muon, muon_param_groups
-from lm.tokenizer import chat_tokenizer, dataset_file, prompt_and_answer, read_meta
-from losses import (check_loss_weights, combine_losses, source_shares, target_weights, term_weights,
-                    token_weight_table)
+from configurator import FOLDER, POSITIVE, UserError, at_least, check_values, configure, interval, one_of
+from lm.starting_model import full_model_checkpoint, hf_source, run_model_args, run_tokenizer, starting_gpt
+from lm.tokenizer import dataset_file, read_meta
+from losses import check_loss_weights, combine_losses, source_shares, target_weights, term_weights, token_weight_table
 from memory import MemoryMonitor, halve_micro_batch, peak_memory_bytes, recover_from_oom, resumed_micro_batch
-from run.checkpoint import (CHECKPOINT_FORMATS, check_compatible, restore_training_state, training_state,
-                            write_checkpoint)
+from run.checkpoint import CHECKPOINT_FORMATS, check_compatible, restore_training_state, training_state, write_checkpoint
 from run.device import DTYPES, GradScaler, autocast_context, pick_dtype, to_device
-from run.epochs import by_epochs_checked, plan_epochs
 from run.fsdp import PARALLEL, check_parallel, place_model, same_init_on_every_rank
-from run.run_folder import (continued_origin, open_run, require_starting_weights, run_log, run_origin,
-                            sources_data_hash, training_data_hash)
+from run.run_folder import continued_origin, open_run, require_starting_weights, run_log, run_origin
 from run.runtime import (StepProfiler, StopSignal, all_reduce_metrics, bad_step, clip_grad_norm, compute_cleanup,
                          compute_init, gradient_sync, log, prepare_once, rank_batches, wrap_model)
-from run.starting_model import full_model_checkpoint, hf_source, model_hash, run_model_args, run_tokenizer, starting_gpt
-from run.tracker import require_wandb, start_wandb
 from scheduler import SCHEDULES, LRSchedule, set_lr
-from tasks.number_tasks import NUMBER_TASKS_DIR, is_number_tasks, prepare_number_tasks
+# fine-tuning, LoRA, Muon, 8-bit moments, epochs and W&B import their code where their branch starts
+# (nanoGPT's way with wandb): plain pretraining reads only what it runs
 
 # -----------------------------------------------------------------------------
 # I/O
@@ -155,19 +146,34 @@ check_values(config, [
 check_loss_weights(loss_weights)
 if training_type not in ('from_scratch', 'sft', 'lora'):
     raise UserError(f"training_type={training_type!r} is not supported; use 'from_scratch', 'sft' or 'lora'.")
-eval_metric_names = metric_names(eval_metrics)
 if training_type == 'lora' and optimizer_type == 'muon':
     raise UserError("training_type='lora' trains its adapters with AdamW; set optimizer_type='adamw' (or 'adamw8bit').")
+if lora_base_dtype != 'float32' and training_type != 'lora':
+    raise UserError(f"lora_base_dtype={lora_base_dtype!r} keeps a LoRA run's frozen base in "
+                    f"{'4 bits (QLoRA)' if lora_base_dtype == 'nf4' else '16 bits'}, but this run is not one: it "
+                    f"trains every weight. Drop lora_base_dtype, or set training_type='lora'.")
 fine_tuning = training_type != 'from_scratch'
 if num_train_epochs and not fine_tuning:
     raise UserError(f"num_train_epochs={num_train_epochs:g} counts passes over a fine-tuning data set; pretraining "
                     f"(training_type='from_scratch') draws random windows of its corpus, which has no epochs: set "
                     f"max_iters instead.")
-by_epochs = by_epochs_checked(config)  # else max_iters counts the run
-require_wandb(wandb_log)
-
-if fine_tuning and max_length > block_size:
-    raise UserError(f"max_length={max_length} is longer than block_size={block_size}; lower max_length.")
+by_epochs = False  # else the run is counted in epochs, not max_iters (run/epochs.py)
+if num_train_epochs or eval_every_epochs:
+    from run.epochs import by_epochs_checked, plan_epochs
+    by_epochs = by_epochs_checked(config)
+if wandb_log:
+    from run.tracker import require_wandb, start_wandb
+    require_wandb(wandb_log)
+if fine_tuning:
+    from configurator import data_sources
+    from lm.chat_data import SFTBatches, concatenated, describe_sources, load_sft_sources
+    from lm.heldout_eval import HeldOut, metric_names, report_heldout
+    from lm.tokenizer import chat_tokenizer, prompt_and_answer
+    from run.run_folder import sources_data_hash, training_data_hash
+    from tasks.number_tasks import NUMBER_TASKS_DIR, is_number_tasks, prepare_number_tasks
+    eval_metric_names = metric_names(eval_metrics)
+    if max_length > block_size:
+        raise UserError(f"max_length={max_length} is longer than block_size={block_size}; lower max_length.")
 
 # -----------------------------------------------------------------------------
 # processes and device (run/runtime.py: one process per GPU under torchrun), precision
@@ -177,7 +183,12 @@ master, device_type = rank == 0, local_device.split(':')[0]
 ptdtype = pick_dtype(local_device, dtype)
 autocast = autocast_context(local_device, ptdtype)
 check_parallel(parallel, ddp, local_device, ptdtype, optimizer_type, fsdp_cpu_offload)
-base_dtype = frozen_base_dtype(lora_base_dtype, ptdtype, training_type == 'lora', parallel, "training_type='lora'")
+# the frozen base's Linear weights: a LoRA run's lora_base_dtype (a torch dtype, or 'nf4'), else float32
+base_dtype = torch.float32
+if training_type == 'lora':
+    from lm.lora import apply_lora, frozen_base_dtype, load_adapters, lora_optimizer, lora_state_dict, save_merged
+    from lm.starting_model import model_hash
+    base_dtype = frozen_base_dtype(lora_base_dtype, ptdtype, parallel)
 
 # out_dir: locked before any work; a checkpoint there is this run's to continue, never another's.
 # nanoGPT's init_from='resume' starts where out_dir's run started
@@ -247,7 +258,10 @@ def eval_offsets(n_tokens, block_size, n, seed=1234):
 
 # data: the tokenizer is a published model's own, else corpus_dir's (data_dir, or the default corpus,
 # which rank 0 prepares once)
-corpus_dir, base_tokenizer = run_tokenizer(data_dir, model_ckpt, model_ckpt_path, compute,
+if not data_dir and not hf_files:
+    from data import prepare_default
+    prepare_once(prepare_default, compute, key='')  # train.py names no folder for it
+corpus_dir, base_tokenizer = run_tokenizer(data_dir, model_ckpt, model_ckpt_path,
                                            hf_files.get('chat_template_variables'), start_from)
 eval_examples = eval_iters * batch_size
 if not fine_tuning:
@@ -256,7 +270,7 @@ if not fine_tuning:
     train_batches = TokenBatches(os.path.join(corpus_dir, 'train.bin'), block_size, seed)
     val_batches = TokenBatches(os.path.join(corpus_dir, 'val.bin'), block_size, seed)
     val_indices = eval_offsets(val_batches.n_tokens, block_size, eval_examples)
-    sample_prompt, exact_match_prompts, held_out_sources, train_data_hash = tokenizer.encode('\n'), [], [], None
+    sample_prompt, train_data_hash = tokenizer.encode('\n'), None
     sources = [(None, corpus_dir, 1.0)]  # one, unnamed
 else:
     # fine-tuning (docs/finetuning.md): chat examples in the model's own chat template, or in
@@ -281,6 +295,8 @@ else:
                       for chat in chats[:exact_match_examples]]
     exact_match_prompts = [prompt_and_answer(tokenizer, chat) for chat, _ in held_out_chats]
     held_out_sources = [name for _, name in held_out_chats] if sources[0][0] else []
+    # the held-out prompts answered and scored at each eval
+    held_out = HeldOut(tokenizer, exact_match_prompts, eval_metric_names, batch_size, max_length, held_out_sources)
     sample_prompt = prompt_and_answer(tokenizer, source_data[0][2][0])[0]
     # a continued run must still read the same examples
     if sources[0][0] is None:
@@ -293,8 +309,6 @@ else:
 # named sources are logged apart as well (train_loss/<name>, ...); one folder has one unnamed source
 source_names = [name for name, _, _ in sources if name]
 source_weight = torch.tensor([weight for _, _, weight in sources], device=local_device)
-# the held-out prompts answered and scored at each eval (none when pretraining)
-held_out = HeldOut(tokenizer, exact_match_prompts, eval_metric_names, batch_size, max_length, held_out_sources)
 
 # model: from scratch, a checkpoint (its shape and tokenizer must match the config's) or a published
 # model (its own shape)
@@ -325,12 +339,14 @@ raw_model = model
 
 # the optimizer, over the trainable parameters only (with LoRA, the adapters)
 if optimizer_type == 'muon':  # Muon for the blocks' matrices, AdamW for the rest
+    from lm.muon import Muon, muon_param_groups
     optimizer = Muon(muon_param_groups(raw_model, learning_rate, weight_decay, (beta1, beta2), muon_lr, muon_momentum))
 elif training_type == 'lora':
     optimizer = lora_optimizer(raw_model, weight_decay, learning_rate, (beta1, beta2), device_type, loraplus_lr_ratio)
 else:
     optimizer = raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
-if optimizer_type == 'adamw8bit':  # the same groups, the moments in 8 bits (lm/adamw8bit.py)
+if optimizer_type == 'adamw8bit':  # the same groups, the moments in 8 bits
+    from lm.adamw8bit import in_8_bits
     optimizer = in_8_bits(optimizer)
 scaler = GradScaler(enabled=ptdtype == torch.float16)
 # the step's split into micro-batches: the config's, or what a continued run (or an OOM) left
@@ -364,7 +380,7 @@ epoch_plan = plan_epochs(train_batches.epoch_steps(global_batch_size, math.ceil(
 run_iters = epoch_plan.steps if epoch_plan else max_iters
 get_lr = LRSchedule.from_config(config, epoch_plan.steps if epoch_plan else None)
 # rank 0 logs to Weights & Biases too, a continued run to its W&B run
-tracker = start_wandb(config, ckpt and ckpt.get('wandb_run_id'), master)
+tracker = start_wandb(config, ckpt and ckpt.get('wandb_run_id'), master) if wandb_log else None
 ckpt = model_ckpt = None  # free memory
 
 model = wrap_model(model, compile, ddp and parallel == 'ddp', local_rank, device_type)
@@ -522,7 +538,8 @@ if eval_only:
     val_loss, val_losses = evaluate(micro_batch_size)
     log(f"step {iter_num}: val loss {val_loss:.4f}{shown(val_losses)}, perplexity {math.exp(val_loss):.2f}")
     record(dict(step=iter_num, val_loss=val_loss, val_ppl=math.exp(val_loss), **per_source('val_loss', val_losses)))
-    report_heldout(raw_model, held_out, autocast, iter_num, record)
+    if fine_tuning:
+        report_heldout(raw_model, held_out, autocast, iter_num, record)
     compute_cleanup(ddp)
     sys.exit(0)
 
@@ -534,7 +551,8 @@ if iter_num == 0:
     val_loss, val_losses = evaluate(micro_batch_size)
     log(f"step 0: val loss {val_loss:.4f}{shown(val_losses)}")
     record(dict(step=0, val_loss=val_loss, val_ppl=math.exp(val_loss), lr=0.0, **per_source('val_loss', val_losses)))
-    report_heldout(raw_model, held_out, autocast, iter_num, record)
+    if fine_tuning:
+        report_heldout(raw_model, held_out, autocast, iter_num, record)
 bad_steps = 0
 # throughput window; labels: the positions that pass through the output layer
 window_start, window_tokens, window_labels = time.time(), 0, 0
@@ -621,7 +639,8 @@ while iter_num < run_iters:
             + (" (best)" if improved else f" (no improvement for {evals_without_improvement} evals)"))
         record(dict(step=iter_num, **epoch, val_loss=val_loss, val_ppl=math.exp(val_loss), lr=lr,
                     **per_source('val_loss', val_losses)))
-        report_heldout(raw_model, held_out, autocast, iter_num, record)
+        if fine_tuning:
+            report_heldout(raw_model, held_out, autocast, iter_num, record)
         if improved:
             save(os.path.join(out_dir, 'best.pt'), iter_num, best_val_loss, evals_without_improvement)
         if improved or always_save_checkpoint:
@@ -649,8 +668,11 @@ if sample_tokens > 0 and parallel == 'fsdp':
     log(f"to sample: python sample.py --out_dir={out_dir} --max_new_tokens={sample_tokens} (not sampled here: "
         f"under FSDP every token is collective)")
 elif sample_tokens > 0 and master:
+    raw_model.eval()
     with autocast:
-        print_sample(raw_model, tokenizer, sample_prompt, sample_tokens, tokenizer.eos_id if fine_tuning else None,
-                     seed, local_device,
-                     heading=f"--- sample (step {iter_num}, best val loss {best_val_loss:.4f}) ---")
+        sample = raw_model.generate(torch.tensor([sample_prompt], device=local_device), sample_tokens,
+                                    temperature=0.8, top_k=50, eos_id=tokenizer.eos_id if fine_tuning else None,
+                                    generator=torch.Generator(device=local_device).manual_seed(seed))
+    print(f"--- sample (step {iter_num}, best val loss {best_val_loss:.4f}) ---")
+    print(tokenizer.decode(sample[0].tolist()))
 compute_cleanup(ddp)

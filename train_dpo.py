@@ -19,11 +19,10 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from configurator import FOLDER, POSITIVE, UserError, at_least, check_values, configure, data_sources, interval, one_of
-from lm.adamw8bit import in_8_bits
 from lm.chat_data import PreferenceBatches, concatenated, load_preference_split, load_sources
 from lm.dpo import precomputed_reference_logps, reference_logps, sequence_logps_and_logits
 from lm.heldout_eval import HeldOut, metric_names, report_heldout
-from lm.lora import LORA_SETTINGS, apply_lora, frozen_base_dtype, lora_optimizer, lora_state_dict, save_merged
+from lm.starting_model import build_model, frozen_model, hf_source, load_model, reference_checkpoint, run_tokenizer
 from lm.tokenizer import chat_tokenizer
 from losses import DPO_LOSS_TYPES, dpo_loss
 from memory import peak_memory_bytes, resumed_micro_batch
@@ -31,16 +30,13 @@ from model import GPTConfig
 from run.checkpoint import (CHECKPOINT_FORMATS, check_compatible, file_sha256, restore_training_state, training_state,
                             write_checkpoint)
 from run.device import DTYPES, GradScaler, autocast_context, pick_dtype
-from run.epochs import by_epochs_checked, plan_epochs
 from run.fsdp import PARALLEL, check_parallel, place_model, same_init_on_every_rank
 from run.run_folder import continued_origin, open_run, run_log, run_origin, sources_data_hash, training_data_hash
 from run.runtime import (StopSignal, all_reduce_metrics, bad_step, clip_grad_norm, compute_cleanup, compute_init,
                          gradient_sync, log, prepare_once, rank_batches, wrap_model)
-from run.starting_model import (build_model, frozen_model, hf_source, load_model, reference_checkpoint,
-                                run_tokenizer)
-from run.tracker import require_wandb, start_wandb
 from scheduler import SCHEDULES, LRSchedule, set_lr
 from tasks.number_tasks import PREFERENCES_DIR, is_number_tasks, prepare_number_tasks
+# LoRA, 8-bit moments, epochs and W&B import their code where their branch starts
 
 # -----------------------------------------------------------------------------
 # I/O
@@ -150,8 +146,17 @@ if parallel == 'fsdp' and use_lora and lora_bias != 'none' and not reference_fre
                     f"parallel='ddp', or reference_free=True.")
 if reference_free and precompute_ref_logps:
     raise UserError("reference_free=True has no reference to precompute; drop precompute_ref_logps.")
-by_epochs = by_epochs_checked(config)  # else max_iters counts the run
-require_wandb(wandb_log)
+if lora_base_dtype != 'float32' and not use_lora:
+    raise UserError(f"lora_base_dtype={lora_base_dtype!r} keeps a LoRA run's frozen base in "
+                    f"{'4 bits (QLoRA)' if lora_base_dtype == 'nf4' else '16 bits'}, but this run is not one: it "
+                    f"trains every weight. Drop lora_base_dtype, or set use_lora=True.")
+by_epochs = False  # else the run is counted in epochs, not max_iters (run/epochs.py)
+if num_train_epochs or eval_every_epochs:
+    from run.epochs import by_epochs_checked, plan_epochs
+    by_epochs = by_epochs_checked(config)
+if wandb_log:
+    from run.tracker import require_wandb, start_wandb
+    require_wandb(wandb_log)
 
 # processes and device (run/runtime.py: one process per GPU under torchrun), precision
 compute = compute_init(device, seed, num_threads)
@@ -161,7 +166,11 @@ master, device_type = rank == 0, local_device.split(':')[0]
 ptdtype = pick_dtype(local_device, dtype)
 autocast = autocast_context(local_device, ptdtype)
 check_parallel(parallel, ddp, local_device, ptdtype, optimizer_type, fsdp_cpu_offload)
-base_dtype = frozen_base_dtype(lora_base_dtype, ptdtype, use_lora, parallel, 'use_lora=True')
+# the frozen base's Linear weights: a LoRA run's lora_base_dtype (a torch dtype, or 'nf4'), else float32
+base_dtype = torch.float32
+if use_lora:
+    from lm.lora import LORA_SETTINGS, apply_lora, frozen_base_dtype, lora_optimizer, lora_state_dict, save_merged
+    base_dtype = frozen_base_dtype(lora_base_dtype, ptdtype, parallel)
 
 # out_dir: locked before any work; a checkpoint there is this run's to continue, never another's.
 # nanoGPT's init_from='resume' starts where out_dir's run started
@@ -184,8 +193,10 @@ reference_ckpt, reference_path, reference_hash = reference_checkpoint(
 hf_files = hf_source(reference_ckpt, chat_template_variables)
 # the tokenizer and chat template: a published model's own, else corpus_dir's (data_dir, or the
 # default corpus, which rank 0 prepares once)
-corpus_dir, base_tokenizer = run_tokenizer(data_dir, reference_ckpt, reference_path, compute,
-                                           hf_files.get('chat_template_variables'))
+if not data_dir and not hf_files:
+    from data import prepare_default
+    prepare_once(prepare_default, compute, key='')  # train_dpo.py names no folder for it
+corpus_dir, base_tokenizer = run_tokenizer(data_dir, reference_ckpt, reference_path, hf_files.get('chat_template_variables'))
 tokenizer = chat_tokenizer(base_tokenizer)
 check_compatible(reference_ckpt['tokenizer'], tokenizer.identity(), 'tokenizer', reference_path,
                  fix="Point data_dir at the tokenizer folder the model was trained with ('' for the default).")
@@ -265,6 +276,7 @@ reference_ckpt = None
 optimizer = (lora_optimizer(raw_model, weight_decay, learning_rate, (beta1, beta2), device_type, loraplus_lr_ratio)
              if use_lora else raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type))
 if optimizer_type == 'adamw8bit':  # the same groups, the moments in 8 bits
+    from lm.adamw8bit import in_8_bits
     optimizer = in_8_bits(optimizer)
 scaler = GradScaler(enabled=ptdtype == torch.float16)
 # the step's split into micro-batches: the config's, or what a continued run's checkpoint holds
@@ -285,7 +297,7 @@ epoch_plan = plan_epochs(train_batches.epoch_steps(global_batch_size, math.ceil(
 run_iters = epoch_plan.steps if epoch_plan else max_iters
 get_lr = LRSchedule.from_config(config, epoch_plan.steps if epoch_plan else None)
 # rank 0 logs to Weights & Biases too, a continued run to its W&B run
-tracker = start_wandb(config, ckpt and ckpt.get('wandb_run_id'), master)
+tracker = start_wandb(config, ckpt and ckpt.get('wandb_run_id'), master) if wandb_log else None
 ckpt = None
 
 

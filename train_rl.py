@@ -25,16 +25,14 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from configurator import FOLDER, POSITIVE, UserError, at_least, check_values, configure, interval, one_of
-from lm.adamw8bit import in_8_bits
 from lm.chat_data import EpochSampler, load_prompt_split, rl_prompt
 from lm.generate import CompiledDecoding, generate_batch, stop_tokens
 from lm.heldout_eval import HeldOut, report_heldout
-from lm.lora import (LORA_SETTINGS, apply_lora, disable_adapters, frozen_base_dtype, lora_optimizer, lora_state_dict,
-                     merged_copy, refresh_merged_copy, save_merged)
 from lm.metrics import mean_pass_at_k
 from lm.rewards import check_rows, load_rewards, reward_values
 from lm.rl import (IMPORTANCE_LEVELS, LOSS_TYPES, SCALE_REWARDS, clipped_token_loss, completion_batches,
                    group_advantages, k3_kl, normalized_loss, sequence_log_ratio, token_entropy)
+from lm.starting_model import build_model, frozen_model, hf_source, reference_checkpoint, run_tokenizer
 from lm.tokenizer import chat_tokenizer
 from memory import peak_memory_bytes
 from model import GPTConfig
@@ -44,10 +42,9 @@ from run.fsdp import place_model
 from run.run_folder import continued_origin, open_run, run_log, run_origin, training_data_hash
 from run.runtime import (StopSignal, all_reduce_metrics, bad_step, clip_grad_norm, compute_cleanup, compute_init,
                          gradient_sync, log, prepare_once, wrap_model)
-from run.starting_model import build_model, frozen_model, hf_source, reference_checkpoint, run_tokenizer
-from run.tracker import require_wandb, start_wandb
 from scheduler import SCHEDULES, LRSchedule, set_lr
 from tasks.number_tasks import NUMBER_TASKS_DIR, prepare_number_tasks
+# LoRA, 8-bit moments and W&B import their code where their branch starts
 
 # -----------------------------------------------------------------------------
 # I/O
@@ -159,7 +156,13 @@ for key in ('compile_decode', 'merged_rollouts'):
 if merged_rollouts and not use_lora:
     raise UserError("merged_rollouts=True merges LoRA adapters into a copy for the rollouts, but this run trains every "
                     "weight (use_lora=False) and samples from the model itself; drop merged_rollouts or set use_lora=True.")
-require_wandb(wandb_log)
+if lora_base_dtype != 'float32' and not use_lora:
+    raise UserError(f"lora_base_dtype={lora_base_dtype!r} keeps a LoRA run's frozen base in "
+                    f"{'4 bits (QLoRA)' if lora_base_dtype == 'nf4' else '16 bits'}, but this run is not one: it "
+                    f"trains every weight. Drop lora_base_dtype, or set use_lora=True.")
+if wandb_log:
+    from run.tracker import require_wandb, start_wandb
+    require_wandb(wandb_log)
 
 # processes and device (run/runtime.py: one process per GPU under torchrun), precision
 compute = compute_init(device, seed, num_threads)
@@ -168,7 +171,12 @@ ddp, rank, local_rank, world_size, local_device = compute
 master, device_type = rank == 0, local_device.split(':')[0]
 ptdtype = pick_dtype(local_device, dtype)
 autocast = autocast_context(local_device, ptdtype)
-base_dtype = frozen_base_dtype(lora_base_dtype, ptdtype, use_lora, 'ddp', 'use_lora=True')
+# the frozen base's Linear weights: a LoRA run's lora_base_dtype (a torch dtype, or 'nf4'), else float32
+base_dtype = torch.float32
+if use_lora:
+    from lm.lora import (LORA_SETTINGS, apply_lora, disable_adapters, frozen_base_dtype, lora_optimizer,
+                         lora_state_dict, merged_copy, refresh_merged_copy, save_merged)
+    base_dtype = frozen_base_dtype(lora_base_dtype, ptdtype, 'ddp')
 # on a GPU a decode step waits on kernel launches, which a CUDA graph and merged adapters remove; on a CPU it
 # waits on arithmetic, and compiling costs minutes (docs/rl.md)
 decoding = CompiledDecoding() if (device_type == 'cuda' if compile_decode is None else compile_decode) else None
@@ -199,8 +207,10 @@ reference_ckpt, reference_path, reference_hash = reference_checkpoint(
 hf_files = hf_source(reference_ckpt, chat_template_variables)
 # the tokenizer and chat template: a published model's own, else corpus_dir's (data_dir, or the
 # default corpus, which rank 0 prepares once)
-corpus_dir, base_tokenizer = run_tokenizer(data_dir, reference_ckpt, reference_path, compute,
-                                           hf_files.get('chat_template_variables'))
+if not data_dir and not hf_files:
+    from data import prepare_default
+    prepare_once(prepare_default, compute, key='')  # train_rl.py names no folder for it
+corpus_dir, base_tokenizer = run_tokenizer(data_dir, reference_ckpt, reference_path, hf_files.get('chat_template_variables'))
 tokenizer = chat_tokenizer(base_tokenizer)
 check_compatible(reference_ckpt['tokenizer'], tokenizer.identity(), 'tokenizer', reference_path,
                  fix="Point data_dir at the tokenizer folder the model was trained with ('' for the default).")
@@ -256,6 +266,7 @@ reference_ckpt = None
 optimizer = (lora_optimizer(raw_model, weight_decay, learning_rate, (beta1, beta2), device_type, loraplus_lr_ratio)
              if use_lora else raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type))
 if optimizer_type == 'adamw8bit':  # the same groups, the moments in 8 bits
+    from lm.adamw8bit import in_8_bits
     optimizer = in_8_bits(optimizer)
 scaler = GradScaler(enabled=ptdtype == torch.float16)
 get_lr = LRSchedule.from_config(config)
@@ -271,7 +282,7 @@ if ckpt:
     # checkpoints store it as a loss, -pass@1 (save)
     best_pass_at_1 = -stored_best
 # rank 0 logs to Weights & Biases too, a continued run to its W&B run
-tracker = start_wandb(config, ckpt and ckpt.get('wandb_run_id'), master)
+tracker = start_wandb(config, ckpt and ckpt.get('wandb_run_id'), master) if wandb_log else None
 ckpt = None
 model = wrap_model(model, compile, ddp, local_rank, device_type)
 # the model rollouts sample from: the adapters merged into a copy of the weights in the run's dtype, or the model

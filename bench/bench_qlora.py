@@ -59,13 +59,12 @@ check_values(config, [(at_least(0), ('max_iters', 'heldout', 'rows')), (at_least
 LOAD = """
 import resource, sys, torch
 from lm.lora import frozen_base_dtype
+from lm.starting_model import full_model_checkpoint, run_model_args, run_tokenizer, starting_gpt
 from lm.tokenizer import chat_tokenizer
-from run.starting_model import full_model_checkpoint, run_model_args, run_tokenizer, starting_gpt
-from run.runtime import Compute
 base, folder = sys.argv[1], sys.argv[2]
-dtype = frozen_base_dtype(base, torch.bfloat16 if base == 'bfloat16' else torch.float32, True, 'ddp', '')
+dtype = frozen_base_dtype(base, torch.bfloat16 if base == 'bfloat16' else torch.float32, 'ddp')
 ckpt, path = full_model_checkpoint(None, None, folder, '', 'lora', as_stored=dtype != torch.float32)
-_, base_tokenizer = run_tokenizer('', ckpt, path, Compute(False, 0, 0, 1, 'cpu'), None, folder)
+_, base_tokenizer = run_tokenizer('', ckpt, path, None, folder)
 tokenizer = chat_tokenizer(base_tokenizer)
 args = run_model_args(dict(dropout=0.0, block_size=512), ckpt, path, tokenizer)
 model, _ = starting_gpt(args, ckpt, path, tokenizer, base_tokenizer, False, dtype)
@@ -121,10 +120,9 @@ def step_bench_results():
     on a GPU each base's peak memory."""
     import torch
     from lm.lora import apply_lora, frozen_base_dtype, lora_optimizer
+    from lm.starting_model import full_model_checkpoint, run_model_args, run_tokenizer, starting_gpt
     from lm.tokenizer import chat_tokenizer
     from run.device import DTYPES, autocast_context
-    from run.runtime import Compute
-    from run.starting_model import full_model_checkpoint, run_model_args, run_tokenizer, starting_gpt
     recipe_config = {}
     with open(os.path.join(ROOT, 'config', 'lora_hf.py')) as f:
         exec(f.read(), recipe_config)
@@ -132,10 +130,10 @@ def step_bench_results():
     built, times, peaks = {}, {base: [] for base in bases.split(',')}, {}
     autocast = autocast_context(step_device, DTYPES[step_dtype])
     for base in times:
-        dtype = frozen_base_dtype(base, DTYPES[step_dtype], True, 'ddp', '')
+        dtype = frozen_base_dtype(base, DTYPES[step_dtype], 'ddp')
         folder = os.path.join(ROOT, model)
         ckpt, path = full_model_checkpoint(None, None, folder, '', 'lora', as_stored=dtype != torch.float32)
-        _, base_tokenizer = run_tokenizer('', ckpt, path, Compute(False, 0, 0, 1, 'cpu'), None, folder)
+        _, base_tokenizer = run_tokenizer('', ckpt, path, None, folder)
         tokenizer = chat_tokenizer(base_tokenizer)
         args = run_model_args(dict(dropout=0.0, block_size=row_tokens), ckpt, path, tokenizer)
         gpt, vocab_size = starting_gpt(args, ckpt, path, tokenizer, base_tokenizer, False, dtype)

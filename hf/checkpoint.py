@@ -345,11 +345,6 @@ def is_conv1d(hf_name, hf_config):
     return is_gpt2(hf_config) and '.h.' in hf_name and hf_name.endswith('.weight')
 
 
-def is_hf_folder(path):
-    """A Hugging Face model folder: one with a config.json."""
-    return os.path.isfile(os.path.join(path, 'config.json'))
-
-
 def weight_files(folder):
     """The checkpoint's weight files, in order: one file, or the shards its index lists."""
     for index, single in (('model.safetensors.index.json', 'model.safetensors'),

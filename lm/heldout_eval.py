@@ -16,7 +16,6 @@ r + world_size, ...; the answers are gathered so that every rank scores the whol
 process does (a corpus BLEU is no mean of per-rank BLEUs). Under FSDP every forward pass is a
 collective: every rank answers every batch.
 """
-import os
 from typing import NamedTuple
 
 import torch
@@ -144,16 +143,3 @@ def report_heldout(model, held_out, autocast, step, record):
     log(f"step {step}: {', '.join(shown)} on {len(answers)} held-out prompts")
     record(dict(step=step, **{f'eval/{name}': score for name, score in scores.items()},
                 **{f'eval/{name}/{source}': score for source, s in by_source.items() for name, score in s.items()}))
-
-
-def print_sample(model, tokenizer, prompt, max_new_tokens, eos_id, seed, device, heading):
-    """Print heading and what model generates after prompt (token ids) on device: temperature 0.8, top-k 50, a
-    generator seeded with seed, stopping at eos_id (None: never). Under FSDP every rank must call it (each
-    token is computed by all of them); rank 0 prints."""
-    model.eval()
-    with whole_root(model):
-        sample = model.generate(torch.tensor([prompt], device=device), max_new_tokens, temperature=0.8, top_k=50,
-                                eos_id=eos_id, generator=torch.Generator(device=device).manual_seed(seed))
-    if int(os.environ.get('RANK', 0)) == 0:
-        print(heading)
-        print(tokenizer.decode(sample[0].tolist()))

@@ -15,13 +15,12 @@ from typing import NamedTuple
 import torch
 
 from configurator import UserError
-from hf.checkpoint import is_hf_folder
-from hf.tokenizer import load_hf_tokenizer
 from lm.lora import apply_lora, merged_state_dict
+from lm.starting_model import build_model, hf_source, load_model, model_hash
 from lm.tokenizer import chat_tokenizer, load_tokenizer
 from model import GPT, GPTConfig
 from run.checkpoint import load_checkpoint
-from run.starting_model import build_model, hf_source, load_model, model_hash
+from run.run_folder import is_hf_folder
 
 
 class Loaded(NamedTuple):
@@ -104,6 +103,7 @@ def load_for_generation(path, data_dir='', chat_template_variables=None, device=
         raise UserError(f"{path} was trained on the dataset in {ckpt['data_dir']}, which is no longer there (moved "
                         f"or copied elsewhere?); pass --data_dir=<that dataset's folder now>.")
     if ckpt.get('hf_config'):
+        from hf.tokenizer import load_hf_tokenizer
         tokenizer = load_hf_tokenizer(data_dir or ckpt['data_dir'],
                                       hf_source(ckpt, chat_template_variables)['chat_template_variables'])
     else:

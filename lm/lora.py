@@ -140,15 +140,12 @@ class AddedRowsLinear(nn.Linear):
 # start), the norms and biases (small, and some of them train), and everything that trains
 # (adapters, added rows): AdamW's masters.
 
-def frozen_base_dtype(lora_base_dtype, run_dtype, lora, parallel, lora_switch):
-    """The torch dtype a run keeps its frozen base's Linear weights in, or 'nf4' (QLoRA: lm/nf4.py):
-    lora_base_dtype, after checking that it can work: 16 or 4 bits only in a LoRA run (lora; lora_switch: the
-    setting that makes one), not under FSDP; 16 bits only in a run that computes in that dtype (run_dtype,
-    the resolved dtype key)."""
+def frozen_base_dtype(lora_base_dtype, run_dtype, parallel):
+    """The torch dtype a LoRA run keeps its frozen base's Linear weights in, or 'nf4' (QLoRA: lm/nf4.py):
+    lora_base_dtype, after checking that it can work: not under FSDP; 16 bits only in a run that computes in
+    that dtype (run_dtype, the resolved dtype key). A run that is not a LoRA run keeps float32 (its script
+    refuses any other lora_base_dtype)."""
     if lora_base_dtype == 'nf4':
-        if not lora:
-            raise UserError(f"lora_base_dtype='nf4' keeps a LoRA run's frozen base in 4 bits (QLoRA), but this run is "
-                            f"not one: it trains every weight. Drop lora_base_dtype, or set {lora_switch}.")
         if parallel == 'fsdp':
             raise UserError("lora_base_dtype='nf4' is not supported with parallel='fsdp' yet: FSDP would shard the "
                             "4-bit weights' packed bytes and scales as separate tensors. Use parallel='ddp' (each GPU "
@@ -158,9 +155,6 @@ def frozen_base_dtype(lora_base_dtype, run_dtype, lora, parallel, lora_switch):
     dtype = DTYPES[lora_base_dtype]
     if dtype == torch.float32:
         return dtype
-    if not lora:
-        raise UserError(f"lora_base_dtype={lora_base_dtype!r} keeps a LoRA run's frozen base in 16 bits, but this run "
-                        f"is not one: it trains every weight (in float32). Drop lora_base_dtype, or set {lora_switch}.")
     if dtype != run_dtype:
         raise UserError(f"lora_base_dtype={lora_base_dtype!r} needs a run that computes in {lora_base_dtype} (the frozen "
                         f"weights are used under autocast in the run's dtype), but dtype resolves to "

@@ -113,13 +113,16 @@ def run_origin(init_from):
     return init_from if init_from == 'scratch' else os.path.abspath(init_from)
 
 
+def is_hf_folder(path):
+    """A Hugging Face model folder: one with a config.json (hf/checkpoint.py reads it)."""
+    return os.path.isfile(os.path.join(path, 'config.json'))
+
+
 def require_init_from(init_from, made_by=None, hf_folders=False):
     """A UserError unless init_from is a checkpoint file (or, with hf_folders, a Hugging Face model
     folder); made_by: the command that writes it, when init_from is where a documented command writes
     its model."""
-    # a Hugging Face folder has a config.json (hf.checkpoint.is_hf_folder; not imported, so that
-    # a TTS run's reader meets no Hugging Face code)
-    if os.path.isfile(init_from) or hf_folders and os.path.isfile(os.path.join(init_from, 'config.json')):
+    if os.path.isfile(init_from) or hf_folders and is_hf_folder(init_from):
         return
     how = f"It is made by {made_by}; run that first, or point" if made_by else "Check the path, or point"
     what = "a checkpoint file or a Hugging Face model folder (one with a config.json)" if hf_folders else "a checkpoint file"

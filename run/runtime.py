@@ -24,7 +24,6 @@ from configurator import install_excepthook
 from memory import synchronize
 from run.device import pick_device
 from run.fsdp import is_dtensor, is_sharded
-from run.tracker import finish_wandb
 
 
 class Compute(NamedTuple):
@@ -67,7 +66,9 @@ def compute_cleanup(ddp, exit_code=0):
     be releasing finished collectives (tensors Python holds) when Python shuts down, and one that then needs
     the GIL aborts the process: seen at the end of FSDP runs on a busy CPU, 1 run in 15, the job reported
     failed after saving everything."""
-    finish_wandb(exit_code)
+    if 'wandb' in sys.modules:  # imported by a W&B run only (run/tracker.py)
+        from run.tracker import finish_wandb
+        finish_wandb(exit_code)
     if ddp:
         # leave together: a rank tearing down while another still works can abort gloo
         dist.barrier()

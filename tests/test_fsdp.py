@@ -15,6 +15,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.tensor import DTensor
 
 from configurator import UserError
+from lm.starting_model import build_model, frozen_model
 from run.checkpoint import all_rng_states, load_checkpoint, write_checkpoint
 from run.runtime import compute_cleanup
 from conftest import (HF_TINY, REFERENCE, TINY, TRAIN_METRICS, assert_user_error, dpo, evals, hf_fixture,
@@ -25,7 +26,6 @@ from run.fsdp import (check_parallel, full_state_dict, is_dtensor, model_state_d
                       shard_model, shard_optimizer_state, tensors_in)
 from safetensors.torch import load_file, save_file
 from run.sharded_checkpoint import read_shards, unreadable
-from run.starting_model import build_model, frozen_model
 from tasks.number_tasks import prepare_number_tasks
 
 TORCHRUN = torchrun(2)

@@ -18,10 +18,9 @@ from conftest import (HF_TINY, assert_user_error, fine_tune, hf_fixture, load, l
 from hf.checkpoint import load_hf_checkpoint, peft_name, save_chat_tokenizer, save_hf_model
 from hf.tokenizer import load_hf_tokenizer
 from lm.loading import load_for_generation
+from lm.starting_model import hf_source, run_tokenizer
 from lm.tokenizer import chat_tokenizer
 from model import GPT, GPTConfig
-from run.runtime import Compute
-from run.starting_model import hf_source, run_tokenizer
 from tasks.number_tasks import prepare_number_tasks
 
 
@@ -254,8 +253,7 @@ def test_chat_template_variables_reach_the_template_and_the_checkpoint(tmp_path,
     assert ckpt['chat_template_variables'] == {'enable_thinking': False}
     assert hf_source(ckpt)['chat_template_variables'] == {'enable_thinking': False}
     assert hf_source(ckpt, {'enable_thinking': True})['chat_template_variables'] == {'enable_thinking': True}
-    _, tokenizer = run_tokenizer('', ckpt, str(out / 'ckpt.pt'), Compute(False, 0, 0, 1, 'cpu'),
-                                 hf_source(ckpt)['chat_template_variables'])
+    _, tokenizer = run_tokenizer('', ckpt, str(out / 'ckpt.pt'), hf_source(ckpt)['chat_template_variables'])
     turns = [{'role': 'user', 'content': 'What is 2+3?'}, {'role': 'assistant', 'content': '5'}]
     ids, labels = tokenizer.encode_chat(turns)
     assert tokenizer.decode([i for i, label in zip(ids, labels) if label != -100]) == '5<|im_end|>'

@@ -107,16 +107,15 @@ def test_merged_is_the_16_bit_base_upcast_plus_the_adapters(tie):
 
 
 def test_settings_that_cannot_work_are_refused():
-    assert frozen_base_dtype('float32', torch.float32, False, 'fsdp', "training_type='lora'") == torch.float32
-    assert frozen_base_dtype('bfloat16', torch.bfloat16, True, 'ddp', "training_type='lora'") == torch.bfloat16
-    with pytest.raises(UserError, match=r"this run is not one.*set use_lora=True"):
-        frozen_base_dtype('bfloat16', torch.bfloat16, False, 'ddp', 'use_lora=True')
+    # a run that is not a LoRA run is refused by its script (test_scripts_refuse_them_with_exit_status_2)
+    assert frozen_base_dtype('float32', torch.float32, 'fsdp') == torch.float32
+    assert frozen_base_dtype('bfloat16', torch.bfloat16, 'ddp') == torch.bfloat16
     with pytest.raises(UserError, match=r"dtype resolves to float32 here\. Set --dtype=bfloat16"):
-        frozen_base_dtype('bfloat16', torch.float32, True, 'ddp', "training_type='lora'")
+        frozen_base_dtype('bfloat16', torch.float32, 'ddp')
     with pytest.raises(UserError, match=r"needs a run that computes in float16.*resolves to bfloat16"):
-        frozen_base_dtype('float16', torch.bfloat16, True, 'ddp', "training_type='lora'")
+        frozen_base_dtype('float16', torch.bfloat16, 'ddp')
     with pytest.raises(UserError, match=r"parallel='fsdp'.*lora_base_dtype='float32', or parallel='ddp'"):
-        frozen_base_dtype('bfloat16', torch.bfloat16, True, 'fsdp', "training_type='lora'")
+        frozen_base_dtype('bfloat16', torch.bfloat16, 'fsdp')
 
 
 @pytest.mark.parametrize('script, args, message', [

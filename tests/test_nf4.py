@@ -21,8 +21,8 @@ from lm.lora import LoRALinear, apply_lora, cast_frozen_base, disable_adapters, 
 from lm.loading import load_for_generation
 from lm import nf4
 from lm.nf4 import BLOCK, DYNAMIC_LEVELS, NF4_LEVELS, NF4Linear, NF4Weight, nf4_linear
+from lm.starting_model import build_model
 from model import GPT, GPTConfig
-from run.starting_model import build_model
 
 # made by tests/fixtures/make_nf4_fixture.py
 BNB = os.path.join(os.path.dirname(HF_FIXTURES), 'nf4_bitsandbytes.safetensors')
@@ -308,12 +308,11 @@ def test_a_4_bit_base_trains_its_adapters():
 
 
 def test_settings_that_cannot_work_are_refused():
-    assert frozen_base_dtype('nf4', torch.float32, True, 'ddp', "training_type='lora'") == 'nf4'
-    assert frozen_base_dtype('nf4', torch.bfloat16, True, 'ddp', 'use_lora=True') == 'nf4'
-    with pytest.raises(UserError, match=r"4 bits \(QLoRA\), but this run is not one.*set use_lora=True"):
-        frozen_base_dtype('nf4', torch.float32, False, 'ddp', 'use_lora=True')
+    # a run that is not a LoRA run is refused by its script (test_lora_base_dtype.py)
+    assert frozen_base_dtype('nf4', torch.float32, 'ddp') == 'nf4'
+    assert frozen_base_dtype('nf4', torch.bfloat16, 'ddp') == 'nf4'
     with pytest.raises(UserError, match=r"parallel='fsdp' yet.*parallel='ddp'"):
-        frozen_base_dtype('nf4', torch.bfloat16, True, 'fsdp', "training_type='lora'")
+        frozen_base_dtype('nf4', torch.bfloat16, 'fsdp')
 
 
 LORA = ['--learning_rate=3e-2', '--max_iters=4', '--eval_interval=2', '--lr_decay_iters=4', '--exact_match_examples=0',

@@ -16,17 +16,11 @@ import os
 import torch
 
 from configurator import UserError, dataclass_args
-from data import prepare_default
-from hf.checkpoint import is_hf_folder, load_hf_checkpoint, weight_files
-from hf.tokenizer import load_hf_tokenizer
-from lm.lora import cast_frozen_base
-from lm.nf4 import NF4Weight
 from lm.tokenizer import DEFAULT_DATA_DIR, load_tokenizer
 from model import GPT, GPTConfig, new_seed
 from run.checkpoint import NEW_RUN, RESUME_FIX, check_compatible, file_sha256, load_checkpoint
 from run.fsdp import place_model
-from run.run_folder import require_init_from
-from run.runtime import prepare_once
+from run.run_folder import is_hf_folder, require_init_from
 
 
 def check_starting_model(model_ckpt, path, model_args, tokenizer, base_tokenizer=None, resuming=False):
@@ -50,21 +44,20 @@ def check_starting_model(model_ckpt, path, model_args, tokenizer, base_tokenizer
     return expected['vocab_size']
 
 
-def run_tokenizer(data_dir, model_ckpt, model_path, compute, chat_template_variables=None, init_from=''):
+def run_tokenizer(data_dir, model_ckpt, model_path, chat_template_variables=None, init_from=''):
     """(data_dir, tokenizer) of a GPT run whose model starts from model_ckpt (read from model_path; None
     from scratch): a published model's own tokenizer, in the folder it came from (moved: the folder init_from
     names), rendering its chat template with chat_template_variables; else data_dir's, or with data_dir '' the
-    embedded default corpus's (rank 0 prepares it once, the other ranks wait for it; compute: compute_init's)."""
+    embedded default corpus's (data.py's prepare_default, which the script runs first)."""
     if hf_source(model_ckpt):
+        from hf.tokenizer import load_hf_tokenizer
         data_dir = moved_to(model_ckpt['data_dir'], init_from if is_hf_folder(init_from) else '')
         if not os.path.isdir(data_dir):
             raise UserError(f"{data_dir}, the Hugging Face folder {model_path}'s model came from (named in it), no "
                             f"longer exists, and its tokenizer is this run's. Put the folder back there (train.py: or "
                             f"pass --init_from=<where it is now>).")
         return data_dir, load_hf_tokenizer(data_dir, chat_template_variables)
-    if not data_dir:
-        prepare_once(prepare_default, compute, key='')  # train.py names no folder for it
-        data_dir = DEFAULT_DATA_DIR
+    data_dir = data_dir or DEFAULT_DATA_DIR
     return data_dir, load_tokenizer(data_dir)
 
 
@@ -83,8 +76,10 @@ def run_model_args(config, model_ckpt, model_path, tokenizer):
 
 def model_hash(path):
     """The sha256 of a model a run depends on: a checkpoint file, or a Hugging Face folder's config and weights."""
-    return file_sha256(os.path.join(path, 'config.json'), *weight_files(path)) if is_hf_folder(path) \
-        else file_sha256(path)
+    if not is_hf_folder(path):
+        return file_sha256(path)
+    from hf.checkpoint import weight_files
+    return file_sha256(os.path.join(path, 'config.json'), *weight_files(path))
 
 
 def moved_to(recorded, init_from):
@@ -97,7 +92,10 @@ def load_model(path, as_stored=False, keep_nf4=False):
     """A checkpoint file (memory-mapped), or a Hugging Face model folder read as a checkpoint (hf/checkpoint.py;
     as_stored: memory-mapped too, in its stored dtype, for FSDP; keep_nf4, for a 4-bit LoRA base: a folder
     bitsandbytes saved in 4 bits keeps them, NF4Weights that build_model builds in)."""
-    return load_hf_checkpoint(path, as_stored, keep_nf4) if is_hf_folder(path) else load_checkpoint(path)
+    if not is_hf_folder(path):
+        return load_checkpoint(path)
+    from hf.checkpoint import load_hf_checkpoint
+    return load_hf_checkpoint(path, as_stored, keep_nf4)
 
 
 def full_model_checkpoint(ckpt, ckpt_path, init_from, out_dir, training_type, as_stored=False, keep_nf4=False):
@@ -200,17 +198,23 @@ def build_model(config, model_ckpt, assign=False, linear_dtype=torch.float32):
             return GPT(config, init_seed)
     if model_ckpt is not None and (assign or model_ckpt.get('hf_config') or linear_dtype != torch.float32):
         # a 4-bit model read with keep_nf4 for a 4-bit base: its NF4 weights are built in as they are
-        stored = {k: v for k, v in model_ckpt['model'].items() if isinstance(v, NF4Weight)}
-        assert not stored or linear_dtype == 'nf4', 'keep_nf4 is for a 4-bit base only'
+        stored = nf4_weights(model_ckpt['model']) if linear_dtype == 'nf4' else {}
         model = GPT.from_state_dict(config, {k: torch.empty(v.shape, dtype=v.dtype, device='meta') if k in stored
                                              else v for k, v in model_ckpt['model'].items()})
         if linear_dtype != torch.float32:
+            from lm.lora import cast_frozen_base
             cast_frozen_base(model, linear_dtype, stored=stored)
         return model
     model = GPT(config)
     if model_ckpt is not None:
         model.load_state_dict(model_ckpt['model'])
     return model
+
+
+def nf4_weights(state):
+    """{name: NF4Weight} of the weights a 4-bit folder keeps in 4 bits (hf/checkpoint.py, keep_nf4)."""
+    from lm.nf4 import NF4Weight
+    return {k: v for k, v in state.items() if isinstance(v, NF4Weight)}
 
 
 def hf_source(model_ckpt, chat_template_variables=None):
@@ -233,6 +237,7 @@ def frozen_model(config, state, parallel, device, param_dtype, cpu_offload):
     autocast, which casts them so at every use anyway)."""
     model = GPT.from_state_dict(config, state)  # never first initialised at random (seconds for 1B)
     if parallel != 'fsdp':  # its own copy, made on the device
+        from lm.lora import cast_frozen_base
         cast_frozen_base(model, param_dtype, device)
     model.requires_grad_(False).eval()
     place_model(model, parallel, device, param_dtype, cpu_offload, frozen=True)

@@ -320,8 +320,10 @@ if ckpt is not None:
                      {'optimizer_type': optimizer_type, 'training_type': training_type}, 'optimizer', ckpt_path)
 with same_init_on_every_rank(seed, enabled=parallel == 'fsdp'):
     # fine-tuning may add the chat tokens' rows (vocab_size: the rows the model had)
+    # under FSDP built around the checkpoint's tensors (or on the meta device), each rank keeping its shards
     model, vocab_size = starting_gpt(model_args, model_ckpt, model_ckpt_path, tokenizer,
-                                     base_tokenizer if fine_tuning else None, parallel == 'fsdp', base_dtype, resuming)
+                                     base_tokenizer=base_tokenizer if fine_tuning else None,
+                                     assign=parallel == 'fsdp', linear_dtype=base_dtype, resuming=resuming)
     if training_type == 'lora':
         # the chat tokens added above train too (none for a chat model)
         added_tokens = tokenizer.vocab_size - vocab_size

@@ -15,7 +15,6 @@ from typing import NamedTuple
 import torch
 
 from configurator import UserError
-from lm.lora import apply_lora, merged_state_dict
 from lm.starting_model import build_model, hf_source, load_model, model_hash
 from lm.tokenizer import chat_tokenizer, load_tokenizer
 from model import GPT, GPTConfig
@@ -58,6 +57,7 @@ def lora_merged_model(ckpt, path):
     """The GPT a LoRA run's adapter checkpoint (ckpt, read from path) fine-tunes: its base model (the file or
     folder the checkpoint names, unchanged since: its sha256) with the adapters applied as the run applied
     them, then folded in as merged.pt holds them (lora.merged_state_dict)."""
+    from lm.lora import apply_lora, merged_state_dict
     base_path, config = ckpt['base_checkpoint'], ckpt['config']
     if not os.path.exists(base_path):
         raise UserError(f"{base_path}, the base model of the LoRA adapters in {path} (named in it), no longer "

@@ -24,10 +24,11 @@ from lm.starting_model import full_model_checkpoint, hf_source, run_model_args, 
 from lm.tokenizer import dataset_file, read_meta
 from losses import check_loss_weights, combine_losses, source_shares, target_weights, term_weights, token_weight_table
 from memory import MemoryMonitor, halve_micro_batch, peak_memory_bytes, recover_from_oom, resumed_micro_batch
-from run.checkpoint import CHECKPOINT_FORMATS, check_compatible, restore_training_state, training_state, write_checkpoint
+from run.checkpoint import (CHECKPOINT_FORMATS, check_compatible, restore_training_state, training_state,
+                            write_checkpoint)
 from run.device import DTYPES, GradScaler, autocast_context, pick_dtype, to_device
 from run.fsdp import PARALLEL, check_parallel, place_model, same_init_on_every_rank
-from run.run_folder import continued_origin, open_run, require_starting_weights, run_log, run_origin
+from run.run_folder import open_run, require_starting_weights, run_log, run_origin
 from run.runtime import (StepProfiler, StopSignal, all_reduce_metrics, bad_step, clip_grad_norm, compute_cleanup,
                          compute_init, gradient_sync, log, prepare_once, rank_batches, wrap_model)
 from scheduler import SCHEDULES, LRSchedule, set_lr
@@ -190,19 +191,18 @@ if training_type == 'lora':
     from lm.starting_model import model_hash
     base_dtype = frozen_base_dtype(lora_base_dtype, ptdtype, parallel)
 
-# out_dir: locked before any work; a checkpoint there is this run's to continue, never another's.
-# nanoGPT's init_from='resume' starts where out_dir's run started
-start_from = continued_origin(init_from, out_dir, resume)
-this_run = dict(script='train.py', training_type=training_type, init_from=run_origin(start_from))
+# out_dir: locked before any work; a checkpoint there is this run's to continue, never another's (this_run:
+# what the run is; nanoGPT's init_from='resume' continues out_dir's, begun where it began)
+this_run = dict(script='train.py', training_type=training_type, init_from=run_origin(init_from, out_dir, resume))
 # under FSDP each rank reads its shards of a sharded checkpoint
 out_dir_lock, ckpt_path, ckpt = open_run(config, this_run, master, whole=parallel != 'fsdp' or training_type == 'lora')
 resuming = ckpt is not None
-require_starting_weights(ckpt, start_from, eval_only, ckpt_path, hf_folders=True,
-                         made_by='`python train.py` (pretraining)' if start_from == 'out/ckpt.pt' else None)
+require_starting_weights(ckpt, init_from, eval_only, ckpt_path, hf_folders=True,
+                         made_by='`python train.py` (pretraining)' if init_from == 'out/ckpt.pt' else None)
 # the whole model the run starts from (None: from scratch), as stored (memory-mapped, its file's
 # dtype): under FSDP each rank reads its shard; a 16-bit LoRA base needs no float32 copy, a 4-bit
 # base keeps a 4-bit folder's bits
-model_ckpt, model_ckpt_path = full_model_checkpoint(ckpt, ckpt_path, start_from, out_dir, training_type,
+model_ckpt, model_ckpt_path = full_model_checkpoint(ckpt, ckpt_path, init_from, out_dir, training_type,
                                                     as_stored=parallel == 'fsdp' or base_dtype != torch.float32,
                                                     keep_nf4=base_dtype == 'nf4')
 # a published model's config files, which export.py writes back
@@ -262,7 +262,7 @@ if not data_dir and not hf_files:
     from data import prepare_default
     prepare_once(prepare_default, compute, key='')  # train.py names no folder for it
 corpus_dir, base_tokenizer = run_tokenizer(data_dir, model_ckpt, model_ckpt_path,
-                                           hf_files.get('chat_template_variables'), start_from)
+                                           hf_files.get('chat_template_variables'), init_from)
 eval_examples = eval_iters * batch_size
 if not fine_tuning:
     # pretraining: random windows of the token files; every eval scores the same val windows
@@ -333,7 +333,7 @@ with same_init_on_every_rank(seed, enabled=parallel == 'fsdp'):
             # the base is named by where it is now (it may have moved) and its hash
             lora_base = os.path.abspath(model_ckpt_path), ckpt['base_hash']
         else:
-            lora_base = os.path.abspath(start_from), model_hash(start_from)
+            lora_base = os.path.abspath(init_from), model_hash(init_from)
 model.activation_checkpointing = activation_checkpointing
 place_model(model, parallel, local_device, ptdtype, fsdp_cpu_offload)
 # what we save and sample from: never compiled or DDP-wrapped (under FSDP: sharded)

@@ -31,7 +31,7 @@ from run.checkpoint import (CHECKPOINT_FORMATS, check_compatible, file_sha256, r
                             write_checkpoint)
 from run.device import DTYPES, GradScaler, autocast_context, pick_dtype
 from run.fsdp import PARALLEL, check_parallel, place_model, same_init_on_every_rank
-from run.run_folder import continued_origin, open_run, run_log, run_origin, sources_data_hash, training_data_hash
+from run.run_folder import open_run, run_log, run_origin, sources_data_hash, training_data_hash
 from run.runtime import (StopSignal, all_reduce_metrics, bad_step, clip_grad_norm, compute_cleanup, compute_init,
                          gradient_sync, log, prepare_once, rank_batches, wrap_model)
 from scheduler import SCHEDULES, LRSchedule, set_lr
@@ -173,18 +173,17 @@ if use_lora:
     base_dtype = frozen_base_dtype(lora_base_dtype, ptdtype, parallel)
 
 # out_dir: locked before any work; a checkpoint there is this run's to continue, never another's.
-# nanoGPT's init_from='resume' starts where out_dir's run started
-start_from = continued_origin(init_from, out_dir, resume,
-                              "--init_from set to a chat model (an SFT run's ckpt.pt, a Hugging Face chat model)")
-this_run = dict(script='train_dpo.py', init_from=run_origin(start_from), use_lora=use_lora)
+# this_run: what the run is (nanoGPT's init_from='resume' continues out_dir's, begun where it began)
+this_run = dict(script='train_dpo.py', use_lora=use_lora, init_from=run_origin(
+    init_from, out_dir, resume, "--init_from set to a chat model (an SFT run's ckpt.pt, a Hugging Face chat model)"))
 # under FSDP each rank reads its shards of a sharded checkpoint
 out_dir_lock, ckpt_path, ckpt = open_run(config, this_run, master, whole=parallel != 'fsdp' or use_lora)
 resuming = ckpt is not None
 # the chat model the policy starts as and the loss is relative to (a continued run: the one its
 # checkpoint names)
 reference_ckpt, reference_path, reference_hash = reference_checkpoint(
-    ckpt, start_from, out_dir, made_by="`python train.py` (pretraining, out/ckpt.pt) then `python train.py "
-                                       "config/sft.py` (SFT)" if start_from == 'out-sft/ckpt.pt' else None,
+    ckpt, init_from, out_dir, made_by="`python train.py` (pretraining, out/ckpt.pt) then `python train.py "
+                                       "config/sft.py` (SFT)" if init_from == 'out-sft/ckpt.pt' else None,
     # memory-mapped in its file's dtype (as train.py)
     as_stored=parallel == 'fsdp' or base_dtype != torch.float32, keep_nf4=base_dtype == 'nf4')
 
@@ -196,7 +195,8 @@ hf_files = hf_source(reference_ckpt, chat_template_variables)
 if not data_dir and not hf_files:
     from data import prepare_default
     prepare_once(prepare_default, compute, key='')  # train_dpo.py names no folder for it
-corpus_dir, base_tokenizer = run_tokenizer(data_dir, reference_ckpt, reference_path, hf_files.get('chat_template_variables'))
+corpus_dir, base_tokenizer = run_tokenizer(data_dir, reference_ckpt, reference_path,
+                                           hf_files.get('chat_template_variables'))
 tokenizer = chat_tokenizer(base_tokenizer)
 check_compatible(reference_ckpt['tokenizer'], tokenizer.identity(), 'tokenizer', reference_path,
                  fix="Point data_dir at the tokenizer folder the model was trained with ('' for the default).")

@@ -24,7 +24,7 @@ from run.checkpoint import (NEW_RUN, check_compatible, load_checkpoint, restore_
                             set_rng_state, training_state, write_checkpoint)
 from run.device import GradScaler, autocast_context, pick_dtype, to_device
 from run.epochs import by_epochs_checked, plan_epochs
-from run.run_folder import continued_origin, open_run, require_starting_weights, run_log, run_origin
+from run.run_folder import open_run, require_starting_weights, run_log, run_origin
 from run.runtime import (StepProfiler, StopSignal, all_reduce_metrics, bad_step, clip_grad_norm, compute_cleanup,
                          compute_init, gradient_sync, log, wrap_model)
 from run.tracker import require_wandb, start_wandb
@@ -154,11 +154,10 @@ vocode = load_vocoder(vocoder, local_device)  # a vocoder file that cannot work 
 
 # out_dir: written and locked before any work; a checkpoint there is this run's, never another's
 # nanoGPT's init_from='resume' starts where out_dir's run started
-start_from = continued_origin(init_from, out_dir, resume)
-this_run = dict(script='train_tts.py', init_from=run_origin(start_from))
+this_run = dict(script='train_tts.py', init_from=run_origin(init_from, out_dir, resume))
 out_dir_lock, ckpt_path, ckpt = open_run(config, this_run, master)
 resuming = ckpt is not None
-require_starting_weights(ckpt, start_from, eval_only, ckpt_path, what='a TTS checkpoint')
+require_starting_weights(ckpt, init_from, eval_only, ckpt_path, what='a TTS checkpoint')
 
 
 # data: held-out split by id; rank 0 computes and caches the mel features, the others then read them
@@ -194,9 +193,9 @@ if enc_channels % enc_heads or dec_heads and dec_channels % dec_heads or dec_cha
                     f"{enc_heads}, dec_channels={dec_channels} by dec_heads={dec_heads} (unless 0) and by 8 (GroupNorm "
                     f"groups), and enc_kernel={enc_kernel} must be odd (same-length convolutions).")
 model_args = dataclass_args(TTSConfig, config, symbols=symbols, n_mels=mel_settings['n_mels'], speakers=speakers)
-if resuming or start_from != 'scratch':
-    ckpt_source = ckpt_path if resuming else start_from
-    ckpt = ckpt if resuming else load_checkpoint(start_from)
+if resuming or init_from != 'scratch':
+    ckpt_source = ckpt_path if resuming else init_from
+    ckpt = ckpt if resuming else load_checkpoint(init_from)
     # a run in out_dir is continued whatever init_from says: a new run takes another out_dir or resume=False
     new_run = NEW_RUN if resuming else "or point --init_from at another TTS checkpoint, or use --init_from=scratch"
     if ckpt.get('kind') != 'tts':

@@ -85,7 +85,7 @@ def model_hash(path):
 def moved_to(recorded, init_from):
     """The model (file or folder) a continued run names, recorded; if it is gone, the relaunch's init_from: the
     same model moved elsewhere (the caller checks that it is: its sha256, or its tokenizer's identity)."""
-    return recorded if os.path.exists(recorded) or init_from in ('', 'scratch') else init_from
+    return recorded if os.path.exists(recorded) or init_from in ('', 'scratch', 'resume') else init_from
 
 
 def load_model(path, as_stored=False, keep_nf4=False):

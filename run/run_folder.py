@@ -87,9 +87,10 @@ def leave_as_found(out_dir, created, found):
             os.remove(path)
 
 
-def continued_origin(init_from, out_dir, resume, new_run="--init_from=scratch or a checkpoint"):
-    """init_from, but for nanoGPT's init_from='resume' (continue the run in out_dir, which nanotrain does whenever
-    there is one) the init_from that run began with, so that this launch is that run; never a file named
+def run_origin(init_from, out_dir, resume, new_run="--init_from=scratch or a checkpoint"):
+    """Where the run of this launch began, as its checkpoints record it: 'scratch' or a model's absolute path.
+    That is init_from's, but for nanoGPT's init_from='resume' (continue the run in out_dir, which nanotrain does
+    whenever there is one) the origin that run recorded, so that this launch is that run; never a file named
     'resume'. 'auto' is no setting: a UserError says what is. new_run: how the script starts a new run, for
     the message when there is none to continue."""
     if init_from == 'auto':
@@ -97,7 +98,7 @@ def continued_origin(init_from, out_dir, resume, new_run="--init_from=scratch or
                         "default), and init_from says where a new run's weights start: 'scratch', a checkpoint file, "
                         "a Hugging Face folder, or 'resume' to continue the run in out_dir and nothing else.")
     if init_from != 'resume':
-        return init_from
+        return init_from if init_from == 'scratch' else os.path.abspath(init_from)
     path = os.path.join(out_dir, 'ckpt.pt')
     if not resume:
         raise UserError("init_from='resume' continues the run in out_dir and resume=False starts a new one there; "
@@ -106,11 +107,6 @@ def continued_origin(init_from, out_dir, resume, new_run="--init_from=scratch or
         raise UserError(f"init_from='resume' continues the run in {out_dir}, but there is none ({path} does not "
                         f"exist). Point --out_dir at the run's folder, or start a new run with {new_run}.")
     return load_checkpoint(path, whole=False, fix=RESUME_FIX).get('run', {}).get('init_from', 'scratch')
-
-
-def run_origin(init_from):
-    """Where a run's weights start, as its checkpoints record it: 'scratch' or a checkpoint's absolute path."""
-    return init_from if init_from == 'scratch' else os.path.abspath(init_from)
 
 
 def is_hf_folder(path):

@@ -74,7 +74,7 @@ def config_key_rebindings(path):
 
 def test_config_keys_keep_the_users_values():
     """After configure, a config key holds what the user set for the whole run, in every script: the resolved
-    device, a continued run's origin, a resumed micro-batch are derived names (local_device, start_from, ...)."""
+    device, a continued run's origin, a resumed micro-batch are derived names (local_device, ptdtype, ...)."""
     scripts = [path for path in glob.glob(os.path.join(ROOT, '*.py'))
                if any(isinstance(node, ast.Assign) and configures(node) for node in ast.parse(open(path).read()).body)]
     assert {'train.py', 'train_dpo.py', 'train_rl.py', 'train_tts.py', 'sample.py', 'eval.py'} <= \

@@ -2,6 +2,7 @@
 
 import glob
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -14,6 +15,11 @@ from conftest import (ROOT, TINY, assert_user_error, kill_and_relaunch, load, lo
                       sigterm_after_steps, start, train, train_losses)
 
 
+# what plain pretraining never imports (tests/imports.py)
+NOT_PRETRAINING = {'lm.lora', 'lm.nf4', 'lm.chat_data', 'lm.heldout_eval', 'lm.generate', 'lm.metrics', 'lm.muon',
+                   'lm.adamw8bit', 'lm.loading', 'run.tracker', 'run.epochs', 'run.sharded_checkpoint'}
+
+
 def file_hash(path):
     with open(path, 'rb') as f:
         return hashlib.sha256(f.read()).hexdigest()
@@ -21,9 +27,15 @@ def file_hash(path):
 
 @pytest.mark.slow
 def test_train_smoke_and_sample(tmp_path, data_dir):
-    out = tmp_path / 'out'
-    p = train(out, data_dir, '--max_iters=12', '--eval_interval=6', '--lr_decay_iters=12')
+    out, imports = tmp_path / 'out', tmp_path / 'imports.json'
+    p = run(['tests/imports.py', str(imports), 'train.py', f'--out_dir={out}', f'--data_dir={data_dir}', *TINY,
+             '--max_iters=12', '--eval_interval=6', '--lr_decay_iters=12'])
     assert 'sample' in p.stdout
+    # plain pretraining reads only what it runs: a feature's code is imported where its branch starts
+    with open(imports) as f:
+        loaded = json.load(f)
+    assert 'model' in loaded and 'run.runtime' in loaded, loaded
+    assert not [name for name in loaded if name.startswith(('hf', 'tasks')) or name in NOT_PRETRAINING], loaded
     assert (out / 'ckpt.pt').exists() and (out / 'best.pt').exists()
     events = read_log(out)
     train_events = [e for e in events if 'train_loss' in e]

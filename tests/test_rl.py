@@ -18,12 +18,14 @@ from conftest import (assert_logged_to_wandb, assert_user_error, hf_fixture, kil
                       script_definitions, sft, sigterm_after_steps, torchrun, wandb_env, write_jsonl)
 from configurator import UserError
 from lm.chat_data import rl_prompt
-from lm.rewards import Reward, check_rows, load_reward, load_rewards, reward_values
+from lm.metrics import exact_match
+from lm.rewards import (Reward, check_rows, final_answer, load_reward, load_rewards, number_task_reward,
+                        reward_values)
 from lm.tokenizer import CharTokenizer, ChatTokenizer
 from lm.rl import (clipped_token_loss, completion_batches, group_advantages, k3_kl, normalized_loss, sequence_log_ratio,
                    token_entropy)
 from model import GPT, GPTConfig
-from tasks.number_tasks import final_answer, number_task_reward, prepare_number_tasks
+from tasks.number_tasks import prepare_number_tasks
 
 
 # -- advantages and losses against hand-written float64 loops ------------------------------------------------
@@ -214,6 +216,21 @@ def test_number_task_verifier():
     exact, name = load_reward('number_tasks_exact', format_weight=0.1)[:2]  # train_rl.py's --reward=number_tasks_exact
     assert name == 'number_tasks_exact' and exact(prompt=[], completion='74', row=row) == 0.0
     assert exact(prompt=[], completion=row['response'], row=row) == pytest.approx(1.1)
+
+
+def test_number_task_reward_judges_answers_as_exact_match_does():
+    """The verifier and eval.py's exact match agree on every answer: the whole answer (number_tasks_exact), and the
+    final answer after ', so ' (number_tasks), however it is spaced (tabs, newlines, no-break spaces) or cased."""
+    references = ['8+6=14, 4+2+1=7, so 74', '74', 'The answer is 5.', 'a b']
+    answers = references + [' 8+6=14,\t4+2+1=7, so 74\n', '8+6=14, 4+2+1=7, so  74 ', '\u00a074', '74.', 'the answer is 5.',
+                            'The  answer\nis 5.', 'a\u2003b', 'ab', '', '7 4', 'so 74', '1+1=2, so 74']
+    for reference in references:
+        for answer in answers:
+            whole = number_task_reward([], answer, {'response': reference}, whole=True)
+            assert whole == exact_match([answer], [reference]), (answer, reference)
+            final = number_task_reward([], answer, {'response': reference})
+            tails = [text.rpartition(', so ')[2] for text in (answer, reference)]
+            assert final == exact_match(tails[:1], tails[1:]), (answer, reference)
 
 
 def test_rl_prompt_formats():

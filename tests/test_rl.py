@@ -536,7 +536,9 @@ def test_constant_reward_warns_and_stays_finite(tmp_path, rl_env):
            '--exact_match_examples=0')
     assert "warning: every group's 4 rewards were equal" in p.stdout + p.stderr
     assert "(too hard or too easy prompts, or a constant reward)" in p.stdout + p.stderr
-    for e in train_events(tmp_path / 'out').values():
+    events = train_events(tmp_path / 'out')
+    assert sorted(events) == [1, 2]  # both steps logged: the checks below are of something
+    for e in events.values():
         assert e['reward'] == 1 and e['reward_std'] == 0 and e['frac_reward_zero_std'] == 1
         assert e['loss'] == 0 and e['grad_norm'] == 0 and e['accuracy'] == 1
     p = rl(rl_env, tmp_path / 'never', f'--reward={tmp_path / "r.py"}:never', '--max_iters=2', '--eval_prompts=1',
@@ -544,7 +546,8 @@ def test_constant_reward_warns_and_stays_finite(tmp_path, rl_env):
     output = p.stdout + p.stderr
     assert output.count('warning: reward never scored none of the 16 completions') == 1
     assert "nothing was learned (no reward scored any completion)" in output and 'degrees of freedom' not in output
-    assert all('rewards/never/mean' not in e and e['reward'] == 0 for e in train_events(tmp_path / 'never').values())
+    events = train_events(tmp_path / 'never')
+    assert sorted(events) == [1, 2] and all('rewards/never/mean' not in e and e['reward'] == 0 for e in events.values())
     assert 'NaN' not in (tmp_path / 'never' / 'log.jsonl').read_text()
 
 
@@ -800,7 +803,9 @@ def test_several_rewards_are_logged_each_and_summed(tmp_path, rl_env):
     p = rl(rl_env, tmp_path / 'out', f'--reward={tmp_path / "r.py"}:one,{tmp_path / "r.py"}:odd,'
            f'{tmp_path / "r.py"}:never', '--reward_weights=2,1,1', '--max_iters=2', '--eval_prompts=1',
            '--exact_match_examples=0', '--correct_reward=2')
-    for e in train_events(tmp_path / 'out').values():
+    events = train_events(tmp_path / 'out')
+    assert sorted(events) == [1, 2]  # both steps logged: the checks below are of something
+    for e in events.values():
         assert e['rewards/one/mean'] == 1 and e['rewards/one/std'] == 0 and e['rewards/odd/mean'] == 0.5
         assert 2 <= e['reward'] <= 2.5 and e['accuracy'] == 1 and 'rewards/never/mean' not in e
     # the one that scored nothing is named once, and neither logged as NaN nor warned about by torch's std

@@ -254,10 +254,11 @@ def main():
     print(f"\nPackage cycles:{'' if cycles(edges, package) else ' none'}")
     for nodes, inside in cycles(edges, package):
         print(f"- {', '.join(nodes)}; the packages importing each other:")
-        pairs = sorted({tuple(sorted((package(e.source), package(e.target)))) for e in inside})
-        for a, b in [(a, b) for a, b in pairs if all(any(package(e.source) == x and package(e.target) == y
-                                                         for e in inside) for x, y in ((a, b), (b, a)))]:
-            print(f"  - {a} <-> {b}: " + '; '.join(shown(e) for e in inside if {package(e.source), package(e.target)} == {a, b}))
+        between = {}
+        for e in inside:
+            between.setdefault((package(e.source), package(e.target)), []).append(e)
+        for a, b in sorted(pair for pair in between if pair < pair[::-1] and pair[::-1] in between):
+            print(f"  - {a} <-> {b}: {'; '.join(shown(e) for e in between[a, b] + between[b, a])}")
 
 if __name__ == '__main__':
     sys.exit(main())

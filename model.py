@@ -16,7 +16,6 @@ from torch.utils.checkpoint import checkpoint
 
 import losses
 from configurator import UserError
-from run.device import peak_flops
 
 CHOICES = dict(pos_emb=('rope', 'learned'), norm=('rmsnorm', 'layernorm'), mlp=('gelu', 'gelu_tanh', 'swiglu', 'relu2'))
 ROPE_SCALING_KEYS = ('factor', 'low_freq_factor', 'high_freq_factor', 'original_max_position_embeddings')
@@ -31,6 +30,38 @@ def weight_flops(weight):
 def stored_elsewhere(model):
     """The Linear layers whose weight is no parameter of theirs (a 4-bit LoRA base keeps it packed: lm/nf4.py)."""
     return [m for m in model.modules() if isinstance(m, nn.Linear) and m.weight is None]
+
+
+# Dense (no sparsity) bf16/fp16 tensor-core peak FLOP/s per GPU, from NVIDIA datasheets. Matched
+# case-insensitively as a substring of torch.cuda.get_device_name(); first match wins, so more
+# specific names come before their prefixes (H100 NVL/PCIe before H100, A100/A10G before A10,
+# L40S/L40 before L4). GeForce cards are listed at their fp32-accumulate rate, which PyTorch uses.
+PEAK_FLOPS = [
+    ('GH200', 989e12),
+    ('H200', 989e12),
+    ('H100 NVL', 835e12),
+    ('H100 PCIe', 756e12),
+    ('H100', 989e12),        # SXM, reported as e.g. "NVIDIA H100 80GB HBM3"
+    ('A100', 312e12),
+    ('A10G', 125e12),        # AWS publishes none; the A10 datasheet figure
+    ('A10', 125e12),
+    ('L40S', 362e12),
+    ('L40', 181e12),
+    ('L4', 121e12),
+    ('A6000', 154.8e12),
+    ('RTX 4090', 165.2e12),
+    ('RTX 3090', 71e12),
+    ('V100S', 130e12),
+    ('V100-PCIE', 112e12),
+    ('V100', 125e12),        # SXM2
+    ('T4', 65e12),
+]
+
+
+def peak_flops(device_name):
+    """Peak dense bf16/fp16 FLOP/s of the named GPU, or None when unknown (CPU, MPS, unlisted GPUs)."""
+    name = device_name.lower()
+    return next((flops for key, flops in PEAK_FLOPS if key.lower() in name), None)
 
 
 @dataclass

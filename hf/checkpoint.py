@@ -33,6 +33,7 @@ from hf.tokenizer_json import save_tokenizer
 from lm.nf4 import BLOCK, DYNAMIC_LEVELS, NF4_LEVELS, SCALE_BLOCK, NF4Weight
 from lm.tokenizer import CHAT_SPECIAL_TOKENS, CHAT_TEMPLATE_JINJA
 from model import GPT, ROPE_SCALING_KEYS, GPTConfig, mlp_hidden_size
+from run.runtime import log
 
 ARCHITECTURES = ('LlamaForCausalLM', 'MistralForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM', 'ArceeForCausalLM',
                  'GPT2LMHeadModel')
@@ -451,7 +452,6 @@ def read_hf_weights(folder, hf, as_stored=False, keep_nf4=False):
                 state[nano] = (part if as_stored else part.float()).contiguous()
             loaded.add(hf_name)
     if four_bit and not quantized:  # a 4-bit config.json beside unquantized weights
-        from run.runtime import log  # not at the top: it imports this module's neighbours
         log(f"note: {folder}/config.json says its weights are bitsandbytes' 4-bit NF4 (quantization_config), but "
             f"none of them is quantized: they are read as stored, and quantization_config is ignored")
     for hf_name, parts in quantized.items():

@@ -264,6 +264,15 @@ def branched_rows(units, rows, pad_id, device='cpu'):
     return dict(zip(tensors, to_device(tensors.values(), device)))
 
 
+def first_kept(order, n, keep):
+    """The places in order of its first n indices that keep(indices) keeps (fewer where there are not n), looked
+    for in a head of the order that grows as needed, not in the whole epoch's order each step."""
+    span = 1024
+    while len(fits := keep(order[:span]).nonzero().flatten()[:n]) < n and span < len(order):
+        span *= 4
+    return fits
+
+
 class EpochSampler:
     """Indices 0..n-1 in a seeded random order, reshuffled every epoch: SFT examples, DPO pairs, RL prompts.
     Every rank draws the same order (same seed, same draws) and takes its own slice of each global batch."""
@@ -279,14 +288,18 @@ class EpochSampler:
             self.order, self.position = torch.randperm(self.n, generator=self.generator), 0
         return self.order[self.position:]
 
-    def sample(self, n, within_epoch=False):
+    def sample(self, n, within_epoch=False, keep=None):
         """The next n indices, continuing into a new epoch's order where this one ends; within_epoch: fewer
-        where fewer are left, so that no batch holds two epochs (an epoch-counted run's, run/epochs.py)."""
+        where fewer are left, so that no batch holds two epochs (an epoch-counted run's, run/epochs.py).
+        keep(indices): which of them may be drawn, a bool each; the others are passed over (a length
+        curriculum's longer examples)."""
         taken = []
         while n and not (within_epoch and taken and self.ended()):
-            taken.append(self.remaining()[:n])
-            self.position += len(taken[-1])
-            n -= len(taken[-1])
+            rest = self.remaining()
+            fits = torch.arange(min(n, len(rest))) if keep is None else first_kept(rest, n, keep)
+            self.position += int(fits[-1]) + 1 if len(fits) == n else len(rest)
+            taken.append(rest[fits])
+            n -= len(fits)
         return torch.cat(taken)
 
     def ended(self):
@@ -343,24 +356,11 @@ class SFTBatches:
         self.carry = []  # packed: examples of the epoch taken from the order, to be packed with the next window
         self.batches_drawn = 0
 
-    def _take(self, n, max_len):
-        """The next n examples of the shuffled order that are at most max_len long (longer ones are skipped)."""
-        taken = []
-        while n and not (self.whole_epochs and taken and self.sampler.ended()):
-            rest, span = self.sampler.remaining(), 1024
-            # looked for in a head of the order that grows as needed (not the whole epoch's each step)
-            while len(fits := (self.lengths[rest[:span]] <= max_len).nonzero().flatten()[:n]) < n and span < len(rest):
-                span *= 4
-            self.sampler.position += int(fits[-1]) + 1 if len(fits) == n else len(rest)
-            taken.append(rest[fits])
-            n -= len(fits)
-        return torch.cat(taken)
-
     def _window(self, tokens, max_len):
         """The next examples of this epoch's order that are at most max_len long (longer ones are skipped),
         until they hold tokens tokens or the epoch ends."""
         rest, span = self.sampler.remaining(), 1024
-        while True:  # in a head of the order that grows until it holds the tokens (as _take)
+        while True:  # in a head of the order that grows until it holds the tokens (as first_kept)
             head = rest[:span]
             fits = self.lengths[head] <= max_len
             held = torch.where(fits, self.lengths[head], 0).cumsum(0)
@@ -383,7 +383,9 @@ class SFTBatches:
                 emptiest = rows.pop(min(range(len(rows)), key=lambda r: sum(lengths[i] for i in rows[r])))
                 self.carry = [window[i] for i in emptiest]
             return [[[window[i] for i in row]] for row in rows]
-        pool = self._take(n * self.bucket_batches, max_len)
+        # the next examples of the shuffled order that are at most max_len long (longer ones are skipped)
+        pool = self.sampler.sample(n * self.bucket_batches, self.whole_epochs,
+                                   keep=lambda indices: self.lengths[indices] <= max_len)
         return [[[i] for i in batch.tolist()] for batch in pool[self.lengths[pool].argsort(stable=True)].split(n)]
 
     def sample(self, n, max_len=None):

@@ -1,7 +1,8 @@
 """
 The rewards of online RL (train_rl.py), as TRL's GRPOTrainer combines them: the config key reward names one or
-more functions, comma-separated, each the embedded number tasks' verifier ('number_tasks', 'number_tasks_exact')
-or a user's 'path.py:name'; a completion's reward is their sum weighted by reward_weights (TRL's nansum).
+more functions, comma-separated, each the embedded number tasks' verifier ('number_tasks', 'number_tasks_exact':
+number_task_reward, which compares answers as lm/metrics.py's exact_match does) or a user's 'path.py:name'; a
+completion's reward is their sum weighted by reward_weights (TRL's nansum).
 
 A user's function is called once per completion as name(prompt=..., completion=..., row=...) with the prompt's
 messages, the completion's text and the prompt's JSONL record; one whose attribute `batched` is true (for a
@@ -17,12 +18,13 @@ import importlib.util
 import math
 import numbers
 import os
+import re
 import signal
 import sys
 from typing import Callable, NamedTuple
 
 from configurator import UserError
-from tasks.number_tasks import number_task_reward
+from lm.metrics import normalize_answer
 
 BUILT_IN = ('number_tasks', 'number_tasks_exact')
 FLOAT32_MAX = 3.4028234663852886e+38  # rewards are float32 tensors from here on
@@ -89,6 +91,29 @@ def load_reward(spec, format_weight=0.0):
         raise UserError(f"reward={spec!r}: {path} defines no function {name!r}. Define {name}(prompt, completion, "
                         f"row) returning a number, or fix the name after the colon.")
     return Reward(fn, name, spec, bool(getattr(fn, 'batched', False)))
+
+
+def final_answer(text):
+    """The answer a response gives: what follows the last ', so ' of a worked sum or difference ('8+6=14,
+    4+2+1=7, so 74' -> '74'), else the whole response; normalised as exact match compares answers."""
+    return normalize_answer(text.rpartition(', so ')[2])
+
+
+def answer_shape(text):
+    """The response with every number written as 0: the format of an answer, whatever its digits."""
+    return re.sub(r'\d+', '0', normalize_answer(text))
+
+
+def number_task_reward(prompt, completion, row, format_weight=0.0, whole=False):
+    """train_rl.py's verifier of the number tasks: 1 when the completion's final answer is the reference's
+    (row['response']), else 0; plus format_weight when the completion is shaped as the reference is (the
+    working of a sum, one number for the others: answer_shape). With whole=True the whole answer must be the
+    reference's (exact match, a sum's working included): a working that drifts while its final answer stays
+    (a carry written where there is none) earns nothing."""
+    reference = row['response']
+    correct = (normalize_answer(completion) == normalize_answer(reference) if whole else
+               final_answer(completion) == final_answer(reference))
+    return float(correct) + format_weight * (answer_shape(completion) == answer_shape(reference))
 
 
 def check_rows(rewards, prompts):

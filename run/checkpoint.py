@@ -88,7 +88,7 @@ def write_checkpoint(path, state, sharded, master):
     if sharded:
         # imports torch.distributed.checkpoint (0.2 s): only if used
         from run.sharded_checkpoint import write_shards
-        state = write_shards(path, state)
+        state = write_shards(path, state, shard_folders(path))
     if not sharded and any(is_dtensor(t) for t in tensors_in(state)):
         save_gathered(path, state, master)
     elif master:

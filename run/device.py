@@ -1,7 +1,7 @@
 """
-The device a training step runs on and its number formats: which device and precision (and its peak
-FLOP/s, for MFU), autocast, fp16 loss scaling by a GradScaler that works on any device (MPS too), and
-batches moved onto the device.
+The device a training step runs on and its number formats: which device and precision, autocast, fp16
+loss scaling by a GradScaler that works on any device (MPS too), and batches moved onto the device.
+(A GPU's peak FLOP/s, for MFU, is model.py's: estimate_mfu's.)
 
 Works the same on CUDA, Apple MPS and CPU, so the training scripts need no device branches.
 """
@@ -38,38 +38,6 @@ def bf16_supported(device):
     if kind == "mps":
         return torch.backends.mps.is_macos_or_newer(14, 0)
     return True
-
-
-# Dense (no sparsity) bf16/fp16 tensor-core peak FLOP/s per GPU, from NVIDIA datasheets. Matched
-# case-insensitively as a substring of torch.cuda.get_device_name(); first match wins, so more
-# specific names come before their prefixes (H100 NVL/PCIe before H100, A100/A10G before A10,
-# L40S/L40 before L4). GeForce cards are listed at their fp32-accumulate rate, which PyTorch uses.
-PEAK_FLOPS = [
-    ('GH200', 989e12),
-    ('H200', 989e12),
-    ('H100 NVL', 835e12),
-    ('H100 PCIe', 756e12),
-    ('H100', 989e12),        # SXM, reported as e.g. "NVIDIA H100 80GB HBM3"
-    ('A100', 312e12),
-    ('A10G', 125e12),        # AWS publishes none; the A10 datasheet figure
-    ('A10', 125e12),
-    ('L40S', 362e12),
-    ('L40', 181e12),
-    ('L4', 121e12),
-    ('A6000', 154.8e12),
-    ('RTX 4090', 165.2e12),
-    ('RTX 3090', 71e12),
-    ('V100S', 130e12),
-    ('V100-PCIE', 112e12),
-    ('V100', 125e12),        # SXM2
-    ('T4', 65e12),
-]
-
-
-def peak_flops(device_name):
-    """Peak dense bf16/fp16 FLOP/s of the named GPU, or None when unknown (CPU, MPS, unlisted GPUs)."""
-    name = device_name.lower()
-    return next((flops for key, flops in PEAK_FLOPS if key.lower() in name), None)
 
 
 def pick_dtype(device, dtype="auto"):

@@ -28,7 +28,6 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 if __name__ == '__main__' and not __package__:  # run by path: the modules are a folder up
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configurator import UserError  # noqa: E402
-from run.checkpoint import load_checkpoint, save_checkpoint, shard_folders
 
 
 def without_aliases(weights):
@@ -42,16 +41,17 @@ def without_aliases(weights):
     return unique, aliases
 
 
-def write_shards(path, state):
+def write_shards(path, state, taken):
     """Write the weights and optimizer state of state (a training script's checkpoint, its 'model' and
     'optimizer' state dicts as the run holds them: sharded under FSDP), each rank its shards, into a new
-    folder next to path; returns what path then holds: the rest of state and the folder's name. Collective."""
+    folder next to path, named as none of taken (the folders of earlier saves: checkpoint.shard_folders);
+    returns what path then holds: the rest of state and the folder's name. Collective."""
     name = None
     # a new folder even if this step was saved before
     if not dist.is_initialized() or dist.get_rank() == 0:
-        taken = {os.path.basename(f) for f in shard_folders(path)}
+        used = {os.path.basename(f) for f in taken}
         stem = f"{os.path.splitext(os.path.basename(path))[0]}-{state['iter_num']:06d}"
-        name = next(n for n in [f'{stem}.dcp'] + [f'{stem}.{i}.dcp' for i in range(1, len(taken) + 1)] if n not in taken)
+        name = next(n for n in [f'{stem}.dcp'] + [f'{stem}.{i}.dcp' for i in range(1, len(used) + 1)] if n not in used)
     if dist.is_initialized():
         names = [name]
         dist.broadcast_object_list(names, src=0)
@@ -148,6 +148,9 @@ def read_shards(ckpt, model, optimizer):
 
 
 if __name__ == '__main__':
+    # the converter's import, not the module's: run.checkpoint imports this module (to read and write shards),
+    # never the other way
+    from run.checkpoint import load_checkpoint, save_checkpoint
     if len(sys.argv) != 3:
         sys.exit("usage: python -m run.sharded_checkpoint <sharded ckpt.pt> <one-file checkpoint to write>")
     save_checkpoint(sys.argv[2], load_checkpoint(sys.argv[1]))

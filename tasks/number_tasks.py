@@ -2,8 +2,8 @@
 The embedded number tasks: a synthetic, verifiable instruction set that fine-tuning uses when no data of
 one's own is given. prepare_number_tasks writes it as JSONL in lm/chat_data.py's formats: questions and
 answers for SFT (train.py training_type='sft' | 'lora'), or questions with the answer and a plausible
-wrong answer as preference pairs for DPO (train_dpo.py); number_task_reward verifies an answer, the reward of
-online RL (train_rl.py).
+wrong answer as preference pairs for DPO (train_dpo.py). Online RL (train_rl.py) trains on their prompts, its
+reward checking an answer against the response (lm/rewards.py: number_task_reward).
 """
 
 import hashlib
@@ -13,7 +13,6 @@ import random
 import re
 
 from configurator import UserError
-from lm.metrics import normalize_answer
 
 NUMBER_TASKS_DIR = os.path.join('data', 'number_tasks')
 PREFERENCES_DIR = os.path.join('data', 'number_preferences')
@@ -174,26 +173,3 @@ def prepare_number_tasks(out_dir=NUMBER_TASKS_DIR, n_train=10_000, n_eval=500, s
             f.write(text)
         os.replace(tmp, os.path.join(out_dir, name))
     return out_dir
-
-
-def final_answer(text):
-    """The answer a response gives: what follows the last ', so ' of a worked sum or difference ('8+6=14,
-    4+2+1=7, so 74' -> '74'), else the whole response; normalised as exact match compares answers."""
-    return normalize_answer(text.rpartition(', so ')[2])
-
-
-def answer_shape(text):
-    """The response with every number written as 0: the format of an answer, whatever its digits."""
-    return re.sub(r'\d+', '0', normalize_answer(text))
-
-
-def number_task_reward(prompt, completion, row, format_weight=0.0, whole=False):
-    """train_rl.py's verifier of the number tasks: 1 when the completion's final answer is the reference's
-    (row['response']), else 0; plus format_weight when the completion is shaped as the reference is (the
-    working of a sum, one number for the others: answer_shape). With whole=True the whole answer must be the
-    reference's (exact match, a sum's working included): a working that drifts while its final answer stays
-    (a carry written where there is none) earns nothing."""
-    reference = row['response']
-    correct = (normalize_answer(completion) == normalize_answer(reference) if whole else
-               final_answer(completion) == final_answer(reference))
-    return float(correct) + format_weight * (answer_shape(completion) == answer_shape(reference))

@@ -1,6 +1,7 @@
 import ast
 import dataclasses
 import glob
+import io
 import os
 import re
 import subprocess
@@ -8,9 +9,10 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
-from configurator import (EMPTY_OR_FOLDER, FOLDER, POSITIVE, assignment_lines, at_least, check_values, configure,
-                          data_sources, dataclass_args, interval, one_of)
+from configurator import (EMPTY_OR_FOLDER, FOLDER, POSITIVE, assignment_lines, at_least, check_values, config_defaults,
+                          configure, data_sources, dataclass_args, interval, one_of)
 from conftest import ROOT, run
 from scheduler import SCHEDULES
 
@@ -47,12 +49,63 @@ def test_upper_case_constants_are_not_keys():
     assert set(config) == set(configure(defaults(), []))
 
 
-@pytest.mark.slow
+def script_config(path):
+    """A script's config keys ({key: default}: config_defaults of its globals where it calls configure, its top
+    run in this process: imports, keys, the docstring) and the names its own assignments there bind."""
+    body = ast.parse(open(path).read()).body
+    at = next(i for i, node in enumerate(body)
+              if isinstance(node, ast.Assign) and ast.unparse(node.value).startswith('configure(globals()'))
+    namespace = {'__name__': '__config__', '__file__': str(path)}
+    sys.path.insert(0, os.path.dirname(str(path)))  # as `python path` imports a module beside it
+    try:
+        exec(compile(ast.Module(body=body[:at], type_ignores=[]), str(path), 'exec'), namespace)
+    finally:
+        sys.path.remove(os.path.dirname(str(path)))
+    own = {target.id for node in body[:at] if isinstance(node, (ast.Assign, ast.AnnAssign))
+           for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+           if isinstance(target, ast.Name)}
+    return config_defaults(namespace), own
+
+
+def config_problems(path):
+    """Each config key of a script that a checkpoint cannot hold as the script's own plain value: one the script
+    does not assign (an imported name of a plain value), or one whose value torch.load(weights_only=True) does
+    not read back as saved (a function inside a tuple, list or dict)."""
+    keys, own = script_config(path)
+    problems = [f'{key}: imported, not assigned by the script' for key in keys if key not in own]
+    for key, value in keys.items():
+        buffer = io.BytesIO()
+        try:
+            torch.save(value, buffer)
+            buffer.seek(0)
+            read_back = torch.load(buffer, weights_only=True)
+        except Exception as e:
+            read_back = e
+        if type(read_back) is not type(value) or read_back != value:
+            problems.append(f'{key}: {value!r} is read back as {read_back!r}')
+    return problems
+
+
+def test_a_config_holding_a_function_or_an_imported_constant_is_found(tmp_path):
+    path = tmp_path / 'script.py'
+    path.write_text("from math import pi\nfrom configurator import configure, at_least\nimport os\n"
+                    "batch_size = 64\nrules = [(at_least(1), ('batch_size',))]\nbetas = (0.9, 0.95)\n"
+                    "config = configure(globals())\n")
+    problems = config_problems(path)
+    assert len(problems) == 2 and problems[0].startswith('pi: imported') and problems[1].startswith('rules: ')
+
+
 def test_scripts_configs_hold_only_plain_values():
-    # a checkpoint stores its config and is read back with weights_only=True: no functions, no imported constants
-    for script in ('train.py', 'train_dpo.py', 'train_tts.py'):
-        p = run([script, '--help'])
-        assert not re.search(r'^ *--[A-Z]', p.stdout, re.M), p.stdout
+    """A checkpoint stores its script's config and is read with weights_only=True: no functions, no imported
+    constants, in every script with config keys."""
+    scripts = [path for pattern in ('*.py', 'bench/*.py', 'runs/*.py')
+               for path in glob.glob(os.path.join(ROOT, pattern))
+               if re.search(r'^config = configure\(globals\(\)', open(path).read(), re.M)]
+    names = {os.path.relpath(path, ROOT) for path in scripts}
+    assert {'train.py', 'train_dpo.py', 'train_rl.py', 'train_tts.py', 'train_vocoder.py', 'sample.py',
+            'sample_tts.py', 'eval.py', 'bench/bench_gpt.py'} <= names, names
+    problems = {os.path.relpath(path, ROOT): config_problems(path) for path in scripts}
+    assert not any(problems.values()), problems
 
 
 def test_override_updates_globals_and_returns_config(capsys):

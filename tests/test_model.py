@@ -7,8 +7,7 @@ import torch.nn.functional as F
 
 from configurator import UserError
 from conftest import INDUCTOR_ON_THIS_CPU
-from model import GPT, GPTConfig, KVCache, apply_rope, rope_cos_sin, sample_next, window_mask
-from run.device import peak_flops
+from model import GPT, GPTConfig, KVCache, apply_rope, peak_flops, rope_cos_sin, sample_next, window_mask
 
 TINY = dict(block_size=8, vocab_size=32, n_layer=2, n_head=2, n_embd=16)
 

@@ -18,12 +18,14 @@ from conftest import (assert_logged_to_wandb, assert_user_error, hf_fixture, kil
                       script_definitions, sft, sigterm_after_steps, torchrun, wandb_env, write_jsonl)
 from configurator import UserError
 from lm.chat_data import rl_prompt
-from lm.rewards import Reward, check_rows, load_reward, load_rewards, reward_values
+from lm.metrics import exact_match
+from lm.rewards import (Reward, check_rows, final_answer, load_reward, load_rewards, number_task_reward,
+                        reward_values)
 from lm.tokenizer import CharTokenizer, ChatTokenizer
 from lm.rl import (clipped_token_loss, completion_batches, group_advantages, k3_kl, normalized_loss, sequence_log_ratio,
                    token_entropy)
 from model import GPT, GPTConfig
-from tasks.number_tasks import final_answer, number_task_reward, prepare_number_tasks
+from tasks.number_tasks import prepare_number_tasks
 
 
 # -- advantages and losses against hand-written float64 loops ------------------------------------------------
@@ -214,6 +216,21 @@ def test_number_task_verifier():
     exact, name = load_reward('number_tasks_exact', format_weight=0.1)[:2]  # train_rl.py's --reward=number_tasks_exact
     assert name == 'number_tasks_exact' and exact(prompt=[], completion='74', row=row) == 0.0
     assert exact(prompt=[], completion=row['response'], row=row) == pytest.approx(1.1)
+
+
+def test_number_task_reward_judges_answers_as_exact_match_does():
+    """The verifier and eval.py's exact match agree on every answer: the whole answer (number_tasks_exact), and the
+    final answer after ', so ' (number_tasks), however it is spaced (tabs, newlines, no-break spaces) or cased."""
+    references = ['8+6=14, 4+2+1=7, so 74', '74', 'The answer is 5.', 'a b']
+    answers = references + [' 8+6=14,\t4+2+1=7, so 74\n', '8+6=14, 4+2+1=7, so  74 ', '\u00a074', '74.', 'the answer is 5.',
+                            'The  answer\nis 5.', 'a\u2003b', 'ab', '', '7 4', 'so 74', '1+1=2, so 74']
+    for reference in references:
+        for answer in answers:
+            whole = number_task_reward([], answer, {'response': reference}, whole=True)
+            assert whole == exact_match([answer], [reference]), (answer, reference)
+            final = number_task_reward([], answer, {'response': reference})
+            tails = [text.rpartition(', so ')[2] for text in (answer, reference)]
+            assert final == exact_match(tails[:1], tails[1:]), (answer, reference)
 
 
 def test_rl_prompt_formats():
@@ -519,7 +536,9 @@ def test_constant_reward_warns_and_stays_finite(tmp_path, rl_env):
            '--exact_match_examples=0')
     assert "warning: every group's 4 rewards were equal" in p.stdout + p.stderr
     assert "(too hard or too easy prompts, or a constant reward)" in p.stdout + p.stderr
-    for e in train_events(tmp_path / 'out').values():
+    events = train_events(tmp_path / 'out')
+    assert sorted(events) == [1, 2]  # both steps logged: the checks below are of something
+    for e in events.values():
         assert e['reward'] == 1 and e['reward_std'] == 0 and e['frac_reward_zero_std'] == 1
         assert e['loss'] == 0 and e['grad_norm'] == 0 and e['accuracy'] == 1
     p = rl(rl_env, tmp_path / 'never', f'--reward={tmp_path / "r.py"}:never', '--max_iters=2', '--eval_prompts=1',
@@ -527,7 +546,8 @@ def test_constant_reward_warns_and_stays_finite(tmp_path, rl_env):
     output = p.stdout + p.stderr
     assert output.count('warning: reward never scored none of the 16 completions') == 1
     assert "nothing was learned (no reward scored any completion)" in output and 'degrees of freedom' not in output
-    assert all('rewards/never/mean' not in e and e['reward'] == 0 for e in train_events(tmp_path / 'never').values())
+    events = train_events(tmp_path / 'never')
+    assert sorted(events) == [1, 2] and all('rewards/never/mean' not in e and e['reward'] == 0 for e in events.values())
     assert 'NaN' not in (tmp_path / 'never' / 'log.jsonl').read_text()
 
 
@@ -783,7 +803,9 @@ def test_several_rewards_are_logged_each_and_summed(tmp_path, rl_env):
     p = rl(rl_env, tmp_path / 'out', f'--reward={tmp_path / "r.py"}:one,{tmp_path / "r.py"}:odd,'
            f'{tmp_path / "r.py"}:never', '--reward_weights=2,1,1', '--max_iters=2', '--eval_prompts=1',
            '--exact_match_examples=0', '--correct_reward=2')
-    for e in train_events(tmp_path / 'out').values():
+    events = train_events(tmp_path / 'out')
+    assert sorted(events) == [1, 2]  # both steps logged: the checks below are of something
+    for e in events.values():
         assert e['rewards/one/mean'] == 1 and e['rewards/one/std'] == 0 and e['rewards/odd/mean'] == 0.5
         assert 2 <= e['reward'] <= 2.5 and e['accuracy'] == 1 and 'rewards/never/mean' not in e
     # the one that scored nothing is named once, and neither logged as NaN nor warned about by torch's std

@@ -148,7 +148,15 @@ def start(args, **kw):
 
 
 def torchrun(ranks=2):
-    """The arguments that launch a script on `ranks` local processes."""
+    """The arguments that launch a script on `ranks` local processes: tests/ranks.py, which forks them from a Python
+    that has imported torch and gives them torchrun's environment (NANOTRAIN_TESTS_FORK=0: real torchrun)."""
+    if not FORK_SERVER:
+        return real_torchrun(ranks)
+    return ['tests/ranks.py', f'--nproc_per_node={ranks}']
+
+
+def real_torchrun(ranks=2):
+    """torchrun itself (its ranks new Pythons): for the tests of what torchrun reports when a rank fails."""
     return ['-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={ranks}']
 
 

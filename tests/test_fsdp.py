@@ -18,8 +18,8 @@ from configurator import UserError
 from run.checkpoint import all_rng_states, load_checkpoint, write_checkpoint
 from run.runtime import compute_cleanup
 from conftest import (HF_TINY, REFERENCE, TINY, TRAIN_METRICS, assert_user_error, dpo, evals, hf_fixture,
-                      kill_and_relaunch, load, logged, parameter_bytes, reference_logps_under_bf16_autocast, run,
-                      sft_args, torchrun, train, train_metrics)
+                      kill_and_relaunch, load, logged, parameter_bytes, real_torchrun,
+                      reference_logps_under_bf16_autocast, run, sft_args, torchrun, train, train_metrics)
 from model import GPT, GPTConfig
 from run.fsdp import (check_parallel, full_state_dict, is_dtensor, model_state_dict, same_init_on_every_rank,
                       shard_model, shard_optimizer_state, tensors_in)
@@ -319,10 +319,10 @@ def test_fsdp_settings_it_cannot_run_are_refused(tmp_path, data_dir):
     for args, message in [(['--parallel=fsdp'], 'torchrun')]:
         p = train(tmp_path / 'out', data_dir, '--max_iters=1', *args, check=False)
         assert_user_error(p, message)
-    # under torchrun too (init_process_group wraps the hook that prints it); torchrun then reports the failed
-    # ranks with a traceback of its own, but none comes from train.py
-    p = train_on_2_ranks(tmp_path / 'out', data_dir, '--max_iters=1', '--parallel=fsdp', '--optimizer_type=muon',
-                         check=False)
+    # under torchrun too (init_process_group wraps the hook that prints it); torchrun (the real one) then reports
+    # the failed ranks with a traceback of its own, but none comes from train.py
+    p = run([*real_torchrun(2), 'train.py', f'--out_dir={tmp_path / "out"}', f'--data_dir={data_dir}', *TINY,
+             '--max_iters=1', '--parallel=fsdp', '--optimizer_type=muon'], check=False)
     assert p.returncode != 0 and 'error: parallel' in p.stderr and 'train.py", line' not in p.stderr, p.stderr
 
 

@@ -436,9 +436,10 @@ TRAIN_METRICS = ('loss', 'rewards/chosen', 'rewards/rejected', 'rewards/margins'
                  'logps/chosen', 'logps/rejected', 'nll/chosen', 'kl')
 
 
-@pytest.fixture(scope='module')
+@pytest.fixture(scope='session')
 def dpo_env(sft_env, tmp_path_factory):
-    """sft_env's char corpus and base model, a tiny SFT checkpoint trained from it, and number-task pairs."""
+    """sft_env's char corpus and base model, a tiny SFT checkpoint trained from it, and number-task pairs (once a
+    pytest process: five test files use them, none writes there)."""
     root = tmp_path_factory.mktemp('dpo')
     sft(sft_env, root / 'sft', '--max_iters=3', '--eval_interval=3', '--lr_decay_iters=3', '--exact_match_examples=0')
     pairs = prepare_number_tasks(str(root / 'pairs'), n_train=40, n_eval=8, seed=1, preferences=True)

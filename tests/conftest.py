@@ -130,9 +130,11 @@ FORK_SERVER = ForkServer() if os.environ.get('NANOTRAIN_TESTS_FORK', '1') != '0'
 
 def run(args, env_extra=None, check=True, timeout=300, **kw):
     """`python *args` in the repository root; check: fail the test, with the output's ends, on a non-zero exit.
-    A script's or a module's launch (not `-c`) forks from FORK_SERVER."""
+    A script's or a module's launch (not `-c`) forks from FORK_SERVER, unless env_extra sets more than PYTHONPATH
+    (which only makes the child's sys.path, as the fork's is made): what torch read at import would not see it."""
     env = script_env(**(env_extra or {}))
-    if FORK_SERVER and (args[0].endswith('.py') or args[0] == '-m') and not kw and not env_extra:
+    forkable = args[0].endswith('.py') or args[0] == '-m'
+    if FORK_SERVER and forkable and not kw and set(env_extra or ()) <= {'PYTHONPATH'}:
         p = FORK_SERVER.run(args, env, timeout)
     else:
         p = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,

@@ -130,9 +130,11 @@ FORK_SERVER = ForkServer() if os.environ.get('NANOTRAIN_TESTS_FORK', '1') != '0'
 
 def run(args, env_extra=None, check=True, timeout=300, **kw):
     """`python *args` in the repository root; check: fail the test, with the output's ends, on a non-zero exit.
-    A script's or a module's launch (not `-c`) forks from FORK_SERVER."""
+    A script's or a module's launch (not `-c`) forks from FORK_SERVER, unless env_extra sets more than PYTHONPATH
+    (which only makes the child's sys.path, as the fork's is made): what torch read at import would not see it."""
     env = script_env(**(env_extra or {}))
-    if FORK_SERVER and (args[0].endswith('.py') or args[0] == '-m') and not kw and not env_extra:
+    forkable = args[0].endswith('.py') or args[0] == '-m'
+    if FORK_SERVER and forkable and not kw and set(env_extra or ()) <= {'PYTHONPATH'}:
         p = FORK_SERVER.run(args, env, timeout)
     else:
         p = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -148,7 +150,15 @@ def start(args, **kw):
 
 
 def torchrun(ranks=2):
-    """The arguments that launch a script on `ranks` local processes."""
+    """The arguments that launch a script on `ranks` local processes: tests/ranks.py, which forks them from a Python
+    that has imported torch and gives them torchrun's environment (NANOTRAIN_TESTS_FORK=0: real torchrun)."""
+    if not FORK_SERVER:
+        return real_torchrun(ranks)
+    return ['tests/ranks.py', f'--nproc_per_node={ranks}']
+
+
+def real_torchrun(ranks=2):
+    """torchrun itself (its ranks new Pythons): for the tests of what torchrun reports when a rank fails."""
     return ['-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={ranks}']
 
 
@@ -428,9 +438,10 @@ TRAIN_METRICS = ('loss', 'rewards/chosen', 'rewards/rejected', 'rewards/margins'
                  'logps/chosen', 'logps/rejected', 'nll/chosen', 'kl')
 
 
-@pytest.fixture(scope='module')
+@pytest.fixture(scope='session')
 def dpo_env(sft_env, tmp_path_factory):
-    """sft_env's char corpus and base model, a tiny SFT checkpoint trained from it, and number-task pairs."""
+    """sft_env's char corpus and base model, a tiny SFT checkpoint trained from it, and number-task pairs (once a
+    pytest process: five test files use them, none writes there)."""
     root = tmp_path_factory.mktemp('dpo')
     sft(sft_env, root / 'sft', '--max_iters=3', '--eval_interval=3', '--lr_decay_iters=3', '--exact_match_examples=0')
     pairs = prepare_number_tasks(str(root / 'pairs'), n_train=40, n_eval=8, seed=1, preferences=True)

@@ -1,7 +1,7 @@
 """parallel='fsdp' (run/fsdp.py) on CPU with gloo, 2 ranks: the same losses as one process with the same global
 batch, bit-exact resume, and one checkpoint format that one process, DDP and FSDP all continue from."""
 import dataclasses
-import functools
+import json
 import math
 import shutil
 import weakref
@@ -10,7 +10,6 @@ import zipfile
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.tensor import DTensor
 
@@ -19,8 +18,8 @@ from lm.starting_model import build_model, frozen_model
 from run.checkpoint import all_rng_states, load_checkpoint, write_checkpoint
 from run.runtime import compute_cleanup
 from conftest import (HF_TINY, REFERENCE, TINY, TRAIN_METRICS, assert_user_error, dpo, evals, hf_fixture,
-                      kill_and_relaunch, load, logged, parameter_bytes, reference_logps_under_bf16_autocast, run,
-                      sft_args, torchrun, train, train_metrics)
+                      kill_and_relaunch, load, logged, parameter_bytes, real_torchrun,
+                      reference_logps_under_bf16_autocast, run, sft_args, torchrun, train, train_metrics)
 from model import GPT, GPTConfig
 from run.fsdp import (check_parallel, full_state_dict, is_dtensor, model_state_dict, same_init_on_every_rank,
                       shard_model, shard_optimizer_state, tensors_in)
@@ -96,20 +95,15 @@ NEW_MODEL = GPTConfig(block_size=16, vocab_size=25, n_layer=2, n_head=2, n_embd=
                       pos_emb='learned', tie_embeddings=False)
 
 
-def gloo_rank(worker):
-    """worker(rank, world_size, folder, *args) as one rank of an mp.spawn group over gloo, ended as
-    run.runtime.compute_cleanup ends a rank: the ranks leave together and the process exits there, skipping
-    the interpreter's teardown, where a gloo thread still releasing a collective can abort it (SIGABRT,
-    'terminate called without an active exception'; seen once in this file's first test on CI's CPU)."""
-    @functools.wraps(worker)
-    def rank_of_a_group(rank, world_size, folder, *args):
-        dist.init_process_group('gloo', init_method=f'file://{folder / "store"}', rank=rank, world_size=world_size)
-        worker(rank, world_size, folder, *args)  # an exception ends the process as usual: spawn reports it
-        compute_cleanup(True)
-    return rank_of_a_group
+def on_2_gloo_ranks(worker, folder, *args):
+    """worker(rank, world_size, folder, *args), a function of this file, on each rank of a 2-rank gloo group
+    (tests/gloo_worker.py under conftest.torchrun), each rank ended as run.runtime.compute_cleanup ends one: the
+    ranks leave together and the process exits there, skipping the interpreter's teardown, where a gloo thread still
+    releasing a collective can abort it (SIGABRT, 'terminate called without an active exception'; seen once in this
+    file's first test on CI's CPU). A rank's exception fails the test with its traceback."""
+    run([*torchrun(2), 'tests/gloo_worker.py', f'test_fsdp.{worker.__name__}', str(folder), json.dumps(args)])
 
 
-@gloo_rank
 def draw_a_new_model_sharded(rank, world_size, folder, seed):
     """One rank of a new FSDP model, built as train.py builds it from scratch; writes what it held, and
     (rank 0) the whole model gathered after sharding."""
@@ -129,7 +123,7 @@ def test_a_new_fsdp_model_is_never_whole_on_a_rank_and_is_one_processs_model(tmp
     """From scratch under FSDP each rank allocates nothing before sharding (the meta device) and then only its
     shards, drawn in place: gathered, they are bit for bit the model one process draws from the same seed
     (each weight drawn from its own stream, by the same CPU kernels, in both)."""
-    mp.spawn(draw_a_new_model_sharded, args=(2, tmp_path, 1234), nprocs=2)
+    on_2_gloo_ranks(draw_a_new_model_sharded, tmp_path, 1234)
     ranks = [torch.load(tmp_path / f'rank{r}.pt', weights_only=True) for r in range(2)]
     torch.manual_seed(1234)  # as compute_init seeds a single process
     expected = GPT(NEW_MODEL).state_dict()
@@ -142,7 +136,6 @@ def test_a_new_fsdp_model_is_never_whole_on_a_rank_and_is_one_processs_model(tmp
     assert not torch.equal(GPT(NEW_MODEL).state_dict()['lm_head.weight'], expected['lm_head.weight'])
 
 
-@gloo_rank
 def save_a_sharded_model_to_one_file(rank, world_size, folder):
     """One rank of a tied FSDP model after an AdamW step, saved to one file (write_checkpoint) while counting
     the bytes of gathered tensors (full_tensor's, or shards received) alive at once; rank 0 also saves
@@ -190,7 +183,7 @@ def test_a_one_file_fsdp_save_never_holds_the_whole_state_and_writes_what_torch_
     of the whole state (full_state_dict, gathered by the same processes) holds, tensor for tensor, the tied
     embedding stored once, every zip checksum right. Read back into the shards, the optimizer state keeps no
     view of the file (which would keep it mapped all run)."""
-    mp.spawn(save_a_sharded_model_to_one_file, args=(2, tmp_path), nprocs=2)
+    on_2_gloo_ranks(save_a_sharded_model_to_one_file, tmp_path)
     ranks = [torch.load(tmp_path / f'rank{r}.pt', weights_only=True) for r in range(2)]
     sizes = ranks[0]['sizes']
     assert max(sizes) < sum(sizes) / 4  # the test tells one tensor from the whole state
@@ -319,10 +312,10 @@ def test_fsdp_settings_it_cannot_run_are_refused(tmp_path, data_dir):
     for args, message in [(['--parallel=fsdp'], 'torchrun')]:
         p = train(tmp_path / 'out', data_dir, '--max_iters=1', *args, check=False)
         assert_user_error(p, message)
-    # under torchrun too (init_process_group wraps the hook that prints it); torchrun then reports the failed
-    # ranks with a traceback of its own, but none comes from train.py
-    p = train_on_2_ranks(tmp_path / 'out', data_dir, '--max_iters=1', '--parallel=fsdp', '--optimizer_type=muon',
-                         check=False)
+    # under torchrun too (init_process_group wraps the hook that prints it); torchrun (the real one) then reports
+    # the failed ranks with a traceback of its own, but none comes from train.py
+    p = run([*real_torchrun(2), 'train.py', f'--out_dir={tmp_path / "out"}', f'--data_dir={data_dir}', *TINY,
+             '--max_iters=1', '--parallel=fsdp', '--optimizer_type=muon'], check=False)
     assert p.returncode != 0 and 'error: parallel' in p.stderr and 'train.py", line' not in p.stderr, p.stderr
 
 

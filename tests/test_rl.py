@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import (assert_logged_to_wandb, assert_user_error, hf_fixture, kill_and_relaunch, load, read_log, run,
-                      script_definitions, sft, sigterm_after_steps, torchrun, wandb_env, write_jsonl)
+                      real_torchrun, script_definitions, sft, sigterm_after_steps, torchrun, wandb_env, write_jsonl)
 from configurator import UserError
 from lm.chat_data import rl_prompt
 from lm.metrics import exact_match
@@ -741,7 +741,7 @@ def test_a_rank_that_stops_leaves_one_message_and_no_rank_traceback(tmp_path, rl
         lock.flush()
         for out, args, says in [(tmp_path / 'out', [f'--reward={tmp_path / "r.py"}:f'], "raised KeyError: 'x'"),
                                 (tmp_path / 'held', [], 'another run (process 4242) is training in')]:
-            p = rl(rl_env, out, '--max_iters=2', *args, ranks=2, check=False)
+            p = run([*real_torchrun(2), *rl_args(rl_env, out, '--max_iters=2', *args)], check=False)
             assert p.returncode != 0 and p.stderr.count(says) == 1, p.stderr
             # the other rank: torchrun's SIGTERM, or one line if its collective failed first
             assert p.stderr.count('error: ') <= 2 and 'Connection closed' not in p.stderr

@@ -16,8 +16,8 @@ from configurator import UserError
 from lm import chat_data
 from lm.chat_data import SFTBatches, load_sft_split
 from conftest import (ANSWERS, CHARS, assert_logged_to_wandb, assert_user_error, char_tokenizer, checked_answer,
-                      kill_and_relaunch, load, logged, read_log, run, sft, sft_args, sft_mixture, torch_saved, torchrun,
-                      train_losses, wandb_calls, wandb_env, write_jsonl)
+                      kill_and_relaunch, load, logged, read_log, real_torchrun, run, sft, sft_args, sft_mixture,
+                      torch_saved, torchrun, train_losses, wandb_calls, wandb_env, write_jsonl)
 from data import prepare
 from losses import combine_losses, target_weights, term_weights
 from lm.tokenizer import ChatTokenizer, load_tokenizer, prompt_and_answer
@@ -691,12 +691,13 @@ def test_resume_refuses_changed_data_and_pretraining_a_chat_model(tmp_path, sft_
 @pytest.mark.parametrize('training_type, ranks', [('sft', 1), ('lora', 1), ('sft', 2)])
 def test_relaunch_after_sigkill_continues_the_run(tmp_path, sft_env, training_type, ranks):
     """The README's fine-tuning commands set init_from to the base model; relaunched after a kill -9 (under torchrun
-    too), they continue the run in out_dir rather than start it again over its checkpoints."""
+    too, the real one: the suite's one successful launch of it), they continue the run in out_dir rather than start
+    it again over its checkpoints."""
     out = tmp_path / 'out'
     args = sft_args(sft_env, out, '--max_iters=120', '--eval_interval=10', '--lr_decay_iters=120',
                     '--exact_match_examples=0', training_type=training_type)
     if ranks > 1:
-        args = [*torchrun(ranks), *args]
+        args = [*real_torchrun(ranks), *args]
     killed_at, output, steps = kill_and_relaunch(args, out)
     assert killed_at >= 10 and f'resuming from {out / "ckpt.pt"} at step {killed_at}\n' in output
     assert steps == list(range(1, 121)) and load(out / 'ckpt.pt')['iter_num'] == 120

@@ -372,16 +372,19 @@ class GPT(nn.Module):
         self.config = config
         self.activation_checkpointing = False  # runtime switch, not part of the config
         device = torch.empty(0).device  # the caller's default device
-        # built on the meta device, then drawn once: no layer's default init drawn and overwritten
+        # built on the meta device, then drawn once: no layer's default init drawn and overwritten (an
+        # Embedding's default init on the meta device would import torch._dynamo: 1.3 CPU-s a launch)
         with torch.device('meta'):
             self.transformer = nn.ModuleDict(dict(
-                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                wte=nn.Embedding(config.vocab_size, config.n_embd,
+                                 _weight=torch.empty(config.vocab_size, config.n_embd)),
                 drop=nn.Dropout(config.dropout),
                 h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
                 ln_f=make_norm(config, config.n_embd),
             ))
             if config.pos_emb == 'learned':
-                self.transformer.wpe = nn.Embedding(config.block_size, config.n_embd)
+                self.transformer.wpe = nn.Embedding(config.block_size, config.n_embd,
+                                                    _weight=torch.empty(config.block_size, config.n_embd))
             self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if device.type != 'meta':
             self.to_empty(device=device)

@@ -158,7 +158,7 @@ if num_train_epochs and not fine_tuning:
     raise UserError(f"num_train_epochs={num_train_epochs:g} counts passes over a fine-tuning data set; pretraining "
                     f"(training_type='from_scratch') draws random windows of its corpus, which has no epochs: set "
                     f"max_iters instead.")
-by_epochs = False  # else the run is counted in epochs, not max_iters (run/epochs.py)
+by_epochs = False  # True: the run is counted in epochs (num_train_epochs, run/epochs.py), not max_iters
 if num_train_epochs or eval_every_epochs:
     from run.epochs import by_epochs_checked, plan_epochs
     by_epochs = by_epochs_checked(config)

@@ -32,14 +32,6 @@ LAYER_NAMES = ('scripts', 'lm/, hf/, tts/, tasks/', 'run/', 'model, losses, sche
 TINY_PRETRAINING = ['--max_iters=2', '--eval_iters=1', '--eval_interval=2', '--log_interval=1', '--sample_tokens=0',
                     '--tensorboard=False', '--compile=False', '--device=cpu', '--n_layer=1', '--n_head=2',
                     '--n_embd=32', '--block_size=32', '--batch_size=2']
-# runs a script as `python script` does and prints the files of the modules loaded when it ends
-CLOSURE = """import json, runpy, sys
-script, sys.argv = sys.argv[1], sys.argv[1:]
-try:
-    runpy.run_path(script, run_name='__main__')
-finally:
-    print('\\nLOADED ' + json.dumps([getattr(m, '__file__', None) for m in list(sys.modules.values())]))
-"""
 
 
 def own_modules():
@@ -96,15 +88,16 @@ def reader_modules(script, modules):
 # -- what plain pretraining imports ---------------------------------------------------------------------------
 
 def runtime_modules(script, args, modules):
-    """The nanotrain modules loaded when `python script *args`, run from the repository root, ends."""
-    files = {os.path.realpath(path): name for name, path in modules.items()}
-    p = subprocess.run([sys.executable, '-c', CLOSURE, script, *args], cwd=ROOT, capture_output=True, text=True,
-                       env=dict(os.environ, OMP_NUM_THREADS='1'))
-    loaded = [line for line in p.stdout.splitlines() if line.startswith('LOADED ')]
-    if p.returncode or not loaded:
-        raise RuntimeError(f"{script} {' '.join(args)} failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
-    return sorted({files[os.path.realpath(f)] for f in json.loads(loaded[-1][7:]) if f and os.path.realpath(f) in files}
-                  - {script[:-3]})
+    """The nanotrain modules loaded when `python script *args`, run from the repository root, ends (as
+    tests/imports.py writes them down)."""
+    with tempfile.TemporaryDirectory() as folder:
+        out = os.path.join(folder, 'imports.json')
+        p = subprocess.run([sys.executable, os.path.join('tests', 'imports.py'), out, script, *args], cwd=ROOT,
+                           capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS='1'))
+        if p.returncode or not os.path.exists(out):
+            raise RuntimeError(f"{script} {' '.join(args)} failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
+        with open(out) as f:
+            return sorted(set(json.load(f)) & set(modules) - {script[:-3]})
 
 
 # -- the import graph -----------------------------------------------------------------------------------------

@@ -1,10 +1,10 @@
 """
-Launching the scripts from a Python that has already imported torch (and torch._dynamo, which every model build
-imports): each launch a fork of it, the script then run as `python script.py args` runs it (its own argv, sys.path,
-environment, working directory, output files and exit status). Importing them is most of what a short launch costs
-on a CPU (~2 of ~4 CPU-seconds for a script that refuses its config, ~1.7 more where it builds a model), and the
-suite launches its scripts a few hundred times. So a test of what a script imports launches a new Python
-(subprocess.run, as test_layout's), where nothing is loaded beforehand.
+Launching the scripts from a Python that has already imported torch (and torch._dynamo, which torch.optim's
+optimizers import): each launch a fork of it, the script then run as `python script.py args` runs it (its own argv,
+sys.path, environment, working directory, output files and exit status). Importing them is most of what a short
+launch costs on a CPU (~2 of ~4 CPU-seconds for a script that refuses its config, ~1.7 more where it builds an
+optimizer), and the suite launches its scripts a few hundred times. None of nanotrain's modules is loaded
+beforehand, so tests/imports.py tells through a fork which of them a script imports.
 
 conftest.run uses it for `python <script>.py ...` and `python -m <module> ...` launches, tests/ranks.py (the
 tests' torchrun) among them, which forks its ranks in turn with become(); the tests that signal a running script
@@ -67,8 +67,8 @@ def become(args, base_path):
 if __name__ == '__main__':
     import numpy  # noqa: F401  (what every script imports first, loaded once; nothing runs that starts threads)
     import torch  # noqa: F401
-    # and what each imports when it builds its model: initialising weights under a device context goes through
-    # torch._refs, whose wrappers import torch._dynamo (~1.7 of a tiny train.py launch's ~2.5 CPU-seconds)
+    # and what a training script imports when it builds its optimizer: torch.optim's add_param_group is wrapped by
+    # torch._disable_dynamo, which imports torch._dynamo (~1.7 of a tiny train.py launch's ~2.5 CPU-seconds)
     import torch._dynamo  # noqa: F401
     BASE_PATH = sys.path[1:]  # without this file's folder: a child's first entry is its script's folder
 

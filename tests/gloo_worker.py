@@ -2,7 +2,7 @@
 One rank of a test's own gloo group, launched by `conftest.torchrun` (tests/ranks.py forks the ranks from a Python that
 has imported torch, where mp.spawn started each as a new one): `python tests/gloo_worker.py module.function folder
 [args as JSON]` joins the group as a script under torchrun joins it (env://), calls function(rank, world_size, folder,
-*args) and leaves as run.runtime.compute_cleanup leaves (test_fsdp.gloo_rank says why).
+*args) and leaves as run.runtime.compute_cleanup leaves (test_fsdp.on_2_gloo_ranks says why).
 """
 
 import importlib

@@ -20,7 +20,7 @@ import sys
 import uuid
 
 import torch  # noqa: F401  (before the forks: every rank starts with it imported)
-import torch._dynamo  # noqa: F401  (and with what building a model imports: tests/forkserver.py says why)
+import torch._dynamo  # noqa: F401  (and with what building an optimizer imports: tests/forkserver.py says why)
 
 from forkserver import become
 

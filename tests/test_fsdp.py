@@ -16,7 +16,6 @@ from torch.distributed.tensor import DTensor
 from configurator import UserError
 from lm.starting_model import build_model, frozen_model
 from run.checkpoint import all_rng_states, load_checkpoint, write_checkpoint
-from run.runtime import compute_cleanup
 from conftest import (HF_TINY, REFERENCE, TINY, TRAIN_METRICS, assert_user_error, dpo, evals, hf_fixture,
                       kill_and_relaunch, load, logged, parameter_bytes, real_torchrun,
                       reference_logps_under_bf16_autocast, run, sft_args, torchrun, train, train_metrics)

@@ -188,7 +188,9 @@ if llama_1b:  # bench/hf_parity.py's helper, written once
 if step_bench:
     import torch
     results = step_bench_results()
-    device = torch.cuda.get_device_name() if step_device == 'cuda' else f'cpu, {torch.get_num_threads()} threads'
+    # a CPU without native bf16 (AVX2 only) runs bf16 matmuls many times slower, which hides what NF4 costs
+    device = torch.cuda.get_device_name() if step_device == 'cuda' else (
+        f'cpu ({torch.backends.cpu.get_cpu_capability()}), {torch.get_num_threads()} threads')
     with open(out.rstrip('/') + '.json', 'w') as f:
         json.dump(dict(model=model, step_bench=True, device=device, dtype=step_dtype, compile=compile,
                        repeats=repeats, rows=rows, row_tokens=row_tokens,

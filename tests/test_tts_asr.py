@@ -74,3 +74,35 @@ def test_synthesize_writes_only_into_a_folder_of_its_own(tmp_path):
     (tmp_path / 'corpus' / 'metadata.csv').write_text('a|b|c\n')
     with pytest.raises(SystemExit, match='holds other files than these scripts write there'):
         check_wav_dir(str(tmp_path / 'corpus'))
+
+
+def test_transcribe_decodes_a_looped_transcript_again_from_a_fixed_seed(monkeypatch):
+    """A decoding loop (a hallucinated repeat that added 82 words to one floor's 807) is decoded again with
+    Whisper's sampled fallback from seed 0; any other transcript is beam search's at temperature 0, decoded once.
+    faster-whisper lives in its own venv: its compression ratio and ctranslate2's seed are stood in for here."""
+    import types
+    import zlib
+
+    from runs.tts_asr import transcribe
+    seeds = []
+    monkeypatch.setitem(sys.modules, 'ctranslate2', types.SimpleNamespace(set_random_seed=seeds.append))
+    ratio = types.SimpleNamespace(get_compression_ratio=lambda t: len(t.encode()) / len(zlib.compress(t.encode())))
+    monkeypatch.setitem(sys.modules, 'faster_whisper', types.ModuleType('faster_whisper'))
+    monkeypatch.setitem(sys.modules, 'faster_whisper.transcribe', ratio)
+
+    class Whisper:
+        def __init__(self, first):
+            self.first, self.calls = first, []
+
+        def transcribe(self, audio, **options):
+            self.calls.append(options)
+            text = self.first if options['temperature'] == 0.0 else 'So sweet is zealous contemplation.'
+            return [types.SimpleNamespace(text=' ' + text)], None
+
+    fine = Whisper('We are undone, lady, we are undone!')  # a real repeat compresses far less than 2.4x
+    assert transcribe(fine, None, 5) == 'We are undone, lady, we are undone!'
+    assert [c['temperature'] for c in fine.calls] == [0.0] and fine.calls[0]['beam_size'] == 5 and not seeds
+    looped = Whisper("It's so sweet, " + "it's so sweet " * 30)
+    assert transcribe(looped, None, 5) == 'So sweet is zealous contemplation.'
+    assert [c['temperature'] for c in looped.calls] == [0.0, [0.2, 0.4, 0.6, 0.8, 1.0]] and seeds == [0]
+    assert all(c['condition_on_previous_text'] is False and c['language'] == 'en' for c in looped.calls)

@@ -150,9 +150,8 @@ if training_type not in ('from_scratch', 'sft', 'lora'):
 if training_type == 'lora' and optimizer_type == 'muon':
     raise UserError("training_type='lora' trains its adapters with AdamW; set optimizer_type='adamw' (or 'adamw8bit').")
 if lora_base_dtype != 'float32' and training_type != 'lora':
-    raise UserError(f"lora_base_dtype={lora_base_dtype!r} keeps a LoRA run's frozen base in "
-                    f"{'4 bits (QLoRA)' if lora_base_dtype == 'nf4' else '16 bits'}, but this run is not one: it "
-                    f"trains every weight. Drop lora_base_dtype, or set training_type='lora'.")
+    from lm.lora import not_a_lora_run
+    raise not_a_lora_run(lora_base_dtype, "training_type='lora'")
 fine_tuning = training_type != 'from_scratch'
 if num_train_epochs and not fine_tuning:
     raise UserError(f"num_train_epochs={num_train_epochs:g} counts passes over a fine-tuning data set; pretraining "

@@ -147,9 +147,8 @@ if parallel == 'fsdp' and use_lora and lora_bias != 'none' and not reference_fre
 if reference_free and precompute_ref_logps:
     raise UserError("reference_free=True has no reference to precompute; drop precompute_ref_logps.")
 if lora_base_dtype != 'float32' and not use_lora:
-    raise UserError(f"lora_base_dtype={lora_base_dtype!r} keeps a LoRA run's frozen base in "
-                    f"{'4 bits (QLoRA)' if lora_base_dtype == 'nf4' else '16 bits'}, but this run is not one: it "
-                    f"trains every weight. Drop lora_base_dtype, or set use_lora=True.")
+    from lm.lora import not_a_lora_run
+    raise not_a_lora_run(lora_base_dtype, "use_lora=True")
 by_epochs = False  # True: the run is counted in epochs (num_train_epochs, run/epochs.py), not max_iters
 if num_train_epochs or eval_every_epochs:
     from run.epochs import by_epochs_checked, plan_epochs

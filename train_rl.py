@@ -157,9 +157,8 @@ if merged_rollouts and not use_lora:
     raise UserError("merged_rollouts=True merges LoRA adapters into a copy for the rollouts, but this run trains every "
                     "weight (use_lora=False) and samples from the model itself; drop merged_rollouts or set use_lora=True.")
 if lora_base_dtype != 'float32' and not use_lora:
-    raise UserError(f"lora_base_dtype={lora_base_dtype!r} keeps a LoRA run's frozen base in "
-                    f"{'4 bits (QLoRA)' if lora_base_dtype == 'nf4' else '16 bits'}, but this run is not one: it "
-                    f"trains every weight. Drop lora_base_dtype, or set use_lora=True.")
+    from lm.lora import not_a_lora_run
+    raise not_a_lora_run(lora_base_dtype, "use_lora=True")
 if wandb_log:
     from run.tracker import require_wandb, start_wandb
     require_wandb(wandb_log)

@@ -198,7 +198,9 @@ def build_model(config, model_ckpt, assign=False, linear_dtype=torch.float32):
             return GPT(config, init_seed)
     if model_ckpt is not None and (assign or model_ckpt.get('hf_config') or linear_dtype != torch.float32):
         # a 4-bit model read with keep_nf4 for a 4-bit base: its NF4 weights are built in as they are
-        stored = nf4_weights(model_ckpt['model']) if linear_dtype == 'nf4' else {}
+        # (only a published folder read with keep_nf4 holds them)
+        stored = nf4_weights(model_ckpt['model']) if model_ckpt.get('hf_config') else {}
+        assert not stored or linear_dtype == 'nf4', 'keep_nf4 is for a 4-bit base only'
         model = GPT.from_state_dict(config, {k: torch.empty(v.shape, dtype=v.dtype, device='meta') if k in stored
                                              else v for k, v in model_ckpt['model'].items()})
         if linear_dtype != torch.float32:

@@ -2,7 +2,7 @@
 Measure a model on a task file: `python eval.py --init_from=out-sft/ckpt.pt --eval_data=data/my_task/test.jsonl`;
 without --eval_data, on the embedded number tasks' held-out split (data/number_tasks/test.jsonl).
 The model is a train.py / train_dpo.py checkpoint (full, a LoRA run's adapters or its merged.pt), a run's
-folder or a Hugging Face model folder, loaded as sample.py loads it (lm/loading.py). The task file is JSONL
+folder or a Hugging Face model folder, loaded as sample.py loads it (loading.py). The task file is JSONL
 (lm/eval_tasks.py; docs/eval.md), every row one kind:
 - generation ({"prompt"} or chat {"messages"}, with {"reference"} or {"references"}): the model answers each
   prompt (a chat model in its chat template, stopping at its end of turn; a base model continues the text,
@@ -27,9 +27,9 @@ from configurator import FOLDER, UserError, at_least, check_output_file, check_v
 from lm.eval_tasks import (GENERATION, ROLLING, choice_logliks, choice_predictions, choice_requests, generation_prompt,
                            read_task, rolling_requests, rolling_scores, with_fewshot)
 from lm.generate import CompiledDecoding, generate_batch, stop_tokens
-from lm.loading import load_for_generation, model_path
 from lm.metrics import (corpus_scores, corpus_stderrs, exact_match, example_scores, mean_pass_at_k, mean_stderr,
                         parse_metric_names, pass_at_k)
+from loading import load_for_generation, model_path
 from run.device import autocast_context, pick_device, pick_dtype
 from tasks.number_tasks import prepare_number_tasks
 

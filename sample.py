@@ -12,7 +12,7 @@ import torch
 
 from configurator import FOLDER, UserError, at_least, check_values, configure, interval
 from lm.generate import CompiledDecoding, generate_batch
-from lm.loading import load_for_generation, model_path
+from loading import load_for_generation, model_path
 from run.device import autocast_context, pick_device, pick_dtype
 
 # -----------------------------------------------------------------------------

@@ -20,7 +20,6 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from configurator import FOLDER, POSITIVE, UserError, at_least, check_values, configure, interval, one_of
-from lm.starting_model import full_model_checkpoint, hf_source, run_model_args, run_tokenizer, starting_gpt
 from lm.tokenizer import dataset_file, read_meta
 from losses import check_loss_weights, combine_losses, source_shares, target_weights, term_weights, token_weight_table
 from memory import MemoryMonitor, halve_micro_batch, peak_memory_bytes, recover_from_oom, resumed_micro_batch
@@ -32,6 +31,7 @@ from run.run_folder import open_run, require_starting_weights, run_log, run_orig
 from run.runtime import (StepProfiler, StopSignal, all_reduce_metrics, bad_step, clip_grad_norm, compute_cleanup,
                          compute_init, gradient_sync, log, prepare_once, rank_batches, wrap_model)
 from scheduler import SCHEDULES, LRSchedule, set_lr
+from starting_model import full_model_checkpoint, hf_source, run_model_args, run_tokenizer, starting_gpt
 # fine-tuning, LoRA, Muon, 8-bit moments, epochs and W&B import their code where their branch starts
 # (nanoGPT's way with wandb): plain pretraining reads only what it runs
 
@@ -187,7 +187,7 @@ check_parallel(parallel, ddp, local_device, ptdtype, optimizer_type, fsdp_cpu_of
 base_dtype = torch.float32
 if training_type == 'lora':
     from lm.lora import apply_lora, frozen_base_dtype, load_adapters, lora_optimizer, lora_state_dict, save_merged
-    from lm.starting_model import model_hash
+    from starting_model import model_hash
     base_dtype = frozen_base_dtype(lora_base_dtype, ptdtype, parallel)
 
 # out_dir: locked before any work; a checkpoint there is this run's to continue, never another's (this_run:

@@ -22,7 +22,6 @@ from configurator import FOLDER, POSITIVE, UserError, at_least, check_values, co
 from lm.chat_data import PreferenceBatches, concatenated, load_preference_split, load_sources
 from lm.dpo import precomputed_reference_logps, reference_logps, sequence_logps_and_logits
 from lm.heldout_eval import HeldOut, metric_names, report_heldout
-from lm.starting_model import build_model, frozen_model, hf_source, load_model, reference_checkpoint, run_tokenizer
 from lm.tokenizer import chat_tokenizer
 from losses import DPO_LOSS_TYPES, dpo_loss
 from memory import peak_memory_bytes, resumed_micro_batch
@@ -35,6 +34,7 @@ from run.run_folder import open_run, run_log, run_origin, sources_data_hash, tra
 from run.runtime import (StopSignal, all_reduce_metrics, bad_step, clip_grad_norm, compute_cleanup, compute_init,
                          gradient_sync, log, prepare_once, rank_batches, wrap_model)
 from scheduler import SCHEDULES, LRSchedule, set_lr
+from starting_model import build_model, frozen_model, hf_source, load_model, reference_checkpoint, run_tokenizer
 from tasks.number_tasks import PREFERENCES_DIR, is_number_tasks, prepare_number_tasks
 # LoRA, 8-bit moments, epochs and W&B import their code where their branch starts
 

@@ -32,7 +32,6 @@ from lm.metrics import mean_pass_at_k
 from lm.rewards import check_rows, load_rewards, reward_values
 from lm.rl import (IMPORTANCE_LEVELS, LOSS_TYPES, SCALE_REWARDS, clipped_token_loss, completion_batches,
                    group_advantages, k3_kl, normalized_loss, sequence_log_ratio, token_entropy)
-from lm.starting_model import build_model, frozen_model, hf_source, reference_checkpoint, run_tokenizer
 from lm.tokenizer import chat_tokenizer
 from memory import peak_memory_bytes
 from model import GPTConfig
@@ -43,6 +42,7 @@ from run.run_folder import open_run, run_log, run_origin, training_data_hash
 from run.runtime import (StopSignal, all_reduce_metrics, bad_step, clip_grad_norm, compute_cleanup, compute_init,
                          gradient_sync, log, prepare_once, wrap_model)
 from scheduler import SCHEDULES, LRSchedule, set_lr
+from starting_model import build_model, frozen_model, hf_source, reference_checkpoint, run_tokenizer
 from tasks.number_tasks import NUMBER_TASKS_DIR, prepare_number_tasks
 # LoRA, 8-bit moments and W&B import their code where their branch starts
 

@@ -19,13 +19,13 @@ import torch.distributed as dist
 
 from configurator import at_least, check_values, configure
 from hf.checkpoint import weight_files
-from lm.starting_model import build_model, load_model
-from run.run_folder import is_hf_folder
 from memory import _max_rss_bytes
 from model import GPT, GPTConfig
 from run.checkpoint import save_checkpoint
 from run.fsdp import shard_model
+from run.run_folder import is_hf_folder
 from run.runtime import compute_cleanup, compute_init
+from starting_model import build_model, load_model
 
 # -----------------------------------------------------------------------------
 checkpoint = '/tmp/nanotrain_fsdp_load.pt'  # written when missing

@@ -28,11 +28,11 @@ import torch.distributed.checkpoint  # noqa: F401  imported before measuring (ru
 import torch.distributed.fsdp  # noqa: F401         these when first needed, ~130 MB)
 
 from configurator import UserError, at_least, check_values, configure
-from lm.starting_model import build_model
 from model import GPTConfig
 from run.checkpoint import write_checkpoint
 from run.fsdp import same_init_on_every_rank, shard_model
 from run.runtime import compute_cleanup, compute_init
+from starting_model import build_model
 
 # -----------------------------------------------------------------------------
 out_dir = '/tmp/nanotrain_fsdp_memory'

@@ -27,12 +27,12 @@ import torch.distributed.checkpoint  # noqa: F401  imported before measuring (ru
 import torch.distributed.fsdp  # noqa: F401         these when first needed, ~130 MB)
 
 from configurator import UserError, at_least, check_values, configure
-from lm.starting_model import build_model
 from model import GPTConfig
 from run.checkpoint import load_checkpoint, restore_training_state, write_checkpoint
 from run.device import GradScaler
 from run.fsdp import same_init_on_every_rank, shard_model
 from run.runtime import compute_cleanup, compute_init
+from starting_model import build_model
 
 # -----------------------------------------------------------------------------
 out_dir = '/tmp/nanotrain_fsdp_save'

@@ -2,9 +2,9 @@
 Generation on a published model, nanotrain against transformers' `generate`: SmolLM2-135M-Instruct
 (float32, CPU), the same chat prompts, greedy and sampled, one prompt at a time and in batches.
 
-    nice /work/venv/bin/python bench/bench_generate_hf.py   # the defaults: 32 prompts, 64 new tokens
+    python bench/bench_generate_hf.py   # the defaults: 32 prompts, 64 new tokens
     # the committed results (bench/results/generate_hf.json), 20 min on the shared 2-core CPU:
-    nice /work/venv/bin/python bench/bench_generate_hf.py --threads=1 --num_prompts=16 \
+    python bench/bench_generate_hf.py --threads=1 --num_prompts=16 \
         --batch_sizes="(1, 8, 16)" --max_new_tokens=32 --sample_prompts=4 --sample_batch=4
 
 transformers is never a dependency of nanotrain: each side runs in its own Python as a worker
@@ -277,7 +277,7 @@ for name, r in results.items():
 
 lengths = [len(p) for p in nano['prompt_ids']]
 summary = dict(
-    command='nice /work/venv/bin/python bench/bench_generate_hf.py' + ''.join(f' {a}' for a in sys.argv[1:]),
+    command='python bench/bench_generate_hf.py' + ''.join(f' {a}' for a in sys.argv[1:]),
     date=time.strftime('%Y-%m-%d %H:%M'), cpu=cpu_name(), threads=threads, loadavg=load,
     versions=dict(transformers=hf['transformers'], **{f'torch ({name})': r['torch'] for name, r in results.items()}),
     config=config, prompt_lengths=lengths,

@@ -4,7 +4,7 @@ the same model, the same batch of token ids and the same LoRA. Reports steps/s a
 both, their ratios, that both compute the same step-1 loss, and the time and memory of loading the
 model alone.
 
-    /work/venv/bin/python bench/bench_hf_lora.py --model=/work/models/smollm2-135m-instruct
+    python bench/bench_hf_lora.py --model=/work/models/smollm2-135m-instruct
 
 transformers and PEFT are never dependencies of this project: they live in their own virtual
 environment (hf_python, here /work/hfvenv with transformers 5.24, peft 0.21 and torch 2.13 CPU), whose

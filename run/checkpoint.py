@@ -14,7 +14,7 @@ Checkpoint files that survive crashes, preemption and mistakes, and the training
 - training_state/restore_training_state: the part of a checkpoint every training script saves and
   continues from the same way (optimizer, loss scaler, step counters, random streams).
 (The run folder a checkpoint lives in, its lock, log and whether a launch continues it: run/run_folder.py.
-The model a GPT run starts from, a checkpoint or a Hugging Face folder: lm/starting_model.py.)
+The model a GPT run starts from, a checkpoint or a Hugging Face folder: starting_model.py.)
 """
 import glob
 import hashlib

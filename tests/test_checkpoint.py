@@ -226,7 +226,7 @@ def test_advice_names_keys_the_script_has(tmp_path):
 def test_a_fine_tune_of_another_shape_is_told_to_match_it():
     """An SFT whose config's shape differs from its starting model's: set the keys or pick another model, not
     --init_from=scratch (which would not fine-tune anything)."""
-    from lm.starting_model import check_starting_model
+    from starting_model import check_starting_model
 
     class Tokenizer:
         def identity(self):

@@ -19,7 +19,7 @@ from conftest import (ANSWERS, REFERENCE, TRAIN_METRICS, WORKING, assert_logged_
                       char_tokenizer, checked_answer, dpo, dpo_args, evals, kill_and_relaunch, load, parameter_bytes,
                       random_pairs, read_log, reference_logps_under_bf16_autocast, sigterm_after_steps, torch_saved,
                       train_metrics, wandb_env, write_jsonl)
-from lm.starting_model import frozen_model
+from starting_model import frozen_model
 from lm.tokenizer import ChatTokenizer, load_tokenizer
 from losses import DPO_LOSS_TYPES, dpo_loss, sequence_logps
 from model import GPT, GPTConfig

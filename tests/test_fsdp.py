@@ -14,7 +14,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.tensor import DTensor
 
 from configurator import UserError
-from lm.starting_model import build_model, frozen_model
+from starting_model import build_model, frozen_model
 from run.checkpoint import all_rng_states, load_checkpoint, write_checkpoint
 from conftest import (HF_TINY, REFERENCE, TINY, TRAIN_METRICS, assert_user_error, dpo, evals, hf_fixture,
                       kill_and_relaunch, load, logged, parameter_bytes, real_torchrun,

@@ -17,8 +17,8 @@ from conftest import (HF_TINY, assert_user_error, fine_tune, hf_fixture, load, l
                       val_losses)
 from hf.checkpoint import load_hf_checkpoint, peft_name, save_chat_tokenizer, save_hf_model
 from hf.tokenizer import load_hf_tokenizer
-from lm.loading import load_for_generation
-from lm.starting_model import hf_source, run_tokenizer
+from loading import load_for_generation
+from starting_model import hf_source, run_tokenizer
 from lm.tokenizer import chat_tokenizer
 from model import GPT, GPTConfig
 from tasks.number_tasks import prepare_number_tasks

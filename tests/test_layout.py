@@ -26,18 +26,10 @@ def test_no_lambda_is_named():
 
 def test_gpt_side_does_not_import_torchaudio():
     modules = ('model, lm.lora, losses, data, lm.tokenizer, lm.chat_data, run.checkpoint, run.runtime, memory, '
-               'scheduler, lm.muon, lm.loading, lm.eval_tasks, lm.generate, lm.metrics, lm.shared_prompts')
+               'scheduler, lm.muon, loading, lm.eval_tasks, lm.generate, lm.metrics, lm.shared_prompts')
     code = f"import sys; import {modules}; import tasks.number_tasks, lm.heldout_eval; print('torchaudio' in sys.modules)"
     p = subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert p.stdout.strip() == 'False'
-
-
-# The imports that still close a cycle (bench/layout.py's graph): lm/ reads a Hugging Face folder through hf/
-# (lazily, in the branch that meets one), and hf/ turns published formats into lm/'s NF4 weights and tokenizers
-# (lm <-> hf, one layer). Delete an entry when its import goes; add none.
-STILL_BEING_REMOVED = {
-    ('lm.loading', 'hf.tokenizer'), ('lm.starting_model', 'hf.checkpoint'), ('lm.starting_model', 'hf.tokenizer'),
-}
 
 
 def layout_tool():
@@ -48,13 +40,11 @@ def layout_tool():
 
 
 def test_imports_point_down_the_layers_without_cycles():
-    """Scripts; lm/, hf/, tts/, tasks/; run/; model.py, losses.py, scheduler.py, memory.py, configurator.py: no
-    module imports one of a higher layer, and no modules or packages import each other (lazy imports count)."""
+    """Scripts (and the root modules they share: starting_model.py, loading.py, data.py); lm/, hf/, tts/,
+    tasks/; run/; model.py, losses.py, scheduler.py, memory.py, configurator.py: no module imports one of a
+    higher layer, and no modules or packages import each other (lazy imports count)."""
     layout = layout_tool()
     edges = layout.import_edges()
-    gone = STILL_BEING_REMOVED - {(e.source, e.target) for e in edges}
-    assert not gone, f'these imports are gone: delete them from STILL_BEING_REMOVED: {sorted(gone)}'
-    edges = [e for e in edges if (e.source, e.target) not in STILL_BEING_REMOVED]
     assert not layout.upward(edges), [layout.shown(e) for e in layout.upward(edges)]
     cycles = layout.cycles(edges) + layout.cycles(edges, layout.package)
     assert not cycles, [layout.shown(e) for _, inside in cycles for e in inside]

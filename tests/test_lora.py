@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from configurator import UserError
 from conftest import assert_user_error, load, logged, read_log, run, sft, sft_args, torchrun, train_losses
-from lm.loading import load_for_generation
+from loading import load_for_generation
 from lm.lora import (LoRALinear, apply_lora, disable_adapters, lora_optimizer, lora_param_groups, lora_state_dict,
                      merge_lora, merged_copy, merged_state_dict, refresh_merged_copy, unmerge_lora)
 from model import GPT, GPTConfig

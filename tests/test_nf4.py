@@ -18,10 +18,10 @@ from conftest import (HF_FIXTURES, HF_TINY, INDUCTOR_ON_THIS_CPU, dpo, evals, fi
 from hf.checkpoint import hf_names, load_hf_checkpoint
 from lm.lora import LoRALinear, apply_lora, cast_frozen_base, disable_adapters, frozen_base_dtype, low_rank_delta, \
     lora_state_dict, merged_state_dict
-from lm.loading import load_for_generation
+from loading import load_for_generation
 from lm import nf4
 from lm.nf4 import BLOCK, DYNAMIC_LEVELS, NF4_LEVELS, NF4Linear, NF4Weight, nf4_linear
-from lm.starting_model import build_model
+from starting_model import build_model
 from model import GPT, GPTConfig
 
 # made by tests/fixtures/make_nf4_fixture.py

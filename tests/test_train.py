@@ -17,7 +17,7 @@ from conftest import (ROOT, TINY, assert_user_error, kill_and_relaunch, load, lo
 
 # what plain pretraining never imports (tests/imports.py)
 NOT_PRETRAINING = {'lm.lora', 'lm.nf4', 'lm.chat_data', 'lm.heldout_eval', 'lm.generate', 'lm.metrics', 'lm.muon',
-                   'lm.adamw8bit', 'lm.loading', 'run.tracker', 'run.epochs', 'run.sharded_checkpoint'}
+                   'lm.adamw8bit', 'loading', 'run.tracker', 'run.epochs', 'run.sharded_checkpoint'}
 
 
 def file_hash(path):

@@ -15,11 +15,11 @@ from typing import NamedTuple
 import torch
 
 from configurator import UserError
-from lm.starting_model import build_model, hf_source, load_model, model_hash
 from lm.tokenizer import chat_tokenizer, load_tokenizer
 from model import GPT, GPTConfig
 from run.checkpoint import load_checkpoint
 from run.run_folder import is_hf_folder
+from starting_model import build_model, hf_source, load_model, model_hash
 
 
 class Loaded(NamedTuple):

@@ -67,7 +67,7 @@ def lora_merged_model(ckpt, path):
                         f"since, so they no longer fit. Restore it, or load the run's merged.pt instead.")
     # a QLoRA run's adapters go on the 4-bit base they were trained on (a 4-bit folder's bits as they are)
     nf4 = config.get('lora_base_dtype') == 'nf4'
-    base = load_model(base_path, keep_nf4=nf4)
+    base = load_model(base_path)
     base_vocab = base['model_args']['vocab_size']
     model = build_model(GPTConfig(**dict(ckpt['model_args'], vocab_size=base_vocab)), base,
                         linear_dtype='nf4' if nf4 else torch.float32)
@@ -92,11 +92,8 @@ def load_for_generation(path, data_dir='', chat_template_variables=None, device=
                         f"--out_dir={folder or '.'}" + (f" --ckpt_name={name}" if name != 'ckpt.pt' else '') + "`.")
     if ckpt['kind'] == 'lora':
         model = lora_merged_model(ckpt, path)
-    elif ckpt.get('hf_config'):  # built around its weights: one copy of a published model in memory
-        model = GPT.from_state_dict(GPTConfig(**ckpt['model_args']), ckpt['model'])
-    else:
-        model = GPT(GPTConfig(**ckpt['model_args']))
-        model.load_state_dict(ckpt['model'])
+    else:  # a published model's built around its weights: one copy of it in memory
+        model = build_model(GPTConfig(**ckpt['model_args']), ckpt)
     model.eval().to(device)
     tokenizer_files = ('meta.json', 'config.json')
     if not data_dir and not any(os.path.isfile(os.path.join(ckpt['data_dir'], f)) for f in tokenizer_files):

@@ -88,21 +88,22 @@ def moved_to(recorded, init_from):
     return recorded if os.path.exists(recorded) or init_from in ('', 'scratch', 'resume') else init_from
 
 
-def load_model(path, as_stored=False, keep_nf4=False):
-    """A checkpoint file (memory-mapped), or a Hugging Face model folder read as a checkpoint (hf/checkpoint.py;
-    as_stored: memory-mapped too, in its stored dtype, for FSDP; keep_nf4, for a 4-bit LoRA base: a folder
-    bitsandbytes saved in 4 bits keeps them, NF4Weights that build_model builds in)."""
+def load_model(path):
+    """A checkpoint file, or a Hugging Face model folder read as a checkpoint (hf/checkpoint.py), its tensors
+    as stored: memory-mapped in the file's dtype, and a folder bitsandbytes saved in 4 bits keeps its blocks'
+    weights so (NF4Weights). build_model makes them the run's (float32; 16 or 4 bits for a LoRA base; FSDP's
+    shards), so memory never holds a float32 copy that the run does not keep."""
     if not is_hf_folder(path):
         return load_checkpoint(path)
     from hf.checkpoint import load_hf_checkpoint
-    return load_hf_checkpoint(path, as_stored, keep_nf4)
+    return load_hf_checkpoint(path, as_stored=True, keep_nf4=True)
 
 
-def full_model_checkpoint(ckpt, ckpt_path, init_from, out_dir, training_type, as_stored=False, keep_nf4=False):
+def full_model_checkpoint(ckpt, ckpt_path, init_from, out_dir, training_type):
     """(checkpoint, path) of the whole GPT a train.py run of training_type starts from: the continued run's
     own (ckpt), for a LoRA run its base model's (the same file or folder as when the run began), else
     init_from's; (None, None) for a new run from scratch, which a LoRA run cannot be. A published model is
-    fine-tuned, never pretrained further. as_stored, keep_nf4: as in load_model."""
+    fine-tuned, never pretrained further. Read as load_model reads it."""
     if ckpt is None and init_from == 'scratch':
         if training_type == 'lora':
             raise UserError("training_type='lora' adapts a trained model, but there is none: set init_from to its "
@@ -111,7 +112,7 @@ def full_model_checkpoint(ckpt, ckpt_path, init_from, out_dir, training_type, as
     if ckpt is not None:
         path, model_ckpt = ckpt_path, ckpt
     else:
-        path, model_ckpt = init_from, load_model(init_from, as_stored, keep_nf4)
+        path, model_ckpt = init_from, load_model(init_from)
     if model_ckpt['kind'] not in ('gpt', 'lora'):
         raise UserError(f"{path} is a {model_ckpt['kind']!r} checkpoint, not a GPT's; " + (
             RESUME_FIX if ckpt is not None else "point --init_from at a train.py checkpoint or a Hugging Face model "
@@ -125,7 +126,7 @@ def full_model_checkpoint(ckpt, ckpt_path, init_from, out_dir, training_type, as
             raise UserError(f"{path}, the base model of the LoRA run in {out_dir} (named in its ckpt.pt), no longer "
                             f"exists. Put it back there, or pass --init_from=<where it is now>, or start a new run "
                             f"(another out_dir, or --resume=False).")
-        model_ckpt = load_model(path, as_stored, keep_nf4)
+        model_ckpt = load_model(path)
         if model_hash(path) != ckpt['base_hash']:
             raise UserError(f"{path} is not the base model the LoRA run in {out_dir} began with "
                             f"({ckpt['base_checkpoint']}): it has changed since, or is another model, so the adapters "
@@ -136,11 +137,11 @@ def full_model_checkpoint(ckpt, ckpt_path, init_from, out_dir, training_type, as
     return model_ckpt, path
 
 
-def reference_checkpoint(ckpt, init_from, out_dir, made_by=None, as_stored=False, what='DPO', keep_nf4=False):
+def reference_checkpoint(ckpt, init_from, out_dir, made_by=None, what='DPO'):
     """(checkpoint, path, sha256) of a DPO or RL run's reference, the chat model the run began as (its
     policy starts as this model, and its loss is relative to it): init_from for a new run (made_by as in
     require_init_from); for the continued run (ckpt), the file its checkpoint names, which must still be
-    there, unchanged. as_stored, keep_nf4: as in load_model; what: the kind of run, for messages ('DPO', 'RL')."""
+    there, unchanged. Read as load_model reads it; what: the kind of run, for messages ('DPO', 'RL')."""
     if ckpt and 'reference_hash' not in ckpt:
         raise UserError(f"{os.path.join(out_dir, 'ckpt.pt')} is not a {what} run's checkpoint, so there is nothing to "
                         f"resume. Use another out_dir, or --resume=False to start a new run there (its checkpoints "
@@ -152,7 +153,7 @@ def reference_checkpoint(ckpt, init_from, out_dir, made_by=None, as_stored=False
                         f"(another out_dir, or --resume=False).")
     if not ckpt:
         require_init_from(init_from, made_by, hf_folders=True)
-    reference = load_model(path, as_stored, keep_nf4)
+    reference = load_model(path)
     if reference['kind'] != 'gpt':
         raise UserError(f"{path} is a {reference['kind']!r} checkpoint; {what} starts from a GPT chat model "
                         + ("(for a LoRA run, its merged.pt)." if reference['kind'] == 'lora' else "."))
@@ -185,36 +186,40 @@ def starting_gpt(model_args, model_ckpt, model_path, tokenizer, base_tokenizer=N
 
 def build_model(config, model_ckpt, assign=False, linear_dtype=torch.float32):
     """The GPT of config (a GPTConfig) holding model_ckpt's weights, or initialised at random when
-    model_ckpt is None. A published model's is built around its tensors (GPT.from_state_dict), so
-    memory holds one copy; so is any checkpoint's with assign (FSDP: the tensors are memory-mapped,
-    perhaps in a stored bf16, and fsdp.shard_model makes each rank's shard float32) or a 16-bit or 'nf4'
-    linear_dtype (a LoRA run's lora_base_dtype: its blocks' Linear weights go from their stored dtype
-    straight to it, the rest to float32: lora.cast_frozen_base). A new model with assign (FSDP) is built
-    on the meta device, holding no weights: fsdp.shard_model draws each rank's shards of it, the values
-    one process draws from the same seed (its init_seed, drawn here from torch's global stream)."""
+    model_ckpt is None. A published model's is built around its tensors as stored (GPT.from_state_dict),
+    then made float32, so memory holds one copy; so is any checkpoint's with assign (FSDP: the tensors are
+    memory-mapped, perhaps in a stored bf16, and fsdp.shard_model makes each rank's shard float32) or a
+    16-bit or 'nf4' linear_dtype (a LoRA run's lora_base_dtype: its blocks' Linear weights go from their
+    stored dtype straight to it, the rest to float32: lora.cast_frozen_base; a 4-bit folder's NF4 weights
+    are built in as they are). A new model with assign (FSDP) is built on the meta device, holding no
+    weights: fsdp.shard_model draws each rank's shards of it, the values one process draws from the same
+    seed (its init_seed, drawn here from torch's global stream)."""
     if model_ckpt is None and assign:
         init_seed = new_seed()
         with torch.device('meta'):
             return GPT(config, init_seed)
-    if model_ckpt is not None and (assign or model_ckpt.get('hf_config') or linear_dtype != torch.float32):
-        # a 4-bit model read with keep_nf4 for a 4-bit base: its NF4 weights are built in as they are
-        # (only a published folder read with keep_nf4 holds them)
-        stored = nf4_weights(model_ckpt['model']) if model_ckpt.get('hf_config') else {}
-        assert not stored or linear_dtype == 'nf4', 'keep_nf4 is for a 4-bit base only'
-        model = GPT.from_state_dict(config, {k: torch.empty(v.shape, dtype=v.dtype, device='meta') if k in stored
-                                             else v for k, v in model_ckpt['model'].items()})
-        if linear_dtype != torch.float32:
-            from lm.lora import cast_frozen_base
-            cast_frozen_base(model, linear_dtype, stored=stored)
+    if model_ckpt is None or not (assign or model_ckpt.get('hf_config') or linear_dtype != torch.float32):
+        model = GPT(config)
+        if model_ckpt is not None:
+            model.load_state_dict(model_ckpt['model'])
         return model
-    model = GPT(config)
-    if model_ckpt is not None:
-        model.load_state_dict(model_ckpt['model'])
+    # only a published folder holds NF4 weights: a 4-bit base keeps them, any other run dequantizes them
+    stored = nf4_weights(model_ckpt['model']) if model_ckpt.get('hf_config') and linear_dtype == 'nf4' else {}
+    model = GPT.from_state_dict(config, {k: torch.empty(v.shape, dtype=v.dtype, device='meta') if k in stored
+                                         else v for k, v in dense(model_ckpt['model']).items()})
+    if not assign:  # the blocks' Linear weights in linear_dtype, the rest float32, each its own copy
+        from lm.lora import cast_frozen_base
+        cast_frozen_base(model, linear_dtype, stored=stored)
     return model
 
 
+def dense(state):
+    """state with a 4-bit folder's NF4 weights (load_model) dequantized to the dtype they came in."""
+    return {k: v if isinstance(v, torch.Tensor) else v.dequantize() for k, v in state.items()}
+
+
 def nf4_weights(state):
-    """{name: NF4Weight} of the weights a 4-bit folder keeps in 4 bits (hf/checkpoint.py, keep_nf4)."""
+    """{name: NF4Weight} of the weights a 4-bit folder keeps in 4 bits (load_model)."""
     from lm.nf4 import NF4Weight
     return {k: v for k, v in state.items() if isinstance(v, NF4Weight)}
 
@@ -237,7 +242,7 @@ def frozen_model(config, state, parallel, device, param_dtype, cpu_offload):
     be built around the same tensors) whose blocks' Linear weights are in param_dtype
     (lora.cast_frozen_base: half their memory in a 16-bit run, the same log-probs under its
     autocast, which casts them so at every use anyway)."""
-    model = GPT.from_state_dict(config, state)  # never first initialised at random (seconds for 1B)
+    model = GPT.from_state_dict(config, dense(state))  # never first initialised at random (seconds for 1B)
     if parallel != 'fsdp':  # its own copy, made on the device
         from lm.lora import cast_frozen_base
         cast_frozen_base(model, param_dtype, device)

@@ -199,11 +199,8 @@ resuming = ckpt is not None
 require_starting_weights(ckpt, init_from, eval_only, ckpt_path, hf_folders=True,
                          made_by='`python train.py` (pretraining)' if init_from == 'out/ckpt.pt' else None)
 # the whole model the run starts from (None: from scratch), as stored (memory-mapped, its file's
-# dtype): under FSDP each rank reads its shard; a 16-bit LoRA base needs no float32 copy, a 4-bit
-# base keeps a 4-bit folder's bits
-model_ckpt, model_ckpt_path = full_model_checkpoint(ckpt, ckpt_path, init_from, out_dir, training_type,
-                                                    as_stored=parallel == 'fsdp' or base_dtype != torch.float32,
-                                                    keep_nf4=base_dtype == 'nf4')
+# dtype; starting_gpt makes it the run's: float32, a LoRA base's 16 or 4 bits, FSDP's shards)
+model_ckpt, model_ckpt_path = full_model_checkpoint(ckpt, ckpt_path, init_from, out_dir, training_type)
 # a published model's config files, which export.py writes back
 hf_files = hf_source(model_ckpt, chat_template_variables)
 

@@ -179,12 +179,10 @@ this_run = dict(script='train_dpo.py', use_lora=use_lora, init_from=run_origin(
 out_dir_lock, ckpt_path, ckpt = open_run(config, this_run, master, whole=parallel != 'fsdp' or use_lora)
 resuming = ckpt is not None
 # the chat model the policy starts as and the loss is relative to (a continued run: the one its
-# checkpoint names)
+# checkpoint names), as stored (as train.py reads it)
 reference_ckpt, reference_path, reference_hash = reference_checkpoint(
     ckpt, init_from, out_dir, made_by="`python train.py` (pretraining, out/ckpt.pt) then `python train.py "
-                                       "config/sft.py` (SFT)" if init_from == 'out-sft/ckpt.pt' else None,
-    # memory-mapped in its file's dtype (as train.py)
-    as_stored=parallel == 'fsdp' or base_dtype != torch.float32, keep_nf4=base_dtype == 'nf4')
+                                       "config/sft.py` (SFT)" if init_from == 'out-sft/ckpt.pt' else None)
 
 # data
 # a published model's config files, which export.py writes back
@@ -309,7 +307,7 @@ if precompute_ref_logps:
                   tokenizer.identity(), max_length, max_prompt_length, str(ptdtype)]
 
     def load_reference():  # the policy has trained, so it is no longer the reference: read it again
-        weights = load_model(reference_path, as_stored=parallel == 'fsdp')['model']
+        weights = load_model(reference_path)['model']
         return frozen_model(GPTConfig(**model_args), weights, parallel, local_device, ptdtype, fsdp_cpu_offload)
 
     ref_cache = precomputed_reference_logps(config, depends_on, {'train': train_batches, 'val': val_batches},

@@ -198,7 +198,7 @@ resuming = ckpt is not None
 reference_ckpt, reference_path, reference_hash = reference_checkpoint(
     ckpt, init_from, out_dir, made_by="`python train.py` (pretraining, out/ckpt.pt) then `python train.py "
                                        "config/sft.py` (SFT)" if init_from == 'out-sft/ckpt.pt' else None,
-    as_stored=base_dtype != torch.float32, what='RL', keep_nf4=base_dtype == 'nf4')
+    what='RL')
 
 # data
 # a published model's config files, which export.py writes back

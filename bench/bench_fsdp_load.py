@@ -75,7 +75,7 @@ if not parallel:
 ddp, rank, local_rank, world_size, device = compute_init('cpu', 0)
 before = _max_rss_bytes()
 dist.barrier()
-ckpt = load_model(checkpoint, as_stored=parallel == 'fsdp')
+ckpt = load_model(checkpoint)
 model = build_model(GPTConfig(**ckpt['model_args']), ckpt, assign=parallel == 'fsdp')
 if parallel == 'fsdp':
     shard_model(model, device, torch.float32, cpu_offload=False)

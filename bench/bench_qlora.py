@@ -63,7 +63,7 @@ import resource, sys, torch
 from starting_model import full_model_checkpoint, run_model_args, run_tokenizer, starting_gpt
 base, folder = sys.argv[1], sys.argv[2]
 dtype = frozen_base_dtype(base, torch.bfloat16 if base == 'bfloat16' else torch.float32, 'ddp')
-ckpt, path = full_model_checkpoint(None, None, folder, '', 'lora', as_stored=dtype != torch.float32)
+ckpt, path = full_model_checkpoint(None, None, folder, '', 'lora')
 _, base_tokenizer = run_tokenizer('', ckpt, path, None, folder)
 tokenizer = chat_tokenizer(base_tokenizer)
 args = run_model_args(dict(dropout=0.0, block_size=512), ckpt, path, tokenizer)
@@ -132,7 +132,7 @@ def step_bench_results():
     for base in times:
         dtype = frozen_base_dtype(base, DTYPES[step_dtype], 'ddp')
         folder = os.path.join(ROOT, model)
-        ckpt, path = full_model_checkpoint(None, None, folder, '', 'lora', as_stored=dtype != torch.float32)
+        ckpt, path = full_model_checkpoint(None, None, folder, '', 'lora')
         _, base_tokenizer = run_tokenizer('', ckpt, path, None, folder)
         tokenizer = chat_tokenizer(base_tokenizer)
         args = run_model_args(dict(dropout=0.0, block_size=row_tokens), ckpt, path, tokenizer)

@@ -18,11 +18,11 @@ from conftest import (HF_FIXTURES, HF_TINY, INDUCTOR_ON_THIS_CPU, dpo, evals, fi
 from hf.checkpoint import hf_names, load_hf_checkpoint
 from lm.lora import LoRALinear, apply_lora, cast_frozen_base, disable_adapters, frozen_base_dtype, low_rank_delta, \
     lora_state_dict, merged_state_dict
-from loading import load_for_generation
 from lm import nf4
 from lm.nf4 import BLOCK, DYNAMIC_LEVELS, NF4_LEVELS, NF4Linear, NF4Weight, nf4_linear
-from starting_model import build_model
+from loading import load_for_generation
 from model import GPT, GPTConfig
+from starting_model import build_model, load_model
 
 # made by tests/fixtures/make_nf4_fixture.py
 BNB = os.path.join(os.path.dirname(HF_FIXTURES), 'nf4_bitsandbytes.safetensors')
@@ -502,6 +502,21 @@ def test_a_4_bit_lm_head_is_dequantized_for_a_4_bit_base(tmp_path):
     assert torch.equal(kept['model']['lm_head.weight'], q.dequantize())
     model = build_model(GPTConfig(**kept['model_args']), kept, linear_dtype='nf4')
     assert model.lm_head.weight.dtype == torch.float32 and torch.equal(model.lm_head.weight, q.dequantize().float())
+
+
+def test_a_4_bit_folder_read_as_stored_becomes_float32_in_a_run_that_trains_every_weight():
+    """load_model reads a published folder as stored (its blocks' 4-bit weights as NF4Weights, the rest in its
+    bf16); build_model makes a run that trains every weight float32 from it, each weight what reading the
+    folder to float32 gives, and a 4-bit base keeps the bits."""
+    stored = load_model(BNB_FOLDER)
+    assert isinstance(stored['model']['transformer.h.0.attn.q.weight'], NF4Weight)
+    assert stored['model']['transformer.wte.weight'].dtype == torch.bfloat16
+    as_float = load_hf_checkpoint(BNB_FOLDER)['model']
+    state = build_model(GPTConfig(**stored['model_args']), stored).state_dict()
+    assert all(v.dtype == torch.float32 for v in state.values())
+    assert state.keys() == as_float.keys() and all(torch.equal(state[k], as_float[k]) for k in state)
+    base = build_model(GPTConfig(**stored['model_args']), stored, linear_dtype='nf4')
+    assert torch.equal(base.transformer.h[0].attn.q.nf4.packed, stored['model']['transformer.h.0.attn.q.weight'].packed)
 
 
 @pytest.mark.slow

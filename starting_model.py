@@ -205,9 +205,12 @@ def build_model(config, model_ckpt, assign=False, linear_dtype=torch.float32):
         return model
     # only a published folder holds NF4 weights: a 4-bit base keeps them, any other run dequantizes them
     stored = nf4_weights(model_ckpt['model']) if model_ckpt.get('hf_config') and linear_dtype == 'nf4' else {}
+    state = dense(model_ckpt['model'])
+    if linear_dtype == torch.float32 and not assign:  # a run that trains every weight
+        state = in_float32(state)
     model = GPT.from_state_dict(config, {k: torch.empty(v.shape, dtype=v.dtype, device='meta') if k in stored
-                                         else v for k, v in dense(model_ckpt['model']).items()})
-    if not assign:  # the blocks' Linear weights in linear_dtype, the rest float32, each its own copy
+                                         else v for k, v in state.items()})
+    if linear_dtype != torch.float32:
         from lm.lora import cast_frozen_base
         cast_frozen_base(model, linear_dtype, stored=stored)
     return model
@@ -216,6 +219,16 @@ def build_model(config, model_ckpt, assign=False, linear_dtype=torch.float32):
 def dense(state):
     """state with a 4-bit folder's NF4 weights (load_model) dequantized to the dtype they came in."""
     return {k: v if isinstance(v, torch.Tensor) else v.dequantize() for k, v in state.items()}
+
+
+def in_float32(state):
+    """state in float32: a float32 tensor as it is (a file's memory-mapped pages, no copy), any other copied
+    once, so that a tensor under two names (a tied lm_head) stays one."""
+    copies = {}
+    for v in state.values():
+        if id(v) not in copies:
+            copies[id(v)] = v.float()
+    return {k: copies[id(v)] for k, v in state.items()}
 
 
 def nf4_weights(state):

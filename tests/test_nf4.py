@@ -517,6 +517,10 @@ def test_a_4_bit_folder_read_as_stored_becomes_float32_in_a_run_that_trains_ever
     assert state.keys() == as_float.keys() and all(torch.equal(state[k], as_float[k]) for k in state)
     base = build_model(GPTConfig(**stored['model_args']), stored, linear_dtype='nf4')
     assert torch.equal(base.transformer.h[0].attn.q.nf4.packed, stored['model']['transformer.h.0.attn.q.weight'].packed)
+    # a float32 folder: the model is built around the tensors as read, no second copy in memory
+    stored = load_model(hf_fixture('llama'))
+    model = build_model(GPTConfig(**stored['model_args']), stored)
+    assert all(p.data_ptr() == stored['model'][k].data_ptr() for k, p in model.state_dict().items())
 
 
 @pytest.mark.slow

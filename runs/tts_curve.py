@@ -11,7 +11,8 @@ seconds of the process and its children: unlike wall time, not stretched by othe
     python runs/tts_curve.py --cells=base,data-2k --table_only=True   # the table from what has run
 
 A cell whose out_dir holds a finished run (curve_run.json) is scored, not run again; a killed run relaunches
-where it stopped (train_tts.py and train_vocoder.py resume). The held-out sentences, the floors (the recordings and
+where it stopped (train_tts.py and train_vocoder.py resume), and its CPU time is that launch's, scaled to all
+its steps (what an unbroken run costs). The held-out sentences, the floors (the recordings and
 their mel through each generator) and the corpora are shared by every cell.
 """
 import json
@@ -20,6 +21,8 @@ import resource
 import subprocess
 import sys
 import time
+
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -106,6 +109,18 @@ def cpu_seconds():
     return usage.ru_utime + usage.ru_stime
 
 
+def step_of(out_dir):
+    """The step out_dir's checkpoint holds (a killed cell's relaunch continues from it); 0 where there is none."""
+    path = os.path.join(out_dir, 'ckpt.pt')
+    return torch.load(path, map_location='cpu', weights_only=True, mmap=True)['iter_num'] if os.path.exists(path) else 0
+
+
+def whole_run_cost(launch_s, start, end):
+    """A cell's cost from the launch that ended it: all of it for an unbroken run; for one continued from step
+    start of end, the launch's scaled to all end steps (the steps a kill made it redo are not the recipe's)."""
+    return launch_s * end / (end - start) if start else launch_s
+
+
 def train(cell):
     """Run a cell's command to its end (resuming a killed one); returns curve_run.json's record of it."""
     command, corpus, base = CELLS[cell]
@@ -118,10 +133,13 @@ def train(cell):
     args += ([f'--tts_ckpt={os.path.join(work_dir, base, "ckpt.pt")}', f"--init_from={vocoders.split(',')[0]}"]
              if base else [f'--data_dir={os.path.join(data_root, corpus)}'])
     print(f"[{time.strftime('%H:%M:%S')}] python {' '.join(args)}", flush=True)
-    cpu, t0 = cpu_seconds(), time.time()
+    cpu, t0, start = cpu_seconds(), time.time(), step_of(out_dir)
     subprocess.run([sys.executable, *args], cwd=ROOT, check=True)
-    # the CPU time of the launch that ended the run (a run resumed after a kill: of its last launch only)
-    record = dict(args=args, cpu_s=cpu_seconds() - cpu, wall_s=time.time() - t0)
+    end = step_of(out_dir)
+    record = dict(args=args, cpu_s=whole_run_cost(cpu_seconds() - cpu, start, end),
+                  wall_s=whole_run_cost(time.time() - t0, start, end))
+    if start:
+        record['note'] = f'extrapolated from steps {start}-{end}'
     os.makedirs(out_dir, exist_ok=True)
     with open(finished, 'w') as f:
         json.dump(record, f)

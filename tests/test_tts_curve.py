@@ -1,11 +1,15 @@
 """runs/tts_curve.py: the larger corpora are the report's 1,000 utterances and the first rows of the extra ones
-(the same held-out sentences for every cell), and the table puts each cell's scores under their generator."""
+(the same held-out sentences for every cell), the table puts each cell's scores under their generator, and a
+cell resumed after a kill costs what an unbroken run of it would."""
 
 import os
 
+import torch
+
 from conftest import script_definitions
 
-assemble, table = script_definitions('runs/tts_curve.py', 'assemble', 'table')
+assemble, table, step_of, whole_run_cost = script_definitions('runs/tts_curve.py', 'assemble', 'table', 'step_of',
+                                                               'whole_run_cost')
 
 
 def test_a_larger_corpus_is_the_first_ones_and_the_first_extra_rows(tmp_path):
@@ -37,3 +41,12 @@ def test_the_table_puts_each_cell_under_its_generator():
     assert rows[5] == '| vocoder-ft | `python train_vocoder.py` | 1.00 | 12.0% (1.20x) / 6.0% / 3.00 |  | 0.30 |'
     assert rows[6] == '| unscored-rtf | `python x.py` | 0.00 |  | 20.0% (2.00x) / 10.0% / 3.00 | |'
     assert all(row.count('|') == rows[0].count('|') for row in rows)
+
+
+def test_a_resumed_cell_costs_its_last_launch_scaled_to_all_its_steps(tmp_path):
+    assert step_of(str(tmp_path)) == 0  # a new cell
+    torch.save(dict(iter_num=2500), tmp_path / 'ckpt.pt')
+    assert step_of(str(tmp_path)) == 2500
+    assert whole_run_cost(100.0, 0, 5000) == 100.0  # unbroken
+    assert whole_run_cost(100.0, 2500, 5000) == 200.0  # continued halfway: the launch did half the steps
+    assert whole_run_cost(300.0, 1000, 5000) == 375.0

@@ -92,7 +92,7 @@ def load_for_generation(path, data_dir='', chat_template_variables=None, device=
                         f"--out_dir={folder or '.'}" + (f" --ckpt_name={name}" if name != 'ckpt.pt' else '') + "`.")
     if ckpt['kind'] == 'lora':
         model = lora_merged_model(ckpt, path)
-    else:  # a published model's built around its weights: one copy of it in memory
+    else:  # a published model is built around its weights as read: one copy of it in memory
         model = build_model(GPTConfig(**ckpt['model_args']), ckpt)
     model.eval().to(device)
     tokenizer_files = ('meta.json', 'config.json')

@@ -205,11 +205,11 @@ def build_model(config, model_ckpt, assign=False, linear_dtype=torch.float32):
         return model
     # only a published folder holds NF4 weights: a 4-bit base keeps them, any other run dequantizes them
     stored = nf4_weights(model_ckpt['model']) if model_ckpt.get('hf_config') and linear_dtype == 'nf4' else {}
-    state = dense(model_ckpt['model'])
+    state = dense({k: torch.empty(v.shape, dtype=v.dtype, device='meta') if k in stored else v
+                   for k, v in model_ckpt['model'].items()})
     if linear_dtype == torch.float32 and not assign:  # a run that trains every weight
         state = in_float32(state)
-    model = GPT.from_state_dict(config, {k: torch.empty(v.shape, dtype=v.dtype, device='meta') if k in stored
-                                         else v for k, v in state.items()})
+    model = GPT.from_state_dict(config, state)
     if linear_dtype != torch.float32:
         from lm.lora import cast_frozen_base
         cast_frozen_base(model, linear_dtype, stored=stored)

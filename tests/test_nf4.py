@@ -504,7 +504,7 @@ def test_a_4_bit_lm_head_is_dequantized_for_a_4_bit_base(tmp_path):
     assert model.lm_head.weight.dtype == torch.float32 and torch.equal(model.lm_head.weight, q.dequantize().float())
 
 
-def test_a_4_bit_folder_read_as_stored_becomes_float32_in_a_run_that_trains_every_weight():
+def test_a_4_bit_folder_read_as_stored_becomes_float32_in_a_run_that_trains_every_weight(monkeypatch):
     """load_model reads a published folder as stored (its blocks' 4-bit weights as NF4Weights, the rest in its
     bf16); build_model makes a run that trains every weight float32 from it, each weight what reading the
     folder to float32 gives, and a 4-bit base keeps the bits."""
@@ -515,7 +515,10 @@ def test_a_4_bit_folder_read_as_stored_becomes_float32_in_a_run_that_trains_ever
     state = build_model(GPTConfig(**stored['model_args']), stored).state_dict()
     assert all(v.dtype == torch.float32 for v in state.values())
     assert state.keys() == as_float.keys() and all(torch.equal(state[k], as_float[k]) for k in state)
-    base = build_model(GPTConfig(**stored['model_args']), stored, linear_dtype='nf4')
+    # a 4-bit base is built from the bits as read, never a dequantized copy of them (an 8B: 16 GB of bf16)
+    with monkeypatch.context() as patch:
+        patch.setattr(NF4Weight, 'dequantize', lambda self, dtype=None: pytest.fail('dequantized a kept weight'))
+        base = build_model(GPTConfig(**stored['model_args']), stored, linear_dtype='nf4')
     assert torch.equal(base.transformer.h[0].attn.q.nf4.packed, stored['model']['transformer.h.0.attn.q.weight'].packed)
     # a float32 folder: the model is built around the tensors as read, no second copy in memory
     stored = load_model(hf_fixture('llama'))

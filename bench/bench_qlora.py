@@ -57,9 +57,9 @@ check_values(config, [(at_least(0), ('max_iters', 'heldout', 'rows')), (at_least
                       (one_of(('bfloat16', 'float32')), ('step_dtype',)), (one_of(('cpu', 'cuda')), ('step_device',))])
 
 LOAD = """
+import resource, sys, torch
 from lm.lora import frozen_base_dtype
 from lm.tokenizer import chat_tokenizer
-import resource, sys, torch
 from starting_model import full_model_checkpoint, run_model_args, run_tokenizer, starting_gpt
 base, folder = sys.argv[1], sys.argv[2]
 dtype = frozen_base_dtype(base, torch.bfloat16 if base == 'bfloat16' else torch.float32, 'ddp')
@@ -120,9 +120,9 @@ def step_bench_results():
     on a GPU each base's peak memory."""
     import torch
     from lm.lora import apply_lora, frozen_base_dtype, lora_optimizer
-    from starting_model import full_model_checkpoint, run_model_args, run_tokenizer, starting_gpt
     from lm.tokenizer import chat_tokenizer
     from run.device import DTYPES, autocast_context
+    from starting_model import full_model_checkpoint, run_model_args, run_tokenizer, starting_gpt
     recipe_config = {}
     with open(os.path.join(ROOT, 'config', 'lora_hf.py')) as f:
         exec(f.read(), recipe_config)

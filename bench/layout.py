@@ -6,8 +6,9 @@ How much a reader must read, and which way the imports point.
 - The project lines plain pretraining imports: the nanotrain modules in sys.modules when a tiny
   `python train.py` run (two steps, one eval) ends, and their lines with the script's.
 - The import graph of the project's own modules, in layers from top to bottom: the scripts (and the root
-  modules they share: starting_model.py, loading.py); lm/, hf/, tts/, tasks/; run/; model.py, losses.py, scheduler.py, memory.py, configurator.py. Every import counts, those
-  inside a function or a branch too (marked lazy): a lazy import is still a dependency a reader follows.
+  modules they share: starting_model.py, loading.py); lm/, hf/, tts/, tasks/; run/; model.py, losses.py,
+  scheduler.py, memory.py, configurator.py. Every import counts, those inside a function or a branch too
+  (marked lazy): a lazy import is still a dependency a reader follows.
   An upward edge is a module importing one of a higher layer; a cycle is a set of modules (or of packages:
   lm <-> tasks) each reaching the others. A module's `if __name__ == '__main__':` block is its command, an
   entry point like a script: its imports are the command's (`run.sharded_checkpoint:__main__`), at the top.
@@ -27,7 +28,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = ('train.py', 'train_dpo.py', 'train_rl.py', 'train_tts.py', 'sample.py', 'sample_tts.py', 'eval.py', 'data.py')
 # top to bottom; a root module not named here is a script, or a module the scripts share (layer 0)
 LAYERS = (('lm', 'hf', 'tts', 'tasks'), ('run',), ('model', 'losses', 'scheduler', 'memory', 'configurator'))
-LAYER_NAMES = ('scripts, starting_model, loading', 'lm/, hf/, tts/, tasks/', 'run/', 'model, losses, scheduler, memory, configurator')
+LAYER_NAMES = ('scripts, starting_model, loading', 'lm/, hf/, tts/, tasks/', 'run/',
+               'model, losses, scheduler, memory, configurator')
 # a tiny pretraining run: what `python train.py` imports, in seconds
 TINY_PRETRAINING = ['--max_iters=2', '--eval_iters=1', '--eval_interval=2', '--log_interval=1', '--sample_tokens=0',
                     '--tensorboard=False', '--compile=False', '--device=cpu', '--n_layer=1', '--n_head=2',

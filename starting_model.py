@@ -137,33 +137,33 @@ def full_model_checkpoint(ckpt, ckpt_path, init_from, out_dir, training_type):
     return model_ckpt, path
 
 
-def reference_checkpoint(ckpt, init_from, out_dir, made_by=None, what='DPO'):
+def reference_checkpoint(ckpt, init_from, out_dir):
     """(checkpoint, path, sha256) of a DPO or RL run's reference, the chat model the run began as (its
-    policy starts as this model, and its loss is relative to it): init_from for a new run (made_by as in
-    require_init_from); for the continued run (ckpt), the file its checkpoint names, which must still be
-    there, unchanged. Read as load_model reads it; what: the kind of run, for messages ('DPO', 'RL')."""
+    policy starts as this model, and its loss is relative to it): init_from for a new run; for the continued
+    run (ckpt), the file its checkpoint names, which must still be there, unchanged. Read as load_model
+    reads it."""
     if ckpt and 'reference_hash' not in ckpt:
-        raise UserError(f"{os.path.join(out_dir, 'ckpt.pt')} is not a {what} run's checkpoint, so there is nothing to "
-                        f"resume. Use another out_dir, or --resume=False to start a new run there (its checkpoints "
-                        f"are then overwritten).")
+        raise UserError(f"{os.path.join(out_dir, 'ckpt.pt')} names no reference model, so it is not a checkpoint of "
+                        f"this run, and there is nothing to resume. Use another out_dir, or --resume=False to start a "
+                        f"new run there (its checkpoints are then overwritten).")
     path = moved_to(ckpt['reference_checkpoint'], init_from) if ckpt else init_from
     if ckpt and not os.path.exists(path):
-        raise UserError(f"{path}, the reference of the {what} run in {out_dir} (named in its ckpt.pt), no longer "
+        raise UserError(f"{path}, the reference of the run in {out_dir} (named in its ckpt.pt), no longer "
                         f"exists. Put it back there, or pass --init_from=<where it is now>, or start a new run "
                         f"(another out_dir, or --resume=False).")
     if not ckpt:
-        require_init_from(init_from, made_by, hf_folders=True)
+        require_init_from(init_from, hf_folders=True)
     reference = load_model(path)
     if reference['kind'] != 'gpt':
-        raise UserError(f"{path} is a {reference['kind']!r} checkpoint; {what} starts from a GPT chat model "
+        raise UserError(f"{path} is a {reference['kind']!r} checkpoint; this run starts from a GPT chat model "
                         + ("(for a LoRA run, its merged.pt)." if reference['kind'] == 'lora' else "."))
     if reference['config'].get('training_type', 'from_scratch') == 'from_scratch':
         raise UserError(f"{path} is a pretrained model without the chat template; fine-tune it first, e.g. "
                         f"`python train.py {'config/sft_hf.py' if is_hf_folder(path) else 'config/sft.py'} "
-                        f"--init_from={path}`, and start {what} from that run's checkpoint.")
+                        f"--init_from={path}`, and point --init_from at that run's checkpoint.")
     reference_hash = model_hash(path)
     if ckpt and reference_hash != ckpt['reference_hash']:
-        raise UserError(f"{path} is not the reference the {what} run in {out_dir} began with "
+        raise UserError(f"{path} is not the reference the run in {out_dir} began with "
                         f"({ckpt['reference_checkpoint']}): it has changed since, or is another model. Restore that "
                         f"model, or start a new run (another out_dir, or --resume=False to overwrite).")
     return reference, path, reference_hash

@@ -24,7 +24,7 @@ from lm.tokenizer import dataset_file, read_meta
 from losses import check_loss_weights, combine_losses, source_shares, target_weights, term_weights, token_weight_table
 from memory import MemoryMonitor, halve_micro_batch, peak_memory_bytes, recover_from_oom, resumed_micro_batch
 from run.checkpoint import (CHECKPOINT_FORMATS, check_compatible, restore_training_state, training_state,
-                            write_checkpoint)
+                            whole_checkpoint, write_checkpoint)
 from run.device import DTYPES, GradScaler, autocast_context, pick_dtype, to_device
 from run.fsdp import PARALLEL, check_parallel, place_model, same_init_on_every_rank
 from run.run_folder import open_run, require_starting_weights, run_log, run_origin
@@ -150,8 +150,8 @@ if training_type not in ('from_scratch', 'sft', 'lora'):
 if training_type == 'lora' and optimizer_type == 'muon':
     raise UserError("training_type='lora' trains its adapters with AdamW; set optimizer_type='adamw' (or 'adamw8bit').")
 if lora_base_dtype != 'float32' and training_type != 'lora':
-    from lm.lora import not_a_lora_run
-    raise not_a_lora_run(lora_base_dtype, "training_type='lora'")
+    raise UserError(f"lora_base_dtype={lora_base_dtype!r} keeps a LoRA run's frozen base in 4 or 16 bits, but this run "
+                    f"is not one: it trains every weight. Drop lora_base_dtype, or set training_type='lora'.")
 fine_tuning = training_type != 'from_scratch'
 if num_train_epochs and not fine_tuning:
     raise UserError(f"num_train_epochs={num_train_epochs:g} counts passes over a fine-tuning data set; pretraining "
@@ -193,11 +193,11 @@ if training_type == 'lora':
 # out_dir: locked before any work; a checkpoint there is this run's to continue, never another's (this_run:
 # what the run is; nanoGPT's init_from='resume' continues out_dir's, begun where it began)
 this_run = dict(script='train.py', training_type=training_type, init_from=run_origin(init_from, out_dir, resume))
-# under FSDP each rank reads its shards of a sharded checkpoint
-out_dir_lock, ckpt_path, ckpt = open_run(config, this_run, master, whole=parallel != 'fsdp' or training_type == 'lora')
+out_dir_lock, ckpt_path, ckpt = open_run(config, this_run, master)
+if ckpt is not None and (parallel != 'fsdp' or training_type == 'lora'):
+    ckpt = whole_checkpoint(ckpt)  # a sharded one's weights; FSDP reads each rank's shards into its model
 resuming = ckpt is not None
-require_starting_weights(ckpt, init_from, eval_only, ckpt_path, hf_folders=True,
-                         made_by='`python train.py` (pretraining)' if init_from == 'out/ckpt.pt' else None)
+require_starting_weights(ckpt, init_from, eval_only, ckpt_path, hf_folders=True)
 # the whole model the run starts from (None: from scratch), as stored (memory-mapped, its file's
 # dtype; starting_gpt makes it the run's: float32, a LoRA base's 16 or 4 bits, FSDP's shards)
 model_ckpt, model_ckpt_path = full_model_checkpoint(ckpt, ckpt_path, init_from, out_dir, training_type)

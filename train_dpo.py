@@ -27,7 +27,7 @@ from losses import DPO_LOSS_TYPES, dpo_loss
 from memory import peak_memory_bytes, resumed_micro_batch
 from model import GPTConfig
 from run.checkpoint import (CHECKPOINT_FORMATS, check_compatible, file_sha256, restore_training_state, training_state,
-                            write_checkpoint)
+                            whole_checkpoint, write_checkpoint)
 from run.device import DTYPES, GradScaler, autocast_context, pick_dtype
 from run.fsdp import PARALLEL, check_parallel, place_model, same_init_on_every_rank
 from run.run_folder import open_run, run_log, run_origin, sources_data_hash, training_data_hash
@@ -147,8 +147,8 @@ if parallel == 'fsdp' and use_lora and lora_bias != 'none' and not reference_fre
 if reference_free and precompute_ref_logps:
     raise UserError("reference_free=True has no reference to precompute; drop precompute_ref_logps.")
 if lora_base_dtype != 'float32' and not use_lora:
-    from lm.lora import not_a_lora_run
-    raise not_a_lora_run(lora_base_dtype, "use_lora=True")
+    raise UserError(f"lora_base_dtype={lora_base_dtype!r} keeps a LoRA run's frozen base in 4 or 16 bits, but this run "
+                    f"is not one: it trains every weight. Drop lora_base_dtype, or set use_lora=True.")
 by_epochs = False  # True: the run is counted in epochs (num_train_epochs, run/epochs.py), not max_iters
 if num_train_epochs or eval_every_epochs:
     from run.epochs import by_epochs_checked, plan_epochs
@@ -173,16 +173,14 @@ if use_lora:
 
 # out_dir: locked before any work; a checkpoint there is this run's to continue, never another's.
 # this_run: what the run is (nanoGPT's init_from='resume' continues out_dir's, begun where it began)
-this_run = dict(script='train_dpo.py', use_lora=use_lora, init_from=run_origin(
-    init_from, out_dir, resume, "--init_from set to a chat model (an SFT run's ckpt.pt, a Hugging Face chat model)"))
-# under FSDP each rank reads its shards of a sharded checkpoint
-out_dir_lock, ckpt_path, ckpt = open_run(config, this_run, master, whole=parallel != 'fsdp' or use_lora)
+this_run = dict(script='train_dpo.py', use_lora=use_lora, init_from=run_origin(init_from, out_dir, resume))
+out_dir_lock, ckpt_path, ckpt = open_run(config, this_run, master)
+if ckpt is not None and (parallel != 'fsdp' or use_lora):
+    ckpt = whole_checkpoint(ckpt)  # a sharded one's weights; FSDP reads each rank's shards into its model
 resuming = ckpt is not None
 # the chat model the policy starts as and the loss is relative to (a continued run: the one its
 # checkpoint names), as stored (as train.py reads it)
-reference_ckpt, reference_path, reference_hash = reference_checkpoint(
-    ckpt, init_from, out_dir, made_by="`python train.py` (pretraining, out/ckpt.pt) then `python train.py "
-                                       "config/sft.py` (SFT)" if init_from == 'out-sft/ckpt.pt' else None)
+reference_ckpt, reference_path, reference_hash = reference_checkpoint(ckpt, init_from, out_dir)
 
 # data
 # a published model's config files, which export.py writes back

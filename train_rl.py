@@ -157,8 +157,8 @@ if merged_rollouts and not use_lora:
     raise UserError("merged_rollouts=True merges LoRA adapters into a copy for the rollouts, but this run trains every "
                     "weight (use_lora=False) and samples from the model itself; drop merged_rollouts or set use_lora=True.")
 if lora_base_dtype != 'float32' and not use_lora:
-    from lm.lora import not_a_lora_run
-    raise not_a_lora_run(lora_base_dtype, "use_lora=True")
+    raise UserError(f"lora_base_dtype={lora_base_dtype!r} keeps a LoRA run's frozen base in 4 or 16 bits, but this run "
+                    f"is not one: it trains every weight. Drop lora_base_dtype, or set use_lora=True.")
 if wandb_log:
     from run.tracker import require_wandb, start_wandb
     require_wandb(wandb_log)
@@ -189,16 +189,12 @@ completions_per_micro_batch = completions_per_rank // gradient_accumulation_step
 
 # out_dir: locked before any work; a checkpoint there is this run's to continue, never another's.
 # this_run: what the run is (nanoGPT's init_from='resume' continues out_dir's, begun where it began)
-this_run = dict(script='train_rl.py', use_lora=use_lora, init_from=run_origin(
-    init_from, out_dir, resume, "--init_from set to a chat model (an SFT run's ckpt.pt, a Hugging Face chat model)"))
+this_run = dict(script='train_rl.py', use_lora=use_lora, init_from=run_origin(init_from, out_dir, resume))
 out_dir_lock, ckpt_path, ckpt = open_run(config, this_run, master)
 resuming = ckpt is not None
 # the chat model the policy starts as and the KL penalty measures against (a continued run: the one
 # its checkpoint names)
-reference_ckpt, reference_path, reference_hash = reference_checkpoint(
-    ckpt, init_from, out_dir, made_by="`python train.py` (pretraining, out/ckpt.pt) then `python train.py "
-                                       "config/sft.py` (SFT)" if init_from == 'out-sft/ckpt.pt' else None,
-    what='RL')
+reference_ckpt, reference_path, reference_hash = reference_checkpoint(ckpt, init_from, out_dir)
 
 # data
 # a published model's config files, which export.py writes back

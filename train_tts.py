@@ -157,7 +157,7 @@ vocode = load_vocoder(vocoder, local_device)  # a vocoder file that cannot work 
 this_run = dict(script='train_tts.py', init_from=run_origin(init_from, out_dir, resume))
 out_dir_lock, ckpt_path, ckpt = open_run(config, this_run, master)
 resuming = ckpt is not None
-require_starting_weights(ckpt, init_from, eval_only, ckpt_path, what='a TTS checkpoint')
+require_starting_weights(ckpt, init_from, eval_only, ckpt_path)
 
 
 # data: held-out split by id; rank 0 computes and caches the mel features, the others then read them

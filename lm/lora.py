@@ -140,13 +140,6 @@ class AddedRowsLinear(nn.Linear):
 # start), the norms and biases (small, and some of them train), and everything that trains
 # (adapters, added rows): AdamW's masters.
 
-def not_a_lora_run(lora_base_dtype, lora_setting):
-    """The UserError for a lora_base_dtype other than 'float32' in a run that trains every weight; lora_setting:
-    the setting that makes the script's run a LoRA run (train.py's training_type, the others' use_lora)."""
-    return UserError(f"lora_base_dtype={lora_base_dtype!r} keeps a LoRA run's frozen base in "
-                     f"{'4 bits (QLoRA)' if lora_base_dtype == 'nf4' else '16 bits'}, but this run is not one: it "
-                     f"trains every weight. Drop lora_base_dtype, or set {lora_setting}.")
-
 
 def frozen_base_dtype(lora_base_dtype, run_dtype, parallel):
     """The torch dtype a LoRA run keeps its frozen base's Linear weights in, or 'nf4' (QLoRA: lm/nf4.py):

@@ -198,9 +198,18 @@ def load_checkpoint(path, whole=True, fix=RUN_FIX):
                         f"The file is corrupt or was not written by nanotrain; restore it from a backup, or "
                         f"{fix}.") from None
     if isinstance(ckpt, dict) and 'shards' in ckpt:
-        from run.sharded_checkpoint import placeholders, read_whole
-        return read_whole(ckpt, path) if whole else placeholders(ckpt, path)
-    return ckpt
+        from run.sharded_checkpoint import placeholders
+        ckpt = placeholders(ckpt, path)
+    return whole_checkpoint(ckpt) if whole else ckpt
+
+
+def whole_checkpoint(ckpt):
+    """ckpt as a process that holds the whole model needs it: a sharded checkpoint read not whole (load_checkpoint)
+    has its weights and optimizer state read in from its folder; any other is returned as it is."""
+    if not (isinstance(ckpt, dict) and 'reader' in ckpt):
+        return ckpt
+    from run.sharded_checkpoint import read_whole
+    return read_whole(ckpt)
 
 
 def rng_state():

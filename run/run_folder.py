@@ -87,12 +87,11 @@ def leave_as_found(out_dir, created, found):
             os.remove(path)
 
 
-def run_origin(init_from, out_dir, resume, new_run="--init_from=scratch or a checkpoint"):
+def run_origin(init_from, out_dir, resume):
     """Where the run of this launch began, as its checkpoints record it: 'scratch' or a model's absolute path.
     That is init_from's, but for nanoGPT's init_from='resume' (continue the run in out_dir, which nanotrain does
     whenever there is one) the origin that run recorded, so that this launch is that run; never a file named
-    'resume'. 'auto' is no setting: a UserError says what is. new_run: how the script starts a new run, for
-    the message when there is none to continue."""
+    'resume'. 'auto' is no setting: a UserError says what is."""
     if init_from == 'auto':
         raise UserError("init_from='auto' is not a setting: a run in out_dir is continued anyway (resume=True, the "
                         "default), and init_from says where a new run's weights start: 'scratch', a checkpoint file, "
@@ -105,7 +104,8 @@ def run_origin(init_from, out_dir, resume, new_run="--init_from=scratch or a che
                         "drop one of them.")
     if not os.path.exists(path):
         raise UserError(f"init_from='resume' continues the run in {out_dir}, but there is none ({path} does not "
-                        f"exist). Point --out_dir at the run's folder, or start a new run with {new_run}.")
+                        f"exist). Point --out_dir at the run's folder, or start a new run: set --init_from to the "
+                        f"model it starts from (--help says which kinds this script takes).")
     return load_checkpoint(path, whole=False, fix=RESUME_FIX).get('run', {}).get('init_from', 'scratch')
 
 
@@ -114,21 +114,26 @@ def is_hf_folder(path):
     return os.path.isfile(os.path.join(path, 'config.json'))
 
 
-def require_init_from(init_from, made_by=None, hf_folders=False):
+# where the documented commands write their models, and how: named when a run starts from one not made yet
+MADE_BY = {'out/ckpt.pt': '`python train.py` (pretraining)',
+           'out-sft/ckpt.pt': '`python train.py` (pretraining, out/ckpt.pt) then `python train.py config/sft.py` (SFT)'}
+
+
+def require_init_from(init_from, hf_folders=False):
     """A UserError unless init_from is a checkpoint file (or, with hf_folders, a Hugging Face model
-    folder); made_by: the command that writes it, when init_from is where a documented command writes
-    its model."""
+    folder); one a documented command writes (MADE_BY) is named with that command."""
     if os.path.isfile(init_from) or hf_folders and is_hf_folder(init_from):
         return
+    made_by = MADE_BY.get(os.path.normpath(init_from))
     how = f"It is made by {made_by}; run that first, or point" if made_by else "Check the path, or point"
     what = "a checkpoint file or a Hugging Face model folder (one with a config.json)" if hf_folders else "a checkpoint file"
     raise UserError(f"init_from={init_from!r} is not {what}. {how} --init_from at the checkpoint this run should "
                     f"start from.")
 
 
-def run_to_continue(out_dir, resume, run, eval_only, whole=True):
-    """The checkpoint of the run in out_dir when this launch continues it, else None (a new run); whole as in
-    load_checkpoint.
+def run_to_continue(out_dir, resume, run, eval_only):
+    """The checkpoint of the run in out_dir when this launch continues it, else None (a new run); a sharded
+    one's weights as placeholders (load_checkpoint, not whole: run.checkpoint.whole_checkpoint reads them in).
     run: what identifies this launch's run (script, training type, where its weights start); a
     checkpoint recorded by another run is refused unless resume=False (which replaces that run).
     eval_only evaluates whatever run of this script is there, wherever its weights started."""
@@ -137,7 +142,7 @@ def run_to_continue(out_dir, resume, run, eval_only, whole=True):
         if not eval_only:  # a new run: what it will save over must be an earlier run's, replaced on request
             check_replaceable(out_dir, resume, run)
         return None
-    ckpt = load_checkpoint(path, whole, fix=RESUME_FIX)
+    ckpt = load_checkpoint(path, whole=False, fix=RESUME_FIX)
     if not (isinstance(ckpt, dict) and 'kind' in ckpt):
         raise UserError(foreign(path))
     saved = ckpt.get('run', {})  # older checkpoints do not say: continue them
@@ -205,27 +210,27 @@ class OpenRun(NamedTuple):
     ckpt: dict  # the checkpoint of the run this launch continues, or None (a new run)
 
 
-def open_run(config, run, master, whole=True):
+def open_run(config, run, master):
     """What every training script does first with out_dir: rank 0 (master) claims it before any work
-    (claim_out_dir), and a checkpoint there is this run's to continue, never another's (run_to_continue).
-    config: the script's config keys (out_dir, resume, eval_only); run, whole: as in run_to_continue."""
+    (claim_out_dir), and a checkpoint there is this run's to continue, never another's (run_to_continue:
+    a sharded one's weights are placeholders). config: the script's config keys (out_dir, resume, eval_only);
+    run: as in run_to_continue."""
     out_dir = config['out_dir']
     lock = claim_out_dir(out_dir) if master else None
-    ckpt = run_to_continue(out_dir, config['resume'], run, config['eval_only'], whole)
+    ckpt = run_to_continue(out_dir, config['resume'], run, config['eval_only'])
     return OpenRun(lock, os.path.join(out_dir, 'ckpt.pt'), ckpt)
 
 
-def require_starting_weights(ckpt, init_from, eval_only, ckpt_path, *, made_by=None, hf_folders=False,
-                             what='a checkpoint'):
+def require_starting_weights(ckpt, init_from, eval_only, ckpt_path, hf_folders=False):
     """A UserError unless a new run (ckpt None) has weights to start from: init_from must be there (as in
-    require_init_from), and eval_only needs a trained model (what: the kind init_from should point at)."""
+    require_init_from), and eval_only needs a trained model."""
     if ckpt is not None:
         return
     if init_from != 'scratch':
-        require_init_from(init_from, made_by, hf_folders)
+        require_init_from(init_from, hf_folders)
     elif eval_only:
         raise UserError(f"eval_only=True needs a trained model, but {ckpt_path} does not exist; point --out_dir at a "
-                        f"run or --init_from at {what}.")
+                        f"run, or --init_from at a trained model's checkpoint.")
 
 
 def logged_step(line):

@@ -83,18 +83,17 @@ def unreadable(folder, error, what='could not be read'):
                      f"from a backup, or start a new run (another out_dir, or --resume=False).")
 
 
-def read_whole(ckpt, path):
-    """A sharded checkpoint (ckpt, read from path) made whole: the weights and optimizer state read into memory,
+def read_whole(ckpt):
+    """A sharded checkpoint (ckpt: placeholders') made whole: the weights and optimizer state read into memory,
     as a one-file checkpoint holds them."""
-    shards, folder = {}, shard_folder(ckpt, path)
+    shards = {}
     try:
-        _load_state_dict(shards, storage_reader=FileSystemReader(folder), planner=_EmptyStateDictLoadPlanner(),
-                         no_dist=True)
+        _load_state_dict(shards, storage_reader=ckpt['reader'], planner=_EmptyStateDictLoadPlanner(), no_dist=True)
     except (Exception, CheckpointException) as e:  # the latter is not an Exception
-        raise unreadable(folder, e) from None
+        raise unreadable(ckpt['shards'], e) from None
     model = shards['model']
     model.update({name: model[first] for name, first in ckpt['aliases'].items()})
-    rest = {k: v for k, v in ckpt.items() if k not in ('shards', 'aliases')}
+    rest = {k: v for k, v in ckpt.items() if k not in ('shards', 'aliases', 'reader')}
     # DCP keys are strings
     state = {int(index): tensors for index, tensors in shards.get('optimizer', {}).items()}
     return dict(rest, model=model, optimizer=dict(ckpt['optimizer'], state=state))

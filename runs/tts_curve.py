@@ -61,6 +61,9 @@ CELLS = {
     # quarter-width fresh discriminators (~1.5 CPU-hours; the release's full widths cost 3.3x that a segment)
     'vocoder-ft': (['train_vocoder.py', '--batch_size=4', '--max_iters=500', '--discriminator_divisor=4'],
                    'piper-ljspeech', 'base'),
+    # the same fine-tune on the 10,000-step model's mels: the two levers that moved WER most, together
+    'steps-10k-vocoder-ft': (['train_vocoder.py', '--batch_size=4', '--max_iters=500', '--discriminator_divisor=4'],
+                             'piper-ljspeech', 'steps-10k'),
 }
 HELD_OUT = 'piper-ljspeech-heldout'
 

@@ -219,7 +219,7 @@ def test_advice_names_keys_the_script_has(tmp_path):
         assert '--resume' not in p.stderr, args
     for script in ('train_rl.py', 'train_dpo.py'):
         p = run([script, '--init_from=resume', f'--out_dir={tmp_path / "none"}', '--device=cpu'], check=False)
-        assert_user_error(p, "there is none", '--init_from set to a chat model')
+        assert_user_error(p, "there is none", 'set --init_from to the model it starts from')
         assert 'scratch' not in p.stderr, script
 
 

@@ -359,11 +359,16 @@ def test_sharded_checkpoints_resume_exactly_on_any_world_size_and_convert_to_one
                                                                                        uninterrupted):
     """checkpoint_format='sharded': each rank writes its shards (ckpt-<step>.dcp/, named by a small ckpt.pt).
     Relaunched after step 3, FSDP continues bit for bit; read whole (load_checkpoint, the converter) it is the
-    one-file checkpoint of the same run, tensor for tensor; one FSDP rank continues from two ranks' shards."""
+    one-file checkpoint of the same run, tensor for tensor; one FSDP rank continues from two ranks' shards, and
+    so does one process without FSDP (which reads them whole: whole_checkpoint)."""
     single, fsdp = uninterrupted
-    sharded, by_one_rank = tmp_path / 'sharded', tmp_path / 'by_one_rank'
+    sharded, by_one_rank, unsharded = tmp_path / 'sharded', tmp_path / 'by_one_rank', tmp_path / 'unsharded'
     train_on_2_ranks(sharded, data_dir, *COMMON, '--parallel=fsdp', '--checkpoint_format=sharded', '--max_iters=3')
     shutil.copytree(sharded, by_one_rank)
+    shutil.copytree(sharded, unsharded)
+    p = train(unsharded, data_dir, *COMMON, '--gradient_accumulation_steps=2', '--checkpoint_format=sharded')
+    assert 'at step 3' in p.stdout
+    assert_same_run(single, unsharded, keys=('train_loss', 'grad_norm'))
     p = train_on_2_ranks(sharded, data_dir, *COMMON, '--parallel=fsdp', '--checkpoint_format=sharded')
     assert 'at step 3' in p.stdout and logged(sharded, 'train_loss') == logged(fsdp, 'train_loss')
     assert 'model' not in load(sharded / 'ckpt.pt') and len(list(sharded.glob('ckpt-*.dcp'))) == 1  # older removed

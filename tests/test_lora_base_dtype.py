@@ -123,7 +123,7 @@ def test_settings_that_cannot_work_are_refused():
     ('train.py', ['--training_type=lora'], 'Set --dtype=bfloat16'),  # dtype='auto' is float32 on a CPU
     ('train.py', ['--training_type=lora', '--lora_base_dtype=int8'], "lora_base_dtype='int8' must be one of"),
     ('train_dpo.py', ['--dtype=bfloat16'], 'set use_lora=True'),
-    ('train.py', ['--training_type=sft', '--lora_base_dtype=nf4'], "4 bits (QLoRA), but this run is not one"),
+    ('train.py', ['--training_type=sft', '--lora_base_dtype=nf4'], "but this run is not one: it trains every weight"),
     ('train_rl.py', ['--lora_base_dtype=nf4'], 'set use_lora=True')])
 def test_scripts_refuse_them_with_exit_status_2(tmp_path, script, args, message):
     p = run([script, '--device=cpu', '--lora_base_dtype=bfloat16', f'--out_dir={tmp_path / "out"}', *args],

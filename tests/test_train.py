@@ -307,10 +307,14 @@ def test_a_save_that_fails_for_lack_of_space_is_explained_and_keeps_the_checkpoi
 
 
 @pytest.mark.slow
-def test_fine_tuning_without_its_base_model_names_the_command_that_makes_it(tmp_path):
-    """A fresh clone: config/sft.py starts from out/ckpt.pt, which does not exist yet; no data is prepared first."""
-    p = subprocess.run([sys.executable, os.path.join(ROOT, 'train.py'), os.path.join(ROOT, 'config', 'sft.py'),
-                        '--out_dir=o', '--device=cpu'], cwd=tmp_path, capture_output=True, text=True, timeout=240)
-    assert_user_error(p, "init_from='out/ckpt.pt' is not a checkpoint file")
-    assert '`python train.py` (pretraining)' in p.stderr and 'Traceback' not in p.stderr
-    assert not (tmp_path / 'data').exists()
+@pytest.mark.parametrize('command, made_by', [
+    (['train.py', 'config/sft.py'], '`python train.py` (pretraining); run that first'),
+    (['train_dpo.py'], '`python train.py` (pretraining, out/ckpt.pt) then `python train.py config/sft.py` (SFT)'),
+    (['train_rl.py'], '`python train.py` (pretraining, out/ckpt.pt) then `python train.py config/sft.py` (SFT)')])
+def test_fine_tuning_without_its_base_model_names_the_command_that_makes_it(tmp_path, command, made_by):
+    """A fresh clone: config/sft.py starts from out/ckpt.pt, DPO and RL from out-sft/ckpt.pt (their defaults),
+    which do not exist yet; no data is prepared first."""
+    p = subprocess.run([sys.executable, *(os.path.join(ROOT, part) for part in command), '--out_dir=o',
+                        '--device=cpu'], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert_user_error(p, "is not a checkpoint file", made_by)
+    assert 'Traceback' not in p.stderr and not (tmp_path / 'data').exists()

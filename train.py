@@ -25,7 +25,7 @@ from losses import check_loss_weights, combine_losses, source_shares, target_wei
 from memory import MemoryMonitor, halve_micro_batch, peak_memory_bytes, recover_from_oom, resumed_micro_batch
 from run.checkpoint import (CHECKPOINT_FORMATS, check_compatible, restore_training_state, training_state,
                             whole_checkpoint, write_checkpoint)
-from run.device import DTYPES, GradScaler, autocast_context, pick_dtype, to_device
+from run.device import DTYPES, autocast_context, pick_dtype
 from run.fsdp import PARALLEL, check_parallel, place_model, same_init_on_every_rank
 from run.run_folder import open_run, require_starting_weights, run_log, run_origin
 from run.runtime import (StepProfiler, StopSignal, all_reduce_metrics, bad_step, clip_grad_norm, compute_cleanup,
@@ -233,8 +233,10 @@ class TokenBatches:
         # a fresh memmap per call: a long-lived one keeps growing in memory (nanoGPT's note)
         data = np.memmap(self.bin_path, dtype=self.dtype, mode='r')
         windows = np.stack([data[i:i + self.block_size + 1] for i in offsets.tolist()]).astype(np.int64)
-        windows = torch.from_numpy(windows)
-        return to_device([windows[:, :-1].contiguous(), windows[:, 1:].contiguous()], device)
+        x, y = (torch.from_numpy(w) for w in (windows[:, :-1].copy(), windows[:, 1:].copy()))
+        if torch.device(device).type == 'cuda':  # pinned memory: the copy overlaps compute
+            return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+        return x.to(device), y.to(device)
 
     def state_dict(self):
         return {'generator': self.generator.get_state(), 'batches_drawn': self.batches_drawn}
@@ -346,7 +348,7 @@ else:
 if optimizer_type == 'adamw8bit':  # the same groups, the moments in 8 bits
     from lm.adamw8bit import in_8_bits
     optimizer = in_8_bits(optimizer)
-scaler = GradScaler(enabled=ptdtype == torch.float16)
+scaler = torch.amp.GradScaler(device_type, enabled=ptdtype == torch.float16)
 # the step's split into micro-batches: the config's, or what a continued run (or an OOM) left
 micro_batch_size, accumulation_steps = batch_size, gradient_accumulation_steps
 iter_num, best_val_loss, evals_without_improvement = 0, float('inf'), 0

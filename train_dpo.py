@@ -28,7 +28,7 @@ from memory import peak_memory_bytes, resumed_micro_batch
 from model import GPTConfig
 from run.checkpoint import (CHECKPOINT_FORMATS, check_compatible, file_sha256, restore_training_state, training_state,
                             whole_checkpoint, write_checkpoint)
-from run.device import DTYPES, GradScaler, autocast_context, pick_dtype
+from run.device import DTYPES, autocast_context, pick_dtype
 from run.fsdp import PARALLEL, check_parallel, place_model, same_init_on_every_rank
 from run.run_folder import open_run, run_log, run_origin, sources_data_hash, training_data_hash
 from run.runtime import (StopSignal, all_reduce_metrics, bad_step, clip_grad_norm, compute_cleanup, compute_init,
@@ -273,7 +273,7 @@ optimizer = (lora_optimizer(raw_model, weight_decay, learning_rate, (beta1, beta
 if optimizer_type == 'adamw8bit':  # the same groups, the moments in 8 bits
     from lm.adamw8bit import in_8_bits
     optimizer = in_8_bits(optimizer)
-scaler = GradScaler(enabled=ptdtype == torch.float16)
+scaler = torch.amp.GradScaler(device_type, enabled=ptdtype == torch.float16)
 # the step's split into micro-batches: the config's, or what a continued run's checkpoint holds
 micro_batch_size, accumulation_steps = batch_size, gradient_accumulation_steps
 iter_num, best_val_loss, evals_without_improvement = 0, float('inf'), 0

@@ -36,7 +36,7 @@ from lm.tokenizer import chat_tokenizer
 from memory import peak_memory_bytes
 from model import GPTConfig
 from run.checkpoint import NEW_RUN, check_compatible, restore_training_state, training_state, write_checkpoint
-from run.device import DTYPES, GradScaler, autocast_context, pick_dtype
+from run.device import DTYPES, autocast_context, pick_dtype
 from run.fsdp import place_model
 from run.run_folder import open_run, run_log, run_origin, training_data_hash
 from run.runtime import (StopSignal, all_reduce_metrics, bad_step, clip_grad_norm, compute_cleanup, compute_init,
@@ -263,7 +263,7 @@ optimizer = (lora_optimizer(raw_model, weight_decay, learning_rate, (beta1, beta
 if optimizer_type == 'adamw8bit':  # the same groups, the moments in 8 bits
     from lm.adamw8bit import in_8_bits
     optimizer = in_8_bits(optimizer)
-scaler = GradScaler(enabled=ptdtype == torch.float16)
+scaler = torch.amp.GradScaler(device_type, enabled=ptdtype == torch.float16)
 get_lr = LRSchedule.from_config(config)
 # best_pass_at_1: the best held-out pass@1 of an eval so far
 iter_num, best_pass_at_1, evals_without_improvement = 0, -math.inf, 0

@@ -22,7 +22,7 @@ from configurator import (EMPTY_OR_FOLDER, FOLDER, POSITIVE, UserError, at_least
 from memory import MemoryMonitor, peak_memory_bytes, recover_from_oom, split_micro_batches
 from run.checkpoint import (NEW_RUN, check_compatible, load_checkpoint, restore_training_state, rng_state,
                             set_rng_state, training_state, write_checkpoint)
-from run.device import GradScaler, autocast_context, pick_dtype, to_device
+from run.device import autocast_context, pick_dtype, to_device
 from run.epochs import by_epochs_checked, plan_epochs
 from run.run_folder import open_run, require_starting_weights, run_log, run_origin
 from run.runtime import (StepProfiler, StopSignal, all_reduce_metrics, bad_step, clip_grad_norm, compute_cleanup,
@@ -219,7 +219,7 @@ raw_model = model  # what we save and synthesize with: never compiled or DDP-wra
 mel_mean, mel_std = raw_model.mel_mean.item(), raw_model.mel_std.item()
 
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), decoder_lr_scale, device_type)
-scaler = GradScaler(enabled=ptdtype == torch.float16)
+scaler = torch.amp.GradScaler(device_type, enabled=ptdtype == torch.float16)
 iter_num, best_val_loss, evals_without_improvement, batch_splits = 0, float('inf'), 0, 1
 if resuming:
     sampler.load_state_dict(ckpt['sampler'])

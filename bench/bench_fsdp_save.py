@@ -29,7 +29,6 @@ import torch.distributed.fsdp  # noqa: F401         these when first needed, ~13
 from configurator import UserError, at_least, check_values, configure
 from model import GPTConfig
 from run.checkpoint import load_checkpoint, restore_training_state, write_checkpoint
-from run.device import GradScaler
 from run.fsdp import same_init_on_every_rank, shard_model
 from run.runtime import compute_cleanup, compute_init
 from starting_model import build_model
@@ -126,7 +125,7 @@ else:
         """As train.py continues a run: the file read whole (memory-mapped), or placeholders and each rank's shards."""
         ckpt = load_checkpoint(path, whole=checkpoint_format == 'file')
         model, optimizer = sharded_gpt_and_adamw(shape, ckpt)
-        restore_training_state(ckpt, path, optimizer, GradScaler(enabled=False), rank, world_size, model)
+        restore_training_state(ckpt, path, optimizer, torch.amp.GradScaler('cpu', enabled=False), rank, world_size, model)
         resumed.append((model, optimizer))
     dist.barrier()
     cost = measured(resume)

@@ -296,7 +296,10 @@ def restore_training_state(ckpt, ckpt_path, optimizer, scaler, rank, world_size,
         read_shards(ckpt, model, optimizer)
     else:
         optimizer.load_state_dict(shard_optimizer_state(optimizer, ckpt['optimizer']))
-    scaler.load_state_dict(ckpt['scaler'])
+    # empty from a run without fp16 (bf16 on another machine): a fp16 run keeps its initial scale, which
+    # finds its level within a few steps (torch refuses an empty state)
+    if ckpt['scaler']:
+        scaler.load_state_dict(ckpt['scaler'])
     if len(ckpt['rng']) == world_size:
         set_rng_state(ckpt['rng'][rank])
     else:

@@ -10,10 +10,10 @@ that every training script calls are wrapped (each still does all it did):
 
 - checkpoint.restore_training_state: a resumed run's step counters; the count starts at the iter_num it
   returns (at 0 in a run that starts afresh and never calls it).
-- run/device.py's GradScaler.update: called exactly once at the end of every training step, taken or skipped
-  (each script's step block), never in an evaluation or between an OOM and its retry; each call
-  counts one step.
-- run/device.py's GradScaler.scale: scales each micro-batch's loss right before backward, inside the script's
+- torch.amp.GradScaler.update (the scripts' loss scaler; disabled outside fp16, still called): called once
+  at the end of every training step, taken or skipped (each script's step block), never in an evaluation
+  or between an OOM and its retry; each call counts one step.
+- torch.amp.GradScaler.scale: scales each micro-batch's loss right before backward, inside the script's
   train_step, so that is where the faults go in. oom@N raises torch.OutOfMemoryError there (before
   backward: the script's OOM retry catches it), nan@N makes the loss going into backward NaN (the
   gradients and their norm turn NaN: a non-finite step, skipped; the logged loss stays finite, and under
@@ -32,7 +32,6 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository's modules
-from run import device  # noqa: E402
 from run import checkpoint  # noqa: E402
 
 
@@ -56,7 +55,8 @@ class Faults:
     def install(self, patch=setattr):
         """Wrap the three functions the module docstring names. patch: setattr, or a test's
         monkeypatch.setattr (undone after the test)."""
-        scale, update, restore = device.GradScaler.scale, device.GradScaler.update, checkpoint.restore_training_state
+        Scaler = torch.amp.GradScaler
+        scale, update, restore = Scaler.scale, Scaler.update, checkpoint.restore_training_state
 
         def scale_with_faults(scaler, loss):
             if self.fires('term'):
@@ -75,8 +75,8 @@ class Faults:
             self.step = counters[0]
             return counters
 
-        patch(device.GradScaler, 'scale', scale_with_faults)
-        patch(device.GradScaler, 'update', update_and_count)
+        patch(Scaler, 'scale', scale_with_faults)
+        patch(Scaler, 'update', update_and_count)
         patch(checkpoint, 'restore_training_state', restore_and_start_there)  # before the script imports it
         return self
 

@@ -14,7 +14,7 @@ from conftest import ROOT
 from faults import Faults
 from memory import (MemoryMonitor, halve_micro_batch, is_oom, memory_usage, peak_memory_bytes, pressure_level,
                     recover_from_oom, resumed_micro_batch, split_micro_batches)
-from run.device import GradScaler, autocast_context, pick_device, pick_dtype
+from run.device import autocast_context, pick_device, pick_dtype
 from run.runtime import StepProfiler
 
 
@@ -47,107 +47,20 @@ def test_autocast_context_is_reusable_and_null_for_fp32():
         assert not torch.is_autocast_enabled("cpu")
 
 
-# ---------------------------------------------------------------------------- GradScaler vs torch.amp.GradScaler
+# ---------------------------------------------------------------------------- loss scaling (torch.amp.GradScaler)
 
-def run_scaled_training(scaler, bad_steps, clip=None, steps=14):
-    """Tiny regression trained with loss scaling; inf/nan written into a gradient at bad_steps.
-    Returns (scale after each update, steps whose optimizer step was skipped, final params)."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    scales, skipped = [], []
-    for step in range(steps):
-        x = torch.randn(16, 4)
-        loss = ((model(x) - x.sum(1, keepdim=True)) ** 2).mean()
-        scaler.scale(loss).backward()
-        if step in bad_steps:
-            model[step % 2 * 2].weight.grad[0, 0] = bad_steps[step]
-        before = [p.detach().clone() for p in model.parameters()]
-        if clip is not None:
-            scaler.unscale_(opt)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad(set_to_none=True)
-        if all(torch.equal(a, b) for a, b in zip(before, model.parameters())):
-            skipped.append(step)
-        scales.append(scaler.get_scale())
-    return scales, skipped, [p.detach() for p in model.parameters()]
-
-
-@pytest.mark.comparison
-@pytest.mark.parametrize("clip", [None, 0.5])
-def test_grad_scaler_matches_torch(clip):
-    bad = {3: float("inf"), 4: float("nan"), 9: float("-inf")}
-    kw = dict(init_scale=2.0**10, growth_interval=2)  # small interval: growth happens between the overflows
-    ours = run_scaled_training(GradScaler(**kw), bad, clip)
-    theirs = run_scaled_training(torch.amp.GradScaler("cpu", **kw), bad, clip)
-    assert ours[0] == theirs[0]
-    assert ours[1] == theirs[1] == [3, 4, 9]
-    assert max(ours[0]) > 2.0**10  # growth did happen
-    for a, b in zip(ours[2], theirs[2]):
-        assert torch.equal(a, b)
-
-
-def test_grad_scaler_unscales_once_per_step():
-    p = torch.nn.Parameter(torch.zeros(3))
-    opt = torch.optim.SGD([p], lr=1.0)
-    scaler = GradScaler(init_scale=8.0)
-    scaler.scale(p.sum()).backward()
-    assert torch.equal(p.grad, torch.full((3,), 8.0))
-    scaler.unscale_(opt)
-    assert torch.equal(p.grad, torch.ones(3))
-    with pytest.raises(RuntimeError, match="already been called"):
-        scaler.unscale_(opt)
-    scaler.step(opt)  # must not divide by the scale again
-    assert torch.equal(p, -torch.ones(3))
-    with pytest.raises(RuntimeError, match="step"):
-        scaler.step(opt)
-    scaler.update()
-    assert not scaler.skipped
-
-
-def test_grad_scaler_step_without_grads_is_a_clean_step():
-    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
-    scaler = GradScaler(init_scale=4.0, growth_interval=1)
-    scaler.step(opt)
-    scaler.update()
-    assert scaler.get_scale() == 8.0 and not scaler.skipped
-
-
-def test_grad_scaler_does_not_grow_past_float32():
-    kw = dict(init_scale=2.0**127, growth_interval=1)
-    ours = run_scaled_training(GradScaler(**kw), {}, steps=3)
-    theirs = run_scaled_training(torch.amp.GradScaler("cpu", **kw), {}, steps=3)
-    assert ours[0] == theirs[0] == [2.0**127] * 3
-
-
-def test_grad_scaler_state_dict_interchangeable_with_torch():
-    ours = GradScaler(init_scale=2.0**10, growth_interval=3)
-    run_scaled_training(ours, {1: float("inf")}, steps=3)  # scale halved, one clean step since
-    theirs = torch.amp.GradScaler("cpu")
-    theirs.load_state_dict(ours.state_dict())
-    assert theirs.state_dict() == ours.state_dict() == dict(
-        scale=2.0**9, growth_factor=2.0, backoff_factor=0.5, growth_interval=3, _growth_tracker=1)
-    resumed = GradScaler()
-    resumed.load_state_dict(theirs.state_dict())
-    assert resumed.state_dict() == ours.state_dict()
-    resumed.load_state_dict({})  # checkpoint from a bf16 run: keep going with the current scale
-    assert resumed.get_scale() == 2.0**9
-
-
-def test_grad_scaler_disabled_passes_through():
-    p = torch.nn.Parameter(torch.ones(2))
-    opt = torch.optim.SGD([p], lr=1.0)
-    scaler = GradScaler(enabled=False)
-    loss = (p * 3).sum()
-    assert scaler.scale(loss) is loss
-    loss.backward()
-    scaler.unscale_(opt)
-    scaler.step(opt)
-    scaler.update()
-    assert torch.equal(p, torch.full((2,), -2.0))
-    assert scaler.get_scale() == 1.0 and scaler.state_dict() == {} and not scaler.is_enabled()
+def test_a_continued_run_takes_its_loss_scale_or_keeps_its_own_when_there_is_none():
+    """restore_training_state gives a fp16 run its checkpoint's loss scale; a checkpoint of a run without fp16
+    (bf16 on another machine) holds none, and the scale stays the initial one (torch refuses an empty state)."""
+    weight = torch.nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    ckpt = dict(optimizer=optimizer.state_dict(), rng=[checkpoint.rng_state()], iter_num=7, best_val_loss=1.0,
+                evals_without_improvement=0)
+    scaled = torch.amp.GradScaler('cpu', init_scale=2.0**9, growth_interval=3)
+    for stored, scale in [(scaled.state_dict(), 2.0**9), ({}, 2.0**16)]:
+        scaler = torch.amp.GradScaler('cpu')
+        assert checkpoint.restore_training_state(dict(ckpt, scaler=stored), 'ckpt.pt', optimizer, scaler, 0, 1)[0] == 7
+        assert scaler.get_scale() == scale and scaler.state_dict()['growth_interval'] == (3 if stored else 2000)
 
 
 # ---------------------------------------------------------------------------- memory monitor
@@ -233,9 +146,9 @@ def test_a_resumed_run_keeps_its_global_batch_on_another_number_of_processes():
 
 
 def test_injected_faults_fire_once_at_the_scripts_steps(monkeypatch):
-    """faults.py counts the steps by GradScaler.update, from where restore_training_state says a run resumes."""
+    """faults.py counts the steps by torch.amp.GradScaler.update, from where restore_training_state says a run resumes."""
     weight = torch.nn.Parameter(torch.ones(()))
-    optimizer, scaler = torch.optim.SGD([weight], lr=0.1), GradScaler(enabled=False)
+    optimizer, scaler = torch.optim.SGD([weight], lr=0.1), torch.amp.GradScaler('cpu', enabled=False)
 
     def step():  # a script's training step: two micro-batches scaled into backward, then the optimizer step
         try:

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from run.checkpoint import restore_training_state, training_state
-from run.device import GradScaler
 from run.runtime import all_reduce_metrics, bad_step, clip_grad_norm, compute_init, rank_batches
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,9 +46,10 @@ def test_clip_grad_norm_clips_the_global_norm_and_returns_it_before_clipping():
 
 
 def test_clip_grad_norm_after_unscaling_fp16_gradients():
-    scaler = GradScaler(enabled=True, init_scale=1024.0)
+    scaler = torch.amp.GradScaler('cpu', enabled=True, init_scale=1024.0)
     reference, _ = tiny_step()
     net, optimizer = tiny_step(loss_scale=1024.0)  # what scaler.scale(loss).backward() leaves
+    scaler.scale(torch.zeros(()))  # torch's scaler makes its scale tensor here
     scaler.unscale_(optimizer)
     assert clip_grad_norm(net.parameters(), 0.0) == pytest.approx(
         torch.cat([p.grad.flatten() for p in reference.parameters()]).norm().item(), rel=1e-6)
@@ -93,6 +93,7 @@ def test_each_script_skips_bad_steps_and_leaves_fp16_overflow_to_the_scaler(scri
     def run(loss, grad_norm, scaler, bad_steps=0, grad=1.0):
         w.grad = torch.full((2,), grad)
         if scaler.is_enabled():
+            scaler.scale(torch.zeros(()))  # as the script's backward did
             scaler.unscale_(optimizer)
         scope = dict(math=math, scaler=scaler, optimizer=optimizer, loss=loss, grad_norm=grad_norm,
                      bad_steps=bad_steps, bad_step=bad_step, config={'max_bad_steps': 3, 'out_dir': str(tmp_path)},
@@ -100,14 +101,14 @@ def test_each_script_skips_bad_steps_and_leaves_fp16_overflow_to_the_scaler(scri
         exec(step, scope)
         return scope['bad_steps']
 
-    fp32 = GradScaler(enabled=False)
+    fp32 = torch.amp.GradScaler('cpu', enabled=False)
     assert run(1.0, 1.0, fp32, bad_steps=2) == 0  # a good step resets the count
     assert torch.equal(w.detach(), torch.full((2,), 0.5)) and w.grad is None
     assert run(math.nan, 1.0, fp32) == 1 and run(1.0, math.inf, fp32, bad_steps=1) == 2
     assert torch.equal(w.detach(), torch.full((2,), 0.5)) and w.grad is None  # skipped, gradients cleared
     with pytest.raises(SystemExit, match='3 consecutive steps'):
         run(math.nan, 1.0, fp32, bad_steps=2)
-    fp16 = GradScaler(enabled=True)
+    fp16 = torch.amp.GradScaler('cpu', enabled=True)
     scale = fp16.get_scale()
     assert run(1.0, math.inf, fp16, grad=math.inf) == 0  # an overflow: the scaler skips the step and backs off
     assert torch.equal(w.detach(), torch.full((2,), 0.5)) and fp16.get_scale() < scale and w.grad is None
@@ -116,13 +117,13 @@ def test_each_script_skips_bad_steps_and_leaves_fp16_overflow_to_the_scaler(scri
 def test_training_state_round_trip(tmp_path):
     net, optimizer = tiny_step()
     optimizer.step()
-    scaler = GradScaler(enabled=True, init_scale=256.0)
+    scaler = torch.amp.GradScaler('cpu', enabled=True, init_scale=256.0)
     random.seed(3)
     torch.manual_seed(3)
     state = training_state({'script': 'x.py'}, {'lr': 0.1}, optimizer, scaler, 12, 1.25, 2)
     expected_draws = (random.random(), torch.rand(2))
     fresh = torch.optim.AdamW(net.parameters(), lr=0.1)
-    fresh_scaler = GradScaler(enabled=True)
+    fresh_scaler = torch.amp.GradScaler('cpu', enabled=True)
     counters = restore_training_state(state, 'ckpt.pt', fresh, fresh_scaler, rank=0, world_size=1)
     assert counters == (12, 1.25, 2)
     assert random.random() == expected_draws[0] and torch.equal(torch.rand(2), expected_draws[1])

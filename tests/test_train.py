@@ -120,6 +120,19 @@ def test_nan_step_is_skipped(tmp_path, data_dir):
 
 
 @pytest.mark.slow
+def test_float16_scales_the_loss_and_skips_an_overflowing_step(tmp_path, data_dir):
+    """--dtype=float16 (autocast, on the CPU too) trains with torch.amp.GradScaler: a NaN gradient at iter_num 2
+    (logged as step 3) is an overflow, so that step is skipped and the scale halves; the checkpoint keeps it."""
+    out = tmp_path / 'out'
+    train(out, data_dir, '--dtype=float16', '--max_iters=4', '--eval_interval=100', '--lr_decay_iters=4',
+          '--log_interval=1', faults='nan@2')
+    assert {e['step']: e['loss_scale'] for e in read_log(out) if 'loss_scale' in e} == {
+        1: 2.0**16, 2: 2.0**16, 3: 2.0**15, 4: 2.0**15}
+    ckpt = load(out / 'ckpt.pt')
+    assert ckpt['scaler']['scale'] == 2.0**15 and all(torch.isfinite(v).all() for v in ckpt['model'].values())
+
+
+@pytest.mark.slow
 def test_repeated_nan_aborts_and_keeps_checkpoint(tmp_path, data_dir):
     out = tmp_path / 'out'
     train(out, data_dir, '--max_iters=2', '--eval_interval=100', '--lr_decay_iters=10')

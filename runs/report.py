@@ -96,6 +96,10 @@ HF_STAGES = ('hf-lora', 'hf-rl')
 LM_STAGES = ('pretrain', 'sft', 'lora', 'dpo', 'rl')  # the speedrun runs only with all of them (see the end)
 # text-to-speech stages: their corpus, and the sentences Whisper hears ('' = the checkpoint's held out)
 TTS_CORPORA = {'tts-espeak': (espeak_dir, ''), 'tts-natural': (natural_dir, natural_heldout_dir)}
+# text-to-speech stages whose model also speaks through the first of vocoders fine-tuned on its own mels (the
+# recipe's generator: train_vocoder.py, in the stage's out_dir/vocoder)
+GENERATOR_FT = {'tts-natural': ['train_vocoder.py', 'config/vocoder_natural_cpu.py']}
+GENERATOR_FT_QUICK = ['--max_iters=2', '--eval_interval=2', '--eval_utterances=2']
 REUSED = []  # a 1 per run read back, not run (reuse)
 # the models that answer the held-out prompts: stage (or 'hf-base', the published model itself) -> its file
 EVALUATED = {'pretrain': 'ckpt.pt', 'sft': 'ckpt.pt', 'lora': 'ckpt.pt', 'dpo': 'ckpt.pt', 'rl': 'ckpt.pt',
@@ -173,6 +177,23 @@ def run_stage(stage, seed, extra=(), name=None):
         args.append(f'--init_from={hf_model}')
     if stage in TTS_CORPORA:
         args.append(f'--data_dir={TTS_CORPORA[stage][0]}')
+    wall = run_once(args, out_dir, f"{stage} (seed {seed})")
+    return figures_of(stage, read_log(os.path.join(ROOT, out_dir))), wall
+
+
+def fine_tuned_generator(stage, seed, published):
+    """The published generator fine-tuned on the mels of a TTS stage's model (GENERATOR_FT's command, in the
+    stage's out_dir/vocoder): (its generator file, the run's wall time in s)."""
+    out_dir = os.path.join(stage_dir(stage, seed), 'vocoder')
+    model = os.path.join(stage_dir(stage, seed), 'ckpt.pt')
+    args = [*GENERATOR_FT[stage], f'--seed={seed}', f'--out_dir={out_dir}', '--resume=False',
+            f'--tts_ckpt={model}', f'--init_from={published}', *(GENERATOR_FT_QUICK if quick else [])]
+    return os.path.join(out_dir, 'generator.pth.tar'), run_once(args, out_dir, f"{stage}'s generator (seed {seed})")
+
+
+def run_once(args, out_dir, what):
+    """Run `python args` (a run writing out_dir), or, with reuse, take the finished run of the same command and
+    code that is there; returns its wall time in s."""
     # the command and its code when it starts, its wall time once it has ended: what marks this script's runs
     finished = os.path.join(ROOT, out_dir, 'report_run.json')
     code = code_hash(args)
@@ -182,7 +203,7 @@ def run_stage(stage, seed, extra=(), name=None):
         if previous['args'] == args and previous['code'] == code and 'wall_s' in previous:
             print(f"[reused] python {' '.join(args)}", flush=True)
             REUSED.append(1)
-            return figures_of(stage, read_log(os.path.join(ROOT, out_dir))), previous['wall_s']
+            return previous['wall_s']
     if os.path.exists(os.path.join(ROOT, out_dir, 'ckpt.pt')) and not os.path.exists(finished):
         sys.exit(f"error: {out_dir} holds a run this script did not start (no report_run.json), which its "
                  f"--resume=False would replace; pass another --work_dir, or delete that folder yourself.")
@@ -191,11 +212,11 @@ def run_stage(stage, seed, extra=(), name=None):
         json.dump(dict(args=args, code=code), f)
     print(f"[{time.strftime('%H:%M:%S')}] python {' '.join(args)}", flush=True)
     t0 = time.time()
-    run_checked([sys.executable, *args], f"{stage} (seed {seed})")
+    run_checked([sys.executable, *args], what)
     wall = time.time() - t0
     with open(finished, 'w') as f:
         json.dump(dict(args=args, code=code, wall_s=wall), f)
-    return figures_of(stage, read_log(os.path.join(ROOT, out_dir))), wall
+    return wall
 
 
 def run_checked(argv, what):
@@ -345,7 +366,7 @@ def tts_table(report):
             'P.808)', 'MCD-DTW, dB': "MCD-DTW of the model mel (the floor's: the reference mel through Griffin-Lim)",
             'RTF': 'real-time factor on one thread (through Griffin-Lim: the final evaluation)'}
     lines = ["Text-to-speech on held-out sentences: " + ', '.join(said[k] for k in said if k in columns)
-             + ", wall time of the training run:\n",
+             + ", wall time of the training runs (the model's, and its generator's where it is fine-tuned):\n",
              '| corpus | speech | ' + ' | '.join(columns) + ' |', '| --- | --- |' + ' --- |' * len(columns)]
     cells = lambda values: [FORMATS[k].format(values[k]) if k in values else '' for k in columns]  # noqa: E731
     summaries = lambda figures: [summary(figures[k], FORMATS[k]) if k in figures else ''  # noqa: E731
@@ -468,6 +489,7 @@ def write_report(report):
                if report.get('reused') else '') + '.'
             + kept_note(report) + '\n',
             table]
+    os.makedirs(os.path.dirname(report_path), exist_ok=True)  # runs/results/ (ignored) for a quick report
     with open(report_path + '.md', 'w') as f:
         f.write('\n'.join(text) + '\n')
     with open(report_path + '.json', 'w') as f:
@@ -619,11 +641,15 @@ for seed in seeds:
             if asr:
                 for figure, value in speech_scores(stage, out_dir, os.path.join(out_dir, 'ckpt.pt'))['model'].items():
                     report['figures'][stage].setdefault(figure, []).append(value)
-            for vocoder in vocoder_files:  # the same model's speech through each published generator
+            generators = {vocoder_name(vocoder): vocoder for vocoder in vocoder_files}
+            if stage in GENERATOR_FT and vocoder_files:  # the recipe's own generator, trained after the model
+                name = f'{vocoder_name(vocoder_files[0])} fine-tuned on their mels'
+                generators[name], generator_wall = fine_tuned_generator(stage, seed, vocoder_files[0])
+                report['wall_s'][stage][-1] += generator_wall
+            for name, vocoder in generators.items():  # the same model's speech through each generator
                 scores = speech_scores(stage, out_dir, os.path.join(out_dir, 'ckpt.pt'), vocoder)['model']
                 for figure, value in scores.items():
-                    report['vocoded'].setdefault(stage, {}).setdefault(vocoder_name(vocoder), {}).setdefault(
-                        figure, []).append(value)
+                    report['vocoded'].setdefault(stage, {}).setdefault(name, {}).setdefault(figure, []).append(value)
             print(f"  {stage}, seed {seed}: " + ', '.join(f"{k} {FORMATS[k].format(v[-1])}"
                                                          for k, v in report['figures'][stage].items())
                   + f" ({wall / 60:.1f} min)", flush=True)

@@ -1,0 +1,8 @@
+# HiFi-GAN fine-tuned on a natural-voice TTS model's own mels (config/tts_natural_cpu.py's), the lever that
+# moved held-out WER most on issue 56's curve (runs/RESULTS.md): ~1.2 CPU-hours, one thread
+#   OMP_NUM_THREADS=1 python train_vocoder.py config/vocoder_natural_cpu.py --tts_ckpt=out-tts-natural/ckpt.pt \
+#       --init_from=models/hifigan/generator_LJSpeech.pth.tar
+out_dir = 'out-vocoder-natural'
+batch_size = 4               # 2,000 segments of 8,192 samples in all
+max_iters = 500
+discriminator_divisor = 4    # quarter-width fresh discriminators: the release's widths cost 3.3x a segment

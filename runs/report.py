@@ -480,7 +480,7 @@ def write_report(report):
     table = results_table(report)
     m = report['machine']
     walls = ', '.join(f"{stage} {statistics.median(t) / 60:.1f} min" for stage, t in report['wall_s'].items())
-    text = [f"# nanotrain results report\n",
+    text = ["# nanotrain results report\n",
             f"`python runs/report.py{' --quick=True' if quick else ''}` on {report['date']}, commit "
             f"{report['commit']}. Machine: {m['cpu']}, {m['threads']} threads, torch {m['torch']}, "
             f"Python {m['python']}" + (f", {m['gpu']}" if m['gpu'] else ', no GPU') + '.',
@@ -573,7 +573,7 @@ def lora_sweep_report():
     path = os.path.join(ROOT, 'runs', 'results' if quick else '', 'lora_sweep')
     with open(path + '.json', 'w') as f:
         json.dump(sweep, f, indent=1)
-    lines = [f"# LoRA recipe sweep\n",
+    lines = ["# LoRA recipe sweep\n",
              f"`python runs/report.py --lora_sweep=True` on {sweep['date']}, commit {sweep['commit']}, "
              f"{sweep['machine']['cpu']}: seed {seed}, every recipe from the same pretrained model, against full SFT "
              f"(`python train.py config/sft.py`): exact match {sft_figures['exact match']:.1%}, val loss "
@@ -664,7 +664,7 @@ for seed in seeds:
                 flips(os.path.join(stage_dir(STARTS[stage], seed), 'heldout.eval.json'),
                       os.path.join(out_dir, 'heldout.eval.json')))
         print(f"  {stage}, seed {seed}: " + ', '.join(f"{k} {FORMATS[k].format(v)}" for k, v in figures.items())
-              + f"; held-out " + ', '.join(f"{k} {FORMATS[k].format(v[0])}" for k, v in scores.items())
+              + "; held-out " + ', '.join(f"{k} {FORMATS[k].format(v[0])}" for k, v in scores.items())
               + f" ({wall / 60:.1f} min)", flush=True)
 for stage in [stage for stage in todo if stage in TTS_CORPORA and asr]:  # the floor, once per corpus
     floor = speech_scores(stage, os.path.join(work_dir, f'{stage}-floor'))

@@ -49,7 +49,7 @@ quick = False                # one seed, a few steps per stage: checks the machi
 lora_sweep = False           # instead of the report: LORA_SWEEP against full SFT on the first seed, into runs/lora_sweep.*
 nanogpt_dir = '/tmp/nanoGPT'  # a nanoGPT checkout: bench/speedrun.py's ratios join the report (its 3 pairs); '' or none there = skipped
 work_dir = 'runs/results/report'  # the runs' out_dirs
-reuse = False                # a run whose out_dir holds a finished run of the same command and code is read, not run again
+reuse = False                # read a finished run of the same command and code back; continue a killed one
 results_md = True            # put the report's table into runs/RESULTS.md (between the report markers); not with quick
 table_only = False           # no runs: rewrite runs/RESULTS.md's table from the committed runs/report.json, and stop
 stages = 'pretrain,sft,lora,dpo,rl,hf-lora,hf-rl,tts-espeak,tts-natural'  # the stages run (each after its start)
@@ -101,6 +101,7 @@ TTS_CORPORA = {'tts-espeak': (espeak_dir, ''), 'tts-natural': (natural_dir, natu
 GENERATOR_FT = {'tts-natural': ['train_vocoder.py', 'config/vocoder_natural_cpu.py']}
 GENERATOR_FT_QUICK = ['--max_iters=2', '--eval_interval=2', '--eval_utterances=2']
 REUSED = []  # a 1 per run read back, not run (reuse)
+HEARTBEAT_S = 60  # how often a running run's wall time so far is recorded
 # the models that answer the held-out prompts: stage (or 'hf-base', the published model itself) -> its file
 EVALUATED = {'pretrain': 'ckpt.pt', 'sft': 'ckpt.pt', 'lora': 'ckpt.pt', 'dpo': 'ckpt.pt', 'rl': 'ckpt.pt',
              'hf-base': None, 'hf-lora': 'ckpt.pt', 'hf-rl': 'ckpt.pt'}
@@ -193,14 +194,19 @@ def fine_tuned_generator(stage, seed, published):
 
 def run_once(args, out_dir, what):
     """Run `python args` (a run writing out_dir), or, with reuse, take the finished run of the same command and
-    code that is there; returns its wall time in s."""
-    # the command and its code when it starts, its wall time once it has ended: what marks this script's runs
+    code that is there, or continue that run where a killed report left it (the script resumes its checkpoint);
+    returns its wall time in s (a continued run's: its launches' added, each to within a minute)."""
+    # the command and its code when it starts, its wall time so far while it runs and once it has ended: what
+    # marks this script's runs
     finished = os.path.join(ROOT, out_dir, 'report_run.json')
     code = code_hash(args)
+    previous = {}
     if reuse and os.path.exists(finished):
         with open(finished) as f:
             previous = json.load(f)
-        if previous['args'] == args and previous['code'] == code and 'wall_s' in previous:
+        if previous['args'] != args or previous['code'] != code:
+            previous = {}
+        elif 'wall_s' in previous:
             print(f"[reused] python {' '.join(args)}", flush=True)
             REUSED.append(1)
             return previous['wall_s']
@@ -208,22 +214,33 @@ def run_once(args, out_dir, what):
         sys.exit(f"error: {out_dir} holds a run this script did not start (no report_run.json), which its "
                  f"--resume=False would replace; pass another --work_dir, or delete that folder yourself.")
     os.makedirs(os.path.join(ROOT, out_dir), exist_ok=True)
-    with open(finished, 'w') as f:
-        json.dump(dict(args=args, code=code), f)
-    print(f"[{time.strftime('%H:%M:%S')}] python {' '.join(args)}", flush=True)
-    t0 = time.time()
-    run_checked([sys.executable, *args], what)
-    wall = time.time() - t0
-    with open(finished, 'w') as f:
-        json.dump(dict(args=args, code=code, wall_s=wall), f)
+    so_far, t0 = previous.get('partial_s', 0.0), time.time()
+
+    def mark(**times):
+        with open(finished, 'w') as f:
+            json.dump(dict(args=args, code=code, **times), f)
+    mark(partial_s=so_far)
+    argv = [a for a in args if a != '--resume=False'] if previous else args  # continued, not started again
+    print(f"[{time.strftime('%H:%M:%S')}] python {' '.join(argv)}", flush=True)
+    run_checked([sys.executable, *argv], what, lambda: mark(partial_s=so_far + time.time() - t0))
+    wall = so_far + time.time() - t0
+    mark(wall_s=wall)
     return wall
 
 
-def run_checked(argv, what):
-    """Run a command in the repo; stop the report with its stderr's end if it fails."""
-    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
-    if done.returncode != 0:
-        sys.exit(f"error: {what} failed with exit {done.returncode}:\n{done.stderr[-3000:]}")
+def run_checked(argv, what, every_minute=None):
+    """Run a command in the repo, calling every_minute while it runs; stop the report with its stderr's end if it
+    fails."""
+    process = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while True:
+        try:
+            _, stderr = process.communicate(timeout=HEARTBEAT_S)
+            break
+        except subprocess.TimeoutExpired:  # communicate again: no output is lost
+            if every_minute:
+                every_minute()
+    if process.returncode != 0:
+        sys.exit(f"error: {what} failed with exit {process.returncode}:\n{stderr[-3000:]}")
 
 
 def vocoder_short(path):

@@ -1,6 +1,6 @@
-# HiFi-GAN fine-tuned on a natural-voice TTS model's own mels (config/tts_natural_cpu.py's), the lever that
-# moved held-out WER most on issue 56's curve (runs/RESULTS.md): ~1.2 CPU-hours, one thread
-#   OMP_NUM_THREADS=1 python train_vocoder.py config/vocoder_natural_cpu.py --tts_ckpt=out-tts-natural/ckpt.pt \
+# HiFi-GAN fine-tuned on a natural-voice TTS model's own mels (config/tts_natural_cpu.py's, or its long
+# recipe's), a lever of issue 56's curve (runs/RESULTS.md): ~1.2 CPU-hours, one thread
+#   OMP_NUM_THREADS=1 python train_vocoder.py config/vocoder_natural_cpu.py --tts_ckpt=out-tts-natural-long/ckpt.pt \
 #       --init_from=models/hifigan/generator_LJSpeech.pth.tar
 out_dir = 'out-vocoder-natural'
 batch_size = 4               # 2,000 segments of 8,192 samples in all

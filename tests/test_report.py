@@ -102,7 +102,7 @@ def test_tts_table_is_the_reports():
         figures = dict(report['figures'][stage], **{'wall time, min': [w / 60 for w in report['wall_s'][stage]]})
         for vocoder, values in [('', figures)] + list(report.get('vocoded', {}).get(stage, {}).items()):
             cells = cells_of(next(rows))  # the model through Griffin-Lim, then through each vocoder
-            assert f'config/tts_{stage[4:]}_cpu.py' in cells[1] if not vocoder else vocoder in cells[1]
+            assert f"config/tts_{stage[4:].replace('-', '_')}_cpu.py" in cells[1] if not vocoder else vocoder in cells[1]
             for cell, column in zip(cells[2:], columns, strict=True):
                 assert (cell == '') == (column not in values)
                 if column in values:

@@ -125,7 +125,8 @@ else:
         """As train.py continues a run: the file read whole (memory-mapped), or placeholders and each rank's shards."""
         ckpt = load_checkpoint(path, whole=checkpoint_format == 'file')
         model, optimizer = sharded_gpt_and_adamw(shape, ckpt)
-        restore_training_state(ckpt, path, optimizer, torch.amp.GradScaler('cpu', enabled=False), rank, world_size, model)
+        scaler = torch.amp.GradScaler('cpu', enabled=False)
+        restore_training_state(ckpt, path, optimizer, scaler, rank, world_size, model)
         resumed.append((model, optimizer))
     dist.barrier()
     cost = measured(resume)

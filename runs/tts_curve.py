@@ -49,6 +49,9 @@ RECIPE = ['config/tts_natural_cpu.py']
 WIDE = ['--enc_channels=192', '--enc_layers=4', '--enc_ff_channels=768', '--dp_channels=256', '--dec_channels=256',
         '--dec_blocks=2']  # Matcha-TTS's encoder widths and train_tts.py's default decoder: 11.9M parameters
 STEPS_10K = ['--max_iters=10000', '--lr_decay_iters=10000']
+# the first of vocoders fine-tuned on a cell's teacher-forced mels: 2,000 segments of 8,192 samples with
+# quarter-width fresh discriminators (~1.5 CPU-hours; the release's full widths cost 3.3x that a segment)
+VOCODER_FT = ['train_vocoder.py', '--batch_size=4', '--max_iters=500', '--discriminator_divisor=4']
 # cell: (script and arguments, corpus folder under data_root, the cell whose model a vocoder cell fine-tunes on)
 CELLS = {
     'base': (['train_tts.py', *RECIPE], 'piper-ljspeech', None),
@@ -57,13 +60,9 @@ CELLS = {
     'data-4k-10k-steps': (['train_tts.py', *RECIPE, *STEPS_10K], 'piper-4k', None),
     'steps-10k': (['train_tts.py', *RECIPE, *STEPS_10K], 'piper-ljspeech', None),
     'model-wide': (['train_tts.py', *RECIPE, *WIDE], 'piper-ljspeech', None),
-    # the first of vocoders fine-tuned on base's teacher-forced mels: 2,000 segments of 8,192 samples with
-    # quarter-width fresh discriminators (~1.5 CPU-hours; the release's full widths cost 3.3x that a segment)
-    'vocoder-ft': (['train_vocoder.py', '--batch_size=4', '--max_iters=500', '--discriminator_divisor=4'],
-                   'piper-ljspeech', 'base'),
+    'vocoder-ft': (VOCODER_FT, 'piper-ljspeech', 'base'),
     # the same fine-tune on the 10,000-step model's mels: the two levers that moved WER most, together
-    'steps-10k-vocoder-ft': (['train_vocoder.py', '--batch_size=4', '--max_iters=500', '--discriminator_divisor=4'],
-                             'piper-ljspeech', 'steps-10k'),
+    'steps-10k-vocoder-ft': (VOCODER_FT, 'piper-ljspeech', 'steps-10k'),
 }
 HELD_OUT = 'piper-ljspeech-heldout'
 

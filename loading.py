@@ -12,8 +12,6 @@ A model to generate from or score, whatever it was saved as: what sample.py and 
 import os
 from typing import NamedTuple
 
-import torch
-
 from configurator import UserError
 from lm.tokenizer import chat_tokenizer, load_tokenizer
 from model import GPT, GPTConfig
@@ -66,11 +64,10 @@ def lora_merged_model(ckpt, path):
         raise UserError(f"{base_path} is not the base model the adapters in {path} were trained on: it has changed "
                         f"since, so they no longer fit. Restore it, or load the run's merged.pt instead.")
     # a QLoRA run's adapters go on the 4-bit base they were trained on (a 4-bit folder's bits as they are)
-    nf4 = config.get('lora_base_dtype') == 'nf4'
     base = load_model(base_path)
     base_vocab = base['model_args']['vocab_size']
     model = build_model(GPTConfig(**dict(ckpt['model_args'], vocab_size=base_vocab)), base,
-                        linear_dtype='nf4' if nf4 else torch.float32)
+                        lora_base_dtype='nf4' if config.get('lora_base_dtype') == 'nf4' else 'float32')
     added_tokens = ckpt['model_args']['vocab_size'] - base_vocab  # the chat tokens an SFT run added
     if added_tokens:
         model.resize_vocab(ckpt['model_args']['vocab_size'])

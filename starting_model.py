@@ -170,27 +170,27 @@ def reference_checkpoint(ckpt, init_from, out_dir):
 
 
 def starting_gpt(model_args, model_ckpt, model_path, tokenizer, base_tokenizer=None, assign=False,
-                 linear_dtype=torch.float32, resuming=False):
+                 lora_base_dtype='float32', resuming=False):
     """(the GPT a train.py run starts from, the vocabulary size it starts with): model_ckpt's (None: a new
     model of model_args), checked with check_starting_model, its vocabulary grown to tokenizer's when the
-    run adds the chat template's tokens. assign, linear_dtype: as in build_model; resuming: as in
+    run adds the chat template's tokens. assign, lora_base_dtype: as in build_model; resuming: as in
     check_starting_model."""
     vocab_size = tokenizer.vocab_size
     if model_ckpt is not None:  # a pretrained model being fine-tuned has the base tokenizer
         vocab_size = check_starting_model(model_ckpt, model_path, model_args, tokenizer, base_tokenizer, resuming)
-    model = build_model(GPTConfig(**dict(model_args, vocab_size=vocab_size)), model_ckpt, assign, linear_dtype)
+    model = build_model(GPTConfig(**dict(model_args, vocab_size=vocab_size)), model_ckpt, assign, lora_base_dtype)
     if vocab_size < tokenizer.vocab_size:
         model.resize_vocab(tokenizer.vocab_size)
     return model, vocab_size
 
 
-def build_model(config, model_ckpt, assign=False, linear_dtype=torch.float32):
+def build_model(config, model_ckpt, assign=False, lora_base_dtype='float32'):
     """The GPT of config (a GPTConfig) holding model_ckpt's weights, or initialised at random when
     model_ckpt is None. A published model's is built around its tensors as stored (GPT.from_state_dict),
     then made float32, so memory holds one copy; so is any checkpoint's with assign (FSDP: the tensors are
     memory-mapped, perhaps in a stored bf16, and fsdp.shard_model makes each rank's shard float32) or a
-    16-bit or 'nf4' linear_dtype (a LoRA run's lora_base_dtype: its blocks' Linear weights go from their
-    stored dtype straight to it, the rest to float32: lora.cast_frozen_base; a 4-bit folder's NF4 weights
+    lora_base_dtype other than 'float32' (a LoRA run's 'bfloat16', 'float16' or 'nf4': its blocks' Linear
+    weights go from their stored dtype straight to it, the rest to float32: lora.cast_frozen_base; a 4-bit folder's NF4 weights
     are built in as they are). A new model with assign (FSDP) is built on the meta device, holding no
     weights: fsdp.shard_model draws each rank's shards of it, the values one process draws from the same
     seed (its init_seed, drawn here from torch's global stream)."""
@@ -198,21 +198,21 @@ def build_model(config, model_ckpt, assign=False, linear_dtype=torch.float32):
         init_seed = new_seed()
         with torch.device('meta'):
             return GPT(config, init_seed)
-    if model_ckpt is None or not (assign or model_ckpt.get('hf_config') or linear_dtype != torch.float32):
+    if model_ckpt is None or not (assign or model_ckpt.get('hf_config') or lora_base_dtype != 'float32'):
         model = GPT(config)
         if model_ckpt is not None:
             model.load_state_dict(model_ckpt['model'])
         return model
     # only a published folder holds NF4 weights: a 4-bit base keeps them, any other run dequantizes them
-    stored = nf4_weights(model_ckpt['model']) if model_ckpt.get('hf_config') and linear_dtype == 'nf4' else {}
+    stored = nf4_weights(model_ckpt['model']) if model_ckpt.get('hf_config') and lora_base_dtype == 'nf4' else {}
     state = dense({k: torch.empty(v.shape, dtype=v.dtype, device='meta') if k in stored else v
                    for k, v in model_ckpt['model'].items()})
-    if linear_dtype == torch.float32 and not assign:  # a run that trains every weight
+    if lora_base_dtype == 'float32' and not assign:  # a run that trains every weight
         state = in_float32(state)
     model = GPT.from_state_dict(config, state)
-    if linear_dtype != torch.float32:
+    if lora_base_dtype != 'float32':
         from lm.lora import cast_frozen_base
-        cast_frozen_base(model, linear_dtype, stored=stored)
+        cast_frozen_base(model, 'nf4' if lora_base_dtype == 'nf4' else getattr(torch, lora_base_dtype), stored=stored)
     return model
 
 

@@ -183,12 +183,11 @@ master, device_type = rank == 0, local_device.split(':')[0]
 ptdtype = pick_dtype(local_device, dtype)
 autocast = autocast_context(local_device, ptdtype)
 check_parallel(parallel, ddp, local_device, ptdtype, optimizer_type, fsdp_cpu_offload)
-# the frozen base's Linear weights: a LoRA run's lora_base_dtype (a torch dtype, or 'nf4'), else float32
-base_dtype = torch.float32
 if training_type == 'lora':
-    from lm.lora import apply_lora, frozen_base_dtype, load_adapters, lora_optimizer, lora_state_dict, save_merged
+    from lm.lora import (apply_lora, check_lora_base_dtype, load_adapters, lora_optimizer, lora_state_dict,
+                         save_merged)
     from starting_model import model_hash
-    base_dtype = frozen_base_dtype(lora_base_dtype, ptdtype, parallel)
+    check_lora_base_dtype(lora_base_dtype, ptdtype, parallel)
 
 # out_dir: locked before any work; a checkpoint there is this run's to continue, never another's (this_run:
 # what the run is; nanoGPT's init_from='resume' continues out_dir's, begun where it began)
@@ -321,7 +320,7 @@ with same_init_on_every_rank(seed, enabled=parallel == 'fsdp'):
     # under FSDP built around the checkpoint's tensors (or on the meta device), each rank keeping its shards
     model, vocab_size = starting_gpt(model_args, model_ckpt, model_ckpt_path, tokenizer,
                                      base_tokenizer=base_tokenizer if fine_tuning else None,
-                                     assign=parallel == 'fsdp', linear_dtype=base_dtype, resuming=resuming)
+                                     assign=parallel == 'fsdp', lora_base_dtype=lora_base_dtype, resuming=resuming)
     if training_type == 'lora':
         # the chat tokens added above train too (none for a chat model)
         added_tokens = tokenizer.vocab_size - vocab_size

@@ -165,11 +165,10 @@ master, device_type = rank == 0, local_device.split(':')[0]
 ptdtype = pick_dtype(local_device, dtype)
 autocast = autocast_context(local_device, ptdtype)
 check_parallel(parallel, ddp, local_device, ptdtype, optimizer_type, fsdp_cpu_offload)
-# the frozen base's Linear weights: a LoRA run's lora_base_dtype (a torch dtype, or 'nf4'), else float32
-base_dtype = torch.float32
 if use_lora:
-    from lm.lora import LORA_SETTINGS, apply_lora, frozen_base_dtype, lora_optimizer, lora_state_dict, save_merged
-    base_dtype = frozen_base_dtype(lora_base_dtype, ptdtype, parallel)
+    from lm.lora import (LORA_SETTINGS, apply_lora, check_lora_base_dtype, lora_optimizer, lora_state_dict,
+                         save_merged)
+    check_lora_base_dtype(lora_base_dtype, ptdtype, parallel)
 
 # out_dir: locked before any work; a checkpoint there is this run's to continue, never another's.
 # this_run: what the run is (nanoGPT's init_from='resume' continues out_dir's, begun where it began)
@@ -245,7 +244,7 @@ held_out = HeldOut(tokenizer, [reference for reference, _ in held_out_references
 
 # policy, and the reference: a frozen copy when training all weights, the policy itself with its
 # adapters disabled when training LoRA, or none in memory with precomputed log-probs
-model = build_model(GPTConfig(**model_args), reference_ckpt, parallel == 'fsdp', base_dtype)
+model = build_model(GPTConfig(**model_args), reference_ckpt, parallel == 'fsdp', lora_base_dtype)
 reference = (frozen_model(GPTConfig(**model_args), reference_ckpt['model'], parallel, local_device, ptdtype,
                           fsdp_cpu_offload)
              if not (use_lora or reference_free or precompute_ref_logps) else None)

@@ -170,12 +170,10 @@ ddp, rank, local_rank, world_size, local_device = compute
 master, device_type = rank == 0, local_device.split(':')[0]
 ptdtype = pick_dtype(local_device, dtype)
 autocast = autocast_context(local_device, ptdtype)
-# the frozen base's Linear weights: a LoRA run's lora_base_dtype (a torch dtype, or 'nf4'), else float32
-base_dtype = torch.float32
 if use_lora:
-    from lm.lora import (LORA_SETTINGS, apply_lora, disable_adapters, frozen_base_dtype, lora_optimizer,
+    from lm.lora import (LORA_SETTINGS, apply_lora, check_lora_base_dtype, disable_adapters, lora_optimizer,
                          lora_state_dict, merged_copy, refresh_merged_copy, save_merged)
-    base_dtype = frozen_base_dtype(lora_base_dtype, ptdtype, 'ddp')
+    check_lora_base_dtype(lora_base_dtype, ptdtype, 'ddp')
 # on a GPU a decode step waits on kernel launches, which a CUDA graph and merged adapters remove; on a CPU it
 # waits on arithmetic, and compiling costs minutes (docs/rl.md)
 decoding = CompiledDecoding() if (device_type == 'cuda' if compile_decode is None else compile_decode) else None
@@ -242,7 +240,7 @@ stop_ids = stop_tokens(tokenizer)  # the end of the assistant's turn
 
 # policy, and the reference (only with beta > 0): a frozen copy when training all weights, the
 # policy itself with its adapters disabled when training LoRA
-model = build_model(GPTConfig(**model_args), reference_ckpt, False, base_dtype)
+model = build_model(GPTConfig(**model_args), reference_ckpt, False, lora_base_dtype)
 reference = (frozen_model(GPTConfig(**model_args), reference_ckpt['model'], 'ddp', local_device, ptdtype, False)
              if beta > 0 and not use_lora else None)
 if use_lora:

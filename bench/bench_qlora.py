@@ -58,16 +58,16 @@ check_values(config, [(at_least(0), ('max_iters', 'heldout', 'rows')), (at_least
 
 LOAD = """
 import resource, sys, torch
-from lm.lora import frozen_base_dtype
+from lm.lora import check_lora_base_dtype
 from lm.tokenizer import chat_tokenizer
 from starting_model import full_model_checkpoint, run_model_args, run_tokenizer, starting_gpt
 base, folder = sys.argv[1], sys.argv[2]
-dtype = frozen_base_dtype(base, torch.bfloat16 if base == 'bfloat16' else torch.float32, 'ddp')
+check_lora_base_dtype(base, torch.bfloat16 if base == 'bfloat16' else torch.float32, 'ddp')
 ckpt, path = full_model_checkpoint(None, None, folder, '', 'lora')
 _, base_tokenizer = run_tokenizer('', ckpt, path, None, folder)
 tokenizer = chat_tokenizer(base_tokenizer)
 args = run_model_args(dict(dropout=0.0, block_size=512), ckpt, path, tokenizer)
-model, _ = starting_gpt(args, ckpt, path, tokenizer, base_tokenizer, False, dtype)
+model, _ = starting_gpt(args, ckpt, path, tokenizer, base_tokenizer, False, base)
 # read every tensor once, as the first step does (memory-mapped ones count once they are read)
 sum(t.float().sum().item() for t in model.state_dict().values())
 print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
@@ -119,7 +119,7 @@ def step_bench_results():
     second, by the clock and on a CPU by this thread's CPU time (a shared machine's other work does not count);
     on a GPU each base's peak memory."""
     import torch
-    from lm.lora import apply_lora, frozen_base_dtype, lora_optimizer
+    from lm.lora import apply_lora, check_lora_base_dtype, lora_optimizer
     from lm.tokenizer import chat_tokenizer
     from run.device import DTYPES, autocast_context
     from starting_model import full_model_checkpoint, run_model_args, run_tokenizer, starting_gpt
@@ -130,13 +130,13 @@ def step_bench_results():
     built, times, peaks = {}, {base: [] for base in bases.split(',')}, {}
     autocast = autocast_context(step_device, DTYPES[step_dtype])
     for base in times:
-        dtype = frozen_base_dtype(base, DTYPES[step_dtype], 'ddp')
+        check_lora_base_dtype(base, DTYPES[step_dtype], 'ddp')
         folder = os.path.join(ROOT, model)
         ckpt, path = full_model_checkpoint(None, None, folder, '', 'lora')
         _, base_tokenizer = run_tokenizer('', ckpt, path, None, folder)
         tokenizer = chat_tokenizer(base_tokenizer)
         args = run_model_args(dict(dropout=0.0, block_size=row_tokens), ckpt, path, tokenizer)
-        gpt, vocab_size = starting_gpt(args, ckpt, path, tokenizer, base_tokenizer, False, dtype)
+        gpt, vocab_size = starting_gpt(args, ckpt, path, tokenizer, base_tokenizer, False, base)
         apply_lora(gpt, recipe_config['lora_r'], recipe_config['lora_alpha'], recipe_config['lora_dropout'],
                    'all-linear', added_tokens=tokenizer.vocab_size - vocab_size)
         gpt.to(step_device).train().activation_checkpointing = activation_checkpointing

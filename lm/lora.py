@@ -141,22 +141,18 @@ class AddedRowsLinear(nn.Linear):
 # (adapters, added rows): AdamW's masters.
 
 
-def frozen_base_dtype(lora_base_dtype, run_dtype, parallel):
-    """The torch dtype a LoRA run keeps its frozen base's Linear weights in, or 'nf4' (QLoRA: lm/nf4.py):
-    lora_base_dtype, after checking that it can work: not under FSDP; 16 bits only in a run that computes in
-    that dtype (run_dtype, the resolved dtype key). A run that is not a LoRA run keeps float32 (its script
-    refuses any other lora_base_dtype)."""
-    if lora_base_dtype == 'nf4':
-        if parallel == 'fsdp':
-            raise UserError("lora_base_dtype='nf4' is not supported with parallel='fsdp' yet: FSDP would shard the "
-                            "4-bit weights' packed bytes and scales as separate tensors. Use parallel='ddp' (each GPU "
-                            "holds the 4-bit base: 8B parameters take about 5 GB), or lora_base_dtype='bfloat16' "
-                            "with FSDP.")
-        return lora_base_dtype
-    dtype = DTYPES[lora_base_dtype]
-    if dtype == torch.float32:
-        return dtype
-    if dtype != run_dtype:
+def check_lora_base_dtype(lora_base_dtype, run_dtype, parallel):
+    """Refuse a lora_base_dtype (how a LoRA run keeps its frozen base's Linear weights: 'float32', 'bfloat16',
+    'float16' or 'nf4', QLoRA: lm/nf4.py) that cannot work: 'nf4' or 16 bits under FSDP; 16 bits in a run that
+    computes in another dtype (run_dtype, the resolved dtype key)."""
+    if lora_base_dtype == 'nf4' and parallel == 'fsdp':
+        raise UserError("lora_base_dtype='nf4' is not supported with parallel='fsdp' yet: FSDP would shard the "
+                        "4-bit weights' packed bytes and scales as separate tensors. Use parallel='ddp' (each GPU "
+                        "holds the 4-bit base: 8B parameters take about 5 GB), or lora_base_dtype='bfloat16' "
+                        "with FSDP.")
+    if lora_base_dtype in ('nf4', 'float32'):
+        return
+    if DTYPES[lora_base_dtype] != run_dtype:
         raise UserError(f"lora_base_dtype={lora_base_dtype!r} needs a run that computes in {lora_base_dtype} (the frozen "
                         f"weights are used under autocast in the run's dtype), but dtype resolves to "
                         f"{str(run_dtype).removeprefix('torch.')} here. Set --dtype={lora_base_dtype} (on a CPU slower "
@@ -165,7 +161,6 @@ def frozen_base_dtype(lora_base_dtype, run_dtype, parallel):
         raise UserError(f"lora_base_dtype={lora_base_dtype!r} is not supported with parallel='fsdp', which keeps its "
                         f"shards in float32 and computes in the run's dtype by its own mixed-precision policy. Set "
                         f"lora_base_dtype='float32', or parallel='ddp'.")
-    return dtype
 
 
 @torch.no_grad()

@@ -12,7 +12,7 @@ import torch
 from configurator import UserError
 from conftest import assert_user_error, dpo, evals, fine_tune, hf_fixture, load, load_gpt, run, train_losses, val_losses
 from hf.checkpoint import load_hf_checkpoint
-from lm.lora import (apply_lora, cast_frozen_base, disable_adapters, frozen_base_dtype, low_rank_delta, lora_optimizer,
+from lm.lora import (apply_lora, cast_frozen_base, check_lora_base_dtype, disable_adapters, low_rank_delta, lora_optimizer,
                      lora_state_dict, merged_state_dict)
 from model import GPT, GPTConfig
 
@@ -108,14 +108,14 @@ def test_merged_is_the_16_bit_base_upcast_plus_the_adapters(tie):
 
 def test_settings_that_cannot_work_are_refused():
     # a run that is not a LoRA run is refused by its script (test_scripts_refuse_them_with_exit_status_2)
-    assert frozen_base_dtype('float32', torch.float32, 'fsdp') == torch.float32
-    assert frozen_base_dtype('bfloat16', torch.bfloat16, 'ddp') == torch.bfloat16
+    check_lora_base_dtype('float32', torch.float32, 'fsdp')
+    check_lora_base_dtype('bfloat16', torch.bfloat16, 'ddp')
     with pytest.raises(UserError, match=r"dtype resolves to float32 here\. Set --dtype=bfloat16"):
-        frozen_base_dtype('bfloat16', torch.float32, 'ddp')
+        check_lora_base_dtype('bfloat16', torch.float32, 'ddp')
     with pytest.raises(UserError, match=r"needs a run that computes in float16.*resolves to bfloat16"):
-        frozen_base_dtype('float16', torch.bfloat16, 'ddp')
+        check_lora_base_dtype('float16', torch.bfloat16, 'ddp')
     with pytest.raises(UserError, match=r"parallel='fsdp'.*lora_base_dtype='float32', or parallel='ddp'"):
-        frozen_base_dtype('bfloat16', torch.bfloat16, 'fsdp')
+        check_lora_base_dtype('bfloat16', torch.bfloat16, 'fsdp')
 
 
 @pytest.mark.parametrize('script, args, message', [

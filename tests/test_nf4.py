@@ -16,7 +16,7 @@ from configurator import UserError
 from conftest import (HF_FIXTURES, HF_TINY, INDUCTOR_ON_THIS_CPU, dpo, evals, fine_tune, hf_fixture,
                       kill_and_relaunch, load, load_gpt, read_json_file, run, train_losses, val_losses)
 from hf.checkpoint import hf_names, load_hf_checkpoint
-from lm.lora import LoRALinear, apply_lora, cast_frozen_base, disable_adapters, frozen_base_dtype, low_rank_delta, \
+from lm.lora import LoRALinear, apply_lora, cast_frozen_base, check_lora_base_dtype, disable_adapters, low_rank_delta, \
     lora_state_dict, merged_state_dict
 from lm import nf4
 from lm.nf4 import BLOCK, DYNAMIC_LEVELS, NF4_LEVELS, NF4Linear, NF4Weight, nf4_linear
@@ -309,10 +309,10 @@ def test_a_4_bit_base_trains_its_adapters():
 
 def test_settings_that_cannot_work_are_refused():
     # a run that is not a LoRA run is refused by its script (test_lora_base_dtype.py)
-    assert frozen_base_dtype('nf4', torch.float32, 'ddp') == 'nf4'
-    assert frozen_base_dtype('nf4', torch.bfloat16, 'ddp') == 'nf4'
+    check_lora_base_dtype('nf4', torch.float32, 'ddp')
+    check_lora_base_dtype('nf4', torch.bfloat16, 'ddp')
     with pytest.raises(UserError, match=r"parallel='fsdp' yet.*parallel='ddp'"):
-        frozen_base_dtype('nf4', torch.bfloat16, 'fsdp')
+        check_lora_base_dtype('nf4', torch.bfloat16, 'fsdp')
 
 
 LORA = ['--learning_rate=3e-2', '--max_iters=4', '--eval_interval=2', '--lr_decay_iters=4', '--exact_match_examples=0',
@@ -416,7 +416,7 @@ def test_a_bitsandbytes_4_bit_folder_is_read_as_its_bits():
     scale = BNB_EXPECTED['logits'].abs().max().item()
     assert (logits - BNB_EXPECTED['logits']).abs().max() < 4 * 2 ** -8 * scale
     # a 4-bit base built from the kept bits: NF4Linear layers holding them, the same logits
-    base = build_model(GPTConfig(**kept['model_args']), kept, linear_dtype='nf4').eval()
+    base = build_model(GPTConfig(**kept['model_args']), kept, lora_base_dtype='nf4').eval()
     layers = [m for m in base.modules() if isinstance(m, NF4Linear)]
     assert len(layers) == 14 and torch.equal(base.transformer.h[1].mlp.proj.nf4.packed,
                                              stored['model.layers.1.mlp.down_proj.weight'].reshape(-1))
@@ -500,7 +500,7 @@ def test_a_4_bit_lm_head_is_dequantized_for_a_4_bit_base(tmp_path):
     kept = load_hf_checkpoint(folder, as_stored=True, keep_nf4=True)
     assert isinstance(kept['model']['transformer.h.0.attn.q.weight'], NF4Weight)
     assert torch.equal(kept['model']['lm_head.weight'], q.dequantize())
-    model = build_model(GPTConfig(**kept['model_args']), kept, linear_dtype='nf4')
+    model = build_model(GPTConfig(**kept['model_args']), kept, lora_base_dtype='nf4')
     assert model.lm_head.weight.dtype == torch.float32 and torch.equal(model.lm_head.weight, q.dequantize().float())
 
 
@@ -518,7 +518,7 @@ def test_a_4_bit_folder_read_as_stored_becomes_float32_in_a_run_that_trains_ever
     # a 4-bit base is built from the bits as read, never a dequantized copy of them (an 8B: 16 GB of bf16)
     with monkeypatch.context() as patch:
         patch.setattr(NF4Weight, 'dequantize', lambda self, dtype=None: pytest.fail('dequantized a kept weight'))
-        base = build_model(GPTConfig(**stored['model_args']), stored, linear_dtype='nf4')
+        base = build_model(GPTConfig(**stored['model_args']), stored, lora_base_dtype='nf4')
     assert torch.equal(base.transformer.h[0].attn.q.nf4.packed, stored['model']['transformer.h.0.attn.q.weight'].packed)
     # a float32 folder: the model is built around the tensors as read, no second copy in memory
     stored = load_model(hf_fixture('llama'))

@@ -190,8 +190,8 @@ def build_model(config, model_ckpt, assign=False, lora_base_dtype='float32'):
     then made float32, so memory holds one copy; so is any checkpoint's with assign (FSDP: the tensors are
     memory-mapped, perhaps in a stored bf16, and fsdp.shard_model makes each rank's shard float32) or a
     lora_base_dtype other than 'float32' (a LoRA run's 'bfloat16', 'float16' or 'nf4': its blocks' Linear
-    weights go from their stored dtype straight to it, the rest to float32: lora.cast_frozen_base; a 4-bit folder's NF4 weights
-    are built in as they are). A new model with assign (FSDP) is built on the meta device, holding no
+    weights go from their stored dtype straight to it, the rest to float32: lora.cast_frozen_base; a 4-bit
+    folder's NF4 weights are built in as they are). A new model with assign (FSDP) is built on the meta device, holding no
     weights: fsdp.shard_model draws each rank's shards of it, the values one process draws from the same
     seed (its init_seed, drawn here from torch's global stream)."""
     if model_ckpt is None and assign:

@@ -12,8 +12,8 @@ import torch
 from configurator import UserError
 from conftest import assert_user_error, dpo, evals, fine_tune, hf_fixture, load, load_gpt, run, train_losses, val_losses
 from hf.checkpoint import load_hf_checkpoint
-from lm.lora import (apply_lora, cast_frozen_base, check_lora_base_dtype, disable_adapters, low_rank_delta, lora_optimizer,
-                     lora_state_dict, merged_state_dict)
+from lm.lora import (apply_lora, cast_frozen_base, check_lora_base_dtype, disable_adapters, low_rank_delta,
+                     lora_optimizer, lora_state_dict, merged_state_dict)
 from model import GPT, GPTConfig
 
 

@@ -19,6 +19,7 @@ from configurator import UserError, dataclass_args
 from lm.tokenizer import DEFAULT_DATA_DIR, load_tokenizer
 from model import GPT, GPTConfig, new_seed
 from run.checkpoint import NEW_RUN, RESUME_FIX, check_compatible, file_sha256, load_checkpoint
+from run.device import DTYPES
 from run.fsdp import place_model
 from run.run_folder import is_hf_folder, require_init_from
 
@@ -191,9 +192,9 @@ def build_model(config, model_ckpt, assign=False, lora_base_dtype='float32'):
     memory-mapped, perhaps in a stored bf16, and fsdp.shard_model makes each rank's shard float32) or a
     lora_base_dtype other than 'float32' (a LoRA run's 'bfloat16', 'float16' or 'nf4': its blocks' Linear
     weights go from their stored dtype straight to it, the rest to float32: lora.cast_frozen_base; a 4-bit
-    folder's NF4 weights are built in as they are). A new model with assign (FSDP) is built on the meta device, holding no
-    weights: fsdp.shard_model draws each rank's shards of it, the values one process draws from the same
-    seed (its init_seed, drawn here from torch's global stream)."""
+    folder's NF4 weights are built in as they are). A new model with assign (FSDP) is built on the meta
+    device, holding no weights: fsdp.shard_model draws each rank's shards of it, the values one process
+    draws from the same seed (its init_seed, drawn here from torch's global stream)."""
     if model_ckpt is None and assign:
         init_seed = new_seed()
         with torch.device('meta'):
@@ -212,7 +213,7 @@ def build_model(config, model_ckpt, assign=False, lora_base_dtype='float32'):
     model = GPT.from_state_dict(config, state)
     if lora_base_dtype != 'float32':
         from lm.lora import cast_frozen_base
-        cast_frozen_base(model, 'nf4' if lora_base_dtype == 'nf4' else getattr(torch, lora_base_dtype), stored=stored)
+        cast_frozen_base(model, 'nf4' if lora_base_dtype == 'nf4' else DTYPES[lora_base_dtype], stored=stored)
     return model
 
 

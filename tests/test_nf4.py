@@ -16,8 +16,8 @@ from configurator import UserError
 from conftest import (HF_FIXTURES, HF_TINY, INDUCTOR_ON_THIS_CPU, dpo, evals, fine_tune, hf_fixture,
                       kill_and_relaunch, load, load_gpt, read_json_file, run, train_losses, val_losses)
 from hf.checkpoint import hf_names, load_hf_checkpoint
-from lm.lora import LoRALinear, apply_lora, cast_frozen_base, check_lora_base_dtype, disable_adapters, low_rank_delta, \
-    lora_state_dict, merged_state_dict
+from lm.lora import LoRALinear, apply_lora, cast_frozen_base, check_lora_base_dtype, disable_adapters, \
+    low_rank_delta, lora_state_dict, merged_state_dict
 from lm import nf4
 from lm.nf4 import BLOCK, DYNAMIC_LEVELS, NF4_LEVELS, NF4Linear, NF4Weight, nf4_linear
 from loading import load_for_generation

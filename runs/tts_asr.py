@@ -14,10 +14,10 @@ The held-out utterances of any LJSpeech-layout corpus: the checkpoint's held-out
 (train_tts.py's val_fraction), or with --held_out_dir every utterance of a corpus of sentences the model never
 saw (e.g. one made with make_piper_ljspeech.py --skip). Without --ckpt (d) is not written, without --vocoder (c).
 `synthesize` writes 16 kHz WAVs of each kind and manifest.json (with the real-time factors of the model's
-speech and of the vocoder alone, and the synthesis settings: --n_timesteps, --temperature, --length_scale and
---guidance override the checkpoint's); `score` decodes them (beam 5, English, temperature 0; a transcript
-caught in a decoding loop is decoded again, sampled from a fixed seed, so a rerun gives the same words) and writes
-whisper_<kinds>.json with every transcript. Both sides are compared after `normalize` (its docstring states the
+speech and of the vocoder alone, by the clock and in CPU time, and the synthesis settings: --n_timesteps,
+--temperature, --length_scale and --guidance override the checkpoint's); `score` decodes them (beam 5, English,
+temperature 0; a transcript caught in a decoding loop is decoded again, sampled from a fixed seed, so a rerun
+gives the same words) and writes whisper_<kinds>.json with every transcript. Both sides are compared after `normalize` (its docstring states the
 rules).
 """
 import argparse
@@ -123,7 +123,10 @@ def synthesize(args):
     knob = {k: ckpt['config'][k] if getattr(args, k) is None else getattr(args, k)
             for k in ('n_timesteps', 'temperature', 'length_scale', 'guidance')} if ckpt else {}
     torch.manual_seed(0)  # Griffin-Lim starts from random phases
-    clock, spoken = {'vocoder': 0.0, 'model': 0.0}, {'vocoder': 0.0, 'model': 0.0}  # synthesis time, audio's
+    # synthesis time (wall and this process's CPU), audio's: on one thread the CPU time is what an idle core
+    # takes, whatever else the machine runs
+    clock, cpu = {'vocoder': 0.0, 'model': 0.0}, {'vocoder': 0.0, 'model': 0.0}
+    spoken = {'vocoder': 0.0, 'model': 0.0}
     for kind in kinds:
         os.makedirs(os.path.join(args.wav_dir, kind), exist_ok=True)
     for utt_id in val_ids:
@@ -133,16 +136,18 @@ def synthesize(args):
             wavs['griffin_lim'] = extractor.to_waveform(extractor(recording))
         if 'vocoder' in kinds:
             mel = extractor(recording)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             wavs['vocoder'] = vocode(mel)
             clock['vocoder'] += time.perf_counter() - t0
+            cpu['vocoder'] += time.process_time() - c0
             spoken['vocoder'] += len(recording) / rate
         if model is not None:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             wavs['model'] = speak(model, texts[utt_id], knob['n_timesteps'], knob['temperature'],
                                   knob['length_scale'], knob['guidance'], ckpt['config']['seed'], vocode,
                                   speakers.get(utt_id, ''))[0]
             clock['model'] += time.perf_counter() - t0
+            cpu['model'] += time.process_time() - c0
             spoken['model'] += len(wavs['model']) / rate
         for kind in kinds:
             write_16k(os.path.join(args.wav_dir, kind, utt_id + '.wav'), wavs[kind], rate)
@@ -152,6 +157,7 @@ def synthesize(args):
                        data_dir=os.path.abspath(data_dir), kinds=kinds,
                        vocoder=os.path.abspath(args.vocoder) if args.vocoder else None, synthesis=knob,
                        rtf={k: clock[k] / spoken[k] for k in clock if k in kinds},  # real-time factors
+                       cpu_rtf={k: cpu[k] / spoken[k] for k in cpu if k in kinds},  # CPU s an audio s
                        held_out={i: words[i] for i in val_ids}), f, indent=1)
 
 

@@ -186,3 +186,22 @@ def test_a_run_a_killed_report_left_continues_with_reuse_and_counts_its_launches
     (tmp_path / 'out' / 'ran.json').unlink()
     assert run_once(args, 'out', 'fake') == wall and not (tmp_path / 'out' / 'ran.json').exists()
     assert run_once.__globals__['REUSED'] == [1]
+
+
+def test_speech_scores_take_the_cpu_time_real_time_factor_where_the_manifest_has_it(tmp_path):
+    """runs/report.py's speech_scores reads synthesis back with --reuse: the RTF of speech through a generator
+    is the manifest's CPU-time figure (the clock's counts whatever else ran beside it), the clock's where an
+    older manifest has no other."""
+    speech_scores, _ = script_definitions('runs/report.py', 'speech_scores', 'vocoder_short')
+    (tmp_path / 'held').mkdir()
+    (tmp_path / 'held' / 'metadata.csv').write_text('a|x\n')
+    wav_dir = tmp_path / 'run' / 'asr-LJSpeech'
+    wav_dir.mkdir(parents=True)
+    (wav_dir / 'whisper_vocoder.json').write_text(json.dumps(dict(wer={'vocoder': 0.1}, cer={'vocoder': 0.05})))
+    speech_scores.__globals__.update(ROOT=str(tmp_path), reuse=True, dnsmos=False,
+                                     TTS_CORPORA={'s': ('corpus', 'held')})
+    manifest = dict(rtf={'vocoder': 2.5}, cpu_rtf={'vocoder': 0.9})
+    for drop, expected in ((None, 0.9), ('cpu_rtf', 2.5)):
+        (wav_dir / 'manifest.json').write_text(json.dumps({k: v for k, v in manifest.items() if k != drop}))
+        scores = speech_scores('s', 'run', vocoder='/m/generator_LJSpeech.pth.tar')
+        assert scores == {'vocoder': {'Whisper WER': 0.1, 'Whisper CER': 0.05, 'RTF': expected}}

@@ -668,6 +668,9 @@ def test_asr_synthesis_writes_only_the_kinds_asked_for(tmp_path, corpus, straigh
     assert (tmp_path / 'model' / 'model' / name).read_bytes() == (tmp_path / 'all' / 'model' / name).read_bytes()
     manifest = json.loads((tmp_path / 'all' / 'manifest.json').read_text())
     assert set(manifest['rtf']) == {'model', 'vocoder'} and min(manifest['rtf'].values()) > 0
+    # and in CPU time, which on the one thread the tests give a script is at most the clock's
+    assert set(manifest['cpu_rtf']) == {'model', 'vocoder'}
+    assert all(0 < manifest['cpu_rtf'][k] <= 1.25 * manifest['rtf'][k] for k in manifest['rtf'])
     # the synthesis knobs override the checkpoint's, and the manifest says which were used
     run(['runs/tts_asr.py', 'synthesize', f'--ckpt={ckpt}', f'--wav_dir={tmp_path / "one_step"}', '--utterances=1',
          '--kinds=model', '--n_timesteps=1', '--temperature=0'])

@@ -1,15 +1,16 @@
 """runs/tts_curve.py: the larger corpora are the report's 1,000 utterances and the first rows of the extra ones
 (the same held-out sentences for every cell), the table puts each cell's scores under their generator, and a
-cell resumed after a kill costs what an unbroken run of it would."""
+cell resumed after a kill costs what an unbroken run of it would; a scored folder is read back."""
 
+import json
 import os
 
 import torch
 
 from conftest import script_definitions
 
-assemble, table, step_of, whole_run_cost = script_definitions('runs/tts_curve.py', 'assemble', 'table', 'step_of',
-                                                               'whole_run_cost')
+assemble, table, step_of, whole_run_cost, scored = script_definitions('runs/tts_curve.py', 'assemble', 'table',
+                                                                       'step_of', 'whole_run_cost', 'scored')
 
 
 def test_a_larger_corpus_is_the_first_ones_and_the_first_extra_rows(tmp_path):
@@ -50,3 +51,14 @@ def test_a_resumed_cell_costs_its_last_launch_scaled_to_all_its_steps(tmp_path):
     assert whole_run_cost(100.0, 0, 5000) == 100.0  # unbroken
     assert whole_run_cost(100.0, 2500, 5000) == 200.0  # continued halfway: the launch did half the steps
     assert whole_run_cost(300.0, 1000, 5000) == 375.0
+
+
+def test_a_scored_folder_reads_back_the_cpu_time_real_time_factor_where_measured(tmp_path):
+    """scored: speech synthesized and scored once is read back; its RTF is the manifest's CPU-time figure (the
+    clock's counts the other cells training beside it), the clock's in an older manifest."""
+    (tmp_path / 'whisper_model.json').write_text(json.dumps(dict(wer={'model': 0.2}, cer={'model': 0.1})))
+    (tmp_path / 'dnsmos_model.json').write_text(json.dumps(dict(means={'model': dict(ovrl_mos=3.0)})))
+    manifest = dict(rtf={'model': 2.5}, cpu_rtf={'model': 0.9})
+    for drop, expected in ((None, 0.9), ('cpu_rtf', 2.5)):
+        (tmp_path / 'manifest.json').write_text(json.dumps({k: v for k, v in manifest.items() if k != drop}))
+        assert scored(str(tmp_path), 'model') == {'model': dict(wer=0.2, cer=0.1, ovrl=3.0, rtf=expected)}

@@ -176,7 +176,7 @@ def segments(step):
 
 # the generator, with weight norm as the release trains it, and fresh discriminators (a generator file comes without
 # the discriminators it was trained against)
-generator = with_weight_norm(load_hifigan(init_from, local_device)).train()
+generator = with_weight_norm(load_hifigan(init_from, local_device, 'init_from')).train()
 mpd = MultiPeriodDiscriminator(discriminator_divisor).to(local_device)
 msd = MultiScaleDiscriminator(discriminator_divisor).to(local_device)
 optimizer_g = torch.optim.AdamW(generator.parameters(), learning_rate, betas=(beta1, beta2))

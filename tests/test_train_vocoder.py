@@ -257,7 +257,8 @@ def test_a_continued_run_is_the_run_made_straight(tiny, straight, tmp_path):
 @pytest.mark.slow
 def test_recordings_mels_without_a_tts_model_and_bad_settings(tiny, tmp_path):
     """Without --tts_ckpt the generator learns the recordings' own mels (a new voice), with the mel loss alone when
-    discriminators=False; a missing generator or a checkpoint that is no TTS model stops before any work."""
+    discriminators=False; a missing generator, a checkpoint that is no TTS model or the TTS model given as the
+    generator stops before any work."""
     corpus, tts_ckpt = tiny
     out = tmp_path / 'own'
     launch('train_vocoder.py', out, corpus, f'--init_from={VOCODER}', *QUICK, '--max_iters=2', '--discriminators=False')
@@ -269,3 +270,7 @@ def test_recordings_mels_without_a_tts_model_and_bad_settings(tiny, tmp_path):
     torch.save(dict(kind='gpt'), tmp_path / 'gpt.pt')
     p = fine_tune(tmp_path / 'gpt', tmp_path / 'gpt.pt', check=False)
     assert_user_error(p, 'not a train_tts.py checkpoint')
+    # the two files swapped: the message names this script's keys (it has no --vocoder='' to fall back on)
+    p = fine_tune(tmp_path / 'swapped', tts_ckpt, f'--init_from={tts_ckpt}', check=False)
+    assert_user_error(p, f'init_from={tts_ckpt} is a nanotrain checkpoint', 'train_vocoder.py takes as --tts_ckpt')
+    assert '--vocoder' not in p.stderr

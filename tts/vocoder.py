@@ -128,8 +128,9 @@ def fold_weight_norm(state):
     return folded
 
 
-def read_generator_config(config_path, generator_path):
-    """config.json -> HiFiGANConfig, refusing other mel settings than ours (MEL_SETTINGS)."""
+def read_generator_config(config_path, generator_path, key='vocoder'):
+    """config.json -> HiFiGANConfig, refusing other mel settings than ours (MEL_SETTINGS); key: the setting that
+    named the generator, for the messages."""
     try:
         with open(config_path) as f:
             raw = json.load(f)
@@ -143,10 +144,10 @@ def read_generator_config(config_path, generator_path):
         wrong.append(f"upsample_rates {config.upsample_rates} (a frame becomes their product in samples: "
                      f"ours is {MEL_SETTINGS['hop_length']})")
     if wrong:
-        raise UserError(f"vocoder={generator_path}: its config.json was trained on other mels than nanotrain makes: "
+        raise UserError(f"{key}={generator_path}: its config.json was trained on other mels than nanotrain makes: "
                         f"{'; '.join(wrong)}. Use a generator trained on 22,050 Hz, 80-band mels with n_fft 1024, "
-                        f"hop 256, fmax 8000 (HiFi-GAN's universal or LJSpeech V1-V3), or the default Griffin-Lim "
-                        f"(--vocoder='').")
+                        f"hop 256, fmax 8000 (HiFi-GAN's universal or LJSpeech V1-V3)"
+                        + (", or the default Griffin-Lim (--vocoder='')." if key == 'vocoder' else '.'))
     return config
 
 
@@ -183,35 +184,38 @@ def file_kind(path):
     return 'a JSON file' if text.lstrip().startswith(('{', '[')) else 'a text file'
 
 
-def load_hifigan(path, device='cpu'):
+def load_hifigan(path, device='cpu', key='vocoder'):
     """A HiFi-GAN generator file of the original release (config.json beside it; without one, a file of V1's
-    shape is taken as V1, as Matcha-TTS takes its downloads) -> HiFiGAN in eval mode, weight norm folded."""
+    shape is taken as V1, as Matcha-TTS takes its downloads) -> HiFiGAN in eval mode, weight norm folded. key:
+    the setting that named the file, for the messages (only --vocoder has Griffin-Lim to fall back on)."""
+    griffin_lim = ", or --vocoder='' for Griffin-Lim" if key == 'vocoder' else ''
     if os.path.isdir(path):
         found = sorted(f for f in os.listdir(path) if not f.endswith('.json') and not f.startswith('.'))
-        raise UserError(f"vocoder={path} is a folder: give the generator file in it"
+        raise UserError(f"{key}={path} is a folder: give the generator file in it"
                         + (f" (it holds {', '.join(found[:5])})" if found else '')
                         + ", with its config.json beside it.")
     if not os.path.isfile(path):
-        raise UserError(f"vocoder={path}: no such file. Give the path of a HiFi-GAN generator checkpoint (e.g. "
+        raise UserError(f"{key}={path}: no such file. Give the path of a HiFi-GAN generator checkpoint (e.g. "
                         f"models/hifigan/generator_universal.pth.tar, with its config.json beside it; docs/tts.md "
-                        f"says where to get them), or --vocoder='' for Griffin-Lim.")
+                        f"says where to get them){griffin_lim}.")
     config_path = os.path.join(os.path.dirname(path), 'config.json')
-    config = read_generator_config(config_path, path) if os.path.isfile(config_path) else None
+    config = read_generator_config(config_path, path, key) if os.path.isfile(config_path) else None
     kind = file_kind(path)
     if kind:
-        raise UserError(f"vocoder={path} is {kind}, not a HiFi-GAN generator; give the generator file (e.g. "
-                        f"models/hifigan/generator_universal.pth.tar, config.json beside it), or --vocoder='' for "
-                        f"Griffin-Lim.")
+        raise UserError(f"{key}={path} is {kind}, not a HiFi-GAN generator; give the generator file (e.g. "
+                        f"models/hifigan/generator_universal.pth.tar, config.json beside it){griffin_lim}.")
     try:
         ckpt = torch.load(path, map_location='cpu', weights_only=True)
     except Exception as e:  # torch raises several kinds for a file that is not its own
-        raise UserError(f"vocoder={path}: not a readable PyTorch checkpoint ({type(e).__name__}: "
+        raise UserError(f"{key}={path}: not a readable PyTorch checkpoint ({type(e).__name__}: "
                         f"{str(e).splitlines()[0] if str(e) else 'no detail'}); download it again.")
     if isinstance(ckpt, dict) and 'kind' in ckpt and 'model_args' in ckpt:  # nanotrain's own (run/checkpoint.py)
-        made_by = {'tts': "a train_tts.py text-to-speech model, which sample_tts.py takes as its run folder, --out_dir",
+        made_by = {'tts': "a train_tts.py text-to-speech model, which " + (
+                       "train_vocoder.py takes as --tts_ckpt" if key == 'init_from' else
+                       "sample_tts.py takes as its run folder, --out_dir"),
                    'gpt': "a train.py language model", 'lora': "a train.py run's LoRA adapters"}
-        raise UserError(f"vocoder={path} is a nanotrain checkpoint ({made_by.get(ckpt['kind'], repr(ckpt['kind']))}), "
-                        f"not a vocoder; give a HiFi-GAN generator file, or --vocoder='' for Griffin-Lim.")
+        raise UserError(f"{key}={path} is a nanotrain checkpoint ({made_by.get(ckpt['kind'], repr(ckpt['kind']))}), "
+                        f"not a vocoder; give a HiFi-GAN generator file{griffin_lim}.")
     state = ckpt.get('generator', ckpt) if isinstance(ckpt, dict) else None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         if isinstance(ckpt, dict) and {'mpd', 'msd'} & set(ckpt):
@@ -219,12 +223,12 @@ def load_hifigan(path, device='cpu'):
         else:
             held = (', '.join(map(str, list(ckpt)[:4])) or 'nothing') if isinstance(ckpt, dict) else \
                 f"a {type(ckpt).__name__}"
-        raise UserError(f"vocoder={path}: not a HiFi-GAN generator checkpoint (expected {{'generator': state_dict}}, "
+        raise UserError(f"{key}={path}: not a HiFi-GAN generator checkpoint (expected {{'generator': state_dict}}, "
                         f"as the release saves it, or a state dict); it holds {held}.")
     state = fold_weight_norm(state)
     if config is None:
         if shape_problems(HiFiGAN(V1), state):
-            raise UserError(f"vocoder={path}: no config.json beside it ({config_path}), and it is not of V1's shape. "
+            raise UserError(f"{key}={path}: no config.json beside it ({config_path}), and it is not of V1's shape. "
                             f"HiFi-GAN's generators come with the config.json of their release (docs/tts.md, a "
                             f"neural vocoder); put it in the same folder.")
         print(f"note: no config.json beside {path}: its shape is HiFi-GAN V1's, so V1's settings are assumed "
@@ -233,7 +237,7 @@ def load_hifigan(path, device='cpu'):
     model = HiFiGAN(config)
     problems = shape_problems(model, state)
     if problems:
-        raise UserError(f"vocoder={path}: not a HiFi-GAN generator of the shape its config.json gives "
+        raise UserError(f"{key}={path}: not a HiFi-GAN generator of the shape its config.json gives "
                         f"(resblock {config.resblock!r}, {config.upsample_initial_channel} channels): "
                         f"{'; '.join(problems)}. Use the config.json released with this generator.")
     model.load_state_dict({k: v.float() for k, v in state.items()})

@@ -169,6 +169,28 @@ def shard_folders(path):
             if re.fullmatch(r'\d{6,}(\.\d+)?\.dcp', folder[len(stem) + 1:])]
 
 
+def file_kind(path):
+    """What a file that is no PyTorch checkpoint is, by its first bytes ('a WAV file (audio)', 'a text file',
+    ...), for messages; '' for a file torch.save may have written (a zip archive, a pickle)."""
+    with open(path, 'rb') as f:
+        head = f.read(4096)
+    if not head:
+        return 'empty'
+    if head[:4] == b'PK\x03\x04' or head[:1] == b'\x80':  # torch.save's zip; a legacy pickle (protocol 2+)
+        return ''
+    if head[:4] == b'RIFF' and head[8:12] == b'WAVE':
+        return 'a WAV file (audio)'
+    if len(head) > 8 and head[8:10] == b'{"':  # a little-endian header length, then its JSON
+        return 'a safetensors file'
+    try:
+        text = head.decode('utf-8')
+    except UnicodeDecodeError as e:
+        text = head[:e.start].decode('utf-8') if e.start > len(head) - 4 else None  # cut mid-character at 4096
+    if text is None or '\0' in text:
+        return ''
+    return 'a JSON file' if text.lstrip().startswith(('{', '[')) else 'a text file'
+
+
 RUN_FIX = "point --init_from at another checkpoint"  # what a training script can do without its starting model
 # ... and without the checkpoint of the run in out_dir, which is continued whatever init_from says
 RESUME_FIX = "start a new run (another --out_dir, or --resume=False to replace the run there)"
@@ -181,6 +203,13 @@ def load_checkpoint(path, whole=True, fix=RUN_FIX):
     if not os.path.isfile(path):
         problem = "is a folder, not a checkpoint file" if os.path.isdir(path) else "does not exist"
         raise UserError(f"checkpoint {path} {problem}. Check the path, or {fix}.")
+    kind = file_kind(path)
+    if kind not in ('', 'empty'):  # a file torch.save never writes: no backup to restore, a wrong path
+        raise UserError(f"checkpoint {path} is {kind}, not a checkpoint. Check the path, or {fix}.")
+    with open(path, 'rb') as f:
+        if f.read(3) == b'\x80\x02\x8a':  # protocol 2, then torch's magic number: torch.save before 1.6
+            raise UserError(f"checkpoint {path} is a PyTorch file of the format before torch 1.6 (a published "
+                            f"HiFi-GAN generator is one), which nanotrain never writes. Check the path, or {fix}.")
     try:
         if not zipfile.is_zipfile(path):  # what torch.save writes (and mmap needs)
             raise EOFError()

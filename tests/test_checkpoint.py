@@ -59,6 +59,14 @@ def test_load_errors_are_user_errors(tmp_path):
         load_checkpoint(empty)
     with pytest.raises(UserError, match='is a folder, not a checkpoint file'):
         load_checkpoint(tmp_path)
+    # files that were never checkpoints are named, with no backup to restore: the path is wrong
+    (tmp_path / 'notes.md').write_text('# my run\n')
+    torch.save({'generator': {}}, tmp_path / 'old.pth.tar', _use_new_zipfile_serialization=False)
+    for name, says in (('notes.md', 'is a text file, not a checkpoint'),
+                       ('old.pth.tar', 'is a PyTorch file of the format before torch 1.6')):
+        with pytest.raises(UserError, match=says) as e:
+            load_checkpoint(tmp_path / name, fix='point --tts_ckpt at a train_tts.py checkpoint')
+        assert 'backup' not in str(e.value) and str(e.value).endswith('point --tts_ckpt at a train_tts.py checkpoint.')
 
 
 def test_weights_only_refuses_arbitrary_objects(tmp_path):

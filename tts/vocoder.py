@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from configurator import UserError
-from run.checkpoint import atomic_file
+from run.checkpoint import atomic_file, file_kind
 from tts.data import MEL_SETTINGS, MelExtractor
 
 LRELU_SLOPE = 0.1
@@ -160,28 +160,6 @@ def shape_problems(model, state):
               for k, v in expected.items() if k in state and state[k].shape != v.shape]
     return ([f"missing {', '.join(missing[:3])}"] if missing else []) + (
         [f"unexpected {', '.join(unexpected[:3])}"] if unexpected else []) + shapes[:3]
-
-
-def file_kind(path):
-    """What a file that is no PyTorch checkpoint is, by its first bytes ('a WAV file (audio)', 'a text file',
-    ...), for messages; '' for a file torch.save may have written (a zip archive, a pickle)."""
-    with open(path, 'rb') as f:
-        head = f.read(4096)
-    if not head:
-        return 'empty'
-    if head[:4] == b'PK\x03\x04' or head[:1] == b'\x80':  # torch.save's zip; a legacy pickle (protocol 2+)
-        return ''
-    if head[:4] == b'RIFF' and head[8:12] == b'WAVE':
-        return 'a WAV file (audio)'
-    if len(head) > 8 and head[8:10] == b'{"':  # a little-endian header length, then its JSON
-        return 'a safetensors file'
-    try:
-        text = head.decode('utf-8')
-    except UnicodeDecodeError as e:
-        text = head[:e.start].decode('utf-8') if e.start > len(head) - 4 else None  # cut mid-character at 4096
-    if text is None or '\0' in text:
-        return ''
-    return 'a JSON file' if text.lstrip().startswith(('{', '[')) else 'a text file'
 
 
 def load_hifigan(path, device='cpu', key='vocoder'):

@@ -205,7 +205,11 @@ def load_checkpoint(path, whole=True, fix=RUN_FIX):
         raise UserError(f"checkpoint {path} {problem}. Check the path, or {fix}.")
     kind = file_kind(path)
     if kind not in ('', 'empty'):  # a file torch.save never writes: no backup to restore, a wrong path
-        raise UserError(f"checkpoint {path} is {kind}, not a checkpoint. Check the path, or {fix}.")
+        folder = os.path.dirname(os.path.abspath(path))
+        published = (f" (a Hugging Face model's weights: the scripts that start from a published model take its "
+                     f"folder, {folder})" if kind == 'a safetensors file'
+                     and os.path.isfile(os.path.join(folder, 'config.json')) else '')
+        raise UserError(f"checkpoint {path} is {kind}, not a checkpoint{published}. Check the path, or {fix}.")
     with open(path, 'rb') as f:
         if f.read(3) == b'\x80\x02\x8a':  # protocol 2, then torch's magic number: torch.save before 1.6
             raise UserError(f"checkpoint {path} is a PyTorch file of the format before torch 1.6 (a published "

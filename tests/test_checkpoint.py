@@ -67,6 +67,12 @@ def test_load_errors_are_user_errors(tmp_path):
         with pytest.raises(UserError, match=says) as e:
             load_checkpoint(tmp_path / name, fix='point --tts_ckpt at a train_tts.py checkpoint')
         assert 'backup' not in str(e.value) and str(e.value).endswith('point --tts_ckpt at a train_tts.py checkpoint.')
+    hf = tmp_path / 'hf-model'  # a published model's weights: its folder is what the scripts take
+    hf.mkdir()
+    (hf / 'config.json').write_text('{}')
+    (hf / 'model.safetensors').write_bytes(b'\x10\x00\x00\x00\x00\x00\x00\x00{"__metadata__":{}}')
+    with pytest.raises(UserError, match=f"is a safetensors file, not a checkpoint .*take its folder, {hf}"):
+        load_checkpoint(hf / 'model.safetensors')
 
 
 def test_weights_only_refuses_arbitrary_objects(tmp_path):

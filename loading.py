@@ -83,10 +83,17 @@ def load_for_generation(path, data_dir='', chat_template_variables=None, device=
     names); chat_template_variables: a published model's chat-template variables (None: as fine-tuned)."""
     ckpt = load_model(path) if is_hf_folder(path) else load_checkpoint(
         path, fix="point --init_from (or --out_dir and --ckpt_name) at another model")
-    if ckpt['kind'] == 'tts':
+    if ckpt.get('kind') == 'tts':
         folder, name = os.path.split(path)
         raise UserError(f"{path} is a text-to-speech checkpoint (train_tts.py); speak with it: `python sample_tts.py "
                         f"--out_dir={folder or '.'}" + (f" --ckpt_name={name}" if name != 'ckpt.pt' else '') + "`.")
+    if ckpt.get('kind') == 'vocoder':
+        raise UserError(f"{path} is a train_vocoder.py run's checkpoint (a HiFi-GAN generator); speak through it: "
+                        f"`python sample_tts.py --vocoder={os.path.join(os.path.dirname(path), 'generator.pth.tar')}"
+                        f" ...`.")
+    if ckpt.get('kind') not in ('gpt', 'lora'):
+        raise UserError(f"{path} is not a language model's checkpoint (its kind: {ckpt.get('kind')!r}); point "
+                        f"--init_from (or --out_dir and --ckpt_name) at a train.py, train_dpo.py or train_rl.py run.")
     if ckpt['kind'] == 'lora':
         model = lora_merged_model(ckpt, path)
     else:  # a published model is built around its weights as read: one copy of it in memory

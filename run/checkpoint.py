@@ -232,7 +232,7 @@ def load_checkpoint(path, whole=True, fix=RUN_FIX):
                         f"{fix}.") from None
     if isinstance(ckpt, dict) and 'shards' in ckpt:
         from run.sharded_checkpoint import placeholders
-        ckpt = placeholders(ckpt, path)
+        ckpt = placeholders(ckpt, path, fix)
     return whole_checkpoint(ckpt) if whole else ckpt
 
 

@@ -63,16 +63,16 @@ def write_shards(path, state, taken):
     return dict(rest, shards=name, aliases=aliases, optimizer={'param_groups': state['optimizer']['param_groups']})
 
 
-def shard_folder(ckpt, path):
+def shard_folder(ckpt, path, fix):
     folder = os.path.join(os.path.dirname(os.path.abspath(path)), ckpt['shards'])
     if not os.path.isfile(os.path.join(folder, '.metadata')):
         raise UserError(f"{path} names the folder of its weights and optimizer state, {folder}, which is missing or "
-                        f"incomplete (no .metadata). Put it back, or start a new run (another out_dir, or "
-                        f"--resume=False).")
+                        f"incomplete (no .metadata). Put it back, or {fix}.")
     return folder
 
 
-def unreadable(folder, error, what='could not be read'):
+def unreadable(folder, error, fix, what='could not be read'):
+    # fix: what the calling script's user can do instead (load_checkpoint's)
     # (error, traceback) of each rank that failed: the first one's
     if isinstance(error, CheckpointException):
         error = next(iter(error.failures.values()))[0]
@@ -80,7 +80,7 @@ def unreadable(folder, error, what='could not be read'):
     first_line = str(error).split('\n')[0][:200]
     return UserError(f"the shards in {folder} {what} ({type(error).__name__}: {first_line}): "
                      f"a file there is corrupt or cut short, or it was written for another model. Restore the folder "
-                     f"from a backup, or start a new run (another out_dir, or --resume=False).")
+                     f"from a backup, or {fix}.")
 
 
 def read_whole(ckpt):
@@ -90,10 +90,10 @@ def read_whole(ckpt):
     try:
         _load_state_dict(shards, storage_reader=ckpt['reader'], planner=_EmptyStateDictLoadPlanner(), no_dist=True)
     except (Exception, CheckpointException) as e:  # the latter is not an Exception
-        raise unreadable(ckpt['shards'], e) from None
+        raise unreadable(ckpt['shards'], e, ckpt['fix']) from None
     model = shards['model']
     model.update({name: model[first] for name, first in ckpt['aliases'].items()})
-    rest = {k: v for k, v in ckpt.items() if k not in ('shards', 'aliases', 'reader')}
+    rest = {k: v for k, v in ckpt.items() if k not in ('shards', 'aliases', 'reader', 'fix')}
     # DCP keys are strings
     state = {int(index): tensors for index, tensors in shards.get('optimizer', {}).items()}
     return dict(rest, model=model, optimizer=dict(ckpt['optimizer'], state=state))
@@ -109,19 +109,20 @@ class MetadataOnce(FileSystemReader):
         return self.metadata
 
 
-def placeholders(ckpt, path):
+def placeholders(ckpt, path, fix):
     """ckpt with its weights as meta tensors of the stored shapes and dtypes (a model to shard is built around
-    them; read_shards fills the shards), the shard folder's path in 'shards' and its reader in 'reader'."""
-    folder = shard_folder(ckpt, path)
+    them; read_shards fills the shards), the shard folder's path in 'shards', its reader in 'reader' and fix
+    (what the user can do if the shards cannot be read: load_checkpoint's) in 'fix'."""
+    folder = shard_folder(ckpt, path, fix)
     reader = MetadataOnce(folder)
     try:
         metadata = reader.read_metadata()
     except (Exception, CheckpointException) as e:  # the latter is not an Exception
-        raise unreadable(folder, e) from None
+        raise unreadable(folder, e, fix) from None
     model = {key.removeprefix('model.'): torch.empty(m.size, dtype=m.properties.dtype, device='meta')
              for key, m in metadata.state_dict_metadata.items() if key.startswith('model.')}
     model.update({name: model[first] for name, first in ckpt['aliases'].items()})
-    return dict(ckpt, model=model, shards=folder, reader=reader)
+    return dict(ckpt, model=model, shards=folder, reader=reader, fix=fix)
 
 
 def read_shards(ckpt, model, optimizer):
@@ -142,15 +143,17 @@ def read_shards(ckpt, model, optimizer):
     try:
         dcp.load(shards, storage_reader=ckpt['reader'])
     except (Exception, CheckpointException) as e:  # the latter is not an Exception
-        raise unreadable(ckpt['shards'], e, "could not be read into this run's model") from None
+        raise unreadable(ckpt['shards'], e, ckpt['fix'], "could not be read into this run's model") from None
     optimizer.load_state_dict(dict(ckpt['optimizer'], state=shards['optimizer']))
 
 
 if __name__ == '__main__':
     # the converter's import, not the module's: run.checkpoint imports this module (to read and write shards),
     # never the other way
+    from configurator import install_excepthook
     from run.checkpoint import load_checkpoint, save_checkpoint
+    install_excepthook()  # a missing or broken checkpoint: one paragraph, exit 2
     if len(sys.argv) != 3:
         sys.exit("usage: python -m run.sharded_checkpoint <sharded ckpt.pt> <one-file checkpoint to write>")
-    save_checkpoint(sys.argv[2], load_checkpoint(sys.argv[1]))
+    save_checkpoint(sys.argv[2], load_checkpoint(sys.argv[1], fix="convert another sharded ckpt.pt"))
     print(f"wrote {sys.argv[2]}")

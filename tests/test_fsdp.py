@@ -393,6 +393,9 @@ def test_sharded_checkpoints_resume_exactly_on_any_world_size_and_convert_to_one
     shutil.rmtree(shards)
     with pytest.raises(UserError, match='missing or incomplete'):
         load_checkpoint(str(by_one_rank / 'ckpt.pt'))
+    # the converter's advice is its own (it has no --init_from or --out_dir), in one paragraph
+    p = run(['-m', 'run.sharded_checkpoint', str(by_one_rank / 'ckpt.pt'), str(tmp_path / 'w.pt')], check=False)
+    assert_user_error(p, 'missing or incomplete (no .metadata). Put it back, or convert another sharded ckpt.pt.')
 
 
 def test_a_shard_folders_metadata_is_read_once(tmp_path, monkeypatch):
@@ -430,8 +433,9 @@ def test_a_shard_folders_metadata_is_read_once(tmp_path, monkeypatch):
 def test_unreadable_shards_are_explained_even_by_an_error_without_a_message():
     """A shard file cut short can raise a bare EOFError (DCP writes the items in another order where CUDA is
     present: seen on a GPU machine); the message must still be the one-paragraph explanation."""
-    error = unreadable('out/ckpt-000006.dcp', EOFError())
+    error = unreadable('out/ckpt-000006.dcp', EOFError(), 'point --init_from at another checkpoint')
     assert isinstance(error, UserError) and 'EOFError' in str(error) and 'corrupt or cut short' in str(error)
+    assert str(error).endswith('Restore the folder from a backup, or point --init_from at another checkpoint.')
 
 
 def test_adam_state_tolerance_scales_with_the_gradients_not_the_element():

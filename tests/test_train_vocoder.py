@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_logged_to_wandb, assert_user_error, launch, load, read_log, wandb_env
+from conftest import assert_logged_to_wandb, assert_user_error, launch, load, read_log, run, wandb_env
 from tts.data import MEL_SETTINGS, LJSpeechDataset, eval_batches, read_metadata, split_ids
 from tts.discriminators import (MultiPeriodDiscriminator, MultiScaleDiscriminator, PeriodDiscriminator,
                                 discriminator_loss, feature_loss, generator_loss, loss_mel)
@@ -274,3 +274,12 @@ def test_recordings_mels_without_a_tts_model_and_bad_settings(tiny, tmp_path):
     p = fine_tune(tmp_path / 'swapped', tts_ckpt, f'--init_from={tts_ckpt}', check=False)
     assert_user_error(p, f'init_from={tts_ckpt} is a nanotrain checkpoint', 'train_vocoder.py takes as --tts_ckpt')
     assert '--vocoder' not in p.stderr
+
+
+def test_sample_and_eval_name_a_generator_run_given_as_a_language_model(straight):
+    """A train_vocoder.py checkpoint given to sample.py or eval.py stops with what it is and the command that
+    speaks through it (it fell through to the language-model branch: a KeyError)."""
+    for script in ('sample.py', 'eval.py'):
+        p = run([script, f'--init_from={straight / "ckpt.pt"}'], check=False)
+        assert_user_error(p, "is a train_vocoder.py run's checkpoint",
+                          f'python sample_tts.py --vocoder={straight / "generator.pth.tar"}')

@@ -376,7 +376,7 @@ def load_config_file(path, defaults, sources=()):
     """Run a config file in a fresh namespace and return its (checked) settings (sources: as configure's)."""
     if not os.path.isfile(path):
         fail(f"config file {path!r} not found (looked relative to {os.getcwd()}). "
-             f"Pass the path of an existing file, e.g. config/shakespeare_char.py.")
+             f"Pass the path of an existing file (config/ holds the documented ones; each names its script).")
     with open(path, encoding='utf-8') as f:
         source = f.read()
     namespace = {}
@@ -422,8 +422,9 @@ def configure(g, argv=None, sources=()):
             g.update(settings)
             continue
         if not arg.startswith('--') or '=' not in arg:
+            example = next(iter(defaults))  # one of this script's own keys
             fail(f"cannot read argument {arg!r}: overrides are written --key=value "
-                 f"(e.g. --batch_size=32) and config files as paths (config/x.py).")
+                 f"(e.g. --{example}={defaults[example]!r}) and config files as paths (config/x.py).")
         key, text = arg[2:].split('=', 1)
         if key not in defaults:
             fail(f"--{key}: {unknown_key_message(key, defaults)}")

@@ -86,7 +86,8 @@ tokenizer_folder = ckpt['data_dir']
 if not os.path.isdir(tokenizer_folder):
     raise UserError(f"{tokenizer_folder}, the folder of the tokenizer {ckpt_path} was trained with (named in it), no "
                     f"longer exists; put it back there: its tokenizer is written into the export.")
-tokenizer = load_hf_tokenizer(tokenizer_folder) if published else load_tokenizer(tokenizer_folder)
+tokenizer = load_hf_tokenizer(tokenizer_folder) if published else load_tokenizer(
+    tokenizer_folder, fix=f"Put back the dataset folder {ckpt_path} was trained on: the export holds its tokenizer.")
 # a base model, given nanotrain's template
 chat_tokens_added = ChatTokenizer(tokenizer).identity() == ckpt['tokenizer']
 if tokenizer.identity() != ckpt['tokenizer'] and not chat_tokens_added:

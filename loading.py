@@ -108,7 +108,8 @@ def load_for_generation(path, data_dir='', chat_template_variables=None, device=
         tokenizer = load_hf_tokenizer(data_dir or ckpt['data_dir'],
                                       hf_source(ckpt, chat_template_variables)['chat_template_variables'])
     else:
-        tokenizer = load_tokenizer(data_dir or ckpt['data_dir'])
+        tokenizer = load_tokenizer(data_dir or ckpt['data_dir'], fix=(
+            f"Point --data_dir at the dataset folder {path} was trained on: its tokenizer is the model's."))
     # fine-tuned (sft, lora, dpo), or a published model with a chat template
     chat = ckpt['config'].get('training_type', 'from_scratch') != 'from_scratch'
     if chat:

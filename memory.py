@@ -162,8 +162,9 @@ def recover_from_oom(error, ddp, optimizer, device):
 def halve_micro_batch(batch_size, grad_accum):
     """After an OOM: half the micro-batch, twice the accumulation, the same global batch."""
     if batch_size == 1:
-        raise UserError("out of memory with micro-batch size 1, so it cannot shrink further. Lower block_size, "
-                        "use a smaller model, set activation_checkpointing=True, or use a device with more memory.")
+        raise UserError("out of memory with micro-batch size 1, so it cannot shrink further. Lower block_size "
+                        "(fine-tuning: max_length), use a smaller model, set activation_checkpointing=True, or use a "
+                        "device with more memory.")
     if batch_size % 2:
         raise UserError(f"out of memory with micro-batch size {batch_size}; halving an odd size would change the "
                         f"global batch ({batch_size} x {grad_accum} accumulation steps). Set batch_size to a power "

@@ -59,7 +59,10 @@ def run_tokenizer(data_dir, model_ckpt, model_path, chat_template_variables=None
                             f"pass --init_from=<where it is now>).")
         return data_dir, load_hf_tokenizer(data_dir, chat_template_variables)
     data_dir = data_dir or DEFAULT_DATA_DIR
-    return data_dir, load_tokenizer(data_dir)
+    # a model's own dataset holds its tokenizer: a newly prepared one would hold another
+    fix = '' if model_ckpt is None else (f"Point --data_dir at the dataset folder {model_path} was trained on "
+                                         f"({model_ckpt.get('data_dir')}): its tokenizer is the model's.")
+    return data_dir, load_tokenizer(data_dir, fix)
 
 
 def run_model_args(config, model_ckpt, model_path, tokenizer):

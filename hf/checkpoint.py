@@ -130,7 +130,8 @@ def bnb_nf4(hf, folder):
                     f"{q.get('quant_method', 'unnamed')!r}{', ' + settings if settings else ''}); nanotrain reads "
                     f"unquantized models and bitsandbytes' 4-bit NF4 with double quantization (QLoRA's: load_in_4bit, "
                     f"bnb_4bit_quant_type 'nf4', bnb_4bit_use_double_quant) only: use the model's bf16, fp16 or "
-                    f"fp32 weights (its unquantized release) instead, with --lora_base_dtype=nf4 for a 4-bit base.")
+                    f"fp32 weights (its unquantized release) instead (LoRA training makes its base 4-bit itself: "
+                    f"lora_base_dtype='nf4').")
 
 
 # the tensors bitsandbytes saves beside a 4-bit weight's packed codes (<name>.weight, uint8)
@@ -144,7 +145,8 @@ def stored_nf4(name, parts, path):
     with the dynamic map in blocks of 256."""
     def broken(why):
         return UserError(f"{path}: the 4-bit weight {name} {why}; the file is not bitsandbytes' NF4 as nanotrain reads "
-                         f"it (or is corrupt): use the model's unquantized release with --lora_base_dtype=nf4.")
+                         f"it (or is corrupt): use the model's unquantized release (LoRA training makes its base "
+                         f"4-bit itself: lora_base_dtype='nf4').")
     missing = [part for part in ('packed', *BNB_PARTS) if part not in parts]
     if missing:
         raise broken(f"lacks {', '.join(missing)}")

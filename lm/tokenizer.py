@@ -186,13 +186,15 @@ def prompt_and_answer(tokenizer, messages):
 # -----------------------------------------------------------------------------
 # a prepared dataset folder (made by data.py): its meta.json, its files, its tokenizer
 
-def read_meta(data_dir):
+def read_meta(data_dir, fix=''):
+    """data_dir's meta.json; fix: what to do where the folder must be a model's own (its tokenizer), since
+    preparing a new one makes another tokenizer."""
     path = os.path.join(data_dir, 'meta.json')
     if not os.path.exists(path):
-        raise UserError(f"{data_dir} is not a prepared dataset (no meta.json in it). Prepare it first: "
-                        f"python data.py --input=<text file, folder or URL> --out_dir={data_dir} "
+        raise UserError(f"{data_dir} is not a prepared dataset (no meta.json in it). " + (fix or (
+                        f"Prepare it first: python data.py --input=<text file, folder or URL> --out_dir={data_dir} "
                         f"--tokenizer=char (or bpe), or plain `python data.py` for the default corpus "
-                        f"in {DEFAULT_DATA_DIR}.")
+                        f"in {DEFAULT_DATA_DIR}.")))
     try:
         with open(path) as f:
             return json.load(f)
@@ -224,9 +226,10 @@ def chat_tokenizer(tokenizer):
     return chat
 
 
-def load_tokenizer(data_dir):
-    """The tokenizer of a dataset folder prepared by data.py (a Hugging Face model's: hf/tokenizer.py)."""
-    meta = read_meta(data_dir)
+def load_tokenizer(data_dir, fix=''):
+    """The tokenizer of a dataset folder prepared by data.py (a Hugging Face model's: hf/tokenizer.py); fix:
+    read_meta's."""
+    meta = read_meta(data_dir, fix)
     if meta['tokenizer'] == 'char':
         return CharTokenizer(meta['chars'])
     with open(dataset_file(data_dir, 'tokenizer.model'), 'rb') as f:

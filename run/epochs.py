@@ -119,8 +119,9 @@ class EpochPlan:
         common = min(len(saved), len(self.epoch_steps))
         if saved[:common] != self.epoch_steps[:common]:
             raise UserError(f"{ckpt_path} planned its epochs as {saved} steps, this launch as {self.epoch_steps}: the "
-                            f"data or the global batch (batch_size x gradient_accumulation_steps x processes) changed. "
-                            f"Continue with the run's own, or start a new run (another out_dir, or --resume=False).")
+                            f"data or the global batch (a micro-batch x gradient_accumulation_steps x processes) "
+                            f"changed. Continue with the run's own, or start a new run (another out_dir, or "
+                            f"--resume=False).")
 
 
 def warmup_fits(warmup_iters, plan):

@@ -94,8 +94,9 @@ def run_origin(init_from, out_dir, resume):
     'resume'. 'auto' is no setting: a UserError says what is."""
     if init_from == 'auto':
         raise UserError("init_from='auto' is not a setting: a run in out_dir is continued anyway (resume=True, the "
-                        "default), and init_from says where a new run's weights start: 'scratch', a checkpoint file, "
-                        "a Hugging Face folder, or 'resume' to continue the run in out_dir and nothing else.")
+                        "default), and init_from says where a new run's weights start: a checkpoint file, say, or "
+                        "'resume' to continue the run in out_dir and nothing else (--help says which kinds this "
+                        "script takes).")
     if init_from != 'resume':
         return init_from if init_from == 'scratch' else os.path.abspath(init_from)
     path = os.path.join(out_dir, 'ckpt.pt')

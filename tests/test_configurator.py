@@ -443,6 +443,7 @@ def test_scripts_check_only_their_own_keys(script):
     ('train_tts.py', '--val_fraction=0', 'val_fraction=0.0 must be in (0, 1).'),
     ('train_tts.py', f'--cache_dir={__file__}', f"cache_dir={__file__!r} must be '' or a folder path"),
     ('sample.py', '--top_p=2', 'top_p=2.0 must be in [0, 1].'),
+    ('sample_tts.py', '-x', "overrides are written --key=value (e.g. --out_dir='out-tts')"),  # its own key
     ('bench/bench_gpt.py', '--n_head=0', 'n_head=0 must be at least 1.')])
 def test_scripts_refuse_meaningless_values_at_start_up(script, arg, message):
     r = run([script, arg], check=False, timeout=120)

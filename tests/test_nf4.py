@@ -445,8 +445,9 @@ def test_other_4_bit_formats_are_refused_with_the_reason(tmp_path):
     for i, (config, says) in enumerate([({'bnb_4bit_use_double_quant': False}, 'bnb_4bit_use_double_quant=False'),
                          ({'bnb_4bit_quant_type': 'fp4'}, "bnb_4bit_quant_type='fp4'"),
                          ({'load_in_4bit': False, 'load_in_8bit': True}, 'load_in_8bit=True')]):
-        with pytest.raises(UserError, match=f"quant_method 'bitsandbytes'.*{says}.*unquantized release"):
+        with pytest.raises(UserError, match=f"quant_method 'bitsandbytes'.*{says}.*unquantized release") as e:
             load_hf_checkpoint(edited_copy(tmp_path / f'config{i}', config=config))
+        assert '--lora_base_dtype' not in str(e.value)  # sample.py and eval.py read such folders too, without it
     state = json.loads(bytes(load_file(os.path.join(BNB_FOLDER, 'model.safetensors'))[
         f'{q}.quant_state.bitsandbytes__nf4'].tolist()))
     for i, (tensors, says) in enumerate([({f'{q}.absmax': None}, 'lacks absmax'),

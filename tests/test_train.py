@@ -54,10 +54,13 @@ def test_train_smoke_and_sample(tmp_path, data_dir):
     assert generated[0].startswith('def') and len(''.join(generated)) > 10
     for args, message in [(['--start='], 'start is empty'), ([f'--start=FILE:{tmp_path / "none.txt"}'], 'cannot read'),
                           (['--top_p=1.5'], 'top_p=1.5 must be in [0, 1]'),
-                          ([f'--out_dir={tmp_path / "none"}'], f'Train one there first (`python train.py --out_dir='),
-                          (['--ckpt_name=merged.pt'], 'holds best.pt, ckpt.pt: pick one with --ckpt_name')]:
+                          ([f'--out_dir={tmp_path / "none"}'], 'Train one there first (`python train.py --out_dir='),
+                          (['--ckpt_name=merged.pt'], 'holds best.pt, ckpt.pt: pick one with --ckpt_name'),
+                          # the model's own tokenizer: a new dataset prepared there would hold another
+                          ([f'--data_dir={tmp_path}'], 'Point --data_dir at the dataset folder')]:
         s = run(['sample.py', f'--out_dir={out}', '--device=cpu', *args], check=False)
         assert_user_error(s, message)
+        assert 'python data.py' not in s.stderr
 
 
 @pytest.mark.slow
@@ -69,7 +72,7 @@ def test_resume_is_bit_exact(tmp_path, data_dir):
     assert_user_error(p, "init_from='resume' continues the run in")
     assert 'there is none' in p.stderr and not split.exists()
     p = train(split, data_dir, '--max_iters=4', '--init_from=auto', *common, check=False)
-    assert_user_error(p, "init_from='auto' is not a setting")
+    assert_user_error(p, "init_from='auto' is not a setting", "--help says which kinds this script takes")
     train(split, data_dir, '--max_iters=4', *common)
     assert load(split / 'ckpt.pt')['iter_num'] == 4
     p = train(split, data_dir, '--max_iters=8', '--init_from=resume', *common)  # as the default init_from

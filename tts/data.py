@@ -244,8 +244,8 @@ def read_speakers(data_dir):
                 continue
             if len(fields) != 3 or not fields[1].strip():
                 raise UserError(f"{path}:{line_no}: multi_speaker=True reads rows 'id|speaker|text', got "
-                                f"{line.strip()[:60]!r}; give every row its speaker, or train one voice "
-                                f"(multi_speaker=False).")
+                                f"{line.strip()[:60]!r}; give every row its speaker (a multi-speaker model reads the "
+                                f"corpus it was trained on), or train one voice (train_tts.py --multi_speaker=False).")
             speakers[fields[0].strip()] = fields[1].strip()
     return speakers
 

@@ -125,7 +125,8 @@ def require_init_from(init_from, hf_folders=False):
     folder); one a documented command writes (MADE_BY) is named with that command."""
     if os.path.isfile(init_from) or hf_folders and is_hf_folder(init_from):
         return
-    made_by = MADE_BY.get(os.path.normpath(init_from))
+    # the language-model scripts (the ones that take Hugging Face folders) start from these; a TTS script never
+    made_by = MADE_BY.get(os.path.normpath(init_from)) if hf_folders else None
     how = f"It is made by {made_by}; run that first, or point" if made_by else "Check the path, or point"
     what = "a checkpoint file or a Hugging Face model folder (one with a config.json)" if hf_folders else "a checkpoint file"
     raise UserError(f"init_from={init_from!r} is not {what}. {how} --init_from at the checkpoint this run should "

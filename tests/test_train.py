@@ -334,3 +334,12 @@ def test_fine_tuning_without_its_base_model_names_the_command_that_makes_it(tmp_
                         '--device=cpu'], cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert_user_error(p, "is not a checkpoint file", made_by)
     assert 'Traceback' not in p.stderr and not (tmp_path / 'data').exists()
+
+
+def test_a_tts_run_from_a_missing_model_is_not_told_to_pretrain_a_gpt(tmp_path):
+    """out/ckpt.pt is what `python train.py` writes: named for the language-model scripts only, since
+    train_tts.py cannot start from a GPT."""
+    p = subprocess.run([sys.executable, os.path.join(ROOT, 'train_tts.py'), '--init_from=out/ckpt.pt', '--out_dir=o',
+                        '--device=cpu'], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert_user_error(p, "init_from='out/ckpt.pt' is not a checkpoint file. Check the path")
+    assert 'python train.py' not in p.stderr

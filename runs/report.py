@@ -39,7 +39,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 from configurator import configure  # noqa: E402
-from run.checkpoint import file_sha256, load_checkpoint  # noqa: E402
+from run.checkpoint import atomic_file, file_sha256, load_checkpoint  # noqa: E402
 from tasks.number_tasks import NUMBER_TASKS_DIR, prepare_number_tasks  # noqa: E402
 
 # -----------------------------------------------------------------------------
@@ -219,9 +219,9 @@ def run_once(args, out_dir, what):
     os.makedirs(os.path.join(ROOT, out_dir), exist_ok=True)
     so_far, t0 = previous.get('partial_s', 0.0), time.time()
 
-    def mark(**times):
-        with open(finished, 'w') as f:
-            json.dump(dict(args=args, code=code, **times), f)
+    def mark(**times):  # replaced whole: a report killed mid-write, or the run reading it, never sees half of it
+        with atomic_file(finished) as f:
+            f.write(json.dumps(dict(args=args, code=code, **times)).encode())
     mark(partial_s=so_far)
     argv = [a for a in args if a != '--resume=False'] if previous else args  # continued, not started again
     print(f"[{time.strftime('%H:%M:%S')}] python {' '.join(argv)}", flush=True)

@@ -40,6 +40,11 @@ if os.environ.get('PYTEST_XDIST_WORKER'):
     # a worker a core (-n auto), one thread each, as the scripts they launch: more threads than cores spin
     torch.set_num_threads(1)
 HF_FIXTURES = os.path.join(ROOT, 'tests', 'fixtures', 'hf')
+if os.environ.get('ATEN_CPU_CAPABILITY'):
+    # inductor's cache does not tell kernels compiled under this CPU's own capability from others: on an AVX512
+    # CPU, a run told AVX2 that reads the first run's crashes (a bus error, torch 2.11). A cache a capability
+    os.environ.setdefault('TORCHINDUCTOR_CACHE_DIR', os.path.join(
+        tempfile.gettempdir(), f"torchinductor_{getattr(os, 'getuid', str)()}_{os.environ['ATEN_CPU_CAPABILITY']}"))
 # CI reruns comparisons with ATEN_CPU_CAPABILITY=default; there torch 2.11's inductor, told not to vectorize, still
 # writes vector code for some kernels and fails to compile it (a C++ error: 'at::vec' has not been declared)
 INDUCTOR_ON_THIS_CPU = pytest.mark.skipif(os.environ.get('ATEN_CPU_CAPABILITY') == 'default',

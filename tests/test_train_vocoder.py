@@ -61,10 +61,12 @@ def with_release_weights(module, spectral=()):
 
 
 def assert_like_release(scores, features, expected):
-    # float32 sums over up to ~1e5 values of layers 1024 channels wide: a different summation order moves them
-    # by ~1e-5 relative; a wrong stride, padding, group count or slope changes shapes or sums by far more
+    # float32 sums over up to ~1e5 values of layers 1024 channels wide: a different summation order moves the
+    # feature maps' sums by ~5e-6 relative and a score, the last sum of terms that cancel, by ~2e-4 of itself
+    # (measured: 1.3e-4 on AVX2 and AVX512 kernels, 1.7e-4 on the scalar ones); a wrong stride, padding, group
+    # count or slope changes shapes or sums by far more
     assert [list(f.shape) for f in features] == expected['shapes']
-    torch.testing.assert_close(scores, expected['scores'], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(scores, expected['scores'], rtol=1e-3, atol=1e-4)
     torch.testing.assert_close(torch.tensor([f.double().sum().item() for f in features]), expected['sums'],
                                rtol=1e-4, atol=1e-2)
     torch.testing.assert_close(torch.tensor([f.double().abs().sum().item() for f in features]),

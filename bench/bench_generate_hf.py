@@ -48,6 +48,7 @@ sys.path.insert(0, ROOT)
 import torch
 
 from configurator import at_least, check_values, configure, one_of
+from run.device import cpu_name
 
 # -----------------------------------------------------------------------------
 side = 'all'                 # 'all' (the benchmark) | workers: 'nanotrain' | 'transformers'
@@ -210,11 +211,6 @@ if side != 'all':
 
 # -----------------------------------------------------------------------------
 # the benchmark: the workers, then the comparison
-
-def cpu_name():
-    with open('/proc/cpuinfo') as f:
-        return next((line.split(':', 1)[1].strip() for line in f if line.startswith('model name')), 'unknown')
-
 
 @torch.no_grad()
 def divergence(gpt, prompt, reference, other):

@@ -71,6 +71,7 @@ sys.path.insert(0, ROOT)
 import torch
 
 from configurator import at_least, check_values, configure
+from run.device import cpu_name
 
 # -----------------------------------------------------------------------------
 mode = 'all'                 # 'all' (the benchmark) | workers: 'nano_train' | 'hf_train' | 'nano_load' | 'hf_load'
@@ -298,11 +299,6 @@ def versions():
                 peft=peft_version, python=sys.version.split()[0])
 
 
-def cpu_model():
-    with open('/proc/cpuinfo') as f:
-        return next((line.split(':', 1)[1].strip() for line in f if line.startswith('model name')), 'unknown')
-
-
 def main():
     if not model:
         raise SystemExit("--model=<Hugging Face model folder> is required")
@@ -374,7 +370,7 @@ def main():
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, 'w') as f:
         json.dump(dict(command=' '.join([sys.executable, *sys.argv]),
-                       cpu=cpu_model(), cpu_count=os.cpu_count(), threads=threads, versions=versions(),
+                       cpu=cpu_name(), cpu_count=os.cpu_count(), threads=threads, versions=versions(),
                        settings={k: config[k] for k in ('batch_size', 'pack', 'compile', 'warmup_steps', 'timed_steps', 'rounds',
                                                         'load_rounds', 'lora_r', 'lora_alpha', 'learning_rate',
                                                         'beta1', 'beta2', 'grad_clip', 'seed')},

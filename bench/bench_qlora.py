@@ -34,6 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from configurator import at_least, check_values, configure, one_of  # noqa: E402
+from run.device import cpu_name  # noqa: E402
 
 # -----------------------------------------------------------------------------
 model = 'models/smollm2-135m-instruct'  # a Hugging Face folder
@@ -190,7 +191,7 @@ if step_bench:
     results = step_bench_results()
     # a CPU without native bf16 (AVX2 only) runs bf16 matmuls many times slower, which hides what NF4 costs
     device = torch.cuda.get_device_name() if step_device == 'cuda' else (
-        f'cpu ({torch.backends.cpu.get_cpu_capability()}), {torch.get_num_threads()} threads')
+        f'{cpu_name()}, {torch.get_num_threads()} threads')
     with open(out.rstrip('/') + '.json', 'w') as f:
         json.dump(dict(model=model, step_bench=True, device=device, dtype=step_dtype, compile=compile,
                        repeats=repeats, rows=rows, row_tokens=row_tokens,

@@ -40,6 +40,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import torch
 
+from run.device import cpu_name
+
 SMOLLM2 = '/work/models/smollm2-135m-instruct'
 OUT = os.path.join(ROOT, 'bench', 'results', 'hf_parity.json')
 NEW_TOKENS = 40
@@ -278,12 +280,6 @@ def parity(folder):
     return results
 
 
-def cpu_model():
-    with open('/proc/cpuinfo') as f:
-        names = [line.split(':', 1)[1].strip() for line in f if line.startswith('model name')]
-    return names[0] if names else platform.processor()
-
-
 def environment():
     import safetensors
     import tokenizers
@@ -292,7 +288,7 @@ def environment():
         return subprocess.run(['git', *args], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     commit, dirty = git('rev-parse', '--short', 'HEAD'), git('status', '--porcelain')
     return dict(date=time.strftime('%Y-%m-%d %H:%M'), commit=commit + (' (with uncommitted changes)' if dirty else ''),
-                cpu=cpu_model(), threads=torch.get_num_threads(), python=platform.python_version(),
+                cpu=cpu_name(), threads=torch.get_num_threads(), python=platform.python_version(),
                 torch=torch.__version__, transformers=transformers.__version__,
                 safetensors=safetensors.__version__, tokenizers=tokenizers.__version__)
 

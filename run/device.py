@@ -6,6 +6,8 @@ also needs loss scaling: the scripts' torch.amp.GradScaler), and batches moved o
 Works the same on CUDA, Apple MPS and CPU, so the training scripts need no device branches.
 """
 
+import os
+import platform
 from contextlib import nullcontext
 
 import torch
@@ -37,6 +39,20 @@ def bf16_supported(device):
     if kind == "mps":
         return torch.backends.mps.is_macos_or_newer(14, 0)
     return True
+
+
+def cpu_name(cpuinfo="/proc/cpuinfo"):
+    """This CPU as benchmarks name it: its model, the kernels torch picked for it (AVX2, AVX512, ...) and, where
+    it has them, native bf16 units (AVX512-BF16 or AMX: without them bf16 matmuls are emulated, many times
+    slower, which decides what a bf16 figure means)."""
+    name, flags = platform.processor() or platform.machine(), set()
+    if os.path.exists(cpuinfo):
+        with open(cpuinfo) as f:
+            lines = [line.split(":", 1) for line in f if ":" in line]
+        name = next((v.strip() for k, v in lines if k.strip() == "model name"), name)
+        flags = set(next((v.split() for k, v in lines if k.strip() == "flags"), []))
+    bf16 = ", native bf16" if flags & {"avx512_bf16", "amx_bf16"} else ""
+    return f"{name} ({torch.backends.cpu.get_cpu_capability()}{bf16})"
 
 
 def pick_dtype(device, dtype="auto"):

@@ -40,6 +40,7 @@ import torch  # noqa: E402
 
 from configurator import configure  # noqa: E402
 from run.checkpoint import atomic_file, file_sha256, load_checkpoint  # noqa: E402
+from run.device import cpu_name  # noqa: E402
 from tasks.number_tasks import NUMBER_TASKS_DIR, prepare_number_tasks  # noqa: E402
 
 # -----------------------------------------------------------------------------
@@ -301,11 +302,7 @@ def speech_scores(stage, out_dir, ckpt='', vocoder=''):
 
 
 def machine():
-    cpu = platform.processor() or platform.machine()
-    if os.path.exists('/proc/cpuinfo'):
-        with open('/proc/cpuinfo') as f:
-            cpu = next((line.split(':', 1)[1].strip() for line in f if line.startswith('model name')), cpu)
-    return {'cpu': cpu, 'threads': torch.get_num_threads(), 'torch': torch.__version__,
+    return {'cpu': cpu_name(), 'threads': torch.get_num_threads(), 'torch': torch.__version__,
             'python': platform.python_version(), 'gpu': torch.cuda.get_device_name() if torch.cuda.is_available()
             else None}
 

@@ -14,7 +14,7 @@ from conftest import ROOT
 from faults import Faults
 from memory import (MemoryMonitor, halve_micro_batch, is_oom, memory_usage, peak_memory_bytes, pressure_level,
                     recover_from_oom, resumed_micro_batch, split_micro_batches)
-from run.device import autocast_context, pick_device, pick_dtype
+from run.device import autocast_context, cpu_name, pick_device, pick_dtype
 from run.runtime import StepProfiler
 
 
@@ -34,6 +34,17 @@ def test_pick_device_and_dtype_on_cpu():
     assert pick_dtype("cpu", "float16") == torch.float16
     with pytest.raises(UserError, match="'float32', 'bfloat16', 'float16'"):
         pick_dtype("cpu", "fp8")
+
+
+def test_cpu_name_says_model_kernels_and_native_bf16(tmp_path):
+    capability = torch.backends.cpu.get_cpu_capability()
+    info = tmp_path / 'cpuinfo'
+    for flags, native in (('fpu avx2 avx512f avx512_bf16', True), ('fpu amx_tile amx_bf16', True),
+                          ('fpu avx2 fma', False)):
+        info.write_text(f"processor\t: 0\nmodel name\t: AMD EPYC 9654\nflags\t\t: {flags}\n\n"
+                        f"processor\t: 1\nmodel name\t: AMD EPYC 9654\nflags\t\t: {flags}\n")
+        assert cpu_name(str(info)) == f"AMD EPYC 9654 ({capability}{', native bf16' if native else ''})"
+    assert cpu_name(str(tmp_path / 'none')).endswith(f"({capability})")  # no /proc: the platform's name
 
 
 def test_autocast_context_is_reusable_and_null_for_fp32():

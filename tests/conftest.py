@@ -41,8 +41,8 @@ if os.environ.get('PYTEST_XDIST_WORKER'):
     torch.set_num_threads(1)
 HF_FIXTURES = os.path.join(ROOT, 'tests', 'fixtures', 'hf')
 if os.environ.get('ATEN_CPU_CAPABILITY'):
-    # inductor's cache does not tell kernels compiled under this CPU's own capability from others: on an AVX512
-    # CPU, a run told AVX2 that reads the first run's crashes (a bus error, torch 2.11). A cache a capability
+    # on an AVX512 CPU, a run told AVX2 that read the inductor cache filled under the CPU's own kernels crashed (a
+    # bus error, torch 2.11; with an empty cache it passed): a cache a capability
     os.environ.setdefault('TORCHINDUCTOR_CACHE_DIR', os.path.join(
         tempfile.gettempdir(), f"torchinductor_{getattr(os, 'getuid', str)()}_{os.environ['ATEN_CPU_CAPABILITY']}"))
 # CI reruns comparisons with ATEN_CPU_CAPABILITY=default; there torch 2.11's inductor, told not to vectorize, still

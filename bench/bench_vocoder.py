@@ -11,7 +11,6 @@ Prints the median RTF of each variant over the rounds and writes bench/results/v
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -21,6 +20,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from configurator import check_output_file, install_excepthook  # noqa: E402
+from run.device import cpu_name  # noqa: E402
 from tts.data import MEL_SETTINGS, MelExtractor, read_metadata, read_wav  # noqa: E402
 from tts.vocoder import load_hifigan  # noqa: E402
 
@@ -83,6 +83,6 @@ for name, values in rtf.items():
 os.makedirs(os.path.dirname(args.out), exist_ok=True)
 with open(args.out, 'w') as f:
     json.dump(dict(vocoder=os.path.basename(args.vocoder), audio_seconds=seconds, threads=args.threads,
-                   cpu=platform.processor() or platform.machine(), torch=torch.__version__, date=time.strftime('%Y-%m-%d'),
+                   cpu=cpu_name(), torch=torch.__version__, date=time.strftime('%Y-%m-%d'),
                    rtf={name: dict(median=statistics.median(v), rounds=v) for name, v in rtf.items()}), f, indent=1)
 print(f"wrote {args.out}")

@@ -97,3 +97,16 @@ def test_a_wrong_key_a_missing_script_or_config_is_found(tmp_path):
         'train.py takes no --lr', 'train.py takes no --bs', 'gone.py does not exist', 'train.py takes no --model_args',
         'config/none.py does not exist']
     assert wrong[0].startswith(f'{doc}:2: ') and wrong[-1].startswith(f'{doc}:8: ')
+
+
+def test_keys_the_docs_name_in_prose_exist():
+    """A `--key=value` in a sentence ('--lora_dropout=0 saves it') names no script, but some script takes it."""
+    scripts = [p for folder in ('.', 'bench', 'runs') for p in glob.glob(f'{folder}/*.py', root_dir=ROOT)]
+    keys = set().union(*(script_keys(p) for p in scripts + ['tts/data.py']))
+    keys |= {'key', 'nnodes', 'node_rank', 'master_addr', 'master_port', 'nproc_per_node'}  # a placeholder; torchrun's
+    unknown = []
+    for doc in DOCS:
+        with open(os.path.join(ROOT, doc)) as f:
+            unknown += [f'{doc}:{n}: --{key}' for n, line in enumerate(f, 1)
+                        for key in re.findall(r'(?<![\w-])--([a-z]\w*)=', line) if key not in keys]
+    assert not unknown, 'keys no script takes:\n' + '\n'.join(unknown)

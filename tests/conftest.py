@@ -26,6 +26,7 @@ import time
 import pytest
 import torch
 
+from configurator import assignment_lines
 from data import prepare
 from hf.checkpoint import gpt_config, read_hf_weights
 from lm.chat_data import PreferenceBatches
@@ -56,6 +57,16 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if item.get_closest_marker('cuda'):
                 item.add_marker(pytest.mark.skip(reason='needs a CUDA GPU'))
+
+
+def script_config_keys(path):
+    """The keys of a script: its top-level assignments before the statement that calls configure (none in a
+    script that does not: an argparse one, or a module)."""
+    with open(path, encoding='utf-8') as f:
+        body = ast.parse(f.read()).body
+    end = next((node.lineno for node in body if any(isinstance(call, ast.Call) and getattr(call.func, 'id', None)
+                                                    == 'configure' for call in ast.walk(node))), 0)
+    return {key for key, line in assignment_lines(path).items() if line < end and not key.startswith('_')}
 
 
 # ----------------------------------------------------------------------------- running the scripts

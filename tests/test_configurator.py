@@ -11,9 +11,9 @@ import textwrap
 import pytest
 import torch
 
-from configurator import (EMPTY_OR_FOLDER, FOLDER, POSITIVE, assignment_lines, at_least, check_values, config_defaults,
+from configurator import (EMPTY_OR_FOLDER, FOLDER, POSITIVE, at_least, check_values, config_defaults,
                           configure, data_sources, dataclass_args, interval, one_of)
-from conftest import ROOT, run
+from conftest import ROOT, run, script_config_keys
 from scheduler import SCHEDULES
 
 
@@ -394,15 +394,6 @@ def test_dataclass_args_takes_given_then_config_in_field_order():
     args = dataclass_args(Shape, config, vocab=8, width=9)
     assert list(args.items()) == [('width', 9), ('depth', 5), ('vocab', 8)]
     assert Shape(**args) == Shape(9, 5, 3.0, 8)
-
-
-def script_config_keys(path):
-    """The keys of a script: its top-level assignments before the statement that calls configure."""
-    with open(path, encoding='utf-8') as f:
-        body = ast.parse(f.read()).body
-    end = next(node.lineno for node in body if any(isinstance(call, ast.Call) and getattr(call.func, 'id', None)
-                                                   == 'configure' for call in ast.walk(node)))
-    return {key for key, line in assignment_lines(path).items() if line < end and not key.startswith('_')}
 
 
 CONFIGURED_SCRIPTS = ['train.py', 'train_dpo.py', 'train_tts.py', 'sample.py', 'sample_tts.py', 'eval.py'] + sorted(

@@ -3,12 +3,12 @@
 config file it names exists. A user copies these lines; a key renamed in a script and not in its docs would stop
 them with an error."""
 
-import ast
+import functools
 import glob
 import os
 import re
 
-from conftest import ROOT
+from conftest import ROOT, script_config_keys
 
 DOCS = ['README.md', *sorted(glob.glob('docs/*.md', root_dir=ROOT)), 'bench/README.md', 'runs/README.md',
         'runs/RESULTS.md', *sorted(glob.glob('config/*.py', root_dir=ROOT))]
@@ -35,17 +35,13 @@ def commands(path):
     return found
 
 
+@functools.cache
 def script_keys(script):
-    """The keys script takes: its assignments above configure(globals()) (the configurator's keys; all of its
-    top-level ones without one) and the flags its source spells out ('--key', argparse's)."""
-    with open(os.path.join(ROOT, script)) as f:
-        source = f.read()
-    body = ast.parse(source).body
-    end = next((node.lineno for node in body if 'configure(globals()' in ast.unparse(node)), len(source))
-    keys = {target.id for node in body if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.lineno < end
-            for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
-            if isinstance(target, ast.Name)}
-    return keys | set(re.findall(r"""['"]--([\w-]+)""", source))
+    """The keys script takes: its config keys (conftest.script_config_keys) and the flags its source spells out
+    ('--key', argparse's)."""
+    path = os.path.join(ROOT, script)
+    with open(path) as f:
+        return script_config_keys(path) | set(re.findall(r"""['"]--([\w-]+)""", f.read()))
 
 
 def ours(module):

@@ -205,3 +205,17 @@ def test_speech_scores_take_the_cpu_time_real_time_factor_where_the_manifest_has
         (wav_dir / 'manifest.json').write_text(json.dumps({k: v for k, v in manifest.items() if k != drop}))
         scores = speech_scores('s', 'run', vocoder='/m/generator_LJSpeech.pth.tar')
         assert scores == {'vocoder': {'Whisper WER': 0.1, 'Whisper CER': 0.05, 'RTF': expected}}
+
+
+def test_a_partial_report_keeps_its_stages_in_a_full_reports_order():
+    """runs/report.py's in_stage_order: a partial report (--stages=tts-natural-long) merges the stages it ran with
+    those it kept from the committed report; its tables list them as a full report would, not the run ones first."""
+    in_stage_order, _, stages = script_definitions('runs/report.py', 'in_stage_order', 'TTS_QUICK', 'STAGES')
+    merged = {'tts-natural-long': 1, 'speedrun': 2, 'tts-natural': 3, 'pretrain': 4, 'hf-base': 5, 'tts-espeak': 6}
+    assert list(in_stage_order(merged)) == ['hf-base', 'pretrain', 'tts-espeak', 'tts-natural', 'tts-natural-long',
+                                            'speedrun']
+    assert in_stage_order(merged) == merged  # the same entries
+    assert list(in_stage_order(dict.fromkeys(reversed(list(stages))))) == list(stages)
+    report = json.loads(read('runs/report.json'))  # the committed report is in that order
+    for key in ('figures', 'wall_s', 'heldout', 'tts', 'flips', 'vocoded'):
+        assert list(report[key]) == list(in_stage_order(report[key])), key

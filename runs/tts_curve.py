@@ -60,9 +60,12 @@ CELLS = {
     'data-4k-10k-steps': (['train_tts.py', *RECIPE, *STEPS_10K], 'piper-4k', None),
     'steps-10k': (['train_tts.py', *RECIPE, *STEPS_10K], 'piper-ljspeech', None),
     'model-wide': (['train_tts.py', *RECIPE, *WIDE], 'piper-ljspeech', None),
+    # width and twice the steps together (~6 CPU-hours: past the recipe's budget), then its own generator
+    'model-wide-10k': (['train_tts.py', *RECIPE, *WIDE, *STEPS_10K], 'piper-ljspeech', None),
     'vocoder-ft': (VOCODER_FT, 'piper-ljspeech', 'base'),
     # the same fine-tune on the 10,000-step model's mels: the two levers that moved WER most, together
     'steps-10k-vocoder-ft': (VOCODER_FT, 'piper-ljspeech', 'steps-10k'),
+    'model-wide-10k-vocoder-ft': (VOCODER_FT, 'piper-ljspeech', 'model-wide-10k'),
 }
 HELD_OUT = 'piper-ljspeech-heldout'
 

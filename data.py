@@ -227,8 +227,8 @@ def prepare_default(data_dir=DEFAULT_DATA_DIR, vocab_size=4096, key='data_dir'):
             return data_dir
     print(f"preparing the default corpus (the Python standard library's sources) in {data_dir}, once")
     require_writable_folder(data_dir, key or 'data_dir', fix=None if key else (
-        f"Prepare the default corpus in a folder you can write, `python data.py --out_dir=DIR`, and pass "
-        f"--data_dir=DIR."))
+        "Prepare the default corpus in a folder you can write, `python data.py --out_dir=DIR`, and pass "
+        "--data_dir=DIR."))
     return write_dataset(docs, data_dir, 'bpe', vocab_size, 0.1, source)
 
 

@@ -15,9 +15,9 @@ The held-out utterances of any LJSpeech-layout corpus: the checkpoint's held-out
 saw (e.g. one made with make_piper_ljspeech.py --skip). Without --ckpt (d) is not written, without --vocoder (c).
 `synthesize` writes 16 kHz WAVs of each kind and manifest.json (with the real-time factors of the model's
 speech and of the vocoder alone, by the clock and in CPU time, and the synthesis settings: --n_timesteps,
---temperature, --length_scale and --guidance override the checkpoint's); `score` decodes them (beam 5, English,
-temperature 0; a transcript caught in a decoding loop is decoded again, sampled from a fixed seed, so a rerun
-gives the same words) and writes whisper_<kinds>.json with every transcript. Both sides are compared after
+--temperature, --length_scale, --guidance and the noise's --seed override the checkpoint's); `score` decodes
+them (beam 5, English, temperature 0; a transcript caught in a decoding loop is decoded again, sampled from a
+fixed seed, so a rerun gives the same words) and writes whisper_<kinds>.json with every transcript. Both sides are compared after
 `normalize` (its docstring states the rules).
 """
 import argparse
@@ -121,7 +121,7 @@ def synthesize(args):
     rate = MEL_SETTINGS['sample_rate']
     extractor = MelExtractor(**MEL_SETTINGS)
     knob = {k: ckpt['config'][k] if getattr(args, k) is None else getattr(args, k)
-            for k in ('n_timesteps', 'temperature', 'length_scale', 'guidance')} if ckpt else {}
+            for k in ('n_timesteps', 'temperature', 'length_scale', 'guidance', 'seed')} if ckpt else {}
     torch.manual_seed(0)  # Griffin-Lim starts from random phases
     # synthesis time (wall and this process's CPU), audio's: on one thread the CPU time is what an idle core
     # takes, whatever else the machine runs
@@ -144,7 +144,7 @@ def synthesize(args):
         if model is not None:
             t0, c0 = time.perf_counter(), time.process_time()
             wavs['model'] = speak(model, texts[utt_id], knob['n_timesteps'], knob['temperature'],
-                                  knob['length_scale'], knob['guidance'], ckpt['config']['seed'], vocode,
+                                  knob['length_scale'], knob['guidance'], knob['seed'], vocode,
                                   speakers.get(utt_id, ''))[0]
             clock['model'] += time.perf_counter() - t0
             cpu['model'] += time.process_time() - c0
@@ -252,6 +252,8 @@ if __name__ == '__main__':
     step.add_argument('--temperature', type=float, default=None, help="scale of the starting noise; default: the "
                       "checkpoint's")
     step.add_argument('--length_scale', type=float, default=None, help="> 1 speaks slower; default: the checkpoint's")
+    step.add_argument('--seed', type=int, default=None, help="the starting noise's seed (another draws other speech "
+                      "from the same model: how much a score owes to it); default: the checkpoint's")
     step = steps.add_parser('score', help='word and character error rates by Whisper (the ASR venv)')
     step.add_argument('--wav_dir', required=True)
     step.add_argument('--whisper', required=True, help='Whisper base in CTranslate2 layout (make_whisper_base.py)')

@@ -107,8 +107,8 @@ def test_merged_rollout_copy_computes_what_the_adapters_do_and_follows_their_tra
         # a training step: the adapters and biases move; the copy's weights follow after a refresh
         nudge(model, 'lora_B', 2 + step)
         nudge(model, 'bias', 4 + step)
-        for copy in copies.values():
-            refresh_merged_copy(copy, model)
+        for merged in copies.values():
+            refresh_merged_copy(merged, model)
     assert all(not p.requires_grad for c in copies.values() for p in c.parameters())
     assert model.transformer.h[0].attn.q.bias.requires_grad  # the model's own still train
 

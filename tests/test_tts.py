@@ -677,6 +677,13 @@ def test_asr_synthesis_writes_only_the_kinds_asked_for(tmp_path, corpus, straigh
     manifest = json.loads((tmp_path / 'one_step' / 'manifest.json').read_text())
     assert manifest['synthesis']['n_timesteps'] == 1 and manifest['synthesis']['temperature'] == 0
     assert (tmp_path / 'one_step' / 'model' / name).read_bytes() != (tmp_path / 'model' / 'model' / name).read_bytes()
+    # the noise's seed is the checkpoint's unless given: another draws other speech from the same model
+    seed = json.loads((tmp_path / 'model' / 'manifest.json').read_text())['synthesis']['seed']
+    assert seed == load(ckpt)['config']['seed'] != 7
+    run(['runs/tts_asr.py', 'synthesize', f'--ckpt={ckpt}', f'--wav_dir={tmp_path / "seed"}', '--utterances=1',
+         '--kinds=model', f'--vocoder={VOCODER}', '--seed=7'])
+    assert json.loads((tmp_path / 'seed' / 'manifest.json').read_text())['synthesis']['seed'] == 7
+    assert (tmp_path / 'seed' / 'model' / name).read_bytes() != (tmp_path / 'model' / 'model' / name).read_bytes()
     p = run(['runs/tts_asr.py', 'synthesize', f'--wav_dir={tmp_path / "x"}', f'--data_dir={corpus}',
              '--kinds=model'], check=False)
     assert p.returncode != 0 and "'model' needs --ckpt" in p.stderr

@@ -17,8 +17,8 @@ saw (e.g. one made with make_piper_ljspeech.py --skip). Without --ckpt (d) is no
 speech and of the vocoder alone, by the clock and in CPU time, and the synthesis settings: --n_timesteps,
 --temperature, --length_scale, --guidance and the noise's --seed override the checkpoint's); `score` decodes
 them (beam 5, English, temperature 0; a transcript caught in a decoding loop is decoded again, sampled from a
-fixed seed, so a rerun gives the same words) and writes whisper_<kinds>.json with every transcript. Both sides are compared after
-`normalize` (its docstring states the rules).
+fixed seed, so a rerun gives the same words) and writes whisper_<kinds>.json with every transcript. Both sides
+are compared after `normalize` (its docstring states the rules).
 """
 import argparse
 import json

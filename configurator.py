@@ -476,7 +476,12 @@ def is_empty_or_folder(value):
     return not value or folder_path(value)
 
 
+def is_seed(value):
+    return -2 ** 63 <= value < 2 ** 64  # what torch.manual_seed takes
+
+
 POSITIVE = (is_positive, 'positive')
+SEED = (is_seed, 'a seed torch takes, an integer in [-2**63, 2**64)')
 FOLDER = (is_folder, 'a folder path (not empty, no part of it an existing file)')
 EMPTY_OR_FOLDER = (is_empty_or_folder, "'' or a folder path (no part of it an existing file)")
 

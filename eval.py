@@ -23,7 +23,8 @@ import tempfile
 import torch
 from tqdm import tqdm
 
-from configurator import FOLDER, UserError, at_least, check_output_file, check_values, configure, interval, same_file
+from configurator import (FOLDER, SEED, UserError, at_least, check_output_file, check_values, configure, interval,
+                          same_file)
 from lm.eval_tasks import (GENERATION, ROLLING, choice_logliks, choice_predictions, choice_requests, generation_prompt,
                            read_task, rolling_requests, rolling_scores, with_fewshot)
 from lm.generate import CompiledDecoding, generate_batch, stop_tokens
@@ -60,6 +61,7 @@ dtype = 'auto'               # 'auto' = bf16 on GPUs with it, else fp16; fp32 on
 # -----------------------------------------------------------------------------
 config = configure(globals())
 check_values(config, [
+    (SEED, ('seed',)),
     (at_least(1), ('num_samples', 'batch_size')),
     (at_least(0), ('max_new_tokens', 'temperature', 'top_k', 'max_examples', 'num_fewshot')),
     (interval('[0, 1]'), ('top_p',)),

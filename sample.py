@@ -10,7 +10,7 @@ Text-to-speech checkpoints (train_tts.py) speak with sample_tts.py.
 
 import torch
 
-from configurator import FOLDER, UserError, at_least, check_values, configure, interval
+from configurator import FOLDER, SEED, UserError, at_least, check_values, configure, interval
 from lm.generate import CompiledDecoding, generate_batch
 from loading import load_for_generation, model_path
 from run.device import autocast_context, pick_device, pick_dtype
@@ -35,6 +35,7 @@ dtype = 'auto'               # 'auto' = bf16 on GPUs with it, else fp16; fp32 on
 # -----------------------------------------------------------------------------
 config = configure(globals())
 check_values(config, [
+    (SEED, ('seed',)),
     (at_least(1), ('num_samples', 'max_new_tokens')),
     (at_least(0), ('top_k', 'temperature')),
     (interval('[0, 1]'), ('top_p',)),

@@ -12,7 +12,7 @@ chunk, ISFT 'nanotrain sample_tts.py'): a recording, a corpus's WAV or any other
 import os
 import time
 
-from configurator import FOLDER, POSITIVE, UserError, at_least, check_output_file, check_values, configure
+from configurator import FOLDER, POSITIVE, SEED, UserError, at_least, check_output_file, check_values, configure
 from run.checkpoint import load_checkpoint
 from run.device import pick_device
 from tts.data import MEL_SETTINGS, read_voice_clip, wav_software, write_wav
@@ -38,6 +38,7 @@ device = 'auto'              # 'auto' (cuda, else mps, else cpu) | 'cpu' | 'cuda
 # -----------------------------------------------------------------------------
 config = configure(globals())
 check_values(config, [
+    (SEED, ('seed',)),
     (at_least(1), ('n_timesteps',)),
     (at_least(0), ('tts_temperature', 'guidance')),
     (POSITIVE, ('length_scale',)),

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from configurator import FOLDER, POSITIVE, UserError, at_least, check_values, configure, interval, one_of
+from configurator import FOLDER, POSITIVE, SEED, UserError, at_least, check_values, configure, interval, one_of
 from lm.tokenizer import dataset_file, read_meta
 from losses import check_loss_weights, combine_losses, source_shares, target_weights, term_weights, token_weight_table
 from memory import MemoryMonitor, halve_micro_batch, peak_memory_bytes, recover_from_oom, resumed_micro_batch
@@ -128,6 +128,7 @@ num_threads = 0              # torch.set_num_threads for CPU ops; 0 = torch's de
 # -----------------------------------------------------------------------------
 config = configure(globals(), sources=('sft_data',))
 check_values(config, [
+    (SEED, ('seed',)),
     (at_least(1), ('batch_size', 'gradient_accumulation_steps', 'max_iters', 'eval_interval', 'log_interval',
                    'eval_iters', 'max_bad_steps', 'block_size', 'max_length', 'n_layer', 'n_head', 'n_embd', 'lora_r',
                    'bucket_batches', 'restart_iters', 'restart_mult')),

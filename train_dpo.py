@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from configurator import FOLDER, POSITIVE, UserError, at_least, check_values, configure, data_sources, interval, one_of
+from configurator import (FOLDER, POSITIVE, SEED, UserError, at_least, check_values, configure, data_sources, interval,
+                          one_of)
 from lm.chat_data import PreferenceBatches, concatenated, load_preference_split, load_sources
 from lm.dpo import precomputed_reference_logps, reference_logps, sequence_logps_and_logits
 from lm.heldout_eval import HeldOut, metric_names, report_heldout
@@ -117,6 +118,7 @@ num_threads = 0              # torch.set_num_threads for CPU ops; 0 = torch's de
 # -----------------------------------------------------------------------------
 config = configure(globals(), sources=('dpo_data',))
 check_values(config, [
+    (SEED, ('seed',)),
     (at_least(1), ('batch_size', 'gradient_accumulation_steps', 'max_iters', 'eval_interval', 'log_interval',
                    'eval_pairs', 'max_bad_steps', 'max_length', 'max_prompt_length', 'lora_r', 'restart_iters',
                    'restart_mult')),

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from configurator import FOLDER, POSITIVE, UserError, at_least, check_values, configure, interval, one_of
+from configurator import FOLDER, POSITIVE, SEED, UserError, at_least, check_values, configure, interval, one_of
 from lm.chat_data import EpochSampler, load_prompt_split, rl_prompt
 from lm.generate import CompiledDecoding, generate_batch, stop_tokens
 from lm.heldout_eval import HeldOut, report_heldout
@@ -128,6 +128,7 @@ num_threads = 0              # torch.set_num_threads for CPU ops; 0 = torch's de
 # -----------------------------------------------------------------------------
 config = configure(globals())
 check_values(config, [
+    (SEED, ('seed',)),
     (at_least(1), ('prompts_per_step', 'max_new_tokens', 'gradient_accumulation_steps', 'max_iters', 'eval_interval',
                    'log_interval', 'eval_prompts', 'pass_k', 'max_bad_steps', 'max_prompt_length', 'num_iterations',
                    'lora_r', 'restart_iters', 'restart_mult')),

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from configurator import (EMPTY_OR_FOLDER, FOLDER, POSITIVE, UserError, at_least, check_values, configure,
+from configurator import (EMPTY_OR_FOLDER, FOLDER, POSITIVE, SEED, UserError, at_least, check_values, configure,
                           dataclass_args, interval, one_of)
 from memory import MemoryMonitor, peak_memory_bytes, recover_from_oom, split_micro_batches
 from run.checkpoint import (NEW_RUN, check_compatible, load_checkpoint, restore_training_state, rng_state,
@@ -119,6 +119,7 @@ compile = False              # torch.compile the encoder and decoder
 # -----------------------------------------------------------------------------
 config = configure(globals())
 check_values(config, [
+    (SEED, ('seed',)),
     (at_least(1), ('gradient_accumulation_steps', 'max_iters', 'eval_interval', 'log_interval', 'max_bad_steps',
                    'restart_iters', 'restart_mult', 'n_timesteps', 'enc_channels', 'enc_layers', 'enc_heads',
                    'enc_ff_channels', 'enc_kernel', 'dp_channels', 'dec_channels', 'dec_blocks', 'frame_budget',

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from configurator import (FOLDER, UserError, at_least, check_values, configure, interval)
+from configurator import FOLDER, SEED, UserError, at_least, check_values, configure, interval
 from run.checkpoint import file_sha256, load_checkpoint, rng_state, set_rng_state, write_checkpoint
 from run.run_folder import cached_tensors, open_run, require_init_from, run_log
 from run.runtime import StopSignal, compute_init, log
@@ -76,6 +76,7 @@ device = 'auto'              # 'auto' (cuda, else mps, else cpu) | 'cpu' | 'cuda
 # -----------------------------------------------------------------------------
 config = configure(globals())
 check_values(config, [
+    (SEED, ('seed',)),
     (at_least(1), ('eval_interval', 'log_interval', 'eval_utterances', 'segment_frames', 'batch_size', 'n_timesteps',
                    'max_iters', 'max_bad_steps', 'discriminator_divisor')),
     (at_least(0), ('temperature', 'mel_weight', 'learning_rate', 'discriminator_learning_rate', 'warmup_iters')),

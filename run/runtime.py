@@ -38,7 +38,8 @@ class Compute(NamedTuple):
 def compute_init(device, seed, num_threads=0):
     """Start this process's share of the run: a Compute (ddp, rank, local_rank, world_size, device). torchrun
     sets RANK/LOCAL_RANK/WORLD_SIZE: then each process takes its GPU and joins the group (nccl on
-    CUDA, gloo elsewhere). Seeds torch with seed + rank: different dropout masks and noise on each rank."""
+    CUDA, gloo elsewhere). Seeds torch with seed + rank (modulo 2**64): different dropout masks and noise on
+    each rank."""
     ddp = int(os.environ.get('RANK', -1)) != -1
     device = pick_device(device)
     rank, local_rank, world_size = 0, 0, 1
@@ -53,7 +54,7 @@ def compute_init(device, seed, num_threads=0):
         install_excepthook()
     if num_threads:
         torch.set_num_threads(num_threads)
-    torch.manual_seed(seed + rank)
+    torch.manual_seed((seed + rank) % 2 ** 64)  # torch's range; the same stream as seed + rank where it fits
     if device.startswith('cuda'):
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True

@@ -11,7 +11,7 @@ import textwrap
 import pytest
 import torch
 
-from configurator import (EMPTY_OR_FOLDER, FOLDER, POSITIVE, at_least, check_values, config_defaults,
+from configurator import (EMPTY_OR_FOLDER, FOLDER, POSITIVE, SEED, at_least, check_values, config_defaults,
                           configure, data_sources, dataclass_args, interval, one_of)
 from conftest import ROOT, run, script_config_keys
 from scheduler import SCHEDULES
@@ -371,6 +371,13 @@ def test_rules():
     assert one_of(('a', 'b'))[1] == 'one of a, b' and one_of(('a', 'b'))[0]('b') and not one_of(('a', 'b'))[0]('c')
     assert FOLDER[0]('runs/x') and not FOLDER[0]('') and not FOLDER[0](__file__)
     assert EMPTY_OR_FOLDER[0]('') and EMPTY_OR_FOLDER[0]('runs/x') and not EMPTY_OR_FOLDER[0](f'{__file__}/x')
+    for seed in (-2 ** 63 - 1, -2 ** 63, -1, 0, 2 ** 64 - 1, 2 ** 64):  # SEED takes what torch takes
+        try:
+            torch.Generator().manual_seed(seed)
+            takes = True
+        except (ValueError, RuntimeError):
+            takes = False
+        assert SEED[0](seed) == takes and takes == (-2 ** 63 <= seed < 2 ** 64)
 
 
 def test_check_values_names_key_value_and_rule(capsys):
@@ -434,6 +441,8 @@ def test_scripts_check_only_their_own_keys(script):
     ('train_tts.py', '--val_fraction=0', 'val_fraction=0.0 must be in (0, 1).'),
     ('train_tts.py', f'--cache_dir={__file__}', f"cache_dir={__file__!r} must be '' or a folder path"),
     ('sample.py', '--top_p=2', 'top_p=2.0 must be in [0, 1].'),
+    ('train.py', f'--seed={2 ** 64}', f'seed={2 ** 64} must be a seed torch takes'),
+    ('sample_tts.py', f'--seed={-2 ** 63 - 1}', f'seed={-2 ** 63 - 1} must be a seed torch takes'),
     ('sample_tts.py', '-x', "overrides are written --key=value (e.g. --out_dir='out-tts')"),  # its own key
     ('bench/bench_gpt.py', '--n_head=0', 'n_head=0 must be at least 1.')])
 def test_scripts_refuse_meaningless_values_at_start_up(script, arg, message):

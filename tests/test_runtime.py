@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from run.checkpoint import restore_training_state, training_state
+from run import runtime
 from run.runtime import all_reduce_metrics, bad_step, clip_grad_norm, compute_init, rank_batches
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,6 +31,18 @@ def test_compute_init_without_torchrun(monkeypatch):
     assert compute == (False, 0, 0, 1, 'cpu') and (compute.ddp, compute.world_size, compute.device) == (False, 1, 'cpu')
     draw = torch.rand(3)
     torch.manual_seed(5)  # seed + rank
+    assert torch.equal(draw, torch.rand(3))
+
+
+def test_each_rank_is_seeded_within_torchs_range(monkeypatch):
+    # the largest seed torch takes, on rank 1: seed + rank wraps to 0 instead of failing
+    monkeypatch.setattr(runtime, 'install_excepthook', lambda: None)
+    monkeypatch.setattr(runtime.dist, 'init_process_group', lambda backend: None)
+    for name, value in (('RANK', '1'), ('LOCAL_RANK', '1'), ('WORLD_SIZE', '2')):
+        monkeypatch.setenv(name, value)
+    assert runtime.compute_init('cpu', seed=2 ** 64 - 1)[:4] == (True, 1, 1, 2)
+    draw = torch.rand(3)
+    torch.manual_seed(0)
     assert torch.equal(draw, torch.rand(3))
 
 

@@ -144,8 +144,10 @@ def peak_memory_bytes(device):
 
 
 def is_oom(exc):
-    # MPS raises a plain RuntimeError("MPS backend out of memory ...")
-    return isinstance(exc, torch.OutOfMemoryError) or (isinstance(exc, RuntimeError) and "out of memory" in str(exc))
+    # MPS raises a plain RuntimeError("MPS backend out of memory ..."), the CPU's allocator one that it "can't
+    # allocate memory" (a request the kernel refuses; one it overcommits ends in the OOM killer instead)
+    return isinstance(exc, torch.OutOfMemoryError) or (
+        isinstance(exc, RuntimeError) and ("out of memory" in str(exc) or "can't allocate memory" in str(exc)))
 
 
 def recover_from_oom(error, ddp, optimizer, device):

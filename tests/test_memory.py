@@ -122,6 +122,9 @@ def test_is_oom():
     assert is_oom(RuntimeError("MPS backend out of memory (MPS allocated: 17.00 GB)"))
     assert not is_oom(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
     assert not is_oom(ValueError("out of memory"))
+    with pytest.raises(RuntimeError) as refused:  # the CPU allocator's own error: 1 EiB, past any address space
+        torch.empty(2 ** 60, dtype=torch.uint8)
+    assert is_oom(refused.value)
 
 
 def test_halve_micro_batch_keeps_global_batch():

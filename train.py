@@ -469,6 +469,20 @@ def evaluate(micro_batch_size):
     return (weighted[0].sum() / weighted[1].sum()).item(), source_means(*total)
 
 
+def evaluate_fitting():
+    """evaluate() at the steps' micro-batch, halved for them too while it does not fit: the step-0 eval meets
+    a micro-batch too big before any step does."""
+    global micro_batch_size, accumulation_steps
+    while True:
+        try:
+            return evaluate(micro_batch_size)
+        except RuntimeError as error:
+            recover_from_oom(error, ddp, optimizer, local_device)
+            micro_batch_size, accumulation_steps = halve_micro_batch(micro_batch_size, accumulation_steps)
+            log(f"eval: out of memory, retrying with micro-batch {micro_batch_size} x {accumulation_steps} "
+                f"accumulation")
+
+
 def save(path, iter_num, best_val_loss, evals_without_improvement):
     """A checkpoint of the run at path (write_checkpoint) at step iter_num, with the eval counters: everything
     a continued run needs. Collective under DDP and FSDP: every rank must call it."""
@@ -535,7 +549,7 @@ record, writer = run_log(out_dir, master, tensorboard, math.inf if eval_only els
                          tracker)
 
 if eval_only:
-    val_loss, val_losses = evaluate(micro_batch_size)
+    val_loss, val_losses = evaluate_fitting()
     log(f"step {iter_num}: val loss {val_loss:.4f}{shown(val_losses)}, perplexity {math.exp(val_loss):.2f}")
     record(dict(step=iter_num, val_loss=val_loss, val_ppl=math.exp(val_loss), **per_source('val_loss', val_losses)))
     if fine_tuning:
@@ -548,7 +562,7 @@ if eval_only:
 stop = StopSignal()
 monitor = MemoryMonitor(local_device)
 if iter_num == 0:
-    val_loss, val_losses = evaluate(micro_batch_size)
+    val_loss, val_losses = evaluate_fitting()
     log(f"step 0: val loss {val_loss:.4f}{shown(val_losses)}")
     record(dict(step=0, val_loss=val_loss, val_ppl=math.exp(val_loss), lr=0.0, **per_source('val_loss', val_losses)))
     if fine_tuning:
@@ -628,7 +642,7 @@ while iter_num < run_iters:
 
     if (iter_num % eval_interval == 0 or iter_num == run_iters
             or eval_every_epochs and epoch_end and epoch_end % eval_every_epochs == 0):
-        val_loss, val_losses = evaluate(micro_batch_size)
+        val_loss, val_losses = evaluate_fitting()
         improved = val_loss < best_val_loss
         if improved:
             best_val_loss, evals_without_improvement = val_loss, 0

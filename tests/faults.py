@@ -1,12 +1,14 @@
 """
 Fault injection for the end-to-end tests: runs a training script as `python script.py ...` would,
-with an out-of-memory error, a NaN loss or a SIGTERM injected at the named training steps:
+with an out-of-memory error, a NaN loss or a SIGTERM injected at the named training steps (or an
+out-of-memory error in an evaluation):
 
     python tests/faults.py nan@2,oom@1 train.py --max_iters=6 ...
 
-N in oom@N / nan@N / term@N is the script's iter_num: the step the run started at, plus the training steps it
-has finished since. The scripts have no code for this; before the script runs, three library functions
-that every training script calls are wrapped (each still does all it did):
+N in oom@N / nan@N / term@N / evaloom@N is the script's iter_num: the step the run started at, plus the
+training steps it has finished since. The scripts have no code for this; before the script runs, three
+library functions that every training script calls, and the evaluations' batch splitter, are wrapped (each
+still does all it did):
 
 - checkpoint.restore_training_state: a resumed run's step counters; the count starts at the iter_num it
   returns (at 0 in a run that starts afresh and never calls it).
@@ -19,6 +21,9 @@ that every training script calls are wrapped (each still does all it did):
   gradients and their norm turn NaN: a non-finite step, skipped; the logged loss stays finite, and under
   float16 the scaler takes it for an overflow), term@N sends the process SIGTERM there (the step finishes,
   the run saves at step N + 1 and exits 143, as on a real SIGTERM: a stop at a step of the test's choosing).
+- run.runtime.rank_batches: what an evaluation splits its batches with (in train.py and train_dpo.py; not in
+  a training step). evaloom@N raises torch.OutOfMemoryError there, in the first evaluation at step N (before
+  any batch: the script's eval retry catches it).
 
 Each fault fires once, at the first micro-batch of its step, so the step retried after an injected OOM
 goes through. Under torchrun every rank runs this file and counts its own steps.
@@ -32,7 +37,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository's modules
-from run import checkpoint  # noqa: E402
+from run import checkpoint, runtime  # noqa: E402
 
 
 class Faults:
@@ -42,7 +47,8 @@ class Faults:
         self.pending = set()
         for fault in spec.replace(' ', '').split(','):
             name, _, step = fault.partition('@')
-            assert name in ('oom', 'nan', 'term') and step.isdigit(), f"fault {fault!r}: expected oom@N, nan@N, term@N"
+            assert name in ('oom', 'nan', 'term', 'evaloom') and step.isdigit(), \
+                f"fault {fault!r}: expected oom@N, nan@N, term@N, evaloom@N"
             self.pending.add((name, int(step)))
         self.step = 0  # the script's iter_num
 
@@ -53,10 +59,11 @@ class Faults:
         return False
 
     def install(self, patch=setattr):
-        """Wrap the three functions the module docstring names. patch: setattr, or a test's
+        """Wrap the functions the module docstring names. patch: setattr, or a test's
         monkeypatch.setattr (undone after the test)."""
         Scaler = torch.amp.GradScaler
         scale, update, restore = Scaler.scale, Scaler.update, checkpoint.restore_training_state
+        split = runtime.rank_batches
 
         def scale_with_faults(scaler, loss):
             if self.fires('term'):
@@ -75,7 +82,13 @@ class Faults:
             self.step = counters[0]
             return counters
 
+        def split_with_faults(*args, **kwargs):
+            if self.fires('evaloom'):
+                raise torch.OutOfMemoryError(f'injected OOM in the eval at step {self.step}')
+            return split(*args, **kwargs)
+
         patch(Scaler, 'scale', scale_with_faults)
+        patch(runtime, 'rank_batches', split_with_faults)  # before the script imports it
         patch(Scaler, 'update', update_and_count)
         patch(checkpoint, 'restore_training_state', restore_and_start_there)  # before the script imports it
         return self

@@ -148,31 +148,20 @@ def test_repeated_nan_aborts_and_keeps_checkpoint(tmp_path, data_dir):
 
 
 @pytest.mark.slow
-def test_an_eval_out_of_memory_halves_the_micro_batch_for_the_steps_too(tmp_path, data_dir):
-    # the step-0 eval is the first to meet a micro-batch too big: halved there, as a step would, not a traceback
-    ref, oom = tmp_path / 'ref', tmp_path / 'oom'
-    common = ['--max_iters=2', '--eval_interval=100', '--lr_decay_iters=2']
-    train(ref, data_dir, *common)
-    p = train(oom, data_dir, *common, faults='evaloom@0')
-    assert 'eval: out of memory, retrying with micro-batch 2 x 2' in p.stdout + p.stderr
-    ckpt = load(oom / 'ckpt.pt')
-    assert (ckpt['batch_size'], ckpt['gradient_accumulation_steps']) == (2, 2)
-    a, b = logged(ref, 'val_loss'), logged(oom, 'val_loss')
-    assert a.keys() == b.keys() == {0, 2} and all(abs(a[s] - b[s]) < 1e-5 for s in a), (a, b)
-
-
-@pytest.mark.slow
 @pytest.mark.comparison
-def test_oom_halves_micro_batch_and_keeps_global_batch(tmp_path, data_dir):
+@pytest.mark.parametrize('fault, where', [('oom@1', 'step 1'), ('evaloom@0', 'eval')])
+def test_oom_halves_micro_batch_and_keeps_global_batch(tmp_path, data_dir, fault, where):
+    # evaloom@0: the step-0 eval is the first to meet a micro-batch too big; halved there for the steps too
     ref, oom = tmp_path / 'ref', tmp_path / 'oom'
-    common = ['--max_iters=4', '--eval_interval=100', '--lr_decay_iters=4']
+    common = ['--max_iters=4', '--eval_interval=2', '--lr_decay_iters=4']
     train(ref, data_dir, *common)
-    p = train(oom, data_dir, *common, faults='oom@1')
-    assert 'out of memory, retrying with micro-batch 2 x 2' in p.stdout + p.stderr
+    p = train(oom, data_dir, *common, faults=fault)
+    assert f'{where}: out of memory, retrying with micro-batch 2 x 2' in p.stdout + p.stderr
     ckpt = load(oom / 'ckpt.pt')
     assert (ckpt['batch_size'], ckpt['gradient_accumulation_steps']) == (2, 2)
-    a, b = train_losses(ref), train_losses(oom)
-    assert all(abs(a[s] - b[s]) < 1e-5 for s in a), (a, b)
+    for key in ('train_loss', 'val_loss'):
+        a, b = logged(ref, key), logged(oom, key)
+        assert a.keys() == b.keys() and all(abs(a[s] - b[s]) < 1e-5 for s in a), (key, a, b)
 
 
 @pytest.mark.slow

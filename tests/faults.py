@@ -21,9 +21,9 @@ still does all it did):
   gradients and their norm turn NaN: a non-finite step, skipped; the logged loss stays finite, and under
   float16 the scaler takes it for an overflow), term@N sends the process SIGTERM there (the step finishes,
   the run saves at step N + 1 and exits 143, as on a real SIGTERM: a stop at a step of the test's choosing).
-- run.runtime.rank_batches: what an evaluation splits its batches with (in train.py and train_dpo.py; not in
-  a training step). evaloom@N raises torch.OutOfMemoryError there, in the first evaluation at step N (before
-  any batch: the script's eval retry catches it).
+- run.runtime.rank_batches: what train.py's and train_dpo.py's evaluations split their batches with (and
+  lm/dpo.py's reference pass; never a training step). evaloom@N raises torch.OutOfMemoryError there, at its
+  first call at step N (before any batch: train.py's eval retry catches it).
 
 Each fault fires once, at the first micro-batch of its step, so the step retried after an injected OOM
 goes through. Under torchrun every rank runs this file and counts its own steps.

@@ -469,18 +469,23 @@ def evaluate(micro_batch_size):
     return (weighted[0].sum() / weighted[1].sum()).item(), source_means(*total)
 
 
-def evaluate_fitting():
-    """evaluate() at the steps' micro-batch, halved for them too while it does not fit: the step-0 eval meets
-    a micro-batch too big before any step does."""
+def halve_after_oom(error, where):
+    """After a RuntimeError in a step or an eval (where): re-raise it unless it is an out-of-memory error this
+    process can retry; else halve the micro-batch, for the steps and the evals alike."""
     global micro_batch_size, accumulation_steps
+    recover_from_oom(error, ddp, optimizer, local_device)
+    micro_batch_size, accumulation_steps = halve_micro_batch(micro_batch_size, accumulation_steps)
+    log(f"{where}: out of memory, retrying with micro-batch {micro_batch_size} x {accumulation_steps} accumulation")
+
+
+def evaluate_fitting():
+    """evaluate() at the steps' micro-batch, halved while it does not fit: the step-0 eval meets a micro-batch
+    too big before any step does."""
     while True:
         try:
             return evaluate(micro_batch_size)
         except RuntimeError as error:
-            recover_from_oom(error, ddp, optimizer, local_device)
-            micro_batch_size, accumulation_steps = halve_micro_batch(micro_batch_size, accumulation_steps)
-            log(f"eval: out of memory, retrying with micro-batch {micro_batch_size} x {accumulation_steps} "
-                f"accumulation")
+            halve_after_oom(error, 'eval')
 
 
 def save(path, iter_num, best_val_loss, evals_without_improvement):
@@ -589,12 +594,9 @@ while iter_num < run_iters:
             shares, totals = train_step(global_batch.tensor_split(world_size)[rank].unflatten(
                 0, (accumulation_steps, micro_batch_size)))
             break
-        # CUDA raises torch.OutOfMemoryError, MPS a plain RuntimeError
+        # CUDA raises torch.OutOfMemoryError, MPS and the CPU a plain RuntimeError
         except RuntimeError as error:
-            recover_from_oom(error, ddp, optimizer, local_device)
-            micro_batch_size, accumulation_steps = halve_micro_batch(micro_batch_size, accumulation_steps)
-            log(f"step {iter_num}: out of memory, retrying with micro-batch {micro_batch_size} x {accumulation_steps} "
-                f"accumulation")
+            halve_after_oom(error, f'step {iter_num}')
 
     with profiler.section('optimizer'):
         scaler.unscale_(optimizer)

@@ -25,7 +25,7 @@ from lm.dpo import precomputed_reference_logps, reference_logps, sequence_logps_
 from lm.heldout_eval import HeldOut, metric_names, report_heldout
 from lm.tokenizer import chat_tokenizer
 from losses import DPO_LOSS_TYPES, dpo_loss
-from memory import peak_memory_bytes, resumed_micro_batch
+from memory import halve_micro_batch, peak_memory_bytes, recover_from_oom, resumed_micro_batch
 from model import GPTConfig
 from run.checkpoint import (CHECKPOINT_FORMATS, check_compatible, file_sha256, restore_training_state, training_state,
                             whole_checkpoint, write_checkpoint)
@@ -427,6 +427,25 @@ def evaluate(iter_num, micro_batch_size, epoch=None):
     return metrics['loss']
 
 
+def halve_after_oom(error, where):
+    """After a RuntimeError in a step or an eval (where): re-raise it unless it is an out-of-memory error this
+    process can retry; else halve the micro-batch, for the steps and the evals alike."""
+    global micro_batch_size, accumulation_steps
+    recover_from_oom(error, ddp, optimizer, local_device)
+    micro_batch_size, accumulation_steps = halve_micro_batch(micro_batch_size, accumulation_steps)
+    log(f"{where}: out of memory, retrying with micro-batch {micro_batch_size} x {accumulation_steps} accumulation")
+
+
+def evaluate_fitting(iter_num, epoch=None):
+    """evaluate() at the steps' micro-batch, halved while it does not fit: the step-0 eval meets a micro-batch
+    too big before any step does."""
+    while True:
+        try:
+            return evaluate(iter_num, micro_batch_size, epoch)
+        except RuntimeError as error:
+            halve_after_oom(error, 'eval')
+
+
 def save(path, iter_num, best_val_loss, evals_without_improvement):
     """A checkpoint of the run at path (write_checkpoint) at step iter_num, with the eval counters: collective
     under DDP and FSDP, every rank must call it."""
@@ -467,7 +486,7 @@ record, writer = run_log(out_dir, master, tensorboard, math.inf if eval_only els
                          tracker)
 
 if eval_only or iter_num == 0:
-    evaluate(iter_num, micro_batch_size)
+    evaluate_fitting(iter_num)
     report_heldout(raw_model, held_out, autocast, iter_num, record)
 if eval_only:
     compute_cleanup(ddp)
@@ -484,8 +503,14 @@ while iter_num < run_iters:
     # divided by the whole batch's counts (pairs, chosen and rejected completion tokens, their loss weights)
     global_batch = train_batches.sample(global_batch_size)
     counts = batch_counts(train_batches, train_sources, global_batch)
-    shares = train_step(global_batch.tensor_split(world_size)[rank].view(accumulation_steps, micro_batch_size),
-                        counts)
+    while True:
+        try:
+            shares = train_step(global_batch.tensor_split(world_size)[rank].view(accumulation_steps,
+                                                                                 micro_batch_size), counts)
+            break
+        # CUDA raises torch.OutOfMemoryError, MPS and the CPU a plain RuntimeError
+        except RuntimeError as error:
+            halve_after_oom(error, f'step {iter_num}')
     scaler.unscale_(optimizer)
     grad_norm = clip_grad_norm(raw_model.parameters(), grad_clip)
     metrics, (stop_requested,) = all_reduce_metrics(shares, [stop.requested is not None], ddp)
@@ -525,7 +550,7 @@ while iter_num < run_iters:
 
     if (iter_num % eval_interval == 0 or iter_num == run_iters
             or eval_every_epochs and epoch_end and epoch_end % eval_every_epochs == 0):
-        val_loss = evaluate(iter_num, micro_batch_size, epoch)
+        val_loss = evaluate_fitting(iter_num, epoch)
         improved = val_loss < best_val_loss
         if improved:
             best_val_loss, evals_without_improvement = val_loss, 0

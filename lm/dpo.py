@@ -6,10 +6,12 @@ every train and val pair, cached in out_dir, so that training needs no reference
 import torch
 import torch.distributed as dist
 
+from configurator import UserError
 from lm.lora import disable_adapters
 from losses import sequence_logps
+from memory import free_memory, is_oom
 from run.run_folder import cached_tensors
-from run.runtime import rank_batches
+from run.runtime import log, rank_batches
 
 
 def sequence_logps_and_logits(net, batch, n):
@@ -29,9 +31,11 @@ def reference_logps(reference, batch, n, autocast):
     disabled (a model without adapters is scored as it is)."""
     training = reference.training
     reference.eval()
-    with disable_adapters(reference), autocast:
-        sums, _, logits = sequence_logps_and_logits(reference, batch, n)
-    reference.train(training)
+    try:
+        with disable_adapters(reference), autocast:
+            sums, _, logits = sequence_logps_and_logits(reference, batch, n)
+    finally:  # an out-of-memory error the step retries must not leave the policy in eval mode
+        reference.train(training)
     return sums, logits
 
 
@@ -44,19 +48,34 @@ def precomputed_reference_logps(config, depends_on, batches, load_reference, aut
     again), called only when the cache misses."""
     rank, world_size, lockstep = compute.rank, compute.world_size, config['parallel'] == 'fsdp'
 
+    def scored(reference, pairs, size):
+        logps = torch.zeros(pairs.n_pairs, 2, device=compute.device)
+        for indices, counted in rank_batches(torch.arange(pairs.n_pairs), size, rank, world_size, lockstep):
+            sums, _ = reference_logps(reference, pairs.get(indices, compute.device), len(indices), autocast)
+            if counted:
+                logps[indices] = sums.view(2, -1).T
+        if compute.ddp:
+            dist.all_reduce(logps)  # each rank filled its share
+        return logps.cpu()
+
     def reference_pass():
         reference = load_reference()
-        cache = {}
+        cache, size = {}, config['batch_size']
         for name, pairs in batches.items():
-            logps = torch.zeros(pairs.n_pairs, 2, device=compute.device)
-            for indices, counted in rank_batches(torch.arange(pairs.n_pairs), config['batch_size'], rank, world_size,
-                                                 lockstep):
-                sums, _ = reference_logps(reference, pairs.get(indices, compute.device), len(indices), autocast)
-                if counted:
-                    logps[indices] = sums.view(2, -1).T
-            if compute.ddp:
-                dist.all_reduce(logps)  # each rank filled its share
-            cache[name] = logps.cpu()
+            while name not in cache:
+                try:
+                    cache[name] = scored(reference, pairs, size)
+                except RuntimeError as error:
+                    # no gradients: fewer pairs at a time give the same log-probs (the ranks would disagree)
+                    if not is_oom(error) or compute.ddp:
+                        raise
+                    if size == 1:
+                        raise UserError("out of memory scoring the reference's log-probs one pair at a time. "
+                                        "Lower max_length, use a smaller model, or use a device with more "
+                                        "memory.") from None
+                    free_memory(compute.device)
+                    size //= 2
+                    log(f"reference log-probs: out of memory, retrying {size} pairs at a time")
         return cache
 
     shapes = {name: (pairs.n_pairs, 2) for name, pairs in batches.items()}

@@ -464,13 +464,15 @@ def dpo_env(sft_env, tmp_path_factory):
     return dict(sft_env, sft=str(root / 'sft' / 'ckpt.pt'), pairs=pairs)
 
 
-def dpo_args(env, out_dir, *extra, ranks=1):
-    return [*(torchrun(ranks) if ranks > 1 else []), 'train_dpo.py', f'--out_dir={out_dir}',
-            f'--data_dir={env["data_dir"]}', f'--dpo_data={env["pairs"]}', f'--init_from={env["sft"]}', *DPO, *extra]
+def dpo_args(env, out_dir, *extra, ranks=1, faults=None):
+    """train_dpo.py's command line; faults: as launch's."""
+    return [*(torchrun(ranks) if ranks > 1 else []), *(['tests/faults.py', faults] if faults else []), 'train_dpo.py',
+            f'--out_dir={out_dir}', f'--data_dir={env["data_dir"]}', f'--dpo_data={env["pairs"]}',
+            f'--init_from={env["sft"]}', *DPO, *extra]
 
 
-def dpo(env, out_dir, *extra, ranks=1, **kw):
-    return run(dpo_args(env, out_dir, *extra, ranks=ranks), **kw)
+def dpo(env, out_dir, *extra, ranks=1, faults=None, **kw):
+    return run(dpo_args(env, out_dir, *extra, ranks=ranks, faults=faults), **kw)
 
 
 def evals(out_dir):

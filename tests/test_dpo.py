@@ -3,6 +3,7 @@ pairs from JSONL and their batching (lm/chat_data.py), the embedded number-task 
 to end through subprocesses (step-0 identities for every reference kind, accumulation invariance,
 bit-exact resume, RPO/IPO, clear errors)."""
 
+import contextlib
 import glob
 import json
 import math
@@ -15,6 +16,7 @@ import torch
 
 from configurator import UserError
 from lm.chat_data import PreferenceBatches, load_preference_split
+from lm.dpo import reference_logps
 from conftest import (ANSWERS, REFERENCE, TRAIN_METRICS, WORKING, assert_logged_to_wandb, assert_user_error,
                       char_tokenizer, checked_answer, dpo, dpo_args, evals, kill_and_relaunch, load, parameter_bytes,
                       random_pairs, read_log, reference_logps_under_bf16_autocast, sigterm_after_steps, torch_saved,
@@ -690,6 +692,49 @@ def test_rpo_adds_alpha_times_chosen_nll_and_ipo_starts_at_its_target(step0, tmp
     ipo = evals(tmp_path / 'ipo')[0]
     assert ipo['eval/loss'] == pytest.approx((1 / (2 * 0.25)) ** 2, abs=1e-5)
     assert ipo['eval/rewards/margins'] == 0 and ipo['eval/rewards/accuracies'] == 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.comparison
+@pytest.mark.parametrize('fault, extra, said', [
+    ('oom@1', (), 'step 1: out of memory, retrying with micro-batch 2 x 2 accumulation'),
+    ('evaloom@0', (), 'eval: out of memory, retrying with micro-batch 2 x 2 accumulation'),
+    ('evaloom@0', ('--precompute_ref_logps=True',), 'reference log-probs: out of memory, retrying 2 pairs at a time')])
+def test_oom_halves_micro_batch_and_keeps_the_run(tmp_path, dpo_env, fault, extra, said):
+    """As train.py's: an out-of-memory error in a step or an eval (evaloom@0: the step-0 eval, the first to meet
+    the micro-batch) halves the micro-batch for both, the same global batch of 4 pairs; in the precomputed
+    reference's pass (the first batch split at step 0 there) it halves the pairs scored at a time, the training
+    keeping its micro-batch. The run logs what a run that fit logs, to the accumulation test's tolerance."""
+    ref, oom = tmp_path / 'ref', tmp_path / 'oom'
+    common = ['--max_iters=3', '--eval_interval=2', '--learning_rate=1e-3', *extra]
+    dpo(dpo_env, ref, *common)
+    p = dpo(dpo_env, oom, *common, faults=fault)
+    assert said in p.stdout
+    ckpt = load(oom / 'ckpt.pt')
+    assert (ckpt['batch_size'], ckpt['gradient_accumulation_steps']) == ((4, 1) if extra else (2, 2))
+    fit, halved = train_metrics(ref), train_metrics(oom)
+    assert sorted(halved) == sorted(fit) == [1, 2, 3]
+    for step in fit:
+        assert halved[step].keys() == fit[step].keys()
+        for k in (k for k in TRAIN_METRICS if k in fit[step]):  # no 'kl' without the reference's logits
+            assert halved[step][k] == pytest.approx(fit[step][k], rel=1e-5, abs=1e-5), (step, k)
+    assert [e['step'] for e in evals(oom)] == [0, 2, 3]
+    for e, other in zip(evals(ref), evals(oom), strict=True):
+        assert other == pytest.approx(e, rel=1e-5, abs=1e-5)
+
+
+def test_reference_pass_error_leaves_the_policy_in_train_mode():
+    """With LoRA the reference is the policy itself, scored in eval mode: an out-of-memory error there (which
+    the step retries) must not leave the policy training in eval mode."""
+    class OutOfMemory(torch.nn.Module):
+        def forward(self, *args, **kwargs):
+            raise torch.OutOfMemoryError('injected')
+
+    policy = OutOfMemory().train()
+    batch = dict.fromkeys(('x', 'positions', 'mask', 'rows', 'cols'))
+    with pytest.raises(torch.OutOfMemoryError):
+        reference_logps(policy, batch, 1, contextlib.nullcontext())
+    assert policy.training
 
 
 @pytest.mark.slow

@@ -33,7 +33,7 @@ from lm.rewards import check_rows, load_rewards, reward_values
 from lm.rl import (IMPORTANCE_LEVELS, LOSS_TYPES, SCALE_REWARDS, clipped_token_loss, completion_batches,
                    group_advantages, k3_kl, normalized_loss, sequence_log_ratio, token_entropy)
 from lm.tokenizer import chat_tokenizer
-from memory import peak_memory_bytes
+from memory import peak_memory_bytes, recover_from_oom
 from model import GPTConfig
 from run.checkpoint import NEW_RUN, check_compatible, restore_training_state, training_state, write_checkpoint
 from run.device import DTYPES, autocast_context, pick_dtype
@@ -341,9 +341,11 @@ def fixed_logps(batches, use_reference):
     use_reference, of the reference: the frozen copy, or the policy with its adapters disabled."""
     net = reference if use_reference and reference is not None else raw_model
     raw_model.eval()
-    with disable_adapters(raw_model) if use_reference and use_lora else nullcontext(), autocast:
-        logps = [token_logps_and_logits(net, batch)[0] for batch in batches]
-    raw_model.train()
+    try:
+        with disable_adapters(raw_model) if use_reference and use_lora else nullcontext(), autocast:
+            logps = [token_logps_and_logits(net, batch)[0] for batch in batches]
+    finally:  # an out-of-memory error, retried, must not leave the policy in eval mode
+        raw_model.train()
     return logps
 
 
@@ -380,6 +382,37 @@ def train_step(batches, advantages, old_logps, ref_logps, totals):
             shares[k] = shares.get(k, 0.0) + v.sum() / max(totals[1], 1)
         shares['loss'] = shares.get('loss', 0.0) + loss.detach()
     return shares
+
+
+def halve_after_oom(error, where):
+    """After a RuntimeError in a step or its scoring (where): re-raise it unless it is an out-of-memory error this
+    process can retry; else halve the completions a micro-batch holds (every loss divides by the whole batch's
+    counts, so the step is the same)."""
+    global completions_per_micro_batch
+    recover_from_oom(error, ddp, optimizer, local_device)
+    if completions_per_micro_batch == 1:
+        raise UserError("out of memory with one completion per micro-batch, so it cannot shrink further. Lower "
+                        "max_new_tokens, use a smaller model, or use a device with more memory.")
+    completions_per_micro_batch = (completions_per_micro_batch + 1) // 2
+    log(f"{where}: out of memory, retrying with {completions_per_micro_batch} completions a micro-batch")
+
+
+def fitting_batches(sequences, scored):
+    """This rank's completions as micro-batches (completion_batches), with their fixed log-probs: the policy's as
+    it sampled (None with one iteration) and the reference's (None with beta 0); halved while they do not fit."""
+    while True:
+        try:
+            batches = completion_batches(sequences, scored, completions_per_micro_batch, local_device)
+            return (batches, fixed_logps(batches, use_reference=False) if num_iterations > 1 else None,
+                    fixed_logps(batches, use_reference=True) if beta > 0 else None)
+        except RuntimeError as error:
+            halve_after_oom(error, 'scoring')
+
+
+def resplit(logps, batches):
+    """Per-micro-batch log-probs (fixed_logps') split for other micro-batches of the same completions (None:
+    None). The policy has moved since the old ones were computed: they are split again, not recomputed."""
+    return None if logps is None else list(torch.cat(logps).split([len(batch.targets) for batch in batches]))
 
 
 def gathered(tensor):
@@ -480,10 +513,8 @@ while iter_num < max_iters:
     advantages = group_advantages(all_rewards, num_generations, scale_rewards).view(world_size, -1)[rank]
     sequences = [(prompts[i // num_generations][0], c) for i, c in enumerate(completions)]
     scored = [bool(s) or not mask_truncated_completions for s in stopped.tolist()]  # DAPO's mask: truncated ones out
-    batches = completion_batches(sequences, scored, completions_per_micro_batch, local_device)
     t1 = time.time()
-    old_logps = fixed_logps(batches, use_reference=False) if num_iterations > 1 else None
-    ref_logps = fixed_logps(batches, use_reference=True) if beta > 0 else None
+    batches, old_logps, ref_logps = fitting_batches(sequences, scored)
     lengths = torch.tensor([len(c) for c in completions], device=local_device, dtype=torch.float)
     counts = gathered(torch.stack([lengths.sum(), sum(b.lengths.sum() for b in batches).float(),
                                    stopped.sum().to(local_device, torch.float)]).view(1, 3)).sum(0)
@@ -492,7 +523,15 @@ while iter_num < max_iters:
 
     # num_iterations optimizer steps on the batch: the first at ratio 1, the later ones clipped
     for iteration in range(num_iterations):
-        shares = train_step(batches, advantages, old_logps, ref_logps, totals)
+        while True:
+            try:
+                shares = train_step(batches, advantages, old_logps, ref_logps, totals)
+                break
+            # CUDA raises torch.OutOfMemoryError, MPS and the CPU a plain RuntimeError
+            except RuntimeError as error:
+                halve_after_oom(error, f'step {iter_num}')
+                batches = completion_batches(sequences, scored, completions_per_micro_batch, local_device)
+                old_logps, ref_logps = resplit(old_logps, batches), resplit(ref_logps, batches)
         scaler.unscale_(optimizer)
         grad_norm = clip_grad_norm(raw_model.parameters(), grad_clip)
         metrics, (stop_requested,) = all_reduce_metrics(shares, [stop.requested is not None], ddp)

@@ -1,14 +1,15 @@
 """
 Fault injection for the end-to-end tests: runs a training script as `python script.py ...` would,
 with an out-of-memory error, a NaN loss or a SIGTERM injected at the named training steps (or an
-out-of-memory error in an evaluation):
+out-of-memory error in an evaluation, or in train_rl.py's scoring of its rollouts):
 
     python tests/faults.py nan@2,oom@1 train.py --max_iters=6 ...
 
-N in oom@N / nan@N / term@N / evaloom@N is the script's iter_num: the step the run started at, plus the
-training steps it has finished since. The scripts have no code for this; before the script runs, three
-library functions that every training script calls, and the evaluations' batch splitter, are wrapped (each
-still does all it did):
+N in oom@N / nan@N / term@N / evaloom@N / scoreoom@N is the script's iter_num: the step the run started at,
+plus the training steps it has finished since (train_rl.py with num_iterations > 1: its optimizer steps). The
+scripts have no code for this; before the script runs, three library functions that every training script
+calls, the evaluations' batch splitter and train_rl.py's rollout batcher are wrapped (each still does all it
+did):
 
 - checkpoint.restore_training_state: a resumed run's step counters; the count starts at the iter_num it
   returns (at 0 in a run that starts afresh and never calls it).
@@ -23,7 +24,10 @@ still does all it did):
   the run saves at step N + 1 and exits 143, as on a real SIGTERM: a stop at a step of the test's choosing).
 - run.runtime.rank_batches: what train.py's and train_dpo.py's evaluations split their batches with (and
   lm/dpo.py's reference pass; never a training step). evaloom@N raises torch.OutOfMemoryError there, at its
-  first call at step N (before any batch: train.py's eval retry catches it).
+  first call at step N (before any batch: the scripts' eval retries catch it, and the reference pass's).
+- lm.rl.completion_batches: lays a train_rl.py step's rollouts out in micro-batches, first for the no-grad
+  scoring passes (the policy's and the reference's log-probs). scoreoom@N raises torch.OutOfMemoryError at its
+  first call at step N, inside the scoring's OOM retry.
 
 Each fault fires once, at the first micro-batch of its step, so the step retried after an injected OOM
 goes through. Under torchrun every rank runs this file and counts its own steps.
@@ -37,6 +41,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository's modules
+from lm import rl  # noqa: E402
 from run import checkpoint, runtime  # noqa: E402
 
 
@@ -47,8 +52,8 @@ class Faults:
         self.pending = set()
         for fault in spec.replace(' ', '').split(','):
             name, _, step = fault.partition('@')
-            assert name in ('oom', 'nan', 'term', 'evaloom') and step.isdigit(), \
-                f"fault {fault!r}: expected oom@N, nan@N, term@N, evaloom@N"
+            assert name in ('oom', 'nan', 'term', 'evaloom', 'scoreoom') and step.isdigit(), \
+                f"fault {fault!r}: expected oom@N, nan@N, term@N, evaloom@N, scoreoom@N"
             self.pending.add((name, int(step)))
         self.step = 0  # the script's iter_num
 
@@ -63,7 +68,7 @@ class Faults:
         monkeypatch.setattr (undone after the test)."""
         Scaler = torch.amp.GradScaler
         scale, update, restore = Scaler.scale, Scaler.update, checkpoint.restore_training_state
-        split = runtime.rank_batches
+        split, lay_out = runtime.rank_batches, rl.completion_batches
 
         def scale_with_faults(scaler, loss):
             if self.fires('term'):
@@ -87,8 +92,14 @@ class Faults:
                 raise torch.OutOfMemoryError(f'injected OOM in the eval at step {self.step}')
             return split(*args, **kwargs)
 
+        def lay_out_with_faults(*args, **kwargs):
+            if self.fires('scoreoom'):
+                raise torch.OutOfMemoryError(f'injected OOM in the scoring at step {self.step}')
+            return lay_out(*args, **kwargs)
+
         patch(Scaler, 'scale', scale_with_faults)
         patch(runtime, 'rank_batches', split_with_faults)  # before the script imports it
+        patch(rl, 'completion_batches', lay_out_with_faults)
         patch(Scaler, 'update', update_and_count)
         patch(checkpoint, 'restore_training_state', restore_and_start_there)  # before the script imports it
         return self

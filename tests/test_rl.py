@@ -268,13 +268,15 @@ def rl_env(sft_env, tmp_path_factory):
     return dict(sft_env, sft=str(root / 'sft' / 'ckpt.pt'), prompts=prompts, rewards=str(root / 'rewards.py'))
 
 
-def rl_args(env, out_dir, *extra, ranks=1):
-    return [*(torchrun(ranks) if ranks > 1 else []), 'train_rl.py', f'--out_dir={out_dir}',
-            f'--data_dir={env["data_dir"]}', f'--rl_data={env["prompts"]}', f'--init_from={env["sft"]}', *RL, *extra]
+def rl_args(env, out_dir, *extra, ranks=1, faults=None):
+    """train_rl.py's command line; faults: injected by tests/faults.py, e.g. 'oom@1'."""
+    return [*(torchrun(ranks) if ranks > 1 else []), *(['tests/faults.py', faults] if faults else []), 'train_rl.py',
+            f'--out_dir={out_dir}', f'--data_dir={env["data_dir"]}', f'--rl_data={env["prompts"]}',
+            f'--init_from={env["sft"]}', *RL, *extra]
 
 
-def rl(env, out_dir, *extra, ranks=1, **kw):
-    return run(rl_args(env, out_dir, *extra, ranks=ranks), **kw)
+def rl(env, out_dir, *extra, ranks=1, faults=None, **kw):
+    return run(rl_args(env, out_dir, *extra, ranks=ranks, faults=faults), **kw)
 
 
 def train_events(out_dir):
@@ -342,6 +344,28 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path, rl_env, loss_type
     assert big['grad_norm'] > 0 and big['loss'] != 0
     for k in ('loss', 'grad_norm', 'entropy', 'kl'):
         assert acc[k] == pytest.approx(big[k], rel=1e-5, abs=1e-7), k
+
+
+@pytest.mark.slow
+@pytest.mark.comparison
+@pytest.mark.parametrize('fault, said', [
+    ('scoreoom@0', 'scoring: out of memory, retrying with 8 completions a micro-batch'),
+    ('oom@1', 'step 0: out of memory, retrying with 8 completions a micro-batch')])
+def test_oom_halves_the_completions_a_micro_batch_holds(tmp_path, rl_env, fault, said):
+    """An out-of-memory error in the scoring passes (the reference's and the sampling policy's log-probs) or in
+    a step (oom@1 with two iterations: the step's second optimizer step, whose fixed log-probs are split again,
+    not recomputed under the moved policy) halves the completions a micro-batch holds, 16 -> 8: the run logs
+    what a run that fit logs, to the accumulation test's tolerance."""
+    common = ['--max_iters=2', '--eval_interval=100', '--eval_prompts=1', '--exact_match_examples=0',
+              '--num_iterations=2', '--beta=0.1', f'--reward={rl_env["rewards"]}:chars', '--scale_rewards=batch']
+    rl(rl_env, tmp_path / 'fit', *common)
+    p = rl(rl_env, tmp_path / 'oom', *common, faults=fault)
+    assert said in p.stdout
+    fit, halved = train_events(tmp_path / 'fit'), train_events(tmp_path / 'oom')
+    assert sorted(fit) == sorted(halved) == [1, 2]
+    for step in fit:
+        for k in ('reward', 'loss', 'grad_norm', 'entropy', 'kl', 'clip_ratio/region_mean'):
+            assert halved[step][k] == pytest.approx(fit[step][k], rel=1e-5, abs=1e-7), (step, k)
 
 
 @pytest.mark.slow

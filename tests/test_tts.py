@@ -689,6 +689,24 @@ def test_asr_synthesis_writes_only_the_kinds_asked_for(tmp_path, corpus, straigh
     assert p.returncode != 0 and "'model' needs --ckpt" in p.stderr
 
 
+@pytest.mark.slow
+def test_vocoder_bench_times_a_model_over_the_audio_it_speaks(tmp_path, corpus, straight_run):
+    """bench/bench_vocoder.py --tts_ckpt: a checkpoint's text to mel, alone and through the generator, each an RTF
+    over the seconds the model speaks (its own mels' frames, not the recordings')."""
+    ckpt, out = straight_run[0] / 'ckpt.pt', tmp_path / 'rtf.json'
+    run(['bench/bench_vocoder.py', f'--vocoder={VOCODER}', f'--data_dir={corpus}', '--utterances=2', '--rounds=1',
+         '--threads=1', '--compile=0', f'--tts_ckpt={ckpt}', f'--out={out}'])
+    rtf = json.loads(out.read_text())['rtf']
+    model = load_tts(load(ckpt))
+    frames = sum(synthesize(model, text, vocode=lambda log_mel: log_mel)[1].shape[1]
+                 for _, text in read_metadata(str(corpus))[:2])
+    recorded = rtf['HiFi-GAN, eager']['audio_seconds']
+    for variant in ('text to mel', '+ HiFi-GAN'):
+        entry = rtf[f'{ckpt}: {variant}']
+        assert entry['median'] > 0 and entry['audio_seconds'] != recorded
+        assert entry['audio_seconds'] == pytest.approx(frames * MEL_SETTINGS['hop_length'] / SR)
+
+
 def make_speaker_corpus(root, n=12):
     """Two voices saying the tiny corpus's words: 'lo' an octave below 'hi'; rows id|speaker|text."""
     base = make_corpus(root / 'one', n=n)

@@ -53,7 +53,7 @@ work_dir = 'runs/results/report'  # the runs' out_dirs
 reuse = False                # read a finished run of the same command and code back; continue a killed one
 results_md = True            # put the report's table into runs/RESULTS.md (between the report markers); not with quick
 table_only = False           # no runs: rewrite runs/RESULTS.md's table from the committed runs/report.json, and stop
-stages = 'pretrain,sft,lora,dpo,rl,hf-lora,hf-rl,tts-espeak,tts-natural,tts-natural-long'  # run, each after its start
+stages = 'pretrain,sft,lora,dpo,rl,hf-lora,hf-rl,tts-espeak,tts-natural,tts-natural-long,tts-natural-wide'  # run, each after its start
 hf_model = 'models/smollm2-135m-instruct'  # the published chat model of the hf- stages; not there = they are skipped
 heldout_examples = 500       # held-out number-task prompts every model answers through eval.py (test.jsonl's first)
 espeak_dir = '../shared/data/espeak-ljspeech'  # tts-espeak's corpus; its held-out split is scored
@@ -94,12 +94,15 @@ STAGES = {
     'tts-natural': (['train_tts.py', 'config/tts_natural_cpu.py'], None, TTS_QUICK),
     'tts-natural-long': (['train_tts.py', 'config/tts_natural_cpu.py', 'config/tts_natural_long_cpu.py'], None,
                          TTS_QUICK),
+    'tts-natural-wide': (['train_tts.py', 'config/tts_natural_cpu.py', 'config/tts_natural_wide_cpu.py'], None,
+                         TTS_QUICK),
 }
 HF_STAGES = ('hf-lora', 'hf-rl')
 LM_STAGES = ('pretrain', 'sft', 'lora', 'dpo', 'rl')  # the speedrun runs only with all of them (see the end)
 # text-to-speech stages: their corpus, and the sentences Whisper hears ('' = the checkpoint's held out)
 TTS_CORPORA = {'tts-espeak': (espeak_dir, ''), 'tts-natural': (natural_dir, natural_heldout_dir),
-               'tts-natural-long': (natural_dir, natural_heldout_dir)}
+               'tts-natural-long': (natural_dir, natural_heldout_dir),
+               'tts-natural-wide': (natural_dir, natural_heldout_dir)}
 # text-to-speech stages whose model also speaks through the first of vocoders fine-tuned on its own mels (the
 # recipe's generator: train_vocoder.py, in the stage's out_dir/vocoder)
 GENERATOR_FT = {'tts-natural-long': ['train_vocoder.py', 'config/vocoder_natural_cpu.py']}
@@ -332,10 +335,12 @@ COMMANDS = {'pretrain': '`python train.py`', 'sft': '`python train.py config/sft
             'speedrun': '`python bench/speedrun.py` (pairs, not seeds)',
             'tts-espeak': '`python train_tts.py config/tts_espeak_cpu.py`',
             'tts-natural': '`python train_tts.py config/tts_natural_cpu.py`',
-            'tts-natural-long': '`python train_tts.py config/tts_natural_cpu.py config/tts_natural_long_cpu.py`'}
+            'tts-natural-long': '`python train_tts.py config/tts_natural_cpu.py config/tts_natural_long_cpu.py`',
+            'tts-natural-wide': '`python train_tts.py config/tts_natural_cpu.py config/tts_natural_wide_cpu.py`'}
 TTS_NAMES = {'tts-espeak': 'espeak-ng (400 utterances, 19 min; its 20 held out)',
              'tts-natural': 'Piper "joe" in phonemes (1,000 utterances, 42.5 min; 100 other sentences)',
-             'tts-natural-long': 'the same, 10,000 steps (issue 56\'s recipe)'}
+             'tts-natural-long': 'the same, 10,000 steps (issue 56\'s recipe)',
+             'tts-natural-wide': 'the same, 5,000 steps of a 4x wider model (11.9M parameters)'}
 TTS_COLUMNS = ('Whisper WER', 'Whisper CER', 'DNSMOS OVRL', 'DNSMOS P.808', 'MCD-DTW, dB', 'RTF', 'wall time, min')
 STARTS = {'dpo': 'sft', 'rl': 'sft', 'hf-rl': 'hf-lora'}  # the steps that start from another model of the chain
 HELDOUT_NAMES = {'pretrain': 'base (pretrained)', 'sft': 'SFT', 'lora': 'LoRA', 'dpo': 'DPO after SFT',

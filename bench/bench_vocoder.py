@@ -22,7 +22,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from configurator import check_output_file, install_excepthook  # noqa: E402
+from configurator import UserError, check_output_file, install_excepthook  # noqa: E402
+from run.checkpoint import load_checkpoint  # noqa: E402
 from run.device import cpu_name  # noqa: E402
 from tts.data import MEL_SETTINGS, MelExtractor, read_metadata, read_wav  # noqa: E402
 from tts.model import load_tts, synthesize  # noqa: E402
@@ -83,7 +84,11 @@ if args.compile:
     print(f"torch.compile: first pass {time.perf_counter() - t0:.1f} s")
     variants['HiFi-GAN, torch.compile'] = (vocode_compiled, mels, audio_seconds(mels))
 for path in tts_ckpts:
-    model = load_tts(torch.load(path, map_location='cpu', weights_only=False))
+    ckpt = load_checkpoint(path, fix="give train_tts.py checkpoints in --tts_ckpt, comma-separated")
+    if ckpt['kind'] != 'tts':
+        raise UserError(f"--tts_ckpt: {path} is a {ckpt['kind']!r} checkpoint, not a text-to-speech one "
+                        f"(train_tts.py's); give those, comma-separated.")
+    model = load_tts(ckpt)
     voice = model.config.speakers[0] if model.config.speakers else ''
 
     def text_to_mel(text, model=model, voice=voice):  # the checkpoint's own synthesis settings aside: defaults

@@ -705,6 +705,12 @@ def test_vocoder_bench_times_a_model_over_the_audio_it_speaks(tmp_path, corpus, 
         entry = rtf[f'{ckpt}: {variant}']
         assert entry['median'] > 0 and entry['audio_seconds'] != recorded
         assert entry['audio_seconds'] == pytest.approx(frames * MEL_SETTINGS['hop_length'] / SR)
+    torch.save({'kind': 'gpt'}, tmp_path / 'gpt.pt')
+    for bad, said in ((tmp_path / 'none.pt', 'does not exist'), (VOCODER, 'which nanotrain never writes'),
+                      (tmp_path / 'gpt.pt', "a 'gpt' checkpoint, not a text-to-speech one")):
+        p = run(['bench/bench_vocoder.py', f'--vocoder={VOCODER}', f'--data_dir={corpus}', '--compile=0',
+                 f'--tts_ckpt={bad}', f'--out={tmp_path / "bad.json"}'], check=False)
+        assert p.returncode == 2 and said in p.stderr and 'Traceback' not in p.stderr, p.stderr
 
 
 def make_speaker_corpus(root, n=12):

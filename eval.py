@@ -31,6 +31,7 @@ from lm.generate import CompiledDecoding, generate_batch, stop_tokens
 from lm.metrics import (corpus_scores, corpus_stderrs, exact_match, example_scores, mean_pass_at_k, mean_stderr,
                         parse_metric_names, pass_at_k)
 from loading import load_for_generation, model_path
+from memory import free_memory, is_oom
 from run.device import autocast_context, pick_device, pick_dtype
 from tasks.number_tasks import prepare_number_tasks
 
@@ -142,6 +143,28 @@ def on_line(where, encode, *args):
         raise UserError(e.args[0] if str(e).startswith(where) else f"{where}: {e}") from None
 
 
+def in_batches(items, work):
+    """work(batch) over items, batch_size at a time. A batch that runs out of memory is done again in halves,
+    and so is the rest: a batch's results do not depend on its size (lm-eval's batch_size='auto' searches
+    for the size before it starts)."""
+    size, first = batch_size, 0
+    while first < len(items):
+        batch = items[first:first + size]
+        try:
+            work(batch)
+        except RuntimeError as error:
+            if not is_oom(error):
+                raise
+            if size == 1:
+                raise UserError(f"out of memory evaluating one sequence at a time on {local_device}: use a "
+                                f"smaller model or max_new_tokens, or a device with more memory.") from None
+            free_memory(local_device)
+            size = (size + 1) // 2
+            tqdm.write(f"out of memory: {size} at a time from here on")
+            continue
+        first += len(batch)
+
+
 if generation:
     # a chat answer ends at its end of turn, a continuation at EOS (or a published model's stops)
     stop_ids = stop_tokens(tokenizer)
@@ -167,8 +190,8 @@ if generation:
     # shortest prompts first: a batch pads its prompts to its longest
     order = sorted(range(len(rows)), key=lambda i: len(prompts[i]))
     examples = [None] * len(rows)
-    for first in range(0, len(rows), batch_size):
-        batch = order[first:first + batch_size]
+
+    def answer(batch):
         with autocast:
             completions = generate_batch(model, [prompts[i] for i in batch], new_tokens, temperature,
                                          top_k or None, top_p or None, stop_ids, num_samples, generator,
@@ -189,6 +212,7 @@ if generation:
                 example['correct'] = sum(exact_match([s], [references]) == 1.0 for s in samples)
             examples[i] = example
         progress.update(len(batch))
+    in_batches(order, answer)
     progress.close()
     if metric_names:
         predictions, references = [e['prediction'] for e in examples], [e['references'] for e in examples]
@@ -204,11 +228,14 @@ elif kind == ROLLING:
         f"{task_path}:{row['line']}", rolling_requests, tokenizer, row['text'], block_size,
         f"{task_path}:{row['line']}")]
     logliks = [0.0] * len(rows)
-    for first in tqdm(range(0, len(requests), batch_size), desc=f"perplexity {os.path.basename(task_path)}",
-                      unit='batch'):
-        batch = requests[first:first + batch_size]
+    progress = tqdm(total=len(requests), desc=f"perplexity {os.path.basename(task_path)}", unit='window')
+
+    def add_windows(batch):
         for (i, _), loglik in zip(batch, choice_logliks(model, [r for _, r in batch], autocast)):
             logliks[i] += loglik
+        progress.update(len(batch))
+    in_batches(requests, add_windows)
+    progress.close()
     for i, row in enumerate(rows):
         examples.append(dict(index=i, line=row['line'], loglik=logliks[i],
                              **rolling_scores([logliks[i]], [row['text']])))
@@ -220,12 +247,13 @@ else:
         f"{task_path}:{row['line']}")]
     logliks = [[] for _ in rows]
     progress = tqdm(total=len(rows), desc=f"multiple choice {os.path.basename(task_path)}", unit='example')
-    for first in range(0, len(requests), batch_size):
-        batch = requests[first:first + batch_size]
+
+    def add_choices(batch):
         for (i, _), loglik in zip(batch, choice_logliks(model, [r for _, r in batch], autocast)):
             logliks[i].append(loglik)
         done = batch[-1][0] + (len(logliks[batch[-1][0]]) == len(rows[batch[-1][0]]['choices']))
         progress.update(done - progress.n)
+    in_batches(requests, add_choices)
     progress.close()
     for i, row in enumerate(rows):
         pred, pred_norm, pred_bytes = choice_predictions(logliks[i], row['choices'])

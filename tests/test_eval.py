@@ -202,6 +202,42 @@ def test_multiple_choice_logliks_and_accuracy(models):
         assert result['stderr'][k] == pytest.approx(math.sqrt(sum((v - mean) ** 2 for v in values) / 3 / 4))
 
 
+@pytest.mark.comparison
+@pytest.mark.parametrize('kind', ['generation', 'multiple_choice', 'rolling'])
+def test_a_batch_out_of_memory_is_done_in_halves_with_the_same_results(models, tmp_path, monkeypatch, capsys, kind):
+    """A batch of more than 2 sequences raises torch.OutOfMemoryError (as a device with room for 2 would): eval.py
+    goes on 2 at a time and writes the results of a run that fit. 1e-5: float32 logits of other batch shapes
+    (~eps32 * |logit| ~ 1e-5 a log-prob, summed over a few tokens); greedy answers lead by MARGIN, so equal."""
+    rows = {'generation': [dict(prompt=p, reference='3') for p in PROMPTS],
+            'multiple_choice': [dict(context=p, choices=['3', '4', 'abc'], label=0) for p in PROMPTS],
+            'rolling': [dict(text=p * 3) for p in PROMPTS]}[kind]
+    data = write_jsonl(tmp_path / f'{kind}.jsonl', rows)
+    model = models['base']
+    if kind == 'rolling':  # a text's first token is conditioned on EOS, which the char tokenizer lacks
+        (tmp_path / 'corpus.txt').write_text(''.join(CHARS) * 4 + 'The cat sat on the mat. ' * 30)
+        data_dir = prepare(str(tmp_path / 'corpus.txt'), str(tmp_path / 'bpe'), tokenizer='bpe', vocab_size=400)
+        tokenizer = load_tokenizer(data_dir)
+        model = save(sharp_model(tokenizer.vocab_size, seed=5), tokenizer, False, data_dir, str(tmp_path / 'ckpt.pt'))
+    args = [f'--init_from={model}', f'--eval_data={data}', '--max_new_tokens=8', '--batch_size=4']
+    fit = eval_py(*args, f'--out={tmp_path / "fit.json"}')
+    import lm.eval_tasks
+    import lm.generate
+    for module, name in ((lm.generate, 'generate_batch'), (lm.eval_tasks, 'choice_logliks')):
+        def limited(model, batch, *rest, work=getattr(module, name), **kwargs):
+            if len(batch) > 2:
+                raise torch.OutOfMemoryError('injected: room for 2')
+            return work(model, batch, *rest, **kwargs)
+        monkeypatch.setattr(module, name, limited)
+    halved = eval_py(*args, f'--out={tmp_path / "halved.json"}')
+    assert 'out of memory: 2 at a time from here on' in capsys.readouterr().out
+    assert halved['n'] == fit['n'] == len(rows) and halved['scores'] == pytest.approx(fit['scores'], abs=1e-5)
+    for a, b in zip(fit['examples'], halved['examples'], strict=True):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert b[k] == (pytest.approx(a[k], abs=1e-5) if k in ('logliks', 'loglik') or 'perplexity' in k
+                            or k == 'bits_per_byte' else a[k]), k
+
+
 def test_choice_predictions_are_lm_evals_argmaxes():
     # acc picks the highest sum; acc_norm divides by the choice's characters (not its tokens)
     assert choice_predictions([-2.0, -3.0], ['x', 'yyyyyy']) == (0, 1, 1)

@@ -275,6 +275,13 @@ if ckpt:
                                                                               rank, world_size, raw_model)
     # checkpoints store it as a loss, -pass@1 (save)
     best_pass_at_1 = -stored_best
+    # an out-of-memory error halved the micro-batch (halve_after_oom): the same split continues halved
+    saved_split = (ckpt['config']['gradient_accumulation_steps'], len(ckpt['rng']))  # one random state a process
+    if saved_split == (gradient_accumulation_steps, world_size) and ckpt.get('completions_per_micro_batch', 0) and \
+            ckpt['completions_per_micro_batch'] < completions_per_micro_batch:
+        completions_per_micro_batch = ckpt['completions_per_micro_batch']
+        log(f"continuing with {completions_per_micro_batch} completions a micro-batch (halved after an "
+            f"out-of-memory error)")
 # rank 0 logs to Weights & Biases too, a continued run to its W&B run
 tracker = start_wandb(config, ckpt and ckpt.get('wandb_run_id'), master) if wandb_log else None
 ckpt = None
@@ -475,6 +482,7 @@ def save(path, iter_num, best_pass_at_1, evals_without_improvement):
                  kind='gpt', model=weights, model_args=model_args, tokenizer=tokenizer.identity(),
                  data_dir=os.path.abspath(corpus_dir), train_sampler=train_sampler.state_dict(),
                  prompts_per_step=prompts_per_step, num_generations=num_generations,
+                 completions_per_micro_batch=completions_per_micro_batch,
                  reference_checkpoint=os.path.abspath(reference_path), reference_hash=reference_hash,
                  train_data_hash=train_data_hash, train_prompts_hash=train_prompts_hash,
                  wandb_run_id=tracker and tracker.id, **hf_files)

@@ -366,6 +366,10 @@ def test_oom_halves_the_completions_a_micro_batch_holds(tmp_path, rl_env, fault,
     for step in fit:
         for k in ('reward', 'loss', 'grad_norm', 'entropy', 'kl', 'clip_ratio/region_mean'):
             assert halved[step][k] == pytest.approx(fit[step][k], rel=1e-5, abs=1e-7), (step, k)
+    # the checkpoint keeps the halved split, and a continued run takes it up
+    assert load(tmp_path / 'oom' / 'ckpt.pt')['completions_per_micro_batch'] == 8
+    p = rl(rl_env, tmp_path / 'oom', *common, '--max_iters=3')
+    assert 'continuing with 8 completions a micro-batch' in p.stdout
 
 
 @pytest.mark.slow

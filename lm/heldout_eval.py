@@ -24,6 +24,7 @@ import torch.distributed as dist
 from configurator import UserError
 from lm.generate import generate_batch, stop_tokens
 from lm.metrics import METRICS, corpus_scores, exact_match, parse_metric_names
+from memory import free_memory, is_oom
 from run.fsdp import is_sharded, whole_root
 from run.runtime import log
 
@@ -92,6 +93,26 @@ def score_answers(names, answers, references, tokenizer):
     return {name: scores[name] for name in names}
 
 
+def answered(model, rows, batch, stop_ids, retry):
+    """{row: answer} of one batch of answer_batches' rows. One that runs out of memory is answered in halves
+    (retry: this rank may do so alone), each row still as alone; one prompt that does not fit is a UserError."""
+    try:
+        completions = generate_batch(model, [rows[i][0] for i in batch], max(rows[i][1] for i in batch),
+                                     stop_ids=stop_ids)
+    except RuntimeError as error:
+        if not (retry and is_oom(error)):
+            raise
+        if len(batch) == 1:
+            raise UserError("out of memory answering one held-out prompt: skip the held-out answers with "
+                            "exact_match_examples=0 (or lower max_length, where the script has it).") from None
+        free_memory(str(model.lm_head.weight.device))
+        half = (len(batch) + 1) // 2
+        return {**answered(model, rows, batch[:half], stop_ids, retry),
+                **answered(model, rows, batch[half:], stop_ids, retry)}
+    # a row may run past its own budget while others in the batch go on
+    return {i: completion[:rows[i][1]] for i, completion in zip(batch, completions)}
+
+
 @torch.no_grad()
 def heldout_answers(model, held_out, autocast):
     """Every held-out prompt's greedy answer (token ids), in order, on every rank. model: the raw model
@@ -104,13 +125,13 @@ def heldout_answers(model, held_out, autocast):
     answers = {}
     training = model.training
     model.eval()
-    with autocast, whole_root(model):
-        for batch in batches[rank::world_size] if split else batches:
-            completions = generate_batch(model, [rows[i][0] for i in batch], max(rows[i][1] for i in batch),
-                                         stop_ids=stop_tokens(held_out.tokenizer))
-            # a row may run past its own budget while others in the batch go on
-            answers.update((i, completion[:rows[i][1]]) for i, completion in zip(batch, completions))
-    model.train(training)
+    stop_ids, retry = stop_tokens(held_out.tokenizer), not is_sharded(model)  # FSDP's ranks generate in lockstep
+    try:
+        with autocast, whole_root(model):
+            for batch in batches[rank::world_size] if split else batches:
+                answers.update(answered(model, rows, batch, stop_ids, retry))
+    finally:  # an out-of-memory error must not leave a training model in eval mode
+        model.train(training)
     if split:
         shares = [None] * world_size
         dist.all_gather_object(shares, answers)

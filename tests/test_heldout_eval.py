@@ -8,6 +8,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from configurator import UserError
 from conftest import assert_user_error, logged, read_log, run, sft, sft_args, sft_mixture, torchrun
 from lm import metrics
 from lm.generate import generate_batch
@@ -80,6 +81,30 @@ def test_batched_answers_equal_one_prompt_at_a_time():
     texts = [tok.decode(a[:-1] if a[-1] == tok.eos_id else a) for a in longer]
     assert scores['bleu'] == metrics.corpus_bleu(texts, references)
     assert m.training is False and list(scores) == ['bleu', 'exact_match']
+
+
+@pytest.mark.comparison
+def test_a_batch_out_of_memory_is_answered_in_halves(monkeypatch):
+    """On a device with room for one prompt at a time (a larger batch raises torch.OutOfMemoryError) the batches
+    are answered in halves, with the answers of batches that fit; one prompt that does not fit is a UserError;
+    either way a training model is left in train mode (the scripts answer at their evals, before saving)."""
+    m = sharp_model()
+    tok = Letters(eos_id=generate_batch(m.eval(), PROMPTS, 12)[0][2])
+    held_out = HeldOut(tok, [(p, 'ab') for p in PROMPTS], ['bleu', 'exact_match'], batch_size=4, max_length=20)
+    fit = heldout_answers(m.train(), held_out, contextlib.nullcontext())
+
+    def room_for(n):
+        def generate(model, prompts, *args, **kwargs):
+            if len(prompts) > n:
+                raise torch.OutOfMemoryError('injected')
+            return generate_batch(model, prompts, *args, **kwargs)
+        return generate
+    monkeypatch.setattr(heldout_eval, 'generate_batch', room_for(1))
+    assert heldout_answers(m, held_out, contextlib.nullcontext()) == fit and m.training
+    monkeypatch.setattr(heldout_eval, 'generate_batch', room_for(0))
+    with pytest.raises(UserError, match='out of memory answering one held-out prompt'):
+        heldout_answers(m, held_out, contextlib.nullcontext())
+    assert m.training
 
 
 def test_exact_match_is_strict_and_uses_the_metrics_normaliser():

@@ -33,7 +33,7 @@ from lm.rewards import check_rows, load_rewards, reward_values
 from lm.rl import (IMPORTANCE_LEVELS, LOSS_TYPES, SCALE_REWARDS, clipped_token_loss, completion_batches,
                    group_advantages, k3_kl, normalized_loss, sequence_log_ratio, token_entropy)
 from lm.tokenizer import chat_tokenizer
-from memory import peak_memory_bytes, recover_from_oom
+from memory import free_memory, is_oom, peak_memory_bytes, recover_from_oom
 from model import GPTConfig
 from run.checkpoint import NEW_RUN, check_compatible, restore_training_state, training_state, write_checkpoint
 from run.device import DTYPES, autocast_context, pick_dtype
@@ -185,6 +185,7 @@ if prompts_per_step % world_size or prompts_per_step // world_size * num_generat
                     f"over gradient_accumulation_steps={gradient_accumulation_steps} micro-batches; change one.")
 completions_per_rank = prompts_per_step // world_size * num_generations
 completions_per_micro_batch = completions_per_rank // gradient_accumulation_steps
+prompts_per_sampling = None  # prompts sampled at once: all of a rank's share, until they run out of memory
 
 # out_dir: locked before any work; a checkpoint there is this run's to continue, never another's.
 # this_run: what the run is (nanoGPT's init_from='resume' continues out_dir's, begun where it began)
@@ -316,11 +317,10 @@ def rollouts(batch, n_samples, generator):
     start, stop = my_share(len(batch))
     prompts = batch[start:stop]
     raw_model.eval()
-    with autocast:
-        completions = generate_batch(policy, [ids for ids, _, _ in prompts], max_new_tokens, temperature,
-                                     top_k or None, top_p, stop_ids, n_samples, generator,
-                                     rows_of=(start * n_samples, len(batch) * n_samples), decoding=decoding)
-    raw_model.train()
+    try:
+        completions = sampled(prompts, n_samples, generator, start, len(batch))
+    finally:
+        raw_model.train()
     stopped = torch.tensor([bool(c) and c[-1] in stop_ids for c in completions])
     rows = [prompts[i // n_samples] for i in range(len(completions))]
     records, wheres = [record for _, record, _ in rows], [where for _, _, where in rows]
@@ -331,6 +331,36 @@ def rollouts(batch, n_samples, generator):
                               device=local_device).T
     total = (per_reward * torch.tensor(reward_weights_list, device=local_device)).nansum(1)
     return completions, total, stopped, per_reward
+
+
+def sampled(prompts, n_samples, generator, first, n_prompts):
+    """generate_batch's n_samples completions of each of prompts, the batch's first... of n_prompts, at most
+    prompts_per_sampling at a time: halved where they run out of memory, each part from the generator's state
+    again, so every completion draws the numbers it would in one batch (generate_batch's rows_of)."""
+    global prompts_per_sampling
+    state, completions, at = generator.get_state(), [], 0
+    while at < len(prompts):
+        part = prompts[at:at + (prompts_per_sampling or len(prompts))]
+        generator.set_state(state)
+        try:
+            with autocast:
+                completions += generate_batch(policy, [ids for ids, _, _ in part], max_new_tokens, temperature,
+                                              top_k or None, top_p, stop_ids, n_samples, generator,
+                                              rows_of=((first + at) * n_samples, n_prompts * n_samples),
+                                              decoding=decoding)
+        except RuntimeError as error:
+            if not is_oom(error):
+                raise
+            if len(part) == 1:
+                raise UserError(f"out of memory sampling one prompt's {n_samples} completions: lower "
+                                f"num_generations (pass_k in the evals) or max_new_tokens, or use a device with "
+                                f"more memory.") from None
+            free_memory(local_device)
+            prompts_per_sampling = (len(part) + 1) // 2
+            log(f"rollouts: out of memory, sampling {prompts_per_sampling} prompts at a time from here on")
+            continue
+        at += len(part)
+    return completions
 
 
 def token_logps_and_logits(net, batch):

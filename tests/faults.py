@@ -1,15 +1,15 @@
 """
 Fault injection for the end-to-end tests: runs a training script as `python script.py ...` would,
 with an out-of-memory error, a NaN loss or a SIGTERM injected at the named training steps (or an
-out-of-memory error in an evaluation, or in train_rl.py's scoring of its rollouts):
+out-of-memory error in an evaluation, or in train_rl.py's sampling or scoring of its rollouts):
 
     python tests/faults.py nan@2,oom@1 train.py --max_iters=6 ...
 
-N in oom@N / nan@N / term@N / evaloom@N / scoreoom@N is the script's iter_num: the step the run started at,
+N in oom@N / nan@N / term@N / evaloom@N / sampleoom@N / scoreoom@N is the script's iter_num: the step the run started at,
 plus the training steps it has finished since (train_rl.py with num_iterations > 1: its optimizer steps). The
 scripts have no code for this; before the script runs, three library functions that every training script
-calls, the evaluations' batch splitter and train_rl.py's rollout batcher are wrapped (each still does all it
-did):
+calls, the evaluations' batch splitter, the batched generation and train_rl.py's rollout batcher are wrapped
+(each still does all it did):
 
 - checkpoint.restore_training_state: a resumed run's step counters; the count starts at the iter_num it
   returns (at 0 in a run that starts afresh and never calls it).
@@ -25,6 +25,8 @@ did):
 - run.runtime.rank_batches: what train.py's and train_dpo.py's evaluations split their batches with (and
   lm/dpo.py's reference pass; never a training step). evaloom@N raises torch.OutOfMemoryError there, at its
   first call at step N (before any batch: the scripts' eval retries catch it, and the reference pass's).
+- lm.generate.generate_batch: train_rl.py's rollouts sample with it (as its evals do, and every script's
+  held-out answers). sampleoom@N raises torch.OutOfMemoryError at its first call at step N.
 - lm.rl.completion_batches: lays a train_rl.py step's rollouts out in micro-batches, first for the no-grad
   scoring passes (the policy's and the reference's log-probs). scoreoom@N raises torch.OutOfMemoryError at its
   first call at step N, inside the scoring's OOM retry.
@@ -41,7 +43,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository's modules
-from lm import rl  # noqa: E402
+from lm import generate, rl  # noqa: E402
 from run import checkpoint, runtime  # noqa: E402
 
 
@@ -52,8 +54,8 @@ class Faults:
         self.pending = set()
         for fault in spec.replace(' ', '').split(','):
             name, _, step = fault.partition('@')
-            assert name in ('oom', 'nan', 'term', 'evaloom', 'scoreoom') and step.isdigit(), \
-                f"fault {fault!r}: expected oom@N, nan@N, term@N, evaloom@N, scoreoom@N"
+            assert name in ('oom', 'nan', 'term', 'evaloom', 'sampleoom', 'scoreoom') and step.isdigit(), \
+                f"fault {fault!r}: expected oom@N, nan@N, term@N, evaloom@N, sampleoom@N, scoreoom@N"
             self.pending.add((name, int(step)))
         self.step = 0  # the script's iter_num
 
@@ -68,7 +70,7 @@ class Faults:
         monkeypatch.setattr (undone after the test)."""
         Scaler = torch.amp.GradScaler
         scale, update, restore = Scaler.scale, Scaler.update, checkpoint.restore_training_state
-        split, lay_out = runtime.rank_batches, rl.completion_batches
+        split, lay_out, sample = runtime.rank_batches, rl.completion_batches, generate.generate_batch
 
         def scale_with_faults(scaler, loss):
             if self.fires('term'):
@@ -92,6 +94,11 @@ class Faults:
                 raise torch.OutOfMemoryError(f'injected OOM in the eval at step {self.step}')
             return split(*args, **kwargs)
 
+        def sample_with_faults(*args, **kwargs):
+            if self.fires('sampleoom'):
+                raise torch.OutOfMemoryError(f'injected OOM in the sampling at step {self.step}')
+            return sample(*args, **kwargs)
+
         def lay_out_with_faults(*args, **kwargs):
             if self.fires('scoreoom'):
                 raise torch.OutOfMemoryError(f'injected OOM in the scoring at step {self.step}')
@@ -100,6 +107,7 @@ class Faults:
         patch(Scaler, 'scale', scale_with_faults)
         patch(runtime, 'rank_batches', split_with_faults)  # before the script imports it
         patch(rl, 'completion_batches', lay_out_with_faults)
+        patch(generate, 'generate_batch', sample_with_faults)  # before the script imports it
         patch(Scaler, 'update', update_and_count)
         patch(checkpoint, 'restore_training_state', restore_and_start_there)  # before the script imports it
         return self

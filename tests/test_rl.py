@@ -373,6 +373,28 @@ def test_oom_halves_the_completions_a_micro_batch_holds(tmp_path, rl_env, fault,
 
 
 @pytest.mark.slow
+@pytest.mark.comparison
+def test_rollouts_out_of_memory_are_sampled_in_halves_from_the_same_numbers(tmp_path, rl_env):
+    """An out-of-memory error while sampling a step's rollouts: its prompts are sampled 2 at a time from then on,
+    each part from the step's generator state again, so every completion draws the numbers it drew in one batch:
+    the same rewards and lengths as a run that fit, and its losses (other batch shapes: 1e-5)."""
+    common = ['--max_iters=2', '--eval_interval=100', '--eval_prompts=4', '--exact_match_examples=0',
+              '--temperature=1.0', f'--reward={rl_env["rewards"]}:chars', '--scale_rewards=batch']
+    rl(rl_env, tmp_path / 'fit', *common)
+    p = rl(rl_env, tmp_path / 'oom', *common, faults='sampleoom@1')
+    assert 'rollouts: out of memory, sampling 2 prompts at a time from here on' in p.stdout
+    fit, halved = train_events(tmp_path / 'fit'), train_events(tmp_path / 'oom')
+    assert sorted(fit) == sorted(halved) == [1, 2] and fit[2]['reward_std'] > 0
+    for step in fit:
+        for k in ('reward', 'reward_std', 'completions/mean_length', 'completions/clipped_ratio'):
+            assert halved[step][k] == fit[step][k], (step, k)
+        for k in ('loss', 'grad_norm', 'entropy', 'kl'):
+            assert halved[step][k] == pytest.approx(fit[step][k], rel=1e-5, abs=1e-7), (step, k)
+    evals = [[e for e in read_log(tmp_path / run) if 'eval/pass@1' in e] for run in ('fit', 'oom')]
+    assert [e['step'] for e in evals[0]] == [0, 2] and evals[0] == evals[1]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize('use_lora', [False, True])
 def test_reference_is_the_starting_model_kl_0_at_the_first_step(tmp_path, rl_env, use_lora):
     """beta > 0 with one iteration: at step 1 the policy is still the reference (a frozen copy, or the LoRA model

@@ -5,11 +5,11 @@ out-of-memory error in an evaluation, or in train_rl.py's sampling or scoring of
 
     python tests/faults.py nan@2,oom@1 train.py --max_iters=6 ...
 
-N in oom@N / nan@N / term@N / evaloom@N / sampleoom@N / scoreoom@N is the script's iter_num: the step the run started at,
-plus the training steps it has finished since (train_rl.py with num_iterations > 1: its optimizer steps). The
-scripts have no code for this; before the script runs, three library functions that every training script
-calls, the evaluations' batch splitter, the batched generation and train_rl.py's rollout batcher are wrapped
-(each still does all it did):
+N in oom@N / nan@N / term@N / evaloom@N / sampleoom@N / scoreoom@N is the script's iter_num: the step the
+run started at, plus the training steps it has finished since (train_rl.py with num_iterations > 1: its
+optimizer steps). The scripts have no code for this; before the script runs, three library functions that
+every training script calls, the evaluations' batch splitter, the batched generation and train_rl.py's
+rollout batcher are wrapped (each still does all it did):
 
 - checkpoint.restore_training_state: a resumed run's step counters; the count starts at the iter_num it
   returns (at 0 in a run that starts afresh and never calls it).

@@ -93,24 +93,32 @@ def score_answers(names, answers, references, tokenizer):
     return {name: scores[name] for name in names}
 
 
-def answered(model, rows, batch, stop_ids, retry):
-    """{row: answer} of one batch of answer_batches' rows. One that runs out of memory is answered in halves
-    (retry: this rank may do so alone), each row still as alone; one prompt that does not fit is a UserError."""
-    try:
-        completions = generate_batch(model, [rows[i][0] for i in batch], max(rows[i][1] for i in batch),
-                                     stop_ids=stop_ids)
-    except RuntimeError as error:
-        if not (retry and is_oom(error)):
-            raise
-        if len(batch) == 1:
-            raise UserError("out of memory answering one held-out prompt: skip the held-out answers with "
-                            "exact_match_examples=0 (or lower max_length, where the script has it).") from None
-        free_memory(str(model.lm_head.weight.device))
-        half = (len(batch) + 1) // 2
-        return {**answered(model, rows, batch[:half], stop_ids, retry),
-                **answered(model, rows, batch[half:], stop_ids, retry)}
-    # a row may run past its own budget while others in the batch go on
-    return {i: completion[:rows[i][1]] for i, completion in zip(batch, completions)}
+def answered(model, rows, batches, stop_ids, retry):
+    """{row: answer} of answer_batches' batches of rows. A batch that runs out of memory is answered in halves,
+    and so are those after it (retry: this rank may do so alone), each row still as alone; one prompt that does
+    not fit is a UserError."""
+    answers, most = {}, max(map(len, batches), default=1)
+    for batch in batches:
+        at = 0
+        while at < len(batch):
+            part = batch[at:at + most]
+            try:
+                completions = generate_batch(model, [rows[i][0] for i in part], max(rows[i][1] for i in part),
+                                             stop_ids=stop_ids)
+            except RuntimeError as error:
+                if not (retry and is_oom(error)):
+                    raise
+                if len(part) == 1:
+                    raise UserError("out of memory answering one held-out prompt: skip the held-out answers "
+                                    "with exact_match_examples=0 (or lower max_length, where the script has "
+                                    "it).") from None
+                free_memory(str(model.lm_head.weight.device))
+                most = (len(part) + 1) // 2
+                continue
+            # a row may run past its own budget while others in the batch go on
+            answers.update((i, completion[:rows[i][1]]) for i, completion in zip(part, completions))
+            at += len(part)
+    return answers
 
 
 @torch.no_grad()
@@ -122,14 +130,12 @@ def heldout_answers(model, held_out, autocast):
     rows = [answer_budget(held_out, prompt, reference, block_size) for prompt, reference in held_out.prompts]
     batches = answer_batches(rows, held_out.batch_size, block_size)
     split = dist.is_initialized() and not is_sharded(model)
-    answers = {}
     training = model.training
     model.eval()
     stop_ids, retry = stop_tokens(held_out.tokenizer), not is_sharded(model)  # FSDP's ranks generate in lockstep
     try:
         with autocast, whole_root(model):
-            for batch in batches[rank::world_size] if split else batches:
-                answers.update(answered(model, rows, batch, stop_ids, retry))
+            answers = answered(model, rows, batches[rank::world_size] if split else batches, stop_ids, retry)
     finally:  # an out-of-memory error must not leave a training model in eval mode
         model.train(training)
     if split:

@@ -93,14 +93,18 @@ def test_a_batch_out_of_memory_is_answered_in_halves(monkeypatch):
     held_out = HeldOut(tok, [(p, 'ab') for p in PROMPTS], ['bleu', 'exact_match'], batch_size=4, max_length=20)
     fit = heldout_answers(m.train(), held_out, contextlib.nullcontext())
 
+    refused = []
+
     def room_for(n):
         def generate(model, prompts, *args, **kwargs):
             if len(prompts) > n:
+                refused.append(len(prompts))
                 raise torch.OutOfMemoryError('injected')
             return generate_batch(model, prompts, *args, **kwargs)
         return generate
     monkeypatch.setattr(heldout_eval, 'generate_batch', room_for(1))
     assert heldout_answers(m, held_out, contextlib.nullcontext()) == fit and m.training
+    assert refused == [4, 2]  # the first batch finds the size; the later ones start from it
     monkeypatch.setattr(heldout_eval, 'generate_batch', room_for(0))
     with pytest.raises(UserError, match='out of memory answering one held-out prompt'):
         heldout_answers(m, held_out, contextlib.nullcontext())

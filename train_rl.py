@@ -283,6 +283,9 @@ if ckpt:
         completions_per_micro_batch = ckpt['completions_per_micro_batch']
         log(f"continuing with {completions_per_micro_batch} completions a micro-batch (halved after an "
             f"out-of-memory error)")
+    if len(ckpt['rng']) == world_size and ckpt.get('prompts_per_sampling'):  # as sampled(): each rank's share
+        prompts_per_sampling = ckpt['prompts_per_sampling']
+        log(f"continuing to sample {prompts_per_sampling} prompts at a time (halved after an out-of-memory error)")
 # rank 0 logs to Weights & Biases too, a continued run to its W&B run
 tracker = start_wandb(config, ckpt and ckpt.get('wandb_run_id'), master) if wandb_log else None
 ckpt = None
@@ -512,7 +515,7 @@ def save(path, iter_num, best_pass_at_1, evals_without_improvement):
                  kind='gpt', model=weights, model_args=model_args, tokenizer=tokenizer.identity(),
                  data_dir=os.path.abspath(corpus_dir), train_sampler=train_sampler.state_dict(),
                  prompts_per_step=prompts_per_step, num_generations=num_generations,
-                 completions_per_micro_batch=completions_per_micro_batch,
+                 completions_per_micro_batch=completions_per_micro_batch, prompts_per_sampling=prompts_per_sampling,
                  reference_checkpoint=os.path.abspath(reference_path), reference_hash=reference_hash,
                  train_data_hash=train_data_hash, train_prompts_hash=train_prompts_hash,
                  wandb_run_id=tracker and tracker.id, **hf_files)

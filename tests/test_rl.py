@@ -392,6 +392,9 @@ def test_rollouts_out_of_memory_are_sampled_in_halves_from_the_same_numbers(tmp_
             assert halved[step][k] == pytest.approx(fit[step][k], rel=1e-5, abs=1e-7), (step, k)
     evals = [[e for e in read_log(tmp_path / run) if 'eval/pass@1' in e] for run in ('fit', 'oom')]
     assert [e['step'] for e in evals[0]] == [0, 2] and evals[0] == evals[1]
+    # the checkpoint keeps the size that fit, and a continued run samples at it
+    p = rl(rl_env, tmp_path / 'oom', *common, '--max_iters=3')
+    assert 'continuing to sample 2 prompts at a time' in p.stdout
 
 
 @pytest.mark.slow

@@ -283,7 +283,7 @@ if ckpt:
         completions_per_micro_batch = ckpt['completions_per_micro_batch']
         log(f"continuing with {completions_per_micro_batch} completions a micro-batch (halved after an "
             f"out-of-memory error)")
-    if len(ckpt['rng']) == world_size and ckpt.get('prompts_per_sampling'):  # as sampled(): each rank's share
+    if len(ckpt['rng']) == world_size and ckpt.get('prompts_per_sampling'):  # of a rank's share: same ranks
         prompts_per_sampling = ckpt['prompts_per_sampling']
         log(f"continuing to sample {prompts_per_sampling} prompts at a time (halved after an out-of-memory error)")
 # rank 0 logs to Weights & Biases too, a continued run to its W&B run

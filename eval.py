@@ -31,7 +31,7 @@ from lm.generate import CompiledDecoding, generate_batch, stop_tokens
 from lm.metrics import (corpus_scores, corpus_stderrs, exact_match, example_scores, mean_pass_at_k, mean_stderr,
                         parse_metric_names, pass_at_k)
 from loading import load_for_generation, model_path
-from memory import free_memory, is_oom
+from memory import in_parts
 from run.device import autocast_context, pick_device, pick_dtype
 from tasks.number_tasks import prepare_number_tasks
 
@@ -144,25 +144,12 @@ def on_line(where, encode, *args):
 
 
 def in_batches(items, work):
-    """work(batch) over items, batch_size at a time. A batch that runs out of memory is done again in halves,
-    and so is the rest: a batch's results do not depend on its size (lm-eval's batch_size='auto' searches
-    for the size before it starts)."""
-    size, first = batch_size, 0
-    while first < len(items):
-        batch = items[first:first + size]
-        try:
-            work(batch)
-        except RuntimeError as error:
-            if not is_oom(error):
-                raise
-            if size == 1:
-                raise UserError(f"out of memory evaluating one sequence at a time on {local_device}: use a "
-                                f"smaller model or max_new_tokens, or a device with more memory.") from None
-            free_memory(local_device)
-            size = (size + 1) // 2
-            tqdm.write(f"out of memory: {size} at a time from here on")
-            continue
-        first += len(batch)
+    """work(batch) over items, batch_size at a time, halved where they run out of memory (memory.in_parts): a
+    batch's results do not depend on its size (lm-eval's batch_size='auto' searches for the size up front)."""
+    in_parts(len(items), batch_size, lambda start, stop: work(items[start:stop]), local_device,
+             f"out of memory evaluating one sequence at a time on {local_device}: use a smaller model or "
+             f"max_new_tokens, or a device with more memory.",
+             lambda size: tqdm.write(f"out of memory: {size} at a time from here on"))
 
 
 if generation:

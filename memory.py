@@ -161,6 +161,31 @@ def recover_from_oom(error, ddp, optimizer, device):
     free_memory(device)
 
 
+def in_parts(n, size, work, device, too_big, smaller=None):
+    """work(start, stop) over range(n) in parts of at most size items, for work whose results do not depend on
+    the part's size (no gradients). A part that runs out of memory is done again in halves, and so are the
+    parts after it (smaller, if given, hears each new size); one item that does not fit is a UserError saying
+    too_big. Returns the size the parts fit at. Not for work in lockstep with other ranks (FSDP's collectives):
+    one rank's retry would leave the others waiting."""
+    start = 0
+    while start < n:
+        stop = min(start + size, n)
+        try:
+            work(start, stop)
+        except RuntimeError as error:
+            if not is_oom(error):
+                raise
+            if stop - start == 1:
+                raise UserError(too_big) from None
+            free_memory(device)
+            size = (stop - start + 1) // 2
+            if smaller:
+                smaller(size)
+            continue
+        start = stop
+    return size
+
+
 def halve_micro_batch(batch_size, grad_accum):
     """After an OOM: half the micro-batch, twice the accumulation, the same global batch."""
     if batch_size == 1:

@@ -33,7 +33,7 @@ from lm.rewards import check_rows, load_rewards, reward_values
 from lm.rl import (IMPORTANCE_LEVELS, LOSS_TYPES, SCALE_REWARDS, clipped_token_loss, completion_batches,
                    group_advantages, k3_kl, normalized_loss, sequence_log_ratio, token_entropy)
 from lm.tokenizer import chat_tokenizer
-from memory import free_memory, is_oom, peak_memory_bytes, recover_from_oom
+from memory import in_parts, peak_memory_bytes, recover_from_oom
 from model import GPTConfig
 from run.checkpoint import NEW_RUN, check_compatible, restore_training_state, training_state, write_checkpoint
 from run.device import DTYPES, autocast_context, pick_dtype
@@ -338,31 +338,25 @@ def rollouts(batch, n_samples, generator):
 
 def sampled(prompts, n_samples, generator, first, n_prompts):
     """generate_batch's n_samples completions of each of prompts, the batch's first... of n_prompts, at most
-    prompts_per_sampling at a time: halved where they run out of memory, each part from the generator's state
-    again, so every completion draws the numbers it would in one batch (generate_batch's rows_of)."""
-    global prompts_per_sampling
-    state, completions, at = generator.get_state(), [], 0
-    while at < len(prompts):
-        part = prompts[at:at + (prompts_per_sampling or len(prompts))]
+    prompts_per_sampling at a time: halved where they run out of memory (memory.in_parts), each part from the
+    generator's state again, so every completion draws the numbers it would in one batch (rows_of)."""
+    state, completions = generator.get_state(), []
+
+    def sample(start, stop):
         generator.set_state(state)
-        try:
-            with autocast:
-                completions += generate_batch(policy, [ids for ids, _, _ in part], max_new_tokens, temperature,
-                                              top_k or None, top_p, stop_ids, n_samples, generator,
-                                              rows_of=((first + at) * n_samples, n_prompts * n_samples),
-                                              decoding=decoding)
-        except RuntimeError as error:
-            if not is_oom(error):
-                raise
-            if len(part) == 1:
-                raise UserError(f"out of memory sampling one prompt's {n_samples} completions: lower "
-                                f"num_generations (pass_k in the evals) or max_new_tokens, or use a device with "
-                                f"more memory.") from None
-            free_memory(local_device)
-            prompts_per_sampling = (len(part) + 1) // 2
-            log(f"rollouts: out of memory, sampling {prompts_per_sampling} prompts at a time from here on")
-            continue
-        at += len(part)
+        with autocast:
+            completions.extend(generate_batch(policy, [ids for ids, _, _ in prompts[start:stop]], max_new_tokens,
+                                              temperature, top_k or None, top_p, stop_ids, n_samples, generator,
+                                              rows_of=((first + start) * n_samples, n_prompts * n_samples),
+                                              decoding=decoding))
+
+    def smaller(size):
+        global prompts_per_sampling
+        prompts_per_sampling = size
+        log(f"rollouts: out of memory, sampling {size} prompts at a time from here on")
+    in_parts(len(prompts), prompts_per_sampling or len(prompts), sample, local_device,
+             f"out of memory sampling one prompt's {n_samples} completions: lower num_generations (pass_k in the "
+             f"evals) or max_new_tokens, or use a device with more memory.", smaller)
     return completions
 
 

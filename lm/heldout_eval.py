@@ -24,7 +24,7 @@ import torch.distributed as dist
 from configurator import UserError
 from lm.generate import generate_batch, stop_tokens
 from lm.metrics import METRICS, corpus_scores, exact_match, parse_metric_names
-from memory import free_memory, is_oom
+from memory import in_parts
 from run.fsdp import is_sharded, whole_root
 from run.runtime import log
 
@@ -94,30 +94,23 @@ def score_answers(names, answers, references, tokenizer):
 
 
 def answered(model, rows, batches, stop_ids, retry):
-    """{row: answer} of answer_batches' batches of rows. A batch that runs out of memory is answered in halves,
-    and so are those after it (retry: this rank may do so alone), each row still as alone; one prompt that does
-    not fit is a UserError."""
+    """{row: answer} of answer_batches' batches of rows, each row as alone. With retry (this rank may redo a
+    batch alone) a batch that runs out of memory is answered in halves, and so are those after it
+    (memory.in_parts)."""
     answers, most = {}, max(map(len, batches), default=1)
     for batch in batches:
-        at = 0
-        while at < len(batch):
-            part = batch[at:at + most]
-            try:
-                completions = generate_batch(model, [rows[i][0] for i in part], max(rows[i][1] for i in part),
-                                             stop_ids=stop_ids)
-            except RuntimeError as error:
-                if not (retry and is_oom(error)):
-                    raise
-                if len(part) == 1:
-                    raise UserError("out of memory answering one held-out prompt: skip the held-out answers "
-                                    "with exact_match_examples=0 (or lower max_length, where the script has "
-                                    "it).") from None
-                free_memory(str(model.lm_head.weight.device))
-                most = (len(part) + 1) // 2
-                continue
+        def answer(start, stop):
+            part = batch[start:stop]
+            completions = generate_batch(model, [rows[i][0] for i in part], max(rows[i][1] for i in part),
+                                         stop_ids=stop_ids)
             # a row may run past its own budget while others in the batch go on
             answers.update((i, completion[:rows[i][1]]) for i, completion in zip(part, completions))
-            at += len(part)
+        if not retry:
+            answer(0, len(batch))
+            continue
+        most = in_parts(len(batch), most, answer, str(model.lm_head.weight.device),
+                        "out of memory answering one held-out prompt: skip the held-out answers with "
+                        "exact_match_examples=0 (or lower max_length, where the script has it).")
     return answers
 
 

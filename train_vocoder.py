@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from configurator import FOLDER, SEED, UserError, at_least, check_values, configure, interval
+from memory import recover_from_oom
 from run.checkpoint import file_sha256, load_checkpoint, rng_state, set_rng_state, write_checkpoint
 from run.run_folder import cached_tensors, open_run, require_init_from, run_log
 from run.runtime import StopSignal, compute_init, log
@@ -183,16 +184,20 @@ msd = MultiScaleDiscriminator(discriminator_divisor).to(local_device)
 optimizer_g = torch.optim.AdamW(generator.parameters(), learning_rate, betas=(beta1, beta2))
 optimizer_d = torch.optim.AdamW([*mpd.parameters(), *msd.parameters()], discriminator_learning_rate,
                                 betas=(beta1, beta2))
-iter_num, best_val_loss, resuming = 0, float('inf'), ckpt is not None
+# the spectral norm's power-iteration vectors (msd's), which every forward advances: parts() rewinds them
+power_vectors = [b for name, b in msd.named_buffers() if name.endswith(('._u', '._v'))]
+# the parts each step's segments are taken in: 1, doubled by every out-of-memory error (split_after_oom)
+iter_num, best_val_loss, batch_splits, resuming = 0, float('inf'), 1, ckpt is not None
 if resuming:
     generator.load_state_dict(ckpt['generator'])
     mpd.load_state_dict(ckpt['mpd'])
     msd.load_state_dict(ckpt['msd'])
     optimizer_g.load_state_dict(ckpt['optimizer_g'])
     optimizer_d.load_state_dict(ckpt['optimizer_d'])
-    iter_num, best_val_loss = ckpt['iter_num'], ckpt['best_val_loss']
+    iter_num, best_val_loss, batch_splits = ckpt['iter_num'], ckpt['best_val_loss'], ckpt.get('batch_splits', 1)
     set_rng_state(ckpt['rng'])
-    log(f"resuming from {ckpt_path} at step {iter_num}")
+    log(f"resuming from {ckpt_path} at step {iter_num}" + (
+        f", continuing with each step's segments in {batch_splits} parts (out of memory before)" * (batch_splits > 1)))
 # logs to Weights & Biases too, a continued run to its W&B run
 tracker = start_wandb(config, ckpt and ckpt.get('wandb_run_id'), True)
 ckpt = None
@@ -219,9 +224,82 @@ def save(path, iter_num, best_val_loss):
     state = dict(kind='vocoder', run=this_run, config=config, iter_num=iter_num, best_val_loss=best_val_loss,
                  generator=generator.state_dict(), generator_config=dataclasses.asdict(generator.config),
                  mpd=mpd.state_dict(), msd=msd.state_dict(), optimizer_g=optimizer_g.state_dict(),
-                 optimizer_d=optimizer_d.state_dict(), rng=rng_state(), wandb_run_id=tracker and tracker.id)
+                 optimizer_d=optimizer_d.state_dict(), batch_splits=batch_splits, rng=rng_state(),
+                 wandb_run_id=tracker and tracker.id)
     write_checkpoint(path, state, False, True)
     save_hifigan(generator, os.path.join(out_dir, 'generator.pth.tar'))
+
+
+def parts(batch_splits, vectors):
+    """The step's segments in batch_splits parts (more than one after an out-of-memory error), each a slice of
+    the batch with its share of it: the losses are means over segments, so the shares' sums are the batch's.
+    Each part starts from vectors, the power-iteration vectors as the pass started (a pass in parts, or tried
+    again, uses and leaves what the batch's pass would)."""
+    bounds = [i * batch_size // batch_splits for i in range(batch_splits + 1)]
+    for a, b in zip(bounds, bounds[1:]):
+        with torch.no_grad():
+            for vector, start in zip(power_vectors, vectors):
+                vector.copy_(start)
+        if b > a:
+            yield slice(a, b), (b - a) / batch_size
+
+
+def discriminators_pass(mel, audio, batch_splits, vectors):
+    """The discriminators' loss on the step's segments (real -> 1, the generator's -> 0, least squares) and its
+    gradients. Returns (loss, the generator's speech of the whole batch with its graph, for generator_pass); in
+    parts, each part's speech is made here without a graph and again, with one, in generator_pass."""
+    if not discriminators:
+        return 0.0, None
+    total, fake = 0.0, None
+    for rows, share in parts(batch_splits, vectors):
+        with torch.set_grad_enabled(batch_splits == 1):
+            fake = generator(mel[rows])[:, None]  # (B, 1, segment_samples)
+        loss = share * sum(discriminator_loss(d(audio[rows, None])[0], d(fake.detach())[0]) for d in (mpd, msd))
+        loss.backward()
+        total += loss.item()
+    return total, fake if batch_splits == 1 else None
+
+
+def generator_losses(mel, audio, fake):
+    """The generator's losses on these segments: the mel L1 and, with discriminators, their scores of its speech
+    (fake, or made here if None) and their features of it against the recording's. A function of its own, so the
+    discriminators' activations are let go before the next part's."""
+    fake = generator(mel)[:, None] if fake is None else fake
+    mel_loss = F.l1_loss(loss_mel(fake[:, 0]), loss_mel(audio))
+    adversarial = features = torch.zeros((), device=local_device)
+    for d in (mpd, msd) if discriminators else ():
+        d.requires_grad_(False)  # the discriminators held fixed: gradients reach the generator alone
+        with torch.no_grad():
+            _, real_features = d(audio[:, None])
+        fake_scores, fake_features = d(fake)
+        adversarial = adversarial + generator_loss(fake_scores)
+        features = features + feature_loss(real_features, fake_features)
+        d.requires_grad_(True)
+    return mel_loss, adversarial, features
+
+
+def generator_pass(mel, audio, batch_splits, vectors, fake):
+    """generator_losses on the step's segments and their gradients. fake: discriminators_pass's speech of the
+    batch, or None. Returns the losses."""
+    totals = [0.0, 0.0, 0.0]
+    for rows, share in parts(batch_splits, vectors):
+        losses = generator_losses(mel[rows], audio[rows], fake)
+        (share * (mel_weight * losses[0] + losses[1] + losses[2])).backward()
+        for i, loss in enumerate(losses):
+            totals[i] += share * loss.item()
+    return totals
+
+
+def split_after_oom(error, where, batch_splits):
+    """After a RuntimeError in a step's pass (where): re-raise it unless it is an out-of-memory error; else drop
+    the pass's gradients and return twice as many parts (the same segments, so the same step)."""
+    optimizer_d.zero_grad(set_to_none=True)
+    recover_from_oom(error, False, optimizer_g, local_device)
+    if batch_splits >= batch_size:
+        raise UserError(f"out of memory with one segment at a time ({where}); lower segment_frames, set "
+                        f"discriminator_divisor=2 or 4 (smaller discriminators), or use a device with more memory.")
+    log(f"{where}: out of memory, retrying with the step's {batch_size} segments in {batch_splits * 2} parts")
+    return batch_splits * 2
 
 
 # an eval_only run appends to the log; a continued run drops what it logged past its checkpoint
@@ -235,7 +313,6 @@ if eval_only or iter_num == 0:
         sys.exit(0)
 
 stop = StopSignal()
-discriminator_list = (mpd, msd)
 bad_steps, t0 = 0, time.time()
 while iter_num < max_iters:
     warmup = min(1.0, (iter_num + 1) / warmup_iters) if warmup_iters else 1.0
@@ -244,57 +321,46 @@ while iter_num < max_iters:
         for group in optimizer.param_groups:
             group['lr'] = lr * lr_scale
     mel, audio = segments(iter_num)
-    real = audio[:, None]
-    fake = generator(mel)[:, None]  # (B, 1, segment_samples)
-
-    # the discriminators, stepped first as in the release: real -> 1, the generator's -> 0 (least squares)
-    d_loss = torch.zeros((), device=local_device)
-    if discriminators:
-        for d in discriminator_list:
-            d_loss = d_loss + discriminator_loss(d(real)[0], d(fake.detach())[0])
-    finite = math.isfinite(d_loss.item())
+    vectors = [v.clone() for v in power_vectors]
+    while True:
+        try:
+            d_loss, fake = discriminators_pass(mel, audio, batch_splits, vectors)
+            break
+        except RuntimeError as error:  # CUDA raises torch.OutOfMemoryError, MPS and the CPU a plain RuntimeError
+            batch_splits = split_after_oom(error, f'step {iter_num}', batch_splits)
+    finite = math.isfinite(d_loss)
     if discriminators and finite:
-        d_loss.backward()
         optimizer_d.step()
-        optimizer_d.zero_grad(set_to_none=True)
-
-    # the generator: the mel L1 and, with discriminators, their scores of its speech and their features of it
-    # against the recording's (the discriminators held fixed: gradients reach the generator alone)
-    mel_loss = F.l1_loss(loss_mel(fake[:, 0]), loss_mel(audio))
-    adversarial, features = torch.zeros((), device=local_device), torch.zeros((), device=local_device)
-    if discriminators:
-        for d in discriminator_list:
-            d.requires_grad_(False)
-            with torch.no_grad():
-                _, real_features = d(real)
-            fake_scores, fake_features = d(fake)
-            adversarial = adversarial + generator_loss(fake_scores)
-            features = features + feature_loss(real_features, fake_features)
-            d.requires_grad_(True)
+    optimizer_d.zero_grad(set_to_none=True)
+    vectors = [v.clone() for v in power_vectors]
+    while True:  # a retry here leaves the discriminators' step taken
+        try:
+            mel_loss, adversarial, features = generator_pass(mel, audio, batch_splits, vectors, fake)
+            break
+        except RuntimeError as error:
+            fake = None  # and its graph: the parts generate their own
+            batch_splits = split_after_oom(error, f'step {iter_num}', batch_splits)
     g_loss = mel_weight * mel_loss + adversarial + features
-    finite = finite and math.isfinite(g_loss.item())
+    finite = finite and math.isfinite(g_loss)
     if finite:
-        g_loss.backward()
         optimizer_g.step()
-        optimizer_g.zero_grad(set_to_none=True)
         bad_steps = 0
     else:
         bad_steps += 1
-        log(f"step {iter_num}: non-finite loss (generator {g_loss.item()}, discriminators {d_loss.item()}), step "
-            f"skipped ({bad_steps}/{max_bad_steps})")
+        log(f"step {iter_num}: non-finite loss (generator {g_loss}, discriminators {d_loss}), step skipped "
+            f"({bad_steps}/{max_bad_steps})")
         if bad_steps >= max_bad_steps:
             raise SystemExit(f"error: {bad_steps} steps in a row had a non-finite loss; lower learning_rate. The last "
                              f"good checkpoint in {out_dir} was left as it was.")
+    optimizer_g.zero_grad(set_to_none=True)
     iter_num += 1
 
     if iter_num % log_interval == 0 or iter_num == max_iters:
         seconds = (time.time() - t0) / log_interval
-        record(dict(step=iter_num, mel_loss=mel_loss.item(), adversarial_loss=adversarial.item(),
-                    feature_loss=features.item(), discriminator_loss=d_loss.item(), lr=learning_rate * lr_scale,
-                    s_per_step=seconds))
-        log(f"step {iter_num}: mel L1 {mel_loss.item():.4f}, adversarial {adversarial.item():.3f}, features "
-            f"{features.item():.3f}, discriminators {d_loss.item():.3f}, lr {learning_rate * lr_scale:.2e}, "
-            f"{seconds:.2f} s/step")
+        record(dict(step=iter_num, mel_loss=mel_loss, adversarial_loss=adversarial, feature_loss=features,
+                    discriminator_loss=d_loss, lr=learning_rate * lr_scale, s_per_step=seconds))
+        log(f"step {iter_num}: mel L1 {mel_loss:.4f}, adversarial {adversarial:.3f}, features {features:.3f}, "
+            f"discriminators {d_loss:.3f}, lr {learning_rate * lr_scale:.2e}, {seconds:.2f} s/step")
         t0 = time.time()
     if iter_num % eval_interval == 0 or iter_num == max_iters:
         val_loss = evaluate()

@@ -1,7 +1,8 @@
 """
 Fault injection for the end-to-end tests: runs a training script as `python script.py ...` would,
 with an out-of-memory error, a NaN loss or a SIGTERM injected at the named training steps (or an
-out-of-memory error in an evaluation, or in train_rl.py's sampling or scoring of its rollouts):
+out-of-memory error in an evaluation, in train_rl.py's sampling or scoring of its rollouts, or on a device with
+room for fewer of train_vocoder.py's segments):
 
     python tests/faults.py nan@2,oom@1 train.py --max_iters=6 ...
 
@@ -30,8 +31,14 @@ rollout batcher are wrapped (each still does all it did):
 - lm.rl.completion_batches: lays a train_rl.py step's rollouts out in micro-batches, first for the no-grad
   scoring passes (the policy's and the reference's log-probs). scoreoom@N raises torch.OutOfMemoryError at its
   first call at step N, inside the scoring's OOM retry.
+- tts.vocoder.HiFiGAN.forward and tts.discriminators.loss_mel, for train_vocoder.py (which has no loss scaler, so
+  no steps are counted): K in genroom@K / melroom@K is a number of segments, not a step. genroom@K raises
+  torch.OutOfMemoryError whenever the generator runs with gradients on more than K segments (the discriminators'
+  pass, before their step), melroom@K whenever the mel loss gets more than K (the generator's pass, after the
+  discriminators' step): a device with room for K, every time, not once. The evaluations (one utterance, no
+  gradients) fit.
 
-Each fault fires once, at the first micro-batch of its step, so the step retried after an injected OOM
+Each fault at a step fires once, at the first micro-batch of its step, so the step retried after an injected OOM
 goes through. Under torchrun every rank runs this file and counts its own steps.
 """
 
@@ -45,18 +52,23 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository's modules
 from lm import generate, rl  # noqa: E402
 from run import checkpoint, runtime  # noqa: E402
+from tts import discriminators, vocoder  # noqa: E402
 
 
 class Faults:
     """The faults of a spec ("oom@3,nan@5"), each to fire once, and the step they are matched against."""
 
     def __init__(self, spec):
-        self.pending = set()
+        self.pending, self.room = set(), {}
         for fault in spec.replace(' ', '').split(','):
             name, _, step = fault.partition('@')
-            assert name in ('oom', 'nan', 'term', 'evaloom', 'sampleoom', 'scoreoom') and step.isdigit(), \
-                f"fault {fault!r}: expected oom@N, nan@N, term@N, evaloom@N, sampleoom@N, scoreoom@N"
-            self.pending.add((name, int(step)))
+            assert name in ('oom', 'nan', 'term', 'evaloom', 'sampleoom', 'scoreoom', 'genroom', 'melroom') and \
+                step.isdigit(), (f"fault {fault!r}: expected oom@N, nan@N, term@N, evaloom@N, sampleoom@N, "
+                                 f"scoreoom@N, genroom@K, melroom@K")
+            if name.endswith('room'):
+                self.room[name] = int(step)
+            else:
+                self.pending.add((name, int(step)))
         self.step = 0  # the script's iter_num
 
     def fires(self, name):
@@ -71,6 +83,7 @@ class Faults:
         Scaler = torch.amp.GradScaler
         scale, update, restore = Scaler.scale, Scaler.update, checkpoint.restore_training_state
         split, lay_out, sample = runtime.rank_batches, rl.completion_batches, generate.generate_batch
+        speak, loss_mel = vocoder.HiFiGAN.forward, discriminators.loss_mel
 
         def scale_with_faults(scaler, loss):
             if self.fires('term'):
@@ -104,7 +117,19 @@ class Faults:
                 raise torch.OutOfMemoryError(f'injected OOM in the scoring at step {self.step}')
             return lay_out(*args, **kwargs)
 
+        def speak_in_room(generator, mel):
+            if torch.is_grad_enabled() and len(mel) > self.room.get('genroom', len(mel)):
+                raise torch.OutOfMemoryError(f'injected OOM: the generator with {len(mel)} segments')
+            return speak(generator, mel)
+
+        def loss_mel_in_room(audio, *args, **kwargs):
+            if len(audio) > self.room.get('melroom', len(audio)):
+                raise torch.OutOfMemoryError(f'injected OOM: the mel loss of {len(audio)} segments')
+            return loss_mel(audio, *args, **kwargs)
+
         patch(Scaler, 'scale', scale_with_faults)
+        patch(vocoder.HiFiGAN, 'forward', speak_in_room)
+        patch(discriminators, 'loss_mel', loss_mel_in_room)  # before the script imports it
         patch(runtime, 'rank_batches', split_with_faults)  # before the script imports it
         patch(rl, 'completion_batches', lay_out_with_faults)
         patch(generate, 'generate_batch', sample_with_faults)  # before the script imports it

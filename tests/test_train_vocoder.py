@@ -257,6 +257,37 @@ def test_a_continued_run_is_the_run_made_straight(tiny, straight, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.comparison
+@pytest.mark.parametrize('fault', ['genroom@1', 'melroom@1'])
+def test_out_of_memory_takes_the_steps_segments_in_parts(tiny, straight, tmp_path, fault):
+    """On a device with room for one of a step's two segments (tests/faults.py: the generator's forward in the
+    discriminators' pass, or the mel loss in the generator's pass, after the discriminators' step) the step is
+    taken in two parts and is the step that fit: the same losses and weights (the discriminators stepped once).
+    The checkpoint keeps the split, and a relaunch continues with it; a segment that does not fit alone is a clear
+    error that leaves the checkpoint as it was. 1e-6: the same float32 work on one segment at a time, the parts' gradients summed instead of the batch's
+    (~1e-7 relative each); an Adam step is continuous in its gradient. A second discriminators' step moves their
+    weights by ~2e-6 (lr 2e-4 x warmup 1/100)."""
+    out = tmp_path / fault.partition('@')[0]
+    p = fine_tune(out, tiny[1], '--max_iters=2', faults=fault)
+    assert 'step 0: out of memory, retrying with the step\'s 2 segments in 2 parts' in p.stdout + p.stderr
+    assert load(out / 'ckpt.pt')['batch_splits'] == 2
+    p = fine_tune(out, tiny[1], '--max_iters=4')
+    assert "continuing with each step's segments in 2 parts" in p.stdout + p.stderr
+    losses = lambda out: [e[k] for e in read_log(out) if 'mel_loss' in e
+                          for k in ('mel_loss', 'adversarial_loss', 'feature_loss', 'discriminator_loss')]
+    assert len(losses(out)) == 16 and losses(out) == pytest.approx(losses(straight), rel=1e-6)
+    a, b = load(straight / 'ckpt.pt'), load(out / 'ckpt.pt')
+    for part in ('generator', 'mpd', 'msd'):
+        for k in a[part]:
+            torch.testing.assert_close(b[part][k], a[part][k], rtol=1e-6, atol=1e-7, msg=f'{part} {k}')
+    if fault.startswith('genroom'):
+        before = (out / 'ckpt.pt').read_bytes()
+        p = fine_tune(out, tiny[1], '--max_iters=6', faults='genroom@0', check=False)
+        assert_user_error(p, 'out of memory with one segment at a time (step 4)', 'lower segment_frames')
+        assert (out / 'ckpt.pt').read_bytes() == before
+
+
+@pytest.mark.slow
 def test_recordings_mels_without_a_tts_model_and_bad_settings(tiny, tmp_path):
     """Without --tts_ckpt the generator learns the recordings' own mels (a new voice), with the mel loss alone when
     discriminators=False; a missing generator, a checkpoint that is no TTS model or the TTS model given as the

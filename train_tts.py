@@ -115,7 +115,7 @@ vocoder = ''                 # the evaluation's audio: a HiFi-GAN generator file
 # system
 device = 'auto'              # 'auto' (cuda, else mps, else cpu) | 'cpu' | 'cuda' | 'cuda:1' | 'mps'
 dtype = 'auto'               # 'auto' = bf16 on GPUs with it, else fp16 + loss scaling; fp32 on CPU
-compile = False              # torch.compile the encoder and decoder
+compile = False              # torch.compile the encoder and decoder (no gain on a CPU: docs/tts.md)
 # -----------------------------------------------------------------------------
 config = configure(globals())
 check_values(config, [
@@ -236,7 +236,7 @@ get_lr = LRSchedule.from_config(config, epoch_plan.steps if epoch_plan else None
 tracker = start_wandb(config, ckpt and ckpt.get('wandb_run_id'), master)
 ckpt = None  # free memory
 
-if compile:  # in place, so state dict keys stay clean; MAS (a Python loop) stays eager
+if compile:  # in place, so state dict keys stay clean; MAS (a Python loop) and attention stay eager
     raw_model.encoder.compile(dynamic=True)
     raw_model.decoder.compile(dynamic=True)
 model = wrap_model(model, False, ddp, local_rank, device_type)  # compiled in place above

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from configurator import UserError
-from conftest import (assert_logged_to_wandb, assert_user_error, kill_and_relaunch, launch, load, read_log, run,
-                      wandb_env)
+from conftest import (INDUCTOR_ON_THIS_CPU, assert_logged_to_wandb, assert_user_error, kill_and_relaunch, launch, load,
+                      read_log, run, wandb_env)
 from tts.data import (MEL_SETTINGS, FrameBudgetSampler, LJSpeechDataset, MelExtractor, encode_text,
                       make_espeak_corpus, read_metadata, read_speakers, read_voice_clip, read_wav, reads_phonemes,
                       split_ids, wav_software, write_wav)
@@ -235,6 +235,79 @@ def test_flow_loss_does_not_train_the_encoder(cfg_drop):
     assert all(g is None or not g.any() for g in flow_grads)
     prior_grads = torch.autograd.grad(losses['prior'], encoder, allow_unused=True)
     assert any(g is not None and g.abs().sum() > 0 for g in prior_grads)
+
+
+@pytest.mark.comparison
+@pytest.mark.slow
+@INDUCTOR_ON_THIS_CPU
+def test_compiled_encoder_and_decoder_compile_once_for_every_length():
+    """train_tts.py --compile=True compiles the encoder and the decoder with dynamic shapes. Over batches of other
+    sizes and lengths (odd and even tokens, as the data gives them), training and no-grad, they give eager's
+    outputs and gradients, and the first batch's graphs serve every later one (attention compiled inside them
+    fixed the length: a compile per batch, minutes each on the wide config). Inductor reorders float32 sums of
+    up to a few hundred terms (GroupNorm over C/8 x T, a gradient over B x T): within 1e-4 of each scale."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    eager = TTSModel(TTSConfig(symbols='abcdef', n_mels=8, enc_channels=16, enc_layers=1, enc_heads=2,
+                               enc_ff_channels=16, dp_channels=8, dec_channels=16, dec_blocks=1, dec_heads=2,
+                               dropout=0.0))
+    torch.nn.init.normal_(eager.decoder.out.weight, std=0.1)  # trained-like: zero init passes no gradient back
+    compiled = TTSModel(eager.config)
+    compiled.load_state_dict(eager.state_dict())
+    compiled.encoder.compile(dynamic=True)  # as train_tts.py does
+    compiled.decoder.compile(dynamic=True)
+
+    def outputs_and_grads(model, x, x_mask, x_t, y_mask, t, probe):
+        model.zero_grad()
+        _, mu = model.encoder(x, x_mask)
+        velocity = model.decoder(x_t, y_mask, probe[1], t)
+        ((mu * probe[0]).sum() + (velocity * probe[2]).sum()).backward()
+        with torch.no_grad():  # evaluation and synthesis
+            velocity_no_grad = model.decoder(x_t, y_mask, probe[1], t)
+        return [mu, velocity, velocity_no_grad] + [p.grad for p in model.parameters() if p.grad is not None]
+
+    graphs = []
+    # (a batch of one, or sizes equal to another by chance in the first batch, compile once more: the compiler
+    # specializes sizes 0 and 1 and ties equal sizes together; frame counts are even, as TTSModel pads them)
+    for b, tokens, frames in [(3, 7, 22), (4, 10, 34), (5, 13, 46), (3, 9, 28)]:
+        x = torch.randint(2, 8, (b, tokens))
+        x_mask = (torch.arange(tokens) < torch.tensor([tokens] + [tokens - 2] * (b - 1))[:, None])[:, None].float()
+        y_mask = (torch.arange(frames) < torch.tensor([frames] + [frames - 3] * (b - 1))[:, None])[:, None].float()
+        x_t, t = torch.randn(b, 8, frames), torch.rand(b)
+        probe = (torch.randn(b, 8, tokens), torch.randn(b, 8, frames), torch.randn(b, 8, frames))
+        want = outputs_and_grads(eager, x, x_mask, x_t, y_mask, t, probe)
+        got = outputs_and_grads(compiled, x, x_mask, x_t, y_mask, t, probe)
+        assert len(got) == len(want) == 3 + len([*eager.encoder.parameters(), *eager.decoder.parameters()])
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4 * w.abs().max().item())
+        graphs.append(counters['stats']['unique_graphs'])
+    assert graphs[0] > 0 and graphs == graphs[:1] * 4, graphs
+
+
+def test_synthesis_eval_leaves_the_first_synthesis_out_of_the_real_time_factor(tmp_path):
+    """train_tts.py's held-out synthesis times a warm model: a compiled one spends minutes compiling at its first
+    utterance. A synthesize that takes half a second the first time and nothing after, over two 1 s utterances:
+    an RTF near 0 (0.25 if the first call were timed), with the same speech scored."""
+    import time
+    from types import SimpleNamespace
+    from tts.eval import evaluate_synthesis
+    mels = [torch.randn(80, 87), torch.randn(80, 87)]  # 87 frames of 256 samples: ~1 s
+    calls = []
+
+    def synthesize(model, utt_id):
+        if not calls:
+            time.sleep(0.5)
+        calls.append(utt_id)
+        return torch.zeros(SR), mels[int(utt_id)]
+
+    setup = SimpleNamespace(synthesize=synthesize, vocode=lambda mel: torch.zeros(SR), audio_samples=0,
+                            out_dir=str(tmp_path))
+    val_set = SimpleNamespace(ids=['0', '1'], mels=mels)
+    train_set = SimpleNamespace(mean_mel=lambda: torch.zeros(80))
+    result = evaluate_synthesis(torch.nn.Linear(1, 1), val_set, train_set, ['0', '1'], setup)
+    assert calls == ['0', '0', '1'] and result['rtf'] < 0.05 and result['mcd_model'] == 0.0
 
 
 # ----------------------------------------------------------------------------- audio and data

@@ -155,6 +155,8 @@ def evaluate_synthesis(model, val_set, train_set, ids, setup):
     os.makedirs(samples_dir, exist_ok=True)
     scores = {k: [] for k in ('model', 'model_audio', 'reference_audio', 'baseline')}
     model_seconds = audio_seconds = duration_ratio = 0.0
+    if ids:  # once untimed (its own seed, so the same speech): a compiled model compiles here, not in the RTF
+        setup.synthesize(model, ids[0])
     for n, utt_id in enumerate(tqdm(ids, desc='synthesis eval', dynamic_ncols=True, leave=False)):
         reference = val_set.mels[val_set.ids.index(utt_id)]
         t0 = time.perf_counter()

@@ -172,6 +172,11 @@ def text_rope(x):
     return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
 
 
+@torch.compiler.disable  # compiled, its backward fixes the length (torch 2.11): a compile per length
+def attention(q, k, v, keep, dropout_p):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout_p)
+
+
 class SequenceSelfAttention(nn.Module):
     """Bidirectional multi-head self-attention over (B, C, T) with a key padding mask."""
 
@@ -186,8 +191,7 @@ class SequenceSelfAttention(nn.Module):
         q, k, v = self.qkv(x).view(B, 3, self.n_heads, C // self.n_heads, T).transpose(3, 4).unbind(1)
         q, k = text_rope(q), text_rope(k)
         keep = mask.bool()[:, None, :, :]  # (B, 1, 1, T): padded keys get no attention
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=keep,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        y = attention(q, k, v, keep, self.dropout if self.training else 0.0)
         return self.proj(y.transpose(2, 3).reshape(B, C, T))
 
 

@@ -25,7 +25,7 @@ from tts.eval import alignment_stats, dtw_mean_cost, mel_cepstral_distortion
 from tts.losses import duration_loss, flow_matching_loss, flow_matching_path, prior_loss
 from tts.phonemes import phonemize
 from tts.model import (TTSConfig, TTSModel, durations_to_path, load_tts, log_beta_binomial_prior,
-                       maximum_path_reference, monotonic_alignment_search, synthesize)
+                       maximum_path_reference, monotonic_alignment_search, sequence_mask, synthesize)
 
 SR = MEL_SETTINGS['sample_rate']
 # a tiny HiFi-GAN generator in the published layout (tests/fixtures/make_hifigan_fixtures.py)
@@ -273,8 +273,8 @@ def test_compiled_encoder_and_decoder_compile_once_for_every_length():
     # specializes sizes 0 and 1 and ties equal sizes together; frame counts are even, as TTSModel pads them)
     for b, tokens, frames in [(3, 7, 22), (4, 10, 34), (5, 13, 46), (3, 9, 28)]:
         x = torch.randint(2, 8, (b, tokens))
-        x_mask = (torch.arange(tokens) < torch.tensor([tokens] + [tokens - 2] * (b - 1))[:, None])[:, None].float()
-        y_mask = (torch.arange(frames) < torch.tensor([frames] + [frames - 3] * (b - 1))[:, None])[:, None].float()
+        x_mask = sequence_mask(torch.tensor([tokens] + [tokens - 2] * (b - 1)))[:, None].float()
+        y_mask = sequence_mask(torch.tensor([frames] + [frames - 3] * (b - 1)))[:, None].float()
         x_t, t = torch.randn(b, 8, frames), torch.rand(b)
         probe = (torch.randn(b, 8, tokens), torch.randn(b, 8, frames), torch.randn(b, 8, frames))
         want = outputs_and_grads(eager, x, x_mask, x_t, y_mask, t, probe)

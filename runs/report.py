@@ -339,8 +339,9 @@ COMMANDS = {'pretrain': '`python train.py`', 'sft': '`python train.py config/sft
             'tts-natural-wide': '`python train_tts.py config/tts_natural_cpu.py config/tts_natural_wide_cpu.py`'}
 TTS_NAMES = {'tts-espeak': 'espeak-ng (400 utterances, 19 min; its 20 held out)',
              'tts-natural': 'Piper "joe" in phonemes (1,000 utterances, 42.5 min; 100 other sentences)',
-             'tts-natural-long': 'the same, 10,000 steps (issue 56\'s recipe)',
-             'tts-natural-wide': 'the same, 5,000 steps of a 4x wider model (11.9M parameters)'}
+             'tts-natural-long': 'the same, 10,000 steps',
+             'tts-natural-wide': 'the same, 5,000 steps of a 4x wider model (11.9M parameters; '
+                                 'issue 56\'s recipe)'}
 TTS_COLUMNS = ('Whisper WER', 'Whisper CER', 'DNSMOS OVRL', 'DNSMOS P.808', 'MCD-DTW, dB', 'RTF', 'wall time, min')
 STARTS = {'dpo': 'sft', 'rl': 'sft', 'hf-rl': 'hf-lora'}  # the steps that start from another model of the chain
 HELDOUT_NAMES = {'pretrain': 'base (pretrained)', 'sft': 'SFT', 'lora': 'LoRA', 'dpo': 'DPO after SFT',

@@ -15,6 +15,7 @@ number beyond float32's range) is a UserError naming the function and the row.
 import functools
 import hashlib
 import importlib.util
+import inspect
 import math
 import numbers
 import os
@@ -90,7 +91,31 @@ def load_reward(spec, format_weight=0.0):
     if not callable(fn):
         raise UserError(f"reward={spec!r}: {path} defines no function {name!r}. Define {name}(prompt, completion, "
                         f"row) returning a number, or fix the name after the colon.")
-    return Reward(fn, name, spec, bool(getattr(fn, 'batched', False)))
+    batched = bool(getattr(fn, 'batched', False))
+    check_parameters(fn, spec, name, batched)
+    return Reward(fn, name, spec, batched)
+
+
+def check_parameters(fn, spec, name, batched):
+    """Before any rollout: a UserError when fn cannot take the keywords it will be called with (a TRL reward,
+    fn(prompts, completions, **kwargs), without batched; a per-completion one with it), not a TypeError per row."""
+    inputs = ('prompts', 'completions', 'rows') if batched else ('prompt', 'completion', 'row')
+    try:
+        inspect.signature(fn).bind(**dict.fromkeys(inputs))
+    except ValueError:  # no signature to read (a builtin): its call will say
+        return
+    except TypeError:
+        head = (f"reward={spec!r}: {name}{inspect.signature(fn)} cannot be called as "
+                f"{name}({', '.join(k + '=...' for k in inputs)})")
+        if batched:
+            raise UserError(f"{head}, as train_rl.py calls a batched reward (its batched is True) once per batch "
+                            f"of rollouts. Name its parameters so (or take **kwargs), or drop `{name}.batched = True` "
+                            f"for a reward called once per completion as {name}(prompt, completion, row) "
+                            f"(docs/rl.md).") from None
+        raise UserError(f"{head}, as train_rl.py calls a reward once per completion. Name its parameters so (or take "
+                        f"**kwargs); a function that takes the batch, as TRL's reward functions do, needs "
+                        f"`{name}.batched = True` below it and is called as {name}(prompts=[...], completions=[...], "
+                        f"rows=[...]) (docs/rl.md).") from None
 
 
 def final_answer(text):

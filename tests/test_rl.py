@@ -830,6 +830,33 @@ def test_several_rewards_weights_none_and_batched_calls(tmp_path):
         reward_values(load_reward(f'{tmp_path / "r.py"}:wrong_count'), [[]] * 3, completions, rows, ['w'] * 3)
 
 
+def test_a_reward_whose_parameters_do_not_fit_its_call_is_refused_when_loaded(tmp_path):
+    """A TRL reward function (prompts, completions, **kwargs) without batched, a per-completion one marked batched,
+    one that needs another argument: refused at load, before any rollout, naming the call and the fix; **kwargs
+    and defaulted extra parameters fit."""
+    (tmp_path / 'r.py').write_text(
+        "def trl(prompts, completions, **kwargs):\n    return [1.0] * len(completions)\n\n"
+        "def single(prompt, completion, row):\n    return 1.0\nsingle.batched = True\n\n"
+        "def needs(prompt, completion, row, tokenizer):\n    return 1.0\n\n"
+        "def loose(**kwargs):\n    return 1.0\n\n"
+        "def defaulted(prompt, completion, row, scale=2):\n    return 1.0\n\n"
+        "def trl_batched(prompts, completions, **kwargs):\n    return [1.0] * len(completions)\n"
+        "trl_batched.batched = True\n")
+    for name, says in [('trl', 'trl(prompts, completions, **kwargs) cannot be called as trl(prompt=..., '
+                               'completion=..., row=...)'),
+                       ('trl', '`trl.batched = True` below it'),
+                       ('single', 'single(prompt, completion, row) cannot be called as single(prompts=..., '
+                                  'completions=..., rows=...)'),
+                       ('single', 'drop `single.batched = True`'),
+                       ('needs', 'needs(prompt, completion, row, tokenizer) cannot be called')]:
+        with pytest.raises(UserError, match=re.escape(says)):
+            load_reward(f'{tmp_path / "r.py"}:{name}')
+    assert score(load_reward(f'{tmp_path / "r.py"}:loose'), 'x', {}, 'here') == 1.0
+    assert score(load_reward(f'{tmp_path / "r.py"}:defaulted'), 'x', {}, 'here') == 1.0
+    batched = load_reward(f'{tmp_path / "r.py"}:trl_batched')
+    assert reward_values(batched, [[]] * 2, ['a', 'b'], [{}, {}], ['w'] * 2) == [1.0, 1.0]
+
+
 def test_per_reward_metrics_leave_out_what_a_reward_did_not_score():
     """TRL's nanmean and nanstd of each reward's values, without NaN or torch's 'degrees of freedom' warning: no
     mean for a reward that scored no completion (named), no std for one that scored one."""

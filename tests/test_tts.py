@@ -6,6 +6,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import stat
 import sys
@@ -431,6 +432,12 @@ def test_bad_dataset_rows_give_clear_errors(tmp_path):
     wav.write_bytes(wav.read_bytes()[:-1])  # the data chunk promises one byte more
     with pytest.raises(UserError, match='U001.wav: the WAV is cut short'):
         read_wav(wav)
+    for size in (0, 30, 40):  # an empty file, headers cut short: no conversion advice, which cannot help
+        (tmp_path / 'short.wav').write_bytes(wav.read_bytes()[:size])
+        with pytest.raises(UserError, match=re.escape(f'short.wav: the WAV is empty or cut short ({size} bytes')):
+            read_wav(tmp_path / 'short.wav')
+    with pytest.raises(UserError, match='cannot be read .Is a directory'):
+        read_wav(tmp_path)
     texts = dict(read_metadata(str(data)))
     for samples, message in ((100, 'only 100 samples'), (SR // 10, 'text tokens but only')):
         write_pcm(wav, np.zeros(samples))

@@ -35,8 +35,13 @@ def read_wav(path, sample_rate=None):
             frames = w.readframes(w.getnframes())
     except FileNotFoundError:
         raise UserError(f"{path}: file not found")
-    except (wave.Error, EOFError) as e:
-        raise UserError(f"{path}: unreadable WAV ({e or 'empty or cut short'}); convert it to 16-bit PCM, e.g. "
+    except OSError as e:  # a folder, a file without read permission
+        raise UserError(f"{path}: cannot be read ({e.strerror or e}); point at a readable WAV file")
+    except (EOFError, wave.Error) as e:
+        if isinstance(e, EOFError) or 'chunk missing' in str(e):  # not all there: no converter fixes that
+            raise UserError(f"{path}: the WAV is empty or cut short ({os.path.getsize(path)} bytes, its header "
+                            f"incomplete); re-export or remove it")
+        raise UserError(f"{path}: unreadable WAV ({e}); convert it to 16-bit PCM, e.g. "
                         f"`ffmpeg -i in.wav -acodec pcm_s16le out.wav`")
     if width != 2:
         raise UserError(f"{path}: {8 * width}-bit samples; only 16-bit PCM is supported, convert "

@@ -189,10 +189,13 @@ log(f"{len(train_set)} train / {len(val_set)} held-out utterances, {train_minute
     f"{len(symbols)} symbols, {len(sampler)} batches per epoch per process")
 
 # model, from scratch or from a checkpoint (shape and vocabulary must match the config)
-if enc_channels % enc_heads or dec_heads and dec_channels % dec_heads or dec_channels % 8 or enc_kernel % 2 == 0:
-    raise UserError(f"the model shape does not fit together: enc_channels={enc_channels} must divide by enc_heads="
-                    f"{enc_heads}, dec_channels={dec_channels} by dec_heads={dec_heads} (unless 0) and by 8 (GroupNorm "
-                    f"groups), and enc_kernel={enc_kernel} must be odd (same-length convolutions).")
+misfits = [f"enc_channels={enc_channels} must divide by enc_heads={enc_heads}"] * bool(enc_channels % enc_heads)
+misfits += [f"dec_channels={dec_channels} must divide by dec_heads={dec_heads} (or dec_heads=0: no attention)"] * bool(
+    dec_heads and dec_channels % dec_heads)
+misfits += [f"dec_channels={dec_channels} must divide by 8 (GroupNorm's groups)"] * bool(dec_channels % 8)
+misfits += [f"enc_kernel={enc_kernel} must be odd (same-length convolutions)"] * (enc_kernel % 2 == 0)
+if misfits:
+    raise UserError(f"the model shape does not fit together: {'; '.join(misfits)}.")
 model_args = dataclass_args(TTSConfig, config, symbols=symbols, n_mels=mel_settings['n_mels'], speakers=speakers)
 if resuming or init_from != 'scratch':
     ckpt_source = ckpt_path if resuming else init_from

@@ -571,7 +571,10 @@ def test_settings_that_cannot_work_are_clear_errors(tmp_path, corpus, straight_r
     no folder: exit 2 naming the keys, before any work, and no out_dir left behind (the refused runs made it, and
     a mel cache in it)."""
     cases = [(['--eval_only=True'], 'eval_only=True needs a trained model'),
-             (['--enc_heads=3'], 'enc_heads=3'), (['--enc_kernel=4'], 'enc_kernel=4 must be odd'),
+             (['--enc_heads=3'], 'enc_heads=3'), (['--enc_kernel=4'], 'together: enc_kernel=4 must be odd'),
+             (['--dec_channels=100', '--dec_heads=3'], 'dec_channels=100 must divide by dec_heads=3 (or dec_heads=0: '
+                                                      "no attention); dec_channels=100 must divide by 8 (GroupNorm's "
+                                                      "groups)."),
              ([f'--vocoder={tmp_path / "v.pth.tar"}'], 'no such file')]
     for args, message in cases:
         p = train(tmp_path / 'out', corpus, *args, check=False)

@@ -97,6 +97,9 @@ if 32 % discriminator_divisor:
 sample_rate, hop = MEL_SETTINGS['sample_rate'], MEL_SETTINGS['hop_length']
 segment_samples = segment_frames * hop
 local_device = compute_init(device, seed).device
+# the generator, with weight norm as the release trains it; read first: a wrong file is refused before the
+# TTS model's mels are made
+generator = with_weight_norm(load_hifigan(init_from, local_device, 'init_from')).train()
 this_run = dict(script='train_vocoder.py', init_from=os.path.abspath(init_from),
                 tts_ckpt=os.path.abspath(tts_ckpt) if tts_ckpt else '')
 out_dir_lock, ckpt_path, ckpt = open_run(config, this_run, True)
@@ -176,9 +179,7 @@ def segments(step):
     return torch.stack(mels).to(local_device), torch.stack(audio).to(local_device)
 
 
-# the generator, with weight norm as the release trains it, and fresh discriminators (a generator file comes without
-# the discriminators it was trained against)
-generator = with_weight_norm(load_hifigan(init_from, local_device, 'init_from')).train()
+# fresh discriminators (a generator file comes without the discriminators it was trained against)
 mpd = MultiPeriodDiscriminator(discriminator_divisor).to(local_device)
 msd = MultiScaleDiscriminator(discriminator_divisor).to(local_device)
 optimizer_g = torch.optim.AdamW(generator.parameters(), learning_rate, betas=(beta1, beta2))

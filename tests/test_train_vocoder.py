@@ -307,6 +307,7 @@ def test_recordings_mels_without_a_tts_model_and_bad_settings(tiny, tmp_path):
     p = fine_tune(tmp_path / 'swapped', tts_ckpt, f'--init_from={tts_ckpt}', check=False)
     assert_user_error(p, f'init_from={tts_ckpt} is a nanotrain checkpoint', 'train_vocoder.py takes as --tts_ckpt')
     assert '--vocoder' not in p.stderr
+    assert 'teacher-forced mels' not in p.stdout + p.stderr  # refused before the TTS model's mels were made
 
 
 def test_sample_and_eval_name_a_generator_run_given_as_a_language_model(straight):

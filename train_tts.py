@@ -142,6 +142,18 @@ require_wandb(wandb_log)
 if voice_clips and not multi_speaker:
     raise UserError("voice_clips=True learns to tell the voices of a multi-speaker corpus from a clip: add "
                     "--multi_speaker=True (rows id|speaker|text), or drop voice_clips.")
+misfits = []  # the model's shape, before any work (a big corpus's features take minutes)
+if enc_channels % enc_heads:
+    misfits.append(f"enc_channels={enc_channels} must divide by enc_heads={enc_heads}")
+if dec_heads and dec_channels % dec_heads:
+    misfits.append(f"dec_channels={dec_channels} must divide by dec_heads={dec_heads} (or dec_heads=0: no attention)")
+if dec_channels % 8:
+    misfits.append(f"dec_channels={dec_channels} must divide by 8 (GroupNorm's groups)")
+if enc_kernel % 2 == 0:
+    misfits.append(f"enc_kernel={enc_kernel} must be odd (same-length convolutions)")
+if misfits:
+    raise UserError(f"the model shape does not fit together: {'; '.join(misfits)}.")
+
 # fixed feature settings (not config keys: set after configure)
 mel_settings = tts_data.MEL_SETTINGS
 sample_rate = mel_settings['sample_rate']
@@ -189,13 +201,6 @@ log(f"{len(train_set)} train / {len(val_set)} held-out utterances, {train_minute
     f"{len(symbols)} symbols, {len(sampler)} batches per epoch per process")
 
 # model, from scratch or from a checkpoint (shape and vocabulary must match the config)
-misfits = [f"enc_channels={enc_channels} must divide by enc_heads={enc_heads}"] * bool(enc_channels % enc_heads)
-misfits += [f"dec_channels={dec_channels} must divide by dec_heads={dec_heads} (or dec_heads=0: no attention)"] * bool(
-    dec_heads and dec_channels % dec_heads)
-misfits += [f"dec_channels={dec_channels} must divide by 8 (GroupNorm's groups)"] * bool(dec_channels % 8)
-misfits += [f"enc_kernel={enc_kernel} must be odd (same-length convolutions)"] * (enc_kernel % 2 == 0)
-if misfits:
-    raise UserError(f"the model shape does not fit together: {'; '.join(misfits)}.")
 model_args = dataclass_args(TTSConfig, config, symbols=symbols, n_mels=mel_settings['n_mels'], speakers=speakers)
 if resuming or init_from != 'scratch':
     ckpt_source = ckpt_path if resuming else init_from

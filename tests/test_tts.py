@@ -580,6 +580,7 @@ def test_settings_that_cannot_work_are_clear_errors(tmp_path, corpus, straight_r
         p = train(tmp_path / 'out', corpus, *args, check=False)
         assert_user_error(p, message)
         assert not (tmp_path / 'out').exists()
+        assert 'mel features' not in p.stdout + p.stderr  # refused before any work
     p = run(['sample_tts.py', f'--out_dir={straight_run[0]}', '--device=cpu',
              f'--wav={tmp_path / "nowhere" / "x.wav"}'], check=False)
     assert_user_error(p, 'must be a file path in an existing folder')

@@ -194,10 +194,11 @@ def gpt_config(hf, folder):
             raise UserError(f"{folder}/config.json: scale_attn_by_inverse_layer_idx, reorder_and_upcast_attn or "
                             f"scale_attn_weights=false change GPT-2's attention, and nanotrain does not implement "
                             f"them; it loads GPT-2 models with their defaults.")
-        return dict(block_size=hf['n_positions'], vocab_size=hf['vocab_size'], n_layer=hf['n_layer'],
-                    n_head=hf['n_head'], n_embd=hf['n_embd'], mlp_hidden=hf.get('n_inner') or 0, bias=True,
-                    pos_emb='learned', norm='layernorm', norm_eps=hf.get('layer_norm_epsilon', 1e-5),
-                    mlp=MLP_OF_ACTIVATION[activation], tie_embeddings=ties_embeddings(hf))
+        fields = dict(block_size=hf['n_positions'], vocab_size=hf['vocab_size'], n_layer=hf['n_layer'],
+                      n_head=hf['n_head'], n_embd=hf['n_embd'], mlp_hidden=hf.get('n_inner') or 0, bias=True,
+                      pos_emb='learned', norm='layernorm', norm_eps=hf.get('layer_norm_epsilon', 1e-5),
+                      mlp=MLP_OF_ACTIVATION[activation], tie_embeddings=ties_embeddings(hf))
+        return checked_sizes(fields, GPT2_KEYS, folder)
     arcee = arch == 'ArceeForCausalLM'
     activation, supported = hf.get('hidden_act', 'relu2' if arcee else 'silu'), MLP_OF_ACTIVATION if arcee else ['silu']
     if activation not in supported:
@@ -229,16 +230,52 @@ def gpt_config(hf, folder):
     qwen3 = arch == 'Qwen3ForCausalLM'
     # without head_dim, transformers' Qwen3Config gives
     # 128; the other families' configs n_embd / n_head
-    return dict(block_size=hf['max_position_embeddings'], vocab_size=hf['vocab_size'], n_layer=hf['num_hidden_layers'],
-                n_head=hf['num_attention_heads'], n_kv_head=hf.get('num_key_value_heads') or 0,
-                n_embd=hf['hidden_size'], head_dim=hf.get('head_dim') or (128 if qwen3 else 0),
-                mlp=MLP_OF_ACTIVATION[activation] if arcee else 'swiglu', mlp_hidden=hf['intermediate_size'],
-                bias=bias, qkv_bias=arch == 'Qwen2ForCausalLM',
-                pos_emb='rope', norm='rmsnorm', norm_eps=hf.get('rms_norm_eps', 1e-5 if arcee else 1e-6),
-                tie_embeddings=ties_embeddings(hf),
-                rope_theta=float(hf.get('rope_theta') or rope.get('rope_theta', 10000.0)),
-                rope_scaling={k: rope[k] for k in ROPE_SCALING_KEYS} if rope_type == 'llama3' else {},
-                qk_norm=qwen3, sliding_window=sliding_window(hf, arch, folder))
+    fields = dict(block_size=hf['max_position_embeddings'], vocab_size=hf['vocab_size'],
+                  n_layer=hf['num_hidden_layers'], n_head=hf['num_attention_heads'], n_kv_head=hf.get('num_key_value_heads') or 0,
+                  n_embd=hf['hidden_size'], head_dim=hf.get('head_dim') or (128 if qwen3 else 0),
+                  mlp=MLP_OF_ACTIVATION[activation] if arcee else 'swiglu', mlp_hidden=hf['intermediate_size'],
+                  bias=bias, qkv_bias=arch == 'Qwen2ForCausalLM',
+                  pos_emb='rope', norm='rmsnorm', norm_eps=hf.get('rms_norm_eps', 1e-5 if arcee else 1e-6),
+                  tie_embeddings=ties_embeddings(hf),
+                  rope_theta=hf.get('rope_theta') or rope.get('rope_theta', 10000.0),
+                  rope_scaling={k: rope[k] for k in ROPE_SCALING_KEYS} if rope_type == 'llama3' else {},
+                  qk_norm=qwen3, sliding_window=sliding_window(hf, arch, folder))
+    fields = checked_sizes(fields, LLAMA_KEYS, folder)
+    return dict(fields, rope_theta=float(fields['rope_theta']))
+
+
+# the config.json key each size comes from
+GPT2_KEYS = dict(block_size='n_positions', vocab_size='vocab_size', n_layer='n_layer', n_head='n_head', n_embd='n_embd',
+                 mlp_hidden='n_inner', norm_eps='layer_norm_epsilon')
+LLAMA_KEYS = dict(block_size='max_position_embeddings', vocab_size='vocab_size', n_layer='num_hidden_layers',
+                  n_head='num_attention_heads', n_kv_head='num_key_value_heads', n_embd='hidden_size',
+                  head_dim='head_dim', mlp_hidden='intermediate_size', norm_eps='rms_norm_eps', rope_theta='rope_theta')
+
+
+def checked_sizes(fields, keys, folder):
+    """fields (gpt_config's), refused in config.json's names when a size is not a whole number (>= 1; those that
+    may be left out, >= 0), an epsilon or RoPE base not positive, or the sizes do not fit together (GPTConfig's
+    checks): a corrupt or edited file, named before any tensor is made of it."""
+    for field, key in keys.items():
+        value, optional = fields[field], key in ('num_key_value_heads', 'head_dim', 'n_inner')  # null: a default
+        if field in ('norm_eps', 'rope_theta'):
+            bad = isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf
+            want = 'a positive number'
+        else:
+            bad = type(value) is not int or value < (0 if optional else 1)
+            want = 'a whole number' + (' (or null)' if optional else ' >= 1')
+        if bad:
+            raise UserError(f"{folder}/config.json: {key}={json.dumps(value)} must be {want}; the file is corrupt "
+                            f"or was edited: download the model folder again.")
+    try:
+        GPTConfig(**fields)
+    except UserError as e:
+        # what is wrong, in config.json's names (GPTConfig's advice is for a config of nanotrain's)
+        said = str(e).removeprefix('model config: ').split('; ')[0]
+        said = re.sub(r'\b(\w+)=', lambda m: keys.get(m[1], m[1]) + '=', said)
+        raise UserError(f"{folder}/config.json: {said}; the file is corrupt or was edited: download the model folder "
+                        f"again.") from None
+    return fields
 
 
 EXPORTABLE = ("pos_emb='rope', norm='rmsnorm' and mlp='swiglu' (LlamaForCausalLM; with qkv_bias Qwen2ForCausalLM, with "

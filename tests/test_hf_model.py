@@ -6,6 +6,7 @@ that do not fit."""
 import dataclasses
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -326,6 +327,34 @@ def test_rope_settings_in_either_layout_and_malformed_ones(tmp_path):
     for key, bad in (('rope_scaling', 'linear'), ('rope_scaling', [8.0]), ('rope_parameters', 'llama3')):
         with pytest.raises(UserError, match=f"{key}=.* must be an object"):
             gpt_config(dict(config, **{key: bad}), 'llama')
+
+
+def test_sizes_that_cannot_make_a_model_are_named_in_config_json_terms():
+    """A corrupt or edited config.json (a size of 0, negative, fractional, a string or a bool, an epsilon or RoPE base
+    not positive, heads that do not fit together) is refused naming its key as config.json spells it, before any
+    tensor is made (they were tracebacks of torch's, or a model that ran on a negative epsilon); null where
+    transformers takes a default is fine."""
+    llama = read_json_file(hf_fixture('llama/config.json'))
+    gpt2 = read_json_file(hf_fixture('gpt2/config.json'))
+    for config, key, bad, says in [
+            (llama, 'num_hidden_layers', 0, 'num_hidden_layers=0 must be a whole number >= 1'),
+            (llama, 'hidden_size', -64, 'hidden_size=-64 must be a whole number >= 1'),
+            (llama, 'intermediate_size', 'abc', 'intermediate_size="abc" must be a whole number >= 1'),
+            (llama, 'num_attention_heads', 2.5, 'num_attention_heads=2.5 must be'),
+            (llama, 'vocab_size', True, 'vocab_size=true must be'),
+            (llama, 'head_dim', -2, 'head_dim=-2 must be a whole number (or null)'),
+            (llama, 'rms_norm_eps', -1, 'rms_norm_eps=-1 must be a positive number'),
+            (llama, 'rope_theta', 'x', 'rope_theta="x" must be a positive number'),
+            (llama, 'num_key_value_heads', 3, f'num_attention_heads={llama["num_attention_heads"]} is not a multiple '
+                                              f'of num_key_value_heads=3; the file is corrupt'),
+            (llama, 'head_dim', 7, 'RoPE needs an even head size but it is 7; the file is corrupt'),
+            (gpt2, 'n_embd', 0, 'n_embd=0 must be a whole number >= 1'),
+            (gpt2, 'layer_norm_epsilon', 0, 'layer_norm_epsilon=0 must be a positive number')]:
+        with pytest.raises(UserError, match=re.escape(f'm/config.json: {says}')):
+            gpt_config(dict(config, **{key: bad}), 'm')
+    for key in ('head_dim', 'num_key_value_heads'):
+        assert gpt_config(dict(llama, **{key: None}), 'm')
+    assert gpt_config(dict(gpt2, n_inner=None), 'm')['mlp_hidden'] == 0
 
 
 def test_a_peft_adapter_refuses_added_chat_token_rows_saying_why(tmp_path):

@@ -94,9 +94,15 @@ def generation_eos_ids(folder):
     """The ids generation stops at: generation_config.json's eos_token_id (an id or a list, each one
     stops), else config.json's, as transformers' generate uses them."""
     generation_config = read_json(folder, 'generation_config.json')
+    name = 'generation_config.json' if generation_config is not None else 'config.json'
     config = generation_config if generation_config is not None else read_json(folder, 'config.json') or {}
     ids = config.get('eos_token_id')
-    return [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    ids = [] if ids is None else [ids] if not isinstance(ids, list) else ids
+    if not all(type(i) is int and i >= 0 for i in ids):
+        raise UserError(f"{folder}/{name}: eos_token_id={json.dumps(config['eos_token_id'])} must be a token id or a "
+                        f"list of them (whole numbers >= 0); the file is corrupt or was edited: download the model "
+                        f"folder again.")
+    return ids
 
 
 class GenerationMarkers(jinja2.ext.Extension):

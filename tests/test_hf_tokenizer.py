@@ -2,6 +2,7 @@
 transformers' apply_chat_template for each fixture model folder), and its errors."""
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -162,6 +163,14 @@ def test_missing_and_corrupt_files(tmp_path):
     (tmp_path / 'generation_config.json').write_text('{"eos_token_id": ')
     with pytest.raises(UserError, match='generation_config.json is corrupt'):
         load_hf_tokenizer(folder)
+    # ids that are no ids (a string was taken as a list of its characters, none of which stops anything)
+    for bad in ('"2"', '[2, "x"]', '-1', 'true', '{"id": 2}'):
+        (tmp_path / 'generation_config.json').write_text(f'{{"eos_token_id": {bad}}}')
+        with pytest.raises(UserError, match=re.escape(f'generation_config.json: eos_token_id={bad} must be a token')):
+            load_hf_tokenizer(folder)
+    for good, ids in (('2', [2]), ('[2, 3]', [2, 3]), ('null', [])):
+        (tmp_path / 'generation_config.json').write_text(f'{{"eos_token_id": {good}}}')
+        assert load_hf_tokenizer(folder).stop_ids[:len(ids)] == ids
     (tmp_path / 'tokenizer.json').write_text('{"model": 1}')
     with pytest.raises(UserError, match='tokenizer.json is corrupt'):
         load_hf_tokenizer(folder)

@@ -22,7 +22,7 @@ import shutil
 from typing import NamedTuple
 
 from configurator import UserError, on_refusal, require_writable_folder
-from run.checkpoint import RESUME_FIX, file_sha256, load_checkpoint, save_checkpoint
+from run.checkpoint import RESUME_FIX, file_sha256, load_checkpoint, save_checkpoint, shard_folders
 from run.runtime import log
 
 
@@ -107,7 +107,15 @@ def run_origin(init_from, out_dir, resume):
         raise UserError(f"init_from='resume' continues the run in {out_dir}, but there is none ({path} does not "
                         f"exist). Point --out_dir at the run's folder, or start a new run: set --init_from to the "
                         f"model it starts from (--help says which kinds this script takes).")
-    return load_checkpoint(path, whole=False, fix=RESUME_FIX).get('run', {}).get('init_from', 'scratch')
+    return load_checkpoint(path, whole=False, fix=resume_fix(out_dir)).get('run', {}).get('init_from', 'scratch')
+
+
+def resume_fix(out_dir):
+    """What to do when out_dir's ckpt.pt cannot be read: a one-file best.pt, a whole checkpoint too, continues the
+    run from the best eval's step (a sharded one names its own shard folders, which its next save removes)."""
+    best = os.path.join(out_dir, 'best.pt')
+    return (f"copy {best} over it to continue from the best eval's step (it is a whole checkpoint too), or "
+            f"{RESUME_FIX}" if os.path.isfile(best) and not shard_folders(best) else RESUME_FIX)
 
 
 def is_hf_folder(path):
@@ -144,7 +152,7 @@ def run_to_continue(out_dir, resume, run, eval_only):
         if not eval_only:  # a new run: what it will save over must be an earlier run's, replaced on request
             check_replaceable(out_dir, resume, run)
         return None
-    ckpt = load_checkpoint(path, whole=False, fix=RESUME_FIX)
+    ckpt = load_checkpoint(path, whole=False, fix=resume_fix(out_dir))
     if not (isinstance(ckpt, dict) and 'kind' in ckpt):
         raise UserError(foreign(path))
     saved = ckpt.get('run', {})  # older checkpoints do not say: continue them

@@ -2,6 +2,8 @@ import json
 import math
 import os
 import random
+import re
+import shutil
 import signal
 
 import numpy as np
@@ -173,11 +175,24 @@ def test_a_new_run_replaces_only_checkpoints_of_its_own_or_on_request(tmp_path, 
     with pytest.raises(UserError, match='holds merged.pt of another run'):
         run_to_continue(str(out), True, this, eval_only=False)
     # a corrupt ckpt.pt of the run there: init_from is no way out (that run is continued whatever it says)
+    # with best.pt beside it, the advice to copy that over it, which continues the run
     (out / 'ckpt.pt').write_bytes(b'PK\x03\x04 cut short')
-    with pytest.raises(UserError, match=r"restore it from a backup, or start a new run \(another --out_dir, or "
-                                        r"--resume=False to replace the run there\)") as e:
+    with pytest.raises(UserError, match=re.escape(f"restore it from a backup, or copy {out / 'best.pt'} over it to "
+                                                  f"continue from the best eval's step")) as e:
         run_to_continue(str(out), True, this, eval_only=False)
     assert '--init_from' not in str(e.value)
+    shutil.copy(out / 'best.pt', out / 'ckpt.pt')
+    (out / 'merged.pt').unlink()
+    assert run_to_continue(str(out), True, this, eval_only=False)['run'] == this
+    # a sharded best.pt names its own shard folders, which its next save removes: not offered; nor is no best.pt
+    (out / 'ckpt.pt').write_bytes(b'PK\x03\x04 cut short')
+    (out / 'best-000020.dcp').mkdir()
+    for remove in (False, True):
+        if remove:
+            (out / 'best.pt').unlink()
+        with pytest.raises(UserError, match=r"restore it from a backup, or start a new run \(another --out_dir, or "
+                                            r"--resume=False to replace the run there\)"):
+            run_to_continue(str(out), True, this, eval_only=False)
 
 
 def test_only_the_shard_folders_a_save_wrote_are_its_own(tmp_path):

@@ -213,11 +213,14 @@ class TokenBatches:
     state resumes all) and takes its contiguous slice: rank r's micro-step k is global micro-batch
     r * grad_accum + k, so 2 ranks x grad_accum A train on the samples of 1 process x grad_accum 2A."""
 
-    def __init__(self, bin_path, block_size, seed):
-        self.bin_path = bin_path
-        self.block_size = block_size
+    def __init__(self, bin_path, block_size, seed, vocab_size):
+        self.bin_path, self.block_size, self.vocab_size = bin_path, block_size, vocab_size
         self.dtype = np.dtype(read_meta(os.path.dirname(bin_path) or '.')['dtype'])
-        self.n_tokens = os.path.getsize(dataset_file(*os.path.split(bin_path))) // self.dtype.itemsize
+        size = os.path.getsize(dataset_file(*os.path.split(bin_path)))
+        self.n_tokens = size // self.dtype.itemsize
+        if size % self.dtype.itemsize:
+            raise UserError(f"{bin_path} is cut short: {size:,} bytes are not whole {self.dtype} tokens "
+                            f"({self.dtype.itemsize} bytes each). Prepare the dataset again with data.py.")
         if self.n_tokens < block_size + 1:
             raise UserError(f"{bin_path} has {self.n_tokens} tokens, fewer than block_size + 1 = "
                             f"{block_size + 1}. Use a smaller --block_size or a bigger corpus.")
@@ -233,6 +236,11 @@ class TokenBatches:
         # a fresh memmap per call: a long-lived one keeps growing in memory (nanoGPT's note)
         data = np.memmap(self.bin_path, dtype=self.dtype, mode='r')
         windows = np.stack([data[i:i + self.block_size + 1] for i in offsets.tolist()]).astype(np.int64)
+        if windows.max() >= self.vocab_size:  # a corrupt file: an embedding lookup would fail (on a GPU, an assert)
+            row, _ = np.argwhere(windows >= self.vocab_size)[0]
+            raise UserError(f"{self.bin_path} holds token id {windows.max()} (in the window at token "
+                            f"{offsets[row].item():,}), beyond the tokenizer's {self.vocab_size} ids: the file is "
+                            f"corrupt or was prepared with another tokenizer. Prepare the dataset again with data.py.")
         x, y = (torch.from_numpy(w) for w in (windows[:, :-1].copy(), windows[:, 1:].copy()))
         if torch.device(device).type == 'cuda':  # pinned memory: the copy overlaps compute
             return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
@@ -265,8 +273,8 @@ eval_examples = eval_iters * batch_size
 if not fine_tuning:
     # pretraining: random windows of the token files; every eval scores the same val windows
     tokenizer = base_tokenizer
-    train_batches = TokenBatches(os.path.join(corpus_dir, 'train.bin'), block_size, seed)
-    val_batches = TokenBatches(os.path.join(corpus_dir, 'val.bin'), block_size, seed)
+    train_batches = TokenBatches(os.path.join(corpus_dir, 'train.bin'), block_size, seed, tokenizer.vocab_size)
+    val_batches = TokenBatches(os.path.join(corpus_dir, 'val.bin'), block_size, seed, tokenizer.vocab_size)
     val_indices = eval_offsets(val_batches.n_tokens, block_size, eval_examples)
     sample_prompt, train_data_hash = tokenizer.encode('\n'), None
     sources = [(None, corpus_dir, 1.0)]  # one, unnamed

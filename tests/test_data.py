@@ -273,7 +273,7 @@ def test_failed_prepare_keeps_the_dataset_and_missing_files_are_named(tmp_path):
         load_tokenizer(ds)
     os.remove(tmp_path / 'ds' / 'train.bin')
     with pytest.raises(UserError, match='train.bin is missing'):
-        TokenBatches(os.path.join(ds, 'train.bin'), 8, seed=0)
+        TokenBatches(os.path.join(ds, 'train.bin'), 8, seed=0, vocab_size=300)
     (tmp_path / 'ds' / 'meta.json').write_text('{"tokenizer": ')
     with pytest.raises(UserError, match='meta.json is corrupt'):
         load_tokenizer(ds)
@@ -292,14 +292,29 @@ def test_unprepared_data_dir_says_how_to_prepare(tmp_path):
     (tmp_path / 'raw').mkdir()
     (tmp_path / 'raw' / 'train.bin').write_bytes(b'\0' * 100)
     with pytest.raises(UserError, match='no meta.json'):
-        TokenBatches(str(tmp_path / 'raw' / 'train.bin'), 8, seed=0)
+        TokenBatches(str(tmp_path / 'raw' / 'train.bin'), 8, seed=0, vocab_size=1000)
+
+
+def test_a_cut_or_corrupt_bin_is_named(tmp_path):
+    """A token file cut mid-token, or holding an id beyond the tokenizer's (an embedding lookup's IndexError, on a
+    GPU a device assert): a UserError naming the file and what to do."""
+    path = make_bin(tmp_path, 5000)
+    with open(path, 'ab') as f:
+        f.write(b'\0')
+    with pytest.raises(UserError, match=r'train.bin is cut short: 10,001 bytes are not whole uint16 tokens'):
+        TokenBatches(path, 16, seed=0, vocab_size=1000)
+    batches = TokenBatches(make_bin(tmp_path, 5000), 16, seed=0, vocab_size=999)  # holds ids 0..999
+    batches.get(torch.tensor([0, 900]))  # windows of ids up to 916
+    with pytest.raises(UserError, match=r"train.bin holds token id 999 \(in the window at token 1,990\), beyond the "
+                                        r"tokenizer's 999 ids"):
+        batches.get(torch.tensor([0, 1990]))
 
 
 def test_bin_smaller_than_block(tmp_path):
     path = make_bin(tmp_path, 16)
-    TokenBatches(path, 15, seed=0)  # 16 tokens: one window of 15 plus its target
+    TokenBatches(path, 15, seed=0, vocab_size=1000)  # 16 tokens: one window of 15 plus its target
     with pytest.raises(UserError, match='train.bin has 16 tokens, fewer than block_size \\+ 1 = 17'):
-        TokenBatches(path, 16, seed=0)
+        TokenBatches(path, 16, seed=0, vocab_size=1000)
     with pytest.raises(UserError, match='fewer than block_size'):
         eval_offsets(16, 16, 4)
 
@@ -307,7 +322,7 @@ def test_bin_smaller_than_block(tmp_path):
 # -- batches -----------------------------------------------------------------------------------
 
 def test_x_y_shift_by_one(tmp_path):
-    batches = TokenBatches(make_bin(tmp_path, 5000), 32, seed=0)
+    batches = TokenBatches(make_bin(tmp_path, 5000), 32, seed=0, vocab_size=1000)
     offsets = batches.sample_offsets(8)
     x, y = batches.get(offsets)
     assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (8, 32)
@@ -317,7 +332,7 @@ def test_x_y_shift_by_one(tmp_path):
 
 
 def test_offsets_cover_the_file_and_stay_in_range(tmp_path):
-    batches = TokenBatches(make_bin(tmp_path, 40), 8, seed=0)
+    batches = TokenBatches(make_bin(tmp_path, 40), 8, seed=0, vocab_size=1000)
     offsets = batches.sample_offsets(2000)
     assert offsets.min() == 0 and offsets.max() == 40 - 8 - 1  # last window's target is the last token
     batches.get(offsets)
@@ -325,12 +340,12 @@ def test_offsets_cover_the_file_and_stay_in_range(tmp_path):
 
 def test_batches_deterministic_and_resumable(tmp_path):
     path = make_bin(tmp_path, 5000)
-    a, b = TokenBatches(path, 16, seed=7), TokenBatches(path, 16, seed=7)
+    a, b = TokenBatches(path, 16, seed=7, vocab_size=1000), TokenBatches(path, 16, seed=7, vocab_size=1000)
     assert torch.equal(a.sample_offsets(4), b.sample_offsets(4))
-    assert not torch.equal(a.sample_offsets(4), TokenBatches(path, 16, seed=8).sample_offsets(4))
+    assert not torch.equal(a.sample_offsets(4), TokenBatches(path, 16, seed=8, vocab_size=1000).sample_offsets(4))
     torch.save(a.state_dict(), tmp_path / 'state.pt')
     expected = [a.get(a.sample_offsets(4)) for _ in range(3)]
-    resumed = TokenBatches(path, 16, seed=0)
+    resumed = TokenBatches(path, 16, seed=0, vocab_size=1000)
     resumed.load_state_dict(torch.load(tmp_path / 'state.pt', weights_only=True))
     assert resumed.batches_drawn == 2
     for x, y in expected:
@@ -341,8 +356,8 @@ def test_batches_deterministic_and_resumable(tmp_path):
 def test_rank_slices_match_single_process(tmp_path):
     path = make_bin(tmp_path, 5000)
     micro, accum, world = 2, 3, 2
-    single = TokenBatches(path, 16, seed=3)
-    ranks = [TokenBatches(path, 16, seed=3) for _ in range(world)]
+    single = TokenBatches(path, 16, seed=3, vocab_size=1000)
+    ranks = [TokenBatches(path, 16, seed=3, vocab_size=1000) for _ in range(world)]
     for step in range(2):
         # one process with grad_accum = world * accum
         global_offsets = single.sample_offsets(world * accum * micro)
@@ -362,7 +377,7 @@ def test_eval_offsets_fixed_and_in_range():
 
 @pytest.mark.cuda
 def test_cuda_batches_match_cpu(tmp_path):
-    batches = TokenBatches(make_bin(tmp_path, 5000), 16, seed=0)
+    batches = TokenBatches(make_bin(tmp_path, 5000), 16, seed=0, vocab_size=1000)
     offsets = batches.sample_offsets(4)
     x, y = batches.get(offsets, 'cuda')
     assert x.is_cuda and torch.equal(x.cpu(), batches.get(offsets)[0]) and torch.equal(y.cpu(), batches.get(offsets)[1])

@@ -16,6 +16,7 @@ import argparse
 import hashlib
 import json
 import os
+import shlex
 import sysconfig
 import time
 import urllib.request
@@ -42,8 +43,10 @@ def read_text(path):
     try:
         return raw.decode('utf-8')
     except UnicodeDecodeError as e:
-        raise UserError(f"{path} is not UTF-8 text (bad byte at offset {e.start}). "
-                        f"Convert it to UTF-8, e.g. iconv -f latin1 -t utf-8 {path}.") from None
+        converted = shlex.quote(os.path.splitext(path)[0] + '.utf8.txt')
+        raise UserError(f"{path} is not UTF-8 text (bad byte at offset {e.start}). If it is text in another encoding, "
+                        f"convert it and pass the result, e.g. `iconv -f latin1 -t utf-8 {shlex.quote(str(path))} > "
+                        f"{converted}` then --input={converted}; a binary file is no corpus.") from None
 
 
 def text_files(folder):

@@ -3,6 +3,7 @@ import hashlib
 import http.server
 import json
 import os
+import re
 import threading
 
 import numpy as np
@@ -244,9 +245,17 @@ def test_empty_corpus(tmp_path):
 
 
 def test_not_utf8(tmp_path):
-    (tmp_path / 'latin1.txt').write_bytes('caf\xe9'.encode('latin-1'))
-    with pytest.raises(UserError, match='latin1.txt is not UTF-8'):
-        data.prepare(tmp_path / 'latin1.txt', tmp_path / 'ds')
+    """A file in another encoding: refused with a conversion whose result is what to pass (iconv's output goes to
+    stdout: the advice redirects it), which then prepares."""
+    (tmp_path / 'latin1.txt').write_bytes('caf\xe9 au lait\n'.encode('latin-1') * 50)
+    with pytest.raises(UserError, match='latin1.txt is not UTF-8') as e:
+        data.prepare(tmp_path / 'latin1.txt', tmp_path / 'ds', 'char')
+    converted = re.search(r'> (\S+)` then --input=(\S+);', str(e.value))
+    assert converted and converted[1] == converted[2] == str(tmp_path / 'latin1.utf8.txt')
+    with open(converted[1], 'w', encoding='utf-8') as f:  # what iconv -f latin1 -t utf-8 writes
+        f.write((tmp_path / 'latin1.txt').read_bytes().decode('latin-1'))
+    data.prepare(converted[2], tmp_path / 'ds', 'char')
+    assert 'é' in load_tokenizer(tmp_path / 'ds').decode(load_tokenizer(tmp_path / 'ds').encode('café'))
 
 
 def test_char_encode_unknown_character(tmp_path):

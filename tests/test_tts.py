@@ -7,6 +7,7 @@ import math
 import os
 import random
 import re
+import shlex
 import shutil
 import stat
 import sys
@@ -438,6 +439,17 @@ def test_bad_dataset_rows_give_clear_errors(tmp_path):
             read_wav(tmp_path / 'short.wav')
     with pytest.raises(UserError, match='cannot be read .Is a directory'):
         read_wav(tmp_path)
+    # another format, or 8-bit samples: a conversion that replaces the file under its own name (metadata.csv's)
+    (tmp_path / 'my clip.wav').write_bytes(b'ID3' + bytes(64))  # an MP3 named .wav
+    with wave.open(str(tmp_path / 'u8.wav'), 'wb') as w:
+        w.setnchannels(1), w.setsampwidth(1), w.setframerate(SR), w.writeframes(bytes(2000))
+    for name, says in (('my clip.wav', 'unreadable WAV (file does not start with RIFF id)'), ('u8.wav', '8-bit')):
+        path = str(tmp_path / name)
+        converted = shlex.quote(path[:-4] + '.pcm16.wav')
+        with pytest.raises(UserError, match=re.escape(f"{says}")) as e:
+            read_wav(path)
+        assert f"`ffmpeg -i {shlex.quote(path)} -acodec pcm_s16le {converted} && mv {converted} {shlex.quote(path)}`" \
+            in str(e.value)
     texts = dict(read_metadata(str(data)))
     for samples, message in ((100, 'only 100 samples'), (SR // 10, 'text tokens but only')):
         write_pcm(wav, np.zeros(samples))

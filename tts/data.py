@@ -8,6 +8,7 @@ import os
 import random
 import re
 import shutil
+import shlex
 import struct
 import subprocess
 import sys
@@ -26,6 +27,13 @@ from configurator import UserError  # noqa: E402
 # -----------------------------------------------------------------------------
 # WAV I/O (torchaudio.load/save need FFmpeg, the `wave` module needs nothing)
 
+def to_pcm16(path):
+    """A shell command that converts the audio file path to a 16-bit PCM WAV under the same name."""
+    path = os.fspath(path)
+    converted = shlex.quote(os.path.splitext(path)[0] + '.pcm16.wav')
+    return f"`ffmpeg -i {shlex.quote(path)} -acodec pcm_s16le {converted} && mv {converted} {shlex.quote(path)}`"
+
+
 def read_wav(path, sample_rate=None):
     """16-bit PCM WAV -> (float32 mono tensor in [-1, 1], sample_rate). Stereo is averaged;
     with sample_rate given, other rates are resampled to it."""
@@ -41,11 +49,10 @@ def read_wav(path, sample_rate=None):
         if isinstance(e, EOFError) or 'chunk missing' in str(e):  # not all there: no converter fixes that
             raise UserError(f"{path}: the WAV is empty or cut short ({os.path.getsize(path)} bytes, its header "
                             f"incomplete); re-export or remove it")
-        raise UserError(f"{path}: unreadable WAV ({e}); convert it to 16-bit PCM, e.g. "
-                        f"`ffmpeg -i in.wav -acodec pcm_s16le out.wav`")
+        raise UserError(f"{path}: unreadable WAV ({e}); convert it to 16-bit PCM in place, e.g. {to_pcm16(path)}")
     if width != 2:
-        raise UserError(f"{path}: {8 * width}-bit samples; only 16-bit PCM is supported, convert "
-                        f"with `ffmpeg -i in.wav -acodec pcm_s16le out.wav`")
+        raise UserError(f"{path}: {8 * width}-bit samples; only 16-bit PCM is supported, convert it in place, "
+                        f"e.g. {to_pcm16(path)}")
     if len(frames) % (2 * channels):
         raise UserError(f"{path}: the WAV is cut short (its last sample is incomplete); re-export or remove it")
     audio = torch.from_numpy(np.frombuffer(frames, dtype='<i2').astype(np.float32) / 32768.0)

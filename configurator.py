@@ -375,10 +375,15 @@ def line_in_traceback(exc, path):
 def load_config_file(path, defaults, sources=()):
     """Run a config file in a fresh namespace and return its (checked) settings (sources: as configure's)."""
     if not os.path.isfile(path):
-        fail(f"config file {path!r} not found (looked relative to {os.getcwd()}). "
-             f"Pass the path of an existing file (config/ holds the documented ones; each names its script).")
-    with open(path, encoding='utf-8') as f:
-        source = f.read()
+        problem = 'is a folder' if os.path.isdir(path) else f'not found (looked relative to {os.getcwd()})'
+        fail(f"config file {path!r} {problem}. Pass the path of an existing file (config/ holds the documented "
+             f"ones; each names its script).")
+    try:
+        with open(path, encoding='utf-8') as f:
+            source = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        fail(f"config file {path!r} cannot be read ({e}). A config file is Python source in UTF-8; fix or "
+             f"re-save it.")
     namespace = {}
     try:
         exec(compile(source, path, 'exec'), namespace)

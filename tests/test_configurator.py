@@ -234,9 +234,15 @@ def test_broken_config_file(tmp_path, capsys):
     assert f'{path} line 2' in err and 'NameError' in err
 
 
-def test_missing_config_file(capsys):
+def test_missing_config_file(tmp_path, capsys):
+    """A missing file, a folder, a file not in UTF-8: each a config error naming it (the last was a traceback)."""
     err = config_error(['config/does_not_exist.py'], capsys)
     assert "'config/does_not_exist.py'" in err and 'not found' in err
+    err = config_error([str(tmp_path)], capsys)
+    assert f"config file {str(tmp_path)!r} is a folder" in err
+    (tmp_path / 'latin1.py').write_bytes('out_dir = "caf\xe9"\n'.encode('latin-1'))
+    err = config_error([str(tmp_path / 'latin1.py')], capsys)
+    assert 'latin1.py' in err and "can't decode byte 0xe9" in err and 'Python source in UTF-8' in err
 
 
 def test_shakespeare_config_fits_train_py():

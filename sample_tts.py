@@ -10,6 +10,7 @@ chunk, ISFT 'nanotrain sample_tts.py'): a recording, a corpus's WAV or any other
 """
 
 import os
+import shlex
 import time
 
 from configurator import FOLDER, POSITIVE, SEED, UserError, at_least, check_output_file, check_values, configure
@@ -20,12 +21,15 @@ from tts.model import clip_voice, load_tts, synthesize
 from tts.vocoder import load_vocoder, vocoder_name
 
 SOFTWARE = 'nanotrain sample_tts.py'  # the mark of this script's WAVs (tts/data.py, write_wav)
+# audio formats --wav is not: a WAV written under one of these names would not play as what it says
+OTHER_AUDIO = {'.mp3': 'an MP3', '.flac': 'a FLAC', '.ogg': 'an Ogg', '.opus': 'an Opus', '.m4a': 'an M4A',
+               '.aac': 'an AAC', '.aif': 'an AIFF', '.aiff': 'an AIFF', '.wma': 'a WMA', '.webm': 'a WebM'}
 
 # -----------------------------------------------------------------------------
 out_dir = 'out-tts'          # folder of the train_tts.py run to speak with
 ckpt_name = 'ckpt.pt'        # 'ckpt.pt' (latest) or 'best.pt'
 text = 'I will unfold some causes of your deaths.'  # what to say
-wav = 'out.wav'              # where to write the waveform (an existing file only if sample_tts.py wrote it)
+wav = 'out.wav'              # where to write the 16-bit PCM WAV (an existing file only if sample_tts.py wrote it)
 n_timesteps = 10             # Euler steps of the flow-matching ODE
 tts_temperature = 0.667      # scale of the starting noise
 length_scale = 1.0           # > 1 speaks slower
@@ -55,6 +59,11 @@ if not os.path.isfile(ckpt_path):
         f"{out_dir} holds {', '.join(found)}: pick one with --ckpt_name." if found else
         f"Train one there first (`python train_tts.py --out_dir={out_dir} --data_dir=<an LJSpeech-layout corpus>`), "
         f"or point --out_dir at a run's folder."))
+stem, extension = os.path.splitext(wav)
+if extension.lower() in OTHER_AUDIO:  # a WAV under that name would not play as what the name says
+    raise UserError(f"wav={wav!r} names {OTHER_AUDIO[extension.lower()]} file, but sample_tts.py writes 16-bit PCM "
+                    f"WAV: name it .wav (--wav={shlex.quote(stem + '.wav')}), and convert that if you need another "
+                    f"format: `ffmpeg -i {shlex.quote(stem + '.wav')} {shlex.quote(wav)}` (nothing was written).")
 # the one file --wav replaces: this script's own earlier output, by its mark
 check_output_file(wav, 'wav', 'a WAV', lambda path: wav_software(path) == SOFTWARE,
                   reads=[ckpt_path, vocoder, voice_clip], others="a recording, a corpus's WAV or another program's")

@@ -596,6 +596,12 @@ def test_settings_that_cannot_work_are_clear_errors(tmp_path, corpus, straight_r
     p = run(['sample_tts.py', f'--out_dir={straight_run[0]}', '--device=cpu',
              f'--wav={tmp_path / "nowhere" / "x.wav"}'], check=False)
     assert_user_error(p, 'must be a file path in an existing folder')
+    # another format's name: a WAV under it would not play as what it says
+    mp3 = tmp_path / 'speech.MP3'
+    p = run(['sample_tts.py', f'--out_dir={straight_run[0]}', '--device=cpu', f'--wav={mp3}'], check=False)
+    assert_user_error(p, f"wav='{mp3}' names an MP3 file, but sample_tts.py writes 16-bit PCM WAV: name it .wav "
+                         f"(--wav={tmp_path / 'speech.wav'})")
+    assert not mp3.exists()
     for empty in ('', '   '):  # nothing to say, whatever the model reads
         p = run(['sample_tts.py', f'--out_dir={straight_run[0]}', '--device=cpu', f'--text={empty}'], check=False)
         assert_user_error(p, f'text={empty!r} is empty')

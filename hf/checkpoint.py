@@ -231,7 +231,8 @@ def gpt_config(hf, folder):
     # without head_dim, transformers' Qwen3Config gives
     # 128; the other families' configs n_embd / n_head
     fields = dict(block_size=hf['max_position_embeddings'], vocab_size=hf['vocab_size'],
-                  n_layer=hf['num_hidden_layers'], n_head=hf['num_attention_heads'], n_kv_head=hf.get('num_key_value_heads') or 0,
+                  n_layer=hf['num_hidden_layers'], n_head=hf['num_attention_heads'],
+                  n_kv_head=hf.get('num_key_value_heads') or 0,
                   n_embd=hf['hidden_size'], head_dim=hf.get('head_dim') or (128 if qwen3 else 0),
                   mlp=MLP_OF_ACTIVATION[activation] if arcee else 'swiglu', mlp_hidden=hf['intermediate_size'],
                   bias=bias, qkv_bias=arch == 'Qwen2ForCausalLM',

@@ -7,8 +7,8 @@ import math
 import os
 import random
 import re
-import shutil
 import shlex
+import shutil
 import struct
 import subprocess
 import sys

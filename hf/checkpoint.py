@@ -21,6 +21,7 @@ import math
 import os
 import re
 import shutil
+import zipfile
 
 import torch
 from safetensors import SafetensorError
@@ -391,7 +392,14 @@ def weight_files(folder):
     for index, single in (('model.safetensors.index.json', 'model.safetensors'),
                           ('pytorch_model.bin.index.json', 'pytorch_model.bin')):
         if os.path.isfile(os.path.join(folder, index)):
-            shards = sorted(set(read_json(folder, index)['weight_map'].values()))
+            weight_map = (read_json(folder, index) or {}).get('weight_map')
+            if not (isinstance(weight_map, dict) and weight_map and all(
+                    isinstance(s, str) and s and not os.path.isabs(s)
+                    and not os.path.normpath(s).startswith('..') for s in weight_map.values())):
+                raise UserError(f"{folder}/{index}: its weight_map must map each tensor's name to a weight file in "
+                                f"the folder, got {json.dumps(weight_map)[:100]}; the file is corrupt: download the "
+                                f"model folder again.")
+            shards = sorted(set(weight_map.values()))
             missing = [s for s in shards if not os.path.isfile(os.path.join(folder, s))]
             if missing:
                 raise UserError(f"{folder}/{index} lists {', '.join(missing)}, which is missing; the download is "
@@ -441,7 +449,8 @@ def read_weights(path):
     try:
         if path.endswith('.safetensors'):
             return read_safetensors(path)
-        return torch.load(path, map_location='cpu', weights_only=True, mmap=True)
+        # torch.save's format before torch 1.6 (an older model's .bin) is not a zip, which mmap needs
+        return torch.load(path, map_location='cpu', weights_only=True, mmap=zipfile.is_zipfile(path))
     except (KeyError, ValueError, SafetensorError, OSError, RuntimeError, EOFError) as e:
         raise UserError(f"could not read {path} ({type(e).__name__}: {str(e)[:200]}); the file is truncated or "
                         f"corrupt: download it again.") from None

@@ -175,12 +175,41 @@ def test_missing_unexpected_misshapen_and_truncated_weights_are_clear_errors(tmp
         load_hf_checkpoint(str(folder))
 
 
+def test_pytorch_model_bin_in_either_torch_format_loads_as_the_safetensors(tmp_path):
+    """A folder with pytorch_model.bin (an older model's weights) instead of model.safetensors: the same state,
+    whether torch.save wrote it as a zip (torch >= 1.6, memory-mapped) or in the format before (which mmap cannot
+    read: it was refused as 'truncated or corrupt')."""
+    want = load_hf_checkpoint(hf_fixture('llama'))['model']
+    for zipped in (True, False):
+        folder = broken_copy(tmp_path / str(zipped))
+        torch.save(load_file(folder / 'model.safetensors'), folder / 'pytorch_model.bin',
+                   _use_new_zipfile_serialization=zipped)
+        os.remove(folder / 'model.safetensors')
+        got = load_hf_checkpoint(str(folder))['model']
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), zipped
+
+
 def test_missing_shard_is_named(tmp_path):
     folder = broken_copy(tmp_path, 'qwen2_sharded')
     shard = sorted(f for f in os.listdir(folder) if f.startswith('model-'))[-1]
     os.remove(folder / shard)
     with pytest.raises(UserError, match=f'lists {shard}, which is missing'):
         load_hf_checkpoint(str(folder))
+
+
+def test_a_malformed_shard_index_is_named_and_names_no_file_outside_its_folder(tmp_path):
+    """An index whose weight_map is no mapping (was an AttributeError), or names a file outside the folder (an
+    absolute path, ../): refused before any file it names is opened."""
+    folder = broken_copy(tmp_path, 'qwen2_sharded')
+    index = folder / 'model.safetensors.index.json'
+    outside = tmp_path / 'outside.safetensors'
+    shutil.copy(folder / sorted(f for f in os.listdir(folder) if f.startswith('model-'))[0], outside)
+    for weight_map in (5, {}, {'a': 7}, {'a': str(outside)}, {'a': '../outside.safetensors'}):
+        index.write_text(json.dumps({'metadata': {}, 'weight_map': weight_map}))
+        with pytest.raises(UserError, match=re.escape(f"model.safetensors.index.json: its weight_map must map each "
+                                                      f"tensor's name to a weight file in the folder, got "
+                                                      f"{json.dumps(weight_map)[:100]}")):
+            load_hf_checkpoint(str(folder))
 
 
 @pytest.mark.comparison

@@ -50,8 +50,24 @@ def message_list(value, key):
     for m in value:
         if m.get('role') not in CHAT_ROLES:
             raise ValueError(f"message role {m.get('role')!r} in \"{key}\" is not one of {', '.join(CHAT_ROLES)}")
-        string_field(m.get('content'), 'content')
-    return [{'role': m['role'], 'content': m['content']} for m in value]
+    return [{'role': m['role'], 'content': message_content(m.get('content'))} for m in value]
+
+
+def message_content(value):
+    """A message's text: a string, or a list of text parts ({"type": "text", "text": ...}, as OpenAI's and
+    transformers' multimodal messages write it), joined as chat templates join them; ValueError otherwise."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise ValueError(f'"content" must be a string or a list of {{"type": "text", "text": ...}} parts, got '
+                         f'{type(value).__name__}')
+    for part in value:
+        kind = part.get('type') if isinstance(part, dict) else None
+        if kind != 'text' or not isinstance(part.get('text'), str):
+            what = f'a part of type "{kind}"' if isinstance(kind, str) else json.dumps(part)[:80]
+            raise ValueError(f'"content" holds {what}; nanotrain trains on text: each part must be '
+                             f'{{"type": "text", "text": "..."}} (drop the others, or the line)')
+    return ''.join(part['text'] for part in value)
 
 
 def chat_messages(record):

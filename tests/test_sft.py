@@ -52,6 +52,21 @@ def test_three_formats():
                                                    '<|user|>more<|end|><|assistant|>'
 
 
+def test_text_parts_are_a_messages_content_and_other_parts_are_named():
+    """content as a list of {"type": "text"} parts (OpenAI's and transformers' multimodal messages) is its parts'
+    text joined, as chat templates join them; an image part, a part without text or another type is refused
+    naming it (nanotrain trains on text)."""
+    parts = [{'role': 'user', 'content': [{'type': 'text', 'text': 'What is '}, {'type': 'text', 'text': '1+2?'}]},
+             {'role': 'assistant', 'content': [{'type': 'text', 'text': '3'}]}]
+    plain = [{'role': 'user', 'content': 'What is 1+2?'}, {'role': 'assistant', 'content': '3'}]
+    assert chat_data.chat_messages({'messages': parts}) == chat_data.chat_messages({'messages': plain}) == plain
+    for content, says in [([{'type': 'image', 'url': 'x.png'}], 'holds a part of type "image"; nanotrain trains on text'),
+                          ([{'type': 'text'}], 'holds a part of type "text"'), (['hi'], 'holds "hi"'),
+                          (5, 'must be a string or a list of {"type": "text", "text": ...} parts, got int')]:
+        with pytest.raises(ValueError, match=re.escape(says)):
+            chat_data.chat_messages({'messages': [{'role': 'user', 'content': content}, plain[1]]})
+
+
 def test_special_tokens_cannot_be_forged_by_text():
     tok = char_tokenizer()
     ids, _ = tok.encode_chat([{'role': 'user', 'content': '<|assistant|>'}, {'role': 'assistant', 'content': 'x'}])

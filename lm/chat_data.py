@@ -65,7 +65,7 @@ def message_content(value):
         kind = part.get('type') if isinstance(part, dict) else None
         if kind != 'text' or not isinstance(part.get('text'), str):
             what = f'a part of type "{kind}"' if isinstance(kind, str) else json.dumps(part)[:80]
-            raise ValueError(f'"content" holds {what}; nanotrain trains on text: each part must be '
+            raise ValueError(f'"content" holds {what}; the models here read text only: each part must be '
                              f'{{"type": "text", "text": "..."}} (drop the others, or the line)')
     return ''.join(part['text'] for part in value)
 

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from configurator import UserError
+from lm.chat_data import message_content
 
 GENERATION, MULTIPLE_CHOICE, ROLLING = 'generation', 'multiple_choice', 'loglikelihood_rolling'
 FORMATS = ('{"prompt": str} or {"messages": [{"role": ..., "content": ...}, ...]} with {"reference": str} or '
@@ -63,9 +64,13 @@ def generation_row(row, where):
     messages = row.get('messages')
     if messages is not None:
         if not (isinstance(messages, list) and messages and all(
-                isinstance(m, dict) and isinstance(m.get('role'), str) and isinstance(m.get('content'), str)
+                isinstance(m, dict) and isinstance(m.get('role'), str) and isinstance(m.get('content'), (str, list))
                 for m in messages)):
             raise UserError(f"{where}: \"messages\" must be a non-empty list of {{\"role\": str, \"content\": str}}.")
+        try:  # text parts joined, as SFT data's
+            messages = [dict(m, content=message_content(m['content'])) for m in messages]
+        except ValueError as e:
+            raise UserError(f"{where}: {e}.") from None
         if messages[-1]['role'] == 'assistant' and len(messages) > 1 and not given:  # an SFT example
             messages, row = messages[:-1], dict(row, reference=messages[-1]['content'])
         if messages[-1]['role'] != 'user':

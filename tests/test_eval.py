@@ -307,6 +307,17 @@ def test_sft_rows_and_a_byte_order_mark_are_read(models, tmp_path):
     with pytest.raises(UserError, match='give one of "reference", "references" and "response"'):
         two = write_jsonl(tmp_path / 'two.jsonl', [dict(rows[0], reference='3')])
         eval_py(f"--init_from={models['chat']}", f'--eval_data={two}')
+    # content as text parts, as the training scripts read it: joined; an image part is named
+    parts = write_jsonl(tmp_path / 'parts.jsonl', [dict(messages=[
+        {'role': 'user', 'content': [{'type': 'text', 'text': 'ab'}, {'type': 'text', 'text': 'c'}]},
+        {'role': 'assistant', 'content': [{'type': 'text', 'text': 'def'}]}])])
+    result = eval_py(f"--init_from={models['chat']}", f'--eval_data={parts}', '--max_new_tokens=3')
+    assert result['examples'][0]['references'] == ['def']
+    assert result['examples'][0]['prompt'].endswith('<|user|>abc<|end|><|assistant|>')
+    image = write_jsonl(tmp_path / 'image.jsonl', [dict(messages=[{'role': 'user', 'content': [{'type': 'image'}]}],
+                                                        reference='x')])
+    with pytest.raises(UserError, match=re.escape('image.jsonl:1: "content" holds a part of type "image"')):
+        eval_py(f"--init_from={models['chat']}", f'--eval_data={image}')
 
 
 def test_out_never_writes_over_what_it_reads_or_another_models_results(models, tmp_path):

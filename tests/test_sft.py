@@ -60,7 +60,8 @@ def test_text_parts_are_a_messages_content_and_other_parts_are_named():
              {'role': 'assistant', 'content': [{'type': 'text', 'text': '3'}]}]
     plain = [{'role': 'user', 'content': 'What is 1+2?'}, {'role': 'assistant', 'content': '3'}]
     assert chat_data.chat_messages({'messages': parts}) == chat_data.chat_messages({'messages': plain}) == plain
-    for content, says in [([{'type': 'image', 'url': 'x.png'}], 'holds a part of type "image"; nanotrain trains on text'),
+    for content, says in [([{'type': 'image', 'url': 'x.png'}], 'holds a part of type "image"; the models here read '
+                                                                'text only'),
                           ([{'type': 'text'}], 'holds a part of type "text"'), (['hi'], 'holds "hi"'),
                           (5, 'must be a string or a list of {"type": "text", "text": ...} parts, got int')]:
         with pytest.raises(ValueError, match=re.escape(says)):

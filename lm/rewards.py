@@ -7,7 +7,8 @@ completion's reward is their sum weighted by reward_weights (TRL's nansum).
 A user's function is called once per completion as name(prompt=..., completion=..., row=...) with the prompt's
 messages, the completion's text and the prompt's JSONL record; one whose attribute `batched` is true (for a
 reward that runs a model or a program) once per batch of rollouts as name(prompts=[...], completions=[...],
-rows=[...]), returning a list of as many values. A value is a number (a bool, a NumPy or 0-d tensor number) or
+rows=[...]), returning a list of as many values, and, as TRL calls its reward functions, with each other field of
+the records as a list (solution=[...]) that it takes by name or through **kwargs. A value is a number (a bool, a NumPy or 0-d tensor number) or
 None for a completion the function cannot score: that reward leaves it out of its mean and adds 0 to its
 total (TRL's NaN). Whatever goes wrong (a missing file or function, a raise or an exit(), a non-number, NaN, a
 number beyond float32's range) is a UserError naming the function and the row.
@@ -101,7 +102,9 @@ def check_parameters(fn, spec, name, batched):
     fn(prompts, completions, **kwargs), without batched; a per-completion one with it), not a TypeError per row."""
     inputs = ('prompts', 'completions', 'rows') if batched else ('prompt', 'completion', 'row')
     try:
-        inspect.signature(fn).bind(**dict.fromkeys(inputs))
+        # a batched one's other parameters may be fields of the records (check_rows sees the records)
+        fields = record_fields(fn) if batched else ()
+        inspect.signature(fn).bind(**dict.fromkeys(inputs + fields))
     except ValueError:  # no signature to read (a builtin): its call will say
         return
     except TypeError:
@@ -141,15 +144,43 @@ def number_task_reward(prompt, completion, row, format_weight=0.0, whole=False):
     return float(correct) + format_weight * (answer_shape(completion) == answer_shape(reference))
 
 
+def record_fields(fn):
+    """The parameters of a batched reward without a default other than its prompts, completions and rows: fields
+    of the records, each passed as a list (TRL's reward keywords)."""
+    return tuple(name for name, p in inspect.signature(fn).parameters.items()
+                 if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                 and name not in ('prompts', 'completions', 'rows'))
+
+
 def check_rows(rewards, prompts):
     """Before any rollout: a UserError naming the first of prompts ((ids, record, where) triples) without the
-    string "response" that the built-in rewards check completions against (a user's reward checks its own)."""
-    for reward in [r for r in rewards if r.spec in BUILT_IN]:
-        for _, record, where in prompts:
-            if not isinstance(record.get('response'), str):
-                raise UserError(f"{where} has no \"response\" (a string: the reference answer), which "
-                                f"reward={reward.spec!r} checks each completion against. Add one to every prompt row, "
-                                f"or score with your own function (--reward=path.py:name).")
+    string "response" that the built-in rewards check completions against, or without a field that a batched
+    reward takes (a user's reward checks the rest itself)."""
+    for reward in rewards:
+        fields = ('response',) if reward.spec in BUILT_IN else record_fields(reward.fn) if reward.batched else ()
+        for field in fields:
+            for _, record, where in prompts:
+                if reward.spec in BUILT_IN and not isinstance(record.get('response'), str):
+                    raise UserError(f"{where} has no \"response\" (a string: the reference answer), which "
+                                    f"reward={reward.spec!r} checks each completion against. Add one to every prompt "
+                                    f"row, or score with your own function (--reward=path.py:name).")
+                if field not in record:
+                    raise UserError(f"{where} has no \"{field}\", which reward={reward.spec!r} takes (a batched "
+                                    f"reward's parameter is that field of the rows, as a list). Add it to every prompt "
+                                    f"row, or give the parameter a default.")
+
+
+def batch_fields(fn, rows):
+    """{field: [its value in each row, None where a row lacks it]} of the records' fields that the batched reward fn
+    takes by name or through **kwargs, as TRL passes a data set's columns (not prompt, completion: those are ours)."""
+    try:
+        parameters = inspect.signature(fn).parameters
+    except ValueError:
+        return {}
+    any_name = any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+    fields = dict.fromkeys(k for row in rows for k in row
+                           if k not in ('prompt', 'completion', 'prompts', 'completions', 'rows'))
+    return {k: [row.get(k) for row in rows] for k in fields if any_name or k in parameters}
 
 
 def reward_values(reward, prompts, completions, rows, wheres):
@@ -157,7 +188,7 @@ def reward_values(reward, prompts, completions, rows, wheres):
     completions (texts), rows (JSONL records) and wheres (each row's file and place, for messages)."""
     if reward.batched:
         values = call(reward, wheres[0] + ' and the rest of the batch', completions[0], prompts=prompts,
-                      completions=completions, rows=rows)
+                      completions=completions, rows=rows, **batch_fields(reward.fn, rows))
         if not isinstance(values, (list, tuple)) or len(values) != len(completions):
             raise UserError(f"the batched reward function {reward.spec} returned {type(values).__name__} "
                             f"{str(values)[:60]} for a batch of {len(completions)} completions; it must return a "

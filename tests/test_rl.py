@@ -857,6 +857,29 @@ def test_a_reward_whose_parameters_do_not_fit_its_call_is_refused_when_loaded(tm
     assert reward_values(batched, [[]] * 2, ['a', 'b'], [{}, {}], ['w'] * 2) == [1.0, 1.0]
 
 
+def test_a_batched_reward_takes_the_rows_fields_as_trl_passes_columns(tmp_path):
+    """TRL's reward functions read a data set's columns as keyword lists (accuracy(completions, solution,
+    **kwargs)): a batched reward gets each field of the rows it names or takes through **kwargs (None where a row
+    lacks it; prompt is ours); a row without a field that a parameter needs is refused before any rollout."""
+    (tmp_path / 'r.py').write_text(
+        "def accuracy(completions, solution, **kwargs):\n"
+        "    return [float(c == s) for c, s in zip(completions, solution)]\naccuracy.batched = True\n\n"
+        "def seen(prompts, completions, rows, **kwargs):\n"
+        "    return [len(kwargs)] * len(completions) if sorted(kwargs) == ['level', 'solution'] else None\n"
+        "seen.batched = True\n\n"
+        "def named(prompts, completions, rows, level=None):\n    return [level[0]] * len(completions)\n"
+        "named.batched = True\n")
+    rows = [{'prompt': 'p1', 'solution': 'a', 'level': 1}, {'prompt': 'p2', 'solution': 'b'}]
+    values = [reward_values(load_reward(f'{tmp_path / "r.py"}:{name}'), [[]] * 2, ['a', 'c'], rows, ['w'] * 2)
+              for name in ('accuracy', 'seen', 'named')]
+    assert values == [[1.0, 0.0], [2.0, 2.0], [1.0, 1.0]]
+    accuracy = load_reward(f'{tmp_path / "r.py"}:accuracy')
+    check_rows([accuracy], [([1], rows[0], 'train.jsonl (prompt 1)')])
+    with pytest.raises(UserError, match=re.escape('train.jsonl (prompt 2) has no "solution", which reward=')):
+        check_rows([accuracy], [([1], rows[0], 'train.jsonl (prompt 1)'), ([2], {'prompt': 'p'},
+                                                                          'train.jsonl (prompt 2)')])
+
+
 def test_per_reward_metrics_leave_out_what_a_reward_did_not_score():
     """TRL's nanmean and nanstd of each reward's values, without NaN or torch's 'degrees of freedom' warning: no
     mean for a reward that scored no completion (named), no std for one that scored one."""

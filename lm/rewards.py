@@ -8,9 +8,9 @@ A user's function is called once per completion as name(prompt=..., completion=.
 messages, the completion's text and the prompt's JSONL record; one whose attribute `batched` is true (for a
 reward that runs a model or a program) once per batch of rollouts as name(prompts=[...], completions=[...],
 rows=[...]), returning a list of as many values, and, as TRL calls its reward functions, with each other field of
-the records as a list (solution=[...]) that it takes by name or through **kwargs. A value is a number (a bool, a NumPy or 0-d tensor number) or
-None for a completion the function cannot score: that reward leaves it out of its mean and adds 0 to its
-total (TRL's NaN). Whatever goes wrong (a missing file or function, a raise or an exit(), a non-number, NaN, a
+the records as a list (solution=[...]) that it takes by name or through **kwargs. A value is a number (a bool, a
+NumPy or 0-d tensor number) or None for a completion the function cannot score: that reward leaves it out of its
+mean and adds 0 to its total (TRL's NaN). Whatever goes wrong (a missing file or function, a raise or an exit(), a non-number, NaN, a
 number beyond float32's range) is a UserError naming the function and the row.
 """
 import functools
@@ -209,8 +209,12 @@ def call(reward, where, shown, **inputs):
         if isinstance(e, KeyboardInterrupt) and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
             raise
         what = (f"called exit({e.code!r})" if isinstance(e, SystemExit) else f"raised {type(e).__name__}: {e}")
+        # a TRL reward written for conversational data reads completion[0]["content"]
+        texts = (" A completion is its text here, not TRL's conversational [{\"role\": \"assistant\", \"content\": "
+                 "...}]: read it as a string." if isinstance(e, TypeError) and 'string indices' in str(e) else '')
         raise UserError(f"the reward function {reward.spec} {what} on the prompt of {where} (completion "
-                        f"{shown[:60]!r}); a reward must return a number. Fix the function, or the row.") from None
+                        f"{shown[:60]!r}); a reward must return a number. Fix the function, or the row."
+                        f"{texts}") from None
 
 
 def checked(reward, value, where, completion):

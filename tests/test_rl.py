@@ -875,6 +875,13 @@ def test_a_batched_reward_takes_the_rows_fields_as_trl_passes_columns(tmp_path):
     assert values == [[1.0, 0.0], [2.0, 2.0], [1.0, 1.0]]
     accuracy = load_reward(f'{tmp_path / "r.py"}:accuracy')
     check_rows([accuracy], [([1], rows[0], 'train.jsonl (prompt 1)')])
+    # one written for TRL's conversational data ([{"role", "content"}] completions): the error says what they are
+    (tmp_path / 'conv.py').write_text("def conv(completions, **kwargs):\n"
+                                      "    return [float(c[0]['content'] == 'a') for c in completions]\n"
+                                      "conv.batched = True\n")
+    with pytest.raises(UserError, match=re.escape("raised TypeError: string indices must be integers")) as e:
+        reward_values(load_reward(f'{tmp_path / "conv.py"}:conv'), [[]] * 2, ['a', 'c'], rows, ['w'] * 2)
+    assert "A completion is its text here, not TRL's conversational" in str(e.value)
     with pytest.raises(UserError, match=re.escape('train.jsonl (prompt 2) has no "solution", which reward=')):
         check_rows([accuracy], [([1], rows[0], 'train.jsonl (prompt 1)'), ([2], {'prompt': 'p'},
                                                                           'train.jsonl (prompt 2)')])

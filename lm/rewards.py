@@ -10,8 +10,8 @@ reward that runs a model or a program) once per batch of rollouts as name(prompt
 rows=[...]), returning a list of as many values, and, as TRL calls its reward functions, with each other field of
 the records as a list (solution=[...]) that it takes by name or through **kwargs. A value is a number (a bool, a
 NumPy or 0-d tensor number) or None for a completion the function cannot score: that reward leaves it out of its
-mean and adds 0 to its total (TRL's NaN). Whatever goes wrong (a missing file or function, a raise or an exit(), a non-number, NaN, a
-number beyond float32's range) is a UserError naming the function and the row.
+mean and adds 0 to its total (TRL's NaN). Whatever goes wrong (a missing file or function, a raise or an exit(),
+a non-number, NaN, a number beyond float32's range) is a UserError naming the function and the row.
 """
 import functools
 import hashlib

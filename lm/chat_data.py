@@ -82,14 +82,25 @@ def chat_messages(record):
     if 'prompt' in record and 'response' in record:
         return [{'role': 'user', 'content': string_field(record['prompt'], 'prompt')},
                 {'role': 'assistant', 'content': string_field(record['response'], 'response')}]
+    if 'prompt' in record and 'completion' in record:  # TRL's prompt-completion rows: two texts, or two conversations
+        prompt, completion = record['prompt'], record['completion']
+        if isinstance(prompt, str) and isinstance(completion, str):
+            return [{'role': 'user', 'content': prompt}, {'role': 'assistant', 'content': completion}]
+        if not (isinstance(prompt, list) and isinstance(completion, list)):
+            raise ValueError(f'"prompt" and "completion" must be two strings or two lists of {{"role", "content"}} '
+                             f'messages, got {type(prompt).__name__} and {type(completion).__name__}')
+        messages = message_list(prompt, 'prompt') + message_list(completion, 'completion')
+        if not any(m['role'] == 'assistant' for m in messages[len(prompt):]):
+            raise ValueError('"completion" has no assistant turn, so there is nothing to learn')
+        return messages
     if 'instruction' in record and 'output' in record:
         user = string_field(record['instruction'], 'instruction')
         if string_field(record.get('input', ''), 'input'):
             user += '\n\n' + record['input']
         return [{'role': 'user', 'content': user},
                 {'role': 'assistant', 'content': string_field(record['output'], 'output')}]
-    raise ValueError(f"unknown format (keys {sorted(record)}); use {{\"prompt\", \"response\"}}, Alpaca "
-                     f"{{\"instruction\", \"input\", \"output\"}} or "
+    raise ValueError(f"unknown format (keys {sorted(record)}); use {{\"prompt\", \"response\"}} (or TRL's "
+                     f"{{\"prompt\", \"completion\"}}), Alpaca {{\"instruction\", \"input\", \"output\"}} or "
                      f"{{\"messages\": [{{\"role\", \"content\"}}, ...]}}")
 
 

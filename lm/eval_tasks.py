@@ -5,8 +5,9 @@ A task file is JSONL, one example a line (blank lines skipped), every row of one
 - generation: {"prompt": str} or {"messages": [{"role", "content"}, ...]} (a conversation ending with
   a user turn; chat models only), with {"reference": str} or {"references": [str, ...]}, and
   optionally {"stop": [str, ...]}: the prediction is cut before the first of these strings. The SFT
-  data's rows are generation rows too: {"prompt", "response"} (the response is the reference), and
-  {"messages"} ending with an assistant turn (its content is the reference, the turns before the prompt).
+  data's rows are generation rows too: {"prompt", "response"} (the response is the reference; TRL's
+  {"prompt", "completion"} likewise, two conversations as one), and {"messages"} ending with an assistant turn
+  (its content is the reference, the turns before the prompt).
 - multiple choice: {"context": str, "choices": [str, ...] (two or more), "label": int (0-based)}.
 
 read_task checks every row and names the file and line of the first bad one. generation_prompt
@@ -45,7 +46,8 @@ from lm.chat_data import message_content
 
 GENERATION, MULTIPLE_CHOICE, ROLLING = 'generation', 'multiple_choice', 'loglikelihood_rolling'
 FORMATS = ('{"prompt": str} or {"messages": [{"role": ..., "content": ...}, ...]} with {"reference": str} or '
-           '{"references": [str, ...]} (generation; SFT rows {"prompt", "response"} too), or '
+           '{"references": [str, ...]} (generation; SFT rows {"prompt", "response"} and {"prompt", "completion"} '
+           'too), or '
            '{"context": str, "choices": [str, ...], "label": int} (multiple choice), or {"text": str} '
            '(perplexity; a .txt file is one such text)')
 
@@ -56,11 +58,15 @@ def is_text_list(value, least=1):
 
 def generation_row(row, where):
     """{'prompt' or 'messages', 'references' (None without), 'stop'} of a generation row, checked."""
-    given = [key for key in ('reference', 'references', 'response') if key in row]
+    if isinstance(row.get('prompt'), list) and isinstance(row.get('completion'), list):
+        # TRL's conversational prompt-completion row: one conversation, its last assistant turn the reference
+        row = dict({k: v for k, v in row.items() if k not in ('prompt', 'completion')},
+                   messages=row['prompt'] + row['completion'])
+    given = [key for key in ('reference', 'references', 'response', 'completion') if key in row]
     if len(given) > 1:
-        raise UserError(f"{where}: give one of \"reference\", \"references\" and \"response\", not "
-                        f"{' and '.join(map(repr, given))}.")
-    row = dict(row, reference=row['response']) if given == ['response'] else row
+        raise UserError(f"{where}: give one of \"reference\", \"references\", \"response\" and \"completion\", "
+                        f"not {' and '.join(map(repr, given))}.")
+    row = dict(row, reference=row[given[0]]) if given in (['response'], ['completion']) else row
     messages = row.get('messages')
     if messages is not None:
         if not (isinstance(messages, list) and messages and all(

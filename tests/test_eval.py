@@ -304,9 +304,15 @@ def test_sft_rows_and_a_byte_order_mark_are_read(models, tmp_path):
     result = eval_py(f"--init_from={models['chat']}", f'--eval_data={data}', '--max_new_tokens=3')
     assert [e['references'] for e in result['examples']] == [['3'], ['def']]
     assert result['examples'][1]['prompt'].endswith('<|user|>abc<|end|><|assistant|>')
-    with pytest.raises(UserError, match='give one of "reference", "references" and "response"'):
+    with pytest.raises(UserError, match='give one of "reference", "references", "response" and "completion"'):
         two = write_jsonl(tmp_path / 'two.jsonl', [dict(rows[0], reference='3')])
         eval_py(f"--init_from={models['chat']}", f'--eval_data={two}')
+    # TRL's prompt-completion rows, as the training scripts read them: two texts, or two conversations as one
+    trl = write_jsonl(tmp_path / 'trl.jsonl', [dict(prompt='What is 1+2?', completion='3'), dict(
+        prompt=[{'role': 'user', 'content': 'abc'}], completion=[{'role': 'assistant', 'content': 'def'}])])
+    result = eval_py(f"--init_from={models['chat']}", f'--eval_data={trl}', '--max_new_tokens=3')
+    assert [e['references'] for e in result['examples']] == [['3'], ['def']]
+    assert result['examples'][1]['prompt'].endswith('<|user|>abc<|end|><|assistant|>')
     # content as text parts, as the training scripts read it: joined; an image part is named
     parts = write_jsonl(tmp_path / 'parts.jsonl', [dict(messages=[
         {'role': 'user', 'content': [{'type': 'text', 'text': 'ab'}, {'type': 'text', 'text': 'c'}]},

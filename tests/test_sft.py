@@ -52,6 +52,28 @@ def test_three_formats():
                                                    '<|user|>more<|end|><|assistant|>'
 
 
+def test_trl_prompt_completion_rows():
+    """TRL's prompt-completion rows: two texts are a user and an assistant turn (as prompt/response); two
+    conversations are one, the completion's assistant turns learned; mixed, a completion without an assistant turn
+    or another type is refused naming it."""
+    tok = char_tokenizer()
+    plain = chat_data.chat_messages({'prompt': 'What is 1+2?', 'response': '3'})
+    assert chat_data.chat_messages({'prompt': 'What is 1+2?', 'completion': '3'}) == plain
+    conversation = chat_data.chat_messages({'prompt': [{'role': 'system', 'content': 'be brief'},
+                                                       {'role': 'user', 'content': 'hi'}],
+                                            'completion': [{'role': 'assistant', 'content': 'a'}]})
+    ids, labels = tok.encode_chat(conversation)
+    assert tok.decode([i for i, label in zip(ids, labels) if label != -100]) == 'a<|end|>'
+    for record, says in [({'prompt': 'hi', 'completion': [{'role': 'assistant', 'content': 'a'}]}, 'got str and list'),
+                         ({'prompt': 'hi', 'completion': 5}, 'got str and int'),
+                         ({'prompt': [{'role': 'user', 'content': 'hi'}],
+                           'completion': [{'role': 'user', 'content': 'a'}]}, '"completion" has no assistant turn')]:
+        with pytest.raises(ValueError, match=re.escape(says)):
+            chat_data.chat_messages(record)
+    with pytest.raises(ValueError, match=re.escape('(or TRL\'s {"prompt", "completion"})')):
+        chat_data.chat_messages({'question': 'x', 'answer': 'y'})
+
+
 def test_text_parts_are_a_messages_content_and_other_parts_are_named():
     """content as a list of {"type": "text"} parts (OpenAI's and transformers' multimodal messages) is its parts'
     text joined, as chat templates join them; an image part, a part without text or another type is refused

@@ -97,10 +97,13 @@ def load_reward(spec, format_weight=0.0):
     return Reward(fn, name, spec, batched)
 
 
+BATCH_INPUTS = ('prompts', 'completions', 'rows')  # what a batched reward is called with besides the rows' fields
+
+
 def check_parameters(fn, spec, name, batched):
     """Before any rollout: a UserError when fn cannot take the keywords it will be called with (a TRL reward,
     fn(prompts, completions, **kwargs), without batched; a per-completion one with it), not a TypeError per row."""
-    inputs = ('prompts', 'completions', 'rows') if batched else ('prompt', 'completion', 'row')
+    inputs = BATCH_INPUTS if batched else ('prompt', 'completion', 'row')
     try:
         # a batched one's other parameters may be fields of the records (check_rows sees the records)
         fields = record_fields(fn) if batched else ()
@@ -145,11 +148,14 @@ def number_task_reward(prompt, completion, row, format_weight=0.0, whole=False):
 
 
 def record_fields(fn):
-    """The parameters of a batched reward without a default other than its prompts, completions and rows: fields
-    of the records, each passed as a list (TRL's reward keywords)."""
-    return tuple(name for name, p in inspect.signature(fn).parameters.items()
-                 if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-                 and name not in ('prompts', 'completions', 'rows'))
+    """The parameters of a batched reward without a default other than BATCH_INPUTS: fields of the records, each
+    passed as a list (TRL's reward keywords); none for a function without a signature to read."""
+    try:
+        parameters = inspect.signature(fn).parameters
+    except ValueError:
+        return ()
+    return tuple(name for name, p in parameters.items() if p.default is p.empty and name not in BATCH_INPUTS
+                 and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
 
 
 def check_rows(rewards, prompts):
@@ -157,13 +163,13 @@ def check_rows(rewards, prompts):
     string "response" that the built-in rewards check completions against, or without a field that a batched
     reward takes (a user's reward checks the rest itself)."""
     for reward in rewards:
-        fields = ('response',) if reward.spec in BUILT_IN else record_fields(reward.fn) if reward.batched else ()
-        for field in fields:
-            for _, record, where in prompts:
-                if reward.spec in BUILT_IN and not isinstance(record.get('response'), str):
-                    raise UserError(f"{where} has no \"response\" (a string: the reference answer), which "
-                                    f"reward={reward.spec!r} checks each completion against. Add one to every prompt "
-                                    f"row, or score with your own function (--reward=path.py:name).")
+        fields = record_fields(reward.fn) if reward.batched else ()
+        for _, record, where in prompts:
+            if reward.spec in BUILT_IN and not isinstance(record.get('response'), str):
+                raise UserError(f"{where} has no \"response\" (a string: the reference answer), which "
+                                f"reward={reward.spec!r} checks each completion against. Add one to every prompt row, "
+                                f"or score with your own function (--reward=path.py:name).")
+            for field in fields:
                 if field not in record:
                     raise UserError(f"{where} has no \"{field}\", which reward={reward.spec!r} takes (a batched "
                                     f"reward's parameter is that field of the rows, as a list). Add it to every prompt "
@@ -178,8 +184,7 @@ def batch_fields(fn, rows):
     except ValueError:
         return {}
     any_name = any(p.kind is p.VAR_KEYWORD for p in parameters.values())
-    fields = dict.fromkeys(k for row in rows for k in row
-                           if k not in ('prompt', 'completion', 'prompts', 'completions', 'rows'))
+    fields = dict.fromkeys(k for row in rows for k in row if k not in ('prompt', 'completion', *BATCH_INPUTS))
     return {k: [row.get(k) for row in rows] for k in fields if any_name or k in parameters}
 
 

@@ -25,8 +25,8 @@ from tqdm import tqdm
 
 from configurator import (FOLDER, SEED, UserError, at_least, check_output_file, check_values, configure, interval,
                           same_file)
-from lm.eval_tasks import (GENERATION, ROLLING, choice_logliks, choice_predictions, choice_requests, generation_prompt,
-                           read_task, rolling_requests, rolling_scores, with_fewshot)
+from lm.eval_tasks import (GENERATION, ROLLING, call_reference, choice_logliks, choice_predictions, choice_requests,
+                           generation_prompt, read_task, rolling_requests, rolling_scores, with_fewshot)
 from lm.generate import CompiledDecoding, generate_batch, stop_tokens
 from lm.metrics import (corpus_scores, corpus_stderrs, exact_match, example_scores, mean_pass_at_k, mean_stderr,
                         parse_metric_names, pass_at_k)
@@ -90,7 +90,7 @@ task_path = eval_data or os.path.join(prepare_number_tasks(), 'test.jsonl')
 kind, rows = read_task(task_path, max_examples)
 generation = kind == GENERATION
 # without references (and metrics='') eval.py only generates: no scores, no pass@k
-unreferenced = [row['line'] for row in rows if generation and row['references'] is None]
+unreferenced = [row['line'] for row in rows if generation and row['references'] is None and not row['call']]
 if metric_names and unreferenced:
     raise UserError(f"{task_path}:{unreferenced[0]} has no reference, which metrics={metrics!r} need: give it "
                     f"\"reference\": str or \"references\": [str, ...], or pass --metrics='' to only generate.")
@@ -153,6 +153,8 @@ def in_batches(items, work):
 
 
 if generation:
+    # an example that ends with tool calls is answered by the calls as the template writes them
+    rows = [on_line(f"{task_path}:{row['line']}", call_reference, tokenizer, chat, row) for row in rows]
     # a chat answer ends at its end of turn, a continuation at EOS (or a published model's stops)
     stop_ids = stop_tokens(tokenizer)
     prompts = [on_line(f"{task_path}:{row['line']}", generation_prompt, tokenizer, chat, row,

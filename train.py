@@ -299,11 +299,11 @@ else:
     # each source's first exact_match_examples held-out prompts
     held_out_chats = [(chat, name) for (_, _, chats), (name, _, _) in zip(source_data, sources)
                       for chat in chats[:exact_match_examples]]
-    exact_match_prompts = [prompt_and_answer(tokenizer, chat) for chat, _ in held_out_chats]
+    exact_match_prompts = [prompt_and_answer(tokenizer, *chat) for chat, _ in held_out_chats]
     held_out_sources = [name for _, name in held_out_chats] if sources[0][0] else []
     # the held-out prompts answered and scored at each eval
     held_out = HeldOut(tokenizer, exact_match_prompts, eval_metric_names, batch_size, max_length, held_out_sources)
-    sample_prompt = prompt_and_answer(tokenizer, source_data[0][2][0])[0]
+    sample_prompt = prompt_and_answer(tokenizer, *source_data[0][2][0])[0]
     # a continued run must still read the same examples
     if sources[0][0] is None:
         train_data_hash = training_data_hash(os.path.join(sources[0][1], 'train.jsonl'), ckpt, out_dir, 'sft_data')

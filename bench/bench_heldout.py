@@ -38,7 +38,7 @@ with tempfile.TemporaryDirectory() as folder:
     chars = sorted(set(open(os.path.join(task, 'test.jsonl')).read()) | set('\n'))
     tokenizer = ChatTokenizer(CharTokenizer(chars))
     held_out = load_sft_data(task, tokenizer, max_length, 'truncate', False)[2]
-prompts = [prompt_and_answer(tokenizer, messages) for messages in held_out[:num_prompts]]
+prompts = [prompt_and_answer(tokenizer, *chat) for chat in held_out[:num_prompts]]
 references = [reference for _, reference in prompts]
 torch.manual_seed(0)
 model = GPT(GPTConfig(block_size=128, vocab_size=tokenizer.vocab_size, n_layer=4, n_head=4, n_embd=128)).eval()

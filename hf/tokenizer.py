@@ -22,6 +22,7 @@ from tokenizers import Tokenizer
 
 from configurator import UserError
 from hf.tokenizer_json import as_transformers_llama, from_sentencepiece
+from lm.tokenizer import function_name
 
 # the named special tokens transformers reads from tokenizer_config.json and passes to the template
 SPECIAL_TOKEN_NAMES = ('bos_token', 'eos_token', 'unk_token', 'sep_token', 'pad_token', 'cls_token', 'mask_token')
@@ -66,12 +67,18 @@ def read_special_tokens(tokenizer_config, special_tokens_map):
     return {name: token for name, token in tokens.items() if token is not None}
 
 
-def read_chat_template(folder, tokenizer_config):
+def read_chat_template(folder, tokenizer_config, name='default'):
     """(template text, the file it came from), (None, None) for a base model. chat_template.jinja wins
     over tokenizer_config.json's "chat_template" (as in transformers), then a processor's chat_template.json.
-    A list of named templates [{"name": ..., "template": ...}] gives its "default" one."""
+    A list of named templates [{"name": ..., "template": ...}] (or additional_chat_templates/NAME.jinja beside
+    chat_template.jinja) gives the one named name: 'default', or 'tool_use', which transformers renders a
+    conversation with tools with, (None, None) where the folder names none."""
     path = os.path.join(folder, 'chat_template.jinja')
     if os.path.isfile(path):
+        if name != 'default':
+            path = os.path.join(folder, 'additional_chat_templates', f'{name}.jinja')
+            if not os.path.isfile(path):
+                return None, None
         with open(path, encoding='utf-8') as f:
             return f.read(), path
     source, template = os.path.join(folder, 'tokenizer_config.json'), tokenizer_config.get('chat_template')
@@ -83,7 +90,9 @@ def read_chat_template(folder, tokenizer_config):
         if 'default' not in named:
             raise UserError(f"{source} holds named chat templates {sorted(map(str, named))} but no \"default\" one; "
                             f"nanotrain uses the default template: name one of them \"default\".")
-        template = named['default']
+        template = named.get(name)
+    elif name != 'default':
+        return None, None
     if template is not None and not isinstance(template, str):
         raise UserError(f"{source}: \"chat_template\" must be the template text or a list of {{\"name\", \"template\"}}, "
                         f"not {type(template).__name__}.")
@@ -188,7 +197,10 @@ class HFTokenizer:
         self.template_variables = {**self.special_tokens, **(template_variables or {})}
         self.chat_template, self.template_source = read_chat_template(folder, tokenizer_config)
         self.template = None if self.chat_template is None else compile_chat_template(self.chat_template, self.template_source)
-        self.marks_generation = bool(self.chat_template and GENERATION_TAG.search(self.chat_template))
+        # transformers renders a conversation with tools with the folder's "tool_use" template, where it names one
+        self.tool_chat_template, self.tool_template_source = read_chat_template(folder, tokenizer_config, 'tool_use')
+        self.tool_template = (None if self.tool_chat_template is None else
+                              compile_chat_template(self.tool_chat_template, self.tool_template_source))
         # text of the first ordinary token, which any vocabulary
         # can encode (a character tokenizer may not know 'a')
         added = self.tokenizer.get_added_tokens_decoder()
@@ -230,31 +242,44 @@ class HFTokenizer:
     def identity(self):
         """The tokens, special tokens and chat template; not the template_variables a run renders with (the
         checkpoint records those: chat_template_variables)."""
-        recipe = json.dumps([self.chat_template, self.special_tokens], sort_keys=True)
+        recipe = json.dumps([self.chat_template, self.special_tokens] + [self.tool_chat_template] * bool(self.tool_template),
+                            sort_keys=True)
         digest = hashlib.sha256(self.tokenizer_bytes + recipe.encode()).hexdigest()
         return {'vocab_size': self.vocab_size, 'hash': digest}
 
     # --- the chat template
 
-    def render(self, messages, add_generation_prompt=False, spans=None):
-        """The conversation as text, apply_chat_template(tokenize=False). With a spans list (a template
-        with {% generation %} markers) the character spans of the generated text are appended to it."""
+    def template_for(self, tools):
+        """(text, compiled template, its file) a conversation renders with: with tools, the folder's tool_use
+        template where it names one (as transformers picks it), else its default."""
+        if tools is not None and self.tool_template is not None:
+            return self.tool_chat_template, self.tool_template, self.tool_template_source
+        return self.chat_template, self.template, self.template_source
+
+    def render(self, messages, add_generation_prompt=False, spans=None, tools=None):
+        """The conversation as text, apply_chat_template(tokenize=False, tools=tools). With a spans list (a
+        template with {% generation %} markers) the character spans of the generated text are appended to it."""
         if self.template is None:
             raise UserError(f"{self.folder} has no chat template (a base model): wrap its tokenizer in "
                             f"tokenizer.ChatTokenizer to fine-tune it on nanotrain's own chat format.")
-        variables = dict(self.template_variables, messages=messages, tools=None, documents=None,
+        _, template, source = self.template_for(tools)
+        variables = dict(self.template_variables, messages=messages, tools=tools, documents=None,
                          add_generation_prompt=add_generation_prompt)
-        markers = self.template.environment.extensions[GenerationMarkers.identifier]
+        markers = template.environment.extensions[GenerationMarkers.identifier]
         try:
             if spans is None:
-                return self.template.render(variables)
+                return template.render(variables)
             markers.rendered, markers.spans = [], spans
-            for piece in self.template.generate(variables):
+            for piece in template.generate(variables):
                 markers.rendered.append(piece)
             return ''.join(markers.rendered)
         except jinja2.TemplateError as e:
-            raise UserError(f"the chat template of {self.folder} ({self.template_source}) rejects this "
+            raise UserError(f"the chat template of {self.folder} ({source}) rejects this "
                             f"conversation: {e.message}") from None
+        # Python's own, from a filter or test on a value the template did not expect (length of a null)
+        except (TypeError, ValueError, AttributeError, KeyError, IndexError) as e:
+            raise UserError(f"the chat template of {self.folder} ({source}) fails on this conversation "
+                            f"({type(e).__name__}: {e}); check the messages' fields against what it reads") from None
         finally:
             markers.rendered = markers.spans = None
 
@@ -273,12 +298,13 @@ class HFTokenizer:
                             f"and the tokenizer's eos_token): name the end-of-turn token's id in generation_config.json.")
         return found[0]
 
-    def assistant_token_ranges(self, messages, text, encoding):
+    def assistant_token_ranges(self, messages, text, encoding, tools=None):
         """[(first, end)) token ranges of the assistant turns in the rendered conversation."""
+        template_text, _, source = self.template_for(tools)
         # the template marks them: as transformers' return_assistant_tokens_mask
-        if self.marks_generation:
+        if GENERATION_TAG.search(template_text):
             spans = []
-            self.render(messages, spans=spans)
+            self.render(messages, spans=spans, tools=tools)
             ranges = []
             for start, end in spans:  # every token that overlaps the span
                 inside = [t for t, (s, e) in enumerate(encoding.offsets) if s < end and e > start]
@@ -289,10 +315,10 @@ class HFTokenizer:
         for i, m in enumerate(messages):
             if m['role'] != 'assistant':
                 continue
-            prompt = self.render(messages[:i], add_generation_prompt=True)
+            prompt = self.render(messages[:i], add_generation_prompt=True, tools=tools)
             if not text.startswith(prompt):
                 raise UserError(
-                    f"the chat template of {self.folder} ({self.template_source}) renders the conversation before "
+                    f"the chat template of {self.folder} ({source}) renders the conversation before "
                     f"assistant turn {i} differently once that turn follows (with add_generation_prompt it is not a "
                     f"prefix of the whole conversation; e.g. Mistral's template drops a system message unless the "
                     f"last turn is the user's), so the tokens to train on cannot be found. Reshape the data (e.g. "
@@ -303,26 +329,55 @@ class HFTokenizer:
                 continue
             end = next((t for t in range(first, len(encoding.ids)) if encoding.ids[t] in self.stop_ids), None)
             if end is None:
-                raise UserError(f"the chat template of {self.folder} ({self.template_source}) does not close "
+                raise UserError(f"the chat template of {self.folder} ({source}) does not close "
                                 f"assistant turn {i} with a stop token {self.stop_ids}.")
             # through the end-of-turn token: the model learns to stop
             ranges.append((first, end + 1))
         return ranges
 
-    def encode_chat(self, messages):
+    def encode_chat(self, messages, tools=None):
         """Token ids and labels of a conversation: labels are the ids of the assistant turns (from after
         the generation prompt through their end-of-turn token), -100 everywhere else."""
-        text = self.render(messages)
+        text = self.render(messages, tools=tools)
+        self.check_tools_written(messages, tools, text)
         encoding = self.tokenizer.encode(text, add_special_tokens=False)
         ids = encoding.ids
         labels = [-100] * len(ids)
-        for first, end in self.assistant_token_ranges(messages, text, encoding):
+        for first, end in self.assistant_token_ranges(messages, text, encoding, tools):
             labels[first:end] = ids[first:end]
         return ids, labels
 
-    def encode_prompt(self, messages):
+    def encode_prompt(self, messages, tools=None):
         """The conversation so far plus the generation prompt that starts the next assistant turn."""
-        return self.encode(self.render(messages, add_generation_prompt=True))
+        text = self.render(messages, add_generation_prompt=True, tools=tools)
+        self.check_tools_written(messages, tools, text)
+        return self.encode(text)
+
+    def check_tools_written(self, messages, tools, text):
+        """A UserError if the render leaves out a tool or a tool call (a template without tool support ignores
+        them: the model would learn empty turns, or calls to tools it was never shown)."""
+        calls = [call for m in messages for call in m.get('tool_calls') or []]
+        for kind, items in (('tool', tools or []), ('tool call', calls)):
+            missing = [name for name in (function_name(item, kind) for item in items) if name not in text]
+            if missing:
+                raise UserError(f"the chat template of {self.folder} ({self.template_for(tools)[2]}) does not write "
+                                f"the {kind} {missing[0]!r} into the conversation: it has no tool support, so the "
+                                f"model would learn from turns without them. Fine-tune a model whose template "
+                                f"writes tools and tool calls (Qwen2.5, Qwen3, Llama 3.1+, Mistral v0.3), or write "
+                                f"them into the turns' text and drop \"tools\" and \"tool_calls\".")
+
+    def reply_text(self, messages, tools=None):
+        """The last turn of messages, an assistant's, as the template writes it after the generation prompt
+        and before its end-of-turn token: the text a model answering the conversation before it generates."""
+        prompt = self.render(messages[:-1], add_generation_prompt=True, tools=tools)
+        text = self.render(messages, tools=tools)
+        if not text.startswith(prompt):
+            raise UserError(f"the chat template of {self.folder} ({self.template_for(tools)[2]}) renders the "
+                            f"conversation before its last turn differently once that turn follows, so the reply's "
+                            f"text cannot be found.")
+        reply = text[len(prompt):]
+        ends = [reply.find(stop) for stop in (self.decode([i]) for i in self.stop_ids) if stop and stop in reply]
+        return reply[:min(ends)] if ends else reply
 
 
 def rebuilt_as_llama(folder, tokenizer_config, tokenizer_json):

@@ -7,10 +7,14 @@ SFT examples, one per line; the three JSONL formats map to turns as:
     {"prompt": P, "response": R}                   -> user P, assistant R
     {"instruction": I, "input": X, "output": O}     -> user I + "\n\n" + X (just I if X is empty), assistant O
     {"messages": [{"role": ..., "content": ...}]}   -> as given (at least one assistant turn)
+    {"prompt": [messages], "completion": [messages]} -> as given (TRL's; "prompt", "completion" strings: user, assistant)
+Any of them may carry "tools" (function schemas): with a published model's chat template, assistant turns
+may hold "tool_calls" and "tool" messages the results, rendered as transformers renders them.
 
 Preference pairs, a prompt with a chosen and a rejected completion; JSONL formats, one pair per line:
     {"prompt": P, "chosen": C, "rejected": R}   P: a string (one user turn) or a list of messages;
                                                  C, R: strings, or [{"role": "assistant", "content": ...}]
+                                                 (which may hold "tool_calls"; "tools" as for SFT)
     {"chosen": [messages], "rejected": [messages]}   implicit prompt: whole conversations, the same up
                                                      to their last turn, which is the assistant's reply
     {"chosen": "\n\nHuman: ...\n\nAssistant: ...", "rejected": "..."}   Anthropic HH: whole transcripts
@@ -28,9 +32,12 @@ import re
 import torch
 
 from configurator import UserError
-from lm.tokenizer import CHAT_ROLES
+from lm.tokenizer import CHAT_ROLES, function_name
 from run.checkpoint import NEW_RUN
 from run.device import to_device
+
+# the roles a message may have: the chat template's, and a tool's result (published models' templates)
+MESSAGE_ROLES = (*CHAT_ROLES, 'tool')
 
 
 # -----------------------------------------------------------------------------
@@ -43,14 +50,54 @@ def string_field(value, key):
 
 
 def message_list(value, key):
-    """value checked to be a list of {"role", "content"} messages (roles of the template); ValueError if not."""
+    """value checked to be a list of {"role", "content"} messages (roles of the template, or "tool"); ValueError
+    if not. A message keeps its other keys (tool_calls, tool_call_id, name, ...) for a published model's template,
+    as transformers passes them."""
     if not isinstance(value, list) or not all(isinstance(m, dict) for m in value):
         raise ValueError(f'"{key}" must be a list of {{"role": ..., "content": ...}} objects, got '
                          f'{json.dumps(value)[:80]}')
+    messages = []
     for m in value:
-        if m.get('role') not in CHAT_ROLES:
-            raise ValueError(f"message role {m.get('role')!r} in \"{key}\" is not one of {', '.join(CHAT_ROLES)}")
-    return [{'role': m['role'], 'content': message_content(m.get('content'))} for m in value]
+        if m.get('role') not in MESSAGE_ROLES:
+            raise ValueError(f"message role {m.get('role')!r} in \"{key}\" is not one of {', '.join(MESSAGE_ROLES)}")
+        # keys set to null are left out, as transformers passes messages (data sets give every message each key)
+        message = {k: v for k, v in m.items() if v is not None}
+        if m.get('tool_calls'):
+            if m['role'] != 'assistant':
+                raise ValueError(f'a {m["role"]!r} message in "{key}" has "tool_calls"; only assistant turns call tools')
+            tool_calls(m['tool_calls'])
+        # a call without text may have no content (OpenAI's null): "", which some templates need (Qwen3's)
+        content = m.get('content')
+        message['content'] = '' if content is None and m.get('tool_calls') else message_content(content)
+        messages.append(message)
+    return messages
+
+
+def tool_calls(value):
+    """The names of an assistant turn's tool calls; ValueError if "tool_calls" is not a list of calls."""
+    if not isinstance(value, list):
+        raise ValueError(f'"tool_calls" must be a list of calls, got {json.dumps(value)[:80]}')
+    return [function_name(call, 'each of "tool_calls"') for call in value]
+
+
+def chat_tools(record):
+    """A record's "tools" (the function schemas the template shows the model), None without: a list of
+    {"type": "function", "function": {"name", "description", "parameters"}}, or that list as a JSON string (as
+    data sets with differing schemas store it). ValueError if malformed."""
+    tools = record.get('tools') if isinstance(record, dict) else None
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except ValueError:
+            raise ValueError(f'"tools" is a string but not JSON: {tools[:80]!r}') from None
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise ValueError(f'"tools" must be a list of {{"type": "function", "function": {{...}}}} schemas, got '
+                         f'{type(tools).__name__}')
+    for tool in tools:
+        function_name(tool, 'each of "tools"')
+    return tools
 
 
 def message_content(value):
@@ -130,10 +177,11 @@ def read_jsonl(path, parse, skip_malformed):
 
 def load_sft_split(path, tokenizer, max_length, overlong='truncate', skip_malformed=False):
     """Read and tokenize one JSONL split (one example per line, blank lines ignored): returns
-    (conversations, examples), examples as (ids, labels). A malformed line is an error naming
-    path:line, or with skip_malformed skipped and counted. An example longer than max_length tokens
-    is cut to its first max_length tokens (overlong='truncate'; dropped if no response token is
-    left) or dropped (overlong='drop'). The counts are printed; no examples left is an error."""
+    (conversations, examples), conversations as (messages, tools), examples as (ids, labels). A
+    malformed line is an error naming path:line, or with skip_malformed skipped and counted. An example
+    longer than max_length tokens is cut to its first max_length tokens (overlong='truncate'; dropped
+    if no response token is left) or dropped (overlong='drop'). The counts are printed; no examples
+    left is an error."""
     if overlong not in ('truncate', 'drop'):
         raise UserError(f"overlong={overlong!r} is not supported; use 'truncate' or 'drop'.")
     if not os.path.isfile(path):
@@ -142,12 +190,12 @@ def load_sft_split(path, tokenizer, max_length, overlong='truncate', skip_malfor
     conversations, examples, truncated, dropped = [], [], 0, 0
 
     def parse(record):
-        messages = chat_messages(record)
+        messages, tools = chat_messages(record), chat_tools(record)
         # a char tokenizer rejects unknown characters
-        return messages, *tokenizer.encode_chat(messages)
+        return messages, tools, *tokenizer.encode_chat(messages, tools)
     parsed, skipped = read_jsonl(path, parse, skip_malformed)
-    for messages, ids, labels in parsed:
-        conversations.append(messages)
+    for messages, tools, ids, labels in parsed:
+        conversations.append((messages, tools))
         if len(ids) > max_length:
             ids, labels = ids[:max_length], labels[:max_length]
             if overlong == 'drop' or all(label == -100 for label in labels[1:]):
@@ -510,7 +558,8 @@ def hh_transcript(text, key):
 
 
 def preference_pair(record):
-    """(prompt messages, chosen text, rejected text) of a JSONL record; ValueError if malformed.
+    """(prompt messages, chosen reply, rejected reply) of a JSONL record, each reply an assistant message (its
+    text, or tool calls as well); ValueError if malformed.
     Without "prompt", chosen and rejected are whole conversations (message lists, or Anthropic HH
     transcripts as strings) that must be the same up to their last turn: the prompt is the turns
     before it, the completions the last turn of each."""
@@ -556,7 +605,7 @@ def preference_pair(record):
 
     def reply(value, key):
         if isinstance(value, str):
-            return value
+            return {'role': 'assistant', 'content': value}
         if not isinstance(value, list):
             raise ValueError(f'"{key}" must be the reply as a string (the usual form) or as [{{"role": "assistant", '
                              f'"content": ...}}]; got {json.dumps(value)[:80]}')
@@ -564,18 +613,19 @@ def preference_pair(record):
         if len(messages) != 1 or messages[0]['role'] != 'assistant':
             raise ValueError(f'"{key}" must be one assistant reply: a string or [{{"role": "assistant", '
                              f'"content": ...}}], got {len(messages)} message(s) after the prompt')
-        return messages[0]['content']
+        return messages[0]
     return prompt, reply(chosen, 'chosen'), reply(rejected, 'rejected')
 
 
-def encode_pair(tokenizer, prompt, chosen, rejected):
-    """Token ids (prompt, chosen completion, rejected completion). Each completion is tokenized
-    together with its prompt and split at the prompt's length, after checking that the prompt's
-    tokens are unchanged by what follows them."""
-    prompt_ids = tokenizer.encode_prompt(prompt)
+def encode_pair(tokenizer, prompt, chosen, rejected, tools=None):
+    """Token ids (prompt, chosen completion, rejected completion); a reply is its text or an assistant
+    message. Each completion is tokenized together with its prompt and split at the prompt's length,
+    after checking that the prompt's tokens are unchanged by what follows them."""
+    prompt_ids = tokenizer.encode_prompt(prompt, tools)
     completions = []
     for reply in (chosen, rejected):
-        ids = tokenizer.encode_chat(prompt + [{'role': 'assistant', 'content': reply}])[0]
+        turn = reply if isinstance(reply, dict) else {'role': 'assistant', 'content': reply}
+        ids = tokenizer.encode_chat(prompt + [turn], tools)[0]
         if ids[:len(prompt_ids)] != prompt_ids:
             raise ValueError("the prompt's tokens change when a completion follows it; the chat template must "
                              "end the prompt on a special token")
@@ -585,22 +635,23 @@ def encode_pair(tokenizer, prompt, chosen, rejected):
 
 def load_preference_split(path, tokenizer, max_length, max_prompt_length, skip_malformed=False):
     """Read and tokenize one JSONL split of preference pairs: returns (references, pairs).
-    references: (full prompt ids, chosen text) per pair, for exact-match evaluation. pairs: (prompt,
-    chosen, rejected) token ids fitted to max_length: the prompt keeps its last max_prompt_length
-    tokens, each completion its first max_length - len(prompt); a pair with a completion left empty, or
-    with chosen == rejected (as given, or once cut), is dropped. A malformed line is an error naming
-    path:line, or with skip_malformed skipped and counted."""
+    references: (full prompt ids, chosen text) per pair, for exact-match evaluation (a chosen tool call: its
+    text as the template writes it). pairs: (prompt, chosen, rejected) token ids fitted to max_length: the
+    prompt keeps its last max_prompt_length tokens, each completion its first max_length - len(prompt); a
+    pair with a completion left empty, or with chosen == rejected (as given, or once cut), is dropped. A
+    malformed line is an error naming path:line, or with skip_malformed skipped and counted."""
     if not os.path.isfile(path):
         raise UserError(f"preference data file {path} does not exist. Point dpo_data at a folder holding "
                         f"train.jsonl and val.jsonl (test.jsonl optional), or leave it '' for the embedded pairs.")
     references, pairs, prompts_cut, completions_cut, dropped, identical = [], [], 0, 0, 0, 0
 
     def parse(record):
-        prompt, chosen, rejected = preference_pair(record)
-        return chosen, *encode_pair(tokenizer, prompt, chosen, rejected)
+        (prompt, chosen, rejected), tools = preference_pair(record), chat_tools(record)
+        reference = tokenizer.reply_text(prompt + [chosen], tools) if chosen.get('tool_calls') else chosen['content']
+        return reference, *encode_pair(tokenizer, prompt, chosen, rejected, tools)
     parsed, skipped = read_jsonl(path, parse, skip_malformed)
-    for chosen, prompt_ids, chosen_ids, rejected_ids in parsed:
-        references.append((prompt_ids, chosen))
+    for reference, prompt_ids, chosen_ids, rejected_ids in parsed:
+        references.append((prompt_ids, reference))
         if len(prompt_ids) > max_prompt_length:
             prompt_ids, prompts_cut = prompt_ids[-max_prompt_length:], prompts_cut + 1
         room = max_length - len(prompt_ids)
@@ -739,8 +790,8 @@ def load_prompt_split(path, tokenizer, max_prompt_length, skip_malformed=False):
     if not os.path.isfile(path):
         raise UserError(f"prompt file {path} does not exist. Point rl_data at a folder holding train.jsonl and "
                         f"val.jsonl (test.jsonl optional), or leave it '' for the embedded number tasks.")
-    parsed, skipped = read_jsonl(path, lambda record: (tokenizer.encode_prompt(rl_prompt(record)), record),
-                                 skip_malformed)
+    parsed, skipped = read_jsonl(path, lambda record: (tokenizer.encode_prompt(rl_prompt(record), chat_tools(record)),
+                                                       record), skip_malformed)
     prompts = [(ids, record) for ids, record in parsed if len(ids) <= max_prompt_length]
     dropped = len(parsed) - len(prompts)
     print(f"{path}: {len(prompts):,} prompts ({dropped} longer than max_prompt_length={max_prompt_length} dropped, "

@@ -3,11 +3,13 @@ The task files eval.py measures a model on, and how each kind of row becomes mod
 
 A task file is JSONL, one example a line (blank lines skipped), every row of one kind:
 - generation: {"prompt": str} or {"messages": [{"role", "content"}, ...]} (a conversation ending with
-  a user turn; chat models only), with {"reference": str} or {"references": [str, ...]}, and
+  a user turn or a tool's result, with "tools" where it has them, as SFT data; chat models only), with
+  {"reference": str} or {"references": [str, ...]}, and
   optionally {"stop": [str, ...]}: the prediction is cut before the first of these strings. The SFT
   data's rows are generation rows too: {"prompt", "response"} (the response is the reference; TRL's
   {"prompt", "completion"} likewise, two conversations as one), and {"messages"} ending with an assistant turn
-  (its content is the reference, the turns before the prompt).
+  (its content is the reference, the turns before the prompt; a turn that calls tools: the calls as the
+  model's chat template writes them).
 - multiple choice: {"context": str, "choices": [str, ...] (two or more), "label": int (0-based)}.
 
 read_task checks every row and names the file and line of the first bad one. generation_prompt
@@ -42,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from configurator import UserError
-from lm.chat_data import message_content
+from lm.chat_data import chat_tools, message_list
 
 GENERATION, MULTIPLE_CHOICE, ROLLING = 'generation', 'multiple_choice', 'loglikelihood_rolling'
 FORMATS = ('{"prompt": str} or {"messages": [{"role": ..., "content": ...}, ...]} with {"reference": str} or '
@@ -57,7 +59,8 @@ def is_text_list(value, least=1):
 
 
 def generation_row(row, where):
-    """{'prompt' or 'messages', 'references' (None without), 'stop'} of a generation row, checked."""
+    """{'prompt' or 'messages', 'references' (None without), 'stop', 'tools', 'call'} of a generation row, checked;
+    call: the assistant turn of an SFT example that ends with tool calls (its reference needs the template)."""
     if isinstance(row.get('prompt'), list) and isinstance(row.get('completion'), list):
         # TRL's conversational prompt-completion row: one conversation, its last assistant turn the reference
         row = dict({k: v for k, v in row.items() if k not in ('prompt', 'completion')},
@@ -67,21 +70,22 @@ def generation_row(row, where):
         raise UserError(f"{where}: give one of \"reference\", \"references\", \"response\" and \"completion\", "
                         f"not {' and '.join(map(repr, given))}.")
     row = dict(row, reference=row[given[0]]) if given in (['response'], ['completion']) else row
-    messages = row.get('messages')
+    messages, tools, call = row.get('messages'), None, None
     if messages is not None:
-        if not (isinstance(messages, list) and messages and all(
-                isinstance(m, dict) and isinstance(m.get('role'), str) and isinstance(m.get('content'), (str, list))
-                for m in messages)):
+        if not (isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages)):
             raise UserError(f"{where}: \"messages\" must be a non-empty list of {{\"role\": str, \"content\": str}}.")
-        try:  # text parts joined, as SFT data's
-            messages = [dict(m, content=message_content(m['content'])) for m in messages]
+        try:  # text parts joined, tools and tool calls kept, as SFT data's
+            messages, tools = message_list(messages, 'messages'), chat_tools(row)
         except ValueError as e:
             raise UserError(f"{where}: {e}.") from None
         if messages[-1]['role'] == 'assistant' and len(messages) > 1 and not given:  # an SFT example
-            messages, row = messages[:-1], dict(row, reference=messages[-1]['content'])
-        if messages[-1]['role'] != 'user':
+            if messages[-1].get('tool_calls'):  # the reference: the call as the template writes it (call_reference)
+                messages, call = messages[:-1], messages[-1]
+            else:
+                messages, row = messages[:-1], dict(row, reference=messages[-1]['content'])
+        if messages[-1]['role'] not in ('user', 'tool'):
             raise UserError(f"{where}: the conversation ends with a {messages[-1]['role']!r} turn; end it with the "
-                            f"user turn the model is to answer.")
+                            f"user turn (or the tool result) the model is to answer.")
     elif not isinstance(row['prompt'], str):
         raise UserError(f"{where}: \"prompt\" must be a string.")
     if 'reference' in row and 'references' in row:
@@ -92,7 +96,7 @@ def generation_row(row, where):
     stop = row.get('stop', [])
     if not is_text_list(stop, least=0) or '' in stop:
         raise UserError(f"{where}: \"stop\" must be a list of non-empty strings.")
-    return dict(prompt=row.get('prompt'), messages=messages, references=references, stop=stop)
+    return dict(prompt=row.get('prompt'), messages=messages, references=references, stop=stop, tools=tools, call=call)
 
 
 def choice_row(row, where):
@@ -170,6 +174,9 @@ def with_fewshot(kind, rows, num_fewshot, description, target_delimiter, chat, r
         return rows
     if kind == ROLLING:
         raise UserError("num_fewshot and description are for generation and multiple-choice tasks, not perplexity.")
+    if kind == GENERATION and any(row['tools'] is not None or row['call'] for row in rows):
+        raise UserError("num_fewshot and description are not for conversations with tools or tool calls: give the "
+                        "solved examples as earlier turns of each conversation instead.")
     if kind == GENERATION and num_fewshot and any(row['references'] is None for row in rows):
         raise UserError("num_fewshot shows solved examples, but some rows have no reference to show as the answer.")
     out = []
@@ -227,7 +234,7 @@ def generation_prompt(tokenizer, chat, row, where):
     conversation in its chat template, as sample.py does; a base model continues the prompt, opened as its
     tokenizer opens a text (a published model's BOS)."""
     if chat:
-        return tokenizer.encode_prompt(row['messages'] or [{'role': 'user', 'content': row['prompt']}])
+        return tokenizer.encode_prompt(row['messages'] or [{'role': 'user', 'content': row['prompt']}], row['tools'])
     if row['messages']:
         raise UserError(f"{where} is a conversation (\"messages\"), but the model is not a chat model (no chat "
                         f"template): give it a \"prompt\" to continue, or evaluate a fine-tuned model.")
@@ -235,6 +242,14 @@ def generation_prompt(tokenizer, chat, row, where):
     if not ids:
         raise UserError(f"{where}: the prompt is empty; a base model needs text to continue.")
     return ids
+
+
+def call_reference(tokenizer, chat, row):
+    """row with its references: for an SFT example that ends with tool calls, the calls' text as the model's
+    chat template writes them (what the model must generate)."""
+    if not (chat and row['call']):
+        return row
+    return dict(row, references=[tokenizer.reply_text(row['messages'] + [row['call']], row['tools'])])
 
 
 def encode_text(tokenizer, text):

@@ -123,6 +123,17 @@ CHAT_TEMPLATE_JINJA = ("{% for message in messages %}{{ '<|' + message['role'] +
                        "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
 
 
+def function_name(value, what):
+    """The function name of a tool or tool call: {"type": "function", "function": {"name": ...}} (OpenAI's and
+    transformers' form) or {"name": ...}; ValueError if it has none."""
+    function = value.get('function', value) if isinstance(value, dict) else None
+    name = function.get('name') if isinstance(function, dict) else None
+    if not isinstance(name, str) or not name:
+        raise ValueError(f'{what} must be {{"type": "function", "function": {{"name": ..., ...}}}}, got '
+                         f'{json.dumps(value)[:80]}')
+    return name
+
+
 class ChatTokenizer:
     """A base tokenizer plus the chat template's special tokens, numbered after its vocabulary; those the
     base already holds keep their ids (a folder export.py wrote, without the tokenizer_config.json that
@@ -160,9 +171,15 @@ class ChatTokenizer:
         digest = hashlib.sha256((base['hash'] + ''.join(CHAT_SPECIAL_TOKENS)).encode()).hexdigest()
         return {'vocab_size': self.vocab_size, 'hash': digest}
 
-    def encode_chat(self, messages):
+    def encode_chat(self, messages, tools=None):
         """Token ids and labels of a conversation: labels are the ids of the assistant turns' content
-        and closing <|end|>, -100 everywhere else."""
+        and closing <|end|>, -100 everywhere else. This template has no tools: tools, tool calls and
+        "tool" turns are refused."""
+        if tools or any(m['role'] == 'tool' or m.get('tool_calls') for m in messages):
+            raise UserError("nanotrain's own chat template has no tools (its turns are system, user and assistant "
+                            "text): \"tools\", \"tool_calls\" and \"tool\" turns need a published model whose chat "
+                            "template writes them (init_from= a Hugging Face folder such as Qwen2.5's, Qwen3's or "
+                            "Llama 3.1's); or write the calls and results as the turns' text and drop those keys")
         ids = list(self.base.document_prefix)  # a published base model's BOS (hf/tokenizer.py)
         labels = [-100] * len(ids)
         for m in messages:
@@ -171,16 +188,20 @@ class ChatTokenizer:
             labels += [-100] + (content + [self.eos_id] if m['role'] == 'assistant' else [-100] * (len(content) + 1))
         return ids, labels
 
-    def encode_prompt(self, messages):
+    def encode_prompt(self, messages, tools=None):
         """The conversation so far, then <|assistant|>: the prompt that generates the next assistant turn."""
-        return self.encode_chat(messages)[0] + [self.special['<|assistant|>']]
+        return self.encode_chat(messages, tools)[0] + [self.special['<|assistant|>']]
 
 
-def prompt_and_answer(tokenizer, messages):
+def prompt_and_answer(tokenizer, messages, tools=None):
     """(prompt ids, reference text) of a conversation's last assistant turn, for exact-match evaluation;
-    tokenizer: a chat tokenizer (ChatTokenizer, or a published model's hf_tokenizer.HFTokenizer)."""
+    tokenizer: a chat tokenizer (ChatTokenizer, or a published model's hf_tokenizer.HFTokenizer). A turn that
+    calls tools is referenced by its text as the template writes it (the calls the model must generate)."""
     last = max(i for i, m in enumerate(messages) if m['role'] == 'assistant')
-    return tokenizer.encode_prompt(messages[:last]), messages[last]['content']
+    prompt = tokenizer.encode_prompt(messages[:last], tools)
+    if messages[last].get('tool_calls'):
+        return prompt, tokenizer.reply_text(messages[:last + 1], tools)
+    return prompt, messages[last]['content']
 
 
 # -----------------------------------------------------------------------------

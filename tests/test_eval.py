@@ -276,6 +276,12 @@ def test_bad_input_is_a_clear_error(models):
     assert 'ends with a \'assistant\' turn' in bad(models, [dict(messages=[{'role': 'assistant', 'content': 'a'}])],
                                                    init_from='chat')
     assert 'neither a BOS nor an EOS' in bad(models, [dict(mc, context='')])
+    # tools: nanotrain's own template writes none; few-shot turns cannot carry them; malformed ones are named
+    weather = {'type': 'function', 'function': {'name': 'get_weather'}}
+    tools = dict(messages=[{'role': 'user', 'content': 'a'}], tools=[weather], reference='b')
+    assert f"{path}:1: nanotrain's own chat template has no tools" in bad(models, [tools], init_from='chat')
+    assert 'not for conversations with tools' in bad(models, [tools, tools], '--num_fewshot=1', init_from='chat')
+    assert f'{path}:1: "tools" must be a list' in bad(models, [dict(tools, tools={'f': 1})], init_from='chat')
 
 
 def test_defaults_fit_the_model_and_evaluate_the_number_tasks(models, tmp_path, monkeypatch, capsys):

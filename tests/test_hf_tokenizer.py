@@ -8,12 +8,13 @@ import shutil
 import pytest
 
 from configurator import UserError
-from lm.chat_data import encode_pair
+from lm.chat_data import encode_pair, load_preference_split, load_prompt_split, load_sft_split
 from conftest import HF_FIXTURES, hf_fixture, read_json_file
 from hf.tokenizer import load_hf_tokenizer
 from lm.tokenizer import ChatTokenizer, prompt_and_answer
 
 CASES = read_json_file(os.path.join(HF_FIXTURES, 'expected', 'chat.json'))
+TOOL_CASES = read_json_file(os.path.join(HF_FIXTURES, 'expected', 'chat_tools.json'))
 CHAT_MODELS = sorted({case['model'] for case in CASES})
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
           "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
@@ -54,6 +55,120 @@ def test_matches_transformers(case):
     bos = tokenizer.special_tokens.get('bos_token')
     if bos:  # the template writes BOS; tokenizer.json's post-processor must not add a second one
         assert ids.count(tokenizer.tokenizer.token_to_id(bos)) == case['text'].count(bos)
+
+
+@pytest.mark.parametrize('case', TOOL_CASES, ids=[f"{c['model']}-{c['case']}" for c in TOOL_CASES])
+def test_tools_and_tool_calls_match_transformers(case, tmp_path):
+    """Conversations with tools, calls and results (tests/fixtures/make_tool_chat_fixture.py), read from a JSONL
+    line as train.py reads it: the render, ids and mask of transformers' apply_chat_template(tools=...), the reply
+    to a call as its reference; a template that refuses them, or writes no tools (SmolLM2's), is an error."""
+    tokenizer = fixture_tokenizer(case['model'])
+    path = tmp_path / 'train.jsonl'
+    path.write_text(json.dumps({'tools': case['tools'], 'messages': case['messages']}) + '\n')
+    if 'error' in case:  # the template's own refusal (Llama 3.x: one call a turn)
+        with pytest.raises(UserError, match=f"{path}:1: .*rejects this conversation: {re.escape(case['error'])}"):
+            load_sft_split(str(path), tokenizer, 4096)
+        return
+    assert tokenizer.render(case['messages'], tools=case['tools']) == case['text']
+    if case['model'] == 'smollm2':  # its template leaves the tools out: training on that would teach nothing
+        with pytest.raises(UserError, match=f"{path}:1: .*does not write the tool 'get_weather'.*no tool support"):
+            load_sft_split(str(path), tokenizer, 4096)
+        return
+    if case['assistant_mask'] is None:  # Mistral moves the tools and system message to the last user turn
+        with pytest.raises(UserError, match='not a prefix'):
+            load_sft_split(str(path), tokenizer, 4096)
+        return
+    (messages, tools), = load_sft_split(str(path), tokenizer, 4096)[0]
+    (ids, labels), = load_sft_split(str(path), tokenizer, 4096)[1]
+    assert ids == case['ids'] and [int(label != -100) for label in labels] == case['assistant_mask']
+    assert tokenizer.reply_text(messages, tools) == case['reply']
+    prompt, reference = prompt_and_answer(tokenizer, messages, tools)
+    assert reference == (case['reply'] if messages[-1].get('tool_calls') else messages[-1]['content'])
+    assert prompt == ids[:len(prompt)] and labels[len(prompt) - 1] == -100 != labels[len(prompt)]
+
+
+def test_tool_rows_in_the_forms_data_sets_write(tmp_path):
+    """"tools" as a JSON string (data sets whose schemas differ store it so) and a call's content left out or
+    null (OpenAI's form) read as the list and ""; malformed tools and calls, and calls nanotrain's own template
+    cannot write, are errors naming the line."""
+    case = next(c for c in TOOL_CASES if (c['model'], c['case']) == ('qwen3', 'call_and_answer'))
+    tokenizer = fixture_tokenizer('qwen3')
+    calls = [dict(m) for m in case['messages']]
+    del calls[2]['content']
+    # a data set's columns: every message has every key, null where it has none (as transformers drops them)
+    columns = [{'tool_calls': None, 'tool_call_id': None, 'name': None, **m} for m in case['messages']]
+    rows = [{'tools': json.dumps(case['tools']), 'messages': calls},
+            {'tools': case['tools'], 'messages': [dict(m, content=None) if m.get('tool_calls') else m for m in calls]},
+            {'tools': case['tools'], 'messages': columns}]
+    path = tmp_path / 'rows.jsonl'
+    path.write_text(''.join(json.dumps(row) + '\n' for row in rows))
+    assert [ids for ids, _ in load_sft_split(str(path), tokenizer, 4096)[1]] == [case['ids']] * 3
+    llama = next(c for c in TOOL_CASES if (c['model'], c['case']) == ('llama', 'call_and_answer'))
+    path.write_text(json.dumps({'tools': llama['tools'], 'messages': [  # its template asks 'tool_calls' in message
+        {'tool_calls': None, 'tool_call_id': None, 'name': None, **m} for m in llama['messages']]}) + '\n')
+    assert load_sft_split(str(path), fixture_tokenizer('llama'), 4096)[1][0][0] == llama['ids']
+    user, call = case['messages'][1], case['messages'][2]
+    for bad, message in (({'tools': '[{"function": '}, '"tools" is a string but not JSON'),
+                         ({'tools': {'get_weather': {}}}, '"tools" must be a list'),
+                         ({'tools': [{'type': 'function', 'function': {}}]}, 'each of "tools" must be'),
+                         ({'messages': [user, dict(call, tool_calls={'name': 'f'})]}, '"tool_calls" must be a list of calls'),
+                         ({'messages': [user, dict(call, tool_calls=[{'arguments': {}}])]}, 'each of "tool_calls"'),
+                         ({'messages': [dict(user, tool_calls=call['tool_calls']), call]}, "a 'user' message"),
+                         ({'messages': [user, dict(call, role='function')]}, "message role 'function'")):
+        path.write_text(json.dumps({'tools': case['tools'], 'messages': case['messages'], **bad}) + '\n')
+        with pytest.raises(UserError, match=f'{path}:1: {re.escape(message)}'):
+            load_sft_split(str(path), tokenizer, 4096)
+    path.write_text(json.dumps({'tools': case['tools'], 'messages': case['messages']}) + '\n')
+    own = ChatTokenizer(fixture_tokenizer('gpt2'))
+    for row in ({'tools': case['tools'], 'messages': case['messages'][:2] + case['messages'][-1:]},
+                {'messages': case['messages']}):
+        path.write_text(json.dumps(row) + '\n')
+        with pytest.raises(UserError, match=f"{path}:1: nanotrain's own chat template has no tools"):
+            load_sft_split(str(path), own, 4096)
+
+
+def test_preference_pairs_and_rl_prompts_carry_tools(tmp_path):
+    """DPO pairs whose replies call tools (chosen: the right city, rejected: another) and RL prompts render with
+    their rows' tools; a chosen call is the exact-match reference as the template writes it."""
+    case = next(c for c in TOOL_CASES if (c['model'], c['case']) == ('qwen2', 'call_last'))
+    tokenizer = fixture_tokenizer('qwen2')
+    user, call = case['messages']
+    wrong = json.loads(json.dumps(call).replace('Wellington', 'Oslo'))
+    pairs = tmp_path / 'pairs.jsonl'
+    pairs.write_text(json.dumps({'tools': case['tools'], 'prompt': [user], 'chosen': [call], 'rejected': [wrong]}) +
+                     '\n' + json.dumps({'tools': case['tools'], 'chosen': [user, call], 'rejected': [user, wrong]}) + '\n')
+    references, encoded = load_preference_split(str(pairs), tokenizer, 4096, 4096)
+    prompt = case['ids'][:len(tokenizer.encode_prompt([user], case['tools']))]
+    assert references == [(prompt, case['reply'])] * 2
+    assert all(p == prompt for p, _, _ in encoded) and encoded[0] == encoded[1]
+    chosen, rejected = encoded[0][1:]
+    assert tokenizer.decode(chosen).startswith(case['reply'] + '<|im_end|>') and 'Oslo' in tokenizer.decode(rejected)
+    prompts = tmp_path / 'prompts.jsonl'
+    prompts.write_text(json.dumps({'tools': case['tools'], 'prompt': user['content']}) + '\n')
+    (ids, _), = load_prompt_split(str(prompts), tokenizer, 4096)
+    assert ids == prompt and 'get_time' in tokenizer.decode(ids)
+
+
+def test_a_tool_use_template_renders_conversations_with_tools(tmp_path):
+    """A folder's named "tool_use" template (a list in tokenizer_config.json, or additional_chat_templates/
+    tool_use.jinja beside chat_template.jinja) renders a conversation that has tools, as transformers picks it;
+    the identity of a folder without one is as before, with one it differs."""
+    tools_first = "{{ 'tools: ' + tools | map(attribute='function.name') | join(',') + '\\n' }}" + CHATML
+    folder = folder_with_template(tmp_path, [{'name': 'default', 'template': CHATML},
+                                             {'name': 'tool_use', 'template': tools_first}])
+    tokenizer = load_hf_tokenizer(folder)
+    turns = [{'role': 'user', 'content': 'Hi'}, {'role': 'assistant', 'content': 'Hello'}]
+    tools = [{'type': 'function', 'function': {'name': 'get_weather'}}]
+    assert tokenizer.render(turns) == '<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello<|im_end|>\n'
+    assert tokenizer.render(turns, tools=tools) == 'tools: get_weather\n' + tokenizer.render(turns)
+    ids, labels = tokenizer.encode_chat(turns, tools)
+    assert tokenizer.decode([label for label in labels if label != -100]) == 'Hello<|im_end|>'
+    assert tokenizer.identity() != load_hf_tokenizer(folder_with_template(tmp_path, CHATML)).identity()
+    (tmp_path / 'chat_template.jinja').write_text(CHATML)
+    assert load_hf_tokenizer(folder).render(turns, tools=tools) == tokenizer.render(turns)  # the .jinja alone wins
+    (tmp_path / 'additional_chat_templates').mkdir()
+    (tmp_path / 'additional_chat_templates' / 'tool_use.jinja').write_text(tools_first)
+    assert load_hf_tokenizer(folder).render(turns, tools=tools) == tokenizer.render(turns, tools=tools)
 
 
 @pytest.mark.parametrize('model', CHAT_MODELS + ['gpt2'])
@@ -152,6 +267,10 @@ def test_template_errors(tmp_path):
     tokenizer = load_hf_tokenizer(folder_with_template(tmp_path, template))
     with pytest.raises(UserError, match='rejects this conversation: no system messages, please'):
         tokenizer.encode_prompt([{'role': 'system', 'content': 'Be brief.'}, {'role': 'user', 'content': 'Hi'}])
+    # Python's own errors inside the template (Llama 3.x takes the length of a call list that is no list)
+    llama = fixture_tokenizer('llama')
+    with pytest.raises(UserError, match=r'fails on this conversation \(TypeError: .*NoneType'):
+        llama.render([{'role': 'user', 'content': 'Hi'}, {'role': 'assistant', 'content': 'Hello', 'tool_calls': None}])
     with pytest.raises(UserError, match='not valid Jinja'):
         load_hf_tokenizer(folder_with_template(tmp_path, '{% for m in messages %}'))
 

@@ -13,8 +13,8 @@ import torch
 
 from safetensors.torch import load_file, save_file
 
-from conftest import (HF_TINY, assert_user_error, fine_tune, hf_fixture, load, load_gpt, read_log, run, train_losses,
-                      val_losses)
+from conftest import (HF_TINY, assert_user_error, fine_tune, hf_fixture, load, load_gpt, read_json_file, read_log, run,
+                      train_losses, val_losses)
 from hf.checkpoint import load_hf_checkpoint, peft_name, save_chat_tokenizer, save_hf_model
 from hf.tokenizer import load_hf_tokenizer
 from loading import load_for_generation
@@ -243,6 +243,40 @@ def test_a_run_whose_model_folder_has_moved_names_the_folder_and_continues_from_
 
 
 @pytest.mark.slow
+def test_a_published_model_learns_a_tool_call_in_its_own_template(tmp_path):
+    """SFT rows with tools and an assistant turn that calls one (OpenAI's form: "tools" as a JSON string, the
+    call's content null, its arguments an object): Qwen2.5's template shows the tools and writes the call, the
+    model learns it, and the held-out exact match scores the call as the template writes it."""
+    folder = tmp_path / 'qwen2'  # the fixture, with room for the tools' system prompt (~550 tokens)
+    shutil.copytree(hf_fixture('qwen2'), folder)
+    config = json.loads((folder / 'config.json').read_text())
+    (folder / 'config.json').write_text(json.dumps(dict(config, max_position_embeddings=1024)))
+    weather = {'type': 'function', 'function': {'name': 'get_weather', 'description': 'The current weather in a city.',
+               'parameters': {'type': 'object', 'properties': {'city': {'type': 'string'}}, 'required': ['city']}}}
+    call = {'id': 'call_1', 'type': 'function', 'function': {'name': 'get_weather', 'arguments': {'city': 'Oslo'}}}
+    row = {'tools': json.dumps([weather]), 'messages': [{'role': 'user', 'content': 'Weather in Oslo?'},
+                                                       {'role': 'assistant', 'content': None, 'tool_calls': [call]}]}
+    data = tmp_path / 'data'
+    data.mkdir()
+    (data / 'train.jsonl').write_text(json.dumps(row) + '\n')
+    (data / 'val.jsonl').write_text(json.dumps(row) + '\n')
+    out = tmp_path / 'out'
+    p = run(['train.py', '--training_type=sft', f'--init_from={folder}', f'--out_dir={out}', f'--sft_data={data}',
+             *HF_TINY, '--batch_size=2', '--block_size=1024', '--max_length=1024', '--learning_rate=1e-2',
+             '--max_iters=40', '--lr_decay_iters=40', '--eval_interval=40', '--exact_match_examples=1'])
+    assert '0 truncated' in p.stdout and 'step 0: exact_match 0.0%' in p.stdout
+    assert 'step 40: exact_match 100.0% on 1 held-out prompts' in p.stdout, p.stdout[-2000:]
+    # eval.py scores the same row alike; a conversation may also end with the tool's result, which the model answers
+    answered = dict(row, messages=row['messages'] + [{'role': 'tool', 'content': '18C'}], reference='18C in Oslo.')
+    (data / 'test.jsonl').write_text(json.dumps(row) + '\n' + json.dumps(answered) + '\n')
+    run(['eval.py', f'--init_from={out / "ckpt.pt"}', f'--eval_data={data / "test.jsonl"}', '--device=cpu',
+         f'--out={tmp_path / "eval.json"}', '--metrics=exact_match'])
+    called, result = read_json_file(tmp_path / 'eval.json')['examples']
+    assert called['references'] == ['<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>']
+    assert called['scores'] == {'exact_match': 1.0} and result['scores'] == {'exact_match': 0.0}
+    assert result['prompt'].endswith('<tool_response>\n18C\n</tool_response><|im_end|>\n<|im_start|>assistant\n')
+
+
 def test_chat_template_variables_reach_the_template_and_the_checkpoint(tmp_path, task):
     """--chat_template_variables renders a published model's template with them (Qwen3 without thinking: the empty
     <think> block becomes part of the prompt, not of the trained answer); the checkpoint records them, and a run or

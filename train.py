@@ -303,7 +303,9 @@ else:
     held_out_sources = [name for _, name in held_out_chats] if sources[0][0] else []
     # the held-out prompts answered and scored at each eval
     held_out = HeldOut(tokenizer, exact_match_prompts, eval_metric_names, batch_size, max_length, held_out_sources)
-    sample_prompt = prompt_and_answer(tokenizer, *source_data[0][2][0])[0]
+    # the first held-out prompt; plain texts only: the opening of the first val text
+    first_chat = next((chats[0] for _, _, chats in source_data if chats), None)
+    sample_prompt = prompt_and_answer(tokenizer, *first_chat)[0] if first_chat else val_examples[0][0][:16]
     # a continued run must still read the same examples
     if sources[0][0] is None:
         train_data_hash = training_data_hash(os.path.join(sources[0][1], 'train.jsonl'), ckpt, out_dir, 'sft_data')

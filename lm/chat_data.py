@@ -8,6 +8,7 @@ SFT examples, one per line; the three JSONL formats map to turns as:
     {"instruction": I, "input": X, "output": O}     -> user I + "\n\n" + X (just I if X is empty), assistant O
     {"messages": [{"role": ..., "content": ...}]}   -> as given (at least one assistant turn)
     {"prompt": [messages], "completion": [messages]} -> as given (TRL's; "prompt", "completion" strings: user, assistant)
+    {"text": T}                                     -> no turns: T, every token learned (TRL's language-modeling rows)
 Any of them may carry "tools" (function schemas): with a published model's chat template, assistant turns
 may hold "tool_calls" and "tool" messages the results, rendered as transformers renders them.
 
@@ -147,8 +148,24 @@ def chat_messages(record):
         return [{'role': 'user', 'content': user},
                 {'role': 'assistant', 'content': string_field(record['output'], 'output')}]
     raise ValueError(f"unknown format (keys {sorted(record)}); use {{\"prompt\", \"response\"}} (or TRL's "
-                     f"{{\"prompt\", \"completion\"}}), Alpaca {{\"instruction\", \"input\", \"output\"}} or "
-                     f"{{\"messages\": [{{\"role\", \"content\"}}, ...]}}")
+                     f"{{\"prompt\", \"completion\"}}), Alpaca {{\"instruction\", \"input\", \"output\"}}, "
+                     f"{{\"messages\": [{{\"role\", \"content\"}}, ...]}} or a plain {{\"text\"}}")
+
+
+def is_text_row(record):
+    """Whether a record is TRL's language-modeling row {"text": ...}: a text, no conversation beside it."""
+    return isinstance(record, dict) and 'text' in record and not {'messages', 'prompt', 'instruction'} & record.keys()
+
+
+def text_example(tokenizer, text):
+    """(ids, labels) of a plain text: the tokens a text opens with (a published model's BOS), the text, and the
+    end-of-turn token (where generation stops); every token learned, as TRL trains these rows. tokenizer: a chat
+    tokenizer; special-token text in the text is read as those tokens, as transformers' tokenizer(text) reads it."""
+    if not string_field(text, 'text'):
+        raise ValueError('"text" is empty: there is nothing to learn')
+    prefix = list(getattr(tokenizer, 'base', tokenizer).document_prefix)
+    ids = prefix + tokenizer.encode(text) + [tokenizer.eos_id]
+    return ids, [-100] * len(prefix) + ids[len(prefix):]
 
 
 def read_jsonl(path, parse, skip_malformed):
@@ -177,11 +194,11 @@ def read_jsonl(path, parse, skip_malformed):
 
 def load_sft_split(path, tokenizer, max_length, overlong='truncate', skip_malformed=False):
     """Read and tokenize one JSONL split (one example per line, blank lines ignored): returns
-    (conversations, examples), conversations as (messages, tools), examples as (ids, labels). A
-    malformed line is an error naming path:line, or with skip_malformed skipped and counted. An example
-    longer than max_length tokens is cut to its first max_length tokens (overlong='truncate'; dropped
-    if no response token is left) or dropped (overlong='drop'). The counts are printed; no examples
-    left is an error."""
+    (conversations, examples), conversations as (messages, tools) (a plain text has none), examples as
+    (ids, labels). A malformed line is an error naming path:line, or with skip_malformed skipped and
+    counted. An example longer than max_length tokens is cut to its first max_length tokens
+    (overlong='truncate'; dropped if no response token is left) or dropped (overlong='drop'). The
+    counts are printed; no examples left is an error."""
     if overlong not in ('truncate', 'drop'):
         raise UserError(f"overlong={overlong!r} is not supported; use 'truncate' or 'drop'.")
     if not os.path.isfile(path):
@@ -190,12 +207,16 @@ def load_sft_split(path, tokenizer, max_length, overlong='truncate', skip_malfor
     conversations, examples, truncated, dropped = [], [], 0, 0
 
     def parse(record):
+        if is_text_row(record):  # no conversation: nothing held out to answer
+            return None, None, *text_example(tokenizer, record['text'])
         messages, tools = chat_messages(record), chat_tools(record)
         # a char tokenizer rejects unknown characters
         return messages, tools, *tokenizer.encode_chat(messages, tools)
     parsed, skipped = read_jsonl(path, parse, skip_malformed)
+    texts = sum(messages is None for messages, _, _, _ in parsed)
     for messages, tools, ids, labels in parsed:
-        conversations.append((messages, tools))
+        if messages is not None:
+            conversations.append((messages, tools))
         if len(ids) > max_length:
             ids, labels = ids[:max_length], labels[:max_length]
             if overlong == 'drop' or all(label == -100 for label in labels[1:]):
@@ -203,7 +224,8 @@ def load_sft_split(path, tokenizer, max_length, overlong='truncate', skip_malfor
                 continue
             truncated += 1
         examples.append((ids, labels))
-    print(f"{path}: {len(examples):,} examples ({truncated} truncated and {dropped} dropped at max_length="
+    print(f"{path}: {len(examples):,} examples{f', {texts:,} of the lines plain texts' if texts else ''} "
+          f"({truncated} truncated and {dropped} dropped at max_length="
           f"{max_length} by overlong={overlong!r}, {skipped} malformed lines skipped)")
     if not examples:
         raise UserError(f"{path} holds no usable examples ({skipped} malformed lines skipped, {dropped} longer "

@@ -17,6 +17,7 @@ from conftest import (HF_TINY, assert_user_error, fine_tune, hf_fixture, load, l
                       train_losses, val_losses)
 from hf.checkpoint import load_hf_checkpoint, peft_name, save_chat_tokenizer, save_hf_model
 from hf.tokenizer import load_hf_tokenizer
+from lm.chat_data import load_sft_split
 from loading import load_for_generation
 from starting_model import hf_source, run_tokenizer
 from lm.tokenizer import chat_tokenizer
@@ -275,6 +276,29 @@ def test_a_published_model_learns_a_tool_call_in_its_own_template(tmp_path):
     assert called['references'] == ['<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>']
     assert called['scores'] == {'exact_match': 1.0} and result['scores'] == {'exact_match': 0.0}
     assert result['prompt'].endswith('<tool_response>\n18C\n</tool_response><|im_end|>\n<|im_start|>assistant\n')
+
+
+def test_plain_text_rows_fine_tune_a_published_model_as_its_tokenizer_reads_them(tmp_path):
+    """{"text"} rows on Llama 3's fixture: BOS (its tokenizer.json's post-processor), the text with its special
+    tokens read as tokens, and the end of turn, as transformers' tokenizer(text) + EOS gives them (TRL's
+    language-modeling rows); a run on them alone learns, with no held-out answers, and samples from a val text."""
+    texts = ['The cat sat on the mat.', 'A <|eot_id|> is one token.']
+    data = tmp_path / 'data'
+    data.mkdir()
+    for split in ('train', 'val'):
+        (data / f'{split}.jsonl').write_text(''.join(json.dumps({'text': t}) + '\n' for t in texts * 8))
+    tokenizer = load_hf_tokenizer(hf_fixture('llama'))
+    _, examples = load_sft_split(str(data / 'val.jsonl'), tokenizer, 128)
+    for text, (ids, labels) in zip(texts, examples):
+        assert ids == tokenizer.tokenizer.encode(text).ids + [tokenizer.eos_id]  # add_special_tokens: BOS
+        assert labels == [-100] + ids[1:]
+    assert examples[1][0].count(tokenizer.eos_id) == 2
+    out = tmp_path / 'out'
+    p = run(['train.py', '--training_type=sft', f'--init_from={hf_fixture("llama")}', f'--out_dir={out}',
+             f'--sft_data={data}', *HF_TINY, '--learning_rate=3e-3'])
+    losses = val_losses(out)
+    assert losses[-1] < losses[0] - 0.3, losses
+    assert ': exact_match' not in p.stdout and '--- sample' in p.stdout
 
 
 def test_chat_template_variables_reach_the_template_and_the_checkpoint(tmp_path, task):

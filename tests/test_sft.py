@@ -163,6 +163,24 @@ def test_overlong_examples_truncate_or_drop(tmp_path, capsys):
     assert len(examples) == 1 and '0 truncated and 2 dropped' in capsys.readouterr().out
 
 
+def test_plain_text_rows_learn_every_token_and_hold_nothing_out(tmp_path, capsys):
+    """TRL's language-modeling rows {"text"}: the text and the end of turn (where generation stops), every token
+    a target; they give no held-out conversation, mix with chat rows, and a row that also holds a conversation
+    is read as that conversation."""
+    tok = char_tokenizer()
+    chat = {'prompt': 'What is 1+1?', 'response': '2'}
+    path = write_jsonl(tmp_path / 't.jsonl', [{'text': 'abc 12'}, chat, dict(chat, text='ignored')])
+    conversations, examples = load_sft_split(path, tok, 64)
+    assert examples[0] == (tok.encode('abc 12') + [tok.eos_id],) * 2
+    assert examples[1] == examples[2] == tok.encode_chat(chat_data.chat_messages(chat))
+    assert [messages for messages, _ in conversations] == [chat_data.chat_messages(chat)] * 2
+    assert '3 examples, 1 of the lines plain texts (' in capsys.readouterr().out
+    for bad, message in (({'text': ''}, '"text" is empty'), ({'text': 7}, '"text" must be a string'),
+                         ({'txt': 'a'}, 'or a plain {"text"}')):
+        with pytest.raises(UserError, match=f':1: .*{re.escape(message)}'):
+            load_sft_split(write_jsonl(tmp_path / 'bad.jsonl', [bad]), tok, 64)
+
+
 # -- the embedded number tasks ------------------------------------------------------------------
 
 def test_number_task_working_and_its_slips():

@@ -350,21 +350,28 @@ class HFTokenizer:
     def encode_prompt(self, messages, tools=None):
         """The conversation so far plus the generation prompt that starts the next assistant turn."""
         text = self.render(messages, add_generation_prompt=True, tools=tools)
-        self.check_tools_written(messages, tools, text)
+        self.check_tools_written(messages, tools, text, add_generation_prompt=True)
         return self.encode(text)
 
-    def check_tools_written(self, messages, tools, text):
-        """A UserError if the render leaves out a tool or a tool call (a template without tool support ignores
-        them: the model would learn empty turns, or calls to tools it was never shown)."""
-        calls = [call for m in messages for call in m.get('tool_calls') or []]
-        for kind, items in (('tool', tools or []), ('tool call', calls)):
-            missing = [name for name in (function_name(item, kind) for item in items) if name not in text]
-            if missing:
-                raise UserError(f"the chat template of {self.folder} ({self.template_for(tools)[2]}) does not write "
-                                f"the {kind} {missing[0]!r} into the conversation: it has no tool support, so the "
-                                f"model would learn from turns without them. Fine-tune a model whose template "
-                                f"writes tools and tool calls (Qwen2.5, Qwen3, Llama 3.1+, Mistral v0.3), or write "
-                                f"them into the turns' text and drop \"tools\" and \"tool_calls\".")
+    def check_tools_written(self, messages, tools, text, add_generation_prompt=False):
+        """A UserError if text, the render, is the same without the tools or without the tool calls: a template
+        without tool support ignores them, and the model would learn empty turns, or calls to tools it was never
+        shown."""
+        bare = [{k: v for k, v in m.items() if k != 'tool_calls'} for m in messages]
+        for kind, given, (plain_messages, plain_tools) in (('tools', bool(tools), (messages, None)),
+                                                           ('tool calls', bare != messages, (bare, tools))):
+            try:
+                same = given and self.render(plain_messages, add_generation_prompt, tools=plain_tools) == text
+            except UserError:  # the template needs them: it reads them
+                same = False
+            if same:
+                names = [function_name(item, kind) for item in (tools if kind == 'tools' else
+                                                                [c for m in messages for c in m.get('tool_calls') or []])]
+                raise UserError(f"the chat template of {self.folder} ({self.template_for(tools)[2]}) renders the "
+                                f"conversation the same without its {kind} ({', '.join(names)}): it has no tool "
+                                f"support, so the model would learn from turns without them. Fine-tune a model "
+                                f"whose template writes tools and tool calls (Qwen2.5, Qwen3, Llama 3.1+, Mistral "
+                                f"v0.3), or write them into the turns' text and drop \"tools\" and \"tool_calls\".")
 
     def reply_text(self, messages, tools=None):
         """The last turn of messages, an assistant's, as the template writes it after the generation prompt

@@ -71,7 +71,7 @@ def test_tools_and_tool_calls_match_transformers(case, tmp_path):
         return
     assert tokenizer.render(case['messages'], tools=case['tools']) == case['text']
     if case['model'] == 'smollm2':  # its template leaves the tools out: training on that would teach nothing
-        with pytest.raises(UserError, match=f"{path}:1: .*does not write the tool 'get_weather'.*no tool support"):
+        with pytest.raises(UserError, match=f"{path}:1: .*the same without its tools \\(get_weather.*no tool support"):
             load_sft_split(str(path), tokenizer, 4096)
         return
     if case['assistant_mask'] is None:  # Mistral moves the tools and system message to the last user turn
@@ -147,6 +147,26 @@ def test_preference_pairs_and_rl_prompts_carry_tools(tmp_path):
     prompts.write_text(json.dumps({'tools': case['tools'], 'prompt': user['content']}) + '\n')
     (ids, _), = load_prompt_split(str(prompts), tokenizer, 4096)
     assert ids == prompt and 'get_time' in tokenizer.decode(ids)
+
+
+def test_templates_that_ignore_tools_or_calls_are_refused(tmp_path):
+    """Whether a template writes a row's tools and calls is seen by rendering without them (a name check would pass
+    a tool named "a", which any text holds)."""
+    tools = [{'type': 'function', 'function': {'name': 'a'}}]
+    turns = [{'role': 'user', 'content': 'a?'}, {'role': 'assistant', 'content': 'a',
+                                                 'tool_calls': [{'type': 'function', 'function': {'name': 'a'}}]}]
+    tokenizer = load_hf_tokenizer(folder_with_template(tmp_path, CHATML))
+    with pytest.raises(UserError, match=r'the same without its tools \(a\): it has no tool support'):
+        tokenizer.encode_chat(turns, tools)
+    with pytest.raises(UserError, match=r'the same without its tool calls \(a\)'):
+        tokenizer.encode_chat(turns)
+    with pytest.raises(UserError, match=r'the same without its tools'):
+        tokenizer.encode_prompt(turns[:1], tools)
+    tools_only = "{{ tools | map(attribute='function.name') | join(',') }}" + CHATML  # writes tools, not calls
+    tokenizer = load_hf_tokenizer(folder_with_template(tmp_path, tools_only))
+    assert tokenizer.encode_prompt(turns[:1], tools) == tokenizer.encode(tokenizer.render(turns[:1], True, tools=tools))
+    with pytest.raises(UserError, match=r'the same without its tool calls \(a\)'):
+        tokenizer.encode_chat(turns, tools)
 
 
 def test_a_tool_use_template_renders_conversations_with_tools(tmp_path):

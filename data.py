@@ -188,7 +188,7 @@ def check_replaceable(out_dir, tok, source):
     try:
         with open(path) as f:
             old = json.load(f)
-    except (OSError, ValueError):  # a corrupt dataset, which read_meta tells to prepare again
+    except (OSError, ValueError, RecursionError):  # a corrupt dataset, which read_meta tells to prepare again
         return
     try:
         same = old['hash'] == tok.identity()['hash']

@@ -113,7 +113,7 @@ def earlier_result(path):
         with open(path, encoding='utf-8') as f:
             old = json.load(f)
         return same_file(old['init_from'], ckpt_path) and same_file(old['eval_data'], task_path)
-    except (OSError, ValueError, TypeError, KeyError):
+    except (OSError, ValueError, TypeError, KeyError, RecursionError):
         return False
 
 

@@ -45,7 +45,7 @@ def read_json(folder, name):
     try:
         with open(path, encoding='utf-8') as f:
             value = json.load(f)
-    except (OSError, ValueError) as e:  # ValueError includes a file that is not UTF-8
+    except (OSError, ValueError, RecursionError) as e:  # ValueError includes a file that is not UTF-8
         raise UserError(f"{path} is corrupt ({e}); download the model folder again.") from None
     if not isinstance(value, dict):
         raise UserError(f"{path} holds a JSON {type(value).__name__}, not an object; download the model folder again.")

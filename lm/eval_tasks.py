@@ -137,8 +137,16 @@ def read_task(path, max_examples=0):
         except json.JSONDecodeError as e:
             raise UserError(f"{where} is not valid JSON ({e.msg} at column {e.colno}); each line must be one JSON "
                             f"object: {FORMATS}.") from None
+        except RecursionError:
+            raise UserError(f"{where} nests its JSON too deeply to read; each line must be one JSON object: "
+                            f"{FORMATS}.") from None
         if not isinstance(row, dict):
             raise UserError(f"{where} is a JSON {type(row).__name__}, not an object; each line must be {FORMATS}.")
+        try:  # an escaped lone surrogate (\ud800) is no text, as for the training scripts
+            json.dumps(row, ensure_ascii=False).encode('utf-8')
+        except UnicodeEncodeError:
+            raise UserError(f"{where} holds a lone surrogate escape (such as \\ud800), which is no text; fix the "
+                            f"line or leave it out.") from None
         row_kind = (MULTIPLE_CHOICE if 'choices' in row else GENERATION if 'prompt' in row or 'messages' in row
                     else ROLLING if 'text' in row else None)
         if row_kind is None:

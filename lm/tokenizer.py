@@ -219,7 +219,7 @@ def read_meta(data_dir, fix=''):
     try:
         with open(path) as f:
             return json.load(f)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         raise UserError(f"{path} is corrupt ({e}); prepare the dataset again with data.py.") from None
 
 

@@ -136,7 +136,7 @@ def prepare_number_tasks(out_dir=NUMBER_TASKS_DIR, n_train=10_000, n_eval=500, s
         try:
             with open(meta_path) as f:
                 old = json.load(f)
-        except ValueError:  # cut short (written last, whole: not by this function)
+        except (ValueError, RecursionError):  # cut short (written last, whole: not by this function)
             pass
         if old == meta:
             return out_dir

@@ -200,6 +200,9 @@ def test_a_sources_key_takes_one_folder_or_named_sources(tmp_path, capsys):
 def test_malformed_argument(capsys):
     assert "'--batch_size'" in config_error(['--batch_size'], capsys)
     assert "'-x'" in config_error(['-x'], capsys)
+    # bytes that are not UTF-8 reach sys.argv as lone surrogates (a traceback where a tokenizer or print met them)
+    assert "--out_dir: its value is not UTF-8 text (bytes b'o\\xff')" in config_error([os.fsdecode(b'--out_dir=o\xff')],
+                                                                                       capsys)
 
 
 def test_config_file_then_overrides(tmp_path):

@@ -283,9 +283,10 @@ def test_failed_prepare_keeps_the_dataset_and_missing_files_are_named(tmp_path):
     os.remove(tmp_path / 'ds' / 'train.bin')
     with pytest.raises(UserError, match='train.bin is missing'):
         TokenBatches(os.path.join(ds, 'train.bin'), 8, seed=0, vocab_size=300)
-    (tmp_path / 'ds' / 'meta.json').write_text('{"tokenizer": ')
-    with pytest.raises(UserError, match='meta.json is corrupt'):
-        load_tokenizer(ds)
+    for corrupt in ('{"tokenizer": ', '{"x": ' + '[' * 100_000 + ']' * 100_000 + '}'):  # cut short; nested deep
+        (tmp_path / 'ds' / 'meta.json').write_text(corrupt)
+        with pytest.raises(UserError, match='meta.json is corrupt'):
+            load_tokenizer(ds)
     with pytest.raises(UserError, match='cannot be created or written'):
         data.prepare(str(tmp_path / 'in.txt'), tmp_path / 'in.txt' / 'ds', 'char')
 

@@ -261,6 +261,8 @@ def test_bad_input_is_a_clear_error(models):
     path = models['root'] / 'bad.jsonl'
     gen, mc = dict(prompt='abc', reference='d'), dict(context='abc', choices=['d', 'e'], label=0)
     assert f'{path}:2 is not valid JSON' in bad(models, [gen, '{"prompt": "abc",'])
+    assert f'{path}:1 nests its JSON too deeply' in bad(models, ['{"x": ' + '[' * 100_000 + ']' * 100_000 + '}'])
+    assert f'{path}:1 holds a lone surrogate' in bad(models, ['{"prompt": "a\\ud800", "reference": "b"}'])
     assert f"{path}:1 has keys 'question', 'answer'" in bad(models, [dict(question='a', answer='b')])
     assert 'holds no examples' in bad(models, ['', ' '])
     assert f'{path}:2 is a multiple choice example but the lines before it are generation' in bad(models, [gen, mc])
@@ -337,10 +339,12 @@ def test_out_never_writes_over_what_it_reads_or_another_models_results(models, t
     refused and leaves the file as it was (a <out>.tmp too); the same model's results are replaced; a second model
     whose folder has the same name as the first's gets its own default results file."""
     data = write_jsonl(tmp_path / 'task.jsonl', [dict(prompt='abc', reference='d')])
-    other = tmp_path / 'notes.json'
+    other, deep = tmp_path / 'notes.json', tmp_path / 'deep.json'
     other.write_text('{"mine": 1}')
+    deep.write_text('{"x": ' + '[' * 100_000 + ']' * 100_000 + '}')  # JSON too deep to read is not ours either
     for out, message in [(data, 'which this command reads'), (models['base'], 'which this command reads'),
-                         (other, 'exists and is not the results JSON'), (models['chat'], 'exists and is not')]:
+                         (other, 'exists and is not the results JSON'), (models['chat'], 'exists and is not'),
+                         (deep, 'exists and is not the results JSON')]:
         before = open(out, 'rb').read()
         with pytest.raises(UserError) as e:
             eval_py(f"--init_from={models['base']}", f'--eval_data={data}', f'--out={out}', '--max_new_tokens=2')

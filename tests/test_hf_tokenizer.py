@@ -299,9 +299,10 @@ def test_missing_and_corrupt_files(tmp_path):
     with pytest.raises(UserError, match='tokenizer.json is missing'):
         load_hf_tokenizer(str(tmp_path))
     folder = folder_with_template(tmp_path, CHATML)
-    (tmp_path / 'generation_config.json').write_text('{"eos_token_id": ')
-    with pytest.raises(UserError, match='generation_config.json is corrupt'):
-        load_hf_tokenizer(folder)
+    for corrupt in ('{"eos_token_id": ', '{"x": ' + '[' * 100_000 + ']' * 100_000 + '}'):  # cut short; nested deep
+        (tmp_path / 'generation_config.json').write_text(corrupt)
+        with pytest.raises(UserError, match='generation_config.json is corrupt'):
+            load_hf_tokenizer(folder)
     # ids that are no ids (a string was taken as a list of its characters, none of which stops anything)
     for bad in ('"2"', '[2, "x"]', '-1', 'true', '{"id": 2}'):
         (tmp_path / 'generation_config.json').write_text(f'{{"eos_token_id": {bad}}}')

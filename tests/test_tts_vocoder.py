@@ -100,9 +100,10 @@ def test_vocoder_files_that_cannot_work_are_clear_errors(tmp_path):
     (folder / 'config.json').write_text(json.dumps(dict(config, upsample_initial_channel=32)))
     with pytest.raises(UserError, match=r"conv_pre.weight \(16, 80, 7\) \(config.json's shape: \(32, 80, 7\)\)"):
         load_hifigan(str(generator))
-    (folder / 'config.json').write_text('{"resblock": ')
-    with pytest.raises(UserError, match='not a HiFi-GAN config.json'):
-        load_hifigan(str(generator))
+    for corrupt in ('{"resblock": ', '{"x": ' + '[' * 100_000 + ']' * 100_000 + '}'):  # cut short; nested deep
+        (folder / 'config.json').write_text(corrupt)
+        with pytest.raises(UserError, match='not a HiFi-GAN config.json'):
+            load_hifigan(str(generator))
     os.remove(folder / 'config.json')
     with pytest.raises(UserError, match="no config.json beside it .* not of V1's shape"):
         load_hifigan(str(generator))

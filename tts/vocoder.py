@@ -136,7 +136,7 @@ def read_generator_config(config_path, generator_path, key='vocoder'):
             raw = json.load(f)
         config = HiFiGANConfig(**{f.name: raw[f.name] for f in fields(HiFiGANConfig) if f.name in raw})
         hop = math.prod(config.upsample_rates)
-    except (ValueError, TypeError, AttributeError) as e:
+    except (ValueError, TypeError, AttributeError, RecursionError) as e:
         raise UserError(f"{config_path}: not a HiFi-GAN config.json ({e}); use the one released with the generator.")
     wrong = [f"{name} {raw.get(name)!r} (ours: {MEL_SETTINGS[ours]!r})" for ours, name in CONFIG_MEL_KEYS.items()
              if not isinstance(raw.get(name), (int, float)) or not math.isclose(raw[name], MEL_SETTINGS[ours])]

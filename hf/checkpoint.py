@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
 from configurator import UserError
-from hf.tokenizer import load_hf_tokenizer, read_json
+from hf.tokenizer import ADDITIONAL_TEMPLATES, load_hf_tokenizer, read_json
 from hf.tokenizer_json import save_tokenizer
 from lm.nf4 import BLOCK, DYNAMIC_LEVELS, NF4_LEVELS, SCALE_BLOCK, NF4Weight
 from lm.tokenizer import CHAT_SPECIAL_TOKENS, CHAT_TEMPLATE_JINJA
@@ -596,6 +596,17 @@ def save_hf_model(state, hf_config, out_folder, tokenizer_folder, generation_con
     for name in TOKENIZER_FILES if tokenizer_folder else ():
         if os.path.isfile(os.path.join(tokenizer_folder, name)):
             shutil.copyfile(os.path.join(tokenizer_folder, name), os.path.join(out_folder, name))
+    # named templates beside chat_template.jinja (transformers' tool_use one, say)
+    for name in additional_templates(tokenizer_folder) if tokenizer_folder else ():
+        os.makedirs(os.path.join(out_folder, ADDITIONAL_TEMPLATES), exist_ok=True)
+        shutil.copyfile(os.path.join(tokenizer_folder, ADDITIONAL_TEMPLATES, name),
+                        os.path.join(out_folder, ADDITIONAL_TEMPLATES, name))
+
+
+def additional_templates(folder):
+    """The file names of a folder's named chat templates beside chat_template.jinja (additional_chat_templates/)."""
+    path = os.path.join(folder, ADDITIONAL_TEMPLATES)
+    return sorted(name for name in os.listdir(path) if name.endswith('.jinja')) if os.path.isdir(path) else []
 
 
 def peft_name(adapter_name, hf_config):
@@ -694,8 +705,10 @@ def set_template_defaults(out_folder, variables):
                      for k, v in (variables or {}).items())
     if not prefix:
         return
-    path = os.path.join(out_folder, 'chat_template.jinja')
-    if os.path.isfile(path):
+    for path in [os.path.join(out_folder, 'chat_template.jinja')] + [
+            os.path.join(out_folder, ADDITIONAL_TEMPLATES, name) for name in additional_templates(out_folder)]:
+        if not os.path.isfile(path):
+            continue
         with open(path, encoding='utf-8') as f:
             template = f.read()
         with open(path, 'w', encoding='utf-8') as f:

@@ -35,6 +35,7 @@ SENTENCEPIECE_CLASSES = ('LlamaTokenizer', 'LlamaTokenizerFast')
 # tokenizer_class LlamaTokenizer (transformers 5.24)
 LLAMA_CLASS_OVERRIDDEN = ('mistral', 'qwen2')
 CONVERSION_SETTINGS = ('legacy', 'add_prefix_space', 'add_bos_token', 'add_eos_token', 'added_tokens_decoder')
+ADDITIONAL_TEMPLATES = 'additional_chat_templates'  # named templates beside chat_template.jinja (transformers')
 
 
 def read_json(folder, name):
@@ -76,7 +77,7 @@ def read_chat_template(folder, tokenizer_config, name='default'):
     path = os.path.join(folder, 'chat_template.jinja')
     if os.path.isfile(path):
         if name != 'default':
-            path = os.path.join(folder, 'additional_chat_templates', f'{name}.jinja')
+            path = os.path.join(folder, ADDITIONAL_TEMPLATES, f'{name}.jinja')
             if not os.path.isfile(path):
                 return None, None
         with open(path, encoding='utf-8') as f:

@@ -6,6 +6,7 @@ by hand, the numbers in the README.)"""
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -236,3 +237,27 @@ def test_a_runs_chat_template_variables_are_the_exported_templates_defaults(tmp_
         text = exported.render(case['messages'], case['add_generation_prompt'])
         assert text == case['text'] and exported.encode(text) == case['ids'], case['case']
         assert thinking.render(case['messages'], case['add_generation_prompt']) == case['thinking_text']
+
+
+def test_a_folders_named_templates_are_exported_with_the_runs_variables(tmp_path):
+    """additional_chat_templates/tool_use.jinja (transformers' layout of a tool_use template) goes into the export
+    beside chat_template.jinja, each given the run's chat_template_variables as defaults, so the export renders a
+    conversation with tools as the run did."""
+    folder = tmp_path / 'qwen2'
+    shutil.copytree(os.path.join(os.path.dirname(__file__), 'fixtures', 'hf', 'qwen2'), folder)
+    config = json.loads((folder / 'tokenizer_config.json').read_text())
+    (folder / 'chat_template.jinja').write_text(config.pop('chat_template'))
+    (folder / 'tokenizer_config.json').write_text(json.dumps(config))
+    (folder / 'additional_chat_templates').mkdir()
+    tool_use = "{{ 'tools: ' + tools | map(attribute='function.name') | join(',') + style + '\\n' }}"
+    (folder / 'additional_chat_templates' / 'tool_use.jinja').write_text(tool_use + (folder / 'chat_template.jinja').read_text())
+    save_checkpoint(str(tmp_path / 'ckpt.pt'), dict(load_hf_checkpoint(str(folder)), config={'training_type': 'sft'},
+                                                    chat_template_variables={'style': ' (brief)'}))
+    run(['export.py', str(tmp_path / 'ckpt.pt'), str(tmp_path / 'hf')])
+    assert sorted(os.listdir(tmp_path / 'hf' / 'additional_chat_templates')) == ['tool_use.jinja']
+    turns, tools = [{'role': 'user', 'content': 'Hi'}], [{'type': 'function', 'function': {'name': 'get_weather'}}]
+    trained = load_hf_tokenizer(str(folder), {'style': ' (brief)'})
+    exported = load_hf_tokenizer(str(tmp_path / 'hf'))  # no variables, as transformers renders it
+    assert exported.render(turns, tools=tools) == trained.render(turns, tools=tools)
+    assert exported.render(turns, tools=tools).startswith('tools: get_weather (brief)\n')
+    assert exported.render(turns) == trained.render(turns)

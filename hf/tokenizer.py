@@ -359,8 +359,9 @@ class HFTokenizer:
         without tool support ignores them, and the model would learn empty turns, or calls to tools it was never
         shown."""
         bare = [{k: v for k, v in m.items() if k != 'tool_calls'} for m in messages]
+        calls = any(m.get('tool_calls') for m in messages)
         for kind, given, (plain_messages, plain_tools) in (('tools', bool(tools), (messages, None)),
-                                                           ('tool calls', bare != messages, (bare, tools))):
+                                                           ('tool calls', calls, (bare, tools))):
             try:
                 same = given and self.render(plain_messages, add_generation_prompt, tools=plain_tools) == text
             except UserError:  # the template needs them: it reads them

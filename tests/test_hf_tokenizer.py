@@ -96,13 +96,17 @@ def test_tool_rows_in_the_forms_data_sets_write(tmp_path):
     calls = [dict(m) for m in case['messages']]
     del calls[2]['content']
     # a data set's columns: every message has every key, null where it has none (as transformers drops them)
-    columns = [{'tool_calls': None, 'tool_call_id': None, 'name': None, **m} for m in case['messages']]
+    columns = [{'tool_calls': [] if m['role'] == 'user' else None, 'tool_call_id': None, 'name': None, **m}
+               for m in case['messages']]
     rows = [{'tools': json.dumps(case['tools']), 'messages': calls},
             {'tools': case['tools'], 'messages': [dict(m, content=None) if m.get('tool_calls') else m for m in calls]},
             {'tools': case['tools'], 'messages': columns}]
     path = tmp_path / 'rows.jsonl'
     path.write_text(''.join(json.dumps(row) + '\n' for row in rows))
     assert [ids for ids, _ in load_sft_split(str(path), tokenizer, 4096)[1]] == [case['ids']] * 3
+    plain = [{'role': 'user', 'content': 'Hi'}, {'role': 'assistant', 'content': 'Hello'}]
+    path.write_text(json.dumps({'messages': [dict(m, tool_calls=[]) for m in plain]}) + '\n')  # a column, no calls
+    assert load_sft_split(str(path), tokenizer, 4096)[1] == [tokenizer.encode_chat(plain)]
     llama = next(c for c in TOOL_CASES if (c['model'], c['case']) == ('llama', 'call_and_answer'))
     path.write_text(json.dumps({'tools': llama['tools'], 'messages': [  # its template asks 'tool_calls' in message
         {'tool_calls': None, 'tool_call_id': None, 'name': None, **m} for m in llama['messages']]}) + '\n')

@@ -436,9 +436,8 @@ def configure(g, argv=None, sources=()):
         try:  # bytes that are not UTF-8 reach Python as lone surrogates, which no tokenizer or file takes
             text.encode('utf-8')
         except UnicodeEncodeError:
-            fail(f"--{key}: its value is not UTF-8 text (bytes {os.fsencode(text)!r}); give it in UTF-8"
-                 + (", or write the prompt to a UTF-8 file and pass --start=FILE:path" if key == 'start' else
-                    " (a path: rename it to UTF-8)") + ".")
+            fail(f"--{key}: its value is not UTF-8 text (bytes {os.fsencode(text)!r}); give it in UTF-8 (a path: "
+                 f"rename it to UTF-8).")
         value = parse_value(key, text, defaults[key], key in sources)
         print(f"overriding {key} = {value!r}")
         g[key] = value

@@ -67,6 +67,7 @@ sft_data = ''                # train/val(/test).jsonl folder, or {'name': (folde
 max_length = 128             # longest example in tokens (<= block_size); see overlong
 overlong = 'truncate'        # examples over max_length: 'truncate' (keep their start) | 'drop'
 skip_malformed = False       # skip and count malformed JSONL lines instead of stopping at the first
+train_on_prompt = False      # learn every token of an example, not the assistant turns' alone (TRL's messages)
 pack = False                 # fill rows of max_length tokens with whole examples; batch_size then counts rows
 bucket_batches = 1           # batch similar lengths from this many global batches' worth; 1 = off (not with pack)
 curriculum_iters = 0         # steps for the longest allowed example to grow to max_length; 0 = off
@@ -167,7 +168,7 @@ if wandb_log:
     require_wandb(wandb_log)
 if fine_tuning:
     from configurator import data_sources
-    from lm.chat_data import SFTBatches, concatenated, describe_sources, load_sft_sources
+    from lm.chat_data import SFTBatches, concatenated, describe_sources, every_token, load_sft_sources
     from lm.heldout_eval import HeldOut, metric_names, report_heldout
     from lm.tokenizer import chat_tokenizer, prompt_and_answer
     from run.run_folder import sources_data_hash, training_data_hash
@@ -289,6 +290,8 @@ else:
     source_data = load_sft_sources(sources, tokenizer, max_length, overlong, skip_malformed)
     train_examples, train_sources = concatenated([train for train, _, _ in source_data])
     val_examples, val_sources = concatenated([val for _, val, _ in source_data])
+    if train_on_prompt:  # prompts and template tokens as well (torchtune's train_on_input)
+        train_examples, val_examples = every_token(train_examples), every_token(val_examples)
     train_batches = SFTBatches(train_examples, seed, tokenizer.eos_id, max_length, pack, bucket_batches, by_epochs,
                                train_sources)
     val_batches = SFTBatches(val_examples, seed, tokenizer.eos_id, max_length, pack, sources=val_sources)

@@ -279,6 +279,11 @@ def describe_sources(sources, batches):
     return f"sft_data: {'; '.join(described)}"
 
 
+def every_token(examples):
+    """(ids, labels) examples with every token learned, the prompts' and the template's too."""
+    return [(ids, list(ids)) for ids, _ in examples]
+
+
 def concatenated(lists):
     """Lists of items, one per source, as one list and each item's source (its list's index), a tensor."""
     return [item for items in lists for item in items], \

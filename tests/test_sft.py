@@ -17,7 +17,7 @@ from lm import chat_data
 from lm.chat_data import SFTBatches, load_sft_split
 from conftest import (ANSWERS, CHARS, assert_logged_to_wandb, assert_user_error, char_tokenizer, checked_answer,
                       kill_and_relaunch, load, logged, read_log, real_torchrun, run, sft, sft_args, sft_mixture,
-                      torch_saved, torchrun, train_losses, wandb_calls, wandb_env, write_jsonl)
+                      torch_saved, torchrun, train_losses, val_losses, wandb_calls, wandb_env, write_jsonl)
 from data import prepare
 from losses import combine_losses, target_weights, term_weights
 from lm.tokenizer import ChatTokenizer, load_tokenizer, prompt_and_answer
@@ -179,6 +179,23 @@ def test_plain_text_rows_learn_every_token_and_hold_nothing_out(tmp_path, capsys
                          ({'txt': 'a'}, 'or a plain {"text"}')):
         with pytest.raises(UserError, match=f':1: .*{re.escape(message)}'):
             load_sft_split(write_jsonl(tmp_path / 'bad.jsonl', [bad]), tok, 64)
+
+
+def test_train_on_prompt_learns_every_token(sft_env, tmp_path):
+    """--train_on_prompt=True: every token of an example after its first is a target (its prompt's and the
+    template's too, as TRL trains "messages" rows and torchtune's train_on_input), in training and in val loss."""
+    tok = char_tokenizer()
+    _, examples = load_sft_split(os.path.join(sft_env['task'], 'val.jsonl'), tok, 48)
+    batches = SFTBatches(chat_data.every_token(examples[:4]), 0, tok.eos_id, 48)
+    x, y, _, _ = batches.get(torch.arange(4))
+    for row, (ids, _) in enumerate(examples[:4]):
+        assert y[row, :len(ids) - 1].tolist() == ids[1:] and (y[row, len(ids) - 1:] == -100).all()
+    runs = {}
+    for flag in ('False', 'True'):
+        sft(sft_env, tmp_path / flag, f'--train_on_prompt={flag}', '--max_iters=1', '--lr_decay_iters=1',
+            '--eval_interval=1', '--exact_match_examples=0')
+        runs[flag] = val_losses(tmp_path / flag)
+    assert runs['True'][0] != runs['False'][0]  # val loss over every token, from the same model
 
 
 # -- the embedded number tasks ------------------------------------------------------------------

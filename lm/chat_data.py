@@ -3,12 +3,13 @@ Fine-tuning data: chat examples for supervised fine-tuning (train.py training_ty
 preference pairs for DPO (train_dpo.py) and prompts for online RL (train_rl.py), read from JSONL,
 encoded with the chat template of lm/tokenizer.py, and batched padded or packed.
 
-SFT examples, one per line; the three JSONL formats map to turns as:
-    {"prompt": P, "response": R}                   -> user P, assistant R
-    {"instruction": I, "input": X, "output": O}     -> user I + "\n\n" + X (just I if X is empty), assistant O
-    {"messages": [{"role": ..., "content": ...}]}   -> as given (at least one assistant turn)
-    {"prompt": [messages], "completion": [messages]} -> as given (TRL's; "prompt", "completion" strings: user, assistant)
-    {"text": T}                                     -> no turns: T, every token learned (TRL's language-modeling rows)
+SFT examples, one per line; the JSONL formats map to turns as:
+    {"prompt": P, "response": R}                     -> user P, assistant R
+    {"instruction": I, "input": X, "output": O}       -> user I + "\n\n" + X (just I if X is empty), assistant O
+    {"messages": [{"role": ..., "content": ...}]}     -> as given (at least one assistant turn)
+    {"prompt": [messages], "completion": [messages]}  -> as given (TRL's; two strings: user, assistant)
+    {"conversations": [{"from": ..., "value": ...}]}  -> ShareGPT's: human, gpt, system (function_call, observation)
+    {"text": T}                                       -> T, every token learned (TRL's language-modeling rows)
 Any of them may carry "tools" (function schemas): with a published model's chat template, assistant turns
 may hold "tool_calls" and "tool" messages the results, rendered as transformers renders them.
 
@@ -118,14 +119,53 @@ def message_content(value):
     return ''.join(part['text'] for part in value)
 
 
+# the keys that make a record a conversation (chat_messages)
+CONVERSATION_KEYS = {'messages', 'conversations', 'prompt', 'instruction'}
+# ShareGPT's speakers, by the names FastChat, axolotl and LLaMA-Factory read, as roles
+SHAREGPT_ROLES = {'human': 'user', 'user': 'user', 'gpt': 'assistant', 'assistant': 'assistant', 'system': 'system',
+                  'function_call': 'assistant', 'observation': 'tool', 'tool': 'tool'}
+
+
+def sharegpt_messages(value):
+    """ShareGPT's "conversations": [{"from": "human" | "gpt" | "system", "value": text}, ...] as messages. A
+    "function_call" turn (LLaMA-Factory's) is an assistant turn calling the tool(s) its value names (JSON: one
+    {"name", "arguments"} or a list of them), an "observation" the result. ValueError if malformed."""
+    if not isinstance(value, list) or not all(isinstance(turn, dict) for turn in value):
+        raise ValueError(f'"conversations" must be a list of {{"from": ..., "value": ...}} turns, got '
+                         f'{json.dumps(value)[:80]}')
+    messages = []
+    for turn in value:
+        speaker = turn.get('from')
+        if speaker not in SHAREGPT_ROLES:
+            raise ValueError(f'"from": {json.dumps(speaker)} in "conversations" is not one of '
+                             f'{", ".join(SHAREGPT_ROLES)}')
+        text = string_field(turn.get('value'), 'value')
+        if speaker != 'function_call':
+            messages.append({'role': SHAREGPT_ROLES[speaker], 'content': text})
+            continue
+        try:
+            calls = json.loads(text)
+        except ValueError:
+            calls = None
+        calls = calls if isinstance(calls, list) else [calls]
+        if not all(isinstance(call, dict) for call in calls):
+            raise ValueError(f'a "function_call" turn\'s value must be JSON {{"name": ..., "arguments": ...}} (or a '
+                             f'list of them), got {text[:80]!r}')
+        messages.append({'role': 'assistant', 'content': '',
+                         'tool_calls': [{'type': 'function', 'function': call} for call in calls]})
+        tool_calls(messages[-1]['tool_calls'])
+    return messages
+
+
 def chat_messages(record):
     """A JSONL record in any of the three formats as a list of {'role', 'content'}; ValueError if malformed."""
     if not isinstance(record, dict):
         raise ValueError(f"expected a JSON object, got {type(record).__name__}")
-    if 'messages' in record:
-        messages = message_list(record['messages'], 'messages')
+    if 'messages' in record or 'conversations' in record:
+        key = 'messages' if 'messages' in record else 'conversations'
+        messages = message_list(record[key], key) if key == 'messages' else sharegpt_messages(record[key])
         if not any(m['role'] == 'assistant' for m in messages):
-            raise ValueError('"messages" has no assistant turn, so there is nothing to learn')
+            raise ValueError(f'"{key}" has no assistant turn, so there is nothing to learn')
         return messages
     if 'prompt' in record and 'response' in record:
         return [{'role': 'user', 'content': string_field(record['prompt'], 'prompt')},
@@ -149,12 +189,13 @@ def chat_messages(record):
                 {'role': 'assistant', 'content': string_field(record['output'], 'output')}]
     raise ValueError(f"unknown format (keys {sorted(record)}); use {{\"prompt\", \"response\"}} (or TRL's "
                      f"{{\"prompt\", \"completion\"}}), Alpaca {{\"instruction\", \"input\", \"output\"}}, "
-                     f"{{\"messages\": [{{\"role\", \"content\"}}, ...]}} or a plain {{\"text\"}}")
+                     f"{{\"messages\": [{{\"role\", \"content\"}}, ...]}}, ShareGPT's {{\"conversations\": "
+                     f"[{{\"from\", \"value\"}}, ...]}} or a plain {{\"text\"}}")
 
 
 def is_text_row(record):
     """Whether a record is TRL's language-modeling row {"text": ...}: a text, no conversation beside it."""
-    return isinstance(record, dict) and 'text' in record and not {'messages', 'prompt', 'instruction'} & record.keys()
+    return isinstance(record, dict) and 'text' in record and not CONVERSATION_KEYS & record.keys()
 
 
 def text_example(tokenizer, text):
@@ -789,6 +830,7 @@ def rl_prompt(record):
     """The prompt messages of an RL JSONL record, ending in a user turn; ValueError if malformed:
         {"prompt": P, ...}          P a string (one user turn) or a list of messages
         {"messages": [...], ...}    the conversation; a final assistant turn (a reference answer) is left out
+        {"conversations": [...]}    ShareGPT's, likewise
     The record's other fields are the reward function's (e.g. the number tasks' "response")."""
     if not isinstance(record, dict):
         raise ValueError(f"expected a JSON object, got {type(record).__name__}")
@@ -798,12 +840,14 @@ def rl_prompt(record):
             raise ValueError(f'"prompt" must be a string or a list of {{"role": ..., "content": ...}} messages, '
                              f'got {json.dumps(prompt)[:80]}')
         messages = [{'role': 'user', 'content': prompt}] if isinstance(prompt, str) else message_list(prompt, 'prompt')
-    elif 'messages' in record:
-        messages = message_list(record['messages'], 'messages')
+    elif 'messages' in record or 'conversations' in record:
+        messages = (message_list(record['messages'], 'messages') if 'messages' in record else
+                    sharegpt_messages(record['conversations']))
         if messages and messages[-1]['role'] == 'assistant':
             messages = messages[:-1]
     else:
-        raise ValueError(f'an RL prompt needs "prompt" (a string or messages) or "messages"; got keys {sorted(record)}')
+        raise ValueError(f'an RL prompt needs "prompt" (a string or messages), "messages" or ShareGPT\'s '
+                         f'"conversations"; got keys {sorted(record)}')
     if not messages or messages[-1]['role'] != 'user':
         raise ValueError("the prompt must end with a user turn, which the model answers")
     return messages

@@ -7,9 +7,9 @@ A task file is JSONL, one example a line (blank lines skipped), every row of one
   {"reference": str} or {"references": [str, ...]}, and
   optionally {"stop": [str, ...]}: the prediction is cut before the first of these strings. The SFT
   data's rows are generation rows too: {"prompt", "response"} (the response is the reference; TRL's
-  {"prompt", "completion"} likewise, two conversations as one), and {"messages"} ending with an assistant turn
-  (its content is the reference, the turns before the prompt; a turn that calls tools: the calls as the
-  model's chat template writes them).
+  {"prompt", "completion"} likewise, two conversations as one), and {"messages"} (or ShareGPT's
+  {"conversations"}) ending with an assistant turn (its content is the reference, the turns before the
+  prompt; a turn that calls tools: the calls as the model's chat template writes them).
 - multiple choice: {"context": str, "choices": [str, ...] (two or more), "label": int (0-based)}.
 
 read_task checks every row and names the file and line of the first bad one. generation_prompt
@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from configurator import UserError
-from lm.chat_data import chat_tools, message_list
+from lm.chat_data import chat_tools, message_list, sharegpt_messages
 
 GENERATION, MULTIPLE_CHOICE, ROLLING = 'generation', 'multiple_choice', 'loglikelihood_rolling'
 FORMATS = ('{"prompt": str} or {"messages": [{"role": ..., "content": ...}, ...]} with {"reference": str} or '
@@ -61,6 +61,11 @@ def is_text_list(value, least=1):
 def generation_row(row, where):
     """{'prompt' or 'messages', 'references' (None without), 'stop', 'tools', 'call'} of a generation row, checked;
     call: the assistant turn of an SFT example that ends with tool calls (its reference needs the template)."""
+    if 'conversations' in row and 'messages' not in row:  # ShareGPT's, as the training scripts read it
+        try:
+            row = dict(row, messages=sharegpt_messages(row['conversations']))
+        except ValueError as e:
+            raise UserError(f"{where}: {e}.") from None
     if isinstance(row.get('prompt'), list) and isinstance(row.get('completion'), list):
         # TRL's conversational prompt-completion row: one conversation, its last assistant turn the reference
         row = dict({k: v for k, v in row.items() if k not in ('prompt', 'completion')},
@@ -147,8 +152,9 @@ def read_task(path, max_examples=0):
         except UnicodeEncodeError:
             raise UserError(f"{where} holds a lone surrogate escape (such as \\ud800), which is no text; fix the "
                             f"line or leave it out.") from None
-        row_kind = (MULTIPLE_CHOICE if 'choices' in row else GENERATION if 'prompt' in row or 'messages' in row
-                    else ROLLING if 'text' in row else None)
+        row_kind = (MULTIPLE_CHOICE if 'choices' in row else
+                    GENERATION if {'prompt', 'messages', 'conversations'} & row.keys() else
+                    ROLLING if 'text' in row else None)
         if row_kind is None:
             raise UserError(f"{where} has keys {', '.join(map(repr, row)) or 'none'}, which are neither kind of "
                             f"example; each line must be {FORMATS}.")

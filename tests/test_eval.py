@@ -321,6 +321,12 @@ def test_sft_rows_and_a_byte_order_mark_are_read(models, tmp_path):
     result = eval_py(f"--init_from={models['chat']}", f'--eval_data={trl}', '--max_new_tokens=3')
     assert [e['references'] for e in result['examples']] == [['3'], ['def']]
     assert result['examples'][1]['prompt'].endswith('<|user|>abc<|end|><|assistant|>')
+    # ShareGPT's conversations, as the training scripts read them
+    share = write_jsonl(tmp_path / 'share.jsonl', [dict(conversations=[
+        {'from': 'human', 'value': 'abc'}, {'from': 'gpt', 'value': 'def'}])])
+    result = eval_py(f"--init_from={models['chat']}", f'--eval_data={share}', '--max_new_tokens=3')
+    assert result['examples'][0]['references'] == ['def']
+    assert result['examples'][0]['prompt'].endswith('<|user|>abc<|end|><|assistant|>')
     # content as text parts, as the training scripts read it: joined; an image part is named
     parts = write_jsonl(tmp_path / 'parts.jsonl', [dict(messages=[
         {'role': 'user', 'content': [{'type': 'text', 'text': 'ab'}, {'type': 'text', 'text': 'c'}]},

@@ -131,6 +131,28 @@ def test_tool_rows_in_the_forms_data_sets_write(tmp_path):
             load_sft_split(str(path), own, 4096)
 
 
+def test_sharegpt_conversations_read_as_their_messages(tmp_path):
+    """ShareGPT rows {"conversations": [{"from", "value"}]} (human, gpt, system; LLaMA-Factory's function_call and
+    observation, with "tools" as a JSON string) give transformers' ids for the same conversation in messages; a
+    speaker nanotrain does not know, or a call that is no JSON object, is an error naming the line."""
+    case = next(c for c in TOOL_CASES if (c['model'], c['case']) == ('qwen2', 'call_and_answer'))
+    system, user, call, result, answer = case['messages']
+    turns = [{'from': 'system', 'value': system['content']}, {'from': 'human', 'value': user['content']},
+             {'from': 'function_call', 'value': json.dumps(call['tool_calls'][0]['function'])},
+             {'from': 'observation', 'value': result['content']}, {'from': 'gpt', 'value': answer['content']}]
+    path = tmp_path / 'sharegpt.jsonl'
+    path.write_text(json.dumps({'conversations': turns, 'tools': json.dumps(case['tools'])}) + '\n')
+    (ids, labels), = load_sft_split(str(path), fixture_tokenizer('qwen2'), 4096)[1]
+    assert ids == case['ids'] and [int(label != -100) for label in labels] == case['assistant_mask']
+    for bad, message in (([dict(turns[1], **{'from': 'bot'})], '"from": "bot" in "conversations" is not one of'),
+                         ([turns[1], dict(turns[2], value='get_weather(city=1)')], 'must be JSON {"name"'),
+                         ([turns[1], dict(turns[2], value='[{"arguments": {}}]')], 'each of "tool_calls" must be'),
+                         ([turns[1]], '"conversations" has no assistant turn')):
+        path.write_text(json.dumps({'conversations': bad}) + '\n')
+        with pytest.raises(UserError, match=f'{path}:1: .*{re.escape(message)}'):
+            load_sft_split(str(path), fixture_tokenizer('qwen2'), 4096)
+
+
 def test_preference_pairs_and_rl_prompts_carry_tools(tmp_path):
     """DPO pairs whose replies call tools (chosen: the right city, rejected: another) and RL prompts render with
     their rows' tools; a chosen call is the exact-match reference as the template writes it."""

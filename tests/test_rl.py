@@ -238,7 +238,9 @@ def test_rl_prompt_formats():
     assert rl_prompt({'prompt': 'What is 1+1?', 'response': '2'}) == user
     assert rl_prompt({'prompt': user}) == user
     assert rl_prompt({'messages': user + [{'role': 'assistant', 'content': '2'}]}) == user
-    for bad in ({'response': '2'}, {'prompt': 3}, {'messages': [{'role': 'assistant', 'content': '2'}]}):
+    assert rl_prompt({'conversations': [{'from': 'human', 'value': 'What is 1+1?'}, {'from': 'gpt', 'value': '2'}]}) == user
+    for bad in ({'response': '2'}, {'prompt': 3}, {'messages': [{'role': 'assistant', 'content': '2'}]},
+                {'conversations': [{'from': 'gpt', 'value': '2'}]}):
         with pytest.raises(ValueError):
             rl_prompt(bad)
 

@@ -21,6 +21,7 @@ Preference pairs, a prompt with a chosen and a rejected completion; JSONL format
                                                      to their last turn, which is the assistant's reply
     {"chosen": "\n\nHuman: ...\n\nAssistant: ...", "rejected": "..."}   Anthropic HH: whole transcripts
                                                      as strings, read as the implicit prompt's messages
+    {"conversations": [turns], "chosen": {"from": "gpt", "value": C}, "rejected": {...}}   ShareGPT's
 The prompt is rendered with the chat template up to its final <|assistant|> (as SFT's prompts are);
 a completion is the reply's content and the <|end|> that closes it (the EOS token).
 """
@@ -643,6 +644,11 @@ def preference_pair(record):
             raise ValueError(f'"prompt" must be a string or a list of {{"role": ..., "content": ...}} messages, '
                              f'got {json.dumps(prompt)[:80]}')
         prompt = [{'role': 'user', 'content': prompt}] if isinstance(prompt, str) else message_list(prompt, 'prompt')
+    elif 'conversations' in record:  # ShareGPT's (LLaMA-Factory's): the prompt's turns, and one reply turn each
+        prompt = sharegpt_messages(record['conversations'])
+        chosen, rejected = ([value] if isinstance(value, dict) else value for value in (chosen, rejected))
+        chosen, rejected = (sharegpt_messages(value) if isinstance(value, list) else value
+                            for value in (chosen, rejected))
     else:  # implicit prompt: the turns before the last, which chosen and rejected must share
         conversations = []
         for key, value in (('chosen', chosen), ('rejected', rejected)):

@@ -144,8 +144,9 @@ def test_sequence_logps_is_a_per_sequence_sum_in_fp32():
 # -- preference data -----------------------------------------------------------------------------
 
 def test_three_jsonl_forms_give_the_same_tokens(tmp_path):
-    """Prompt string, prompt messages with assistant-reply lists, and an implicit shared-prefix prompt: same ids;
-    each completion ends with <|end|> (the EOS); a system turn and multi-turn prefix go into the prompt."""
+    """Prompt string, prompt messages with assistant-reply lists, an implicit shared-prefix prompt and ShareGPT's
+    conversations: same ids; each completion ends with <|end|> (the EOS); a system turn and multi-turn prefix go
+    into the prompt."""
     tok = char_tokenizer()
     q, c, r = 'What is 1+2?', '3', '14'
     user = [{'role': 'user', 'content': q}]
@@ -155,13 +156,16 @@ def test_three_jsonl_forms_give_the_same_tokens(tmp_path):
         {'prompt': user, 'chosen': answer(c), 'rejected': answer(r)},
         {'chosen': user + answer(c), 'rejected': user + answer(r)},
         {'prompt': user, 'chosen': c, 'rejected': answer(r)},
+        # ShareGPT's (LLaMA-Factory's layout): the prompt's turns, then one reply turn each
+        {'conversations': [{'from': 'human', 'value': q}], 'chosen': {'from': 'gpt', 'value': c},
+         'rejected': {'from': 'gpt', 'value': r}},
     ])
     references, pairs = load_preference_split(path, tok, 64, 48)
     special = tok.special
     prompt = [special['<|user|>'], *tok.encode(q), tok.eos_id, special['<|assistant|>']]
     assert tok.eos_id == special['<|end|>']
-    assert pairs == [(prompt, [*tok.encode(c), tok.eos_id], [*tok.encode(r), tok.eos_id])] * 4
-    assert references == [(prompt, c)] * 4
+    assert pairs == [(prompt, [*tok.encode(c), tok.eos_id], [*tok.encode(r), tok.eos_id])] * 5
+    assert references == [(prompt, c)] * 5
 
     system = [{'role': 'system', 'content': 'be brief'}]
     turns = system + user + answer('3') + [{'role': 'user', 'content': 'and 2+2?'}]

@@ -48,8 +48,8 @@ from lm.chat_data import chat_tools, message_list, sharegpt_messages
 
 GENERATION, MULTIPLE_CHOICE, ROLLING = 'generation', 'multiple_choice', 'loglikelihood_rolling'
 FORMATS = ('{"prompt": str} or {"messages": [{"role": ..., "content": ...}, ...]} with {"reference": str} or '
-           '{"references": [str, ...]} (generation; SFT rows {"prompt", "response"} and {"prompt", "completion"} '
-           'too), or '
+           '{"references": [str, ...]} (generation; SFT rows {"prompt", "response"}, {"prompt", "completion"} '
+           'and ShareGPT\'s {"conversations"} too), or '
            '{"context": str, "choices": [str, ...], "label": int} (multiple choice), or {"text": str} '
            '(perplexity; a .txt file is one such text)')
 

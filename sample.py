@@ -11,6 +11,7 @@ Text-to-speech checkpoints (train_tts.py) speak with sample_tts.py.
 import torch
 
 from configurator import FOLDER, SEED, UserError, at_least, check_values, configure, interval
+from lm.chat_data import chat_tools
 from lm.generate import CompiledDecoding, generate_batch
 from loading import load_for_generation, model_path
 from run.device import autocast_context, pick_device, pick_dtype
@@ -22,6 +23,7 @@ init_from = ''               # instead of out_dir's checkpoint: a checkpoint fil
 data_dir = ''                # tokenizer folder; '' = the one recorded in the checkpoint
 chat_template_variables = {}  # published model's chat-template variables; {} = as it was fine-tuned
 start = '\n'                 # prompt text, or 'FILE:path.txt' to read it from a file
+tools = ''                   # a chat model's tools: a JSON file of function schemas its template shows; '' = none
 num_samples = 1              # samples to generate
 max_new_tokens = 300         # tokens generated per sample
 temperature = 0.8            # 0 = greedy
@@ -55,9 +57,19 @@ if start.startswith('FILE:'):
             text = f.read()
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"start={start!r}: cannot read the prompt file ({e}); name a UTF-8 text file.") from None
+schemas = None
+if tools:  # the "tools" of a fine-tuning row
+    if not chat:
+        raise UserError(f"tools={tools!r}: only a chat model's template shows tools; this model has none.")
+    try:
+        with open(tools, encoding='utf-8') as f:
+            schemas = chat_tools({'tools': f.read()})
+    except (OSError, ValueError) as e:
+        raise UserError(f"tools={tools!r}: {e}; name a JSON file holding a list of function schemas, "
+                        f"[{{\"type\": \"function\", \"function\": {{\"name\": ..., \"parameters\": ...}}}}].") from None
 # a chat model answers start as a user turn; other text opens
 # as the tokenizer opens a text (a published model's BOS)
-ids = (tokenizer.encode_prompt([{'role': 'user', 'content': text}]) if chat
+ids = (tokenizer.encode_prompt([{'role': 'user', 'content': text}], schemas) if chat
        else tokenizer.document_prefix + tokenizer.encode(text))
 if not ids:
     raise UserError("start is empty: give the model something to continue, e.g. --start='\\n' or a sentence.")

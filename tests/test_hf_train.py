@@ -276,6 +276,19 @@ def test_a_published_model_learns_a_tool_call_in_its_own_template(tmp_path):
     assert called['references'] == ['<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>']
     assert called['scores'] == {'exact_match': 1.0} and result['scores'] == {'exact_match': 0.0}
     assert result['prompt'].endswith('<tool_response>\n18C\n</tool_response><|im_end|>\n<|im_start|>assistant\n')
+    # sample.py shows the tools of a JSON file in the prompt, as the row did
+    (tmp_path / 'tools.json').write_text(json.dumps([weather]))
+    p = run(['sample.py', f'--init_from={out / "ckpt.pt"}', '--device=cpu', '--start=Weather in Oslo?',
+             f'--tools={tmp_path / "tools.json"}', '--temperature=0', '--max_new_tokens=60'])
+    assert '"required": ["city"]}}}\n</tools>' in p.stdout
+    assert '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' in p.stdout
+    (tmp_path / 'tools.json').write_text('{"get_weather": {}}')
+    p = run(['sample.py', f'--init_from={out / "ckpt.pt"}', '--device=cpu', f'--tools={tmp_path / "tools.json"}'],
+            check=False)
+    assert_user_error(p, 'tools=', '"tools" must be a list')
+    p = run(['sample.py', f'--init_from={hf_fixture("gpt2")}', '--device=cpu', f'--tools={tmp_path / "tools.json"}'],
+            check=False)
+    assert_user_error(p, "only a chat model's template shows tools")
 
 
 def test_plain_text_rows_fine_tune_a_published_model_as_its_tokenizer_reads_them(tmp_path):

@@ -72,7 +72,7 @@ pack = False                 # fill rows of max_length tokens with whole example
 bucket_batches = 1           # batch similar lengths from this many global batches' worth; 1 = off (not with pack)
 curriculum_iters = 0         # steps for the longest allowed example to grow to max_length; 0 = off
 exact_match_examples = 200   # held-out examples answered greedily and scored at every eval; 0 = skip
-eval_metrics = 'exact_match'  # their metrics, comma-separated: exact_match, bleu, chrf, rouge1, rouge2, rouge_l
+eval_metrics = 'exact_match'  # comma-separated: exact_match, bleu, chrf, rouge1, rouge2, rouge_l, tool_calls
 # LoRA (training_type 'lora')
 lora_r = 8
 lora_alpha = 16.0

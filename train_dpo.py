@@ -60,7 +60,7 @@ wandb_log = False            # also log to Weights & Biases (`pip install wandb`
 wandb_project = 'nanotrain'  # the W&B project
 wandb_run_name = ''          # the W&B run's name; '' = out_dir's folder name
 exact_match_examples = 500   # held-out prompts answered greedily, scored against chosen each eval; 0 = skip
-eval_metrics = 'exact_match'  # their metrics, comma-separated: exact_match, bleu, chrf, rouge1, rouge2, rouge_l
+eval_metrics = 'exact_match'  # comma-separated: exact_match, bleu, chrf, rouge1, rouge2, rouge_l, tool_calls
 seed = 1337                  # random seed
 # data
 batch_size = 32              # preference pairs per micro-batch (each pair is two sequences)

@@ -139,7 +139,7 @@ def heldout_answers(model, held_out, autocast):
 
 
 def shown_score(name, score):
-    return f"{score:.1%}" if name == 'exact_match' else f"{score:.4g}"
+    return f"{score:.1%}" if name in ('exact_match', 'tool_calls') else f"{score:.4g}"  # shares as percentages
 
 
 def report_heldout(model, held_out, autocast, step, record):

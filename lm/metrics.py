@@ -23,10 +23,14 @@ References: per example one string or a list of strings (several references).
   lowercased, every run of characters other than [a-z0-9] a space (so text without ASCII letters or
   digits has no tokens and scores 0), no stemming; per example the best reference
   (RougeScorer.score_multi), the corpus score the mean over examples.
+- tool_call_match: the share of predictions whose tool calls (each JSON object naming a function with its
+  arguments, as chat templates write calls) equal a reference's, arguments compared as JSON values: ours,
+  stricter than BFCL's AST checker (no type coercion, no optional arguments left out).
 - pass_at_k: the unbiased pass@k estimator of Chen et al. 2021 (Evaluating Large Language Models
   Trained on Code): from n samples of which c are correct, 1 - C(n-c, k) / C(n, k), computed as
   their product so that no binomial overflows; mean_pass_at_k averages it over problems.
 """
+import json
 import math
 import random
 import re
@@ -73,6 +77,41 @@ def exact_match(predictions, references, lowercase=False):
     """Share of predictions equal, after normalize_answer, to one of their references."""
     hits = sum(normalize_answer(pred, lowercase) in {normalize_answer(r, lowercase) for r in refs}
                for pred, refs in examples(predictions, references))
+    return hits / len(predictions)
+
+
+def tool_calls_in(text):
+    """The tool calls a text writes, as a sorted list of (name, arguments as canonical JSON): every JSON object
+    in it with a "name" and "arguments" (Qwen's and Mistral's templates; as a JSON string too, OpenAI's form) or
+    "parameters" (Llama 3.x's), alone or in a list (Mistral's [TOOL_CALLS] [...]); other keys (ids) ignored."""
+    decoder, calls, i = json.JSONDecoder(), [], 0
+    while i < len(text):
+        if text[i] not in '{[':
+            i += 1
+            continue
+        try:
+            value, end = decoder.raw_decode(text, i)
+        except ValueError:
+            i += 1
+            continue
+        for item in value if isinstance(value, list) else [value]:
+            args = item.get('arguments', item.get('parameters')) if isinstance(item, dict) else None
+            if isinstance(args, str):
+                try:
+                    args = json.loads(args)
+                except ValueError:
+                    pass
+            if isinstance(item, dict) and isinstance(item.get('name'), str) and args is not None:
+                calls.append((item['name'], json.dumps(args, sort_keys=True)))
+        i = end
+    return sorted(calls)
+
+
+def tool_call_match(predictions, references):
+    """Share of predictions that write the same tool calls as one of their references (tool_calls_in: names and
+    arguments as JSON values, in any order, however spaced); a reference with no calls is matched by a
+    prediction with none (the choice not to call)."""
+    hits = sum(tool_calls_in(pred) in [tool_calls_in(r) for r in refs] for pred, refs in examples(predictions, references))
     return hits / len(predictions)
 
 
@@ -291,6 +330,7 @@ METRICS = {
     'rouge1': rouge_kind('rouge1'),
     'rouge2': rouge_kind('rouge2'),
     'rouge_l': rouge_kind('rougeL'),
+    'tool_calls': (tool_call_match, lambda pred, refs: tool_call_match([pred], [refs])),
 }
 
 

@@ -264,17 +264,18 @@ def test_a_published_model_learns_a_tool_call_in_its_own_template(tmp_path):
     out = tmp_path / 'out'
     p = run(['train.py', '--training_type=sft', f'--init_from={folder}', f'--out_dir={out}', f'--sft_data={data}',
              *HF_TINY, '--batch_size=2', '--block_size=1024', '--max_length=1024', '--learning_rate=1e-2',
-             '--max_iters=40', '--lr_decay_iters=40', '--eval_interval=40', '--exact_match_examples=1'])
-    assert '0 truncated' in p.stdout and 'step 0: exact_match 0.0%' in p.stdout
-    assert 'step 40: exact_match 100.0% on 1 held-out prompts' in p.stdout, p.stdout[-2000:]
+             '--max_iters=40', '--lr_decay_iters=40', '--eval_interval=40', '--exact_match_examples=1',
+             '--eval_metrics=exact_match,tool_calls'])
+    assert '0 truncated' in p.stdout and 'step 0: exact_match 0.0%, tool_calls 0.0%' in p.stdout
+    assert 'step 40: exact_match 100.0%, tool_calls 100.0% on 1 held-out prompts' in p.stdout, p.stdout[-2000:]
     # eval.py scores the same row alike; a conversation may also end with the tool's result, which the model answers
     answered = dict(row, messages=row['messages'] + [{'role': 'tool', 'content': '18C'}], reference='18C in Oslo.')
     (data / 'test.jsonl').write_text(json.dumps(row) + '\n' + json.dumps(answered) + '\n')
     run(['eval.py', f'--init_from={out / "ckpt.pt"}', f'--eval_data={data / "test.jsonl"}', '--device=cpu',
-         f'--out={tmp_path / "eval.json"}', '--metrics=exact_match'])
+         f'--out={tmp_path / "eval.json"}', '--metrics=exact_match,tool_calls'])
     called, result = read_json_file(tmp_path / 'eval.json')['examples']
     assert called['references'] == ['<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>']
-    assert called['scores'] == {'exact_match': 1.0} and result['scores'] == {'exact_match': 0.0}
+    assert called['scores'] == {'exact_match': 1.0, 'tool_calls': 1.0} and result['scores']['exact_match'] == 0.0
     assert result['prompt'].endswith('<tool_response>\n18C\n</tool_response><|im_end|>\n<|im_start|>assistant\n')
     # sample.py shows the tools of a JSON file in the prompt, as the row did
     (tmp_path / 'tools.json').write_text(json.dumps([weather]))

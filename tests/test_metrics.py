@@ -186,3 +186,28 @@ def test_standard_errors_as_lm_eval_computes_them():
     assert metrics.bootstrap_stderr([counts('the cat sat', ['the cat sat'])] * 5, score, iters=50) == 0
     errors = metrics.corpus_stderrs(['exact_match', 'bleu', 'rouge1'], predictions[:10], references[:10])
     assert errors['exact_match'] == metrics.mean_stderr([1.0] * 10) == 0 and errors['bleu'] == 0
+
+
+def test_tool_calls_are_read_as_each_template_writes_them():
+    """tool_calls_in on transformers' renders of the fixtures' real templates (chat_tools.json) gives the calls
+    of the messages they rendered: Qwen's <tool_call> objects, Llama's "parameters", Mistral's [TOOL_CALLS] list
+    (its ids ignored), arguments given as a JSON string; tool_call_match scores call for call in any order."""
+    with open(os.path.join(os.path.dirname(__file__), 'fixtures', 'hf', 'expected', 'chat_tools.json')) as f:
+        cases = [c for c in json.load(f) if 'text' in c and c['model'] != 'smollm2']  # smollm2 writes no calls
+    for case in cases:
+        calls = []
+        for m in case['messages']:
+            for call in m.get('tool_calls') or []:
+                args = call['function']['arguments']
+                calls.append((call['function']['name'], json.dumps(json.loads(args) if isinstance(args, str) else args,
+                                                                   sort_keys=True)))
+        prompt_end = case['text'].index(case['messages'][0]['content'] if case['messages'][0]['role'] != 'system'
+                                        else case['messages'][1]['content'])  # after the tools' schemas
+        assert metrics.tool_calls_in(case['text'][prompt_end:]) == sorted(calls), (case['model'], case['case'])
+    weather = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "C"}}\n</tool_call>'
+    spaced = '<tool_call>{"arguments":{"unit":"C","city":"Oslo"},"name":"get_weather"}</tool_call>'
+    clock = '<tool_call>\n{"name": "get_time", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    predictions = [spaced, clock + weather, weather.replace('Oslo', 'Lima'), 'It is 18C.', 'It is 18C.', '{"name": 1}']
+    references = [weather, [weather + clock], weather, 'Sunny.', weather, 'Fine.']
+    assert metrics.tool_call_match(predictions, references) == pytest.approx(4 / 6)
+    assert metrics.example_scores(['tool_calls'], spaced, [weather]) == {'tool_calls': 1.0}

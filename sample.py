@@ -23,6 +23,7 @@ init_from = ''               # instead of out_dir's checkpoint: a checkpoint fil
 data_dir = ''                # tokenizer folder; '' = the one recorded in the checkpoint
 chat_template_variables = {}  # published model's chat-template variables; {} = as it was fine-tuned
 start = '\n'                 # prompt text, or 'FILE:path.txt' to read it from a file
+system = ''                  # a chat model's system turn before start; '' = none (its template's default, if any)
 tools = ''                   # a chat model's tools: a JSON file of function schemas its template shows; '' = none
 num_samples = 1              # samples to generate
 max_new_tokens = 300         # tokens generated per sample
@@ -57,10 +58,11 @@ if start.startswith('FILE:'):
             text = f.read()
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"start={start!r}: cannot read the prompt file ({e}); name a UTF-8 text file.") from None
+if (system or tools) and not chat:
+    raise UserError(f"{'system' if system else 'tools'}=...: a base model has no chat template to show it; "
+                    f"give the text to continue as start.")
 schemas = None
 if tools:  # the "tools" of a fine-tuning row
-    if not chat:
-        raise UserError(f"tools={tools!r}: only a chat model's template shows tools; this model has none.")
     try:
         with open(tools, encoding='utf-8') as f:
             schemas = chat_tools({'tools': f.read()})
@@ -69,8 +71,8 @@ if tools:  # the "tools" of a fine-tuning row
                         f"[{{\"type\": \"function\", \"function\": {{\"name\": ..., \"parameters\": ...}}}}].") from None
 # a chat model answers start as a user turn; other text opens
 # as the tokenizer opens a text (a published model's BOS)
-ids = (tokenizer.encode_prompt([{'role': 'user', 'content': text}], schemas) if chat
-       else tokenizer.document_prefix + tokenizer.encode(text))
+turns = [{'role': 'system', 'content': system}] * bool(system) + [{'role': 'user', 'content': text}]
+ids = (tokenizer.encode_prompt(turns, schemas) if chat else tokenizer.document_prefix + tokenizer.encode(text))
 if not ids:
     raise UserError("start is empty: give the model something to continue, e.g. --start='\\n' or a sentence.")
 if compile_decode and not use_kv_cache:

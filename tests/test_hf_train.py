@@ -289,7 +289,17 @@ def test_a_published_model_learns_a_tool_call_in_its_own_template(tmp_path):
     assert_user_error(p, 'tools=', '"tools" must be a list')
     p = run(['sample.py', f'--init_from={hf_fixture("gpt2")}', '--device=cpu', f'--tools={tmp_path / "tools.json"}'],
             check=False)
-    assert_user_error(p, "only a chat model's template shows tools")
+    assert_user_error(p, 'tools=...: a base model has no chat template')
+
+
+def test_sample_takes_a_system_turn():
+    """sample.py --system: the chat template's system turn (Qwen2.5's default one replaced); a base model has none."""
+    p = run(['sample.py', f'--init_from={hf_fixture("qwen2")}', '--device=cpu', '--start=Hi', '--system=Be brief.',
+             '--max_new_tokens=1'])
+    assert '<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>' in p.stdout
+    assert 'You are Qwen' not in p.stdout
+    p = run(['sample.py', f'--init_from={hf_fixture("gpt2")}', '--device=cpu', '--system=Be brief.'], check=False)
+    assert_user_error(p, 'system=...: a base model has no chat template')
 
 
 def test_plain_text_rows_fine_tune_a_published_model_as_its_tokenizer_reads_them(tmp_path):

@@ -86,7 +86,8 @@ def tool_calls(value):
 def chat_tools(record):
     """A record's "tools" (the function schemas the template shows the model), None without: a list of
     {"type": "function", "function": {"name", "description", "parameters"}}, or that list as a JSON string (as
-    data sets with differing schemas store it). ValueError if malformed."""
+    data sets with differing schemas store it); a ShareGPT row's bare {"name", ...} schemas (LLaMA-Factory's)
+    are put in that form. ValueError if malformed."""
     tools = record.get('tools') if isinstance(record, dict) else None
     if isinstance(tools, str):
         try:
@@ -100,6 +101,8 @@ def chat_tools(record):
                          f'{type(tools).__name__}')
     for tool in tools:
         function_name(tool, 'each of "tools"')
+    if 'conversations' in record and 'messages' not in record:
+        tools = [tool if 'function' in tool else {'type': 'function', 'function': tool} for tool in tools]
     return tools
 
 

@@ -133,17 +133,21 @@ def test_tool_rows_in_the_forms_data_sets_write(tmp_path):
 
 def test_sharegpt_conversations_read_as_their_messages(tmp_path):
     """ShareGPT rows {"conversations": [{"from", "value"}]} (human, gpt, system; LLaMA-Factory's function_call and
-    observation, with "tools" as a JSON string) give transformers' ids for the same conversation in messages; a
-    speaker nanotrain does not know, or a call that is no JSON object, is an error naming the line."""
+    observation, with "tools" as a JSON string of bare or wrapped schemas) give transformers' ids for the same
+    conversation in messages; a speaker nanotrain does not know, or a call that is no JSON object, is an error
+    naming the line."""
     case = next(c for c in TOOL_CASES if (c['model'], c['case']) == ('qwen2', 'call_and_answer'))
     system, user, call, result, answer = case['messages']
     turns = [{'from': 'system', 'value': system['content']}, {'from': 'human', 'value': user['content']},
              {'from': 'function_call', 'value': json.dumps(call['tool_calls'][0]['function'])},
              {'from': 'observation', 'value': result['content']}, {'from': 'gpt', 'value': answer['content']}]
     path = tmp_path / 'sharegpt.jsonl'
-    path.write_text(json.dumps({'conversations': turns, 'tools': json.dumps(case['tools'])}) + '\n')
-    (ids, labels), = load_sft_split(str(path), fixture_tokenizer('qwen2'), 4096)[1]
-    assert ids == case['ids'] and [int(label != -100) for label in labels] == case['assistant_mask']
+    bare = [tool['function'] for tool in case['tools']]  # LLaMA-Factory's: the functions, unwrapped
+    path.write_text(''.join(json.dumps({'conversations': turns, 'tools': json.dumps(tools)}) + '\n'
+                            for tools in (case['tools'], bare)))
+    examples = load_sft_split(str(path), fixture_tokenizer('qwen2'), 4096)[1]
+    assert [ids for ids, _ in examples] == [case['ids']] * 2
+    assert [int(label != -100) for label in examples[0][1]] == case['assistant_mask']
     for bad, message in (([dict(turns[1], **{'from': 'bot'})], '"from": "bot" in "conversations" is not one of'),
                          ([turns[1], dict(turns[2], value='get_weather(city=1)')], 'must be JSON {"name"'),
                          ([turns[1], dict(turns[2], value='[{"arguments": {}}]')], 'each of "tool_calls" must be'),

@@ -54,7 +54,7 @@ chat_template_variables = {}  # published model's chat-template variables; {} = 
 resume = True                # continue out_dir's run if any; False = start a new one, replacing it
 data_dir = ''                # the base tokenizer's data.py folder; '' = data/stdlib
 rl_data = ''                 # folder of train/val(/test).jsonl prompts; '' = the embedded number tasks
-reward = 'number_tasks_exact'  # 'number_tasks_exact' (whole answer) | 'number_tasks' (final) | 'path.py:name'; a,b
+reward = 'number_tasks_exact'  # | 'number_tasks' (final answer) | 'tool_calls' | 'path.py:name'; comma-separated
 reward_weights = ''          # comma-separated weights of the rewards (TRL's reward_weights); '' = 1 each
 format_reward = 0.0          # number_tasks: added when a completion is shaped like the reference answer
 correct_reward = 1.0         # a completion whose reward reaches this counts as correct (accuracy, pass@k)

@@ -862,6 +862,16 @@ def rl_prompt(record):
     return messages
 
 
+def reference_reply(record):
+    """The final assistant turn of an RL record's "messages" (or ShareGPT's "conversations"): the reference
+    answer rl_prompt leaves out; None if there is none."""
+    if not isinstance(record, dict):
+        return None
+    messages = (message_list(record['messages'], 'messages') if 'messages' in record else
+                sharegpt_messages(record['conversations']) if 'conversations' in record else [])
+    return messages[-1] if messages and messages[-1]['role'] == 'assistant' else None
+
+
 def load_prompt_split(path, tokenizer, max_prompt_length, skip_malformed=False):
     """Read and tokenize one JSONL split of RL prompts: a list of (prompt ids, record), the ids rendered with the
     chat template up to the assistant's turn (tokenizer.encode_prompt). A prompt longer than max_prompt_length

@@ -94,17 +94,23 @@ def tool_calls_in(text):
         except ValueError:
             i += 1
             continue
-        for item in value if isinstance(value, list) else [value]:
-            args = item.get('arguments', item.get('parameters')) if isinstance(item, dict) else None
-            if isinstance(args, str):
-                try:
-                    args = json.loads(args)
-                except ValueError:
-                    pass
-            if isinstance(item, dict) and isinstance(item.get('name'), str) and args is not None:
-                calls.append((item['name'], json.dumps(args, sort_keys=True)))
+        calls += [key for key in map(call_key, value if isinstance(value, list) else [value]) if key]
         i = end
     return sorted(calls)
+
+
+def call_key(call):
+    """(name, arguments as canonical JSON) of a call written {"name", "arguments" (an object, or one as a JSON
+    string) or "parameters"}; None for anything else."""
+    args = call.get('arguments', call.get('parameters')) if isinstance(call, dict) else None
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            pass
+    if args is None or not isinstance(call.get('name'), str):
+        return None
+    return call['name'], json.dumps(args, sort_keys=True)
 
 
 def tool_call_match(predictions, references):

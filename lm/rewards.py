@@ -1,7 +1,8 @@
 """
 The rewards of online RL (train_rl.py), as TRL's GRPOTrainer combines them: the config key reward names one or
 more functions, comma-separated, each the embedded number tasks' verifier ('number_tasks', 'number_tasks_exact':
-number_task_reward, which compares answers as lm/metrics.py's exact_match does) or a user's 'path.py:name'; a
+number_task_reward, which compares answers as lm/metrics.py's exact_match does), the tool-call checker
+('tool_calls': tool_call_reward, as lm/metrics.py's tool_calls compares calls) or a user's 'path.py:name'; a
 completion's reward is their sum weighted by reward_weights (TRL's nansum).
 
 A user's function is called once per completion as name(prompt=..., completion=..., row=...) with the prompt's
@@ -26,9 +27,10 @@ import sys
 from typing import Callable, NamedTuple
 
 from configurator import UserError
-from lm.metrics import normalize_answer
+from lm.chat_data import reference_reply
+from lm.metrics import call_key, normalize_answer, tool_calls_in
 
-BUILT_IN = ('number_tasks', 'number_tasks_exact')
+NUMBER_TASKS = ('number_tasks', 'number_tasks_exact')  # the built-in rewards: these and 'tool_calls'
 FLOAT32_MAX = 3.4028234663852886e+38  # rewards are float32 tensors from here on
 
 
@@ -60,14 +62,16 @@ def load_rewards(spec, weights='', format_weight=0.0):
 
 def load_reward(spec, format_weight=0.0):
     """The Reward of one spec: 'number_tasks' (the verifier of the final answer, with format_weight for a
-    well-formed answer), 'number_tasks_exact' (of the whole answer) or 'path.py:name'."""
-    if spec in BUILT_IN:
+    well-formed answer), 'number_tasks_exact' (of the whole answer), 'tool_calls' or 'path.py:name'."""
+    if spec in NUMBER_TASKS:
         fn = functools.partial(number_task_reward, format_weight=format_weight, whole=spec.endswith('exact'))
         return Reward(fn, spec, spec, False)
+    if spec == 'tool_calls':
+        return Reward(tool_call_reward, spec, spec, False)
     path, _, name = spec.rpartition(':')
     if not path.endswith('.py') or not name:
-        raise UserError(f"reward={spec!r} is neither 'number_tasks', 'number_tasks_exact' nor 'path.py:name' (a "
-                        f"Python file and the name of the function in it).")
+        raise UserError(f"reward={spec!r} is neither 'number_tasks', 'number_tasks_exact', 'tool_calls' nor "
+                        f"'path.py:name' (a Python file and the name of the function in it).")
     if not os.path.isfile(path):
         raise UserError(f"reward={spec!r}: {path} does not exist. Point reward at the Python file that defines "
                         f"{name}(prompt, completion, row).")
@@ -147,6 +151,16 @@ def number_task_reward(prompt, completion, row, format_weight=0.0, whole=False):
     return float(correct) + format_weight * (answer_shape(completion) == answer_shape(reference))
 
 
+def tool_call_reward(prompt, completion, row):
+    """1 when the completion writes the tool calls of the row's reference turn (its final assistant turn, which
+    the prompt leaves out; a turn without calls: none), compared as lm/metrics.py's tool_calls compares them
+    (names and arguments as JSON values, any order, as any template writes them), else 0."""
+    turn = reference_reply(row)
+    calls = [call.get('function', call) for call in turn.get('tool_calls') or []]
+    expected = sorted(call_key({'arguments': {}, **call}) for call in calls)
+    return float(tool_calls_in(completion) == expected)
+
+
 def record_fields(fn):
     """The parameters of a batched reward without a default other than BATCH_INPUTS: fields of the records, each
     passed as a list (TRL's reward keywords); none for a function without a signature to read."""
@@ -159,16 +173,20 @@ def record_fields(fn):
 
 
 def check_rows(rewards, prompts):
-    """Before any rollout: a UserError naming the first of prompts ((ids, record, where) triples) without the
-    string "response" that the built-in rewards check completions against, or without a field that a batched
-    reward takes (a user's reward checks the rest itself)."""
+    """Before any rollout: a UserError naming the first of prompts ((ids, record, where) triples) without what
+    a built-in reward checks completions against (the number tasks' string "response"; tool_calls' reference
+    turn), or without a field that a batched reward takes (a user's reward checks the rest itself)."""
     for reward in rewards:
         fields = record_fields(reward.fn) if reward.batched else ()
         for _, record, where in prompts:
-            if reward.spec in BUILT_IN and not isinstance(record.get('response'), str):
+            if reward.spec in NUMBER_TASKS and not isinstance(record.get('response'), str):
                 raise UserError(f"{where} has no \"response\" (a string: the reference answer), which "
                                 f"reward={reward.spec!r} checks each completion against. Add one to every prompt row, "
                                 f"or score with your own function (--reward=path.py:name).")
+            if reward.spec == 'tool_calls' and reference_reply(record) is None:
+                raise UserError(f"{where} has no reference turn, which reward='tool_calls' checks each completion's "
+                                f"calls against: end its \"messages\" (or \"conversations\") with the assistant turn "
+                                f"that should be generated (with its \"tool_calls\", or without for no call).")
             for field in fields:
                 if field not in record:
                     raise UserError(f"{where} has no \"{field}\", which reward={reward.spec!r} takes (a batched "

@@ -502,7 +502,7 @@ def test_reward_function_errors_name_it(tmp_path):
                        "def nan(prompt, completion, row):\n    return float('nan')\n\n"
                        "def fine(prompt, completion, row):\n    return len(row['response']) + (completion == 'x')\n")
     for spec, says in [(f'{tmp_path / "missing.py"}:f', 'does not exist'), (f'{rewards}:absent', 'no function'),
-                       ('rewards:f', "neither 'number_tasks', 'number_tasks_exact' nor 'path.py:name'")]:
+                       ('rewards:f', "neither 'number_tasks', 'number_tasks_exact', 'tool_calls' nor 'path.py:name'")]:
         with pytest.raises(UserError, match=says):
             load_reward(spec)
     for name, says in [('boom', "raised KeyError: 'answer' on the prompt of data.jsonl (prompt 3)"),
@@ -563,6 +563,31 @@ def test_built_in_rewards_check_their_rows_up_front():
             check_rows([load_reward(spec)], rows)
     check_rows([load_reward('number_tasks')._replace(spec='my.py:f')], rows)  # a user's reward checks its own
     check_rows([load_reward('number_tasks')], rows[:1])
+    with pytest.raises(UserError, match=re.escape("train.jsonl (prompt 1) has no reference turn, which "
+                                                  "reward='tool_calls'")):
+        check_rows([load_reward('tool_calls')], rows)
+
+
+def test_the_tool_calls_reward_compares_calls_as_the_metric_does():
+    """reward=tool_calls: 1 when a completion writes the calls of the row's final assistant turn (messages or
+    ShareGPT's conversations; a turn without calls wants none), in any template's form, else 0."""
+    user = {'role': 'user', 'content': 'Weather in Oslo and Lima?'}
+    call = lambda city, args=None: {'type': 'function', 'function': {  # noqa: E731
+        'name': 'get_weather', 'arguments': args or {'city': city}}}
+    row = {'messages': [user, {'role': 'assistant', 'content': None, 'tool_calls': [call('Oslo'), call('Lima')]}]}
+    reward = load_rewards('tool_calls')[0][0]
+    assert reward.name == 'tool_calls' and rl_prompt(row) == [user]
+    qwen = ''.join(f'<tool_call>\n{{"name": "get_weather", "arguments": {{"city": "{c}"}}}}\n</tool_call>'
+                   for c in ('Lima', 'Oslo'))  # the other order
+    mistral = '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Oslo"}, "id": "abcdefghi"}, ' \
+              '{"name": "get_weather", "arguments": {"city": "Lima"}, "id": "bcdefghij"}]'
+    values = [reward.fn(prompt=[user], completion=text, row=row)
+              for text in (qwen, mistral, qwen.replace('Lima', 'Quito'), 'It is sunny.')]
+    assert values == [1.0, 1.0, 0.0, 0.0]
+    answer = {'conversations': [{'from': 'human', 'value': 'Hi'}, {'from': 'gpt', 'value': 'Hello!'}]}
+    assert [reward.fn(prompt=[], completion=text, row=answer) for text in ('Hi there.', qwen)] == [1.0, 0.0]
+    as_string = {'messages': [user, {'role': 'assistant', 'tool_calls': [call('', '{"city": "Oslo"}')]}]}
+    assert reward.fn(prompt=[user], completion=qwen.split('</tool_call>')[1] + '</tool_call>', row=as_string) == 1.0
 
 
 def test_the_reward_reads_completions_without_special_tokens():

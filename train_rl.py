@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from configurator import FOLDER, POSITIVE, SEED, UserError, at_least, check_values, configure, interval, one_of
-from lm.chat_data import EpochSampler, load_prompt_split, rl_prompt
+from lm.chat_data import EpochSampler, load_prompt_split, rl_prompt, rl_reference
 from lm.generate import CompiledDecoding, generate_batch, stop_tokens
 from lm.heldout_eval import HeldOut, report_heldout
 from lm.metrics import mean_pass_at_k
@@ -61,7 +61,7 @@ correct_reward = 1.0         # a completion whose reward reaches this counts as 
 eval_interval = 50           # steps between evals (and checkpoint saves)
 eval_prompts = 100           # held-out prompts sampled pass_k times at each eval
 pass_k = 4                   # samples per held-out prompt: pass@1 and pass@pass_k
-exact_match_examples = 200   # held-out prompts with a "response" answered greedily at the start and end; 0 = skip
+exact_match_examples = 200   # held-out prompts with a reference answered greedily at the start and end; 0 = skip
 log_interval = 1             # steps between train log lines
 eval_only = False            # evaluate init_from (or the resumed checkpoint) and exit
 always_save_checkpoint = True  # save ckpt.pt at every eval, not only when pass@1 improves
@@ -225,8 +225,9 @@ train_prompts, held_out_rows = ([(ids, record, f'{path} (prompt {i + 1})') for i
                                 for path in (train_path, held_out_path))
 # each eval samples the first eval_prompts held-out prompts
 held_out_prompts = held_out_rows[:eval_prompts]
-exact_match_prompts = [(ids, record['response']) for ids, record, _ in held_out_rows
-                       if isinstance(record.get('response'), str)][:exact_match_examples]
+exact_match_prompts = [(ids, reference) for ids, reference in ((ids, rl_reference(tokenizer, record))
+                                                                for ids, record, _ in held_out_rows)
+                       if reference is not None][:exact_match_examples]
 # a continued run must still draw the same prompts; the rows' other fields (a reward's) may change
 train_prompts_hash = hashlib.sha256(json.dumps([ids for ids, _, _ in train_prompts]).encode()).hexdigest()
 same_prompts = bool(ckpt) and ckpt.get('train_prompts_hash') == train_prompts_hash

@@ -872,6 +872,19 @@ def reference_reply(record):
     return messages[-1] if messages and messages[-1]['role'] == 'assistant' else None
 
 
+def rl_reference(tokenizer, record):
+    """The reference answer of an RL record for held-out exact match: its "response", else its reference turn's
+    text (a turn calling tools: the calls as a published model's template writes them); None without one."""
+    if isinstance(record.get('response'), str):
+        return record['response']
+    turn = reference_reply(record)
+    if turn is None or (turn.get('tool_calls') and not hasattr(tokenizer, 'reply_text')):
+        return None
+    if turn.get('tool_calls'):
+        return tokenizer.reply_text(rl_prompt(record) + [turn], chat_tools(record))
+    return turn['content']
+
+
 def load_prompt_split(path, tokenizer, max_prompt_length, skip_malformed=False):
     """Read and tokenize one JSONL split of RL prompts: a list of (prompt ids, record), the ids rendered with the
     chat template up to the assistant's turn (tokenizer.encode_prompt). A prompt longer than max_prompt_length

@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from configurator import UserError
-from lm.chat_data import encode_pair, load_preference_split, load_prompt_split, load_sft_split
+from lm.chat_data import encode_pair, load_preference_split, load_prompt_split, load_sft_split, rl_reference
 from conftest import HF_FIXTURES, hf_fixture, read_json_file
 from hf.tokenizer import load_hf_tokenizer
 from lm.tokenizer import ChatTokenizer, prompt_and_answer
@@ -177,6 +177,7 @@ def test_preference_pairs_and_rl_prompts_carry_tools(tmp_path):
     prompts.write_text(json.dumps({'tools': case['tools'], 'prompt': user['content']}) + '\n')
     (ids, _), = load_prompt_split(str(prompts), tokenizer, 4096)
     assert ids == prompt and 'get_time' in tokenizer.decode(ids)
+    assert rl_reference(tokenizer, {'tools': case['tools'], 'messages': [user, call]}) == case['reply']
 
 
 def test_templates_that_ignore_tools_or_calls_are_refused(tmp_path):

@@ -17,7 +17,7 @@ import torch
 from conftest import (assert_logged_to_wandb, assert_user_error, hf_fixture, kill_and_relaunch, load, read_log, run,
                       real_torchrun, script_definitions, sft, sigterm_after_steps, torchrun, wandb_env, write_jsonl)
 from configurator import UserError
-from lm.chat_data import rl_prompt
+from lm.chat_data import rl_prompt, rl_reference
 from lm.metrics import exact_match
 from lm.rewards import (Reward, check_rows, final_answer, load_reward, load_rewards, number_task_reward,
                         reward_values)
@@ -566,6 +566,17 @@ def test_built_in_rewards_check_their_rows_up_front():
     with pytest.raises(UserError, match=re.escape("train.jsonl (prompt 1) has no reference turn, which "
                                                   "reward='tool_calls'")):
         check_rows([load_reward('tool_calls')], rows)
+
+
+def test_held_out_references_are_the_response_or_the_final_assistant_turn():
+    """RL's held-out exact match reads a row's "response", else its final assistant turn (messages or ShareGPT's
+    conversations); a row with neither, or a call that nanotrain's own template cannot write, has none."""
+    tok = ChatTokenizer(CharTokenizer(list('abcdefghijklmnopqrstuvwxyz0123456789 ?+')))
+    user, answer = {'role': 'user', 'content': 'what is 1+1?'}, {'role': 'assistant', 'content': '2'}
+    rows = [{'prompt': 'what is 1+1?', 'response': '2'}, {'messages': [user, answer]},
+            {'conversations': [{'from': 'human', 'value': 'a'}, {'from': 'gpt', 'value': '2'}]}, {'prompt': 'a'},
+            {'messages': [user, {'role': 'assistant', 'tool_calls': [{'function': {'name': 'f', 'arguments': {}}}]}]}]
+    assert [rl_reference(tok, row) for row in rows] == ['2', '2', '2', None, None]
 
 
 def test_the_tool_calls_reward_compares_calls_as_the_metric_does():

@@ -157,7 +157,9 @@ def tool_call_reward(prompt, completion, row):
     (names and arguments as JSON values, any order, as any template writes them), else 0."""
     turn = reference_reply(row)
     calls = [call.get('function', call) for call in turn.get('tool_calls') or []]
-    expected = sorted(call_key({'arguments': {}, **call}) for call in calls)
+    # a call of a function without parameters may give none
+    expected = sorted(call_key(call if {'arguments', 'parameters'} & call.keys() else dict(call, arguments={}))
+                      for call in calls)
     return float(tool_calls_in(completion) == expected)
 
 

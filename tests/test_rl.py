@@ -599,6 +599,10 @@ def test_the_tool_calls_reward_compares_calls_as_the_metric_does():
     assert [reward.fn(prompt=[], completion=text, row=answer) for text in ('Hi there.', qwen)] == [1.0, 0.0]
     as_string = {'messages': [user, {'role': 'assistant', 'tool_calls': [call('', '{"city": "Oslo"}')]}]}
     assert reward.fn(prompt=[user], completion=qwen.split('</tool_call>')[1] + '</tool_call>', row=as_string) == 1.0
+    clock = {'messages': [user, {'role': 'assistant', 'tool_calls': [  # Llama's key; a call without arguments
+        {'name': 'get_weather', 'parameters': {'city': 'Oslo'}}, {'function': {'name': 'get_time'}}]}]}
+    written = '{"name": "get_time", "parameters": {}} {"name": "get_weather", "arguments": {"city": "Oslo"}}'
+    assert reward.fn(prompt=[user], completion=written, row=clock) == 1.0
 
 
 def test_the_reward_reads_completions_without_special_tokens():

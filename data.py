@@ -6,6 +6,7 @@ Prepare a pretraining corpus once: tokenize it into the token files train.py rea
                                     # BPE tokenizer (4096 tokens), cached in data/stdlib
     python data.py --input=../shared/data/tinyshakespeare.txt --out_dir=data/shakespeare_char --tokenizer=char
     python data.py --input=https://example.com/book.txt --out_dir=data/book --tokenizer=bpe --vocab_size=2048
+    python data.py --input=corpus.jsonl --out_dir=data/mine   # one {"text": ...} document a line
 
 A prepared dataset folder holds train.bin and val.bin (token ids, uint16 when the vocabulary fits,
 else uint32, read with np.memmap), meta.json (tokenizer kind, vocab size, dtype, token counts,
@@ -49,6 +50,25 @@ def read_text(path):
                         f"{converted}` then --input={converted}; a binary file is no corpus.") from None
 
 
+def jsonl_documents(path, text):
+    """The documents of a .jsonl corpus: each line's "text" (the layout of Hugging Face datasets' to_json and
+    TRL's language-modeling rows), one document a line; a line without it names the file and line."""
+    docs = []
+    for line_no, line in enumerate(text.removeprefix('\ufeff').splitlines(), 1):  # a byte-order mark is allowed
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except (ValueError, RecursionError):
+            row = None
+        if not (isinstance(row, dict) and isinstance(row.get('text'), str)):
+            raise UserError(f"{path}:{line_no} is not a JSON object with a \"text\" string; each line of a .jsonl "
+                            f"corpus must be {{\"text\": ...}}, one document. Fix the line, or rename the file to "
+                            f".txt to read it whole as plain text.")
+        docs.append(row['text'])
+    return docs
+
+
 def text_files(folder):
     """Every non-empty UTF-8 text file under folder (recursively, skipping hidden names), sorted by path.
     Files that are not UTF-8 text (binary, or text in another encoding) are left out and named in one line."""
@@ -66,6 +86,8 @@ def text_files(folder):
             text = None
         if text is None or '\0' in text:  # a NUL: binary, or UTF-16
             skipped.append(os.path.relpath(path, folder))
+        elif path.endswith('.jsonl'):
+            texts += jsonl_documents(path, text)
         elif text:
             texts.append(text)
     if skipped:
@@ -85,11 +107,12 @@ def download(url):
 
 
 def read_documents(input):
-    """The corpus as a list of documents (one per file): a text file, a folder of text files, or a URL."""
+    """The corpus as a list of documents (one per file; a .jsonl file's one per line, its "text"): a text
+    file, a folder of text files, or a URL."""
     if input.startswith(('http://', 'https://')):
         docs = [download(input)]
     elif os.path.isfile(input):
-        docs = [read_text(input)]
+        docs = jsonl_documents(input, read_text(input)) if input.endswith('.jsonl') else [read_text(input)]
     elif os.path.isdir(input):
         docs = text_files(input)
     else:
@@ -243,7 +266,8 @@ def main(argv=None):
         description="Tokenize a corpus into OUT_DIR/{train,val}.bin + meta.json. Without --input, "
                     "prepares the default corpus (Python stdlib sources, BPE) in data/stdlib.",
         allow_abbrev=False)
-    parser.add_argument('--input', help="text file, folder of text files (recursive, sorted) or http(s) URL")
+    parser.add_argument('--input', help="text file, folder of text files (recursive, sorted) or http(s) URL; "
+                                        ".jsonl files: a {\"text\": ...} document a line")
     parser.add_argument('--out_dir', help=f"dataset folder to write (without --input: {DEFAULT_DATA_DIR})")
     parser.add_argument('--tokenizer', choices=['char', 'bpe'],
                         help="char: one token per character (the default); bpe: sentencepiece BPE "

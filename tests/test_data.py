@@ -127,6 +127,26 @@ def test_folder_input(tmp_path):
     assert tok.decode(ids[:sep]) == "first file\n" * 20 and tok.decode(ids[sep + 1:]) == "second file\n" * 20
 
 
+def test_jsonl_input_is_a_text_document_a_line(tmp_path):
+    """A .jsonl corpus (Hugging Face datasets' export, TRL's language-modeling rows): each line's "text" is a
+    document, not the JSON; in a folder too; a line without "text" names the file and line."""
+    rows = [{'text': 'first "doc"\nwith lines', 'id': 1}, {'text': 'second doc'}]
+    corpus = write(tmp_path / 'corpus.jsonl', ''.join(json.dumps(r) + '\n' for r in rows) + '\n')
+    assert data.read_documents(str(corpus)) == ['first "doc"\nwith lines', 'second doc']
+    write(tmp_path / 'bom.jsonl', '\ufeff' + corpus.read_text())
+    assert data.read_documents(str(tmp_path / 'bom.jsonl')) == ['first "doc"\nwith lines', 'second doc']
+    write(tmp_path / 'folder' / 'a.jsonl', corpus.read_text())
+    write(tmp_path / 'folder' / 'b.txt', 'third')
+    assert data.read_documents(str(tmp_path / 'folder')) == ['first "doc"\nwith lines', 'second doc', 'third']
+    out = tmp_path / 'ds'
+    data.prepare(corpus, out, 'char')
+    assert read_meta(out)['documents'] == 2 and '{' not in load_tokenizer(out).chars
+    for bad in ('{"content": "x"}', '["text"]', '{"text": ', '{"text": 5}'):
+        write(tmp_path / 'bad.jsonl', json.dumps({'text': 'ok'}) + '\n' + bad + '\n')
+        with pytest.raises(UserError, match=re.escape('bad.jsonl:2 is not a JSON object with a "text" string')):
+            data.read_documents(str(tmp_path / 'bad.jsonl'))
+
+
 def test_url_input(tmp_path):
     write(tmp_path / 'site' / 'book.txt', TEXT)
     handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path / 'site'))

@@ -35,7 +35,7 @@ import re
 import torch
 
 from configurator import UserError
-from lm.tokenizer import CHAT_ROLES, function_name
+from lm.tokenizer import CHAT_ROLES, function_name, reply_reference
 from run.checkpoint import NEW_RUN
 from run.device import to_device
 
@@ -161,14 +161,21 @@ def sharegpt_messages(value):
     return messages
 
 
+def conversation(record):
+    """The messages of a record's "messages", or of ShareGPT's "conversations"; None if it has neither."""
+    if 'messages' in record:
+        return message_list(record['messages'], 'messages')
+    return sharegpt_messages(record['conversations']) if 'conversations' in record else None
+
+
 def chat_messages(record):
-    """A JSONL record in any of the three formats as a list of {'role', 'content'}; ValueError if malformed."""
+    """A JSONL record in any of its formats as a list of {'role', 'content'}; ValueError if malformed."""
     if not isinstance(record, dict):
         raise ValueError(f"expected a JSON object, got {type(record).__name__}")
-    if 'messages' in record or 'conversations' in record:
-        key = 'messages' if 'messages' in record else 'conversations'
-        messages = message_list(record[key], key) if key == 'messages' else sharegpt_messages(record[key])
+    messages = conversation(record)
+    if messages is not None:
         if not any(m['role'] == 'assistant' for m in messages):
+            key = 'messages' if 'messages' in record else 'conversations'
             raise ValueError(f'"{key}" has no assistant turn, so there is nothing to learn')
         return messages
     if 'prompt' in record and 'response' in record:
@@ -724,8 +731,9 @@ def load_preference_split(path, tokenizer, max_length, max_prompt_length, skip_m
 
     def parse(record):
         (prompt, chosen, rejected), tools = preference_pair(record), chat_tools(record)
-        reference = tokenizer.reply_text(prompt + [chosen], tools) if chosen.get('tool_calls') else chosen['content']
-        return reference, *encode_pair(tokenizer, prompt, chosen, rejected, tools)
+        # encoded first: a template that cannot write the replies refuses them
+        encoded = encode_pair(tokenizer, prompt, chosen, rejected, tools)
+        return reply_reference(tokenizer, prompt + [chosen], tools), *encoded
     parsed, skipped = read_jsonl(path, parse, skip_malformed)
     for reference, prompt_ids, chosen_ids, rejected_ids in parsed:
         references.append((prompt_ids, reference))
@@ -850,8 +858,7 @@ def rl_prompt(record):
                              f'got {json.dumps(prompt)[:80]}')
         messages = [{'role': 'user', 'content': prompt}] if isinstance(prompt, str) else message_list(prompt, 'prompt')
     elif 'messages' in record or 'conversations' in record:
-        messages = (message_list(record['messages'], 'messages') if 'messages' in record else
-                    sharegpt_messages(record['conversations']))
+        messages = conversation(record)
         if messages and messages[-1]['role'] == 'assistant':
             messages = messages[:-1]
     else:
@@ -865,10 +872,7 @@ def rl_prompt(record):
 def reference_reply(record):
     """The final assistant turn of an RL record's "messages" (or ShareGPT's "conversations"): the reference
     answer rl_prompt leaves out; None if there is none."""
-    if not isinstance(record, dict):
-        return None
-    messages = (message_list(record['messages'], 'messages') if 'messages' in record else
-                sharegpt_messages(record['conversations']) if 'conversations' in record else [])
+    messages = conversation(record) if isinstance(record, dict) else None
     return messages[-1] if messages and messages[-1]['role'] == 'assistant' else None
 
 
@@ -878,11 +882,10 @@ def rl_reference(tokenizer, record):
     if isinstance(record.get('response'), str):
         return record['response']
     turn = reference_reply(record)
+    # nanotrain's own template writes no calls (it refuses them)
     if turn is None or (turn.get('tool_calls') and not hasattr(tokenizer, 'reply_text')):
         return None
-    if turn.get('tool_calls'):
-        return tokenizer.reply_text(rl_prompt(record) + [turn], chat_tools(record))
-    return turn['content']
+    return reply_reference(tokenizer, rl_prompt(record) + [turn], chat_tools(record))
 
 
 def load_prompt_split(path, tokenizer, max_prompt_length, skip_malformed=False):

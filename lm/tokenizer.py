@@ -195,13 +195,18 @@ class ChatTokenizer:
 
 def prompt_and_answer(tokenizer, messages, tools=None):
     """(prompt ids, reference text) of a conversation's last assistant turn, for exact-match evaluation;
-    tokenizer: a chat tokenizer (ChatTokenizer, or a published model's hf_tokenizer.HFTokenizer). A turn that
-    calls tools is referenced by its text as the template writes it (the calls the model must generate)."""
+    tokenizer: a chat tokenizer (ChatTokenizer, or a published model's hf_tokenizer.HFTokenizer); the reference
+    as reply_reference gives it."""
     last = max(i for i, m in enumerate(messages) if m['role'] == 'assistant')
-    prompt = tokenizer.encode_prompt(messages[:last], tools)
-    if messages[last].get('tool_calls'):
-        return prompt, tokenizer.reply_text(messages[:last + 1], tools)
-    return prompt, messages[last]['content']
+    return tokenizer.encode_prompt(messages[:last], tools), reply_reference(tokenizer, messages[:last + 1], tools)
+
+
+def reply_reference(tokenizer, messages, tools=None):
+    """The reference text of messages' last turn, an assistant's, for exact match: its content, or for a turn
+    that calls tools the calls as a published model's template writes them (HFTokenizer.reply_text)."""
+    if messages[-1].get('tool_calls'):
+        return tokenizer.reply_text(messages, tools)
+    return messages[-1]['content']
 
 
 # -----------------------------------------------------------------------------

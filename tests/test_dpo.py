@@ -178,6 +178,15 @@ def test_three_jsonl_forms_give_the_same_tokens(tmp_path):
     assert tok.decode(implicit[1]) == '4<|end|>' and tok.decode(implicit[2]) == '5<|end|>'
 
 
+def test_a_reply_that_calls_tools_needs_a_template_that_writes_calls(tmp_path):
+    """A chosen reply with "tool_calls" on nanotrain's own template: refused naming the line (the reference was
+    read before the template's refusal: an AttributeError)."""
+    call = {'role': 'assistant', 'content': '', 'tool_calls': [{'function': {'name': 'f', 'arguments': {}}}]}
+    path = write_jsonl(tmp_path / 'p.jsonl', [{'prompt': 'What is 1+2?', 'chosen': [call], 'rejected': '4'}])
+    with pytest.raises(UserError, match=f"{path}:1: nanotrain's own chat template has no tools"):
+        load_preference_split(path, char_tokenizer(), 64, 48)
+
+
 def test_anthropic_hh_transcripts(tmp_path, capsys):
     """Anthropic HH pairs (whole "\\n\\nHuman: ...\\n\\nAssistant: ..." transcripts, no "prompt"): the turns before the
     last become user/assistant prompt messages, the last assistant turn of each the completions, giving the same

@@ -359,16 +359,15 @@ class HFTokenizer:
         without tool support ignores them, and the model would learn empty turns, or calls to tools it was never
         shown."""
         bare = [{k: v for k, v in m.items() if k != 'tool_calls'} for m in messages]
-        calls = any(m.get('tool_calls') for m in messages)
-        for kind, given, (plain_messages, plain_tools) in (('tools', bool(tools), (messages, None)),
+        calls = [call for m in messages for call in m.get('tool_calls') or []]
+        for kind, items, (plain_messages, plain_tools) in (('tools', tools or [], (messages, None)),
                                                            ('tool calls', calls, (bare, tools))):
             try:
-                same = given and self.render(plain_messages, add_generation_prompt, tools=plain_tools) == text
+                same = bool(items) and self.render(plain_messages, add_generation_prompt, tools=plain_tools) == text
             except UserError:  # the template needs them: it reads them
                 same = False
             if same:
-                names = [function_name(item, kind) for item in (tools if kind == 'tools' else
-                                                                [c for m in messages for c in m.get('tool_calls') or []])]
+                names = [function_name(item, kind) for item in items]
                 raise UserError(f"the chat template of {self.folder} ({self.template_for(tools)[2]}) renders the "
                                 f"conversation the same without its {kind} ({', '.join(names)}): it has no tool "
                                 f"support, so the model would learn from turns without them. Fine-tune a model "

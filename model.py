@@ -625,6 +625,14 @@ class GPT(nn.Module):
         """Extend idx (B, T) by up to max_new_tokens tokens; call model.eval() first. Each step sees at most
         the last block_size tokens. With eos_id, finished rows are padded with eos_id and generation
         stops once every row has produced it. The KV cache gives the same tokens as use_kv_cache=False."""
+        new = self.generate_tokens(idx, max_new_tokens, temperature, top_k, top_p, use_kv_cache, eos_id, generator)
+        return torch.cat([idx, *new], dim=1)
+
+    @torch.no_grad()
+    def generate_tokens(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, use_kv_cache=True,
+                        eos_id=None, generator=None):
+        """generate's new tokens one step at a time, each (B, 1) as soon as it is drawn (sample.py streams an
+        answer with them)."""
         block_size = self.config.block_size
         done = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
         caches = None
@@ -644,6 +652,6 @@ class GPT(nn.Module):
                 next_token = next_token.masked_fill(done[:, None], eos_id)
                 done |= next_token[:, 0] == eos_id
             idx = torch.cat([idx, next_token], dim=1)
+            yield next_token
             if eos_id is not None and done.all():
                 break
-        return idx

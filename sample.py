@@ -5,6 +5,8 @@ A fine-tuned (sft/lora/dpo) model takes start as a user turn of its chat templat
 on the base model it names) and its merged.pt answer alike.
 A published model samples straight from its Hugging Face folder, answering in its own chat template:
 `python sample.py --init_from=/models/Qwen2.5-0.5B-Instruct --start="Why is the sky blue?"`.
+A conversation in the terminal, each answer printed as it is drawn, the turns before it its prompt:
+`python sample.py --out_dir=out-sft --interactive=True` (/clear forgets them, /quit or Ctrl-D ends).
 Text-to-speech checkpoints (train_tts.py) speak with sample_tts.py.
 """
 
@@ -12,7 +14,8 @@ import torch
 
 from configurator import FOLDER, SEED, UserError, at_least, check_values, configure, interval
 from lm.chat_data import chat_tools
-from lm.generate import CompiledDecoding, generate_batch
+from lm.generate import CompiledDecoding, generate_batch, stop_tokens
+from lm.tokenizer import decoded_pieces
 from loading import load_for_generation, model_path
 from run.device import autocast_context, pick_device, pick_dtype
 
@@ -31,6 +34,7 @@ temperature = 0.8            # 0 = greedy
 top_k = 50                   # 0 = off
 top_p = 0.0                  # nucleus sampling; 0 = off
 use_kv_cache = True          # cache keys and values while generating (same samples, faster)
+interactive = False          # a chat model in the terminal: each line a user turn, answers stream, the turns kept
 compile_decode = False       # decode through torch.compile over a static KV cache (CUDA graphs): ~1 min to compile
 seed = 1337                  # random seed
 device = 'auto'              # 'auto' (cuda, else mps, else cpu) | 'cpu' | 'cuda' | 'cuda:1' | 'mps'
@@ -48,7 +52,7 @@ check_values(config, [
 # '' and nanoGPT's 'resume' mean out_dir's checkpoint
 local_device = pick_device(device)  # 'auto' resolved
 autocast = autocast_context(local_device, pick_dtype(local_device, dtype))
-model, tokenizer, chat, _ = load_for_generation(model_path('' if init_from == 'resume' else init_from, out_dir,
+model, tokenizer, chat, path = load_for_generation(model_path('' if init_from == 'resume' else init_from, out_dir,
                                                            ckpt_name), data_dir, chat_template_variables, local_device)
 
 text = start
@@ -69,32 +73,98 @@ if tools:  # the "tools" of a fine-tuning row
     except (OSError, ValueError) as e:
         raise UserError(f"tools={tools!r}: {e}; name a JSON file holding a list of function schemas, "
                         f"[{{\"type\": \"function\", \"function\": {{\"name\": ..., \"parameters\": ...}}}}].") from None
-# a chat model answers start as a user turn; other text opens
-# as the tokenizer opens a text (a published model's BOS)
-turns = [{'role': 'system', 'content': system}] * bool(system) + [{'role': 'user', 'content': text}]
-ids = (tokenizer.encode_prompt(turns, schemas) if chat else tokenizer.document_prefix + tokenizer.encode(text))
-if not ids:
-    raise UserError("start is empty: give the model something to continue, e.g. --start='\\n' or a sentence.")
-if compile_decode and not use_kv_cache:
-    raise UserError("compile_decode=True decodes over a static KV cache; it cannot run with use_kv_cache=False. "
-                    "Drop one of them.")
-# a static cache holds the whole sample: one that passes block_size slides its context (GPT.generate) instead
-fits = len(ids) + max_new_tokens - 1 <= model.config.block_size
-if compile_decode and not fits:
-    print(f"compile_decode: {len(ids)} prompt tokens + max_new_tokens={max_new_tokens} pass block_size="
-          f"{model.config.block_size}, so the context slides; sampling without compiling")
-decoding = CompiledDecoding() if compile_decode and fits else None
-prompt = torch.tensor([ids], dtype=torch.long, device=local_device)
+if interactive and not chat:
+    raise UserError(f"interactive=True: {path} is a base model, which continues a text (no chat template to hold "
+                    f"turns); chat with a fine-tuned run or a published instruct model, or give it --start=...")
+if interactive and compile_decode:
+    raise UserError("interactive=True prints each token as it is drawn, eagerly; compile_decode=True decodes whole "
+                    "answers. Drop one of them.")
 generator = torch.Generator(device=local_device).manual_seed(seed)
-eos_id = tokenizer.eos_id if chat else None  # a chat answer ends at <|end|>
-with torch.no_grad(), autocast:
-    for _ in range(num_samples):
-        if decoding is not None:  # the draws GPT.generate makes from generator (lm/generate.py), compiled
-            out = ids + generate_batch(model, [ids], max_new_tokens, temperature, top_k or None, top_p or None,
-                                       [] if eos_id is None else [eos_id], generator=generator, decoding=decoding)[0]
-        else:
-            out = model.generate(prompt, max_new_tokens, temperature=temperature, top_k=top_k or None,
-                                 top_p=top_p or None, use_kv_cache=use_kv_cache, generator=generator,
-                                 eos_id=eos_id)[0].tolist()
-        print(tokenizer.decode(out))
-        print('---------------')
+system_turns = [{'role': 'system', 'content': system}] * bool(system)
+
+
+def conversation_prompt(history):
+    """(prompt ids, the turns kept): the oldest exchanges left out while the prompt and an answer would pass
+    block_size (as GPT.generate slides, they would be cut off at any token, the template's first included)."""
+    while True:
+        ids = tokenizer.encode_prompt(system_turns + history, schemas)
+        if len(ids) + max_new_tokens <= model.config.block_size or len(history) == 1:
+            return ids, history
+        history = history[2:]  # a user turn and its answer
+
+
+def answer_tokens(ids):
+    """The tokens of the answer to ids as they are drawn, up to a stop token (a chat model's end of turn)."""
+    stops = stop_tokens(tokenizer)
+    prompt = torch.tensor([ids], dtype=torch.long, device=local_device)
+    with torch.no_grad(), autocast:
+        for token in model.generate_tokens(prompt, max_new_tokens, temperature, top_k or None, top_p or None,
+                                           use_kv_cache, generator=generator):
+            if token.item() in stops:
+                return
+            yield token.item()
+
+
+if interactive:
+    print(f"Chatting with {path}: type a message; /clear forgets the conversation, /quit or Ctrl-D ends.")
+    history = []
+    while True:
+        try:
+            line = input('> ')
+        except (EOFError, KeyboardInterrupt):
+            print()
+            break
+        if line.strip() in ('/quit', '/exit'):
+            break
+        if line.strip() == '/clear':
+            history = []
+            continue
+        if not line.strip():
+            continue
+        try:
+            ids, kept = conversation_prompt(history + [{'role': 'user', 'content': line}])
+        except UserError as e:  # a character a char vocabulary lacks, say: the conversation goes on without it
+            print(f"[{e}]")
+            continue
+        if len(kept) <= len(history):
+            print(f"[the oldest {(len(history) + 1 - len(kept)) // 2} exchange(s) left out: the conversation and "
+                  f"max_new_tokens={max_new_tokens} pass block_size={model.config.block_size}]")
+        pieces = []
+        try:  # printed as it is drawn; Ctrl-C stops it there
+            for piece in decoded_pieces(tokenizer, answer_tokens(ids)):
+                print(piece, end='', flush=True)
+                pieces.append(piece)
+        except KeyboardInterrupt:
+            print(' [stopped]', end='')
+        print()
+        history = kept + [{'role': 'assistant', 'content': ''.join(pieces)}]
+else:  # start, answered (a chat model) or continued, num_samples times
+    # a chat model answers start as a user turn; other text opens
+    # as the tokenizer opens a text (a published model's BOS)
+    turns = [{'role': 'system', 'content': system}] * bool(system) + [{'role': 'user', 'content': text}]
+    ids = (tokenizer.encode_prompt(turns, schemas) if chat else tokenizer.document_prefix + tokenizer.encode(text))
+    if not ids:
+        raise UserError("start is empty: give the model something to continue, e.g. --start='\\n' or a sentence.")
+    if compile_decode and not use_kv_cache:
+        raise UserError("compile_decode=True decodes over a static KV cache; it cannot run with use_kv_cache=False. "
+                        "Drop one of them.")
+    # a static cache holds the whole sample: one that passes block_size slides its context (GPT.generate) instead
+    fits = len(ids) + max_new_tokens - 1 <= model.config.block_size
+    if compile_decode and not fits:
+        print(f"compile_decode: {len(ids)} prompt tokens + max_new_tokens={max_new_tokens} pass block_size="
+              f"{model.config.block_size}, so the context slides; sampling without compiling")
+    decoding = CompiledDecoding() if compile_decode and fits else None
+    prompt = torch.tensor([ids], dtype=torch.long, device=local_device)
+    eos_id = tokenizer.eos_id if chat else None  # a chat answer ends at <|end|>
+    with torch.no_grad(), autocast:
+        for _ in range(num_samples):
+            if decoding is not None:  # the draws GPT.generate makes from generator (lm/generate.py), compiled
+                stops = [] if eos_id is None else [eos_id]
+                out = ids + generate_batch(model, [ids], max_new_tokens, temperature, top_k or None, top_p or None,
+                                           stops, generator=generator, decoding=decoding)[0]
+            else:
+                out = model.generate(prompt, max_new_tokens, temperature=temperature, top_k=top_k or None,
+                                     top_p=top_p or None, use_kv_cache=use_kv_cache, generator=generator,
+                                     eos_id=eos_id)[0].tolist()
+            print(tokenizer.decode(out))
+            print('---------------')

@@ -209,6 +209,22 @@ def reply_reference(tokenizer, messages, tools=None):
     return messages[-1]['content']
 
 
+def decoded_pieces(tokenizer, ids):
+    """The text of ids (an iterable, read as it comes: a generation's tokens) a piece at a time, each what the
+    decoding so far adds to the text before it: held back while it ends in a character's first bytes alone
+    (U+FFFD) or rewrites text already given (a decoder's clean-up), so the pieces join into the decoding."""
+    seen, shown = [], ''
+    for i in ids:
+        seen.append(i)
+        text = tokenizer.decode(seen, skip_special=True)
+        if text.startswith(shown) and not text.endswith('\ufffd'):
+            yield text[len(shown):]
+            shown = text
+    text = tokenizer.decode(seen, skip_special=True)
+    if text.startswith(shown) and text != shown:
+        yield text[len(shown):]
+
+
 # -----------------------------------------------------------------------------
 # a prepared dataset folder (made by data.py): its meta.json, its files, its tokenizer
 

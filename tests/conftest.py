@@ -31,6 +31,7 @@ from data import prepare
 from hf.checkpoint import gpt_config, read_hf_weights
 from lm.chat_data import PreferenceBatches
 from lm.dpo import reference_logps
+from lm.generate import stop_tokens
 from lm.tokenizer import CharTokenizer, ChatTokenizer
 from model import GPT, GPTConfig
 from run.run_folder import logged_step
@@ -522,6 +523,16 @@ def load_gpt(folder):
     """A Hugging Face folder as a GPT, in eval mode."""
     hf = read_json_file(os.path.join(folder, 'config.json'))
     return GPT.from_state_dict(GPTConfig(**gpt_config(hf, folder)), read_hf_weights(folder, hf)).eval()
+
+
+def greedy_answer(loaded, messages, max_new_tokens):
+    """The answer to messages by loaded (loading.load_for_generation's), computed here: the template's prompt of the
+    conversation, greedy tokens to the first stop token (stop_tokens), decoded."""
+    ids = loaded.tokenizer.encode_prompt(messages)
+    out = loaded.model.generate(torch.tensor([ids]), max_new_tokens, temperature=0)[0, len(ids):].tolist()
+    stops = stop_tokens(loaded.tokenizer)
+    answer = out[:min([out.index(s) for s in stops if s in out], default=len(out))]
+    return loaded.tokenizer.decode(answer, skip_special=True)
 
 
 @pytest.fixture(scope='module')

@@ -6,24 +6,11 @@ import signal
 import subprocess
 import sys
 
-import torch
-
-from conftest import ROOT, hf_fixture, run, script_env, start_up_refusal
-from lm.generate import stop_tokens
+from conftest import ROOT, greedy_answer, hf_fixture, run, script_env, start_up_refusal
 from lm.tokenizer import BPETokenizer, decoded_pieces, train_bpe
 from loading import load_for_generation
 
 BANNER = "Chatting with {}: type a message; /clear forgets the conversation, /quit or Ctrl-D ends.\n"
-
-
-def greedy_answer(loaded, messages, max_new_tokens):
-    """The answer to messages, computed here: the template's prompt of the conversation, greedy tokens to the
-    first stop token, decoded."""
-    ids = loaded.tokenizer.encode_prompt(messages)
-    out = loaded.model.generate(torch.tensor([ids]), max_new_tokens, temperature=0)[0, len(ids):].tolist()
-    stops = stop_tokens(loaded.tokenizer)
-    answer = out[:min([out.index(s) for s in stops if s in out], default=len(out))]
-    return loaded.tokenizer.decode(answer, skip_special=True)
 
 
 def chat(folder, lines, *args):

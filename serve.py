@@ -1,0 +1,278 @@
+"""
+Serve a model over HTTP as OpenAI's API serves one, so that OpenAI clients talk to it (the `openai` package, a
+chat UI, scripts): `python serve.py --init_from=out-sft/ckpt.pt`, then
+`curl http://127.0.0.1:8000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}]}'`.
+A chat model (fine-tuned, or a published instruct folder) answers /v1/chat/completions through its chat template
+(a request's "tools" too); any model continues a text at /v1/completions. "stream": true sends the answer as it
+is drawn (server-sent events). One request computes at a time, the others wait their turn. It listens on this
+machine only unless --host says otherwise, and checks no key: whoever reaches the port can use it.
+"""
+
+import json
+import sys
+import threading
+import time
+import traceback
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import torch
+
+from configurator import SEED, UserError, at_least, check_values, configure, interval
+from lm.chat_data import chat_tools, message_list
+from lm.generate import stop_tokens
+from lm.tokenizer import decoded_pieces
+from loading import load_for_generation, model_path
+from run.device import autocast_context, pick_device, pick_dtype
+
+# -----------------------------------------------------------------------------
+out_dir = 'out'              # folder of the run to serve
+ckpt_name = 'ckpt.pt'        # 'ckpt.pt' (latest) or 'best.pt'; LoRA runs: ckpt.pt (adapters) or 'merged.pt'
+init_from = ''               # instead of out_dir's checkpoint: a checkpoint file, a run folder or a Hugging Face folder
+data_dir = ''                # tokenizer folder; '' = the one recorded in the checkpoint
+chat_template_variables = {}  # published model's chat-template variables; {} = as it was fine-tuned
+host = '127.0.0.1'           # address to listen on; '0.0.0.0' = every interface (no key is checked: trusted networks)
+port = 8000                  # port to listen on; 0 = any free one (printed)
+model_name = ''              # the model id answers carry and /v1/models lists; '' = the checkpoint's path
+max_new_tokens = 512         # a request's max_tokens where it gives none (at most what the context leaves)
+temperature = 1.0            # a request's temperature where it gives none (OpenAI's default); 0 = greedy
+top_k = 0                    # top-k for every request (OpenAI's API has no such field); 0 = off
+use_kv_cache = True          # cache keys and values while generating (same answers, faster)
+seed = 1337                  # seeds the draws of the requests that give no "seed"
+device = 'auto'              # 'auto' (cuda, else mps, else cpu) | 'cpu' | 'cuda' | 'cuda:1' | 'mps'
+dtype = 'auto'               # 'auto' = bf16 on GPUs with it, else fp16; fp32 on CPU
+# -----------------------------------------------------------------------------
+config = configure(globals())
+check_values(config, [
+    (SEED, ('seed',)),
+    (at_least(1), ('max_new_tokens',)),
+    (at_least(0), ('top_k', 'temperature')),
+    (interval('[0, 65535]'), ('port',)),
+])
+
+local_device = pick_device(device)
+autocast = autocast_context(local_device, pick_dtype(local_device, dtype))
+model, tokenizer, chat, path = load_for_generation(model_path('' if init_from == 'resume' else init_from, out_dir,
+                                                              ckpt_name), data_dir, chat_template_variables,
+                                                   local_device)
+name = model_name or path
+block_size = model.config.block_size
+server_generator = torch.Generator(device=local_device).manual_seed(seed)
+busy = threading.Lock()  # one model: one request computes at a time
+
+
+class BadRequest(Exception):
+    """A request refused as OpenAI's API refuses one: HTTP 400 and an error object naming the field (param)."""
+
+    def __init__(self, message, param=None, code=None):
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+def field(body, key, default, kind, low=None, high=None):
+    """body[key] (default where it is missing or null), checked to be a kind within [low, high]."""
+    value = body.get(key)
+    if value is None:
+        return default
+    if kind is float and type(value) is int:
+        value = float(value)
+    if type(value) is not kind or (low is not None and value < low) or (high is not None and value > high):
+        span = f" in [{low}, {high}]" if high is not None else f" >= {low}" if low is not None else ''
+        raise BadRequest(f'"{key}" must be {"an integer" if kind is int else f"a {kind.__name__}"}{span}, got '
+                         f'{json.dumps(value)[:80]}', key)
+    return value
+
+
+def read_request(body, chat_endpoint):
+    """(prompt ids, settings) of a request's JSON body; BadRequest where the API would refuse it."""
+    if not isinstance(body, dict):
+        raise BadRequest(f"the body must be a JSON object, got {type(body).__name__}")
+    for key in ('logprobs', 'top_logprobs', 'echo', 'suffix'):
+        if body.get(key) not in (None, False, 0, ''):
+            raise BadRequest(f'"{key}" is not served here; eval.py scores log-probabilities itself '
+                             f'(python eval.py --init_from=... --eval_data=tasks.jsonl).', key)
+    if chat_endpoint:
+        if not chat:
+            raise BadRequest(f"{name} is a base model: it continues a text (no chat template to hold messages); "
+                             f"POST the text to /v1/completions as \"prompt\".", 'messages')
+        try:
+            messages, tools = message_list(body.get('messages'), 'messages'), chat_tools(body)
+            if not messages:
+                raise ValueError('"messages" is empty: give at least one user message')
+            ids = tokenizer.encode_prompt(messages, tools)
+        except (ValueError, UserError) as e:
+            raise BadRequest(str(e), 'messages') from None
+    else:
+        prompt = body.get('prompt')
+        if not isinstance(prompt, str) or not prompt:
+            raise BadRequest(f'"prompt" must be a non-empty string (one text a request), got '
+                             f'{json.dumps(prompt)[:80]}', 'prompt')
+        try:
+            ids = getattr(tokenizer, 'document_prefix', []) + tokenizer.encode(prompt)
+        except UserError as e:
+            raise BadRequest(str(e), 'prompt') from None
+    room = block_size - len(ids) + 1  # tokens the context leaves: the last one drawn is never fed back
+    asked = field(body, 'max_completion_tokens', None, int, 1)
+    asked = field(body, 'max_tokens', None, int, 1) if asked is None else asked
+    if room < 1 or (asked or 1) > room:
+        raise BadRequest(f"this model's context is {block_size} tokens and the prompt takes {len(ids)}: "
+                         + (f"max_tokens can be at most {room}" if room >= 1 else "shorten it"),
+                         'messages' if chat_endpoint else 'prompt', 'context_length_exceeded')
+    stop = body.get('stop')
+    stop = [stop] if isinstance(stop, str) else stop if stop is not None else []
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise BadRequest(f'"stop" must be a string or a list of strings, got {json.dumps(stop)[:80]}', 'stop')
+    stream_options = body.get('stream_options') or {}
+    if not isinstance(stream_options, dict):
+        raise BadRequest('"stream_options" must be an object, e.g. {"include_usage": true}', 'stream_options')
+    request_seed = field(body, 'seed', None, int, -2 ** 63, 2 ** 64 - 1)
+    return ids, dict(
+        max_tokens=asked or min(max_new_tokens, room), temperature=field(body, 'temperature', temperature, float, 0, 2),
+        top_p=field(body, 'top_p', 1.0, float, 0, 1), n=field(body, 'n', 1, int, 1, 16), stop=[s for s in stop if s],
+        stream=field(body, 'stream', False, bool), usage=field(stream_options, 'include_usage', False, bool),
+        generator=server_generator if request_seed is None else
+        torch.Generator(device=local_device).manual_seed(request_seed))
+
+
+def draw(ids, settings, result):
+    """The text that answers ids, a piece at a time as it is drawn, up to a stop token, a stop string (left out)
+    or max_tokens tokens; result gets finish_reason and tokens (how many were drawn). Text that may be a stop
+    string's start is held back until it is not."""
+    result.update(finish_reason='length', tokens=0)
+    stop_ids, stop = stop_tokens(tokenizer), settings['stop']
+
+    def tokens():
+        prompt = torch.tensor([ids], dtype=torch.long, device=local_device)
+        with torch.no_grad(), autocast:
+            for token in model.generate_tokens(prompt, settings['max_tokens'], settings['temperature'], top_k or None,
+                                               settings['top_p'] if settings['top_p'] < 1 else None, use_kv_cache,
+                                               generator=settings['generator']):
+                if token.item() in stop_ids:
+                    result['finish_reason'] = 'stop'
+                    return
+                result['tokens'] += 1
+                yield token.item()
+
+    pending = ''
+    for piece in decoded_pieces(tokenizer, tokens()):
+        pending += piece
+        hits = [i for i in (pending.find(s) for s in stop) if i >= 0]
+        if hits:
+            result['finish_reason'] = 'stop'
+            yield pending[:min(hits)]
+            return
+        held = max([k for s in stop for k in range(1, len(s)) if pending.endswith(s[:k])], default=0)
+        yield pending[:len(pending) - held]
+        pending = pending[len(pending) - held:]
+    yield pending
+
+
+class Handler(BaseHTTPRequestHandler):
+    server_version = 'nanotrain'
+
+    def send_json(self, status, value):
+        data = json.dumps(value).encode()
+        self.send_response(status)
+        self.send_header('Content-Type', 'application/json')
+        self.send_header('Content-Length', str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def send_error_json(self, status, message, param=None, code=None):
+        kind = 'invalid_request_error' if status < 500 else 'server_error'
+        self.send_json(status, {'error': dict(message=message, type=kind, param=param, code=code)})
+
+    def do_GET(self):
+        if self.path.rstrip('/') == '/v1/models':
+            self.send_json(200, {'object': 'list', 'data': [
+                {'id': name, 'object': 'model', 'created': int(time.time()), 'owned_by': 'nanotrain'}]})
+        else:
+            self.send_error_json(404, f"no such path: GET {self.path}; GET /v1/models, POST /v1/chat/completions "
+                                      f"or /v1/completions", code='not_found')
+
+    def do_POST(self):
+        endpoint = self.path.split('?')[0].rstrip('/')
+        if endpoint not in ('/v1/chat/completions', '/v1/completions'):
+            self.send_error_json(404, f"no such path: POST {self.path}; POST /v1/chat/completions or "
+                                      f"/v1/completions", code='not_found')
+            return
+        try:
+            size = int(self.headers.get('Content-Length') or -1)
+            if not 0 <= size <= 64 << 20:
+                raise BadRequest('the body needs a Content-Length of at most 64 MiB')
+            body = json.loads(self.rfile.read(size).decode('utf-8'))
+            ids, settings = read_request(body, endpoint == '/v1/chat/completions')
+        except (ValueError, RecursionError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+            self.send_error_json(400, f"the body is not JSON: {e}")
+            return
+        except BadRequest as e:
+            self.send_error_json(400, str(e), e.param, e.code)
+            return
+        with busy:
+            try:
+                self.answer(ids, settings, endpoint == '/v1/chat/completions')
+            except Exception as e:  # a fault of the server's (out of memory, say): said, and it goes on serving
+                traceback.print_exc()
+                if not settings['stream']:
+                    self.send_error_json(500, f"the server failed: {type(e).__name__}: {e}")
+
+    def answer(self, ids, settings, chat_endpoint):
+        """The request's n answers, as one JSON object or (stream) as server-sent events."""
+        ident = f"{'chatcmpl' if chat_endpoint else 'cmpl'}-{uuid.uuid4().hex}"
+        head = dict(id=ident, object='chat.completion' if chat_endpoint else 'text_completion',
+                    created=int(time.time()), model=name)
+        if settings['stream']:
+            head['object'] = 'chat.completion.chunk' if chat_endpoint else 'text_completion'
+            self.send_response(200)
+            self.send_header('Content-Type', 'text/event-stream')
+            self.send_header('Cache-Control', 'no-cache')
+            self.end_headers()
+        drawn = 0
+        choices = []
+        try:
+            for index in range(settings['n']):
+                result, pieces = {}, []
+                if settings['stream'] and chat_endpoint:
+                    self.event(head, index, {'role': 'assistant', 'content': ''}, None)
+                for piece in draw(ids, settings, result):
+                    pieces.append(piece)
+                    if settings['stream'] and piece:
+                        self.event(head, index, {'content': piece} if chat_endpoint else piece, None)
+                drawn += result['tokens']
+                if settings['stream']:
+                    self.event(head, index, {} if chat_endpoint else '', result['finish_reason'])
+                text = ''.join(pieces)
+                choices.append(dict(index=index, logprobs=None, finish_reason=result['finish_reason'],
+                                    **({'message': {'role': 'assistant', 'content': text}} if chat_endpoint
+                                       else {'text': text})))
+            usage = dict(prompt_tokens=len(ids), completion_tokens=drawn, total_tokens=len(ids) + drawn)
+            if not settings['stream']:
+                self.send_json(200, dict(head, choices=choices, usage=usage))
+                return
+            if settings['usage']:
+                self.wfile.write(f"data: {json.dumps(dict(head, choices=[], usage=usage))}\n\n".encode())
+            self.wfile.write(b'data: [DONE]\n\n')
+        except (BrokenPipeError, ConnectionResetError):  # the client left: its answer is not drawn further
+            pass
+
+    def event(self, head, index, delta, finish_reason):
+        """One server-sent event of a stream: a chat delta, or a completion's text piece."""
+        choice = dict(index=index, finish_reason=finish_reason, logprobs=None)
+        choice.update({'delta': delta} if isinstance(delta, dict) else {'text': delta})
+        self.wfile.write(f"data: {json.dumps(dict(head, choices=[choice]))}\n\n".encode())
+        self.wfile.flush()
+
+
+try:
+    server = ThreadingHTTPServer((host, port), Handler)
+except OSError as e:  # the port is taken, or host is not an address of this machine
+    raise UserError(f"cannot listen on {host}:{port} ({e.strerror or e}); pass another --port (0 = any free one) "
+                    f"or --host (127.0.0.1: this machine only).") from None
+server.daemon_threads = True
+endpoints = '/v1/chat/completions, /v1/completions' if chat else '/v1/completions (a base model)'
+print(f"serving {name} at http://{host}:{server.server_address[1]}/v1 ({endpoints}); Ctrl-C stops", flush=True)
+try:
+    server.serve_forever()
+except KeyboardInterrupt:
+    server.server_close()
+    sys.exit(0)

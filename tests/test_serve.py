@@ -1,0 +1,218 @@
+"""serve.py: a model behind OpenAI's chat completions and completions API, answers checked against the model's
+greedy tokens computed here, streams against whole answers, and what a client may send wrong."""
+import json
+import re
+import select
+import socket
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+from conftest import ROOT, assert_user_error, greedy_answer, hf_fixture, run, script_env
+from lm.generate import stop_tokens
+from loading import load_for_generation
+
+QUESTION = [{'role': 'user', 'content': 'Hello there'}]
+
+
+def start_server(folder, *args, launcher=('serve.py',)):
+    """serve.py on folder at a free port: (process, base URL), once it says it is serving."""
+    p = subprocess.Popen([sys.executable, *launcher, f'--init_from={folder}', '--device=cpu', '--port=0', *args],
+                         cwd=ROOT, env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = ''
+    while 'serving' not in seen:
+        ready, _, _ = select.select([p.stdout], [], [], 120)
+        line = p.stdout.readline() if ready else ''
+        if not line:
+            p.kill()
+            raise AssertionError(f'serve.py did not start: {seen}{p.stderr.read()}')
+        seen += line
+    return p, re.search(r'at (http://\S+/v1)', seen).group(1)
+
+
+@pytest.fixture(scope='module')
+def chat_server():
+    p, url = start_server(hf_fixture('qwen2'))
+    yield url
+    p.kill()
+    p.wait()
+
+
+def post(url, body, raw=None):
+    """(status, JSON answer) of a POST of body (raw: these bytes as they are)."""
+    data = raw if raw is not None else json.dumps(body).encode()
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data=data), timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def events(url, body):
+    """The JSON events of a streamed answer, checked to end with [DONE]."""
+    with urllib.request.urlopen(urllib.request.Request(url, data=json.dumps(body).encode()), timeout=120) as r:
+        assert r.headers['Content-Type'] == 'text/event-stream'
+        lines = [line for line in r.read().decode().split('\n\n') if line]
+    assert all(line.startswith('data: ') for line in lines) and lines[-1] == 'data: [DONE]', lines
+    return [json.loads(line[6:]) for line in lines[:-1]]
+
+
+def test_a_chat_answer_is_the_models_greedy_answer(chat_server):
+    loaded = load_for_generation(hf_fixture('qwen2'))
+    conversation = QUESTION + [{'role': 'assistant', 'content': 'Hi.'}, {'role': 'user', 'content': 'How are you?'}]
+    want = greedy_answer(loaded, conversation, 12)
+    prompt = loaded.tokenizer.encode_prompt(conversation)
+    out = loaded.model.generate(torch.tensor([prompt]), 12, temperature=0)[0, len(prompt):].tolist()
+    drawn = min([out.index(s) for s in stop_tokens(loaded.tokenizer) if s in out], default=len(out))
+    status, answer = post(chat_server + '/chat/completions', dict(messages=conversation, temperature=0, max_tokens=12))
+    assert status == 200 and answer['object'] == 'chat.completion' and answer['id'].startswith('chatcmpl-')
+    (choice,) = answer['choices']
+    assert choice['message'] == {'role': 'assistant', 'content': want}
+    assert answer['usage'] == dict(prompt_tokens=len(prompt), completion_tokens=drawn, total_tokens=len(prompt) + drawn)
+    assert choice['finish_reason'] == ('length' if drawn == 12 else 'stop')
+    # the same, streamed: the role first, then pieces that join into it, then the finish reason and the usage
+    chunks = events(chat_server + '/chat/completions', dict(messages=conversation, temperature=0, max_tokens=12,
+                                                            stream=True, stream_options={'include_usage': True}))
+    assert all(c['object'] == 'chat.completion.chunk' and c['id'] == chunks[0]['id'] for c in chunks)
+    assert chunks[0]['choices'][0]['delta'] == {'role': 'assistant', 'content': ''}
+    pieces = [c['choices'][0]['delta'].get('content', '') for c in chunks[1:-2]]
+    assert len(pieces) > 1 and ''.join(pieces) == want
+    assert chunks[-2]['choices'][0]['finish_reason'] == choice['finish_reason'] and chunks[-1]['choices'] == []
+    assert chunks[-1]['usage'] == answer['usage']
+
+
+def test_stop_strings_end_the_answer_streamed_or_not(chat_server):
+    """A stop string ends the answer before it, also when it spans pieces (a stream holds back its possible start)."""
+    want = greedy_answer(load_for_generation(hf_fixture('qwen2')), QUESTION, 12)
+    stop = next(want[i:i + 2] for i in range(1, len(want) - 1) if want[i] != want[i + 1])  # a pair of tokens
+    body = dict(messages=QUESTION, temperature=0, max_tokens=12, stop=[stop, 'never'])
+    _, answer = post(chat_server + '/chat/completions', body)
+    assert answer['choices'][0]['message']['content'] == want[:want.index(stop)]
+    assert answer['choices'][0]['finish_reason'] == 'stop'
+    chunks = events(chat_server + '/chat/completions', dict(body, stream=True))
+    assert ''.join(c['choices'][0]['delta'].get('content', '') for c in chunks) == want[:want.index(stop)]
+
+
+def test_completions_continue_a_text(chat_server):
+    """/v1/completions continues the text as the tokenizer opens one (sample.py on a base model)."""
+    loaded = load_for_generation(hf_fixture('qwen2'))
+    ids = loaded.tokenizer.document_prefix + loaded.tokenizer.encode('Once upon')
+    out = loaded.model.generate(torch.tensor([ids]), 6, temperature=0)[0, len(ids):].tolist()
+    _, answer = post(chat_server + '/completions', dict(prompt='Once upon', temperature=0, max_tokens=6))
+    assert answer['object'] == 'text_completion' and answer['choices'][0]['text'] == loaded.tokenizer.decode(out)
+    chunks = events(chat_server + '/completions', dict(prompt='Once upon', temperature=0, max_tokens=6, stream=True))
+    assert ''.join(c['choices'][0]['text'] for c in chunks) == answer['choices'][0]['text']
+
+
+def test_sampling_follows_the_seed_and_n(chat_server):
+    body = dict(messages=QUESTION, temperature=1.0, max_tokens=10, seed=7, n=3)
+    _, first = post(chat_server + '/chat/completions', body)
+    _, again = post(chat_server + '/chat/completions', body)
+    texts = [c['message']['content'] for c in first['choices']]
+    assert [c['index'] for c in first['choices']] == [0, 1, 2] and len(set(texts)) > 1
+    assert texts == [c['message']['content'] for c in again['choices']]
+
+
+def test_requests_at_once_are_answered_in_turn(chat_server):
+    want = greedy_answer(load_for_generation(hf_fixture('qwen2')), QUESTION, 12)
+    answers = []
+    threads = [threading.Thread(target=lambda: answers.append(post(chat_server + '/chat/completions', dict(
+        messages=QUESTION, temperature=0, max_tokens=12)))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [(status, a['choices'][0]['message']['content']) for status, a in answers] == [(200, want)] * 4
+
+
+def test_a_client_that_leaves_mid_stream_leaves_the_server_serving(chat_server):
+    host, port = re.match(r'http://([^:]+):(\d+)', chat_server).groups()
+    body = json.dumps(dict(messages=QUESTION, max_tokens=180, stream=True)).encode()
+    with socket.create_connection((host, int(port)), timeout=60) as s:
+        s.sendall(b'POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n'
+                  + f'Content-Length: {len(body)}\r\n\r\n'.encode() + body)
+        seen = b''
+        while b'data: ' not in seen:  # the headers, the first event, then gone
+            chunk = s.recv(4096)
+            assert chunk, seen
+            seen += chunk
+    status, answer = post(chat_server + '/chat/completions', dict(messages=QUESTION, temperature=0, max_tokens=4))
+    assert status == 200 and answer['choices'][0]['message']['content']
+
+
+@pytest.mark.parametrize('body, says, param', [
+    (dict(messages=[{'role': 'robot', 'content': 'x'}]), "message role 'robot'", 'messages'),
+    (dict(messages=[]), '"messages" is empty', 'messages'),
+    (dict(messages='Hello'), '"messages" must be a list', 'messages'),
+    (dict(messages=QUESTION, max_tokens=10 ** 6), "this model's context is 256 tokens", 'messages'),
+    (dict(messages=QUESTION, temperature=3), '"temperature" must be a float in [0, 2]', 'temperature'),
+    (dict(messages=QUESTION, n=0), '"n" must be an integer in [1, 16]', 'n'),
+    (dict(messages=QUESTION, max_tokens='10'), '"max_tokens" must be an integer >= 1', 'max_tokens'),
+    (dict(messages=QUESTION, stop=[1]), '"stop" must be a string or a list of strings', 'stop'),
+    (dict(messages=QUESTION, logprobs=True), '"logprobs" is not served here', 'logprobs'),
+    (dict(messages=QUESTION, tools=[{'type': 'function'}]), 'each of "tools" must be', 'messages'),
+    ([1, 2], 'the body must be a JSON object', None),
+])
+def test_a_malformed_request_is_refused_as_the_api_refuses_it(chat_server, body, says, param):
+    status, answer = post(chat_server + '/chat/completions', body)
+    assert status == 400 and says in answer['error']['message'], answer
+    assert answer['error']['type'] == 'invalid_request_error' and answer['error']['param'] == param
+    if 'context' in says:
+        assert answer['error']['code'] == 'context_length_exceeded'
+
+
+def test_bytes_that_are_not_json_and_unknown_paths(chat_server):
+    for raw in (b'{"messages": ', b'\xff\xfe', b'[' * 100_000):
+        status, answer = post(chat_server + '/chat/completions', None, raw=raw)
+        assert status == 400 and answer['error']['message'].startswith('the body is not JSON'), answer
+    status, answer = post(chat_server + '/chat/completion', dict(messages=QUESTION))
+    assert status == 404 and '/v1/chat/completions' in answer['error']['message']
+    with urllib.request.urlopen(chat_server + '/models', timeout=60) as r:
+        assert [m['id'] for m in json.loads(r.read())['data']] == [hf_fixture('qwen2')]
+
+
+def test_a_base_model_continues_texts_only_and_a_taken_port_is_refused(tmp_path):
+    p, url = start_server(hf_fixture('gpt2'), '--model_name=my-gpt2')
+    try:
+        status, answer = post(url + '/chat/completions', dict(messages=QUESTION))
+        assert status == 400 and 'my-gpt2 is a base model' in answer['error']['message']
+        status, answer = post(url + '/completions', dict(prompt='Hello', max_tokens=3))
+        assert status == 200 and answer['model'] == 'my-gpt2' and answer['usage']['completion_tokens'] <= 3
+        port = url.rsplit(':', 1)[1].split('/')[0]
+        assert_user_error(run(['serve.py', f'--init_from={hf_fixture("gpt2")}', '--device=cpu', f'--port={port}'],
+                              check=False), f'cannot listen on 127.0.0.1:{port}', '--port')
+    finally:
+        p.kill()
+        p.wait()
+
+
+# serve.py with the model's first generation failing as a GPU out of memory fails
+FIRST_ANSWER_FAILS = """
+import runpy, sys, torch, model
+draws = model.GPT.generate_tokens
+def generate_tokens(self, *args, **kwargs):
+    model.GPT.generate_tokens = draws
+    raise torch.OutOfMemoryError('CUDA out of memory (injected)')
+model.GPT.generate_tokens = generate_tokens
+sys.argv = ['serve.py', *sys.argv[1:]]
+runpy.run_path('serve.py', run_name='__main__')
+"""
+
+
+def test_a_request_the_server_fails_is_a_500_and_it_goes_on_serving():
+    p, url = start_server(hf_fixture('qwen2'), launcher=('-c', FIRST_ANSWER_FAILS))
+    try:
+        status, answer = post(url + '/chat/completions', dict(messages=QUESTION, max_tokens=4))
+        assert status == 500 and answer['error'] == dict(
+            message='the server failed: OutOfMemoryError: CUDA out of memory (injected)', type='server_error',
+            param=None, code=None)
+        status, answer = post(url + '/chat/completions', dict(messages=QUESTION, max_tokens=4))
+        assert status == 200 and answer['choices'][0]['message']['content']
+    finally:
+        p.kill()
+        p.wait()

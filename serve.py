@@ -21,7 +21,8 @@ import torch
 from configurator import SEED, UserError, at_least, check_values, configure, interval
 from lm.chat_data import chat_tools, message_list
 from lm.generate import stop_tokens
-from lm.tokenizer import decoded_pieces
+from lm.metrics import reply_and_calls
+from lm.tokenizer import decoded_pieces, function_name
 from loading import load_for_generation, model_path
 from run.device import autocast_context, pick_device, pick_dtype
 
@@ -97,6 +98,7 @@ def read_request(body, chat_endpoint):
                              f"POST the text to /v1/completions as \"prompt\".", 'messages')
         try:
             messages, tools = message_list(body.get('messages'), 'messages'), chat_tools(body)
+            tool_names = {function_name(tool, 'each of "tools"') for tool in tools or []}
             if not messages:
                 raise ValueError('"messages" is empty: give at least one user message')
             ids = tokenizer.encode_prompt(messages, tools)
@@ -107,6 +109,7 @@ def read_request(body, chat_endpoint):
         if not isinstance(prompt, str) or not prompt:
             raise BadRequest(f'"prompt" must be a non-empty string (one text a request), got '
                              f'{json.dumps(prompt)[:80]}', 'prompt')
+        tool_names = set()
         try:
             ids = getattr(tokenizer, 'document_prefix', []) + tokenizer.encode(prompt)
         except UserError as e:
@@ -126,12 +129,14 @@ def read_request(body, chat_endpoint):
     if not isinstance(stream_options, dict):
         raise BadRequest('"stream_options" must be an object, e.g. {"include_usage": true}', 'stream_options')
     request_seed = field(body, 'seed', None, int, -2 ** 63, 2 ** 64 - 1)
-    return ids, dict(
-        max_tokens=asked or min(max_new_tokens, room), temperature=field(body, 'temperature', temperature, float, 0, 2),
-        top_p=field(body, 'top_p', 1.0, float, 0, 1), n=field(body, 'n', 1, int, 1, 16), stop=[s for s in stop if s],
-        stream=field(body, 'stream', False, bool), usage=field(stream_options, 'include_usage', False, bool),
-        generator=server_generator if request_seed is None else
+    generator = server_generator if request_seed is None else (
         torch.Generator(device=local_device).manual_seed(request_seed))
+    return ids, dict(max_tokens=asked or min(max_new_tokens, room),
+                     temperature=field(body, 'temperature', temperature, float, 0, 2),
+                     top_p=field(body, 'top_p', 1.0, float, 0, 1), n=field(body, 'n', 1, int, 1, 16),
+                     stop=[s for s in stop if s], stream=field(body, 'stream', False, bool),
+                     usage=field(stream_options, 'include_usage', False, bool), tools=tool_names,
+                     generator=generator)
 
 
 def draw(ids, settings, result):
@@ -227,8 +232,8 @@ class Handler(BaseHTTPRequestHandler):
             self.send_header('Content-Type', 'text/event-stream')
             self.send_header('Cache-Control', 'no-cache')
             self.end_headers()
-        drawn = 0
-        choices = []
+        drawn, choices = 0, []
+        live = settings['stream'] and not settings['tools']  # an answer with tools is read whole for its calls
         try:
             for index in range(settings['n']):
                 result, pieces = {}, []
@@ -236,15 +241,24 @@ class Handler(BaseHTTPRequestHandler):
                     self.event(head, index, {'role': 'assistant', 'content': ''}, None)
                 for piece in draw(ids, settings, result):
                     pieces.append(piece)
-                    if settings['stream'] and piece:
+                    if live and piece:
                         self.event(head, index, {'content': piece} if chat_endpoint else piece, None)
                 drawn += result['tokens']
+                message, finish = {'role': 'assistant', 'content': ''.join(pieces)}, result['finish_reason']
+                calls = reply_and_calls(message['content'], settings['tools']) if settings['tools'] else (None, [])
+                if calls[1]:  # OpenAI's form: each call an id, its arguments a JSON string
+                    message['content'], finish = calls[0], 'tool_calls'
+                    message['tool_calls'] = [dict(id=f'call_{uuid.uuid4().hex[:24]}', type='function',
+                                                  function=dict(name=n, arguments=a)) for n, a in calls[1]]
+                if settings['stream'] and not live:  # the content whole, then each call
+                    if message['content']:
+                        self.event(head, index, {'content': message['content']}, None)
+                    for k, call in enumerate(message.get('tool_calls', [])):
+                        self.event(head, index, {'tool_calls': [dict(call, index=k)]}, None)
                 if settings['stream']:
-                    self.event(head, index, {} if chat_endpoint else '', result['finish_reason'])
-                text = ''.join(pieces)
-                choices.append(dict(index=index, logprobs=None, finish_reason=result['finish_reason'],
-                                    **({'message': {'role': 'assistant', 'content': text}} if chat_endpoint
-                                       else {'text': text})))
+                    self.event(head, index, {} if chat_endpoint else '', finish)
+                choices.append(dict(index=index, logprobs=None, finish_reason=finish,
+                                    **({'message': message} if chat_endpoint else {'text': message['content']})))
             usage = dict(prompt_tokens=len(ids), completion_tokens=drawn, total_tokens=len(ids) + drawn)
             if not settings['stream']:
                 self.send_json(200, dict(head, choices=choices, usage=usage))

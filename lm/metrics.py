@@ -84,7 +84,12 @@ def tool_calls_in(text):
     """The tool calls a text writes, as a sorted list of (name, arguments as canonical JSON): every JSON object
     in it with a "name" and "arguments" (Qwen's and Mistral's templates; as a JSON string too, OpenAI's form) or
     "parameters" (Llama 3.x's), alone or in a list (Mistral's [TOOL_CALLS] [...]); other keys (ids) ignored."""
-    decoder, calls, i = json.JSONDecoder(), [], 0
+    return sorted(call for _, _, calls in json_calls(text) for call in calls)
+
+
+def json_calls(text):
+    """(start, end, calls) of each JSON value in text that writes tool calls (tool_calls_in's), in order."""
+    decoder, found, i = json.JSONDecoder(), [], 0
     while i < len(text):
         if text[i] not in '{[':
             i += 1
@@ -94,9 +99,24 @@ def tool_calls_in(text):
         except ValueError:
             i += 1
             continue
-        calls += [key for key in map(call_key, value if isinstance(value, list) else [value]) if key]
+        calls = [key for key in map(call_key, value if isinstance(value, list) else [value]) if key]
+        if calls:
+            found.append((i, end, calls))
         i = end
-    return sorted(calls)
+    return found
+
+
+def reply_and_calls(text, names):
+    """(the text around them or None, calls) of an answer that calls the tools named names (serve.py's reply):
+    the calls as tool_calls_in reads them, in order, those to other names left in the text; the text without
+    them, the <tool_call> tags left empty (Qwen's) and an empty <think></think> (Qwen3's, not thinking), stripped."""
+    spans = [(start, end, calls) for start, end, calls in json_calls(text) if all(n in names for n, _ in calls)]
+    kept, at = [], 0
+    for start, end, _ in spans:
+        kept.append(text[at:start])
+        at = end
+    rest = re.sub(r'<tool_call>\s*</tool_call>|<think>\s*</think>', '', ''.join(kept) + text[at:]).strip()
+    return rest or None, [call for _, _, calls in spans for call in calls]
 
 
 def call_key(call):

@@ -10,6 +10,9 @@ from fractions import Fraction
 
 import pytest
 
+from conftest import hf_fixture
+from configurator import UserError
+from hf.tokenizer import load_hf_tokenizer
 from lm import metrics
 from lm.heldout_eval import score_answers
 
@@ -186,6 +189,35 @@ def test_standard_errors_as_lm_eval_computes_them():
     assert metrics.bootstrap_stderr([counts('the cat sat', ['the cat sat'])] * 5, score, iters=50) == 0
     errors = metrics.corpus_stderrs(['exact_match', 'bleu', 'rouge1'], predictions[:10], references[:10])
     assert errors['exact_match'] == metrics.mean_stderr([1.0] * 10) == 0 and errors['bleu'] == 0
+
+
+def test_a_reply_that_calls_tools_splits_into_its_text_and_calls():
+    """reply_and_calls (serve.py's tool_calls) on each call turn of chat_tools.json as its template writes it and a
+    model's tokens decode (special tokens left out: Mistral's [TOOL_CALLS]): the turn's calls in order, and its
+    text where the template writes it (Qwen's; Llama's and Mistral's leave it out); calls to other names stay."""
+    with open(os.path.join(os.path.dirname(__file__), 'fixtures', 'hf', 'expected', 'chat_tools.json')) as f:
+        cases = [c for c in json.load(f) if 'error' not in c and c['model'] != 'smollm2']
+    seen = set()
+    for case in cases:
+        tokenizer = load_hf_tokenizer(hf_fixture(case['model']))
+        names = {tool['function']['name'] for tool in case['tools']}
+        for i, m in enumerate(case['messages']):
+            if not m.get('tool_calls'):
+                continue
+            try:
+                reply = tokenizer.reply_text(case['messages'][:i + 1], case['tools'])
+            except UserError:  # Mistral's template writes a turn before the last differently: no reply to find
+                assert case['model'] == 'mistral'
+                continue
+            text = tokenizer.decode(tokenizer.tokenizer.encode(reply, add_special_tokens=False).ids, skip_special=True)
+            calls = [(c['function']['name'], json.dumps(json.loads(a) if isinstance(a := c['function']['arguments'], str)
+                                                        else a, sort_keys=True)) for c in m['tool_calls']]
+            content = m['content'] if m['content'] and m['content'] in reply else None
+            assert metrics.reply_and_calls(text, names) == (content, calls), (case['model'], case['case'], text)
+            seen.add((case['model'], content is not None, len(calls)))
+    assert {('qwen3', True, 1), ('qwen2', True, 1), ('llama', False, 1), ('mistral', False, 2)} <= seen
+    text = 'Sure. <tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    assert metrics.reply_and_calls(text, {'get_weather'}) == (text, [])
 
 
 def test_tool_calls_are_read_as_each_template_writes_them():

@@ -3,6 +3,7 @@ greedy tokens computed here, streams against whole answers, and what a client ma
 import json
 import re
 import select
+import shutil
 import socket
 import subprocess
 import sys
@@ -213,6 +214,59 @@ def test_a_request_the_server_fails_is_a_500_and_it_goes_on_serving():
             param=None, code=None)
         status, answer = post(url + '/chat/completions', dict(messages=QUESTION, max_tokens=4))
         assert status == 200 and answer['choices'][0]['message']['content']
+    finally:
+        p.kill()
+        p.wait()
+
+
+# serve.py with a model that answers every request with CALL, as Qwen2.5's template writes a call (the fixture's
+# random weights write none): what a client gets for a call
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+WRITES_A_CALL = f"""
+import runpy, sys, torch, model
+from hf.tokenizer import load_hf_tokenizer
+tokenizer = load_hf_tokenizer(sys.argv[1].split('=', 1)[1])
+ids = tokenizer.tokenizer.encode({CALL!r}, add_special_tokens=False).ids + [tokenizer.eos_id]
+def generate_tokens(self, idx, *args, **kwargs):
+    yield from (torch.tensor([[i]]) for i in ids)
+model.GPT.generate_tokens = generate_tokens
+sys.argv = ['serve.py', *sys.argv[1:]]
+runpy.run_path('serve.py', run_name='__main__')
+"""
+TOOLS = [{'type': 'function', 'function': {'name': 'get_weather', 'description': 'The weather in a city.',
+                                           'parameters': {'type': 'object', 'properties': {'city': {'type': 'string'}}}}}]
+
+
+def test_a_call_comes_back_as_openais_tool_calls(tmp_path):
+    """With "tools", an answer that calls one is message.tool_calls (an id, the arguments a JSON string) and
+    finish_reason "tool_calls", its tags gone; streamed, the calls come as tool_calls deltas after the role; the
+    tools reach the template (the prompt's tokens); without "tools" the same text is content."""
+    folder = tmp_path / 'qwen2'  # the fixture, with room for the tools' system prompt (~440 tokens)
+    shutil.copytree(hf_fixture('qwen2'), folder)
+    config = json.loads((folder / 'config.json').read_text())
+    (folder / 'config.json').write_text(json.dumps(dict(config, max_position_embeddings=1024)))
+    p, url = start_server(folder, launcher=('-c', WRITES_A_CALL))
+    try:
+        messages = [{'role': 'user', 'content': 'Weather in Oslo?'}]
+        status, answer = post(url + '/chat/completions', dict(messages=messages, tools=TOOLS))
+        (choice,) = answer['choices']
+        (call,) = choice['message'].pop('tool_calls')
+        assert status == 200 and choice['finish_reason'] == 'tool_calls' and choice['message'] == dict(
+            role='assistant', content=None)
+        assert call['id'].startswith('call_') and call['type'] == 'function'
+        assert call['function'] == dict(name='get_weather', arguments='{"city": "Oslo"}')
+        tokenizer = load_for_generation(folder).tokenizer
+        assert answer['usage']['prompt_tokens'] == len(tokenizer.encode_prompt(messages, TOOLS))
+        assert answer['usage']['prompt_tokens'] > len(tokenizer.encode_prompt(messages)) + 20
+        chunks = events(url + '/chat/completions', dict(messages=messages, tools=TOOLS, stream=True))
+        deltas = [c['choices'][0]['delta'] for c in chunks]
+        (streamed,) = deltas[1]['tool_calls']
+        assert deltas[0] == {'role': 'assistant', 'content': ''} and len(deltas) == 3 and deltas[2] == {}
+        assert streamed['index'] == 0 and streamed['function'] == call['function']
+        assert chunks[-1]['choices'][0]['finish_reason'] == 'tool_calls'
+        _, plain = post(url + '/chat/completions', dict(messages=messages))
+        assert plain['choices'][0] == dict(index=0, logprobs=None, finish_reason='stop',
+                                           message=dict(role='assistant', content=CALL))
     finally:
         p.kill()
         p.wait()

@@ -174,6 +174,7 @@ def draw(ids, settings, result):
 
 class Handler(BaseHTTPRequestHandler):
     server_version = 'nanotrain'
+    timeout = 600  # seconds a client may stall reading or writing before its connection is dropped
 
     def send_json(self, status, value):
         data = json.dumps(value).encode()
@@ -202,10 +203,10 @@ class Handler(BaseHTTPRequestHandler):
                                       f"/v1/completions", code='not_found')
             return
         try:
-            size = int(self.headers.get('Content-Length') or -1)
-            if not 0 <= size <= 64 << 20:
-                raise BadRequest('the body needs a Content-Length of at most 64 MiB')
-            body = json.loads(self.rfile.read(size).decode('utf-8'))
+            size = self.headers.get('Content-Length', '')
+            if not size.isdigit() or int(size) > 64 << 20:
+                raise BadRequest(f"the body needs a Content-Length of at most 64 MiB, got {size[:20]!r}")
+            body = json.loads(self.rfile.read(int(size)).decode('utf-8'))
             ids, settings = read_request(body, endpoint == '/v1/chat/completions')
         except (ValueError, RecursionError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
             self.send_error_json(400, f"the body is not JSON: {e}")
@@ -266,7 +267,7 @@ class Handler(BaseHTTPRequestHandler):
             if settings['usage']:
                 self.wfile.write(f"data: {json.dumps(dict(head, choices=[], usage=usage))}\n\n".encode())
             self.wfile.write(b'data: [DONE]\n\n')
-        except (BrokenPipeError, ConnectionResetError):  # the client left: its answer is not drawn further
+        except (BrokenPipeError, ConnectionResetError, TimeoutError):  # the client left: its answer stops
             pass
 
     def event(self, head, index, delta, finish_reason):

@@ -171,6 +171,9 @@ def test_bytes_that_are_not_json_and_unknown_paths(chat_server):
     for raw in (b'{"messages": ', b'\xff\xfe', b'[' * 100_000):
         status, answer = post(chat_server + '/chat/completions', None, raw=raw)
         assert status == 400 and answer['error']['message'].startswith('the body is not JSON'), answer
+    with socket.create_connection(re.match(r'http://([^:]+):(\d+)', chat_server).groups(), timeout=60) as s:
+        s.sendall(b'POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n')
+        assert b' 400 ' in s.recv(4096).split(b'\r\n')[0]  # no Content-Length
     status, answer = post(chat_server + '/chat/completion', dict(messages=QUESTION))
     assert status == 404 and '/v1/chat/completions' in answer['error']['message']
     with urllib.request.urlopen(chat_server + '/models', timeout=60) as r:

@@ -53,7 +53,8 @@ check_values(config, [
 local_device = pick_device(device)  # 'auto' resolved
 autocast = autocast_context(local_device, pick_dtype(local_device, dtype))
 model, tokenizer, chat, path = load_for_generation(model_path('' if init_from == 'resume' else init_from, out_dir,
-                                                           ckpt_name), data_dir, chat_template_variables, local_device)
+                                                              ckpt_name), data_dir, chat_template_variables,
+                                                   local_device)
 
 text = start
 if start.startswith('FILE:'):
@@ -88,7 +89,7 @@ def conversation_prompt(history):
     block_size (as GPT.generate slides, they would be cut off at any token, the template's first included)."""
     while True:
         ids = tokenizer.encode_prompt(system_turns + history, schemas)
-        if len(ids) + max_new_tokens <= model.config.block_size or len(history) == 1:
+        if len(ids) + max_new_tokens - 1 <= model.config.block_size or len(history) == 1:
             return ids, history
         history = history[2:]  # a user turn and its answer
 
@@ -141,7 +142,7 @@ if interactive:
 else:  # start, answered (a chat model) or continued, num_samples times
     # a chat model answers start as a user turn; other text opens
     # as the tokenizer opens a text (a published model's BOS)
-    turns = [{'role': 'system', 'content': system}] * bool(system) + [{'role': 'user', 'content': text}]
+    turns = system_turns + [{'role': 'user', 'content': text}]
     ids = (tokenizer.encode_prompt(turns, schemas) if chat else tokenizer.document_prefix + tokenizer.encode(text))
     if not ids:
         raise UserError("start is empty: give the model something to continue, e.g. --start='\\n' or a sentence.")

@@ -85,7 +85,7 @@ def field(body, key, default, kind, low=None, high=None):
 
 
 def read_request(body, chat_endpoint):
-    """(prompt ids, settings) of a request's JSON body; BadRequest where the API would refuse it."""
+    """(the prompts' ids, settings) of a request's JSON body; BadRequest where the API would refuse it."""
     if not isinstance(body, dict):
         raise BadRequest(f"the body must be a JSON object, got {type(body).__name__}")
     for key in ('logprobs', 'top_logprobs', 'echo', 'suffix'):
@@ -101,24 +101,19 @@ def read_request(body, chat_endpoint):
             tool_names = {function_name(tool, 'each of "tools"') for tool in tools or []}
             if not messages:
                 raise ValueError('"messages" is empty: give at least one user message')
-            ids = tokenizer.encode_prompt(messages, tools)
+            prompts = [tokenizer.encode_prompt(messages, tools)]
         except (ValueError, UserError) as e:
             raise BadRequest(str(e), 'messages') from None
     else:
-        prompt = body.get('prompt')
-        if not isinstance(prompt, str) or not prompt:
-            raise BadRequest(f'"prompt" must be a non-empty string (one text a request), got '
-                             f'{json.dumps(prompt)[:80]}', 'prompt')
         tool_names = set()
-        try:
-            ids = getattr(tokenizer, 'document_prefix', []) + tokenizer.encode(prompt)
-        except UserError as e:
-            raise BadRequest(str(e), 'prompt') from None
-    room = block_size - len(ids) + 1  # tokens the context leaves: the last one drawn is never fed back
+        prompts = completion_prompts(body.get('prompt'))
+    longest = max(map(len, prompts))
+    room = block_size - longest + 1  # tokens the context leaves: the last one drawn is never fed back
     asked = field(body, 'max_completion_tokens', None, int, 1)
     asked = field(body, 'max_tokens', None, int, 1) if asked is None else asked
     if room < 1 or (asked or 1) > room:
-        raise BadRequest(f"this model's context is {block_size} tokens and the prompt takes {len(ids)}: "
+        raise BadRequest(f"this model's context is {block_size} tokens and the {'longest ' * (len(prompts) > 1)}"
+                         f"prompt takes {longest}: "
                          + (f"max_tokens can be at most {room}" if room >= 1 else "shorten it"),
                          'messages' if chat_endpoint else 'prompt', 'context_length_exceeded')
     stop = body.get('stop')
@@ -131,12 +126,33 @@ def read_request(body, chat_endpoint):
     request_seed = field(body, 'seed', None, int, -2 ** 63, 2 ** 64 - 1)
     generator = server_generator if request_seed is None else (
         torch.Generator(device=local_device).manual_seed(request_seed))
-    return ids, dict(max_tokens=asked or min(max_new_tokens, room),
+    return prompts, dict(max_tokens=asked or min(max_new_tokens, room),
                      temperature=field(body, 'temperature', temperature, float, 0, 2),
                      top_p=field(body, 'top_p', 1.0, float, 0, 1), n=field(body, 'n', 1, int, 1, 16),
                      stop=[s for s in stop if s], stream=field(body, 'stream', False, bool),
                      usage=field(stream_options, 'include_usage', False, bool), tools=tool_names,
                      generator=generator)
+
+
+def completion_prompts(prompt):
+    """The token ids of each prompt of /v1/completions' "prompt": a text, texts, token ids or lists of them
+    (OpenAI's four forms), a text opened as the tokenizer opens one (a published model's BOS)."""
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt)):
+        prompt = [prompt]
+    prompts = []
+    for p in prompt if isinstance(prompt, list) and 0 < len(prompt) <= 64 else [None]:
+        if isinstance(p, str) and p:
+            try:
+                prompts.append(getattr(tokenizer, 'document_prefix', []) + tokenizer.encode(p))
+            except UserError as e:
+                raise BadRequest(str(e), 'prompt') from None
+        elif isinstance(p, list) and p and all(type(t) is int and 0 <= t < model.config.vocab_size for t in p):
+            prompts.append(p)
+        else:
+            raise BadRequest(f'"prompt" must be a text, a list of up to 64 texts, a list of token ids (each in [0, '
+                             f'{model.config.vocab_size})) or a list of such lists, none empty; got '
+                             f'{json.dumps(prompt)[:80]}', 'prompt')
+    return prompts
 
 
 def draw(ids, settings, result):
@@ -207,7 +223,7 @@ class Handler(BaseHTTPRequestHandler):
             if not size.isdigit() or int(size) > 64 << 20:
                 raise BadRequest(f"the body needs a Content-Length of at most 64 MiB, got {size[:20]!r}")
             body = json.loads(self.rfile.read(int(size)).decode('utf-8'))
-            ids, settings = read_request(body, endpoint == '/v1/chat/completions')
+            prompts, settings = read_request(body, endpoint == '/v1/chat/completions')
         except (ValueError, RecursionError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
             self.send_error_json(400, f"the body is not JSON: {e}")
             return
@@ -216,14 +232,15 @@ class Handler(BaseHTTPRequestHandler):
             return
         with busy:
             try:
-                self.answer(ids, settings, endpoint == '/v1/chat/completions')
+                self.answer(prompts, settings, endpoint == '/v1/chat/completions')
             except Exception as e:  # a fault of the server's (out of memory, say): said, and it goes on serving
                 traceback.print_exc()
                 if not settings['stream']:
                     self.send_error_json(500, f"the server failed: {type(e).__name__}: {e}")
 
-    def answer(self, ids, settings, chat_endpoint):
-        """The request's n answers, as one JSON object or (stream) as server-sent events."""
+    def answer(self, prompts, settings, chat_endpoint):
+        """n answers to each prompt, choice p * n + k the kth to prompt p, as one JSON object or (stream) as
+        server-sent events."""
         ident = f"{'chatcmpl' if chat_endpoint else 'cmpl'}-{uuid.uuid4().hex}"
         head = dict(id=ident, object='chat.completion' if chat_endpoint else 'text_completion',
                     created=int(time.time()), model=name)
@@ -236,8 +253,8 @@ class Handler(BaseHTTPRequestHandler):
         drawn, choices = 0, []
         live = settings['stream'] and not settings['tools']  # an answer with tools is read whole for its calls
         try:
-            for index in range(settings['n']):
-                result, pieces = {}, []
+            for index in range(len(prompts) * settings['n']):
+                ids, result, pieces = prompts[index // settings['n']], {}, []
                 if settings['stream'] and chat_endpoint:
                     self.event(head, index, {'role': 'assistant', 'content': ''}, None)
                 for piece in draw(ids, settings, result):
@@ -260,7 +277,8 @@ class Handler(BaseHTTPRequestHandler):
                     self.event(head, index, {} if chat_endpoint else '', finish)
                 choices.append(dict(index=index, logprobs=None, finish_reason=finish,
                                     **({'message': message} if chat_endpoint else {'text': message['content']})))
-            usage = dict(prompt_tokens=len(ids), completion_tokens=drawn, total_tokens=len(ids) + drawn)
+            read = sum(map(len, prompts))
+            usage = dict(prompt_tokens=read, completion_tokens=drawn, total_tokens=read + drawn)
             if not settings['stream']:
                 self.send_json(200, dict(head, choices=choices, usage=usage))
                 return

@@ -110,6 +110,26 @@ def test_completions_continue_a_text(chat_server):
     assert ''.join(c['choices'][0]['text'] for c in chunks) == answer['choices'][0]['text']
 
 
+def test_completions_take_openais_four_prompt_forms(chat_server):
+    """"prompt" as a text, texts, token ids or lists of them: choice p * n + k the kth answer to prompt p, each the
+    model's greedy continuation; the usage counts each prompt once; an id outside the vocabulary is refused."""
+    loaded = load_for_generation(hf_fixture('qwen2'))
+    texts = ['Once upon', 'The sky']
+    ids = [loaded.tokenizer.document_prefix + loaded.tokenizer.encode(t) for t in texts]
+    want = [loaded.tokenizer.decode(loaded.model.generate(torch.tensor([i]), 5, temperature=0)[0, len(i):].tolist())
+            for i in ids]
+    for prompt, answers in ((texts, want), (ids, want), (ids[1], want[1:]), (texts[1], want[1:])):
+        status, answer = post(chat_server + '/completions', dict(prompt=prompt, temperature=0, max_tokens=5, n=2))
+        assert status == 200 and [c['index'] for c in answer['choices']] == list(range(2 * len(answers)))
+        assert [c['text'] for c in answer['choices']] == [a for a in answers for _ in range(2)]
+        assert answer['usage']['prompt_tokens'] == sum(len(i) for i in (ids if len(answers) == 2 else ids[1:]))
+    chunks = events(chat_server + '/completions', dict(prompt=texts, temperature=0, max_tokens=5, stream=True))
+    assert [''.join(c['choices'][0]['text'] for c in chunks if c['choices'][0]['index'] == k) for k in (0, 1)] == want
+    for prompt in ([], [[]], ['text', [10 ** 6]], [True], '', ['a'] * 65, None):
+        status, answer = post(chat_server + '/completions', dict(prompt=prompt))
+        assert status == 400 and answer['error']['param'] == 'prompt' and 'must be a text' in answer['error']['message']
+
+
 def test_sampling_follows_the_seed_and_n(chat_server):
     body = dict(messages=QUESTION, temperature=1.0, max_tokens=10, seed=7, n=3)
     _, first = post(chat_server + '/chat/completions', body)

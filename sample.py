@@ -14,7 +14,7 @@ import torch
 
 from configurator import FOLDER, SEED, UserError, at_least, check_values, configure, interval
 from lm.chat_data import chat_tools
-from lm.generate import CompiledDecoding, generate_batch, stop_tokens
+from lm.generate import CompiledDecoding, generate_batch, stop_tokens, stream_tokens
 from lm.tokenizer import decoded_pieces
 from loading import load_for_generation, model_path
 from run.device import autocast_context, pick_device, pick_dtype
@@ -77,10 +77,11 @@ if tools:  # the "tools" of a fine-tuning row
 if interactive and not chat:
     raise UserError(f"interactive=True: {path} is a base model, which continues a text (no chat template to hold "
                     f"turns); chat with a fine-tuned run or a published instruct model, or give it --start=...")
-if interactive and compile_decode:
-    raise UserError("interactive=True prints each token as it is drawn, eagerly; compile_decode=True decodes whole "
-                    "answers. Drop one of them.")
+if compile_decode and not use_kv_cache:
+    raise UserError("compile_decode=True decodes over a static KV cache; it cannot run with use_kv_cache=False. "
+                    "Drop one of them.")
 generator = torch.Generator(device=local_device).manual_seed(seed)
+decoding = CompiledDecoding() if compile_decode else None
 system_turns = [{'role': 'system', 'content': system}] * bool(system)
 
 
@@ -97,13 +98,12 @@ def conversation_prompt(history):
 def answer_tokens(ids):
     """The tokens of the answer to ids as they are drawn, up to a stop token (a chat model's end of turn)."""
     stops = stop_tokens(tokenizer)
-    prompt = torch.tensor([ids], dtype=torch.long, device=local_device)
     with torch.no_grad(), autocast:
-        for token in model.generate_tokens(prompt, max_new_tokens, temperature, top_k or None, top_p or None,
-                                           use_kv_cache, generator=generator):
-            if token.item() in stops:
+        for token in stream_tokens(model, ids, max_new_tokens, temperature, top_k or None, top_p or None, generator,
+                                   use_kv_cache, decoding):
+            if token in stops:
                 return
-            yield token.item()
+            yield token
 
 
 if interactive:
@@ -146,20 +146,16 @@ else:  # start, answered (a chat model) or continued, num_samples times
     ids = (tokenizer.encode_prompt(turns, schemas) if chat else tokenizer.document_prefix + tokenizer.encode(text))
     if not ids:
         raise UserError("start is empty: give the model something to continue, e.g. --start='\\n' or a sentence.")
-    if compile_decode and not use_kv_cache:
-        raise UserError("compile_decode=True decodes over a static KV cache; it cannot run with use_kv_cache=False. "
-                        "Drop one of them.")
     # a static cache holds the whole sample: one that passes block_size slides its context (GPT.generate) instead
     fits = len(ids) + max_new_tokens - 1 <= model.config.block_size
     if compile_decode and not fits:
         print(f"compile_decode: {len(ids)} prompt tokens + max_new_tokens={max_new_tokens} pass block_size="
               f"{model.config.block_size}, so the context slides; sampling without compiling")
-    decoding = CompiledDecoding() if compile_decode and fits else None
     prompt = torch.tensor([ids], dtype=torch.long, device=local_device)
     eos_id = tokenizer.eos_id if chat else None  # a chat answer ends at <|end|>
     with torch.no_grad(), autocast:
         for _ in range(num_samples):
-            if decoding is not None:  # the draws GPT.generate makes from generator (lm/generate.py), compiled
+            if decoding is not None and fits:  # GPT.generate's draws from generator (lm/generate.py), compiled
                 stops = [] if eos_id is None else [eos_id]
                 out = ids + generate_batch(model, [ids], max_new_tokens, temperature, top_k or None, top_p or None,
                                            stops, generator=generator, decoding=decoding)[0]

@@ -4,23 +4,22 @@ chat UI, scripts): `python serve.py --init_from=out-sft/ckpt.pt`, then
 `curl http://127.0.0.1:8000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}]}'`.
 A chat model (fine-tuned, or a published instruct folder) answers /v1/chat/completions through its chat template
 (a request's "tools" too); any model continues a text at /v1/completions. "stream": true sends the answer as it
-is drawn (server-sent events). One request computes at a time, the others wait their turn. It listens on this
+is drawn (server-sent events). One request is served at a time, the others wait their turn. It listens on this
 machine only unless --host says otherwise, and checks no key: whoever reaches the port can use it.
 """
 
 import json
 import sys
-import threading
 import time
 import traceback
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import torch
 
 from configurator import SEED, UserError, at_least, check_values, configure, interval
 from lm.chat_data import chat_tools, message_list
-from lm.generate import stop_tokens
+from lm.generate import CompiledDecoding, stop_tokens, stream_tokens
 from lm.metrics import reply_and_calls
 from lm.tokenizer import decoded_pieces, function_name
 from loading import load_for_generation, model_path
@@ -39,6 +38,7 @@ max_new_tokens = 512         # a request's max_tokens where it gives none (at mo
 temperature = 1.0            # a request's temperature where it gives none (OpenAI's default); 0 = greedy
 top_k = 0                    # top-k for every request (OpenAI's API has no such field); 0 = off
 use_kv_cache = True          # cache keys and values while generating (same answers, faster)
+compile_decode = False       # decode through torch.compile over a static KV cache (CUDA graphs): ~1 min to compile
 seed = 1337                  # seeds the draws of the requests that give no "seed"
 device = 'auto'              # 'auto' (cuda, else mps, else cpu) | 'cpu' | 'cuda' | 'cuda:1' | 'mps'
 dtype = 'auto'               # 'auto' = bf16 on GPUs with it, else fp16; fp32 on CPU
@@ -59,7 +59,10 @@ model, tokenizer, chat, path = load_for_generation(model_path('' if init_from ==
 name = model_name or path
 block_size = model.config.block_size
 server_generator = torch.Generator(device=local_device).manual_seed(seed)
-busy = threading.Lock()  # one model: one request computes at a time
+if compile_decode and not use_kv_cache:
+    raise UserError("compile_decode=True decodes over a static KV cache; it cannot run with use_kv_cache=False. "
+                    "Drop one of them.")
+decoding = CompiledDecoding() if compile_decode else None
 
 
 class BadRequest(Exception):
@@ -163,16 +166,15 @@ def draw(ids, settings, result):
     stop_ids, stop = stop_tokens(tokenizer), settings['stop']
 
     def tokens():
-        prompt = torch.tensor([ids], dtype=torch.long, device=local_device)
         with torch.no_grad(), autocast:
-            for token in model.generate_tokens(prompt, settings['max_tokens'], settings['temperature'], top_k or None,
-                                               settings['top_p'] if settings['top_p'] < 1 else None, use_kv_cache,
-                                               generator=settings['generator']):
-                if token.item() in stop_ids:
+            for token in stream_tokens(model, ids, settings['max_tokens'], settings['temperature'], top_k or None,
+                                       settings['top_p'] if settings['top_p'] < 1 else None, settings['generator'],
+                                       use_kv_cache, decoding):
+                if token in stop_ids:
                     result['finish_reason'] = 'stop'
                     return
                 result['tokens'] += 1
-                yield token.item()
+                yield token
 
     pending = ''
     for piece in decoded_pieces(tokenizer, tokens()):
@@ -190,7 +192,7 @@ def draw(ids, settings, result):
 
 class Handler(BaseHTTPRequestHandler):
     server_version = 'nanotrain'
-    timeout = 600  # seconds a client may stall reading or writing before its connection is dropped
+    timeout = 60  # seconds a client may stall sending or reading before it is dropped (the others wait on it)
 
     def send_json(self, status, value):
         data = json.dumps(value).encode()
@@ -230,13 +232,12 @@ class Handler(BaseHTTPRequestHandler):
         except BadRequest as e:
             self.send_error_json(400, str(e), e.param, e.code)
             return
-        with busy:
-            try:
-                self.answer(prompts, settings, endpoint == '/v1/chat/completions')
-            except Exception as e:  # a fault of the server's (out of memory, say): said, and it goes on serving
-                traceback.print_exc()
-                if not settings['stream']:
-                    self.send_error_json(500, f"the server failed: {type(e).__name__}: {e}")
+        try:
+            self.answer(prompts, settings, endpoint == '/v1/chat/completions')
+        except Exception as e:  # a fault of the server's (out of memory, say): said, and it goes on serving
+            traceback.print_exc()
+            if not settings['stream']:
+                self.send_error_json(500, f"the server failed: {type(e).__name__}: {e}")
 
     def answer(self, prompts, settings, chat_endpoint):
         """n answers to each prompt, choice p * n + k the kth to prompt p, as one JSON object or (stream) as
@@ -296,12 +297,17 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
 
 
+class Server(HTTPServer):
+    """One request at a time, in this thread: one model, one generator, and a CUDA graph (compile_decode) replays in
+    the thread that recorded it; the connections that wait queue here."""
+    request_queue_size = 128
+
+
 try:
-    server = ThreadingHTTPServer((host, port), Handler)
+    server = Server((host, port), Handler)
 except OSError as e:  # the port is taken, or host is not an address of this machine
     raise UserError(f"cannot listen on {host}:{port} ({e.strerror or e}); pass another --port (0 = any free one) "
                     f"or --host (127.0.0.1: this machine only).") from None
-server.daemon_threads = True
 endpoints = '/v1/chat/completions, /v1/completions' if chat else '/v1/completions (a base model)'
 print(f"serving {name} at http://{host}:{server.server_address[1]}/v1 ({endpoints}); Ctrl-C stops", flush=True)
 try:

@@ -214,7 +214,6 @@ class CompiledDecoding:
         return self.step(model, token, slot, starts, caches)
 
 
-@torch.inference_mode()
 def generate_batch(model, prompts, max_new_tokens, temperature=0.0, top_k=None, top_p=None, stop_ids=(),
                    num_samples=1, generator=None, rows_of=None, share_prompts=None, decoding=None):
     """Completions of prompts (lists of token ids), num_samples per prompt in prompt order:
@@ -228,10 +227,35 @@ def generate_batch(model, prompts, max_new_tokens, temperature=0.0, top_k=None, 
     on reading the cache (on a GPU it waits on kernel launches, which that adds). decoding: a CompiledDecoding
     to decode with (then every row stays in the batch to the end, its tokens after its stop thrown away, and no
     prompt is shared), None = eager. Call model.eval() first."""
-    check_prompts(prompts, max_new_tokens, model.config.block_size)
     completions = [[] for _ in range(len(prompts) * num_samples)]
+    for drawn in drawn_tokens(model, prompts, max_new_tokens, temperature, top_k, top_p, stop_ids, num_samples,
+                              generator, rows_of, share_prompts, decoding):
+        for row, token in drawn.items():
+            completions[row].append(token)
+    return completions
+
+
+def stream_tokens(model, ids, max_new_tokens, temperature=0.0, top_k=None, top_p=None, generator=None,
+                  use_kv_cache=True, decoding=None):
+    """The tokens (ints) that follow one prompt's ids, each as soon as it is drawn, as GPT.generate draws them:
+    through decoding (a CompiledDecoding: CUDA graphs on a GPU) where prompt and answer fit its static cache, else
+    GPT.generate_tokens (its context slides past block_size). No stop token: the caller stops reading at its own."""
+    if decoding is not None and use_kv_cache and len(ids) + max_new_tokens - 1 <= model.config.block_size:
+        return (drawn[0] for drawn in drawn_tokens(model, [ids], max_new_tokens, temperature, top_k, top_p,
+                                                   generator=generator, decoding=decoding))
+    prompt = torch.tensor([ids], dtype=torch.long, device=model.lm_head.weight.device)
+    return (t.item() for t in model.generate_tokens(prompt, max_new_tokens, temperature, top_k, top_p, use_kv_cache,
+                                                     generator=generator))
+
+
+@torch.inference_mode()
+def drawn_tokens(model, prompts, max_new_tokens, temperature=0.0, top_k=None, top_p=None, stop_ids=(),
+                 num_samples=1, generator=None, rows_of=None, share_prompts=None, decoding=None):
+    """generate_batch's tokens a step at a time, as they are drawn: {completion: its new token} of the completions
+    still running (sample.py and serve.py stream one prompt's answer with it, compiled decoding too)."""
+    check_prompts(prompts, max_new_tokens, model.config.block_size)
     if not prompts or max_new_tokens == 0:
-        return completions
+        return
     device = model.lm_head.weight.device
     longest = max(map(len, prompts))
     # the batch's rows: each prompt's num_samples, prompts in groups of similar length (prefill, key_chunks)
@@ -265,16 +289,18 @@ def generate_batch(model, prompts, max_new_tokens, temperature=0.0, top_k=None, 
             slot = caches[0].slot
             slot.fill_(longest)
     stop_ids = set(stop_ids)
-    first, total = rows_of or (0, len(completions))
+    first, total = rows_of or (0, len(prompts) * num_samples)
     owners = torch.tensor(rows, device=device) + first  # each batch row's number in the draw
     for step in range(max_new_tokens):
         uniform = None if temperature == 0 else torch.rand(total, generator=generator, device=device,
                                                             dtype=sampling_dtype(device))[owners]
         token = sample_next(logits, temperature, top_k, top_p, generator, uniform)
+        drawn = {}
         for i, (row, t) in enumerate(zip(rows, token[:, 0].tolist())):
             if row is not None:
-                completions[row].append(t)
+                drawn[row] = t
                 rows[i] = None if t in stop_ids else row
+        yield drawn
         running = [row is not None for row in rows]
         if step == max_new_tokens - 1 or not any(running):
             break
@@ -295,4 +321,3 @@ def generate_batch(model, prompts, max_new_tokens, temperature=0.0, top_k=None, 
         else:
             logits = decoding(model, token, slot, starts, caches)
         slot += 1
-    return completions

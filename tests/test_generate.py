@@ -270,3 +270,29 @@ def test_compiled_decoding_replays_cuda_graphs():
     for compiled, eager in runs:
         assert compiled == eager
     assert not counters['inductor']['cudagraph_skips']
+
+
+@pytest.mark.comparison
+def test_a_streamed_answer_draws_what_generate_draws():
+    """stream_tokens (sample.py's and serve.py's answers): one prompt's tokens as GPT.generate draws them, greedy and
+    sampled with a seed, through compiled decoding (aot_eager, as above) where the answer fits the static cache and
+    GPT.generate_tokens where it would pass block_size (the context slides); a reader may stop it at any token."""
+    from lm.generate import CompiledDecoding, stream_tokens
+    m = sharp_model(n_layer=1, n_head=4, n_kv_head=2)
+    decoding, prompt = CompiledDecoding('aot_eager'), PROMPTS[1]
+
+    def generated(n, opts):
+        out = m.generate(torch.tensor([prompt]), n, generator=torch.Generator().manual_seed(3), **opts)
+        return out[0, len(prompt):].tolist()
+
+    def streamed(n, d, opts):
+        return list(stream_tokens(m, prompt, n, generator=torch.Generator().manual_seed(3), decoding=d, **opts))
+
+    long = m.config.block_size - len(prompt) + 4  # past block_size
+    for opts in (dict(temperature=0), dict(temperature=1.5, top_k=20)):
+        assert streamed(10, decoding, opts) == streamed(10, None, opts) == generated(10, opts)
+        assert streamed(long, decoding, opts) == generated(long, opts)
+    assert decoding.step is not None  # compiled, not the eager path
+    stream = stream_tokens(m, prompt, 10, decoding=decoding)
+    assert [next(stream), next(stream)] == generated(10, dict(temperature=0))[:2]
+    stream.close()

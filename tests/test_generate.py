@@ -296,3 +296,18 @@ def test_a_streamed_answer_draws_what_generate_draws():
     stream = stream_tokens(m, prompt, 10, decoding=decoding)
     assert [next(stream), next(stream)] == generated(10, dict(temperature=0))[:2]
     stream.close()
+
+
+@pytest.mark.cuda
+def test_a_streamed_answer_replays_cuda_graphs():
+    """On a GPU, stream_tokens through CompiledDecoding (serve.py's and sample.py's compile_decode) replays CUDA
+    graphs (none skipped) and draws the eager path's greedy tokens; float32 with TF32 off, as above."""
+    from torch._dynamo.utils import counters
+    from lm.generate import CompiledDecoding, stream_tokens
+    torch.backends.cuda.matmul.allow_tf32 = False
+    counters.clear()
+    m = sharp_model(n_layer=2, n_head=4, n_kv_head=2).float().cuda()
+    decoding = CompiledDecoding()
+    for prompt in PROMPTS[:2]:
+        assert list(stream_tokens(m, prompt, 10, decoding=decoding)) == list(stream_tokens(m, prompt, 10))
+    assert not counters['inductor']['cudagraph_skips']

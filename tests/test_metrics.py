@@ -210,8 +210,9 @@ def test_a_reply_that_calls_tools_splits_into_its_text_and_calls():
                 assert case['model'] == 'mistral'
                 continue
             text = tokenizer.decode(tokenizer.tokenizer.encode(reply, add_special_tokens=False).ids, skip_special=True)
-            calls = [(c['function']['name'], json.dumps(json.loads(a) if isinstance(a := c['function']['arguments'], str)
-                                                        else a, sort_keys=True)) for c in m['tool_calls']]
+            arguments = [c['function']['arguments'] for c in m['tool_calls']]
+            calls = [(c['function']['name'], json.dumps(json.loads(a) if isinstance(a, str) else a, sort_keys=True))
+                     for c, a in zip(m['tool_calls'], arguments)]
             content = m['content'] if m['content'] and m['content'] in reply else None
             assert metrics.reply_and_calls(text, names) == (content, calls), (case['model'], case['case'], text)
             seen.add((case['model'], content is not None, len(calls)))

@@ -256,8 +256,9 @@ model.GPT.generate_tokens = generate_tokens
 sys.argv = ['serve.py', *sys.argv[1:]]
 runpy.run_path('serve.py', run_name='__main__')
 """
+CITY = {'type': 'object', 'properties': {'city': {'type': 'string'}}}
 TOOLS = [{'type': 'function', 'function': {'name': 'get_weather', 'description': 'The weather in a city.',
-                                           'parameters': {'type': 'object', 'properties': {'city': {'type': 'string'}}}}}]
+                                           'parameters': CITY}}]
 
 
 def test_a_call_comes_back_as_openais_tool_calls(tmp_path):

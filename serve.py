@@ -264,11 +264,12 @@ class Handler(BaseHTTPRequestHandler):
                         self.event(head, index, {'content': piece} if chat_endpoint else piece, None)
                 drawn += result['tokens']
                 message, finish = {'role': 'assistant', 'content': ''.join(pieces)}, result['finish_reason']
-                calls = reply_and_calls(message['content'], settings['tools']) if settings['tools'] else (None, [])
-                if calls[1]:  # OpenAI's form: each call an id, its arguments a JSON string
-                    message['content'], finish = calls[0], 'tool_calls'
+                tools = settings['tools']
+                content, calls = reply_and_calls(message['content'], tools) if tools else (None, [])
+                if calls:  # OpenAI's form: each call an id, its arguments a JSON string
+                    message['content'], finish = content, 'tool_calls'
                     message['tool_calls'] = [dict(id=f'call_{uuid.uuid4().hex[:24]}', type='function',
-                                                  function=dict(name=n, arguments=a)) for n, a in calls[1]]
+                                                  function=dict(name=n, arguments=a)) for n, a in calls]
                 if settings['stream'] and not live:  # the content whole, then each call
                     if message['content']:
                         self.event(head, index, {'content': message['content']}, None)

@@ -203,8 +203,7 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def send_error_json(self, status, message, param=None, code=None):
-        kind = 'invalid_request_error' if status < 500 else 'server_error'
-        self.send_json(status, {'error': dict(message=message, type=kind, param=param, code=code)})
+        self.send_json(status, {'error': dict(message=message, type='invalid_request_error', param=param, code=code)})
 
     def do_GET(self):
         if self.path.rstrip('/') == '/v1/models':
@@ -236,8 +235,12 @@ class Handler(BaseHTTPRequestHandler):
             self.answer(prompts, settings, endpoint == '/v1/chat/completions')
         except Exception as e:  # a fault of the server's (out of memory, say): said, and it goes on serving
             traceback.print_exc()
+            error = dict(message=f"the server failed: {type(e).__name__}: {e}", type='server_error', param=None,
+                         code=None)
             if not settings['stream']:
-                self.send_error_json(500, f"the server failed: {type(e).__name__}: {e}")
+                self.send_json(500, {'error': error})
+            else:  # the stream's last event, as OpenAI's API ends a stream that fails
+                self.wfile.write(f"data: {json.dumps({'error': error})}\n\n".encode())
 
     def answer(self, prompts, settings, chat_endpoint):
         """n answers to each prompt, choice p * n + k the kth to prompt p, as one JSON object or (stream) as

@@ -215,12 +215,14 @@ def test_a_base_model_continues_texts_only_and_a_taken_port_is_refused(tmp_path)
         p.wait()
 
 
-# serve.py with the model's first generation failing as a GPU out of memory fails
+# serve.py with the model's first two generations failing as a GPU out of memory fails
 FIRST_ANSWER_FAILS = """
 import runpy, sys, torch, model
-draws = model.GPT.generate_tokens
+draws, failed = model.GPT.generate_tokens, []
 def generate_tokens(self, *args, **kwargs):
-    model.GPT.generate_tokens = draws
+    failed.append(1)
+    if len(failed) == 2:
+        model.GPT.generate_tokens = draws
     raise torch.OutOfMemoryError('CUDA out of memory (injected)')
 model.GPT.generate_tokens = generate_tokens
 sys.argv = ['serve.py', *sys.argv[1:]]
@@ -229,12 +231,16 @@ runpy.run_path('serve.py', run_name='__main__')
 
 
 def test_a_request_the_server_fails_is_a_500_and_it_goes_on_serving():
+    """A fault of the server's is a 500, or a stream's last event (no [DONE]); the next request is answered."""
+    error = dict(message='the server failed: OutOfMemoryError: CUDA out of memory (injected)', type='server_error',
+                 param=None, code=None)
     p, url = start_server(hf_fixture('qwen2'), launcher=('-c', FIRST_ANSWER_FAILS))
     try:
         status, answer = post(url + '/chat/completions', dict(messages=QUESTION, max_tokens=4))
-        assert status == 500 and answer['error'] == dict(
-            message='the server failed: OutOfMemoryError: CUDA out of memory (injected)', type='server_error',
-            param=None, code=None)
+        assert status == 500 and answer['error'] == error
+        body = json.dumps(dict(messages=QUESTION, max_tokens=4, stream=True)).encode()
+        with urllib.request.urlopen(urllib.request.Request(url + '/chat/completions', data=body), timeout=60) as r:
+            assert r.read().decode().split('\n\n')[-2:] == ['data: ' + json.dumps({'error': error}), '']
         status, answer = post(url + '/chat/completions', dict(messages=QUESTION, max_tokens=4))
         assert status == 200 and answer['choices'][0]['message']['content']
     finally:

@@ -61,6 +61,7 @@ def is_text_list(value, least=1):
 def generation_row(row, where):
     """{'prompt' or 'messages', 'references' (None without), 'stop', 'tools', 'call'} of a generation row, checked;
     call: the assistant turn of an SFT example that ends with tool calls (its reference needs the template)."""
+    record = row  # as given: its "tools" are read from it as the training scripts read them (chat_tools)
     if 'conversations' in row and 'messages' not in row:  # ShareGPT's, as the training scripts read it
         try:
             row = dict(row, messages=sharegpt_messages(row['conversations']))
@@ -80,7 +81,7 @@ def generation_row(row, where):
         if not (isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages)):
             raise UserError(f"{where}: \"messages\" must be a non-empty list of {{\"role\": str, \"content\": str}}.")
         try:  # text parts joined, tools and tool calls kept, as SFT data's
-            messages, tools = message_list(messages, 'messages'), chat_tools(row)
+            messages, tools = message_list(messages, 'messages'), chat_tools(record)
         except ValueError as e:
             raise UserError(f"{where}: {e}.") from None
         if messages[-1]['role'] == 'assistant' and len(messages) > 1 and not given:  # an SFT example

@@ -18,7 +18,8 @@ import torch
 from configurator import UserError
 from conftest import CHARS, ROOT, assert_user_error, run, write_jsonl
 from data import prepare
-from lm.eval_tasks import choice_predictions, fewshot_draws, rolling_windows
+from lm.chat_data import chat_tools
+from lm.eval_tasks import choice_predictions, fewshot_draws, generation_row, rolling_windows
 from lm.metrics import corpus_scores, example_scores, normalize_answer
 from lm.tokenizer import ChatTokenizer, load_tokenizer
 from model import GPT, GPTConfig
@@ -327,6 +328,11 @@ def test_sft_rows_and_a_byte_order_mark_are_read(models, tmp_path):
     result = eval_py(f"--init_from={models['chat']}", f'--eval_data={share}', '--max_new_tokens=3')
     assert result['examples'][0]['references'] == ['def']
     assert result['examples'][0]['prompt'].endswith('<|user|>abc<|end|><|assistant|>')
+    # its bare tool schemas (LLaMA-Factory's), wrapped as the training scripts wrap them
+    bare = dict(conversations=[{'from': 'human', 'value': 'abc'}], tools=[{'name': 'f', 'parameters': {}}],
+                reference='x')
+    assert generation_row(bare, 'f:1')['tools'] == chat_tools(bare) == [
+        {'type': 'function', 'function': {'name': 'f', 'parameters': {}}}]
     # content as text parts, as the training scripts read it: joined; an image part is named
     parts = write_jsonl(tmp_path / 'parts.jsonl', [dict(messages=[
         {'role': 'user', 'content': [{'type': 'text', 'text': 'ab'}, {'type': 'text', 'text': 'c'}]},

@@ -14,7 +14,7 @@ import torch
 
 from configurator import FOLDER, SEED, UserError, at_least, check_values, configure, interval
 from lm.chat_data import chat_tools
-from lm.generate import CompiledDecoding, generate_batch, stop_tokens, stream_tokens
+from lm.generate import CompiledDecoding, stop_tokens, stream_tokens
 from lm.tokenizer import decoded_pieces
 from loading import load_for_generation, model_path
 from run.device import autocast_context, pick_device, pick_dtype
@@ -147,21 +147,17 @@ else:  # start, answered (a chat model) or continued, num_samples times
     if not ids:
         raise UserError("start is empty: give the model something to continue, e.g. --start='\\n' or a sentence.")
     # a static cache holds the whole sample: one that passes block_size slides its context (GPT.generate) instead
-    fits = len(ids) + max_new_tokens - 1 <= model.config.block_size
-    if compile_decode and not fits:
+    if compile_decode and len(ids) + max_new_tokens - 1 > model.config.block_size:
         print(f"compile_decode: {len(ids)} prompt tokens + max_new_tokens={max_new_tokens} pass block_size="
               f"{model.config.block_size}, so the context slides; sampling without compiling")
-    prompt = torch.tensor([ids], dtype=torch.long, device=local_device)
     eos_id = tokenizer.eos_id if chat else None  # a chat answer ends at <|end|>
     with torch.no_grad(), autocast:
         for _ in range(num_samples):
-            if decoding is not None and fits:  # GPT.generate's draws from generator (lm/generate.py), compiled
-                stops = [] if eos_id is None else [eos_id]
-                out = ids + generate_batch(model, [ids], max_new_tokens, temperature, top_k or None, top_p or None,
-                                           stops, generator=generator, decoding=decoding)[0]
-            else:
-                out = model.generate(prompt, max_new_tokens, temperature=temperature, top_k=top_k or None,
-                                     top_p=top_p or None, use_kv_cache=use_kv_cache, generator=generator,
-                                     eos_id=eos_id)[0].tolist()
+            out = list(ids)
+            for token in stream_tokens(model, ids, max_new_tokens, temperature, top_k or None, top_p or None,
+                                       generator, use_kv_cache, decoding):
+                out.append(token)
+                if token == eos_id:
+                    break
             print(tokenizer.decode(out))
             print('---------------')

@@ -21,7 +21,7 @@ from configurator import SEED, UserError, at_least, check_values, configure, int
 from lm.chat_data import chat_tools, message_list
 from lm.generate import CompiledDecoding, stop_tokens, stream_tokens
 from lm.metrics import reply_and_calls
-from lm.tokenizer import decoded_pieces, function_name
+from lm.tokenizer import base_tokenizer, decoded_pieces, function_name
 from loading import load_for_generation, model_path
 from run.device import autocast_context, pick_device, pick_dtype
 
@@ -146,7 +146,7 @@ def completion_prompts(prompt):
     for p in prompt if isinstance(prompt, list) and 0 < len(prompt) <= 64 else [None]:
         if isinstance(p, str) and p:
             try:
-                prompts.append(getattr(tokenizer, 'document_prefix', []) + tokenizer.encode(p))
+                prompts.append(base_tokenizer(tokenizer).document_prefix + tokenizer.encode(p))
             except UserError as e:
                 raise BadRequest(str(e), 'prompt') from None
         elif isinstance(p, list) and p and all(type(t) is int and 0 <= t < model.config.vocab_size for t in p):

@@ -35,7 +35,7 @@ import re
 import torch
 
 from configurator import UserError
-from lm.tokenizer import CHAT_ROLES, function_name, reply_reference
+from lm.tokenizer import CHAT_ROLES, base_tokenizer, function_name, reply_reference
 from run.checkpoint import NEW_RUN
 from run.device import to_device
 
@@ -215,7 +215,7 @@ def text_example(tokenizer, text):
     tokenizer; special-token text in the text is read as those tokens, as transformers' tokenizer(text) reads it."""
     if not string_field(text, 'text'):
         raise ValueError('"text" is empty: there is nothing to learn')
-    prefix = list(getattr(tokenizer, 'base', tokenizer).document_prefix)
+    prefix = list(base_tokenizer(tokenizer).document_prefix)
     ids = prefix + tokenizer.encode(text) + [tokenizer.eos_id]
     return ids, [-100] * len(prefix) + ids[len(prefix):]
 

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 
 from configurator import UserError
 from lm.chat_data import chat_tools, message_list, sharegpt_messages
+from lm.tokenizer import base_tokenizer
 
 GENERATION, MULTIPLE_CHOICE, ROLLING = 'generation', 'multiple_choice', 'loglikelihood_rolling'
 FORMATS = ('{"prompt": str} or {"messages": [{"role": ..., "content": ...}, ...]} with {"reference": str} or '
@@ -237,11 +238,6 @@ def fewshot_draws(rows, num_fewshot, rows_cut=False):
 def same_row(a, b):
     """Whether two rows hold the same example, wherever they are in the file (lm-eval compares its docs)."""
     return {k: v for k, v in a.items() if k != 'line'} == {k: v for k, v in b.items() if k != 'line'}
-
-
-def base_tokenizer(tokenizer):
-    """The tokenizer under nanotrain's chat template (ChatTokenizer), else tokenizer itself."""
-    return getattr(tokenizer, 'base', tokenizer)
 
 
 def generation_prompt(tokenizer, chat, row, where):

@@ -193,6 +193,12 @@ class ChatTokenizer:
         return self.encode_chat(messages, tools)[0] + [self.special['<|assistant|>']]
 
 
+def base_tokenizer(tokenizer):
+    """The tokenizer under nanotrain's chat template (ChatTokenizer), else tokenizer itself: its document_prefix
+    opens a text (a published base model's BOS)."""
+    return getattr(tokenizer, 'base', tokenizer)
+
+
 def prompt_and_answer(tokenizer, messages, tools=None):
     """(prompt ids, reference text) of a conversation's last assistant turn, for exact-match evaluation;
     tokenizer: a chat tokenizer (ChatTokenizer, or a published model's hf_tokenizer.HFTokenizer); the reference

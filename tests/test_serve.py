@@ -14,7 +14,7 @@ import urllib.request
 import pytest
 import torch
 
-from conftest import ROOT, assert_user_error, greedy_answer, hf_fixture, run, script_env
+from conftest import HF_TINY, ROOT, assert_user_error, greedy_answer, hf_fixture, run, script_env
 from lm.generate import stop_tokens
 from loading import load_for_generation
 
@@ -297,6 +297,31 @@ def test_a_call_comes_back_as_openais_tool_calls(tmp_path):
         _, plain = post(url + '/chat/completions', dict(messages=messages))
         assert plain['choices'][0] == dict(index=0, logprobs=None, finish_reason='stop',
                                            message=dict(role='assistant', content=CALL))
+    finally:
+        p.kill()
+        p.wait()
+
+
+@pytest.mark.slow
+def test_a_text_opens_with_the_bos_of_a_base_model_tuned_in_nanotrains_template(tmp_path, task):
+    """/v1/completions on a published base model fine-tuned in nanotrain's chat template (ChatTokenizer over its
+    tokenizer): a text opens with the base's BOS, as its training texts and sample.py's base-model texts do."""
+    base = tmp_path / 'llama_base'  # the llama fixture without its chat template: a base model
+    shutil.copytree(hf_fixture('llama'), base)
+    config = json.loads((base / 'tokenizer_config.json').read_text())
+    (base / 'tokenizer_config.json').write_text(json.dumps({k: v for k, v in config.items() if k != 'chat_template'}))
+    run(['train.py', '--training_type=sft', f'--init_from={base}', f'--out_dir={tmp_path / "out"}', f'--sft_data={task}',
+         *HF_TINY, '--max_iters=1', '--lr_decay_iters=1', '--exact_match_examples=0'])
+    loaded = load_for_generation(str(tmp_path / 'out' / 'ckpt.pt'))
+    assert loaded.chat and loaded.tokenizer.base.document_prefix == [400]  # its BOS
+    want = [400] + loaded.tokenizer.encode('Once upon')
+    p, url = start_server(tmp_path / 'out' / 'ckpt.pt')
+    try:
+        _, answer = post(url + '/completions', dict(prompt='Once upon', max_tokens=1))
+        assert answer['usage']['prompt_tokens'] == len(want)
+        _, by_ids = post(url + '/completions', dict(prompt=want, max_tokens=3, temperature=0))
+        _, by_text = post(url + '/completions', dict(prompt='Once upon', max_tokens=3, temperature=0))
+        assert by_text['choices'] == by_ids['choices']
     finally:
         p.kill()
         p.wait()

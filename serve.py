@@ -4,8 +4,10 @@ chat UI, scripts): `python serve.py --init_from=out-sft/ckpt.pt`, then
 `curl http://127.0.0.1:8000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}]}'`.
 A chat model (fine-tuned, or a published instruct folder) answers /v1/chat/completions through its chat template
 (a request's "tools" too); any model continues a text at /v1/completions. "stream": true sends the answer as it
-is drawn (server-sent events). One request is served at a time, the others wait their turn. It listens on this
-machine only unless --host says otherwise, and checks no key: whoever reaches the port can use it.
+is drawn (server-sent events); "logprobs" and "echo" give the tokens' log-probabilities, and /tokenize,
+/detokenize and /tokenizer_info (vLLM's) the model's tokens, so lm-eval's local-completions scores multiple-choice
+tasks through it. One request is served at a time, the others wait their turn. It listens on this machine only
+unless --host says otherwise, and checks no key: whoever reaches the port can use it.
 """
 
 import json
@@ -16,6 +18,7 @@ import uuid
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import torch
+import torch.nn.functional as F
 
 from configurator import SEED, UserError, at_least, check_values, configure, interval
 from lm.chat_data import chat_tools, message_list
@@ -91,10 +94,19 @@ def read_request(body, chat_endpoint):
     """(the prompts' ids, settings) of a request's JSON body; BadRequest where the API would refuse it."""
     if not isinstance(body, dict):
         raise BadRequest(f"the body must be a JSON object, got {type(body).__name__}")
-    for key in ('logprobs', 'top_logprobs', 'echo', 'suffix'):
-        if body.get(key) not in (None, False, 0, ''):
-            raise BadRequest(f'"{key}" is not served here; eval.py scores log-probabilities itself '
-                             f'(python eval.py --init_from=... --eval_data=tasks.jsonl).', key)
+    if body.get('suffix') not in (None, ''):
+        raise BadRequest('"suffix" (a text after the insertion) is not served: the model continues a text only',
+                         'suffix')
+    if chat_endpoint:  # logprobs: true, top_logprobs: k alternatives
+        if body.get('echo') not in (None, False):
+            raise BadRequest('"echo" is a field of /v1/completions (the prompt\'s log-probs with "logprobs")', 'echo')
+        top = field(body, 'top_logprobs', None, int, 0, 20)
+        if top is not None and not field(body, 'logprobs', False, bool):
+            raise BadRequest('"top_logprobs" needs "logprobs": true', 'top_logprobs')
+        top, echo = (top or 0) if field(body, 'logprobs', False, bool) else None, False
+    else:  # logprobs: k alternatives; echo: the prompt too
+        top, echo = field(body, 'logprobs', None, int, 0, 20), field(body, 'echo', False, bool)
+    texts = None
     if chat_endpoint:
         if not chat:
             raise BadRequest(f"{name} is a base model: it continues a text (no chat template to hold messages); "
@@ -109,12 +121,13 @@ def read_request(body, chat_endpoint):
             raise BadRequest(str(e), 'messages') from None
     else:
         tool_names = set()
-        prompts = completion_prompts(body.get('prompt'))
+        prompts, texts = completion_prompts(body.get('prompt'))
     longest = max(map(len, prompts))
     room = block_size - longest + 1  # tokens the context leaves: the last one drawn is never fed back
     asked = field(body, 'max_completion_tokens', None, int, 1)
-    asked = field(body, 'max_tokens', None, int, 1) if asked is None else asked
-    if room < 1 or (asked or 1) > room:
+    # max_tokens 0 with echo: the prompt's log-probs alone (lm-eval's scoring, OpenAI's legacy form)
+    asked = field(body, 'max_tokens', None, int, 0 if echo else 1) if asked is None else asked
+    if (1 if asked is None else asked) > room:
         raise BadRequest(f"this model's context is {block_size} tokens and the {'longest ' * (len(prompts) > 1)}"
                          f"prompt takes {longest}: "
                          + (f"max_tokens can be at most {room}" if room >= 1 else "shorten it"),
@@ -129,7 +142,8 @@ def read_request(body, chat_endpoint):
     request_seed = field(body, 'seed', None, int, -2 ** 63, 2 ** 64 - 1)
     generator = server_generator if request_seed is None else (
         torch.Generator(device=local_device).manual_seed(request_seed))
-    return prompts, dict(max_tokens=asked or min(max_new_tokens, room),
+    return prompts, dict(max_tokens=min(max_new_tokens, room) if asked is None else asked, top=top, echo=echo,
+                     texts=texts,
                      temperature=field(body, 'temperature', temperature, float, 0, 2),
                      top_p=field(body, 'top_p', 1.0, float, 0, 1), n=field(body, 'n', 1, int, 1, 16),
                      stop=[s for s in stop if s], stream=field(body, 'stream', False, bool),
@@ -138,8 +152,8 @@ def read_request(body, chat_endpoint):
 
 
 def completion_prompts(prompt):
-    """The token ids of each prompt of /v1/completions' "prompt": a text, texts, token ids or lists of them
-    (OpenAI's four forms), a text opened as the tokenizer opens one (a published model's BOS)."""
+    """(the token ids, the text) of each prompt of /v1/completions' "prompt": a text, texts, token ids or lists of
+    them (OpenAI's four forms), a text opened as the tokenizer opens one (a published model's BOS)."""
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt)):
         prompt = [prompt]
     prompts = []
@@ -155,17 +169,19 @@ def completion_prompts(prompt):
             raise BadRequest(f'"prompt" must be a text, a list of up to 64 texts, a list of token ids (each in [0, '
                              f'{model.config.vocab_size})) or a list of such lists, none empty; got '
                              f'{json.dumps(prompt)[:80]}', 'prompt')
-    return prompts
+    return prompts, [p if isinstance(p, str) else tokenizer.decode(p) for p in prompt]
 
 
 def draw(ids, settings, result):
     """The text that answers ids, a piece at a time as it is drawn, up to a stop token, a stop string (left out)
-    or max_tokens tokens; result gets finish_reason and tokens (how many were drawn). Text that may be a stop
-    string's start is held back until it is not."""
-    result.update(finish_reason='length', tokens=0)
+    or max_tokens tokens; result gets finish_reason and ids (the tokens drawn, a stop token left out). Text that
+    may be a stop string's start is held back until it is not."""
+    result.update(finish_reason='length', ids=[])
     stop_ids, stop = stop_tokens(tokenizer), settings['stop']
 
     def tokens():
+        if not settings['max_tokens']:  # echo alone
+            return
         with torch.no_grad(), autocast:
             for token in stream_tokens(model, ids, settings['max_tokens'], settings['temperature'], top_k or None,
                                        settings['top_p'] if settings['top_p'] < 1 else None, settings['generator'],
@@ -173,7 +189,7 @@ def draw(ids, settings, result):
                 if token in stop_ids:
                     result['finish_reason'] = 'stop'
                     return
-                result['tokens'] += 1
+                result['ids'].append(token)
                 yield token
 
     pending = ''
@@ -188,6 +204,91 @@ def draw(ids, settings, result):
         yield pending[:len(pending) - held]
         pending = pending[len(pending) - held:]
     yield pending
+
+
+@torch.no_grad()
+def scored(ids, start, top):
+    """[(log-prob, [(id, log-prob)] of the top most likely)] of each of ids[start:] (start >= 1) given the ids
+    before it, from one forward pass: the model's own distribution, before temperature, top_k and top_p (what
+    vLLM reports by default); the same tensor gives both, so a token the model ranks first equals its top one.
+    Logits 128 positions at a time: a long prompt's (T, V) float32 log-probs are never held at once."""
+    if start >= len(ids):
+        return []
+    with autocast:
+        h = model.hidden_states(torch.tensor([ids[:-1]], device=local_device))[0, start - 1:]
+    targets, out = torch.tensor(ids[start:], device=local_device), []
+    for h_part, target in zip(h.split(128), targets.split(128)):
+        with autocast:
+            logprobs = F.log_softmax(model.logits(h_part).float(), dim=-1)
+        best = logprobs.topk(top, dim=-1)
+        out += zip(logprobs.gather(1, target[:, None])[:, 0].tolist(),
+                   [list(zip(i, v)) for i, v in zip(best.indices.tolist(), best.values.tolist())])
+    return out
+
+
+def completion_logprobs(ids, scores, offset):
+    """/v1/completions' logprobs object of ids, the last len(scores) of them scored (the first of an echoed prompt
+    is not: None): each token's text, log-prob, top alternatives {text: log-prob} (the token's own among them,
+    as vLLM gives it) and where its text starts in the choice's text (offset: the first's)."""
+    pieces = [tokenizer.decode([i]) for i in ids]
+    unscored = [None] * (len(ids) - len(scores))
+    starts = [offset + sum(map(len, pieces[:k])) for k in range(len(ids))]
+    top = []
+    for piece, (lp, alternatives) in zip(pieces[len(unscored):], scores):
+        top.append({tokenizer.decode([i]): v for i, v in alternatives})
+        top[-1].setdefault(piece, lp)
+    return dict(tokens=pieces, token_logprobs=unscored + [lp for lp, _ in scores], top_logprobs=unscored + top,
+                text_offset=starts)
+
+
+def chat_logprobs(ids, scores):
+    """/v1/chat/completions' logprobs object: each answer token's text, its UTF-8 bytes, log-prob and top
+    alternatives (a token that holds part of a character reads as U+FFFD)."""
+    def entry(i, lp):
+        text = tokenizer.decode([i])
+        return dict(token=text, logprob=lp, bytes=list(text.encode('utf-8')))
+    return dict(content=[dict(entry(i, lp), top_logprobs=[entry(j, v) for j, v in alternatives])
+                         for i, (lp, alternatives) in zip(ids, scores)], refusal=None)
+
+
+def tokenizer_request(endpoint, body):
+    """vLLM's /tokenize (a text, or "messages" through the chat template) and /detokenize: the model's own tokens,
+    for a client that counts or scores them (lm-eval's remote tokenizer)."""
+    if not isinstance(body, dict):
+        raise BadRequest(f"the body must be a JSON object, got {type(body).__name__}")
+    if endpoint == '/detokenize':
+        tokens = body.get('tokens')
+        if not (isinstance(tokens, list) and all(type(t) is int and 0 <= t < model.config.vocab_size
+                                                 for t in tokens)):
+            raise BadRequest(f'"tokens" must be a list of token ids, each in [0, {model.config.vocab_size}); got '
+                             f'{json.dumps(tokens)[:80]}', 'tokens')
+        return {'prompt': tokenizer.decode(tokens)}
+    try:
+        if 'messages' in body:
+            if not chat:
+                raise BadRequest(f"{name} is a base model: no chat template to write messages with", 'messages')
+            messages, tools = message_list(body['messages'], 'messages'), chat_tools(body)
+            if field(body, 'add_generation_prompt', True, bool):
+                ids = tokenizer.encode_prompt(messages, tools)
+            else:
+                ids = tokenizer.encode_chat(messages, tools)[0]
+        elif isinstance(body.get('prompt'), str):
+            opening = base_tokenizer(tokenizer).document_prefix if field(body, 'add_special_tokens', True, bool) else []
+            ids = list(opening) + tokenizer.encode(body['prompt'])
+        else:
+            raise BadRequest(f'give "prompt", a text, or "messages"; got {json.dumps(body)[:80]}', 'prompt')
+    except (ValueError, UserError) as e:
+        raise BadRequest(str(e), 'messages' if 'messages' in body else 'prompt') from None
+    return dict(count=len(ids), max_model_len=block_size, tokens=ids)
+
+
+def tokenizer_info():
+    """vLLM's /tokenizer_info: the named special tokens' texts (a published model's; nanotrain's own tokenizers
+    name none a text encodes to) and the chat template a client may render itself."""
+    named = getattr(base_tokenizer(tokenizer), 'special_tokens', {})
+    return dict(tokenizer_class=type(tokenizer).__name__, eos_token=named.get('eos_token'),
+                bos_token=named.get('bos_token'), pad_token=named.get('pad_token'),
+                chat_template=getattr(tokenizer, 'chat_template', None), model_max_length=block_size)
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -206,24 +307,32 @@ class Handler(BaseHTTPRequestHandler):
         self.send_json(status, {'error': dict(message=message, type='invalid_request_error', param=param, code=code)})
 
     def do_GET(self):
-        if self.path.rstrip('/') == '/v1/models':
+        path = self.path.split('?')[0].rstrip('/')
+        if path == '/v1/models':
             self.send_json(200, {'object': 'list', 'data': [
-                {'id': name, 'object': 'model', 'created': int(time.time()), 'owned_by': 'nanotrain'}]})
+                {'id': name, 'object': 'model', 'created': int(time.time()), 'owned_by': 'nanotrain',
+                 'max_model_len': block_size}]})
+        elif path == '/tokenizer_info':
+            self.send_json(200, tokenizer_info())
         else:
-            self.send_error_json(404, f"no such path: GET {self.path}; GET /v1/models, POST /v1/chat/completions "
-                                      f"or /v1/completions", code='not_found')
+            self.send_error_json(404, f"no such path: GET {self.path}; GET /v1/models or /tokenizer_info, POST "
+                                      f"/v1/chat/completions, /v1/completions, /tokenize or /detokenize",
+                                 code='not_found')
 
     def do_POST(self):
         endpoint = self.path.split('?')[0].rstrip('/')
-        if endpoint not in ('/v1/chat/completions', '/v1/completions'):
-            self.send_error_json(404, f"no such path: POST {self.path}; POST /v1/chat/completions or "
-                                      f"/v1/completions", code='not_found')
+        if endpoint not in ('/v1/chat/completions', '/v1/completions', '/tokenize', '/detokenize'):
+            self.send_error_json(404, f"no such path: POST {self.path}; POST /v1/chat/completions, "
+                                      f"/v1/completions, /tokenize or /detokenize", code='not_found')
             return
         try:
             size = self.headers.get('Content-Length', '')
             if not size.isdigit() or int(size) > 64 << 20:
                 raise BadRequest(f"the body needs a Content-Length of at most 64 MiB, got {size[:20]!r}")
             body = json.loads(self.rfile.read(int(size)).decode('utf-8'))
+            if endpoint in ('/tokenize', '/detokenize'):
+                self.send_json(200, tokenizer_request(endpoint, body))
+                return
             prompts, settings = read_request(body, endpoint == '/v1/chat/completions')
         except (ValueError, RecursionError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
             self.send_error_json(400, f"the body is not JSON: {e}")
@@ -258,14 +367,17 @@ class Handler(BaseHTTPRequestHandler):
         live = settings['stream'] and not settings['tools']  # an answer with tools is read whole for its calls
         try:
             for index in range(len(prompts) * settings['n']):
-                ids, result, pieces = prompts[index // settings['n']], {}, []
+                p, result, pieces = index // settings['n'], {}, []
+                ids, echoed = prompts[p], settings['texts'][p] if settings['echo'] else ''
                 if settings['stream'] and chat_endpoint:
                     self.event(head, index, {'role': 'assistant', 'content': ''}, None)
+                if settings['stream'] and echoed:
+                    self.event(head, index, echoed, None)
                 for piece in draw(ids, settings, result):
                     pieces.append(piece)
                     if live and piece:
                         self.event(head, index, {'content': piece} if chat_endpoint else piece, None)
-                drawn += result['tokens']
+                drawn += len(result['ids'])
                 message, finish = {'role': 'assistant', 'content': ''.join(pieces)}, result['finish_reason']
                 tools = settings['tools']
                 content, calls = reply_and_calls(message['content'], tools) if tools else (None, [])
@@ -278,10 +390,18 @@ class Handler(BaseHTTPRequestHandler):
                         self.event(head, index, {'content': message['content']}, None)
                     for k, call in enumerate(message.get('tool_calls', [])):
                         self.event(head, index, {'tool_calls': [dict(call, index=k)]}, None)
+                logprobs = None
+                if settings['top'] is not None:  # scored once the answer is whole; in a stream, one event after it
+                    scores = scored(ids + result['ids'], 1 if echoed else len(ids), settings['top'])
+                    logprobs = chat_logprobs(result['ids'], scores) if chat_endpoint else completion_logprobs(
+                        (ids if echoed else []) + result['ids'], scores, 0 if echoed else len(settings['texts'][p]))
+                    if settings['stream']:
+                        self.event(head, index, {'content': ''} if chat_endpoint else '', None, logprobs)
                 if settings['stream']:
                     self.event(head, index, {} if chat_endpoint else '', finish)
-                choices.append(dict(index=index, logprobs=None, finish_reason=finish,
-                                    **({'message': message} if chat_endpoint else {'text': message['content']})))
+                choices.append(dict(index=index, logprobs=logprobs, finish_reason=finish,
+                                    **({'message': message} if chat_endpoint else
+                                       {'text': echoed + message['content']})))
             read = sum(map(len, prompts))
             usage = dict(prompt_tokens=read, completion_tokens=drawn, total_tokens=read + drawn)
             if not settings['stream']:
@@ -293,9 +413,9 @@ class Handler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError, TimeoutError):  # the client left: its answer stops
             pass
 
-    def event(self, head, index, delta, finish_reason):
+    def event(self, head, index, delta, finish_reason, logprobs=None):
         """One server-sent event of a stream: a chat delta, or a completion's text piece."""
-        choice = dict(index=index, finish_reason=finish_reason, logprobs=None)
+        choice = dict(index=index, finish_reason=finish_reason, logprobs=logprobs)
         choice.update({'delta': delta} if isinstance(delta, dict) else {'text': delta})
         self.wfile.write(f"data: {json.dumps(dict(head, choices=[choice]))}\n\n".encode())
         self.wfile.flush()

@@ -130,6 +130,123 @@ def test_completions_take_openais_four_prompt_forms(chat_server):
         assert status == 400 and answer['error']['param'] == 'prompt' and 'must be a text' in answer['error']['message']
 
 
+def logprobs_here(loaded, ids):
+    """The log-prob of each of ids[1:] given the ids before it, the most likely token there and its log-prob,
+    computed here: the model's logits over the whole text at once, log-softmax in float64."""
+    logprobs = torch.log_softmax(loaded.model(torch.tensor([ids[:-1]]))[0][0].double(), dim=-1)
+    best = logprobs.max(-1)
+    return logprobs.gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist(), best.indices.tolist(), best.values.tolist()
+
+
+def test_echo_and_logprobs_score_texts_as_lm_eval_reads_them(chat_server):
+    """lm-eval's local-completions loglikelihood request (token ids, max_tokens 1, logprobs 1, echo): each prompt
+    token's log-prob after the first (None), as the model gives it over the whole text, its top alternative the
+    argmax; lm-eval's reading (the sum from the context on, greedy where each token is its top one) follows; the
+    drawn token is the greedy one. max_tokens 0 scores the prompt alone; a text prompt is echoed as sent."""
+    loaded = load_for_generation(hf_fixture('qwen2'))
+    context = loaded.tokenizer.encode('Once upon a time')
+    greedy = logprobs_here(loaded, context + [0])[1][-1]
+    requests = [context + loaded.tokenizer.encode(' there'), context + [greedy]]  # lm-eval's batch form
+    status, answer = post(chat_server + '/completions', dict(prompt=requests, temperature=0, max_tokens=1, logprobs=1,
+                                                              seed=1234, echo=True))
+    assert status == 200 and len(answer['choices']) == 2
+    flags = []
+    for ids, choice in zip(requests, answer['choices']):
+        drawn = logprobs_here(loaded, ids + [0])[1][-1]  # the greedy next token, scored last
+        want, best, most = logprobs_here(loaded, ids + [drawn])
+        scores = choice['logprobs']
+        assert scores['token_logprobs'][0] is None and scores['top_logprobs'][0] is None
+        assert scores['token_logprobs'][1:] == pytest.approx(want, abs=1e-4)
+        assert scores['tokens'] == [loaded.tokenizer.decode([i]) for i in ids + [drawn]]
+        assert choice['text'] == loaded.tokenizer.decode(ids) + loaded.tokenizer.decode([drawn])
+        for i, (lp, top) in enumerate(zip(scores['token_logprobs'][1:], scores['top_logprobs'][1:])):
+            assert loaded.tokenizer.decode([best[i]]) in top and max(top.values()) == pytest.approx(most[i], abs=1e-4)
+            assert scores['tokens'][i + 1] in top and top[scores['tokens'][i + 1]] == lp
+        assert scores['text_offset'] == [sum(map(len, scores['tokens'][:k])) for k in range(len(scores['tokens']))]
+        ctxlen = len(context)  # lm-eval's parse_logprobs
+        loglik = sum(scores['token_logprobs'][ctxlen:-1])
+        is_greedy = all(lp == max(top.values()) for lp, top in zip(scores['token_logprobs'][ctxlen:-1],
+                                                                   scores['top_logprobs'][ctxlen:-1]))
+        assert loglik == pytest.approx(sum(want[ctxlen - 1:-1]), abs=1e-4)
+        assert is_greedy == all(ids[k + 1] == best[k] for k in range(ctxlen - 1, len(ids) - 1))
+        flags.append(is_greedy)
+    assert flags[1]  # the model's own next token reads as greedy
+    status, alone = post(chat_server + '/completions', dict(prompt='Once upon a time', max_tokens=0, echo=True,
+                                                             logprobs=0))
+    (choice,) = alone['choices']
+    assert status == 200 and choice['text'] == 'Once upon a time' and alone['usage']['completion_tokens'] == 0
+    assert choice['logprobs']['token_logprobs'][1:] == pytest.approx(logprobs_here(loaded, context)[0], abs=1e-4)
+    assert [len(top) for top in choice['logprobs']['top_logprobs'][1:]] == [1] * (len(context) - 1)  # its own
+    long = (context * 40)[:257]  # the whole context and one more, scored 128 positions at a time
+    _, scored = post(chat_server + '/completions', dict(prompt=[long, long[:1]], max_tokens=0, echo=True, logprobs=1))
+    assert scored['choices'][0]['logprobs']['token_logprobs'][1:] == pytest.approx(logprobs_here(loaded, long)[0],
+                                                                                   abs=1e-4)
+    assert scored['choices'][1]['logprobs']['token_logprobs'] == [None]
+    status, plain = post(chat_server + '/completions', dict(prompt='Once upon a time', max_tokens=0))
+    assert status == 400 and plain['error']['param'] == 'max_tokens'  # nothing to give without echo
+    chunks = events(chat_server + '/completions', dict(prompt='Once upon a time', max_tokens=3, temperature=0,
+                                                       echo=True, logprobs=2, stream=True))
+    _, whole = post(chat_server + '/completions', dict(prompt='Once upon a time', max_tokens=3, temperature=0,
+                                                       echo=True, logprobs=2))
+    assert ''.join(c['choices'][0]['text'] for c in chunks) == whole['choices'][0]['text']
+    assert [c['choices'][0]['logprobs'] for c in chunks if c['choices'][0]['logprobs']] == [
+        whole['choices'][0]['logprobs']]
+
+
+def test_chat_logprobs_give_each_answer_tokens_log_prob(chat_server):
+    """"logprobs": true with "top_logprobs": k: each token of the answer, its log-prob given the prompt and the
+    answer before it (the model's, over the whole text), k alternatives best first; streamed, the same in one
+    event after the text."""
+    loaded = load_for_generation(hf_fixture('qwen2'))
+    body = dict(messages=QUESTION, temperature=0, max_tokens=8, logprobs=True, top_logprobs=3)
+    status, answer = post(chat_server + '/chat/completions', body)
+    (choice,) = answer['choices']
+    content = choice['logprobs']['content']
+    assert status == 200 and len(content) == answer['usage']['completion_tokens'] > 0
+    assert ''.join(t['token'] for t in content) == choice['message']['content']
+    prompt = loaded.tokenizer.encode_prompt(QUESTION)
+    ids = prompt + loaded.tokenizer.encode(choice['message']['content'])
+    want, best, _ = logprobs_here(loaded, ids)
+    assert [t['logprob'] for t in content] == pytest.approx(want[len(prompt) - 1:], abs=1e-4)
+    for t, top in zip(content, best[len(prompt) - 1:]):
+        assert [a['logprob'] for a in t['top_logprobs']] == sorted([a['logprob'] for a in t['top_logprobs']],
+                                                                   reverse=True)
+        assert len(t['top_logprobs']) == 3 and t['top_logprobs'][0] == dict(token=t['token'], logprob=t['logprob'],
+                                                                           bytes=list(t['token'].encode()))
+        assert t['token'] == loaded.tokenizer.decode([top])  # greedy: the token is its top one
+    chunks = events(chat_server + '/chat/completions', dict(body, stream=True))
+    assert [c['choices'][0]['logprobs'] for c in chunks if c['choices'][0]['logprobs']] == [choice['logprobs']]
+    _, none = post(chat_server + '/chat/completions', dict(body, logprobs=False, top_logprobs=None))
+    assert none['choices'][0]['logprobs'] is None
+
+
+def test_tokenize_and_detokenize_give_the_models_tokens(chat_server):
+    """vLLM's /tokenize (a text as /v1/completions opens it, or without its opening tokens; "messages" through
+    the template), /detokenize and /tokenizer_info, which lm-eval reads as its remote tokenizer."""
+    loaded = load_for_generation(hf_fixture('qwen2'))
+    server = chat_server[:-len('/v1')]
+    text = 'Once upon a time'
+    _, tokens = post(server + '/tokenize', dict(prompt=text))
+    ids = loaded.tokenizer.document_prefix + loaded.tokenizer.encode(text)
+    assert tokens == dict(count=len(ids), max_model_len=256, tokens=ids)
+    _, bare = post(server + '/tokenize', dict(prompt=text, add_special_tokens=False))
+    assert bare['tokens'] == loaded.tokenizer.encode(text)
+    _, chat = post(server + '/tokenize', dict(messages=QUESTION))
+    assert chat['tokens'] == loaded.tokenizer.encode_prompt(QUESTION)
+    _, back = post(server + '/detokenize', dict(tokens=ids))
+    assert back == {'prompt': loaded.tokenizer.decode(ids)}
+    with urllib.request.urlopen(server + '/tokenizer_info', timeout=60) as r:
+        info = json.loads(r.read())
+    assert info['eos_token'] == loaded.tokenizer.special_tokens['eos_token'] and info['model_max_length'] == 256
+    assert info['chat_template'] == loaded.tokenizer.chat_template
+    _, eos = post(server + '/tokenize', dict(prompt=info['eos_token'], add_special_tokens=False))
+    assert eos['tokens'] == [loaded.tokenizer.token_id('eos_token')]  # how lm-eval finds the id
+    for path, body, param in (('/tokenize', dict(prompt=5), 'prompt'), ('/tokenize', dict(messages='x'), 'messages'),
+                              ('/detokenize', dict(tokens=[-1]), 'tokens'), ('/detokenize', {}, 'tokens')):
+        status, answer = post(server + path, body)
+        assert status == 400 and answer['error']['param'] == param, answer
+
+
 def test_sampling_follows_the_seed_and_n(chat_server):
     body = dict(messages=QUESTION, temperature=1.0, max_tokens=10, seed=7, n=3)
     _, first = post(chat_server + '/chat/completions', body)
@@ -175,7 +292,12 @@ def test_a_client_that_leaves_mid_stream_leaves_the_server_serving(chat_server):
     (dict(messages=QUESTION, n=0), '"n" must be an integer in [1, 16]', 'n'),
     (dict(messages=QUESTION, max_tokens='10'), '"max_tokens" must be an integer >= 1', 'max_tokens'),
     (dict(messages=QUESTION, stop=[1]), '"stop" must be a string or a list of strings', 'stop'),
-    (dict(messages=QUESTION, logprobs=True), '"logprobs" is not served here', 'logprobs'),
+    (dict(messages=QUESTION, top_logprobs=2), '"top_logprobs" needs "logprobs": true', 'top_logprobs'),
+    (dict(messages=QUESTION, logprobs=True, top_logprobs=21), '"top_logprobs" must be an integer in [0, 20]',
+     'top_logprobs'),
+    (dict(messages=QUESTION, logprobs=1), '"logprobs" must be a bool', 'logprobs'),
+    (dict(messages=QUESTION, echo=True), '"echo" is a field of /v1/completions', 'echo'),
+    (dict(messages=QUESTION, max_tokens=0), '"max_tokens" must be an integer >= 1', 'max_tokens'),
     (dict(messages=QUESTION, tools=[{'type': 'function'}]), 'each of "tools" must be', 'messages'),
     ([1, 2], 'the body must be a JSON object', None),
 ])

@@ -11,6 +11,7 @@ unless --host says otherwise, and checks no key: whoever reaches the port can us
 """
 
 import json
+import os
 import sys
 import time
 import traceback
@@ -66,6 +67,8 @@ if compile_decode and not use_kv_cache:
     raise UserError("compile_decode=True decodes over a static KV cache; it cannot run with use_kv_cache=False. "
                     "Drop one of them.")
 decoding = CompiledDecoding() if compile_decode else None
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'lm', 'chat_page.html')) as f:
+    CHAT_PAGE = f.read()  # GET /: a conversation in the browser
 
 
 class BadRequest(Exception):
@@ -303,6 +306,16 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    def send_page(self):
+        """The browser's page, lm/chat_page.html, told the model's name and kind in JSON no text can close."""
+        model_json = json.dumps(dict(name=name, chat=bool(chat))).replace('<', '\\u003c')
+        data = CHAT_PAGE.replace('MODEL_JSON', model_json).encode()
+        self.send_response(200)
+        self.send_header('Content-Type', 'text/html; charset=utf-8')
+        self.send_header('Content-Length', str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
     def send_error_json(self, status, message, param=None, code=None):
         self.send_json(status, {'error': dict(message=message, type='invalid_request_error', param=param, code=code)})
 
@@ -314,8 +327,11 @@ class Handler(BaseHTTPRequestHandler):
                  'max_model_len': block_size}]})
         elif path == '/tokenizer_info':
             self.send_json(200, tokenizer_info())
+        elif path == '':
+            self.send_page()
         else:
-            self.send_error_json(404, f"no such path: GET {self.path}; GET /v1/models or /tokenizer_info, POST "
+            self.send_error_json(404, f"no such path: GET {self.path}; GET / (a chat page), /v1/models or "
+                                      f"/tokenizer_info, POST "
                                       f"/v1/chat/completions, /v1/completions, /tokenize or /detokenize",
                                  code='not_found')
 

@@ -247,6 +247,58 @@ def test_tokenize_and_detokenize_give_the_models_tokens(chat_server):
         assert status == 400 and answer['error']['param'] == param, answer
 
 
+# lm/chat_page.html's script run by node against the server, over a stand-in for the browser's document: two
+# turns typed and sent, then what the page shows, as JSON
+PAGE_IN_NODE = r"""
+const vm = require('vm');
+const [base, lines] = [process.argv[1], JSON.parse(process.argv[2])];
+const made = {};
+function element(id) {
+  return {id, value: '', textContent: '', className: '', children: [], scrollTop: 0, scrollHeight: 0, listeners: {},
+          addEventListener(type, f) { this.listeners[type] = f; }, focus() {},
+          appendChild(child) { this.children.push(child); child.parent = this; },
+          remove() { this.parent.children.splice(this.parent.children.indexOf(this), 1); }};
+}
+const document = {getElementById: (id) => made[id] || (made[id] = element(id)), createElement: () => element()};
+(async () => {
+  const page = await (await fetch(base + '/')).text();
+  const scripts = [...page.matchAll(/<script[^>]*>([\s\S]*?)<\/script>/g)].map((m) => m[1]);
+  document.getElementById('model').textContent = scripts[0];
+  document.getElementById('temperature').value = '0';
+  document.getElementById('max_tokens').value = '12';
+  const context = vm.createContext({document, TextDecoder, AbortController, console,
+                                    fetch: (path, options) => fetch(base + path, options)});
+  vm.runInContext(scripts[1], context);
+  for (const line of lines) await vm.runInContext('ask', context)(line);
+  console.log(JSON.stringify({name: made.name.textContent,
+                              turns: made.log.children.map((d) => [d.className, d.textContent])}));
+})();
+"""
+
+
+def test_the_browser_page_holds_a_conversation(chat_server):
+    """GET / is a page that talks with the model: its script (run by node, where there is one) streams each answer
+    from /v1/chat/completions into the page, the conversation so far sent each turn; the model's name reaches it
+    as JSON that no text can end early."""
+    server = chat_server[:-len('/v1')]
+    with urllib.request.urlopen(server + '/', timeout=60) as r:
+        page = r.read().decode()
+        assert r.status == 200 and r.headers['Content-Type'] == 'text/html; charset=utf-8'
+    model_json = re.search(r'<script id="model" type="application/json">(.*?)</script>', page).group(1)
+    assert json.loads(model_json) == dict(name=hf_fixture('qwen2'), chat=True) and 'MODEL_JSON' not in page
+    if shutil.which('node') is None:
+        pytest.skip('no node here to run the page\'s script')
+    loaded = load_for_generation(hf_fixture('qwen2'))
+    first = greedy_answer(loaded, QUESTION, 12)
+    second = greedy_answer(loaded, QUESTION + [{'role': 'assistant', 'content': first},
+                                               {'role': 'user', 'content': 'And you?'}], 12)
+    shown = subprocess.run(['node', '-e', PAGE_IN_NODE, server, json.dumps(['Hello there', 'And you?'])],
+                           capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout) == dict(name=hf_fixture('qwen2'), turns=[
+        ['turn user', 'Hello there'], ['turn assistant', first], ['turn user', 'And you?'], ['turn assistant', second]])
+
+
 def test_sampling_follows_the_seed_and_n(chat_server):
     body = dict(messages=QUESTION, temperature=1.0, max_tokens=10, seed=7, n=3)
     _, first = post(chat_server + '/chat/completions', body)
@@ -329,6 +381,15 @@ def test_a_base_model_continues_texts_only_and_a_taken_port_is_refused(tmp_path)
         assert status == 400 and 'my-gpt2 is a base model' in answer['error']['message']
         status, answer = post(url + '/completions', dict(prompt='Hello', max_tokens=3))
         assert status == 200 and answer['model'] == 'my-gpt2' and answer['usage']['completion_tokens'] <= 3
+        if shutil.which('node'):  # the page continues the text typed
+            loaded = load_for_generation(hf_fixture('gpt2'))
+            ids = loaded.tokenizer.document_prefix + loaded.tokenizer.encode('Once upon')
+            out = loaded.model.generate(torch.tensor([ids]), 12, temperature=0)[0, len(ids):].tolist()
+            out = out[:min([out.index(s) for s in stop_tokens(loaded.tokenizer) if s in out], default=len(out))]
+            shown = subprocess.run(['node', '-e', PAGE_IN_NODE, url[:-len('/v1')], json.dumps(['Once upon'])],
+                                   capture_output=True, text=True, timeout=120)
+            assert json.loads(shown.stdout)['turns'] == [['turn assistant', 'Once upon' + loaded.tokenizer.decode(
+                out, skip_special=True)]], shown.stderr
         port = url.rsplit(':', 1)[1].split('/')[0]
         assert_user_error(run(['serve.py', f'--init_from={hf_fixture("gpt2")}', '--device=cpu', f'--port={port}'],
                               check=False), f'cannot listen on 127.0.0.1:{port}', '--port')

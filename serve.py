@@ -23,9 +23,9 @@ import torch.nn.functional as F
 
 from configurator import SEED, UserError, at_least, check_values, configure, interval
 from lm.chat_data import chat_tools, message_list
-from lm.generate import CompiledDecoding, stop_tokens, stream_tokens
+from lm.generate import CompiledDecoding, drawn_tokens, stop_tokens
 from lm.metrics import reply_and_calls
-from lm.tokenizer import base_tokenizer, decoded_pieces, function_name
+from lm.tokenizer import PieceDecoder, base_tokenizer, function_name
 from loading import load_for_generation, model_path
 from run.device import autocast_context, pick_device, pick_dtype
 
@@ -41,7 +41,6 @@ model_name = ''              # the model id answers carry and /v1/models lists; 
 max_new_tokens = 512         # a request's max_tokens where it gives none (at most what the context leaves)
 temperature = 1.0            # a request's temperature where it gives none (OpenAI's default); 0 = greedy
 top_k = 0                    # top-k for every request (OpenAI's API has no such field); 0 = off
-use_kv_cache = True          # cache keys and values while generating (same answers, faster)
 compile_decode = False       # decode through torch.compile over a static KV cache (CUDA graphs): ~1 min to compile
 seed = 1337                  # seeds the draws of the requests that give no "seed"
 device = 'auto'              # 'auto' (cuda, else mps, else cpu) | 'cpu' | 'cuda' | 'cuda:1' | 'mps'
@@ -63,10 +62,8 @@ model, tokenizer, chat, path = load_for_generation(model_path('' if init_from ==
 name = model_name or path
 block_size = model.config.block_size
 server_generator = torch.Generator(device=local_device).manual_seed(seed)
-if compile_decode and not use_kv_cache:
-    raise UserError("compile_decode=True decodes over a static KV cache; it cannot run with use_kv_cache=False. "
-                    "Drop one of them.")
 decoding = CompiledDecoding() if compile_decode else None
+stop_ids = stop_tokens(tokenizer)
 with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'lm', 'chat_page.html')) as f:
     CHAT_PAGE = f.read()  # GET /: a conversation in the browser
 
@@ -175,38 +172,63 @@ def completion_prompts(prompt):
     return prompts, [p if isinstance(p, str) else tokenizer.decode(p) for p in prompt]
 
 
-def draw(ids, settings, result):
-    """The text that answers ids, a piece at a time as it is drawn, up to a stop token, a stop string (left out)
-    or max_tokens tokens; result gets finish_reason and ids (the tokens drawn, a stop token left out). Text that
-    may be a stop string's start is held back until it is not."""
-    result.update(finish_reason='length', ids=[])
-    stop_ids, stop = stop_tokens(tokenizer), settings['stop']
+class Answer:
+    """One choice's answer as its tokens come: the text each adds (a character's bytes whole; text that may be a
+    stop string's start held back until it is not), the tokens (a stop token left out) and why it ended."""
 
-    def tokens():
-        if not settings['max_tokens']:  # echo alone
-            return
-        with torch.no_grad(), autocast:
-            for token in stream_tokens(model, ids, settings['max_tokens'], settings['temperature'], top_k or None,
-                                       settings['top_p'] if settings['top_p'] < 1 else None, settings['generator'],
-                                       use_kv_cache, decoding):
-                if token in stop_ids:
-                    result['finish_reason'] = 'stop'
-                    return
-                result['ids'].append(token)
-                yield token
+    def __init__(self, stop):
+        self.stop, self.decoder, self.pending = stop, PieceDecoder(tokenizer), ''
+        self.ids, self.text, self.finish_reason = [], '', None
 
-    pending = ''
-    for piece in decoded_pieces(tokenizer, tokens()):
-        pending += piece
-        hits = [i for i in (pending.find(s) for s in stop) if i >= 0]
-        if hits:
-            result['finish_reason'] = 'stop'
-            yield pending[:min(hits)]
-            return
-        held = max([k for s in stop for k in range(1, len(s)) if pending.endswith(s[:k])], default=0)
-        yield pending[:len(pending) - held]
-        pending = pending[len(pending) - held:]
-    yield pending
+    def add(self, token):
+        """The text token adds to what was given, '' while held back or once the answer has ended."""
+        if self.finish_reason is not None:
+            return ''
+        if token in stop_ids:
+            return self.end('stop')
+        self.ids.append(token)
+        return self.release(self.decoder.add(token))
+
+    def end(self, finish_reason='length'):
+        """The text held back, as the answer ends (if it has not)."""
+        if self.finish_reason is not None:
+            return ''
+        text = self.release(self.decoder.end(), whole=True)
+        self.finish_reason = self.finish_reason or finish_reason
+        return text
+
+    def release(self, piece, whole=False):
+        self.pending += piece
+        hits = [i for i in (self.pending.find(s) for s in self.stop) if i >= 0]
+        if hits:  # the answer ends before the stop string
+            text, self.pending, self.finish_reason = self.pending[:min(hits)], '', 'stop'
+        else:
+            held = 0 if whole else max([k for s in self.stop for k in range(1, len(s))
+                                        if self.pending.endswith(s[:k])], default=0)
+            text, self.pending = self.pending[:len(self.pending) - held], self.pending[len(self.pending) - held:]
+        self.text += text
+        return text
+
+
+def draw(prompts, settings, answers):
+    """(choice, text) pieces of a request's answers as they are drawn, all n answers to each prompt in one batch
+    (lm/generate.drawn_tokens, compiled through `decoding` where set; choice p * n + k the kth to prompt p), each
+    ending at a stop token, a stop string (left out) or max_tokens tokens; answers: an Answer a choice."""
+    top_p = settings['top_p'] if settings['top_p'] < 1 else None
+    with torch.no_grad(), autocast:
+        for drawn in drawn_tokens(model, prompts, settings['max_tokens'], settings['temperature'], top_k or None,
+                                  top_p, stop_ids, settings['n'], settings['generator'], decoding=decoding) \
+                if settings['max_tokens'] else []:  # 0: echo alone
+            for choice, token in drawn.items():
+                text = answers[choice].add(token)
+                if text:
+                    yield choice, text
+            if all(a.finish_reason is not None for a in answers):  # stop strings end answers drawn on
+                return
+    for choice, answer in enumerate(answers):
+        text = answer.end()
+        if text:
+            yield choice, text
 
 
 @torch.no_grad()
@@ -379,22 +401,22 @@ class Handler(BaseHTTPRequestHandler):
             self.send_header('Content-Type', 'text/event-stream')
             self.send_header('Cache-Control', 'no-cache')
             self.end_headers()
-        drawn, choices = 0, []
+        choices, n = [], settings['n']
+        answers = [Answer(settings['stop']) for _ in range(len(prompts) * n)]
+        echoes = [settings['texts'][index // n] if settings['echo'] else '' for index in range(len(answers))]
         live = settings['stream'] and not settings['tools']  # an answer with tools is read whole for its calls
         try:
-            for index in range(len(prompts) * settings['n']):
-                p, result, pieces = index // settings['n'], {}, []
-                ids, echoed = prompts[p], settings['texts'][p] if settings['echo'] else ''
-                if settings['stream'] and chat_endpoint:
+            for index, echoed in enumerate(echoes if settings['stream'] else []):  # a stream's opening events
+                if chat_endpoint:
                     self.event(head, index, {'role': 'assistant', 'content': ''}, None)
-                if settings['stream'] and echoed:
+                if echoed:
                     self.event(head, index, echoed, None)
-                for piece in draw(ids, settings, result):
-                    pieces.append(piece)
-                    if live and piece:
-                        self.event(head, index, {'content': piece} if chat_endpoint else piece, None)
-                drawn += len(result['ids'])
-                message, finish = {'role': 'assistant', 'content': ''.join(pieces)}, result['finish_reason']
+            for index, text in draw(prompts, settings, answers):
+                if live:
+                    self.event(head, index, {'content': text} if chat_endpoint else text, None)
+            for index, (answer, echoed) in enumerate(zip(answers, echoes)):
+                ids = prompts[index // n]
+                message, finish = {'role': 'assistant', 'content': answer.text}, answer.finish_reason
                 tools = settings['tools']
                 content, calls = reply_and_calls(message['content'], tools) if tools else (None, [])
                 if calls:  # OpenAI's form: each call an id, its arguments a JSON string
@@ -408,9 +430,10 @@ class Handler(BaseHTTPRequestHandler):
                         self.event(head, index, {'tool_calls': [dict(call, index=k)]}, None)
                 logprobs = None
                 if settings['top'] is not None:  # scored once the answer is whole; in a stream, one event after it
-                    scores = scored(ids + result['ids'], 1 if echoed else len(ids), settings['top'])
-                    logprobs = chat_logprobs(result['ids'], scores) if chat_endpoint else completion_logprobs(
-                        (ids if echoed else []) + result['ids'], scores, 0 if echoed else len(settings['texts'][p]))
+                    scores = scored(ids + answer.ids, 1 if echoed else len(ids), settings['top'])
+                    logprobs = chat_logprobs(answer.ids, scores) if chat_endpoint else completion_logprobs(
+                        (ids if echoed else []) + answer.ids, scores,
+                        0 if echoed else len(settings['texts'][index // n]))
                     if settings['stream']:
                         self.event(head, index, {'content': ''} if chat_endpoint else '', None, logprobs)
                 if settings['stream']:
@@ -418,7 +441,7 @@ class Handler(BaseHTTPRequestHandler):
                 choices.append(dict(index=index, logprobs=logprobs, finish_reason=finish,
                                     **({'message': message} if chat_endpoint else
                                        {'text': echoed + message['content']})))
-            read = sum(map(len, prompts))
+            read, drawn = sum(map(len, prompts)), sum(len(a.ids) for a in answers)
             usage = dict(prompt_tokens=read, completion_tokens=drawn, total_tokens=read + drawn)
             if not settings['stream']:
                 self.send_json(200, dict(head, choices=choices, usage=usage))

@@ -215,20 +215,37 @@ def reply_reference(tokenizer, messages, tools=None):
     return messages[-1]['content']
 
 
+class PieceDecoder:
+    """The text of a generation's tokens a piece at a time, as they come: each piece what the decoding so far adds
+    to the text before it, held back while it ends in a character's first bytes alone (U+FFFD) or rewrites text
+    already given (a decoder's clean-up), so the pieces join into the decoding."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.seen, self.shown = tokenizer, [], ''
+
+    def add(self, token):
+        """The text token adds, '' while held back."""
+        self.seen.append(token)
+        return self.piece(lambda text: not text.endswith('\ufffd'))
+
+    def end(self):
+        """The text held back, once the tokens are all in."""
+        return self.piece(lambda text: True)
+
+    def piece(self, ready):
+        text = self.tokenizer.decode(self.seen, skip_special=True)
+        if not (text.startswith(self.shown) and ready(text)):
+            return ''
+        piece, self.shown = text[len(self.shown):], text
+        return piece
+
+
 def decoded_pieces(tokenizer, ids):
-    """The text of ids (an iterable, read as it comes: a generation's tokens) a piece at a time, each what the
-    decoding so far adds to the text before it: held back while it ends in a character's first bytes alone
-    (U+FFFD) or rewrites text already given (a decoder's clean-up), so the pieces join into the decoding."""
-    seen, shown = [], ''
+    """The text of ids (an iterable, read as it comes: a generation's tokens) a piece at a time (PieceDecoder)."""
+    decoder = PieceDecoder(tokenizer)
     for i in ids:
-        seen.append(i)
-        text = tokenizer.decode(seen, skip_special=True)
-        if text.startswith(shown) and not text.endswith('\ufffd'):
-            yield text[len(shown):]
-            shown = text
-    text = tokenizer.decode(seen, skip_special=True)
-    if text.startswith(shown) and text != shown:
-        yield text[len(shown):]
+        yield decoder.add(i)
+    yield decoder.end()
 
 
 # -----------------------------------------------------------------------------

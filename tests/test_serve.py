@@ -125,6 +125,8 @@ def test_completions_take_openais_four_prompt_forms(chat_server):
         assert answer['usage']['prompt_tokens'] == sum(len(i) for i in (ids if len(answers) == 2 else ids[1:]))
     chunks = events(chat_server + '/completions', dict(prompt=texts, temperature=0, max_tokens=5, stream=True))
     assert [''.join(c['choices'][0]['text'] for c in chunks if c['choices'][0]['index'] == k) for k in (0, 1)] == want
+    order = [c['choices'][0]['index'] for c in chunks if c['choices'][0]['text']]
+    assert order.index(1) < len(order) - 1 - order[::-1].index(0)  # drawn together, one batch: their pieces mingle
     for prompt in ([], [[]], ['text', [10 ** 6]], [True], '', ['a'] * 65, None):
         status, answer = post(chat_server + '/completions', dict(prompt=prompt))
         assert status == 400 and answer['error']['param'] == 'prompt' and 'must be a text' in answer['error']['message']
@@ -398,16 +400,17 @@ def test_a_base_model_continues_texts_only_and_a_taken_port_is_refused(tmp_path)
         p.wait()
 
 
-# serve.py with the model's first two generations failing as a GPU out of memory fails
+# serve.py with the first two generations' prefill failing as a GPU out of memory fails
 FIRST_ANSWER_FAILS = """
-import runpy, sys, torch, model
-draws, failed = model.GPT.generate_tokens, []
-def generate_tokens(self, *args, **kwargs):
+import runpy, sys, torch
+import lm.generate as generate
+fills, failed = generate.prefill, []
+def prefill(*args, **kwargs):
     failed.append(1)
     if len(failed) == 2:
-        model.GPT.generate_tokens = draws
+        generate.prefill = fills
     raise torch.OutOfMemoryError('CUDA out of memory (injected)')
-model.GPT.generate_tokens = generate_tokens
+generate.prefill = prefill
 sys.argv = ['serve.py', *sys.argv[1:]]
 runpy.run_path('serve.py', run_name='__main__')
 """
@@ -435,13 +438,14 @@ def test_a_request_the_server_fails_is_a_500_and_it_goes_on_serving():
 # random weights write none): what a client gets for a call
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
 WRITES_A_CALL = f"""
-import runpy, sys, torch, model
+import runpy, sys
+import lm.generate as generate
 from hf.tokenizer import load_hf_tokenizer
 tokenizer = load_hf_tokenizer(sys.argv[1].split('=', 1)[1])
 ids = tokenizer.tokenizer.encode({CALL!r}, add_special_tokens=False).ids + [tokenizer.eos_id]
-def generate_tokens(self, idx, *args, **kwargs):
-    yield from (torch.tensor([[i]]) for i in ids)
-model.GPT.generate_tokens = generate_tokens
+def drawn_tokens(model, prompts, *args, **kwargs):
+    yield from ({{0: i}} for i in ids)
+generate.drawn_tokens = drawn_tokens
 sys.argv = ['serve.py', *sys.argv[1:]]
 runpy.run_path('serve.py', run_name='__main__')
 """

@@ -5,9 +5,10 @@ chat UI, scripts): `python serve.py --init_from=out-sft/ckpt.pt`, then
 A chat model (fine-tuned, or a published instruct folder) answers /v1/chat/completions through its chat template
 (a request's "tools" too); any model continues a text at /v1/completions. "stream": true sends the answer as it
 is drawn (server-sent events); "logprobs" and "echo" give the tokens' log-probabilities, and /tokenize,
-/detokenize and /tokenizer_info (vLLM's) the model's tokens, so lm-eval's local-completions scores multiple-choice
-tasks through it. One request is served at a time, the others wait their turn. It listens on this machine only
-unless --host says otherwise, and checks no key: whoever reaches the port can use it.
+/detokenize and /tokenizer_info (vLLM's) the model's tokens, so lm-eval's local-completions runs its tasks through
+it; http://127.0.0.1:8000/ in a browser is a chat with the model. One request is served at a time (its prompts and
+n answers drawn in one batch), the others wait their turn. It listens on this machine only unless --host says
+otherwise, and checks no key: whoever reaches the port can use it.
 """
 
 import json
@@ -100,14 +101,14 @@ def read_request(body, chat_endpoint):
     if chat_endpoint:  # logprobs: true, top_logprobs: k alternatives
         if body.get('echo') not in (None, False):
             raise BadRequest('"echo" is a field of /v1/completions (the prompt\'s log-probs with "logprobs")', 'echo')
-        top = field(body, 'top_logprobs', None, int, 0, 20)
-        if top is not None and not field(body, 'logprobs', False, bool):
+        wanted, top = field(body, 'logprobs', False, bool), field(body, 'top_logprobs', None, int, 0, 20)
+        if top is not None and not wanted:
             raise BadRequest('"top_logprobs" needs "logprobs": true', 'top_logprobs')
-        top, echo = (top or 0) if field(body, 'logprobs', False, bool) else None, False
+        top, echo = (top or 0) if wanted else None, False
     else:  # logprobs: k alternatives; echo: the prompt too
         top, echo = field(body, 'logprobs', None, int, 0, 20), field(body, 'echo', False, bool)
-    texts = None
     if chat_endpoint:
+        texts = None
         if not chat:
             raise BadRequest(f"{name} is a base model: it continues a text (no chat template to hold messages); "
                              f"POST the text to /v1/completions as \"prompt\".", 'messages')
@@ -215,10 +216,10 @@ def draw(prompts, settings, answers):
     (lm/generate.drawn_tokens, compiled through `decoding` where set; choice p * n + k the kth to prompt p), each
     ending at a stop token, a stop string (left out) or max_tokens tokens; answers: an Answer a choice."""
     top_p = settings['top_p'] if settings['top_p'] < 1 else None
+    steps = drawn_tokens(model, prompts, settings['max_tokens'], settings['temperature'], top_k or None, top_p,
+                         stop_ids, settings['n'], settings['generator'], decoding=decoding)
     with torch.no_grad(), autocast:
-        for drawn in drawn_tokens(model, prompts, settings['max_tokens'], settings['temperature'], top_k or None,
-                                  top_p, stop_ids, settings['n'], settings['generator'], decoding=decoding) \
-                if settings['max_tokens'] else []:  # 0: echo alone
+        for drawn in steps if settings['max_tokens'] else []:  # 0: echo alone (a prompt of block_size + 1)
             for choice, token in drawn.items():
                 text = answers[choice].add(token)
                 if text:

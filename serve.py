@@ -65,6 +65,7 @@ block_size = model.config.block_size
 server_generator = torch.Generator(device=local_device).manual_seed(seed)
 decoding = CompiledDecoding() if compile_decode else None
 stop_ids = stop_tokens(tokenizer)
+SCORED_POSITIONS = 16384  # positions a forward pass that scores log-probs holds (its rows padded to the longest)
 with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'lm', 'chat_page.html')) as f:
     CHAT_PAGE = f.read()  # GET /: a conversation in the browser
 
@@ -233,22 +234,38 @@ def draw(prompts, settings, answers):
 
 
 @torch.no_grad()
-def scored(ids, start, top):
-    """[(log-prob, [(id, log-prob)] of the top most likely)] of each of ids[start:] (start >= 1) given the ids
-    before it, from one forward pass: the model's own distribution, before temperature, top_k and top_p (what
-    vLLM reports by default); the same tensor gives both, so a token the model ranks first equals its top one.
-    Logits 128 positions at a time: a long prompt's (T, V) float32 log-probs are never held at once."""
-    if start >= len(ids):
-        return []
-    with autocast:
-        h = model.hidden_states(torch.tensor([ids[:-1]], device=local_device))[0, start - 1:]
-    targets, out = torch.tensor(ids[start:], device=local_device), []
-    for h_part, target in zip(h.split(128), targets.split(128)):
+def scored(sequences, starts, top):
+    """For each of sequences (token ids), [(log-prob, [(id, log-prob)] of the top most likely)] of its ids from
+    starts[k] (>= 1) on, each given the ids before it: the model's own distribution, before temperature, top_k and
+    top_p (what vLLM reports by default); the same tensor gives both, so a token the model ranks first equals its
+    top one. The sequences go through the model together, right-padded (causal attention: no token reads the
+    padding), longest first, SCORED_POSITIONS positions a forward pass; logits 128 positions at a time."""
+    out = [[] for _ in sequences]
+    order = sorted((k for k, ids in enumerate(sequences) if starts[k] < len(ids)), key=lambda k: -len(sequences[k]))
+    while order:
+        width = len(sequences[order[0]]) - 1
+        group, order = order[:max(1, SCORED_POSITIONS // width)], order[max(1, SCORED_POSITIONS // width):]
+        x = torch.zeros(len(group), width, dtype=torch.long)
+        rows, cols, targets = [], [], []
+        for r, k in enumerate(group):
+            ids, start = sequences[k], starts[k]
+            x[r, :len(ids) - 1] = torch.tensor(ids[:-1])
+            rows += [r] * (len(ids) - start)
+            cols += range(start - 1, len(ids) - 1)
+            targets += ids[start:]
         with autocast:
-            logprobs = F.log_softmax(model.logits(h_part).float(), dim=-1)
-        best = logprobs.topk(top, dim=-1)
-        out += zip(logprobs.gather(1, target[:, None])[:, 0].tolist(),
-                   [list(zip(i, v)) for i, v in zip(best.indices.tolist(), best.values.tolist())])
+            h = model.hidden_states(x.to(local_device))[torch.tensor(rows, device=local_device),
+                                                        torch.tensor(cols, device=local_device)]
+        drawn = []
+        for h_part, target in zip(h.split(128), torch.tensor(targets, device=local_device).split(128)):
+            with autocast:
+                logprobs = F.log_softmax(model.logits(h_part).float(), dim=-1)
+            best = logprobs.topk(top, dim=-1)
+            drawn += zip(logprobs.gather(1, target[:, None])[:, 0].tolist(),
+                         [list(zip(i, v)) for i, v in zip(best.indices.tolist(), best.values.tolist())])
+        for k in group:
+            n = len(sequences[k]) - starts[k]
+            out[k], drawn = drawn[:n], drawn[n:]
     return out
 
 
@@ -415,6 +432,10 @@ class Handler(BaseHTTPRequestHandler):
             for index, text in draw(prompts, settings, answers):
                 if live:
                     self.event(head, index, {'content': text} if chat_endpoint else text, None)
+            if settings['top'] is not None:
+                scores = scored([prompts[index // n] + a.ids for index, a in enumerate(answers)],
+                                [1 if e else len(prompts[index // n]) for index, e in enumerate(echoes)],
+                                settings['top'])
             for index, (answer, echoed) in enumerate(zip(answers, echoes)):
                 ids = prompts[index // n]
                 message, finish = {'role': 'assistant', 'content': answer.text}, answer.finish_reason
@@ -430,10 +451,9 @@ class Handler(BaseHTTPRequestHandler):
                     for k, call in enumerate(message.get('tool_calls', [])):
                         self.event(head, index, {'tool_calls': [dict(call, index=k)]}, None)
                 logprobs = None
-                if settings['top'] is not None:  # scored once the answer is whole; in a stream, one event after it
-                    scores = scored(ids + answer.ids, 1 if echoed else len(ids), settings['top'])
-                    logprobs = chat_logprobs(answer.ids, scores) if chat_endpoint else completion_logprobs(
-                        (ids if echoed else []) + answer.ids, scores,
+                if settings['top'] is not None:  # scored once the answers are whole; in a stream, one event after
+                    logprobs = chat_logprobs(answer.ids, scores[index]) if chat_endpoint else completion_logprobs(
+                        (ids if echoed else []) + answer.ids, scores[index],
                         0 if echoed else len(settings['texts'][index // n]))
                     if settings['stream']:
                         self.event(head, index, {'content': ''} if chat_endpoint else '', None, logprobs)

@@ -195,6 +195,31 @@ def test_echo_and_logprobs_score_texts_as_lm_eval_reads_them(chat_server):
         whole['choices'][0]['logprobs']]
 
 
+# serve.py scoring at most 64 positions a forward pass
+SMALL_SCORING_PASSES = """
+import sys
+sys.argv = ['serve.py', *sys.argv[1:]]
+source = open('serve.py').read().replace('SCORED_POSITIONS = 16384', 'SCORED_POSITIONS = 64')
+exec(compile(source, 'serve.py', 'exec'), {'__name__': '__main__', '__file__': 'serve.py'})
+"""
+
+
+@pytest.mark.parametrize('launcher', [('serve.py',), ('-c', SMALL_SCORING_PASSES)], ids=['one pass', 'passes of 64'])
+def test_prompts_of_mixed_lengths_are_scored_together(launcher):
+    """Several prompts' log-probs, their rows right-padded in one forward pass (or in passes of 64 positions, the
+    longest first), each as the model gives it over its own text alone."""
+    loaded = load_for_generation(hf_fixture('qwen2'))
+    prompts = [loaded.tokenizer.encode(t) for t in ('Once upon a time', 'a b', 'The sky ' * 12, 'Hello there')]
+    p, url = start_server(hf_fixture('qwen2'), launcher=launcher)
+    try:
+        _, answer = post(url + '/completions', dict(prompt=prompts, echo=True, max_tokens=0, logprobs=2))
+        for ids, choice in zip(prompts, answer['choices']):
+            assert choice['logprobs']['token_logprobs'][1:] == pytest.approx(logprobs_here(loaded, ids)[0], abs=1e-4)
+    finally:
+        p.kill()
+        p.wait()
+
+
 def test_chat_logprobs_give_each_answer_tokens_log_prob(chat_server):
     """"logprobs": true with "top_logprobs": k: each token of the answer, its log-prob given the prompt and the
     answer before it (the model's, over the whole text), k alternatives best first; streamed, the same in one

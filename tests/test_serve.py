@@ -220,6 +220,24 @@ def test_prompts_of_mixed_lengths_are_scored_together(launcher):
         p.wait()
 
 
+@pytest.mark.cuda
+def test_a_gpu_serves_the_answers_and_log_probs_the_cpu_serves(chat_server):
+    """On a GPU (float32), a request's batch of answers and their log-probs equal the CPU server's."""
+    body = dict(prompt=['Once upon a time', 'The sky', 'Hello there, my'], n=2, max_tokens=8, temperature=0,
+                logprobs=2, echo=True)
+    _, want = post(chat_server + '/completions', body)
+    p, url = start_server(hf_fixture('qwen2'), '--device=cuda', '--dtype=float32')
+    try:
+        _, answer = post(url + '/completions', body)
+    finally:
+        p.kill()
+        p.wait()
+    assert [c['text'] for c in answer['choices']] == [c['text'] for c in want['choices']]
+    for got, expected in zip(answer['choices'], want['choices']):
+        assert got['logprobs']['token_logprobs'][1:] == pytest.approx(expected['logprobs']['token_logprobs'][1:],
+                                                                      abs=1e-3)
+
+
 def test_chat_logprobs_give_each_answer_tokens_log_prob(chat_server):
     """"logprobs": true with "top_logprobs": k: each token of the answer, its log-prob given the prompt and the
     answer before it (the model's, over the whole text), k alternatives best first; streamed, the same in one

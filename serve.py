@@ -427,14 +427,14 @@ class Handler(BaseHTTPRequestHandler):
             for index, echoed in enumerate(echoes if settings['stream'] else []):  # a stream's opening events
                 if chat_endpoint:
                     self.event(head, index, {'role': 'assistant', 'content': ''}, None)
-                if echoed:
+                if echoed:  # the prompt's text, which may be '' (tokens without one)
                     self.event(head, index, echoed, None)
             for index, text in draw(prompts, settings, answers):
                 if live:
                     self.event(head, index, {'content': text} if chat_endpoint else text, None)
             if settings['top'] is not None:
                 scores = scored([prompts[index // n] + a.ids for index, a in enumerate(answers)],
-                                [1 if e else len(prompts[index // n]) for index, e in enumerate(echoes)],
+                                [1 if settings['echo'] else len(prompts[index // n]) for index in range(len(answers))],
                                 settings['top'])
             for index, (answer, echoed) in enumerate(zip(answers, echoes)):
                 ids = prompts[index // n]
@@ -444,7 +444,8 @@ class Handler(BaseHTTPRequestHandler):
                 if calls:  # OpenAI's form: each call an id, its arguments a JSON string
                     message['content'], finish = content, 'tool_calls'
                     message['tool_calls'] = [dict(id=f'call_{uuid.uuid4().hex[:24]}', type='function',
-                                                  function=dict(name=n, arguments=a)) for n, a in calls]
+                                                  function=dict(name=call, arguments=arguments))
+                                             for call, arguments in calls]
                 if settings['stream'] and not live:  # the content whole, then each call
                     if message['content']:
                         self.event(head, index, {'content': message['content']}, None)
@@ -453,8 +454,8 @@ class Handler(BaseHTTPRequestHandler):
                 logprobs = None
                 if settings['top'] is not None:  # scored once the answers are whole; in a stream, one event after
                     logprobs = chat_logprobs(answer.ids, scores[index]) if chat_endpoint else completion_logprobs(
-                        (ids if echoed else []) + answer.ids, scores[index],
-                        0 if echoed else len(settings['texts'][index // n]))
+                        (ids if settings['echo'] else []) + answer.ids, scores[index],
+                        0 if settings['echo'] else len(settings['texts'][index // n]))
                     if settings['stream']:
                         self.event(head, index, {'content': ''} if chat_endpoint else '', None, logprobs)
                 if settings['stream']:

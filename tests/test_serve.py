@@ -302,6 +302,10 @@ function element(id) {
   return {id, value: '', textContent: '', className: '', children: [], scrollTop: 0, scrollHeight: 0, listeners: {},
           addEventListener(type, f) { this.listeners[type] = f; }, focus() {},
           appendChild(child) { this.children.push(child); child.parent = this; },
+          insertBefore(child, next) {
+            this.children.splice(this.children.indexOf(next), 0, child);
+            child.parent = this;
+          },
           remove() { this.parent.children.splice(this.parent.children.indexOf(this), 1); }};
 }
 const document = {getElementById: (id) => made[id] || (made[id] = element(id)), createElement: () => element()};
@@ -342,6 +346,15 @@ def test_the_browser_page_holds_a_conversation(chat_server):
     assert shown.returncode == 0, shown.stderr
     assert json.loads(shown.stdout) == dict(name=hf_fixture('qwen2'), turns=[
         ['turn user', 'Hello there'], ['turn assistant', first], ['turn user', 'And you?'], ['turn assistant', second]])
+    # past the context (256 tokens) the oldest exchange is left out, and the page says so
+    long = ' '.join(['word'] * 40)
+    assert 150 < len(loaded.tokenizer.encode_prompt([{'role': 'user', 'content': long}])) < 240
+    later = greedy_answer(loaded, [{'role': 'user', 'content': long + '?'}], 12)
+    shown = subprocess.run(['node', '-e', PAGE_IN_NODE, server, json.dumps([long + '.', long + '?'])],
+                           capture_output=True, text=True, timeout=120)
+    turns = json.loads(shown.stdout)['turns']
+    assert turns[2][0] == 'turn system' and 'oldest exchange is left out' in turns[2][1], shown.stderr
+    assert turns[3:] == [['turn user', long + '?'], ['turn assistant', later]]
 
 
 def test_sampling_follows_the_seed_and_n(chat_server):

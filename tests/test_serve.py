@@ -137,7 +137,8 @@ def logprobs_here(loaded, ids):
     computed here: the model's logits over the whole text at once, log-softmax in float64."""
     logprobs = torch.log_softmax(loaded.model(torch.tensor([ids[:-1]]))[0][0].double(), dim=-1)
     best = logprobs.max(-1)
-    return logprobs.gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist(), best.indices.tolist(), best.values.tolist()
+    chosen = logprobs.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    return chosen.tolist(), best.indices.tolist(), best.values.tolist()
 
 
 def test_echo_and_logprobs_score_texts_as_lm_eval_reads_them(chat_server):

@@ -285,11 +285,11 @@ def completion_logprobs(ids, scores, offset):
 
 
 def chat_logprobs(ids, scores):
-    """/v1/chat/completions' logprobs object: each answer token's text, its UTF-8 bytes, log-prob and top
-    alternatives (a token that holds part of a character reads as U+FFFD)."""
+    """/v1/chat/completions' logprobs object: each answer token's text, its bytes, log-prob and top alternatives (a
+    token that holds part of a character reads as U+FFFD; its bytes, joined to its neighbours', make the
+    character)."""
     def entry(i, lp):
-        text = tokenizer.decode([i])
-        return dict(token=text, logprob=lp, bytes=list(text.encode('utf-8')))
+        return dict(token=tokenizer.decode([i]), logprob=lp, bytes=list(tokenizer.token_bytes(i)))
     return dict(content=[dict(entry(i, lp), top_logprobs=[entry(j, v) for j, v in alternatives])
                          for i, (lp, alternatives) in zip(ids, scores)], refusal=None)
 

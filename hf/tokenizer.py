@@ -164,6 +164,17 @@ def compile_chat_template(template, source):
         raise UserError(f"the chat template in {source} is not valid Jinja (line {e.lineno}: {e.message}).") from None
 
 
+def byte_level_chars():
+    """GPT-2's byte-level alphabet read back: {the character a token writes a byte as: that byte}; printable
+    bytes stand for themselves, the others for the characters from U+0100 on, in byte order (bytes_to_unicode)."""
+    kept = [*range(ord('!'), ord('~') + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    moved = [b for b in range(256) if b not in kept]
+    return {**{chr(b): b for b in kept}, **{chr(256 + k): b for k, b in enumerate(moved)}}
+
+
+BYTE_LEVEL_CHARS = byte_level_chars()
+
+
 class HFTokenizer:
     """A Hugging Face folder's tokenizer.json, special tokens and chat template (None for a base model).
     template_variables are passed to every render, e.g. {'date_string': '26 Jul 2024'} (Llama 3.x) or
@@ -236,6 +247,22 @@ class HFTokenizer:
 
     def encode(self, text):
         return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def token_bytes(self, i):
+        """The bytes token i stands for (part of a character's UTF-8 where the tokenizer splits one; OpenAI's
+        log-probs give them): a byte-level token's characters read back as GPT-2 wrote bytes, a byte-fallback
+        token ('<0xE2>') its byte, others their text with sentencepiece's U+2581 a space; added tokens their text."""
+        token = self.tokenizer.id_to_token(i)
+        if token is None:  # a model row past the tokenizer's tokens
+            return b''
+        if i in self.tokenizer.get_added_tokens_decoder():
+            return token.encode()
+        decoder = self.tokenizer.decoder  # its JSON: ByteLevel (GPT-2's, Llama 3's, Qwen's), or sentencepiece's steps
+        if decoder is not None and b'"ByteLevel"' in decoder.__getstate__():
+            return bytes(BYTE_LEVEL_CHARS[c] for c in token)
+        if re.fullmatch(r'<0x[0-9A-F]{2}>', token):
+            return bytes([int(token[3:5], 16)])
+        return token.replace('\u2581', ' ').encode()
 
     def decode(self, ids, skip_special=False):
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special)

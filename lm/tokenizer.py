@@ -50,6 +50,10 @@ class CharTokenizer:
     def decode(self, ids, skip_special=False):  # no special tokens to skip
         return ''.join(self.chars[i] for i in ids)
 
+    def token_bytes(self, i):
+        """The UTF-8 bytes token i stands for."""
+        return self.chars[i].encode()
+
     def identity(self):
         digest = hashlib.sha256(''.join(self.chars).encode()).hexdigest()
         return {'vocab_size': self.vocab_size, 'hash': digest}
@@ -76,6 +80,14 @@ class BPETokenizer:
 
     def decode(self, ids, skip_special=False):  # sentencepiece writes its control tokens (EOS) as ''
         return self.sp.decode(list(ids))
+
+    def token_bytes(self, i):
+        """The bytes token i stands for: a byte-fallback piece's one byte (part of a character), else its text."""
+        piece = self.sp.id_to_piece(i)
+        if self.sp.is_byte(i):  # '<0xE2>'
+            return bytes([int(piece[3:5], 16)])
+        return self.sp.decode([i]).encode() if self.sp.is_control(i) or self.sp.is_unknown(i) else \
+            piece.replace('\u2581', ' ').encode()
 
     def identity(self):
         return {'vocab_size': self.vocab_size, 'hash': hashlib.sha256(self.model_bytes).hexdigest()}
@@ -165,6 +177,11 @@ class ChatTokenizer:
             else:
                 run.append(i)
         return ''.join(pieces) + self.base.decode(run, skip_special)
+
+    def token_bytes(self, i):
+        """The bytes token i stands for: a template token's name, else the base tokenizer's."""
+        name = next((token for token, special in self.special.items() if special == i), None)
+        return name.encode() if name else self.base.token_bytes(i)
 
     def identity(self):
         base = self.base.identity()

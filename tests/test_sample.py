@@ -7,7 +7,8 @@ import subprocess
 import sys
 
 from conftest import ROOT, greedy_answer, hf_fixture, run, script_env, start_up_refusal
-from lm.tokenizer import BPETokenizer, decoded_pieces, train_bpe
+from hf.tokenizer import load_hf_tokenizer
+from lm.tokenizer import BPETokenizer, CharTokenizer, ChatTokenizer, decoded_pieces, train_bpe
 from loading import load_for_generation
 
 BANNER = "Chatting with {}: type a message; /clear forgets the conversation, /quit or Ctrl-D ends.\n"
@@ -126,6 +127,25 @@ def test_streamed_pieces_never_show_half_a_character():
         split = [i for i in range(1, len(ids)) if '\ufffd' in tokenizer.decode(ids[:i])]
         assert split, 'no token boundary inside a character: the test shows nothing'
         assert len(pieces) > len(text.split()), pieces  # streamed, not given whole at the end
+
+
+def test_token_bytes_join_into_the_texts_bytes():
+    """token_bytes (serve.py's log-probs' "bytes"): the bytes of a text's tokens, joined, are its UTF-8, where
+    tokens split its characters (a byte-level BPE, sentencepiece's byte fallback, a published sentencepiece folder,
+    which writes its dummy prefix as a space) and where they do not (a character vocabulary, the chat template)."""
+    text = 'héllo wörld 😀 日本語 ok'
+    corpus = ['hello world, the old words', 'a plain text of ascii only'] * 50
+    bpe = BPETokenizer(train_bpe(corpus, 300))
+    sentencepiece = load_hf_tokenizer(hf_fixture('sentencepiece'))
+    chars = CharTokenizer(sorted(set(text)))
+    for tokenizer, opening in ((load_for_generation(hf_fixture('qwen2')).tokenizer, b''), (bpe, b''),
+                               (sentencepiece, b' '), (chars, b''), (ChatTokenizer(bpe), b'')):
+        ids = tokenizer.encode(text)
+        assert b''.join(tokenizer.token_bytes(i) for i in ids) == opening + text.encode()
+        if tokenizer is not chars:
+            assert any(len(tokenizer.token_bytes(i)) == 1 and tokenizer.token_bytes(i)[0] > 127 for i in ids)
+    chat = ChatTokenizer(bpe)
+    assert chat.token_bytes(chat.eos_id) == b'<|end|>'
 
 
 def test_a_base_model_has_no_conversation(monkeypatch):

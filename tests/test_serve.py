@@ -250,6 +250,7 @@ def test_chat_logprobs_give_each_answer_tokens_log_prob(chat_server):
     content = choice['logprobs']['content']
     assert status == 200 and len(content) == answer['usage']['completion_tokens'] > 0
     assert ''.join(t['token'] for t in content) == choice['message']['content']
+    assert b''.join(bytes(t['bytes']) for t in content).decode('utf-8', 'replace') == choice['message']['content']
     prompt = loaded.tokenizer.encode_prompt(QUESTION)
     ids = prompt + loaded.tokenizer.encode(choice['message']['content'])
     want, best, _ = logprobs_here(loaded, ids)
@@ -258,7 +259,7 @@ def test_chat_logprobs_give_each_answer_tokens_log_prob(chat_server):
         assert [a['logprob'] for a in t['top_logprobs']] == sorted([a['logprob'] for a in t['top_logprobs']],
                                                                    reverse=True)
         assert len(t['top_logprobs']) == 3 and t['top_logprobs'][0] == dict(token=t['token'], logprob=t['logprob'],
-                                                                           bytes=list(t['token'].encode()))
+                                                                           bytes=t['bytes'])
         assert t['token'] == loaded.tokenizer.decode([top])  # greedy: the token is its top one
     chunks = events(chat_server + '/chat/completions', dict(body, stream=True))
     assert [c['choices'][0]['logprobs'] for c in chunks if c['choices'][0]['logprobs']] == [choice['logprobs']]

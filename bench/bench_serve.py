@@ -58,18 +58,18 @@ PROMPTS = ['Once upon a time', 'The capital of France', 'def fibonacci(n):', 'In
 def start(log):
     """serve.py on model at a free port, its request log into log: (process, URL), once it says it is serving."""
     p = subprocess.Popen([sys.executable, 'serve.py', f'--init_from={model}', '--device=cpu', '--port=0'], cwd=ROOT,
-                         env=dict(os.environ, OMP_NUM_THREADS=str(threads)), stdout=subprocess.PIPE, stderr=log,
-                         text=True)
-    seen = ''
-    while 'serving' not in seen:
+                         env=dict(os.environ, OMP_NUM_THREADS=str(threads)), stdout=subprocess.PIPE, stderr=log)
+    seen = b''
+    while not re.search(rb'serving .* at \S+/v1 ', seen):
+        # the pipe's own bytes: a buffered readline would take lines select() then no longer sees
         ready, _, _ = select.select([p.stdout], [], [], 300)
-        line = p.stdout.readline() if ready else ''
-        if not line:
+        more = os.read(p.stdout.fileno(), 4096) if ready else b''
+        if not more:
             p.kill()
             log.seek(0)
-            sys.exit(f"serve.py did not start: {seen}{log.read()}")
-        seen += line
-    return p, re.search(r'at (http://\S+)/v1', seen).group(1)
+            sys.exit(f"serve.py did not start: {seen.decode()}{log.read()}")
+        seen += more
+    return p, re.search(r'at (http://\S+)/v1', seen.decode()).group(1)
 
 
 def post(url, path, body):

@@ -1,12 +1,14 @@
 """serve.py: a model behind OpenAI's chat completions and completions API, answers checked against the model's
 greedy tokens computed here, streams against whole answers, and what a client may send wrong."""
 import json
+import os
 import re
 import select
 import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import urllib.error
 import urllib.request
@@ -23,17 +25,21 @@ QUESTION = [{'role': 'user', 'content': 'Hello there'}]
 
 def start_server(folder, *args, launcher=('serve.py',)):
     """serve.py on folder at a free port: (process, base URL), once it says it is serving."""
+    log = tempfile.TemporaryFile()  # its request log: a pipe nobody reads would fill and stop it
     p = subprocess.Popen([sys.executable, *launcher, f'--init_from={folder}', '--device=cpu', '--port=0', *args],
-                         cwd=ROOT, env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    seen = ''
-    while 'serving' not in seen:
+                         cwd=ROOT, env=script_env(), stdout=subprocess.PIPE, stderr=log)
+    seen = b''
+    while not re.search(rb'serving .* at \S+/v1 ', seen):
+        # the pipe's own bytes: a buffered readline would take lines select() then no longer sees
         ready, _, _ = select.select([p.stdout], [], [], 120)
-        line = p.stdout.readline() if ready else ''
-        if not line:
+        more = os.read(p.stdout.fileno(), 4096) if ready else b''
+        if not more:
             p.kill()
-            raise AssertionError(f'serve.py did not start: {seen}{p.stderr.read()}')
-        seen += line
-    return p, re.search(r'at (http://\S+/v1)', seen).group(1)
+            p.wait()
+            log.seek(0)
+            raise AssertionError(f'serve.py did not start: {seen.decode()}{log.read().decode()}')
+        seen += more
+    return p, re.search(r'at (http://\S+/v1)', seen.decode()).group(1)
 
 
 @pytest.fixture(scope='module')

@@ -333,6 +333,12 @@ const document = {getElementById: (id) => made[id] || (made[id] = element(id)), 
 """
 
 
+def node_runs_pages():
+    """Whether a node here can run the page's script: one with fetch (node 18 and later)."""
+    return shutil.which('node') is not None and subprocess.run(
+        ['node', '-e', 'process.exit(typeof fetch === "function" ? 0 : 1)'], capture_output=True).returncode == 0
+
+
 def test_the_browser_page_holds_a_conversation(chat_server):
     """GET / is a page that talks with the model: its script (run by node, where there is one) streams each answer
     from /v1/chat/completions into the page, the conversation so far sent each turn; the model's name reaches it
@@ -343,8 +349,8 @@ def test_the_browser_page_holds_a_conversation(chat_server):
         assert r.status == 200 and r.headers['Content-Type'] == 'text/html; charset=utf-8'
     model_json = re.search(r'<script id="model" type="application/json">(.*?)</script>', page).group(1)
     assert json.loads(model_json) == dict(name=hf_fixture('qwen2'), chat=True) and 'MODEL_JSON' not in page
-    if shutil.which('node') is None:
-        pytest.skip('no node here to run the page\'s script')
+    if not node_runs_pages():
+        pytest.skip('no node 18 or later here to run the page\'s script')
     loaded = load_for_generation(hf_fixture('qwen2'))
     first = greedy_answer(loaded, QUESTION, 12)
     second = greedy_answer(loaded, QUESTION + [{'role': 'assistant', 'content': first},
@@ -447,7 +453,7 @@ def test_a_base_model_continues_texts_only_and_a_taken_port_is_refused(tmp_path)
         assert status == 400 and 'my-gpt2 is a base model' in answer['error']['message']
         status, answer = post(url + '/completions', dict(prompt='Hello', max_tokens=3))
         assert status == 200 and answer['model'] == 'my-gpt2' and answer['usage']['completion_tokens'] <= 3
-        if shutil.which('node'):  # the page continues the text typed
+        if node_runs_pages():  # the page continues the text typed
             loaded = load_for_generation(hf_fixture('gpt2'))
             ids = loaded.tokenizer.document_prefix + loaded.tokenizer.encode('Once upon')
             out = loaded.model.generate(torch.tensor([ids]), 12, temperature=0)[0, len(ids):].tolist()

@@ -19,8 +19,7 @@ tokens/s = completion tokens / wall time (scoring: requests/s of one text each);
 
 import json
 import os
-import re
-import select
+import socket
 import statistics
 import subprocess
 import sys
@@ -56,20 +55,24 @@ PROMPTS = ['Once upon a time', 'The capital of France', 'def fibonacci(n):', 'In
 
 
 def start(log):
-    """serve.py on model at a free port, its request log into log: (process, URL), once it says it is serving."""
-    p = subprocess.Popen([sys.executable, 'serve.py', f'--init_from={model}', '--device=cpu', '--port=0'], cwd=ROOT,
-                         env=dict(os.environ, OMP_NUM_THREADS=str(threads)), stdout=subprocess.PIPE, stderr=log)
-    seen = b''
-    while not re.search(rb'serving .* at \S+/v1 ', seen):
-        # the pipe's own bytes: a buffered readline would take lines select() then no longer sees
-        ready, _, _ = select.select([p.stdout], [], [], 300)
-        more = os.read(p.stdout.fileno(), 4096) if ready else b''
-        if not more:
-            p.kill()
+    """serve.py on model at a free port, its output into log: (process, URL), once /v1/models answers."""
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        port = s.getsockname()[1]
+    p = subprocess.Popen([sys.executable, 'serve.py', f'--init_from={model}', '--device=cpu', f'--port={port}'],
+                         cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS=str(threads)), stdout=log, stderr=log)
+    url = f'http://127.0.0.1:{port}'
+    for _ in range(600):
+        if p.poll() is not None:
             log.seek(0)
-            sys.exit(f"serve.py did not start: {seen.decode()}{log.read()}")
-        seen += more
-    return p, re.search(r'at (http://\S+)/v1', seen.decode()).group(1)
+            sys.exit(f"serve.py did not start: {log.read()}")
+        try:
+            urllib.request.urlopen(url + '/v1/models', timeout=5).close()
+            return p, url
+        except OSError:  # not listening yet
+            time.sleep(0.5)
+    p.kill()
+    sys.exit("serve.py did not answer in 300 s")
 
 
 def post(url, path, body):

@@ -105,11 +105,7 @@ def read_request(body, chat_endpoint):
         wanted, top = field(body, 'logprobs', False, bool), field(body, 'top_logprobs', None, int, 0, 20)
         if top is not None and not wanted:
             raise BadRequest('"top_logprobs" needs "logprobs": true', 'top_logprobs')
-        top, echo = (top or 0) if wanted else None, False
-    else:  # logprobs: k alternatives; echo: the prompt too
-        top, echo = field(body, 'logprobs', None, int, 0, 20), field(body, 'echo', False, bool)
-    if chat_endpoint:
-        texts = None
+        top, echo, texts = (top or 0) if wanted else None, False, None
         if not chat:
             raise BadRequest(f"{name} is a base model: it continues a text (no chat template to hold messages); "
                              f"POST the text to /v1/completions as \"prompt\".", 'messages')
@@ -121,7 +117,8 @@ def read_request(body, chat_endpoint):
             prompts = [tokenizer.encode_prompt(messages, tools)]
         except (ValueError, UserError) as e:
             raise BadRequest(str(e), 'messages') from None
-    else:
+    else:  # logprobs: k alternatives; echo: the prompt too
+        top, echo = field(body, 'logprobs', None, int, 0, 20), field(body, 'echo', False, bool)
         tool_names = set()
         prompts, texts = completion_prompts(body.get('prompt'))
     longest = max(map(len, prompts))
@@ -244,7 +241,8 @@ def scored(sequences, starts, top):
     order = sorted((k for k, ids in enumerate(sequences) if starts[k] < len(ids)), key=lambda k: -len(sequences[k]))
     while order:
         width = len(sequences[order[0]]) - 1
-        group, order = order[:max(1, SCORED_POSITIONS // width)], order[max(1, SCORED_POSITIONS // width):]
+        rows_a_pass = max(1, SCORED_POSITIONS // width)
+        group, order = order[:rows_a_pass], order[rows_a_pass:]
         x = torch.zeros(len(group), width, dtype=torch.long)
         rows, cols, targets = [], [], []
         for r, k in enumerate(group):
@@ -338,23 +336,20 @@ class Handler(BaseHTTPRequestHandler):
     server_version = 'nanotrain'
     timeout = 60  # seconds a client may stall sending or reading before it is dropped (the others wait on it)
 
-    def send_json(self, status, value):
-        data = json.dumps(value).encode()
+    def send(self, status, content_type, data):
         self.send_response(status)
-        self.send_header('Content-Type', 'application/json')
+        self.send_header('Content-Type', content_type)
         self.send_header('Content-Length', str(len(data)))
         self.end_headers()
         self.wfile.write(data)
 
+    def send_json(self, status, value):
+        self.send(status, 'application/json', json.dumps(value).encode())
+
     def send_page(self):
         """The browser's page, lm/chat_page.html, told the model's name and kind in JSON no text can close."""
         model_json = json.dumps(dict(name=name, chat=bool(chat))).replace('<', '\\u003c')
-        data = CHAT_PAGE.replace('MODEL_JSON', model_json).encode()
-        self.send_response(200)
-        self.send_header('Content-Type', 'text/html; charset=utf-8')
-        self.send_header('Content-Length', str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        self.send(200, 'text/html; charset=utf-8', CHAT_PAGE.replace('MODEL_JSON', model_json).encode())
 
     def send_error_json(self, status, message, param=None, code=None):
         self.send_json(status, {'error': dict(message=message, type='invalid_request_error', param=param, code=code)})

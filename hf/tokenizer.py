@@ -8,6 +8,7 @@ load_hf_tokenizer(folder) returns an HFTokenizer. A base model's folder has no c
 (tokenizer.chat_template is None): wrap it in tokenizer.ChatTokenizer to give it nanotrain's own.
 """
 
+import functools
 import hashlib
 import json
 import os
@@ -255,14 +256,22 @@ class HFTokenizer:
         token = self.tokenizer.id_to_token(i)
         if token is None:  # a model row past the tokenizer's tokens
             return b''
-        if i in self.tokenizer.get_added_tokens_decoder():
+        added, byte_level = self.token_kinds
+        if i in added:
             return token.encode()
-        decoder = self.tokenizer.decoder  # its JSON: ByteLevel (GPT-2's, Llama 3's, Qwen's), or sentencepiece's steps
-        if decoder is not None and b'"ByteLevel"' in decoder.__getstate__():
+        if byte_level:
             return bytes(BYTE_LEVEL_CHARS[c] for c in token)
         if re.fullmatch(r'<0x[0-9A-F]{2}>', token):
             return bytes([int(token[3:5], 16)])
         return token.replace('\u2581', ' ').encode()
+
+    @functools.cached_property
+    def token_kinds(self):
+        """(the added tokens' ids, whether the decoder is byte-level), read once for token_bytes: its JSON says
+        ByteLevel (GPT-2's, Llama 3's, Qwen's) or sentencepiece's steps (Replace, ByteFallback, ...)."""
+        decoder = self.tokenizer.decoder
+        return (set(self.tokenizer.get_added_tokens_decoder()),
+                decoder is not None and b'"ByteLevel"' in decoder.__getstate__())
 
     def decode(self, ids, skip_special=False):
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special)

@@ -252,7 +252,7 @@ def stream_tokens(model, ids, max_new_tokens, temperature=0.0, top_k=None, top_p
 def drawn_tokens(model, prompts, max_new_tokens, temperature=0.0, top_k=None, top_p=None, stop_ids=(),
                  num_samples=1, generator=None, rows_of=None, share_prompts=None, decoding=None):
     """generate_batch's tokens a step at a time, as they are drawn: {completion: its new token} of the completions
-    still running (sample.py and serve.py stream one prompt's answer with it, compiled decoding too)."""
+    still running (serve.py draws a request's answers with it; stream_tokens one prompt's, compiled)."""
     check_prompts(prompts, max_new_tokens, model.config.block_size)
     if not prompts or max_new_tokens == 0:
         return

@@ -86,8 +86,9 @@ class BPETokenizer:
         piece = self.sp.id_to_piece(i)
         if self.sp.is_byte(i):  # '<0xE2>'
             return bytes([int(piece[3:5], 16)])
-        return self.sp.decode([i]).encode() if self.sp.is_control(i) or self.sp.is_unknown(i) else \
-            piece.replace('\u2581', ' ').encode()
+        if self.sp.is_control(i) or self.sp.is_unknown(i):  # EOS: '', <unk>: its stand-in
+            return self.sp.decode([i]).encode()
+        return piece.replace('\u2581', ' ').encode()
 
     def identity(self):
         return {'vocab_size': self.vocab_size, 'hash': hashlib.sha256(self.model_bytes).hexdigest()}

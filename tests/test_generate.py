@@ -274,7 +274,7 @@ def test_compiled_decoding_replays_cuda_graphs():
 
 @pytest.mark.comparison
 def test_a_streamed_answer_draws_what_generate_draws():
-    """stream_tokens (sample.py's and serve.py's answers): one prompt's tokens as GPT.generate draws them, greedy and
+    """stream_tokens (sample.py's answers): one prompt's tokens as GPT.generate draws them, greedy and
     sampled with a seed, through compiled decoding (aot_eager, as above) where the answer fits the static cache and
     GPT.generate_tokens where it would pass block_size (the context slides); a reader may stop it at any token."""
     from lm.generate import CompiledDecoding, stream_tokens
@@ -300,7 +300,7 @@ def test_a_streamed_answer_draws_what_generate_draws():
 
 @pytest.mark.cuda
 def test_a_streamed_answer_replays_cuda_graphs():
-    """On a GPU, stream_tokens through CompiledDecoding (serve.py's and sample.py's compile_decode) replays CUDA
+    """On a GPU, stream_tokens through CompiledDecoding (sample.py's compile_decode) replays CUDA
     graphs (none skipped) and draws the eager path's greedy tokens; float32 with TF32 off, as above."""
     from torch._dynamo.utils import counters
     from lm.generate import CompiledDecoding, stream_tokens

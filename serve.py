@@ -13,7 +13,9 @@ otherwise, and checks no key: whoever reaches the port can use it.
 
 import json
 import os
+import socket
 import sys
+import threading
 import time
 import traceback
 import uuid
@@ -22,7 +24,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 import torch
 import torch.nn.functional as F
 
-from configurator import SEED, UserError, at_least, check_values, configure, interval
+from configurator import POSITIVE, SEED, UserError, at_least, check_values, configure, interval
 from lm.chat_data import chat_tools, message_list
 from lm.generate import CompiledDecoding, drawn_tokens, stop_tokens
 from lm.metrics import reply_and_calls
@@ -44,6 +46,7 @@ temperature = 1.0            # a request's temperature where it gives none (Open
 top_k = 0                    # top-k for every request (OpenAI's API has no such field); 0 = off
 compile_decode = False       # decode through torch.compile over a static KV cache (CUDA graphs): ~1 min to compile
 seed = 1337                  # seeds the draws of the requests that give no "seed"
+request_timeout = 60         # seconds a client has to send its whole request (and may stall reading the answer)
 device = 'auto'              # 'auto' (cuda, else mps, else cpu) | 'cpu' | 'cuda' | 'cuda:1' | 'mps'
 dtype = 'auto'               # 'auto' = bf16 on GPUs with it, else fp16; fp32 on CPU
 # -----------------------------------------------------------------------------
@@ -52,7 +55,9 @@ check_values(config, [
     (SEED, ('seed',)),
     (at_least(1), ('max_new_tokens',)),
     (at_least(0), ('top_k', 'temperature')),
+    (POSITIVE, ('request_timeout',)),
     (interval('[0, 65535]'), ('port',)),
+    ((bool, "an address, e.g. 127.0.0.1 (this machine only) or 0.0.0.0 (every interface)"), ('host',)),
 ])
 
 local_device = pick_device(device)
@@ -66,6 +71,7 @@ server_generator = torch.Generator(device=local_device).manual_seed(seed)
 decoding = CompiledDecoding() if compile_decode else None
 stop_ids = stop_tokens(tokenizer)
 SCORED_POSITIONS = 16384  # positions a forward pass that scores log-probs holds (its rows padded to the longest)
+MAX_STOPS, MAX_STOP_CHARS = 16, 1000  # a request's stop strings: each token's text is checked against them all
 with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'lm', 'chat_page.html')) as f:
     CHAT_PAGE = f.read()  # GET /: a conversation in the browser
 
@@ -110,8 +116,12 @@ def read_request(body, chat_endpoint):
             raise BadRequest(f"{name} is a base model: it continues a text (no chat template to hold messages); "
                              f"POST the text to /v1/completions as \"prompt\".", 'messages')
         try:
-            messages, tools = message_list(body.get('messages'), 'messages'), chat_tools(body)
+            tools = chat_tools(body)
             tool_names = {function_name(tool, 'each of "tools"') for tool in tools or []}
+        except (ValueError, UserError) as e:
+            raise BadRequest(str(e), 'tools') from None
+        try:
+            messages = message_list(body.get('messages'), 'messages')
             if not messages:
                 raise ValueError('"messages" is empty: give at least one user message')
             prompts = [tokenizer.encode_prompt(messages, tools)]
@@ -133,8 +143,10 @@ def read_request(body, chat_endpoint):
                          'messages' if chat_endpoint else 'prompt', 'context_length_exceeded')
     stop = body.get('stop')
     stop = [stop] if isinstance(stop, str) else stop if stop is not None else []
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise BadRequest(f'"stop" must be a string or a list of strings, got {json.dumps(stop)[:80]}', 'stop')
+    if not (isinstance(stop, list) and len(stop) <= MAX_STOPS
+            and all(isinstance(s, str) and len(s) <= MAX_STOP_CHARS for s in stop)):
+        raise BadRequest(f'"stop" must be a string or a list of up to {MAX_STOPS} strings, each at most '
+                         f'{MAX_STOP_CHARS} characters; got {json.dumps(stop)[:80]}', 'stop')
     stream_options = body.get('stream_options') or {}
     if not isinstance(stream_options, dict):
         raise BadRequest('"stream_options" must be an object, e.g. {"include_usage": true}', 'stream_options')
@@ -168,7 +180,7 @@ def completion_prompts(prompt):
             raise BadRequest(f'"prompt" must be a text, a list of up to 64 texts, a list of token ids (each in [0, '
                              f'{model.config.vocab_size})) or a list of such lists, none empty; got '
                              f'{json.dumps(prompt)[:80]}', 'prompt')
-    return prompts, [p if isinstance(p, str) else tokenizer.decode(p) for p in prompt]
+    return prompts, [p if isinstance(p, str) else tokenizer.decode(p, skip_special=True) for p in prompt]
 
 
 class Answer:
@@ -202,7 +214,7 @@ class Answer:
         if hits:  # the answer ends before the stop string
             text, self.pending, self.finish_reason = self.pending[:min(hits)], '', 'stop'
         else:
-            held = 0 if whole else max([k for s in self.stop for k in range(1, len(s))
+            held = 0 if whole else max([k for s in self.stop for k in range(1, min(len(s), len(self.pending) + 1))
                                         if self.pending.endswith(s[:k])], default=0)
             text, self.pending = self.pending[:len(self.pending) - held], self.pending[len(self.pending) - held:]
         self.text += text
@@ -267,13 +279,27 @@ def scored(sequences, starts, top):
     return out
 
 
-def completion_logprobs(ids, scores, offset):
-    """/v1/completions' logprobs object of ids, the last len(scores) of them scored (the first of an echoed prompt
-    is not: None): each token's text, log-prob, top alternatives {text: log-prob} (the token's own among them,
-    as vLLM gives it) and where its text starts in the choice's text (offset: the first's)."""
-    pieces = [tokenizer.decode([i]) for i in ids]
-    unscored = [None] * (len(ids) - len(scores))
-    starts = [offset + sum(map(len, pieces[:k])) for k in range(len(ids))]
+def text_offsets(ids, offset):
+    """Where the text of each of ids starts in the text they decode to, which starts at offset: after the pieces a
+    PieceDecoder gave before it (a BOS adds none); a token that completes a character starts where the character
+    does, one after a character's first bytes that stay U+FFFD (no more came) after that U+FFFD."""
+    decoder, starts = PieceDecoder(tokenizer), []
+    for i in ids:
+        held = decoder.held
+        piece = decoder.add(i)
+        starts.append(offset + (len(held) if held and piece.startswith(held) else 0))
+        offset += len(piece)
+    return starts
+
+
+def completion_logprobs(echoed, ids, scores, offset):
+    """/v1/completions' logprobs object of an answer's ids after the echoed prompt's (or none), the last
+    len(scores) of them scored (the prompt's first is not: None): each token's text, log-prob, top alternatives
+    {text: log-prob} (the token's own among them, as vLLM gives it) and where its text starts in the choice's text
+    (the answer's at offset, the prompt text's length)."""
+    pieces = [tokenizer.decode([i]) for i in echoed + ids]
+    unscored = [None] * (len(pieces) - len(scores))
+    starts = text_offsets(echoed, 0) + text_offsets(ids, offset)
     top = []
     for piece, (lp, alternatives) in zip(pieces[len(unscored):], scores):
         top.append({tokenizer.decode([i]): v for i, v in alternatives})
@@ -332,9 +358,42 @@ def tokenizer_info():
                 chat_template=getattr(tokenizer, 'chat_template', None), model_max_length=block_size)
 
 
+def not_json(constant):
+    raise ValueError(f"{constant} is not a JSON value")  # Python's json reads NaN and Infinity; JSON has neither
+
+
+def json_body(data):
+    """A request's JSON body (bytes); BadRequest where it holds a lone surrogate escape ("\\ud800"), which is no
+    character: no tokenizer takes it, nor a UTF-8 answer."""
+    body = json.loads(data.decode('utf-8'), parse_constant=not_json)
+    try:
+        json.dumps(body, ensure_ascii=False).encode('utf-8')
+    except UnicodeEncodeError:
+        raise BadRequest('the body holds a lone surrogate escape (such as "\\ud800"), which is no character: write '
+                         'the text\'s characters, or both halves of a surrogate pair') from None
+    return body
+
+
 class Handler(BaseHTTPRequestHandler):
     server_version = 'nanotrain'
-    timeout = 60  # seconds a client may stall sending or reading before it is dropped (the others wait on it)
+    timeout = request_timeout
+
+    def setup(self):
+        super().setup()
+        # the socket's timeout bounds each read only (a byte every 40 s would hold the server, and the clients
+        # waiting their turn): past `timeout` seconds in all, the connection is shut, which ends the read
+        self.deadline = threading.Timer(self.timeout, self.drop)
+        self.deadline.start()
+
+    def drop(self):
+        try:
+            self.connection.shutdown(socket.SHUT_RDWR)
+        except OSError:  # closed already
+            pass
+
+    def finish(self):
+        self.deadline.cancel()
+        super().finish()
 
     def send(self, status, content_type, data):
         self.send_response(status)
@@ -354,7 +413,16 @@ class Handler(BaseHTTPRequestHandler):
     def send_error_json(self, status, message, param=None, code=None):
         self.send_json(status, {'error': dict(message=message, type='invalid_request_error', param=param, code=code)})
 
+    def send_error(self, code, message=None, explain=None):
+        """http.server's own refusals (a method not served, a malformed request line or header) as the API's
+        error object, not its HTML page."""
+        self.close_connection = True
+        self.send_error_json(code, f"{message or 'a request http.server refuses'}; serve.py answers GET / (a chat "
+                                   f"page), /v1/models, /tokenizer_info and POST /v1/chat/completions, "
+                                   f"/v1/completions, /tokenize, /detokenize")
+
     def do_GET(self):
+        self.deadline.cancel()
         path = self.path.split('?')[0].rstrip('/')
         if path == '/v1/models':
             self.send_json(200, {'object': 'list', 'data': [
@@ -378,9 +446,14 @@ class Handler(BaseHTTPRequestHandler):
             return
         try:
             size = self.headers.get('Content-Length', '')
-            if not size.isdigit() or int(size) > 64 << 20:
+            if not (size.isascii() and size.isdigit()) or int(size) > 64 << 20:
                 raise BadRequest(f"the body needs a Content-Length of at most 64 MiB, got {size[:20]!r}")
-            body = json.loads(self.rfile.read(int(size)).decode('utf-8'))
+            data = self.rfile.read(int(size))
+            self.deadline.cancel()  # the request is read: answering it takes what it takes
+            if len(data) < int(size):  # the client left, or ran out of time
+                self.close_connection = True
+                return
+            body = json_body(data)
             if endpoint in ('/tokenize', '/detokenize'):
                 self.send_json(200, tokenizer_request(endpoint, body))
                 return
@@ -449,8 +522,7 @@ class Handler(BaseHTTPRequestHandler):
                 logprobs = None
                 if settings['top'] is not None:  # scored once the answers are whole; in a stream, one event after
                     logprobs = chat_logprobs(answer.ids, scores[index]) if chat_endpoint else completion_logprobs(
-                        (ids if settings['echo'] else []) + answer.ids, scores[index],
-                        0 if settings['echo'] else len(settings['texts'][index // n]))
+                        ids if settings['echo'] else [], answer.ids, scores[index], len(settings['texts'][index // n]))
                     if settings['stream']:
                         self.event(head, index, {'content': ''} if chat_endpoint else '', None, logprobs)
                 if settings['stream']:

@@ -116,7 +116,10 @@ def message_content(value):
                          f'{type(value).__name__}')
     for part in value:
         kind = part.get('type') if isinstance(part, dict) else None
-        if kind != 'text' or not isinstance(part.get('text'), str):
+        if kind == 'text' and not isinstance(part.get('text'), str):
+            raise ValueError(f'"content" holds a text part whose "text" is no string: {json.dumps(part)[:80]}; '
+                             f'write each as {{"type": "text", "text": "..."}}')
+        if kind != 'text':
             what = f'a part of type "{kind}"' if isinstance(kind, str) else json.dumps(part)[:80]
             raise ValueError(f'"content" holds {what}; the models here read text only: each part must be '
                              f'{{"type": "text", "text": "..."}} (drop the others, or the line)')

@@ -21,6 +21,7 @@ from configurator import UserError
 DEFAULT_DATA_DIR = os.path.join('data', 'stdlib')
 BPE_SEED = 1337
 BPE_MAX_LINES = 200_000  # lines of text the BPE tokenizer trains on
+SENTENCEPIECE_MAX_LINE = 4192  # bytes: sentencepiece's max_sentence_length, past which it skips a line
 
 
 class CharTokenizer:
@@ -97,6 +98,11 @@ class BPETokenizer:
 def train_bpe(docs, vocab_size):
     """Train a sentencepiece BPE model on the lines of docs; returns the model file's bytes."""
     lines = [line for doc in docs for line in doc.split('\n') if line]
+    if lines and all(len(line.encode('utf-8', 'surrogatepass')) > SENTENCEPIECE_MAX_LINE for line in lines):
+        raise UserError(f"every line of the corpus is over {SENTENCEPIECE_MAX_LINE:,} bytes, which sentencepiece "
+                        f"leaves out of a BPE's training, so none is left to train it on. Break the text into "
+                        f"lines (e.g. `fold -s -w 1000 corpus.txt > lines.txt`: the model trains on the same text), "
+                        f"or use --tokenizer=char.")
     # a seeded sample: fast, and sentencepiece's own sample isn't reproducible
     if len(lines) > BPE_MAX_LINES:
         lines = random.Random(BPE_SEED).sample(lines, BPE_MAX_LINES)
@@ -234,12 +240,14 @@ def reply_reference(tokenizer, messages, tools=None):
 
 
 class PieceDecoder:
-    """The text of a generation's tokens a piece at a time, as they come: each piece what the decoding so far adds
-    to the text before it, held back while it ends in a character's first bytes alone (U+FFFD) or rewrites text
-    already given (a decoder's clean-up), so the pieces join into the decoding."""
+    """The text of a generation's tokens a piece at a time, as they come: each piece what the tokens not yet given
+    add to the decoding, held back (held: its text so far) while it ends in a character's first bytes alone
+    (U+FFFD) or rewrites text already given (a decoder's clean-up), so the pieces join into the decoding. Each
+    piece is decoded after the tokens of the piece before it, as vLLM decodes (a sentencepiece word's space, which
+    a decoding's first token loses, is kept), not after all of them: a token costs the same at any length."""
 
     def __init__(self, tokenizer):
-        self.tokenizer, self.seen, self.shown = tokenizer, [], ''
+        self.tokenizer, self.seen, self.start, self.given, self.held = tokenizer, [], 0, 0, ''
 
     def add(self, token):
         """The text token adds, '' while held back."""
@@ -251,11 +259,13 @@ class PieceDecoder:
         return self.piece(lambda text: True)
 
     def piece(self, ready):
-        text = self.tokenizer.decode(self.seen, skip_special=True)
-        if not (text.startswith(self.shown) and ready(text)):
+        before = self.tokenizer.decode(self.seen[self.start:self.given], skip_special=True)
+        text = self.tokenizer.decode(self.seen[self.start:], skip_special=True)
+        if not (text.startswith(before) and ready(text)):
+            self.held = text[len(before):] if text.startswith(before) else ''
             return ''
-        piece, self.shown = text[len(self.shown):], text
-        return piece
+        self.start, self.given, self.held = self.given, len(self.seen), ''
+        return text[len(before):]
 
 
 def decoded_pieces(tokenizer, ids):

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -200,6 +201,33 @@ def test_echo_and_logprobs_score_texts_as_lm_eval_reads_them(chat_server):
     assert ''.join(c['choices'][0]['text'] for c in chunks) == whole['choices'][0]['text']
     assert [c['choices'][0]['logprobs'] for c in chunks if c['choices'][0]['logprobs']] == [
         whole['choices'][0]['logprobs']]
+
+
+def test_text_offsets_point_into_the_choices_text():
+    """text_offset: where each token's text starts in the choice's text. A BOS adds no text (the echoed text has
+    none), and a token that holds part of a character (U+FFFD alone) starts where the character does, so the
+    offsets of the tokens after it still point at their text (summed token lengths drift by one a part)."""
+    p, url = start_server(hf_fixture('mistral'))  # a BOS opens its texts; bytes of a character are tokens
+    try:
+        loaded = load_for_generation(hf_fixture('mistral'))
+        text = 'Emoji 🌊 and 日本語 text'
+        status, answer = post(url + '/completions', dict(prompt=text, max_tokens=6, temperature=0, logprobs=1,
+                                                          echo=True))
+        (choice,) = answer['choices']
+        tokens, offsets = choice['logprobs']['tokens'], choice['logprobs']['text_offset']
+        prompt = [1] + loaded.tokenizer.encode(text)
+        answer_ids = loaded.tokenizer.encode(choice['text'][len(text):])  # to count its tokens
+        assert status == 200 and choice['text'].startswith(text) and tokens[0] == '<s>' and offsets[0] == 0
+        for k in range(len(prompt)):  # where the text of the tokens before it ends, a part-character left out
+            assert offsets[k] == len(loaded.tokenizer.decode(prompt[:k], skip_special=True).rstrip('\ufffd'))
+        whole = [k for k, t in enumerate(tokens) if k and '\ufffd' not in t]
+        assert len(whole) > 8 and len(tokens) > len(prompt) + 1, (tokens, answer_ids)
+        for k in whole:
+            assert choice['text'][offsets[k]:].startswith(tokens[k]), (k, tokens[k], offsets[k])
+        assert offsets[len(prompt)] == len(text)  # the answer's first token: after the prompt's text
+    finally:
+        p.kill()
+        p.wait()
 
 
 # serve.py scoring at most 64 positions a forward pass
@@ -415,14 +443,19 @@ def test_a_client_that_leaves_mid_stream_leaves_the_server_serving(chat_server):
     (dict(messages=QUESTION, temperature=3), '"temperature" must be a float in [0, 2]', 'temperature'),
     (dict(messages=QUESTION, n=0), '"n" must be an integer in [1, 16]', 'n'),
     (dict(messages=QUESTION, max_tokens='10'), '"max_tokens" must be an integer >= 1', 'max_tokens'),
-    (dict(messages=QUESTION, stop=[1]), '"stop" must be a string or a list of strings', 'stop'),
+    (dict(messages=QUESTION, stop=[1]), '"stop" must be a string or a list of up to 16 strings', 'stop'),
+    (dict(messages=QUESTION, stop=['x'] * 17), '"stop" must be a string or a list of up to 16 strings', 'stop'),
+    (dict(messages=QUESTION, stop='x' * 1001), 'each at most 1000 characters', 'stop'),
+    (dict(messages=[{'role': 'user', 'content': 'Hi \ud800'}]), 'holds a lone surrogate escape', None),
+    (dict(messages=[{'role': 'user', 'content': [{'type': 'text', 'text': 5}]}]),
+     'holds a text part whose "text" is no string', 'messages'),
     (dict(messages=QUESTION, top_logprobs=2), '"top_logprobs" needs "logprobs": true', 'top_logprobs'),
     (dict(messages=QUESTION, logprobs=True, top_logprobs=21), '"top_logprobs" must be an integer in [0, 20]',
      'top_logprobs'),
     (dict(messages=QUESTION, logprobs=1), '"logprobs" must be a bool', 'logprobs'),
     (dict(messages=QUESTION, echo=True), '"echo" is a field of /v1/completions', 'echo'),
     (dict(messages=QUESTION, max_tokens=0), '"max_tokens" must be an integer >= 1', 'max_tokens'),
-    (dict(messages=QUESTION, tools=[{'type': 'function'}]), 'each of "tools" must be', 'messages'),
+    (dict(messages=QUESTION, tools=[{'type': 'function'}]), 'each of "tools" must be', 'tools'),
     ([1, 2], 'the body must be a JSON object', None),
 ])
 def test_a_malformed_request_is_refused_as_the_api_refuses_it(chat_server, body, says, param):
@@ -434,9 +467,18 @@ def test_a_malformed_request_is_refused_as_the_api_refuses_it(chat_server, body,
 
 
 def test_bytes_that_are_not_json_and_unknown_paths(chat_server):
-    for raw in (b'{"messages": ', b'\xff\xfe', b'[' * 100_000):
+    for raw in (b'{"messages": ', b'\xff\xfe', b'[' * 100_000, b'{"messages": [], "temperature": NaN}',
+                b'{"top_p": -Infinity}'):
         status, answer = post(chat_server + '/chat/completions', None, raw=raw)
         assert status == 400 and answer['error']['message'].startswith('the body is not JSON'), answer
+    for url in (chat_server + '/completions', chat_server[:-len('/v1')] + '/tokenize'):  # the surrogate, elsewhere
+        status, answer = post(url, dict(prompt='Hi \ud800'))
+        assert status == 400 and 'lone surrogate' in answer['error']['message'], answer
+    for method in ('DELETE', 'PUT', 'OPTIONS'):  # methods http.server refuses: the API's error object too
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(urllib.request.Request(chat_server + '/models', method=method), timeout=60)
+        assert refused.value.code == 501
+        assert 'serve.py answers GET /' in json.loads(refused.value.read())['error']['message']
     with socket.create_connection(re.match(r'http://([^:]+):(\d+)', chat_server).groups(), timeout=60) as s:
         s.sendall(b'POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n')
         assert b' 400 ' in s.recv(4096).split(b'\r\n')[0]  # no Content-Length
@@ -444,6 +486,33 @@ def test_bytes_that_are_not_json_and_unknown_paths(chat_server):
     assert status == 404 and '/v1/chat/completions' in answer['error']['message']
     with urllib.request.urlopen(chat_server + '/models', timeout=60) as r:
         assert [m['id'] for m in json.loads(r.read())['data']] == [hf_fixture('qwen2')]
+
+
+def test_a_client_that_trickles_its_request_is_dropped_after_request_timeout():
+    """The socket's timeout bounds each read only: a client sending a byte a second would hold the server (and the
+    clients waiting their turn) for as long as it likes; request_timeout bounds the whole request."""
+    p, url = start_server(hf_fixture('gpt2'), '--request_timeout=3')
+    try:
+        host, port = re.match(r'http://([^:]+):(\d+)', url).groups()
+        with socket.create_connection((host, int(port)), timeout=60) as slow:
+            slow.sendall(b'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{')
+            done = threading.Event()
+
+            def trickle():
+                while not done.wait(1):
+                    try:
+                        slow.sendall(b' ')
+                    except OSError:  # dropped
+                        return
+            threading.Thread(target=trickle, daemon=True).start()
+            started = time.monotonic()
+            status, answer = post(url + '/completions', dict(prompt='Hello', max_tokens=1))
+            waited = time.monotonic() - started
+            done.set()
+        assert status == 200 and waited < 20, waited  # 3 s, and its own answer; trickling on, 100 s
+    finally:
+        p.kill()
+        p.wait()
 
 
 def test_a_base_model_continues_texts_only_and_a_taken_port_is_refused(tmp_path):
@@ -465,6 +534,8 @@ def test_a_base_model_continues_texts_only_and_a_taken_port_is_refused(tmp_path)
         port = url.rsplit(':', 1)[1].split('/')[0]
         assert_user_error(run(['serve.py', f'--init_from={hf_fixture("gpt2")}', '--device=cpu', f'--port={port}'],
                               check=False), f'cannot listen on 127.0.0.1:{port}', '--port')
+        assert_user_error(run(['serve.py', f'--init_from={hf_fixture("gpt2")}', '--host='], check=False),
+                          "host='' must be an address")  # not every interface, unasked
     finally:
         p.kill()
         p.wait()

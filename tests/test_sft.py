@@ -84,7 +84,9 @@ def test_text_parts_are_a_messages_content_and_other_parts_are_named():
     assert chat_data.chat_messages({'messages': parts}) == chat_data.chat_messages({'messages': plain}) == plain
     for content, says in [([{'type': 'image', 'url': 'x.png'}], 'holds a part of type "image"; the models here read '
                                                                 'text only'),
-                          ([{'type': 'text'}], 'holds a part of type "text"'), (['hi'], 'holds "hi"'),
+                          ([{'type': 'text'}], 'holds a text part whose "text" is no string: {"type": "text"}'),
+                          ([{'type': 'text', 'text': 5}], 'holds a text part whose "text" is no string'),
+                          (['hi'], 'holds "hi"'),
                           (5, 'must be a string or a list of {"type": "text", "text": ...} parts, got int')]:
         with pytest.raises(ValueError, match=re.escape(says)):
             chat_data.chat_messages({'messages': [{'role': 'user', 'content': content}, plain[1]]})
@@ -749,7 +751,8 @@ def test_resume_refuses_changed_data_and_pretraining_a_chat_model(tmp_path, sft_
     lines = (tasks / 'train.jsonl').read_text().splitlines()
     (tasks / 'train.jsonl').write_text('\n'.join(lines[1:] + lines[:1]) + '\n')
     p = sft(sft_env, out, f'--sft_data={tasks}', '--max_iters=4', check=False)
-    assert_user_error(p, 'train.jsonl has changed since')
+    assert_user_error(p, f"train.jsonl is not the training data the run in {out} began with (sft_data={str(tasks)!r} "
+                         f"then): it has changed since, or it is another file")
     assert (out / 'ckpt.pt').read_bytes() == saved
     p = run(['train.py', f'--out_dir={tmp_path / "pre"}', f'--data_dir={sft_env["data_dir"]}',
              f'--init_from={out / "ckpt.pt"}', '--max_iters=1', '--device=cpu', '--tensorboard=False'], check=False)

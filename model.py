@@ -340,9 +340,11 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None,
     top_k keeps the k most likely tokens, top_p the smallest set whose probability reaches top_p.
     Sampling inverts each row's CDF at one uniform number (B,), drawn from generator unless given: a row's
     token depends on its own logits and number only, so rows sample alike in any batch (lm/generate.py)."""
-    if temperature == 0:
+    if temperature < torch.finfo(torch.float32).tiny:  # 0, or what float32 holds as 0
         return logits.argmax(dim=-1, keepdim=True)
-    logits = logits.float() / temperature
+    logits = logits.float()
+    # the largest first at 0: a tiny temperature (1e-40) then spreads the others to -inf, not all to inf (NaN)
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     if top_k is not None:
         kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
         logits = logits.masked_fill(logits < kth, float('-inf'))

@@ -10,6 +10,8 @@ A conversation in the terminal, each answer printed as it is drawn, the turns be
 Text-to-speech checkpoints (train_tts.py) speak with sample_tts.py.
 """
 
+import sys
+
 import torch
 
 from configurator import FOLDER, SEED, UserError, at_least, check_values, configure, interval
@@ -109,6 +111,7 @@ def answer_tokens(ids):
 if interactive:
     print(f"Chatting with {path}: type a message; /clear forgets the conversation, /quit or Ctrl-D ends.")
     history = []
+    sys.stdin.reconfigure(errors='surrogateescape')  # a line that is not UTF-8 is refused below, not a traceback
     while True:
         try:
             line = input('> ')
@@ -121,6 +124,11 @@ if interactive:
             history = []
             continue
         if not line.strip():
+            continue
+        try:
+            line.encode('utf-8')  # bytes stdin could not decode come as lone surrogates
+        except UnicodeEncodeError:
+            print("[the line holds bytes that are not UTF-8 text (the terminal's encoding?): left out]")
             continue
         try:
             ids, kept = conversation_prompt(history + [{'role': 'user', 'content': line}])

@@ -477,6 +477,16 @@ def test_temperature_sharpens():
     assert frac == pytest.approx(1 / (1 + math.exp(-2.0)), abs=0.015)
 
 
+def test_a_tiny_temperature_is_greedy_not_nan():
+    """logits / 1e-40 overflows float32 to inf, whose softmax is NaN (a run of one token, or nothing): shifted to
+    the largest first, the others go to -inf and the largest is drawn, with top_k and top_p too."""
+    logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(0)) * 5
+    for temperature in (1e-30, 1e-38, 1e-40, 5e-324):
+        for kw in (dict(), dict(top_k=5), dict(top_p=0.9)):
+            picks = sample_next(logits, temperature, generator=torch.Generator().manual_seed(1), **kw)
+            assert torch.equal(picks, logits.argmax(-1, keepdim=True)), (temperature, kw)
+
+
 def test_eos_stops_generation():
     m = tiny().eval()
     prompt = batch(B=1, T=3)[0]

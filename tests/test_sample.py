@@ -43,6 +43,12 @@ def test_a_turn_the_tokenizer_refuses_leaves_the_conversation_going(dpo_env):
     p = chat(path, ['Wh\u00e9t?', 'What is 2+3?'], '--max_new_tokens=10')
     assert p.stdout.endswith("characters '\u00e9' are not in this character vocabulary (39 characters of the "
                              f"training corpus). Remove them from the text.]\n> {answer}\n> \n")
+    # a line of bytes that are not UTF-8: said, left out (stdin strict, as a UTF-8 locale other than C.UTF-8 has it)
+    p = run(['sample.py', f'--init_from={path}', '--device=cpu', '--interactive=True', '--temperature=0',
+             '--max_new_tokens=10'], {'PYTHONIOENCODING': 'utf-8:strict'}, input='Wh\udcff\udcfet?\nWhat is 2+3?\n',
+            errors='surrogateescape')
+    assert p.stdout.endswith("[the line holds bytes that are not UTF-8 text (the terminal's encoding?): left out]\n"
+                             f"> {answer}\n> \n"), p.stdout[-500:]
 
 
 def test_the_oldest_exchanges_leave_when_the_conversation_passes_block_size():

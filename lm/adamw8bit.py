@@ -19,11 +19,13 @@ MIN_8BIT_SIZE = 4096
 SIGNED, UNSIGNED = dynamic_levels(signed=True), dynamic_levels(signed=False)
 
 
-def quantize(values, levels):
-    """(uint8 codes, float32 absmax per block of BLOCK) of a float32 tensor."""
+def quantize(values, levels, zero=True):
+    """(uint8 codes, float32 absmax per block of BLOCK) of a float32 tensor; zero=False: a value nearest level 0
+    takes the smallest level above it instead (levels ascending)."""
     flat = values.reshape(-1)
     absmax = blockwise_absmax(flat, BLOCK)
-    return nearest_level(flat / spread(absmax, BLOCK, flat.numel()), levels.to(flat.device)), absmax
+    codes = nearest_level(flat / spread(absmax, BLOCK, flat.numel()), levels.to(flat.device))
+    return (codes if zero else codes.clamp_(min=1)), absmax
 
 
 def dequantize(codes, absmax, levels, shape):
@@ -76,7 +78,10 @@ class AdamW8bit(torch.optim.Optimizer):
                 p.copy_(weight)
                 if not small:
                     state['exp_avg_codes'], state['exp_avg_absmax'] = quantize(exp_avg, SIGNED)
-                    state['exp_avg_sq_codes'], state['exp_avg_sq_absmax'] = quantize(exp_avg_sq, UNSIGNED)
+                    # a second moment stored as 0 where the first is not would make a step m / eps (~1e6 x
+                    # AdamW's): the zero-point problem (Li et al. 2023, 4-bit optimizers), as the second moment
+                    # spans twice the first's orders of magnitude; its smallest level instead bounds the step
+                    state['exp_avg_sq_codes'], state['exp_avg_sq_absmax'] = quantize(exp_avg_sq, UNSIGNED, zero=False)
 
 
 def in_8_bits(optimizer):

@@ -91,6 +91,28 @@ def test_50_steps_track_torch_adamw():
     assert losses[-1] < 0.2 < 4 < losses[0]
 
 
+def test_a_second_moment_below_its_blocks_smallest_level_never_makes_a_step_of_m_over_eps():
+    """A value whose gradient is 1e-5 of its block's largest, once: its second moment (1e-10 of the block's) is
+    below the smallest level, its first moment (1e-5) is not. Stored as 0 it made the next steps m / eps: 1.05
+    over 5 steps at lr 1e-3, where AdamW moves it 0.003 (the zero-point problem of Li et al. 2023); at the
+    smallest level it moves less than AdamW's, the same way, and the block's large values as AdamW moves them."""
+    moved = []
+    for make in (torch.optim.AdamW, AdamW8bit):
+        p = torch.nn.Parameter(torch.zeros(4096))
+        optimizer = make([p], lr=1e-3, weight_decay=0.0)
+        for step in range(5):
+            p.grad = torch.zeros(4096)
+            p.grad[::256] = 1.0
+            if step == 0:
+                p.grad[1::256] = 1e-5
+            optimizer.step()
+        moved.append(p.detach().clone())
+    theirs, ours = moved
+    assert (theirs[1::256] < 0).all() and (ours[1::256] < 0).all() and (ours[1::256] >= theirs[1::256]).all()
+    torch.testing.assert_close(ours[::256], theirs[::256], rtol=0.01, atol=0)
+    assert (ours[2::256] == 0).all()  # never a gradient: never a step
+
+
 def test_the_state_is_a_quarter_and_resumes_exactly():
     """The moments of the large tensors take 1 byte a value plus a float32 absmax per 256; 20 steps, a checkpoint
     (torch.save of state_dict, read back weights-only), 20 more steps equal 40 steps straight."""

@@ -149,6 +149,11 @@ def check_output_file(path, key, kind, is_earlier_output, reads=(),
         raise UserError(f"{key}={path!r} exists and is not {kind} of an earlier run of this command ({others}, "
                         f"say), so it is left as it is. Point --{key} at a new file, or delete that one yourself if it "
                         f"can go (nothing was written).")
+    try:  # written at the end through a temporary beside it: a folder that takes none is said now, not then
+        tempfile.TemporaryFile(dir=os.path.dirname(os.path.abspath(path))).close()
+    except OSError as e:
+        raise UserError(f"{key}={path!r} is in a folder that cannot be written ({e.strerror or e}); point --{key} at a "
+                        f"file in a folder you can write (nothing was written).") from None
 
 
 # how gloo (and NCCL) report a collective whose peer process has gone
@@ -311,7 +316,10 @@ def parse_value(key, text, default, sources=False):
         if default is not None and not isinstance(default, str):
             fail(f"--{key}={text}: {text!r} is not a Python literal; {key} is {a_type(default)}, "
                  f"e.g. --{key}={default!r}.")
-    if isinstance(default, str) and not isinstance(value, str) and not (sources and isinstance(value, dict)):
+        if sources and text.lstrip()[:1] in ('{', '[', '('):  # meant as named sources, not a folder's name
+            fail(f"--{key}={text}: {text!r} is not a Python literal (numbers and strings only: no calls such as "
+                 f"float('nan')); e.g. --{key}=\"{{'math': ('data/math', 1.0), 'chat': ('data/chat', 0.5)}}\".")
+    if isinstance(default, str) and not isinstance(value, str) and not (sources and isinstance(value, (dict, list, tuple))):
         value = text  # --out_dir=2024 or --device=0 mean the string
     if sources:
         problem = check_sources(key, value)
@@ -387,9 +395,11 @@ def load_config_file(path, defaults, sources=()):
     namespace = {}
     try:
         exec(compile(source, path, 'exec'), namespace)
-    except Exception as e:  # any error in the user's file, reported with its line
+    except (Exception, SystemExit) as e:  # any error in the user's file, reported with its line; exit() no run
         line = e.lineno if isinstance(e, SyntaxError) else line_in_traceback(e, path)
         detail = e.msg if isinstance(e, SyntaxError) else str(e)
+        if isinstance(e, SystemExit):
+            detail = f"it calls exit({'' if e.code is None else repr(e.code)}), and a config file only sets keys"
         fail(f"{path}{f' line {line}' if line else ''}: {type(e).__name__}: {detail}. Fix the config file.")
     lines = assignment_lines(path)
     settings = {}

@@ -38,7 +38,7 @@ from hf.checkpoint import hf_model, save_chat_tokenizer, save_hf_model, save_pef
 from hf.tokenizer import load_hf_tokenizer
 from hf.tokenizer_json import write_tokenizer_files
 from lm.tokenizer import ChatTokenizer, load_tokenizer
-from run.checkpoint import load_checkpoint
+from run.checkpoint import check_model_fields, load_checkpoint
 from run.run_folder import is_hf_folder
 
 DTYPES = ('float32', 'bfloat16', 'float16')
@@ -46,7 +46,7 @@ DTYPES = ('float32', 'bfloat16', 'float16')
 install_excepthook()
 options = [arg for arg in sys.argv[1:] if arg.startswith('--dtype=')]
 paths = [arg for arg in sys.argv[1:] if arg not in options]
-if len(paths) != 2 or len(options) > 1 or paths[0].startswith('-'):
+if len(paths) != 2 or len(options) > 1 or paths[0].startswith('-') or not all(paths):  # '' names no file
     print(__doc__.strip())
     print(f"\nusage: python export.py CHECKPOINT OUT_FOLDER [--dtype={'|'.join(DTYPES)}]")
     sys.exit(0 if len(sys.argv) == 2 and sys.argv[1] in ('-h', '--help') else 2)
@@ -73,6 +73,7 @@ ckpt = load_checkpoint(ckpt_path, fix="export another checkpoint (the run's best
 if ckpt.get('kind') not in ('gpt', 'lora'):
     raise UserError(f"{ckpt_path} is a {ckpt.get('kind')!r} checkpoint; export.py writes GPT models (train.py and "
                     f"train_dpo.py checkpoints).")
+check_model_fields(ckpt, ckpt_path, "export another checkpoint (the run's best.pt, say)")
 if ckpt['kind'] == 'lora' and not is_hf_folder(ckpt['base_checkpoint']):
     raise UserError(f"the adapters in {ckpt_path} were trained on {ckpt['base_checkpoint']}, a nanotrain checkpoint, "
                     f"and a PEFT adapter must name a Hugging Face base. Export merged.pt from the same run instead "

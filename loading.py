@@ -15,7 +15,7 @@ from typing import NamedTuple
 from configurator import UserError
 from lm.tokenizer import chat_tokenizer, load_tokenizer
 from model import GPT, GPTConfig
-from run.checkpoint import load_checkpoint
+from run.checkpoint import check_model_fields, load_checkpoint
 from run.run_folder import is_hf_folder
 from starting_model import build_model, hf_source, load_model, model_hash
 
@@ -94,6 +94,7 @@ def load_for_generation(path, data_dir='', chat_template_variables=None, device=
     if ckpt.get('kind') not in ('gpt', 'lora'):
         raise UserError(f"{path} is not a language model's checkpoint (its kind: {ckpt.get('kind')!r}); point "
                         f"--init_from (or --out_dir and --ckpt_name) at a train.py, train_dpo.py or train_rl.py run.")
+    check_model_fields(ckpt, path, "point --init_from (or --out_dir and --ckpt_name) at another model")
     if ckpt['kind'] == 'lora':
         model = lora_merged_model(ckpt, path)
     else:  # a published model is built around its weights as read: one copy of it in memory

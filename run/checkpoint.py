@@ -230,10 +230,23 @@ def load_checkpoint(path, whole=True, fix=RUN_FIX):
         raise UserError(f"checkpoint {path} could not be read ({type(e).__name__}: {reason}). "
                         f"The file is corrupt or was not written by nanotrain; restore it from a backup, or "
                         f"{fix}.") from None
-    if isinstance(ckpt, dict) and 'shards' in ckpt:
+    if not isinstance(ckpt, dict):
+        raise UserError(f"checkpoint {path} holds a {type(ckpt).__name__}, not a checkpoint (a run's state, a dict). "
+                        f"Check the path, or {fix}.")
+    if 'shards' in ckpt:
         from run.sharded_checkpoint import placeholders
         ckpt = placeholders(ckpt, path, fix)
     return whole_checkpoint(ckpt) if whole else ckpt
+
+
+def check_model_fields(ckpt, path, fix):
+    """A language model's checkpoint (kind 'gpt' or 'lora') holds what it is loaded by; one that lacks a field was
+    edited, or written by something else."""
+    lacks = [k for k in ('model', 'model_args', 'config', 'data_dir', 'tokenizer') + (
+        ('base_checkpoint', 'base_hash') if ckpt['kind'] == 'lora' else ()) if k not in ckpt]
+    if lacks:
+        raise UserError(f"checkpoint {path} lacks {', '.join(map(repr, lacks))}, which a language model's checkpoint "
+                        f"holds: it was edited, or not written by nanotrain. Restore it from a backup, or {fix}.")
 
 
 def whole_checkpoint(ckpt):

@@ -14,6 +14,7 @@ from conftest import assert_user_error, run
 from configurator import UserError
 from run.checkpoint import check_compatible, load_checkpoint, rng_state, save_checkpoint, save_gathered, set_rng_state
 from run.run_folder import run_log
+from model import GPT, GPTConfig
 from run.runtime import StopSignal
 
 
@@ -75,6 +76,24 @@ def test_load_errors_are_user_errors(tmp_path):
     (hf / 'model.safetensors').write_bytes(b'\x10\x00\x00\x00\x00\x00\x00\x00{"__metadata__":{}}')
     with pytest.raises(UserError, match=f"is a safetensors file, not a checkpoint .*take its folder, {hf}"):
         load_checkpoint(hf / 'model.safetensors')
+    torch.save([1, 2], tmp_path / 'list.pt')  # torch.save of something else: a list, a tensor (a cached mel)
+    torch.save(torch.zeros(3), tmp_path / 'tensor.pt')
+    for name, kind in (('list.pt', 'list'), ('tensor.pt', 'Tensor')):
+        with pytest.raises(UserError, match=f"holds a {kind}, not a checkpoint"):
+            load_checkpoint(tmp_path / name)
+
+
+def test_a_language_models_checkpoint_that_lacks_a_field_is_refused_by_the_scripts_that_load_it(tmp_path):
+    """sample.py, serve.py, eval.py (loading.py) and export.py read a model's fields: a checkpoint edited to lack
+    one is named with the fields it lacks, exit 2, not a KeyError."""
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=32))
+    save_checkpoint(tmp_path / 'edited.pt', dict(kind='gpt', model=model.state_dict(), config={}, data_dir='data',
+                                                 tokenizer={}))
+    for args in (['sample.py', f'--init_from={tmp_path / "edited.pt"}', '--device=cpu'],
+                 ['export.py', str(tmp_path / 'edited.pt'), str(tmp_path / 'exported')]):
+        assert_user_error(run(args, check=False), f"checkpoint {tmp_path / 'edited.pt'} lacks 'model_args', which a "
+                                                  f"language model's checkpoint holds")
+    assert not (tmp_path / 'exported').exists()
 
 
 def test_weights_only_refuses_arbitrary_objects(tmp_path):

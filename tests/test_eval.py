@@ -361,6 +361,9 @@ def test_out_never_writes_over_what_it_reads_or_another_models_results(models, t
         with pytest.raises(UserError) as e:
             eval_py(f"--init_from={models['base']}", f'--eval_data={data}', f'--out={out}', '--max_new_tokens=2')
         assert message in str(e.value) and open(out, 'rb').read() == before
+    if os.path.isdir('/proc'):  # a folder that takes no file (Linux's /proc): said before any work
+        with pytest.raises(UserError, match="in a folder that cannot be written"):
+            eval_py(f"--init_from={models['base']}", f'--eval_data={data}', '--out=/proc/results.json')
     args = (f'--eval_data={data}', '--max_new_tokens=2')
     (tmp_path / 'task.eval.base.json.tmp').write_text('a file of the user\'s')  # the old temporary's name
     first = eval_py(f"--init_from={models['base']}", *args)

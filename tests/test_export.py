@@ -156,7 +156,8 @@ def test_a_lora_runs_merged_model_exports_and_its_adapters_alone_do_not(tmp_path
     assert exported_tokenizer.encode_chat(chat_turns) == chat.encode_chat(chat_turns)
     assert exported_tokenizer.stop_ids == [chat.eos_id]
     save_checkpoint(str(tmp_path / 'ckpt.pt'), dict(kind='lora', model=lora_state_dict(base), config={},
-                                                    base_checkpoint=str(tmp_path / 'base.pt')))
+                                                    base_checkpoint=str(tmp_path / 'base.pt'), base_hash='',
+                                                    model_args={}, data_dir='', tokenizer={}))
     p = run(['export.py', str(tmp_path / 'ckpt.pt'), str(tmp_path / 'adapter')], check=False)
     assert_user_error(p, 'Export merged.pt')
     assert not (tmp_path / 'adapter').exists()

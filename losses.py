@@ -32,6 +32,9 @@ def token_weight_table(vocab_size, groups, tokenizer):
                 ids = [token] if isinstance(token, int) else tokenizer.encode(token)
             except UserError as e:
                 raise UserError(f"token_weights[{name!r}]: {token!r}: {e}") from None
+            if isinstance(token, int) and not 0 <= token < vocab_size:
+                raise UserError(f"token_weights[{name!r}]: {token} is no token id of this model (its ids are 0 to "
+                                f"{vocab_size - 1}); list a token id in that range or a text that is a single token.")
             if len(ids) != 1 or not 0 <= ids[0] < vocab_size:
                 raise UserError(f"token_weights[{name!r}]: {token!r} is not one token of this tokenizer (it encodes "
                                 f"to {ids}); list a token id or a text that is a single token, e.g. each piece.")
@@ -206,7 +209,8 @@ def term_weights(weights, totals, loss_weights):
     position's loss weight and 1 (0 where unlabelled), over the total (totals (2, S): per source, summed over the whole
     global batch, all micro-batches and ranks) of the one the term counts by. A micro-batch's terms, sums of these
     times values, add up over micro-batches and ranks to the global batch's weighted means however it is split."""
-    return {name: weights[0 if weighted else 1] / totals[0 if weighted else 1].sum()
+    # a batch whose labelled tokens all weigh 0 (token_weights) is a term of 0, not 0 / 0
+    return {name: weights[0 if weighted else 1] / totals[0 if weighted else 1].sum().clamp(min=1e-30)
             for name, (_, weighted) in LOSS_TERMS.items() if loss_weights.get(name)}
 
 

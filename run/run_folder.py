@@ -300,7 +300,10 @@ def training_data_hash(path, ckpt, out_dir, setting, same_examples=False):
                         f"or start a new run (another out_dir, or --resume=False to replace it).")
     if ckpt and data_hash != ckpt.get('train_data_hash', data_hash):  # older checkpoints: unknown
         if not same_examples:
-            raise UserError(f"{path} has changed since the run in {out_dir} began; resuming would go on with other "
+            began = ckpt.get('config', {}).get(setting)
+            raise UserError(f"{path} is not the training data the run in {out_dir} began with"
+                            + (f" ({setting}={began!r} then)" if began not in (None, '') else '')
+                            + f": it has changed since, or it is another file; resuming would go on with other "
                             f"examples. Restore the file (or {setting}), or start a new run (another out_dir, or "
                             f"--resume=False to replace it).")
         log(f"{path} has changed since the run began, but its prompts are the same, in the same order: continuing "

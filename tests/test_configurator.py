@@ -186,7 +186,10 @@ def test_a_sources_key_takes_one_folder_or_named_sources(tmp_path, capsys):
     for value, says in [("{'a': ('x', -1.0)}", "data['a'] = ('x', -1.0) must be (folder, weight)"),
                         ("{'a': ('x', True)}", 'finite weight >= 0'), ("{'a': ('x', 1.0, 2)}", 'must be (folder'),
                         ("{'a b': 'x'}", "source name 'a b'"), ("{'a': ('x', 0)}", 'every weight is 0'),
-                        ('{}', 'named sources')]:
+                        ('{}', 'named sources'),
+                        # not a folder's name: a list, a tuple, a dict that is not a literal (was a folder "['x']")
+                        ("['x']", 'data must be a folder (a string)'), ("('x', 1.0)", 'data must be a folder'),
+                        ("{'a': ('x', float('nan'))}", "is not a Python literal (numbers and strings only")]:
         assert says in config_error([f'--data={value}'], capsys, g=dict(defaults(), data=''), run=with_sources)
     for value, says in [("{'a': ('x', float('nan'))}", 'finite weight'), ("['x']", 'data must be a folder (a string)')]:
         path.write_text(f"data = {value}\n")
@@ -235,6 +238,10 @@ def test_broken_config_file(tmp_path, capsys):
     path.write_text("batch_size = 8\nlearning_rate = undefined_name\n")
     err = config_error([str(path)], capsys)
     assert f'{path} line 2' in err and 'NameError' in err
+    for call, said in (('exit(0)', 'exit(0)'), ('import sys; sys.exit()', 'exit()')):  # was a silent exit 0, no run
+        path.write_text(f"batch_size = 8\n{call}\n")
+        err = config_error([str(path)], capsys)
+        assert f'{path} line 2: SystemExit: it calls {said}, and a config file only sets keys' in err
 
 
 def test_missing_config_file(tmp_path, capsys):

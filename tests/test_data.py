@@ -289,6 +289,16 @@ def test_bpe_vocab_too_big(tmp_path):
         data.prepare(write(tmp_path / 'in.txt', CODE), tmp_path / 'ds', 'bpe', vocab_size=4096)
 
 
+def test_a_corpus_of_only_long_lines_is_told_to_break_them(tmp_path):
+    """sentencepiece skips lines over 4,192 bytes: a corpus of such lines alone left nothing to train a BPE on, and
+    the old advice (another vocab_size) could not help; its lines folded, the same text prepares."""
+    long_text = ('lorem ipsum dolor sit amet, ' * 400 + '\n') * 3
+    with pytest.raises(UserError, match='every line of the corpus is over 4,192 bytes.*fold -s -w 1000'):
+        data.prepare(write(tmp_path / 'in.txt', long_text), tmp_path / 'ds', 'bpe', vocab_size=300)
+    folded = '\n'.join(line[k:k + 1000] for line in long_text.split('\n') for k in range(0, len(line), 1000))
+    data.prepare(write(tmp_path / 'folded.txt', folded), tmp_path / 'ds', 'bpe', vocab_size=300)
+
+
 def test_failed_prepare_keeps_the_dataset_and_missing_files_are_named(tmp_path):
     """A tokenizer that cannot be trained leaves an existing dataset in out_dir whole; an incomplete or corrupt
     dataset folder is a UserError naming the file."""

@@ -647,7 +647,7 @@ def test_resume_refuses_changed_data_reference_or_cache(tmp_path, dpo_env):
     lines = train.read_text().splitlines()
     train.write_text('\n'.join([lines[1], lines[0], *lines[2:]]) + '\n')  # the same pairs, in another order
     cache = glob.glob(str(out / 'ref_logps_*.pt'))[0]
-    cases = [(lambda: None, [str(train), 'has changed since']),
+    cases = [(lambda: None, [str(train), 'is not the training data the run in', 'it has changed since']),
              (lambda: shutil.copytree(dpo_env['pairs'], pairs, dirs_exist_ok=True), None),  # restored: resumes
              (lambda: open(cache, 'wb').close(), [cache, 'Delete it']),
              (lambda: os.replace(reference, tmp_path / 'moved.pt'), [str(reference), 'no longer exists'])]

@@ -159,7 +159,7 @@ def test_token_weight_table_from_groups():
     ({'reasoning': (1.5, ['therefore'])}, 'not one token'),
     ({'a': (1.5, ['because']), 'b': (1.2, [3])}, "in both 'a' and 'b'"),
     ({'a': 1.5}, 'must be \\(weight'),
-    ({'a': (1.5, [12])}, 'not one token'),
+    ({'a': (1.5, [12])}, 'is no token id of this model \\(its ids are 0 to 9\\)'),
 ])
 def test_token_weight_table_errors(groups, message):
     with pytest.raises(UserError, match=message):
@@ -361,6 +361,19 @@ def test_loss_terms_weigh_positions_by_token_times_source_and_add_up_over_micro_
         assert sum(p[name][0] for p in parts).item() == pytest.approx(whole[name][0].item(), rel=1e-12)
         torch.testing.assert_close(sum(p[name][1] for p in parts), whole[name][1], rtol=1e-12, atol=0)
     assert set(step_terms(h, head, targets, weights, sources, totals, {'ce': 1.0, 'z_loss': 0.0})) == {'ce'}
+
+
+def test_a_batch_whose_labels_all_weigh_zero_is_a_loss_of_zero_not_nan():
+    """token_weights that give every labelled token of a batch weight 0: the ce term is 0 with a zero gradient (it
+    was 0 / 0: NaN, every step skipped, then a "diverging" abort whose advice could not help); the z-loss, which
+    counts positions, is unchanged."""
+    h, head, targets, _, sources, _ = positions()
+    h.requires_grad_(True)
+    weights = torch.stack([torch.zeros(len(targets), dtype=torch.float64), torch.ones(len(targets), dtype=torch.float64)])
+    terms = step_terms(h, head, targets, weights, sources, step_totals(weights, sources), {'ce': 1.0, 'z_loss': 0.1})
+    assert terms['ce'][0].item() == 0 and torch.isfinite(terms['z_loss'][0]) and terms['z_loss'][0] > 0
+    terms['ce'][0].backward()
+    assert torch.equal(h.grad, torch.zeros_like(h))
 
 
 def entropy(logits, targets):

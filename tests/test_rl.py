@@ -792,7 +792,7 @@ def test_a_fixed_reward_field_continues_the_run_and_epsilon_high_follows_epsilon
     rows[3]['prompt'] = rows[4]['prompt']
     write_jsonl(data / 'train.jsonl', rows)
     p = rl(rl_env, tmp_path / 'out', '--max_iters=3', *args, check=False)
-    assert_user_error(p, 'train.jsonl has changed since the run')
+    assert_user_error(p, 'train.jsonl is not the training data the run in')
 
 
 @pytest.mark.slow

@@ -104,6 +104,10 @@ def load_for_generation(path, data_dir='', chat_template_variables=None, device=
     if not data_dir and not any(os.path.isfile(os.path.join(ckpt['data_dir'], f)) for f in tokenizer_files):
         raise UserError(f"{path} was trained on the dataset in {ckpt['data_dir']}, which is no longer there (moved "
                         f"or copied elsewhere?); pass --data_dir=<that dataset's folder now>.")
+    if chat_template_variables and not ckpt.get('hf_config'):
+        raise UserError(f"chat_template_variables {sorted(chat_template_variables)}: {path} is a model of nanotrain's "
+                        f"own, whose chat template reads no variables (a published model's Jinja template does); "
+                        f"leave them out.")
     if ckpt.get('hf_config'):
         from hf.tokenizer import load_hf_tokenizer
         tokenizer = load_hf_tokenizer(data_dir or ckpt['data_dir'],

@@ -176,6 +176,9 @@ def byte_level_chars():
 BYTE_LEVEL_CHARS = byte_level_chars()
 
 
+RENDER_GLOBALS = ('raise_exception', 'strftime_now')  # what every render has (compile_chat_template)
+
+
 class HFTokenizer:
     """A Hugging Face folder's tokenizer.json, special tokens and chat template (None for a base model).
     template_variables are passed to every render, e.g. {'date_string': '26 Jul 2024'} (Llama 3.x) or
@@ -214,6 +217,14 @@ class HFTokenizer:
         self.tool_chat_template, self.tool_template_source = read_chat_template(folder, tokenizer_config, 'tool_use')
         self.tool_template = (None if self.tool_chat_template is None else
                               compile_chat_template(self.tool_chat_template, self.tool_template_source))
+        unread = set(template_variables or {}) - self.template_reads()
+        if unread:  # a misspelt name (enable_thinkng) would render as if it were not given
+            given = self.template_reads() - {'messages', 'tools', 'documents', 'add_generation_prompt',
+                                             *self.special_tokens, *RENDER_GLOBALS}
+            raise UserError(f"chat_template_variables {sorted(unread)}: " + (
+                f"the chat template of {folder} reads no such variable (it reads "
+                f"{', '.join(sorted(given)) or 'none besides the conversation'}); leave them out or spell them so."
+                if self.template is not None else f"{folder} has no chat template to render them; leave them out."))
         # text of the first ordinary token, which any vocabulary
         # can encode (a character tokenizer may not know 'a')
         added = self.tokenizer.get_added_tokens_decoder()
@@ -275,6 +286,13 @@ class HFTokenizer:
 
     def decode(self, ids, skip_special=False):
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special)
+
+    def template_reads(self):
+        """The names the chat templates (the plain and the tools one) read that they do not set themselves."""
+        import jinja2.meta
+        return {name for template, text in ((self.template, self.chat_template),
+                                            (self.tool_template, self.tool_chat_template)) if template is not None
+                for name in jinja2.meta.find_undeclared_variables(template.environment.parse(text))}
 
     def identity(self):
         """The tokens, special tokens and chat template; not the template_variables a run renders with (the

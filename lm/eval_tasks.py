@@ -129,7 +129,9 @@ def read_task(path, max_examples=0):
         with open(path, encoding='utf-8-sig') as f:  # a byte-order mark, as the training scripts accept
             content = f.read()
     except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"eval_data={path!r} cannot be read ({e}); name a UTF-8 JSONL file of examples.") from None
+        raise UserError(f"eval_data={path!r} cannot be read ({e}); name a UTF-8 " + (
+            "text file (iconv -f latin1 -t utf-8 converts one)" if path.endswith('.txt') else
+            "JSONL file of examples") + ".") from None
     if path.endswith('.txt'):
         if not content.strip():
             raise UserError(f"eval_data={path!r} is empty; a text's perplexity needs text.")

@@ -19,7 +19,7 @@ from configurator import UserError
 from conftest import CHARS, ROOT, assert_user_error, run, write_jsonl
 from data import prepare
 from lm.chat_data import chat_tools
-from lm.eval_tasks import choice_predictions, fewshot_draws, generation_row, rolling_windows
+from lm.eval_tasks import choice_predictions, fewshot_draws, generation_row, read_task, rolling_windows
 from lm.metrics import corpus_scores, example_scores, normalize_answer
 from lm.tokenizer import ChatTokenizer, load_tokenizer
 from model import GPT, GPTConfig
@@ -497,3 +497,13 @@ def test_fewshot_draws_are_lm_evals():
     for n, draws in expected['draws'].items():
         got = fewshot_draws(rows, int(n))
         assert [[docs.index({k: v for k, v in s.items() if k != 'line'}) for s in shots] for shots in got] == draws
+
+
+def test_a_file_that_is_not_utf8_is_named_with_a_fix_for_its_kind(tmp_path):
+    """A text for perplexity (.txt) in Latin-1 is told how to convert it, not to name a JSONL file of examples."""
+    (tmp_path / 'latin.txt').write_bytes(b'caf\xe9\n')
+    (tmp_path / 'latin.jsonl').write_bytes(b'{"prompt": "caf\xe9", "reference": "x"}\n')
+    with pytest.raises(UserError, match=r"name a UTF-8 text file \(iconv -f latin1 -t utf-8 converts one\)\.$"):
+        read_task(str(tmp_path / 'latin.txt'))
+    with pytest.raises(UserError, match=r"name a UTF-8 JSONL file of examples\.$"):
+        read_task(str(tmp_path / 'latin.jsonl'))

@@ -347,3 +347,16 @@ def test_missing_and_corrupt_files(tmp_path):
         load_hf_tokenizer(folder)
     with pytest.raises(UserError, match='not a folder'):
         load_hf_tokenizer(str(tmp_path / 'nowhere'))
+
+
+def test_a_template_variable_the_template_does_not_read_is_refused():
+    """chat_template_variables render a published template; a name it never reads (enable_thinkng) rendered as if
+    not given, silently: refused, naming what the template reads; a base model's folder has no template at all.
+    A nanotrain model's own template reads none (loading.py)."""
+    assert load_hf_tokenizer(hf_fixture('qwen3'), {'enable_thinking': False}).template_variables['enable_thinking'] \
+        is False
+    with pytest.raises(UserError, match=r"\['enable_thinkng'\]: the chat template of .* reads no such variable "
+                                        r"\(it reads .*enable_thinking"):
+        load_hf_tokenizer(hf_fixture('qwen3'), {'enable_thinkng': False})
+    with pytest.raises(UserError, match="has no chat template to render them"):
+        load_hf_tokenizer(hf_fixture('gpt2'), {'style': 1})

@@ -6,7 +6,7 @@ import signal
 import subprocess
 import sys
 
-from conftest import ROOT, greedy_answer, hf_fixture, run, script_env, start_up_refusal
+from conftest import ROOT, assert_user_error, greedy_answer, hf_fixture, run, script_env, start_up_refusal
 from hf.tokenizer import load_hf_tokenizer
 from lm.tokenizer import BPETokenizer, CharTokenizer, ChatTokenizer, decoded_pieces, train_bpe
 from loading import load_for_generation
@@ -162,3 +162,10 @@ def test_a_base_model_has_no_conversation(monkeypatch):
                             '--interactive=True', '--compile_decode=True', '--use_kv_cache=False')
     assert 'compile_decode=True decodes over a static KV cache' in says
 
+
+
+def test_template_variables_for_a_model_of_nanotrains_own_are_refused(dpo_env):
+    """nanotrain's chat template reads no variables: --chat_template_variables on its model did nothing, silently."""
+    p = run(['sample.py', f"--init_from={dpo_env['sft']}", '--device=cpu', '--start=hi', '--max_new_tokens=2',
+             "--chat_template_variables={'enable_thinking': False}"], check=False)
+    assert_user_error(p, "chat_template_variables ['enable_thinking']: ", "whose chat template reads no variables")

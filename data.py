@@ -54,7 +54,8 @@ def jsonl_documents(path, text):
     """The documents of a .jsonl corpus: each line's "text" (the layout of Hugging Face datasets' to_json and
     TRL's language-modeling rows), one document a line; a line without it names the file and line."""
     docs = []
-    for line_no, line in enumerate(text.removeprefix('\ufeff').splitlines(), 1):  # a byte-order mark is allowed
+    # lines end at \n (\r\n too) only: U+2028 or U+0085 inside a string is text (str.splitlines would cut there)
+    for line_no, line in enumerate(text.removeprefix('\ufeff').split('\n'), 1):  # a byte-order mark is allowed
         if not line.strip():
             continue
         try:

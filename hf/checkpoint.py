@@ -19,6 +19,7 @@ The tensor names map through one table per family (LLAMA_NAMES, GPT2_NAMES).
 import json
 import math
 import os
+import pickle
 import re
 import shutil
 import zipfile
@@ -239,7 +240,7 @@ def gpt_config(hf, folder):
                   bias=bias, qkv_bias=arch == 'Qwen2ForCausalLM',
                   pos_emb='rope', norm='rmsnorm', norm_eps=hf.get('rms_norm_eps', 1e-5 if arcee else 1e-6),
                   tie_embeddings=ties_embeddings(hf),
-                  rope_theta=hf.get('rope_theta') or rope.get('rope_theta', 10000.0),
+                  rope_theta=rope.get('rope_theta', 10000.0) if hf.get('rope_theta') is None else hf['rope_theta'],
                   rope_scaling={k: rope[k] for k in ROPE_SCALING_KEYS} if rope_type == 'llama3' else {},
                   qk_norm=qwen3, sliding_window=sliding_window(hf, arch, folder))
     fields = checked_sizes(fields, LLAMA_KEYS, folder)
@@ -450,10 +451,19 @@ def read_weights(path):
         if path.endswith('.safetensors'):
             return read_safetensors(path)
         # torch.save's format before torch 1.6 (an older model's .bin) is not a zip, which mmap needs
-        return torch.load(path, map_location='cpu', weights_only=True, mmap=zipfile.is_zipfile(path))
+        weights = torch.load(path, map_location='cpu', weights_only=True, mmap=zipfile.is_zipfile(path))
     except (KeyError, ValueError, SafetensorError, OSError, RuntimeError, EOFError) as e:
         raise UserError(f"could not read {path} ({type(e).__name__}: {str(e)[:200]}); the file is truncated or "
                         f"corrupt: download it again.") from None
+    except pickle.UnpicklingError as e:  # weights_only's refusal; torch's text advises weights_only=False
+        detail = str(e).partition('WeightsUnpickler error:')[2].strip().split('\n')[0][:200]
+        raise UserError(f"could not read {path} ({detail or 'not a weights file'}): it is corrupt, or holds objects "
+                        f"other than tensors, which nanotrain does not load (loading them can run code). Download it "
+                        f"again, or use the model's safetensors release.") from None
+    if not (isinstance(weights, dict) and all(isinstance(v, torch.Tensor) for v in weights.values())):
+        raise UserError(f"{path} holds a {type(weights).__name__}, not a model's weights ({{name: tensor}}); download "
+                        f"it again.")
+    return weights
 
 
 def read_hf_weights(folder, hf, as_stored=False, keep_nf4=False):

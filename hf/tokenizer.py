@@ -89,6 +89,9 @@ def read_chat_template(folder, tokenizer_config, name='default'):
         source, template = os.path.join(folder, 'chat_template.json'), processor_config.get('chat_template')
     if isinstance(template, list):
         named = {t.get('name'): t.get('template') for t in template if isinstance(t, dict)}
+        if named.get(name, '') is None:  # {"name": "default"} alone is no base model: an entry lost its text
+            raise UserError(f"{source}: the chat template named {name!r} has no \"template\" text; restore it (the "
+                            f"folder's download), or name another template \"{name}\".")
         if 'default' not in named:
             raise UserError(f"{source} holds named chat templates {sorted(map(str, named))} but no \"default\" one; "
                             f"nanotrain uses the default template: name one of them \"default\".")

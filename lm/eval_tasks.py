@@ -126,17 +126,19 @@ def read_task(path, max_examples=0):
     """(kind, rows) of a task file: GENERATION, MULTIPLE_CHOICE or ROLLING, and its first max_examples rows
     (0: all), checked, each with 'line', its line number in the file. A .txt file is one ROLLING text."""
     try:
-        with open(path, encoding='utf-8-sig') as f:  # a byte-order mark, as the training scripts accept
+        # a byte-order mark, as the training scripts accept; newline='': a text's \r\n scored as written
+        with open(path, encoding='utf-8-sig', newline='') as f:
             content = f.read()
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"eval_data={path!r} cannot be read ({e}); name a UTF-8 " + (
             "text file (iconv -f latin1 -t utf-8 converts one)" if path.endswith('.txt') else
             "JSONL file of examples") + ".") from None
     if path.endswith('.txt'):
-        if not content.strip():
+        if not content:
             raise UserError(f"eval_data={path!r} is empty; a text's perplexity needs text.")
         return ROLLING, [dict(text=content, line=1)]
-    lines, kind, rows = content.splitlines(), None, []
+    # lines end at \n (\r\n too) only: U+2028 or U+0085 inside a string is text (str.splitlines would cut there)
+    lines, kind, rows = [line.removesuffix('\r') for line in content.split('\n')], None, []
     for number, text in enumerate(lines, 1):
         if not text.strip():
             continue

@@ -141,6 +141,10 @@ def test_jsonl_input_is_a_text_document_a_line(tmp_path):
     out = tmp_path / 'ds'
     data.prepare(corpus, out, 'char')
     assert read_meta(out)['documents'] == 2 and '{' not in load_tokenizer(out).chars
+    # U+2028, U+0085 in a string are text, not line ends (str.splitlines cut there); CRLF lines are lines
+    odd = [{'text': 'one\u2028two\u0085three'}, {'text': 'four'}]
+    write(tmp_path / 'odd.jsonl', ''.join(json.dumps(r, ensure_ascii=False) + '\r\n' for r in odd))
+    assert data.read_documents(str(tmp_path / 'odd.jsonl')) == ['one\u2028two\u0085three', 'four']
     for bad in ('{"content": "x"}', '["text"]', '{"text": ', '{"text": 5}'):
         write(tmp_path / 'bad.jsonl', json.dumps({'text': 'ok'}) + '\n' + bad + '\n')
         with pytest.raises(UserError, match=re.escape('bad.jsonl:2 is not a JSON object with a "text" string')):

@@ -450,6 +450,13 @@ def test_perplexity_of_texts_as_lm_evals_loglikelihood_rolling(models, tmp_path)
     (tmp_path / 'one.txt').write_text(texts[1])
     single = eval_py(f'--init_from={ckpt}', f"--eval_data={tmp_path / 'one.txt'}")
     assert single['n'] == 1 and single['examples'][0]['loglik'] == pytest.approx(want[1], abs=1e-2)
+    # a .txt is scored as written: its \r\n too (universal newlines made them \n), as a JSONL row of that text is
+    crlf = texts[1].replace('\n', '\r\n')
+    (tmp_path / 'crlf.txt').write_bytes(crlf.encode())
+    as_txt = eval_py(f'--init_from={ckpt}', f"--eval_data={tmp_path / 'crlf.txt'}")
+    as_row = eval_py(f'--init_from={ckpt}', f"--eval_data={write_jsonl(tmp_path / 'crlf.jsonl', [dict(text=crlf)])}")
+    assert as_txt['examples'][0]['loglik'] == pytest.approx(as_row['examples'][0]['loglik'], abs=1e-4)
+    assert as_txt['examples'][0]['loglik'] != pytest.approx(want[1], abs=1e-2)
     assert 'neither a BOS nor an EOS' in bad(models, [dict(text='abc')])  # a char tokenizer has neither
 
 
@@ -507,3 +514,8 @@ def test_a_file_that_is_not_utf8_is_named_with_a_fix_for_its_kind(tmp_path):
         read_task(str(tmp_path / 'latin.txt'))
     with pytest.raises(UserError, match=r"name a UTF-8 JSONL file of examples\.$"):
         read_task(str(tmp_path / 'latin.jsonl'))
+    # U+2028 and U+0085 inside a string are text, not line ends (str.splitlines cut the row there)
+    (tmp_path / 'u2028.jsonl').write_text(json.dumps(dict(prompt='one\u2028two\u0085', reference='x'),
+                                                     ensure_ascii=False) + '\r\n', encoding='utf-8')
+    kind, rows = read_task(str(tmp_path / 'u2028.jsonl'))
+    assert len(rows) == 1 and rows[0]['prompt'] == 'one\u2028two\u0085'

@@ -189,6 +189,26 @@ def test_pytorch_model_bin_in_either_torch_format_loads_as_the_safetensors(tmp_p
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), zipped
 
 
+class Planted:
+    """An object whose unpickling would run code: weights_only refuses it."""
+    def __reduce__(self):
+        return (os.system, ('touch planted',))
+
+
+def test_a_pytorch_model_bin_that_holds_no_weights_is_refused_naming_it(tmp_path):
+    """A .bin of other objects (which weights_only refuses: loading them can run code), of random bytes, or of a list
+    is a UserError naming the file (they were tracebacks, and train.py left its run.lock)."""
+    for name, write in (('object', lambda path: torch.save({'w': Planted()}, path)),
+                        ('bytes', lambda path: path.write_bytes(os.urandom(1000))),
+                        ('list', lambda path: torch.save([1, 2, 3], path))):
+        folder = broken_copy(tmp_path / name)
+        os.remove(folder / 'model.safetensors')
+        write(folder / 'pytorch_model.bin')
+        with pytest.raises(UserError, match=re.escape(str(folder / 'pytorch_model.bin'))):
+            load_hf_checkpoint(str(folder))
+    assert not os.path.exists('planted')
+
+
 def test_missing_shard_is_named(tmp_path):
     folder = broken_copy(tmp_path, 'qwen2_sharded')
     shard = sorted(f for f in os.listdir(folder) if f.startswith('model-'))[-1]
@@ -374,6 +394,7 @@ def test_sizes_that_cannot_make_a_model_are_named_in_config_json_terms():
             (llama, 'head_dim', -2, 'head_dim=-2 must be a whole number (or null)'),
             (llama, 'rms_norm_eps', -1, 'rms_norm_eps=-1 must be a positive number'),
             (llama, 'rope_theta', 'x', 'rope_theta="x" must be a positive number'),
+            (llama, 'rope_theta', 0, 'rope_theta=0 must be a positive number'),  # was taken as 10000, silently
             (llama, 'num_key_value_heads', 3, f'num_attention_heads={llama["num_attention_heads"]} is not a multiple '
                                               f'of num_key_value_heads=3; the file is corrupt'),
             (llama, 'head_dim', 7, 'RoPE needs an even head size but it is 7; the file is corrupt'),

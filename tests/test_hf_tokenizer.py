@@ -347,6 +347,10 @@ def test_missing_and_corrupt_files(tmp_path):
         load_hf_tokenizer(folder)
     with pytest.raises(UserError, match='not a folder'):
         load_hf_tokenizer(str(tmp_path / 'nowhere'))
+    # a named template that lost its text is no base model (it read as one: nanotrain's template, silently)
+    (tmp_path / 'named').mkdir()
+    with pytest.raises(UserError, match='the chat template named \'default\' has no "template" text'):
+        load_hf_tokenizer(folder_with_template(tmp_path / 'named', [{'name': 'default'}]))
 
 
 def test_a_template_variable_the_template_does_not_read_is_refused():

@@ -452,14 +452,14 @@ def read_weights(path):
             return read_safetensors(path)
         # torch.save's format before torch 1.6 (an older model's .bin) is not a zip, which mmap needs
         weights = torch.load(path, map_location='cpu', weights_only=True, mmap=zipfile.is_zipfile(path))
-    except (KeyError, ValueError, SafetensorError, OSError, RuntimeError, EOFError) as e:
-        raise UserError(f"could not read {path} ({type(e).__name__}: {str(e)[:200]}); the file is truncated or "
-                        f"corrupt: download it again.") from None
     except pickle.UnpicklingError as e:  # weights_only's refusal; torch's text advises weights_only=False
         detail = str(e).partition('WeightsUnpickler error:')[2].strip().split('\n')[0][:200]
         raise UserError(f"could not read {path} ({detail or 'not a weights file'}): it is corrupt, or holds objects "
                         f"other than tensors, which nanotrain does not load (loading them can run code). Download it "
                         f"again, or use the model's safetensors release.") from None
+    except Exception as e:  # a corrupt pickle fails anywhere in the unpickler (an IndexError, a KeyError, ...)
+        raise UserError(f"could not read {path} ({type(e).__name__}: {str(e)[:200]}); the file is truncated or "
+                        f"corrupt: download it again.") from None
     if not (isinstance(weights, dict) and all(isinstance(v, torch.Tensor) for v in weights.values())):
         raise UserError(f"{path} holds a {type(weights).__name__}, not a model's weights ({{name: tensor}}); download "
                         f"it again.")

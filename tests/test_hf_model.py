@@ -6,6 +6,7 @@ that do not fit."""
 import dataclasses
 import json
 import os
+import random
 import re
 import shutil
 
@@ -199,7 +200,8 @@ def test_a_pytorch_model_bin_that_holds_no_weights_is_refused_naming_it(tmp_path
     """A .bin of other objects (which weights_only refuses: loading them can run code), of random bytes, or of a list
     is a UserError naming the file (they were tracebacks, and train.py left its run.lock)."""
     for name, write in (('object', lambda path: torch.save({'w': Planted()}, path)),
-                        ('bytes', lambda path: path.write_bytes(os.urandom(1000))),
+                        *((f'bytes{seed}', lambda path, seed=seed: path.write_bytes(random.Random(seed).randbytes(1000)))
+                          for seed in range(20)),  # the unpickler fails in many ways: an IndexError, a KeyError
                         ('list', lambda path: torch.save([1, 2, 3], path))):
         folder = broken_copy(tmp_path / name)
         os.remove(folder / 'model.safetensors')

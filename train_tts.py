@@ -18,7 +18,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from configurator import (EMPTY_OR_FOLDER, FOLDER, POSITIVE, SEED, UserError, at_least, check_values, configure,
-                          dataclass_args, interval, one_of)
+                          dataclass_args, interval, one_of, require_writable_folder)
 from memory import MemoryMonitor, peak_memory_bytes, recover_from_oom, split_micro_batches
 from run.checkpoint import (NEW_RUN, check_compatible, load_checkpoint, restore_training_state, rng_state,
                             set_rng_state, training_state, write_checkpoint)
@@ -30,8 +30,8 @@ from run.runtime import (StepProfiler, StopSignal, all_reduce_metrics, bad_step,
 from run.tracker import require_wandb, start_wandb
 from scheduler import SCHEDULES, LRSchedule, set_lr
 from tts import data as tts_data
-from tts.data import (FrameBudgetSampler, LJSpeechDataset, build_symbols, eval_batches, read_metadata, read_speakers,
-                      split_ids)
+from tts.data import (FrameBudgetSampler, LJSpeechDataset, build_symbols, check_same_corpus, corpus_hash, eval_batches,
+                      read_metadata, read_speakers, split_ids)
 from tts.eval import SynthesisEval, evaluate_synthesis, print_synthesis_report, record_media
 from tts.model import TTSConfig, TTSModel
 from tts.phonemes import TEXT_FRONTENDS, phonemize_corpus
@@ -178,9 +178,13 @@ if not data_dir:
     raise UserError("data_dir is not set: pass --data_dir=PATH to an LJSpeech-layout folder (metadata.csv with "
                     "id|raw text|normalized text rows and wavs/<id>.wav), e.g. LJSpeech-1.1.")
 rows = read_metadata(data_dir, multi_speaker)
+corpus_digest = corpus_hash(data_dir, [utt_id for utt_id, _ in rows])
+check_same_corpus(ckpt, corpus_digest, data_dir, out_dir)  # a relaunch on another corpus is not its run
 words = dict(rows)  # what evaluation says, as sample_tts.py is given it
 train_ids, val_ids = split_ids([utt_id for utt_id, _ in rows], val_fraction)
 features_dir = cache_dir or os.path.join(out_dir, 'mel_cache')
+if cache_dir:  # a folder no file can be made in (/proc/x, a read-only disk) is said now, not mid-way
+    require_writable_folder(cache_dir, 'cache_dir', keep=False)
 texts = phonemize_corpus(words, features_dir) if text_frontend == 'phonemes' else words  # what the model reads
 symbols = build_symbols(texts.values())
 utterance_speakers = read_speakers(data_dir) if multi_speaker else {}  # id -> speaker name
@@ -298,6 +302,7 @@ def save(path, iter_num, best_val_loss, evals_without_improvement):
     state = dict(training_state(this_run, config, optimizer, scaler, iter_num, best_val_loss,
                                 evals_without_improvement),
                  kind='tts', model=raw_model.state_dict(), model_args=model_args, data_dir=os.path.abspath(data_dir),
+                 corpus_hash=corpus_digest,
                  sampler=sampler.state_dict(), batch_splits=batch_splits, mel_settings=mel_settings,
                  epoch_steps=epoch_plan and epoch_plan.epoch_steps, wandb_run_id=tracker and tracker.id)
     write_checkpoint(path, state, False, master)

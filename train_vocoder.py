@@ -30,8 +30,8 @@ from run.checkpoint import file_sha256, load_checkpoint, rng_state, set_rng_stat
 from run.run_folder import cached_tensors, open_run, require_init_from, run_log
 from run.runtime import StopSignal, compute_init, log
 from run.tracker import finish_wandb, require_wandb, start_wandb
-from tts.data import (MEL_SETTINGS, LJSpeechDataset, MelExtractor, eval_batches, read_metadata, read_speakers,
-                      read_wav, split_ids)
+from tts.data import (MEL_SETTINGS, LJSpeechDataset, MelExtractor, check_same_corpus, corpus_hash, eval_batches,
+                      read_metadata, read_speakers, read_wav, split_ids)
 from tts.discriminators import (MultiPeriodDiscriminator, MultiScaleDiscriminator, discriminator_loss,
                                 feature_loss, generator_loss, loss_mel)
 from tts.model import load_tts
@@ -117,6 +117,8 @@ if not corpus:
     raise UserError("data_dir is not set: give the recordings (--data_dir, LJSpeech layout), or --tts_ckpt, whose "
                     "corpus is used.")
 rows = read_metadata(corpus)
+corpus_digest = corpus_hash(corpus, [utt_id for utt_id, _ in rows])
+check_same_corpus(ckpt, corpus_digest, corpus, out_dir)  # a relaunch on other recordings is not its run
 split_fraction = tts_state['config']['val_fraction'] if tts else val_fraction
 train_ids, val_ids = split_ids([utt_id for utt_id, _ in rows], split_fraction)
 val_ids = val_ids[:eval_utterances]
@@ -225,7 +227,7 @@ def save(path, iter_num, best_val_loss):
     state = dict(kind='vocoder', run=this_run, config=config, iter_num=iter_num, best_val_loss=best_val_loss,
                  generator=generator.state_dict(), generator_config=dataclasses.asdict(generator.config),
                  mpd=mpd.state_dict(), msd=msd.state_dict(), optimizer_g=optimizer_g.state_dict(),
-                 optimizer_d=optimizer_d.state_dict(), batch_splits=batch_splits, rng=rng_state(),
+                 optimizer_d=optimizer_d.state_dict(), batch_splits=batch_splits, rng=rng_state(), corpus_hash=corpus_digest,
                  wandb_run_id=tracker and tracker.id)
     write_checkpoint(path, state, False, True)
     save_hifigan(generator, os.path.join(out_dir, 'generator.pth.tar'))

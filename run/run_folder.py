@@ -26,9 +26,9 @@ from run.checkpoint import RESUME_FIX, file_sha256, load_checkpoint, save_checkp
 from run.runtime import log
 
 
-# the temporaries of a killed save (run.checkpoint.atomic_file's <name>.pt.XXXXXXXX.tmp) or log rewrite
-# (run_log's log.jsonl.tmp), never another *.tmp a user keeps in out_dir
-STALE = re.compile(r'.+\.pt\.[a-z0-9_]+\.tmp|log\.jsonl\.tmp')
+# the temporaries of a killed save (run.checkpoint.atomic_file's <name>.pt.XXXXXXXX.tmp, train_vocoder.py's
+# generator.pth.tar and config.json's) or log rewrite (run_log's log.jsonl.tmp), never another *.tmp a user keeps
+STALE = re.compile(r'(.+\.pt|generator\.pth\.tar|config\.json)\.[a-z0-9_]+\.tmp|log\.jsonl\.tmp')
 # what a training run writes in out_dir: a run that wrote one of these is never undone (leave_as_found)
 CHECKPOINT_NAMES = ('ckpt.pt', 'best.pt', 'merged.pt')
 

@@ -149,6 +149,8 @@ def test_a_refused_run_leaves_its_out_dir_as_it_found_it(tmp_path):
     there.mkdir()
     (there / 'notes.tmp').write_text('a user file')
     (there / 'ckpt.pt.a1b2c3d4.tmp').write_bytes(b'half a save')
+    (there / 'generator.pth.tar.q_v9hla.tmp').write_bytes(b'half a save')  # train_vocoder.py's, which stayed
+    (there / 'config.json.x1y2z3.tmp').write_bytes(b'{')
     claim_out_dir(str(there))
     (there / 'tb').mkdir()
     (there / 'log.jsonl').write_text('{}\n')

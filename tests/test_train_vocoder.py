@@ -7,6 +7,7 @@ the run made straight."""
 import dataclasses
 import math
 import os
+import shutil
 import wave
 import zlib
 
@@ -254,6 +255,15 @@ def test_a_continued_run_is_the_run_made_straight(tiny, straight, tmp_path):
     for part in ('generator', 'mpd', 'msd'):
         assert all(torch.equal(a[part][k], b[part][k]) for k in a[part]), part
     assert_logged_to_wandb(split, launches=2)
+    # relaunched on other recordings (one transcript changed): refused, the run untouched (it went on, mixing them)
+    other = tmp_path / 'other'
+    shutil.copytree(tiny[0], other)
+    rows = (other / 'metadata.csv').read_text().splitlines()
+    (other / 'metadata.csv').write_text('\n'.join([rows[0] + ' aa'] + rows[1:]) + '\n')
+    saved = (split / 'ckpt.pt').read_bytes()
+    p = fine_tune(split, tiny[1], '--max_iters=6', f'--data_dir={other}', check=False)
+    assert_user_error(p, f'{other} is not the corpus the run in {split} began with')
+    assert (split / 'ckpt.pt').read_bytes() == saved
 
 
 @pytest.mark.slow

@@ -542,6 +542,10 @@ def test_alignment_stats_agree_with_the_runs_held_out_prior(tmp_path, corpus, st
     rows = read_metadata(str(corpus))
     _, val_ids = split_ids([utt_id for utt_id, _ in rows], 0.2)
     val_set = LJSpeechDataset(str(corpus), val_ids, dict(rows), model.config.symbols, str(tmp_path))
+    for cached in tmp_path.glob('*/*.pt'):  # a cache file cut short is computed again (was a traceback)
+        cached.write_bytes(cached.read_bytes()[:40])
+    again = LJSpeechDataset(str(corpus), val_ids, dict(rows), model.config.symbols, str(tmp_path))
+    assert all(torch.equal(a, b) for a, b in zip(again.mels, val_set.mels))
     stats = alignment_stats(model, val_set, 400)
     val_prior = [e['val_prior_loss'] for e in read_log(out) if e.get('step') == 4 and 'val_prior_loss' in e][-1]
     assert math.isclose(stats['prior'], val_prior, rel_tol=1e-5)
@@ -563,6 +567,18 @@ def test_resume_is_bit_exact(tmp_path, corpus, straight_run):
     assert repr(a) == repr(b)  # repr: bit-equal floats, not approximately equal ones
     wa, wb = load(straight / 'ckpt.pt')['model'], load(split / 'ckpt.pt')['model']
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    # a copy of the corpus elsewhere is the same corpus; one transcript changed makes another: refused, the run
+    # untouched (it went on, mixing the two)
+    moved = tmp_path / 'moved'
+    shutil.copytree(corpus, moved)
+    p = train(split, moved, '--max_iters=4', *RUN, *quick)
+    assert 'resuming' in p.stdout + p.stderr
+    rows = (moved / 'metadata.csv').read_text().splitlines()
+    (moved / 'metadata.csv').write_text('\n'.join([rows[0] + ' again'] + rows[1:]) + '\n')
+    saved = (split / 'ckpt.pt').read_bytes()
+    p = train(split, moved, '--max_iters=6', *RUN, *quick, check=False)
+    assert_user_error(p, f'{moved} is not the corpus the run in {split} began with')
+    assert (split / 'ckpt.pt').read_bytes() == saved
 
 
 @pytest.mark.slow
@@ -587,7 +603,10 @@ def test_settings_that_cannot_work_are_clear_errors(tmp_path, corpus, straight_r
              (['--dec_channels=100', '--dec_heads=3'], 'dec_channels=100 must divide by dec_heads=3 (or dec_heads=0: '
                                                       "no attention); dec_channels=100 must divide by 8 (GroupNorm's "
                                                       "groups)."),
-             ([f'--vocoder={tmp_path / "v.pth.tar"}'], 'no such file')]
+             ([f'--vocoder={tmp_path / "v.pth.tar"}'], 'no such file'),
+             (['--val_fraction=0.99'], 'which leaves none to train on; lower val_fraction'),  # was a traceback
+             *([(['--cache_dir=/proc/x'], "cache_dir='/proc/x' cannot be created or written")]  # a traceback too
+               if os.path.isdir('/proc') else [])]
     for args, message in cases:
         p = train(tmp_path / 'out', corpus, *args, check=False)
         assert_user_error(p, message)

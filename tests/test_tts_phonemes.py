@@ -38,6 +38,11 @@ def test_a_corpus_is_phonemized_once_per_texts_and_front_end(tmp_path, monkeypat
     phonemize_corpus(texts, str(tmp_path))  # another front end: made again
     assert len([f for f in os.listdir(tmp_path) if f.endswith('.json')]) == 3
     assert not [f for f in os.listdir(tmp_path) if f.endswith('.tmp')]
+    monkeypatch.undo()
+    for damage in ('{"a": ', '[1, 2]', '{"a": "x"}'):  # cut short, not the texts': made again (was a traceback)
+        for cached in tmp_path.glob('phonemes-*.json'):
+            cached.write_text(damage)
+        assert phonemize_corpus(texts, str(tmp_path)) == first
 
 
 def test_a_text_with_nothing_to_say_is_a_clear_error(tmp_path):

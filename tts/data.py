@@ -267,8 +267,32 @@ def split_ids(ids, val_fraction):
     max(1, round(n * val_fraction)) are held out. Adding utterances moves few others."""
     ranked = sorted(ids, key=lambda i: hashlib.md5(i.encode()).hexdigest())
     n_val = max(1, round(len(ids) * val_fraction))
+    if n_val >= len(ids):
+        raise UserError(f"val_fraction={val_fraction} holds out {n_val} of the corpus's {len(ids)} utterances, "
+                        f"which leaves none to train on; lower val_fraction (or add utterances).")
     held = set(ranked[:n_val])
     return [i for i in ids if i not in held], [i for i in ids if i in held]
+
+
+def corpus_hash(data_dir, ids):
+    """sha256 of a corpus as a run reads it: metadata.csv's bytes and each recording's size (a copy or a move of
+    the folder is the same corpus; other transcripts, other or resampled recordings make another)."""
+    digest = hashlib.sha256()
+    with open(os.path.join(data_dir, 'metadata.csv'), 'rb') as f:
+        digest.update(f.read())
+    for utt_id in ids:
+        digest.update(f"{utt_id}:{os.path.getsize(os.path.join(data_dir, 'wavs', utt_id + '.wav'))}\n".encode())
+    return digest.hexdigest()
+
+
+def check_same_corpus(ckpt, digest, data_dir, out_dir):
+    """A continued run (ckpt, or None for a new one) reads the corpus it began with (digest: corpus_hash's); one
+    whose checkpoint predates the hash is continued, as before."""
+    if ckpt is not None and ckpt.get('corpus_hash', digest) != digest:
+        raise UserError(f"{data_dir} is not the corpus the run in {out_dir} began with (data_dir="
+                        f"{ckpt['config'].get('data_dir')!r} then): its metadata.csv or recordings differ, and "
+                        f"resuming would go on with other utterances. Restore data_dir, or start a new run (another "
+                        f"out_dir, or --resume=False to replace it).")
 
 
 class LJSpeechDataset:
@@ -290,9 +314,12 @@ class LJSpeechDataset:
             wav_path = os.path.join(data_dir, 'wavs', utt_id + '.wav')
             stat = os.stat(wav_path)
             cached = os.path.join(cache_dir, f'{utt_id}-{stat.st_size}-{stat.st_mtime_ns}.pt')
-            if os.path.exists(cached):
-                mel = torch.load(cached, weights_only=True)
-            else:
+            try:  # cached; a cache file damaged since (cut short, edited) is computed again, as a missing one
+                mel = torch.load(cached, weights_only=True) if os.path.exists(cached) else None
+                mel = mel if isinstance(mel, torch.Tensor) and mel.dim() == 2 else None
+            except Exception:
+                mel = None
+            if mel is None:
                 audio, _ = read_wav(wav_path, MEL_SETTINGS['sample_rate'])
                 # the STFT's reflect padding needs more
                 if len(audio) <= MEL_SETTINGS['n_fft'] // 2:

@@ -46,9 +46,13 @@ def phonemize_corpus(texts, cache_dir):
     by the same front end before, else made (a few seconds per 10,000 sentences) and written there."""
     key = hashlib.sha256(json.dumps([frontend_version(), sorted(texts.items())]).encode()).hexdigest()[:16]
     path = os.path.join(cache_dir, f'phonemes-{key}.json')
-    if os.path.exists(path):
+    try:  # a cache file damaged since (cut short, edited) is made again, as a missing one
         with open(path, encoding='utf-8') as f:
-            return json.load(f)
+            cached = json.load(f)
+        if isinstance(cached, dict) and cached.keys() == texts.keys():
+            return cached
+    except (OSError, ValueError, RecursionError):
+        pass
     phonemes = {utt_id: phonemize(text) for utt_id, text in tqdm(texts.items(), desc='phonemizing',
                                                                   dynamic_ncols=True, leave=False)}
     silent = [utt_id for utt_id, p in phonemes.items() if not p.strip()]

@@ -190,6 +190,10 @@ symbols = build_symbols(texts.values())
 utterance_speakers = read_speakers(data_dir) if multi_speaker else {}  # id -> speaker name
 speakers = tuple(sorted(set(utterance_speakers.values())))
 speaker_of = {utt_id: speakers.index(name) for utt_id, name in utterance_speakers.items()}
+untrained = sorted(set(speakers) - {utterance_speakers.get(utt_id) for utt_id in train_ids})
+if untrained:  # its vector would never learn: a voice sample_tts.py would speak in untrained
+    raise UserError(f"speaker(s) {', '.join(untrained)} have no utterance in the training split (val_fraction's "
+                    f"held-out split took them all): give each speaker more utterances, or lower val_fraction.")
 if master:
     train_set = LJSpeechDataset(data_dir, train_ids, texts, symbols, features_dir, add_blank, progress=True,
                                 speakers=speaker_of)

@@ -881,6 +881,13 @@ def test_a_multi_speaker_model_speaks_each_voice(tmp_path):
     p = train(out, corpus, '--max_iters=4', '--eval_interval=2', '--spk_channels=8', check=False)
     assert_user_error(p, "speakers: checkpoint has ('hi', 'lo'), config has ()", '--resume=False to replace')
     assert '--init_from' not in p.stderr
+    # a speaker whose only utterance is held out would be a voice never trained (it was, silently)
+    rows = (corpus / 'metadata.csv').read_text().splitlines()
+    _, held = split_ids([r.split('|')[0] for r in rows], 0.2)
+    rows = [f"{r.split('|')[0]}|carol|{r.split('|')[2]}" if r.split('|')[0] == held[0] else r for r in rows]
+    (corpus / 'metadata.csv').write_text('\n'.join(rows) + '\n')
+    p = train(tmp_path / 'carol', corpus, '--multi_speaker=True', '--spk_channels=8', check=False)
+    assert_user_error(p, 'speaker(s) carol have no utterance in the training split')
 
 
 def test_speaker_rows_are_checked_and_one_voice_models_have_no_speaker_weights(tmp_path):
@@ -899,6 +906,12 @@ def test_speaker_rows_are_checked_and_one_voice_models_have_no_speaker_weights(t
                                         r"fields in .*; a speaker's name and a transcript may not contain '\|'") as e:
         read_metadata(str(data), multi_speaker=True)
     assert 'raw text' not in str(e.value)
+    # LJSpeech's id|text|normalized rows read as speakers: each sentence a voice of its own (it trained so)
+    (data / 'metadata.csv').write_text('\n'.join(f"{line.split('|')[0]}|aa {k}|aa" for k, line in enumerate(lines))
+                                       + '\n')
+    with pytest.raises(UserError, match=r"every row names a speaker of its own \('aa 0', 'aa 1', ...\): "
+                                        r"multi_speaker=True reads rows 'id\|speaker\|text'"):
+        read_speakers(str(data))
     one_voice = TTSModel(TTSConfig(symbols='abc', enc_channels=16, enc_layers=1, enc_ff_channels=16, dp_channels=8,
                                    dec_channels=16, dec_blocks=1))
     assert not any('speaker' in k for k in one_voice.state_dict())

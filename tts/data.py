@@ -259,6 +259,12 @@ def read_speakers(data_dir):
                                 f"{line.strip()[:60]!r}; give every row its speaker (a multi-speaker model reads the "
                                 f"corpus it was trained on), or train one voice (train_tts.py --multi_speaker=False).")
             speakers[fields[0].strip()] = fields[1].strip()
+    if len(speakers) > 1 and len(set(speakers.values())) == len(speakers):
+        names = sorted(set(speakers.values()))[:2]
+        raise UserError(f"{path}: every row names a speaker of its own ({names[0]!r}, {names[1]!r}, ...): "
+                        f"multi_speaker=True reads rows 'id|speaker|text', and these read like LJSpeech's "
+                        f"'id|text|normalized text'. Train one voice (leave multi_speaker out), or put each row's "
+                        f"speaker in its second field.")
     return speakers
 
 

@@ -978,3 +978,17 @@ def test_a_voice_from_a_clip(tmp_path):
     assert_user_error(p, 'this model has no clip encoder')
     p = train(tmp_path / 'none', corpus, '--voice_clips=True', check=False)
     assert_user_error(p, 'voice_clips=True learns to tell the voices of a multi-speaker corpus')
+
+
+def test_training_samples_replace_no_file_of_the_users(tmp_path, corpus):
+    """out_dir/samples/<id>.wav of a held-out sentence: a file the user put there is left as it is and said so
+    (the sample replaced it); the samples train_tts.py writes carry its mark, and replace each other."""
+    _, held = split_ids([utt_id for utt_id, _ in read_metadata(str(corpus))], 0.2)
+    samples = tmp_path / 'out' / 'samples'
+    samples.mkdir(parents=True)
+    (samples / f'{held[0]}.wav').write_bytes(b'my recording')
+    p = train(tmp_path / 'out', corpus, '--max_iters=2', '--eval_interval=2', '--audio_samples=2',
+              '--eval_utterances=2')
+    assert (samples / f'{held[0]}.wav').read_bytes() == b'my recording'
+    assert 'as it is: a file this script did not write' in p.stdout + p.stderr
+    assert wav_software(str(samples / f'{held[1]}.wav')) == 'nanotrain train_tts.py'

@@ -13,10 +13,12 @@ import torch
 import torchaudio
 from tqdm import tqdm
 
-from tts.data import BLANK_ID, MEL_SETTINGS, MelExtractor, eval_batches, write_wav
+from tts.data import BLANK_ID, MEL_SETTINGS, MelExtractor, eval_batches, wav_software, write_wav
 from tts.losses import prior_loss
 from tts.model import gaussian_log_likelihood, pad_to_even, sequence_mask, synthesize
 from tts.vocoder import vocoder_name
+
+SAMPLE_SOFTWARE = 'nanotrain train_tts.py'  # the mark of its held-out samples: it replaces no other file there
 
 # -----------------------------------------------------------------------------
 # metrics
@@ -168,8 +170,11 @@ def evaluate_synthesis(model, val_set, train_set, ids, setup):
         scores['model_audio'].append(mel_cepstral_distortion(extractor(audio), reference))
         scores['reference_audio'].append(mel_cepstral_distortion(extractor(setup.vocode(reference)), reference))
         scores['baseline'].append(mel_cepstral_distortion(mean_frame[:, None].expand_as(reference), reference))
-        if n < setup.audio_samples:
-            write_wav(os.path.join(samples_dir, f'{utt_id}.wav'), audio, sample_rate)
+        path = os.path.join(samples_dir, f'{utt_id}.wav')
+        if n < setup.audio_samples and os.path.lexists(path) and wav_software(path) != SAMPLE_SOFTWARE:
+            tqdm.write(f"left {path} as it is: a file this script did not write (move it to see the sample)")
+        elif n < setup.audio_samples:
+            write_wav(path, audio, sample_rate, software=SAMPLE_SOFTWARE)
     model.train()
     result = {f'mcd_{k}': sum(v) / len(v) for k, v in scores.items()}
     result.update(rtf=model_seconds / audio_seconds, duration_ratio=duration_ratio, eval_utterances=len(ids))

@@ -203,6 +203,12 @@ if ddp:
 if not master:  # read what rank 0 cached
     train_set = LJSpeechDataset(data_dir, train_ids, texts, symbols, features_dir, add_blank, speakers=speaker_of)
     val_set = LJSpeechDataset(data_dir, val_ids, texts, symbols, features_dir, add_blank, speakers=speaker_of)
+longest = max(range(len(train_set)), key=train_set.lengths.__getitem__)
+if train_set.lengths[longest] > frame_budget:  # named here: the sampler knows lengths only
+    frames, utt_id = train_set.lengths[longest], train_set.ids[longest]
+    raise UserError(f"utterance {utt_id!r} ({os.path.join(data_dir, 'wavs', utt_id + '.wav')}) has {frames} mel "
+                    f"frames ({frames * mel_settings['hop_length'] / sample_rate:.1f} s), more than frame_budget="
+                    f"{frame_budget}: raise --frame_budget to {frames} or more, or remove its row from metadata.csv.")
 sampler = FrameBudgetSampler(train_set.lengths, frame_budget, seed, rank, world_size)
 train_minutes = sum(train_set.lengths) * mel_settings['hop_length'] / sample_rate / 60
 log(f"{len(train_set)} train / {len(val_set)} held-out utterances, {train_minutes:.1f} min of training audio, "

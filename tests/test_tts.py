@@ -451,8 +451,9 @@ def test_bad_dataset_rows_give_clear_errors(tmp_path):
         assert f"`ffmpeg -i {shlex.quote(path)} -acodec pcm_s16le {converted} && mv {converted} {shlex.quote(path)}`" \
             in str(e.value)
     texts = dict(read_metadata(str(data)))
-    for samples, message in ((100, 'only 100 samples'), (SR // 10, 'text tokens but only')):
-        write_pcm(wav, np.zeros(samples))
+    for samples, message in ((100, 'only 100 samples'), (SR // 10, 'text tokens but only'),
+                             (-SR, 'every sample is 0, a recording with nothing in it')):  # silence (was taken)
+        write_pcm(wav, np.zeros(-samples) if samples < 0 else 3000 * np.sin(np.arange(samples) / 3))
         with pytest.raises(UserError, match=message):
             LJSpeechDataset(str(data), ['U001'], dict(texts, U001='a long transcript ' * 3), 'a longtrscip',
                             str(tmp_path / f'cache{samples}'))
@@ -612,6 +613,10 @@ def test_settings_that_cannot_work_are_clear_errors(tmp_path, corpus, straight_r
         assert_user_error(p, message)
         assert not (tmp_path / 'out').exists()
         assert 'mel features' not in p.stdout + p.stderr  # refused before any work
+    p = train(tmp_path / 'out', corpus, '--frame_budget=20', check=False)  # the utterance named, its file too
+    assert_user_error(p, 'more than frame_budget=20: raise --frame_budget to')
+    assert re.search(r"utterance '\w+' \(\S+\.wav\) has \d+ mel frames \([\d.]+ s\)", p.stderr), p.stderr
+    assert not (tmp_path / 'out').exists()
     p = run(['sample_tts.py', f'--out_dir={straight_run[0]}', '--device=cpu',
              f'--wav={tmp_path / "nowhere" / "x.wav"}'], check=False)
     assert_user_error(p, 'must be a file path in an existing folder')

@@ -331,6 +331,9 @@ class LJSpeechDataset:
                 if len(audio) <= MEL_SETTINGS['n_fft'] // 2:
                     raise UserError(f"{wav_path}: only {len(audio)} samples of audio; too short for an "
                                     f"utterance, remove its row from metadata.csv")
+                if not audio.any():  # a recording lost (zeroed): its transcript would align to silence
+                    raise UserError(f"{wav_path}: every sample is 0, a recording with nothing in it; restore it, or "
+                                    f"remove its row from metadata.csv")
                 mel = extractor(audio)
                 torch.save(mel, cached + '.tmp')
                 os.replace(cached + '.tmp', cached)  # a killed run never leaves half a file

@@ -9,6 +9,7 @@ GPT checkpoints and published models generate text with sample.py instead.
 chunk, ISFT 'nanotrain sample_tts.py'): a recording, a corpus's WAV or any other file there is refused, untouched.
 """
 
+import errno
 import os
 import shlex
 import time
@@ -82,7 +83,15 @@ t0 = time.time()
 audio, _ = synthesize(model, text, n_timesteps=n_timesteps, temperature=tts_temperature,
                       length_scale=length_scale, guidance=guidance, seed=seed, vocode=vocode, speaker=speaker,
                       voice=voice)
-write_wav(wav, audio, MEL_SETTINGS['sample_rate'], software=SOFTWARE)
+try:  # through a temporary beside wav, renamed over it once whole (write_wav): a failure leaves wav as it was
+    write_wav(wav, audio, MEL_SETTINGS['sample_rate'], software=SOFTWARE)
+except OSError as e:
+    cause = {errno.ENOSPC: 'the disk is full', errno.EDQUOT: 'your disk quota is used up',
+             errno.EFBIG: 'it would be over the file size limit, `ulimit -f`'}.get(e.errno)
+    raise UserError(f"wav={wav!r} could not be written ({e.strerror or e}{': ' + cause if cause else ''}); "
+                    + (f"{wav} is as it was" if os.path.lexists(wav) else "nothing was written")
+                    + ". Free some space or raise the limit, or point --wav at another disk, and run this again."
+                    ) from None
 seconds = len(audio) / MEL_SETTINGS['sample_rate']
 print(f"wrote {wav}: {seconds:.2f} s of audio through {vocoder_name(vocoder)}, real-time factor "
       f"{(time.time() - t0) / seconds:.3f}")

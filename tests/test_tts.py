@@ -1,11 +1,13 @@
 """Tests of the text-to-speech stack (tts/data.py, tts/model.py, losses.py, train_tts.py) on tiny
 generated corpora: a few short sine/noise WAVs and a metadata.csv made in tmp_path."""
 
+import dataclasses
 import itertools
 import json
 import math
 import os
 import random
+import resource
 import re
 import shlex
 import shutil
@@ -69,6 +71,23 @@ def make_corpus(root, n=10, seed=0):
 @pytest.fixture(scope='module')
 def corpus(tmp_path_factory):
     return make_corpus(tmp_path_factory.mktemp('tts_corpus'))
+
+
+def untrained_run(out_dir, **config):
+    """A train_tts.py run's folder holding a ckpt.pt of an untrained tiny model (config: TTSConfig fields): what
+    sample_tts.py reads of a checkpoint, made in milliseconds."""
+    config = TTSConfig(**{**dict(symbols='abcdefghijklmnopqrstuvwxyz .', enc_channels=16, enc_layers=1,
+                                 enc_heads=2, enc_ff_channels=16, dp_channels=8, dec_channels=16, dec_blocks=1,
+                                 dec_heads=2), **config})
+    os.makedirs(out_dir, exist_ok=True)
+    torch.save({'kind': 'tts', 'model_args': dataclasses.asdict(config), 'model': TTSModel(config).state_dict()},
+               os.path.join(out_dir, 'ckpt.pt'))
+    return out_dir
+
+
+@pytest.fixture(scope='module')
+def untrained(tmp_path_factory):
+    return untrained_run(tmp_path_factory.mktemp('tts_untrained') / 'run')
 
 
 def train(out_dir, data_dir, *extra, **kw):
@@ -669,6 +688,28 @@ def test_write_wav_marks_the_software_and_wav_software_reads_it_back(tmp_path):
     write_wav(tmp_path / 'plain.wav', audio, SR)
     (tmp_path / 'notes.txt').write_text('RIFF....WAVE but text')
     assert [wav_software(tmp_path / f) for f in ('recording.wav', 'plain.wav', 'notes.txt', 'none.wav')] == [''] * 4
+
+
+def test_a_wav_that_cannot_be_written_is_refused_leaving_the_file_as_it_was(tmp_path, untrained):
+    """sample_tts.py writes --wav through a temporary beside it, renamed over it once whole: a write over the file
+    size limit (ulimit -f) is a UserError naming the cause, and leaves no partial WAV (which the same command would
+    then refuse to replace), no temporary, and an earlier WAV as it was."""
+    def limited():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20000, resource.RLIM_INFINITY))
+    wav = tmp_path / 'x.wav'
+    common = ['sample_tts.py', f'--out_dir={untrained}', '--device=cpu', f'--wav={wav}', '--n_timesteps=1']
+    says = f"wav='{wav}' could not be written (File too large: it would be over the file size limit, `ulimit -f`); "
+    p = run([*common, '--text=' + 'hello there ' * 20], check=False, preexec_fn=limited)
+    assert_user_error(p, says + 'nothing was written')
+    assert os.listdir(tmp_path) == []
+    run([*common, '--text=hi'])
+    earlier = wav.read_bytes()
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert wav_software(wav) == 'nanotrain sample_tts.py' and stat.S_IMODE(os.stat(wav).st_mode) == 0o666 & ~umask
+    p = run([*common, '--text=' + 'hello there ' * 20], check=False, preexec_fn=limited)
+    assert_user_error(p, says + f'{wav} is as it was')
+    assert wav.read_bytes() == earlier and os.listdir(tmp_path) == ['x.wav']
 
 
 @pytest.mark.slow

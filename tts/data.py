@@ -3,6 +3,7 @@ TTS data: LJSpeech-layout corpora, WAV I/O with the standard library, log-mel fe
 character front end, held-out split and a length-bucketed frame-budget batch sampler.
 """
 import hashlib
+import io
 import math
 import os
 import random
@@ -81,9 +82,12 @@ def read_voice_clip(path, sample_rate):
 def write_wav(path, audio, sample_rate, software=''):
     """float waveform in [-1, 1] (clipped) -> 16-bit PCM mono WAV; read_wav inverts it to 1/65536. software: what
     wrote it, in a LIST/INFO chunk's ISFT entry after the samples (as ffmpeg names itself; players skip it):
-    sample_tts.py marks its WAVs so, and replaces no other (wav_software)."""
+    sample_tts.py marks its WAVs so, and replaces no other (wav_software). Written to a temporary beside path and
+    renamed over it once whole: a write that fails (a full disk, ulimit -f) raises its OSError and leaves path as
+    it was, with no partial file."""
     pcm = (audio.detach().float().cpu() * 32768).round().clamp(-32768, 32767).to(torch.int16).numpy()
-    with wave.open(os.fspath(path), 'wb') as w:
+    data = io.BytesIO()  # the whole file made in memory first: a failed write is one write's, cleaned up below
+    with wave.open(data, 'wb') as w:
         w.setnchannels(1)
         w.setsampwidth(2)
         w.setframerate(sample_rate)
@@ -91,12 +95,24 @@ def write_wav(path, audio, sample_rate, software=''):
     if software:
         text = software.encode() + b'\0'  # a RIFF string ends with a NUL; a chunk is padded to even length
         info = b'INFO' + b'ISFT' + struct.pack('<I', len(text)) + text + b'\0' * (len(text) % 2)
-        with open(path, 'r+b') as f:
-            f.seek(0, os.SEEK_END)  # 16-bit samples: the data chunk ends at an even offset
-            f.write(b'LIST' + struct.pack('<I', len(info)) + info)
-            size = f.tell() - 8
-            f.seek(4)
-            f.write(struct.pack('<I', size))
+        data.seek(0, os.SEEK_END)  # 16-bit samples: the data chunk ends at an even offset
+        data.write(b'LIST' + struct.pack('<I', len(info)) + info)
+        size = data.tell() - 8
+        data.seek(4)
+        data.write(struct.pack('<I', size))
+    folder, name = os.path.split(os.path.abspath(path))
+    temporary = os.path.join(folder, f'.{name}.{os.urandom(4).hex()}.tmp')
+    try:
+        # os.open's mode, as open()'s, is masked by the umask: the WAV gets a new file's usual permissions
+        with open(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), 'wb') as f:
+            f.write(data.getbuffer())
+        os.replace(temporary, path)
+    except BaseException:  # a Ctrl-C too: no temporary left behind
+        try:
+            os.remove(temporary)
+        except OSError:
+            pass
+        raise
 
 
 def wav_software(path):

@@ -14,7 +14,10 @@ import os
 import shlex
 import time
 
-from configurator import FOLDER, POSITIVE, SEED, UserError, at_least, check_output_file, check_values, configure
+import torch
+
+from configurator import (FOLDER, SEED, UserError, at_least, check_output_file, check_values, configure,
+                          interval)
 from run.checkpoint import load_checkpoint
 from run.device import pick_device
 from tts.data import MEL_SETTINGS, read_voice_clip, wav_software, write_wav
@@ -45,8 +48,10 @@ config = configure(globals())
 check_values(config, [
     (SEED, ('seed',)),
     (at_least(1), ('n_timesteps',)),
-    (at_least(0), ('tts_temperature', 'guidance')),
-    (POSITIVE, ('length_scale',)),
+    # bounds far past any use (the defaults 0.667, 1.0, 0): beyond them the audio overflows or fills the memory
+    (interval('[0, 10]'), ('tts_temperature',)),
+    (interval('(0, 10]'), ('length_scale',)),
+    (interval('[0, 100]'), ('guidance',)),
     (FOLDER, ('out_dir',)),
 ])
 
@@ -77,12 +82,30 @@ if ckpt['kind'] != 'tts':
                     + (f" --ckpt_name={ckpt_name}" if ckpt_name != 'ckpt.pt' else '') + "`.")
 run_device = pick_device(device)
 model = load_tts(ckpt, run_device)
+broken = [name for name, t in model.state_dict().items() if t.is_floating_point() and not t.isfinite().all()]
+if broken:  # they would speak NaN (Griffin-Lim's lstsq fails inside torch on it)
+    raise UserError(f"the weights of {ckpt_path} are not finite ({broken[0]}"
+                    f"{' and others' if len(broken) > 1 else ''}): it is the checkpoint of a run that diverged; "
+                    f"speak with another (--ckpt_name=best.pt, say).")
 vocode = load_vocoder(vocoder, run_device)
+
+
+def finite_audio(log_mel):
+    """vocode's audio of log_mel, refused unless finite: it would be written as a silent WAV."""
+    audio = vocode(log_mel) if log_mel.isfinite().all() else None  # a NaN mel fails inside Griffin-Lim's lstsq
+    if audio is None or not audio.isfinite().all():
+        raise UserError(f"the synthesized audio is not finite (NaN or inf), so no WAV was written: the mel "
+                        f"overflowed at tts_temperature={tts_temperature}, guidance={guidance}; lower "
+                        f"tts_temperature (0.667 by default)" + (" and guidance (0 by default)" if guidance else "")
+                        + ".")
+    return audio
+
+
 voice = clip_voice(model, read_voice_clip(voice_clip, MEL_SETTINGS['sample_rate'])) if voice_clip else None
 t0 = time.time()
 audio, _ = synthesize(model, text, n_timesteps=n_timesteps, temperature=tts_temperature,
-                      length_scale=length_scale, guidance=guidance, seed=seed, vocode=vocode, speaker=speaker,
-                      voice=voice)
+                      length_scale=length_scale, guidance=guidance, seed=seed, vocode=finite_audio,
+                      speaker=speaker, voice=voice)
 try:  # through a temporary beside wav, renamed over it once whole (write_wav): a failure leaves wav as it was
     write_wav(wav, audio, MEL_SETTINGS['sample_rate'], software=SOFTWARE)
 except OSError as e:

@@ -712,6 +712,36 @@ def test_a_wav_that_cannot_be_written_is_refused_leaving_the_file_as_it_was(tmp_
     assert wav.read_bytes() == earlier and os.listdir(tmp_path) == ['x.wav']
 
 
+def test_settings_past_their_bounds_and_audio_that_is_not_finite_are_refused(tmp_path, untrained):
+    """sample_tts.py refuses settings past their bounds before any work (1e20 was torch's internal assert, a
+    length_scale of 1e4 a 961 GB allocation), and audio that is not finite, which it wrote as a silent WAV: a mel
+    that overflows at a high tts_temperature, or a checkpoint whose weights are NaN."""
+    wav = tmp_path / 'x.wav'
+    common = ['sample_tts.py', '--device=cpu', f'--wav={wav}', '--n_timesteps=1', '--text=hello']
+    for setting, says in (('tts_temperature=1e20', 'in [0, 10]'), ('tts_temperature=-1', 'in [0, 10]'),
+                          ('guidance=1e40', 'in [0, 100]'), ('length_scale=1e4', 'in (0, 10]'),
+                          ('length_scale=0', 'in (0, 10]')):
+        p = run([*common, f'--out_dir={untrained}', f'--{setting}'], check=False)
+        assert_user_error(p, f"{setting.split('=')[0]}=", f"must be {says}.")
+    ckpt = torch.load(untrained / 'ckpt.pt', weights_only=True)
+    ckpt['model']['mel_std'] = torch.tensor(10.0)  # a model of loud mels: finite at the default temperature
+    os.makedirs(tmp_path / 'loud')
+    torch.save(ckpt, tmp_path / 'loud' / 'ckpt.pt')
+    p = run([*common, f'--out_dir={tmp_path / "loud"}', '--tts_temperature=10', '--guidance=2'], check=False)
+    assert_user_error(p, 'the synthesized audio is not finite (NaN or inf), so no WAV was written: the mel overflowed '
+                         'at tts_temperature=10.0, guidance=2.0; lower tts_temperature (0.667 by default) and '
+                         'guidance (0 by default).')
+    run([*common, f'--out_dir={tmp_path / "loud"}'])
+    wav.unlink()
+    ckpt['model']['decoder.out.weight'].fill_(float('nan'))
+    os.makedirs(tmp_path / 'nan')
+    torch.save(ckpt, tmp_path / 'nan' / 'ckpt.pt')
+    p = run([*common, f'--out_dir={tmp_path / "nan"}'], check=False)
+    assert_user_error(p, f"the weights of {tmp_path / 'nan' / 'ckpt.pt'} are not finite (decoder.out.weight): it is "
+                         f"the checkpoint of a run that diverged; speak with another (--ckpt_name=best.pt, say).")
+    assert not wav.exists()
+
+
 @pytest.mark.slow
 def test_a_decoder_without_attention_trains(tmp_path, corpus):
     """dec_heads=0, which --help calls 'none': a U-Net bottleneck without attention trains and speaks; the

@@ -139,6 +139,9 @@ def check_output_file(path, key, kind, is_earlier_output, reads=(),
     results JSON', 'a WAV'): a file path in an existing folder, none of the files the script reads (reads),
     and, if a file is there already, one that is_earlier_output(path) recognises as an earlier output of the
     same kind (others, what is never written over, say it in the message)."""
+    if not path.strip():  # no name: its folder would be the current one's parent
+        raise UserError(f"{key}={path!r} names no file: point --{key} at the file to write {kind} to (nothing was "
+                        f"written).")
     if os.path.isdir(path) or not os.path.isdir(os.path.dirname(os.path.abspath(path))):
         raise UserError(f"{key}={path!r} must be a file path in an existing folder (nothing was written).")
     for read in reads:

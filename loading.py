@@ -90,7 +90,7 @@ def load_for_generation(path, data_dir='', chat_template_variables=None, device=
     if ckpt.get('kind') == 'vocoder':
         raise UserError(f"{path} is a train_vocoder.py run's checkpoint (a HiFi-GAN generator); speak through it: "
                         f"`python sample_tts.py --vocoder={os.path.join(os.path.dirname(path), 'generator.pth.tar')}"
-                        f" ...`.")
+                        f" --out_dir=<a train_tts.py run>`.")
     if ckpt.get('kind') not in ('gpt', 'lora'):
         raise UserError(f"{path} is not a language model's checkpoint (its kind: {ckpt.get('kind')!r}); point "
                         f"--init_from (or --out_dir and --ckpt_name) at a train.py, train_dpo.py or train_rl.py run.")

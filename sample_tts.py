@@ -61,7 +61,8 @@ if not text.strip():
 ckpt_path = os.path.join(out_dir, ckpt_name)
 if not os.path.isfile(ckpt_path):
     found = sorted(f for f in os.listdir(out_dir) if f.endswith('.pt')) if os.path.isdir(out_dir) else []
-    raise UserError(f"no model to speak with: {ckpt_path} does not exist. " + (
+    problem = 'is a folder, not a checkpoint file' if os.path.isdir(ckpt_path) else 'does not exist'
+    raise UserError(f"no model to speak with: {ckpt_path} {problem}. " + (
         f"{out_dir} holds {', '.join(found)}: pick one with --ckpt_name." if found else
         f"Train one there first (`python train_tts.py --out_dir={out_dir} --data_dir=<an LJSpeech-layout corpus>`), "
         f"or point --out_dir at a run's folder."))
@@ -76,12 +77,27 @@ check_output_file(wav, 'wav', 'a WAV', lambda path: wav_software(path) == SOFTWA
 if speaker and voice_clip:
     raise UserError(f"speaker={speaker!r} and voice_clip={voice_clip!r}: give one voice, a name or a clip.")
 ckpt = load_checkpoint(ckpt_path, fix="speak with another checkpoint (--ckpt_name=best.pt, say)")
-if ckpt['kind'] != 'tts':
+if ckpt.get('kind') == 'vocoder':  # the generator file beside it is what speaks through (loading.py says the same)
+    raise UserError(f"{ckpt_path} is a train_vocoder.py run's checkpoint (a HiFi-GAN generator), not a "
+                    f"text-to-speech model; speak through it: `python sample_tts.py "
+                    f"--vocoder={os.path.join(out_dir, 'generator.pth.tar')} --out_dir=<a train_tts.py run>`.")
+if ckpt.get('kind') in ('gpt', 'lora'):
     raise UserError(f"{ckpt_path} is a {ckpt['kind']!r} checkpoint, not a text-to-speech one (train_tts.py); "
                     f"generate text from it with `python sample.py --out_dir={out_dir}"
                     + (f" --ckpt_name={ckpt_name}" if ckpt_name != 'ckpt.pt' else '') + "`.")
+if ckpt.get('kind') != 'tts' or not isinstance(ckpt.get('model_args'), dict) or 'model' not in ckpt:
+    holds = f"its kind is {ckpt['kind']!r}" if 'kind' in ckpt else "it holds no 'kind'"
+    raise UserError(f"{ckpt_path} is not a text-to-speech checkpoint ({holds}; train_tts.py writes kind 'tts', "
+                    f"its model_args and weights). Point --out_dir at a train_tts.py run's folder, or --ckpt_name "
+                    f"at its checkpoint.")
 run_device = pick_device(device)
-model = load_tts(ckpt, run_device)
+try:
+    model = load_tts(ckpt, run_device)
+except (TypeError, RuntimeError) as e:  # model_args that are no TTSConfig's, or weights of another shape
+    detail = str(e).strip().split('\n')[-1].strip()[:200]
+    raise UserError(f"{ckpt_path}: its model_args and its weights do not fit together ({detail}); the "
+                    f"checkpoint was edited or is corrupt. Restore it from a backup, or speak with another "
+                    f"(--ckpt_name=best.pt, say).") from None
 broken = [name for name, t in model.state_dict().items() if t.is_floating_point() and not t.isfinite().all()]
 if broken:  # they would speak NaN (Griffin-Lim's lstsq fails inside torch on it)
     raise UserError(f"the weights of {ckpt_path} are not finite ({broken[0]}"
@@ -112,9 +128,9 @@ except OSError as e:
     cause = {errno.ENOSPC: 'the disk is full', errno.EDQUOT: 'your disk quota is used up',
              errno.EFBIG: 'it would be over the file size limit, `ulimit -f`'}.get(e.errno)
     raise UserError(f"wav={wav!r} could not be written ({e.strerror or e}{': ' + cause if cause else ''}); "
-                    + (f"{wav} is as it was" if os.path.lexists(wav) else "nothing was written")
-                    + ". Free some space or raise the limit, or point --wav at another disk, and run this again."
-                    ) from None
+                    + (f"{wav} is as it was" if os.path.lexists(wav) else "nothing was written") + ". "
+                    + ("Free some space or raise the limit, or point --wav at another disk, and run this again."
+                       if cause else "Point --wav at a file in a folder you can write.")) from None
 seconds = len(audio) / MEL_SETTINGS['sample_rate']
 print(f"wrote {wav}: {seconds:.2f} s of audio through {vocoder_name(vocoder)}, real-time factor "
       f"{(time.time() - t0) / seconds:.3f}")

@@ -742,6 +742,38 @@ def test_settings_past_their_bounds_and_audio_that_is_not_finite_are_refused(tmp
     assert not wav.exists()
 
 
+def test_sample_tts_names_what_its_paths_and_checkpoint_are(tmp_path, untrained):
+    """sample_tts.py refuses, before any work and naming what is wrong: --wav='' (a traceback after synthesis), a
+    --ckpt_name that is a folder (said not to exist), a checkpoint with no 'kind' (a KeyError), one whose
+    model_args do not fit its weights (load_state_dict's size mismatch), and a train_vocoder.py run's folder, with
+    the command that speaks through its generator (it advised sample.py, which sent the user back), as sample.py
+    does."""
+    common = ['sample_tts.py', '--device=cpu', '--n_timesteps=1', '--text=hi']
+    wav = tmp_path / 'x.wav'
+    p = run([*common, f'--out_dir={untrained}', '--wav='], check=False)
+    assert_user_error(p, "wav='' names no file: point --wav at the file to write a WAV to (nothing was written).")
+    (untrained / 'mel_cache').mkdir(exist_ok=True)
+    p = run([*common, f'--out_dir={untrained}', '--ckpt_name=mel_cache', f'--wav={wav}'], check=False)
+    assert_user_error(p, f"{untrained / 'mel_cache'} is a folder, not a checkpoint file. {untrained} holds ckpt.pt")
+    ckpt = torch.load(untrained / 'ckpt.pt', weights_only=True)
+    ckpt['model_args']['enc_channels'] = 32
+    for name, state, says in (('none', {'a': 1}, "is not a text-to-speech checkpoint (it holds no 'kind';"),
+                              ('edited', ckpt, 'its model_args and its weights do not fit together (size mismatch '
+                                               'for'),
+                              ('vocoder', {'kind': 'vocoder'}, "is a train_vocoder.py run's checkpoint (a HiFi-GAN "
+                                                               "generator), not a text-to-speech model; speak through "
+                                                               "it: `python sample_tts.py --vocoder=")):
+        (tmp_path / name).mkdir()
+        torch.save(state, tmp_path / name / 'ckpt.pt')
+        p = run([*common, f'--out_dir={tmp_path / name}', f'--wav={wav}'], check=False)
+        assert_user_error(p, f"{tmp_path / name / 'ckpt.pt'}", says)
+    speak = f"--vocoder={tmp_path / 'vocoder' / 'generator.pth.tar'} --out_dir=<a train_tts.py run>`."
+    assert speak in p.stderr
+    p = run(['sample.py', f'--out_dir={tmp_path / "vocoder"}', '--device=cpu'], check=False)
+    assert_user_error(p, speak)
+    assert not wav.exists()
+
+
 @pytest.mark.slow
 def test_a_decoder_without_attention_trains(tmp_path, corpus):
     """dec_heads=0, which --help calls 'none': a U-Net bottleneck without attention trains and speaks; the

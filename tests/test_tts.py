@@ -774,6 +774,17 @@ def test_sample_tts_names_what_its_paths_and_checkpoint_are(tmp_path, untrained)
     assert not wav.exists()
 
 
+def test_a_voice_clip_for_a_one_voice_model_is_refused_without_a_speaker_to_pick(tmp_path, untrained):
+    """--voice_clip for a model of one voice: the message says so (it advised --speaker=NAME, which such a model
+    refuses)."""
+    write_pcm(tmp_path / 'clip.wav', np.sin(np.arange(SR) / 10) * 5000)
+    p = run(['sample_tts.py', f'--out_dir={untrained}', '--device=cpu', f'--wav={tmp_path / "x.wav"}', '--text=hi',
+             f'--voice_clip={tmp_path / "clip.wav"}'], check=False)
+    assert_user_error(p, 'this model knows one voice (it was trained without multi_speaker), so it speaks in no '
+                         'other: leave --voice_clip out, or train a multi-speaker model')
+    assert '--speaker' not in p.stderr and not (tmp_path / 'x.wav').exists()
+
+
 @pytest.mark.slow
 def test_a_decoder_without_attention_trains(tmp_path, corpus):
     """dec_heads=0, which --help calls 'none': a U-Net bottleneck without attention trains and speaks; the

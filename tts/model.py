@@ -520,6 +520,10 @@ def speaker_index(config, speaker):
 def clip_voice(model, audio):
     """A clip of speech (1-D waveform at MEL_SETTINGS' rate) -> its voice vector (1, spk_channels), by the
     model's clip encoder."""
+    if not model.config.speakers:  # no voice to pick by name either
+        raise UserError("this model knows one voice (it was trained without multi_speaker), so it speaks in no "
+                        "other: leave --voice_clip out, or train a multi-speaker model that learns voices from clips "
+                        "(--multi_speaker=True --voice_clips=True, docs/tts.md).")
     if model.voice_encoder is None:
         raise UserError("this model has no clip encoder: train it with --multi_speaker=True --voice_clips=True, or "
                         "pick one of its voices with --speaker=NAME.")

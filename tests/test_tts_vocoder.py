@@ -2,9 +2,11 @@
 checkpoint layout (tests/fixtures/make_hifigan_fixtures.py), weight-norm folding against torch's own weight norm,
 and the clear errors for vocoder files that cannot work."""
 
+import argparse
 import dataclasses
 import json
 import os
+import random
 import shutil
 import warnings
 
@@ -111,6 +113,14 @@ def test_vocoder_files_that_cannot_work_are_clear_errors(tmp_path):
     (folder / 'generator.pth.tar').write_bytes(b'PK\x03\x04 cut short')
     with pytest.raises(UserError, match='not a readable PyTorch checkpoint'):
         load_hifigan(str(folder / 'generator.pth.tar'))
+    # random bytes, and a file of objects weights_only refuses: torch's advice to load with weights_only=False
+    # (running the file's code) is not passed on
+    (folder / 'random.pth.tar').write_bytes(random.Random(0).randbytes(5000))
+    torch.save({'args': argparse.Namespace(lr=1)}, folder / 'objects.pth.tar')
+    for name, says in (('random', 'Unsupported operand'), ('objects', 'Unsupported global')):
+        with pytest.raises(UserError, match=f"{name}.pth.tar: not a readable PyTorch checkpoint \\({says}") as e:
+            load_hifigan(str(folder / f'{name}.pth.tar'))
+        assert 'loading them can run code' in str(e.value) and 'weights_only' not in str(e.value)
     torch.save({'mpd': {'x': torch.zeros(1)}, 'steps': 3}, folder / 'do_00000003')  # a training checkpoint
     shutil.copy(os.path.join(FIXTURES, 'v1', 'config.json'), folder / 'config.json')
     with pytest.raises(UserError, match="not a HiFi-GAN generator checkpoint.*discriminators"):

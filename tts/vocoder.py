@@ -8,6 +8,7 @@ import dataclasses
 import json
 import math
 import os
+import pickle
 import sys
 from dataclasses import dataclass, fields
 
@@ -184,6 +185,12 @@ def load_hifigan(path, device='cpu', key='vocoder'):
                         f"models/hifigan/generator_universal.pth.tar, config.json beside it){griffin_lim}.")
     try:
         ckpt = torch.load(path, map_location='cpu', weights_only=True)
+    # torch's own text advises weights_only=False, i.e. running the file's code (run/checkpoint.py says the same)
+    except pickle.UnpicklingError as e:
+        detail = str(e).partition('WeightsUnpickler error:')[2].strip().split('\n')[0].split('. ')[0][:200]
+        raise UserError(f"{key}={path}: not a readable PyTorch checkpoint ({detail or 'not a checkpoint'}): it is "
+                        f"corrupt, or it holds objects other than tensors and plain values, which are not loaded "
+                        f"because loading them can run code. Download it again{griffin_lim}.") from None
     except Exception as e:  # torch raises several kinds for a file that is not its own
         raise UserError(f"{key}={path}: not a readable PyTorch checkpoint ({type(e).__name__}: "
                         f"{str(e).splitlines()[0] if str(e) else 'no detail'}); download it again.")

@@ -483,7 +483,8 @@ def test_bad_dataset_rows_give_clear_errors(tmp_path):
     assert_user_error(p, 'U001.wav: unreadable WAV')
 
 
-def test_espeak_corpus_command_with_a_fake_espeak(tmp_path, monkeypatch):
+def fake_espeak(tmp_path, monkeypatch):
+    """An espeak-ng on PATH (tmp_path/bin) that writes 0.1 s of silence a character of the text, 22,050 Hz."""
     fake = tmp_path / 'bin' / 'espeak-ng'
     fake.parent.mkdir()
     fake.write_text(f"#!{sys.executable}\nimport sys, wave\n"
@@ -492,6 +493,11 @@ def test_espeak_corpus_command_with_a_fake_espeak(tmp_path, monkeypatch):
                     "w.writeframes(bytes(2 * 2205 * len(sys.argv[-1]))); w.close()\n")
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv('PATH', f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
+    return fake
+
+
+def test_espeak_corpus_command_with_a_fake_espeak(tmp_path, monkeypatch):
+    fake = fake_espeak(tmp_path, monkeypatch)
     (tmp_path / 'lines.txt').write_text('Hello there.\n\nSecond   LINE\n')
     out = make_espeak_corpus(str(tmp_path / 'lines.txt'), str(tmp_path / 'corpus'))
     rows = read_metadata(out)
@@ -510,6 +516,31 @@ def test_espeak_corpus_command_with_a_fake_espeak(tmp_path, monkeypatch):
     with pytest.raises(UserError, match=r"espeak-ng could not speak line 1 .*unknown voice.*nothing was written"):
         make_espeak_corpus(str(tmp_path / 'other.txt'), str(tmp_path / 'new'))
     assert sorted(os.listdir(tmp_path)) == ['bin', 'corpus', 'lines.txt', 'other.txt']
+
+def test_espeak_corpus_refuses_what_would_not_make_a_corpus_before_any_work(tmp_path, monkeypatch):
+    """The corpus maker strips a UTF-8 byte order mark (it was the first transcript's start) and refuses, before
+    speaking a line: a line holding '|' (metadata.csv's separator: a corpus train_tts.py refused), named by its
+    line; max_utterances below 1 (-1 dropped the last line, 0 said 'holds no text'); an out_dir of '' (renamed
+    into at the end: a traceback after all the work) or one that cannot be made (/proc/foo: a traceback)."""
+    fake = fake_espeak(tmp_path, monkeypatch)
+    (tmp_path / 'bom.txt').write_bytes('\ufeffHello there.\nOther line\n'.encode('utf-8'))
+    out = make_espeak_corpus(str(tmp_path / 'bom.txt'), str(tmp_path / 'corpus'))
+    assert read_metadata(out) == [('ES0000', 'Hello there.'), ('ES0001', 'Other line')]
+    fake.write_text(f"#!{sys.executable}\nimport sys\nsys.exit('spoke')\n")  # any line spoken: a failure said
+    (tmp_path / 'bar.txt').write_text('Fine.\n\nA | B\n')
+    new = str(tmp_path / 'new')
+    for text_file, out_dir, kw, says in (
+            ('bar.txt', new, {}, r"bar.txt:3: the line holds '\|', which separates the fields of the corpus's "
+                                 r"metadata.csv \(id\|text\|text\), so train_tts.py would refuse it"),
+            ('bom.txt', new, dict(max_utterances=-1), r'--max_utterances=-1 must be at least 1; leave it out'),
+            ('bom.txt', new, dict(max_utterances=0), r'--max_utterances=0 must be at least 1'),
+            ('bom.txt', '', {}, r"--out_dir='' names no folder"),
+            ('bom.txt', '/proc/foo', {}, r"--out_dir='/proc/foo' cannot be created or written")):
+        with pytest.raises(UserError, match=says):
+            make_espeak_corpus(str(tmp_path / text_file), out_dir, **kw)
+    assert sorted(os.listdir(tmp_path)) == ['bar.txt', 'bin', 'bom.txt', 'corpus']
+    p = run(['-m', 'tts.data', f'--text_file={tmp_path / "bom.txt"}', '--out_dir=/proc/foo'], check=False)
+    assert_user_error(p, "--out_dir='/proc/foo' cannot be created or written")
 
 # ----------------------------------------------------------------------------- training end to end
 

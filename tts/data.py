@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 if __name__ == '__main__' and not __package__:  # run by path: the modules are a folder up
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from configurator import UserError  # noqa: E402
+from configurator import UserError, require_writable_folder  # noqa: E402
 
 # -----------------------------------------------------------------------------
 # WAV I/O (torchaudio.load/save need FFmpeg, the `wave` module needs nothing)
@@ -485,34 +485,48 @@ def make_espeak_corpus(text_file, out_dir, voice='en-us', speed=175, max_utteran
     (resampled to 22050 Hz) and write out_dir/metadata.csv. out_dir must be new or empty (a corpus there, its
     recordings and metadata.csv, is never written over); the corpus is made in a folder beside it and renamed
     into place at the end, so a failed or killed run leaves nothing."""
+    if not out_dir.strip():  # renamed into place at the end, '' failed there, after all the work
+        raise UserError("--out_dir='' names no folder: give the new folder to make the corpus in, e.g. "
+                        "--out_dir=data/espeak.")
     if os.path.isdir(out_dir) and os.listdir(out_dir) or os.path.lexists(out_dir) and not os.path.isdir(out_dir):
         raise UserError(f"--out_dir={out_dir} exists and is not an empty folder (a corpus's recordings and "
                         f"metadata.csv are never written over); give a new folder, or delete that one yourself if it "
                         f"can go.")
+    if max_utterances is not None and max_utterances < 1:  # -1 took all lines but the last, 0 none
+        raise UserError(f"--max_utterances={max_utterances} must be at least 1; leave it out to speak every line.")
+    require_writable_folder(out_dir, '--out_dir', keep=False, fix="Point --out_dir at a new folder you can write, "
+                                                                  "e.g. --out_dir=data/espeak (nothing was written).")
     if shutil.which('espeak-ng') is None:
         raise UserError("espeak-ng is not installed (e.g. `apt-get install espeak-ng`)")
-    try:
-        with open(text_file, encoding='utf-8') as f:
-            lines = [re.sub(r'\s+', ' ', line).strip() for line in f if line.strip()]
+    try:  # utf-8-sig: a byte order mark (Windows editors write one) is not part of the first line's text
+        with open(text_file, encoding='utf-8-sig') as f:
+            numbered = [(n, re.sub(r'\s+', ' ', line).strip()) for n, line in enumerate(f, 1) if line.strip()]
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"--text_file={text_file} cannot be read ({e}); give a UTF-8 text file, one sentence a "
                         f"line.") from None
-    lines = lines[:max_utterances]
-    if not lines:
+    numbered = numbered[:max_utterances]
+    if not numbered:
         raise UserError(f"--text_file={text_file} holds no text; give a UTF-8 text file, one sentence a line.")
+    for n, line in numbered:
+        if '|' in line:  # metadata.csv's field separator: the row would not read as id|text|text
+            raise UserError(f"{text_file}:{n}: the line holds '|', which separates the fields of the corpus's "
+                            f"metadata.csv (id|text|text), so train_tts.py would refuse it; write it without one "
+                            f"(a comma, say) or remove the line (nothing was written).")
     parent = os.path.dirname(os.path.abspath(out_dir))
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(dir=parent, prefix=os.path.basename(os.path.abspath(out_dir)) + '.', suffix='.tmp')
+    staging = None
     try:
+        os.makedirs(parent, exist_ok=True)
+        staging = tempfile.mkdtemp(dir=parent, prefix=os.path.basename(os.path.abspath(out_dir)) + '.',
+                                   suffix='.tmp')
         os.makedirs(os.path.join(staging, 'wavs'))
         rows = []
-        for n, line in enumerate(lines):
-            utt_id = f'ES{n:04d}'
+        for k, (n, line) in enumerate(numbered):
+            utt_id = f'ES{k:04d}'
             wav_path = os.path.join(staging, 'wavs', utt_id + '.wav')
             spoken = subprocess.run(['espeak-ng', '-v', voice, '-s', str(speed), '-w', wav_path, line],
                                     capture_output=True, text=True)
             if spoken.returncode:
-                raise UserError(f"espeak-ng could not speak line {n + 1} of {text_file} with voice {voice!r} "
+                raise UserError(f"espeak-ng could not speak line {n} of {text_file} with voice {voice!r} "
                                 f"({spoken.stderr.strip()[:200] or f'exit {spoken.returncode}'}); nothing was written.")
             audio, _ = read_wav(wav_path, MEL_SETTINGS['sample_rate'])
             write_wav(wav_path, audio, MEL_SETTINGS['sample_rate'])
@@ -523,8 +537,13 @@ def make_espeak_corpus(text_file, out_dir, voice='en-us', speed=175, max_utteran
         if os.path.isdir(out_dir):
             os.rmdir(out_dir)  # empty, checked above
         os.rename(staging, out_dir)
+    except OSError as e:  # a full disk, a folder beside out_dir that cannot be written
+        raise UserError(f"--out_dir={out_dir}: the corpus could not be written ({e.strerror or e}: "
+                        f"{e.filename or parent}); nothing was written. Free some space, or point --out_dir at a "
+                        f"new folder on a disk you can write.") from None
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        if staging:
+            shutil.rmtree(staging, ignore_errors=True)
     return out_dir
 
 
@@ -538,6 +557,6 @@ if __name__ == '__main__':
     parser.add_argument('--out_dir', required=True)
     parser.add_argument('--voice', default='en-us')
     parser.add_argument('--speed', type=int, default=175, help='words per minute (espeak-ng default 175)')
-    parser.add_argument('--max_utterances', type=int, default=None)
+    parser.add_argument('--max_utterances', type=int, default=None, help='speak the first N lines (default: all)')
     args = parser.parse_args()
     print(make_espeak_corpus(args.text_file, args.out_dir, args.voice, args.speed, args.max_utterances))

@@ -14,8 +14,6 @@ import os
 import shlex
 import time
 
-import torch
-
 from configurator import (FOLDER, SEED, UserError, at_least, check_output_file, check_values, configure,
                           interval)
 from run.checkpoint import load_checkpoint

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from configurator import (EMPTY_OR_FOLDER, FOLDER, POSITIVE, SEED, UserError, at_least, check_values, configure,
+from configurator import (EMPTY_OR_FOLDER, FOLDER, SEED, UserError, at_least, check_values, configure,
                           dataclass_args, interval, one_of, require_writable_folder)
 from memory import MemoryMonitor, peak_memory_bytes, recover_from_oom, split_micro_batches
 from run.checkpoint import (NEW_RUN, check_compatible, load_checkpoint, restore_training_state, rng_state,
@@ -126,12 +126,15 @@ check_values(config, [
                    'spk_channels')),
     (at_least(0), ('dec_heads', 'early_stopping_patience', 'warmup_iters', 'lr_decay_iters', 'learning_rate',
                    'decoder_lr_scale', 'min_lr', 'weight_decay', 'grad_clip', 'max_minutes', 'eval_utterances',
-                   'audio_samples', 'temperature', 'guidance', 'prior_weight', 'duration_weight', 'flow_weight',
+                   'audio_samples', 'prior_weight', 'duration_weight', 'flow_weight',
                    'align_prior_iters', 'voice_weight', 'num_train_epochs', 'eval_every_epochs')),
     (interval('[0, 1)'), ('dropout', 'beta1', 'beta2', 'cfg_drop', 'sigma_min')),
     (interval('(0, 1)'), ('val_fraction',)),
     (interval('[0, 1]'), ('decay_frac',)),
-    (POSITIVE, ('length_scale',)),
+    # the evaluation's synthesis: bounds far past any use, as sample_tts.py's (beyond them the audio overflows)
+    (interval('[0, 10]'), ('temperature',)),
+    (interval('(0, 10]'), ('length_scale',)),
+    (interval('[0, 100]'), ('guidance',)),
     (one_of(SCHEDULES), ('lr_schedule',)),
     (one_of(TEXT_FRONTENDS), ('text_frontend',)),
     (FOLDER, ('out_dir',)),

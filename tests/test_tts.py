@@ -754,6 +754,13 @@ def test_settings_past_their_bounds_and_audio_that_is_not_finite_are_refused(tmp
                           ('length_scale=0', 'in (0, 10]')):
         p = run([*common, f'--out_dir={untrained}', f'--{setting}'], check=False)
         assert_user_error(p, f"{setting.split('=')[0]}=", f"must be {says}.")
+    # train_tts.py's evaluation speaks with the same settings: refused before the run begins, not at its end
+    for setting, says in (('temperature=1e20', 'in [0, 10]'), ('length_scale=1e4', 'in (0, 10]'),
+                          ('guidance=1e40', 'in [0, 100]')):
+        p = run(['train_tts.py', f'--out_dir={tmp_path / "train"}', f'--data_dir={tmp_path}', f'--{setting}'],
+                check=False)
+        assert_user_error(p, f"{setting.split('=')[0]}=", f"must be {says}.")
+        assert not (tmp_path / 'train').exists()
     ckpt = torch.load(untrained / 'ckpt.pt', weights_only=True)
     ckpt['model']['mel_std'] = torch.tensor(10.0)  # a model of loud mels: finite at the default temperature
     os.makedirs(tmp_path / 'loud')

@@ -101,6 +101,9 @@ if broken:  # they would speak NaN (Griffin-Lim's lstsq fails inside torch on it
     raise UserError(f"the weights of {ckpt_path} are not finite ({broken[0]}"
                     f"{' and others' if len(broken) > 1 else ''}): it is the checkpoint of a run that diverged; "
                     f"speak with another (--ckpt_name=best.pt, say).")
+if guidance and not model.config.cfg_drop:  # its unconditional flow, which guidance steers away from, is untrained
+    raise UserError(f"guidance={guidance}: {ckpt_path} was trained with cfg_drop=0, never without its condition, "
+                    f"so guidance has nothing to steer from; leave guidance at 0 (or train with --cfg_drop=0.2).")
 vocode = load_vocoder(vocoder, run_device)
 
 

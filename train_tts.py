@@ -142,6 +142,9 @@ check_values(config, [
 ])
 by_epochs = by_epochs_checked(config)  # else max_iters counts the run
 require_wandb(wandb_log)
+if guidance and not cfg_drop:  # guidance steers away from the unconditional flow, which only cfg_drop trains
+    raise UserError(f"guidance={guidance} needs a model that learned to speak without its condition too: add "
+                    f"--cfg_drop=0.2 (a share of utterances trained so), or leave guidance at 0.")
 if voice_clips and not multi_speaker:
     raise UserError("voice_clips=True learns to tell the voices of a multi-speaker corpus from a clip: add "
                     "--multi_speaker=True (rows id|speaker|text), or drop voice_clips.")

@@ -761,8 +761,15 @@ def test_settings_past_their_bounds_and_audio_that_is_not_finite_are_refused(tmp
                 check=False)
         assert_user_error(p, f"{setting.split('=')[0]}=", f"must be {says}.")
         assert not (tmp_path / 'train').exists()
+    # guidance steers away from an unconditional flow, which only a model trained with cfg_drop > 0 has
+    p = run([*common, f'--out_dir={untrained}', '--guidance=2'], check=False)
+    assert_user_error(p, 'was trained with cfg_drop=0, never without its condition, so guidance has nothing')
+    p = run(['train_tts.py', f'--out_dir={tmp_path / "train"}', f'--data_dir={tmp_path}', '--guidance=1'], check=False)
+    assert_user_error(p, 'guidance=1.0 needs a model that learned to speak without its condition too: add '
+                         '--cfg_drop=0.2')
     ckpt = torch.load(untrained / 'ckpt.pt', weights_only=True)
     ckpt['model']['mel_std'] = torch.tensor(10.0)  # a model of loud mels: finite at the default temperature
+    ckpt['model_args']['cfg_drop'] = 0.2  # trained for guidance
     os.makedirs(tmp_path / 'loud')
     torch.save(ckpt, tmp_path / 'loud' / 'ckpt.pt')
     p = run([*common, f'--out_dir={tmp_path / "loud"}', '--tts_temperature=10', '--guidance=2'], check=False)

@@ -30,8 +30,8 @@ from run.checkpoint import file_sha256, load_checkpoint, rng_state, set_rng_stat
 from run.run_folder import cached_tensors, open_run, require_init_from, run_log
 from run.runtime import StopSignal, compute_init, log
 from run.tracker import finish_wandb, require_wandb, start_wandb
-from tts.data import (MEL_SETTINGS, LJSpeechDataset, MelExtractor, check_same_corpus, corpus_hash, eval_batches,
-                      read_metadata, read_speakers, read_wav, split_ids)
+from tts.data import (MEL_SETTINGS, LJSpeechDataset, MelExtractor, check_same_corpus, corpus_hash, encode_text,
+                      eval_batches, read_metadata, read_speakers, read_wav, split_ids)
 from tts.discriminators import (MultiPeriodDiscriminator, MultiScaleDiscriminator, discriminator_loss,
                                 feature_loss, generator_loss, loss_mel)
 from tts.model import load_tts
@@ -133,6 +133,15 @@ def aligned_mels(ids):
     words = dict(rows)
     features_dir = os.path.join(out_dir, 'mel_cache')
     texts = phonemize_corpus(words, features_dir) if tts.config.text_frontend == 'phonemes' else words
+    unknown = {i: encode_text(texts[i], tts.config.symbols)[1] for i in ids}
+    lost = [i for i in ids if not encode_text(texts[i], tts.config.symbols, add_blank=False)[0]]
+    if lost:  # the model would read nothing of it: no mel of this recording to learn from
+        raise UserError(f"utterance {lost[0]!r} of {corpus} ({len(lost)} such) holds no character the TTS model "
+                        f"knows ({texts[lost[0]][:40]!r}): its corpus is in another alphabet. Use the corpus the "
+                        f"model was trained on (--data_dir), or one in its alphabet.")
+    if any(unknown.values()):
+        log(f"{sum(map(bool, unknown.values()))} of {len(ids)} transcripts hold characters the TTS model does not "
+            f"know, left out of its mels: {''.join(sorted(set().union(*unknown.values())))[:40]!r}")
     speakers = read_speakers(corpus) if tts.config.speakers else {}
     dataset = LJSpeechDataset(corpus, ids, texts, tts.config.symbols, features_dir, tts.config.add_blank,
                               progress=True, speakers={i: tts.config.speakers.index(s) for i, s in speakers.items()})

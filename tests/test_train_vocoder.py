@@ -327,3 +327,15 @@ def test_sample_and_eval_name_a_generator_run_given_as_a_language_model(straight
         p = run([script, f'--init_from={straight / "ckpt.pt"}'], check=False)
         assert_user_error(p, "is a train_vocoder.py run's checkpoint",
                           f'python sample_tts.py --vocoder={straight / "generator.pth.tar"}')
+
+
+def test_a_corpus_in_another_alphabet_is_refused(tiny, tmp_path):
+    """Recordings whose transcripts hold no character the TTS model knows: it would read nothing of them (their
+    mels were made of empty texts, silently)."""
+    other = tmp_path / 'other'
+    shutil.copytree(tiny[0], other)
+    rows = (other / 'metadata.csv').read_text().splitlines()
+    (other / 'metadata.csv').write_text(''.join(f"{row.split('|')[0]}|xyz|xyz\n" for row in rows))
+    p = fine_tune(tmp_path / 'out', tiny[1], f'--data_dir={other}', '--max_iters=1', check=False)
+    assert_user_error(p, "holds no character the TTS model knows ('xyz'): its corpus is in another alphabet")
+    assert not (tmp_path / 'out').exists()

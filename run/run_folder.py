@@ -141,16 +141,17 @@ def require_init_from(init_from, hf_folders=False):
                     f"start from.")
 
 
-def run_to_continue(out_dir, resume, run, eval_only):
+def run_to_continue(out_dir, resume, run, eval_only, config=None):
     """The checkpoint of the run in out_dir when this launch continues it, else None (a new run); a sharded
     one's weights as placeholders (load_checkpoint, not whole: run.checkpoint.whole_checkpoint reads them in).
     run: what identifies this launch's run (script, training type, where its weights start); a
     checkpoint recorded by another run is refused unless resume=False (which replaces that run).
-    eval_only evaluates whatever run of this script is there, wherever its weights started."""
+    eval_only evaluates whatever run of this script is there, wherever its weights started. config: this launch's
+    keys, which a new run's best.pt or merged.pt must have been saved with to be its own (check_replaceable)."""
     path = os.path.join(out_dir, 'ckpt.pt')
     if not resume or not os.path.exists(path):
         if not eval_only:  # a new run: what it will save over must be an earlier run's, replaced on request
-            check_replaceable(out_dir, resume, run)
+            check_replaceable(out_dir, resume, run, config)
         return None
     ckpt = load_checkpoint(path, whole=False, fix=resume_fix(out_dir))
     if not (isinstance(ckpt, dict) and 'kind' in ckpt):
@@ -175,13 +176,14 @@ def foreign(path, what="a checkpoint nanotrain wrote (it holds no 'kind')"):
             f"Use another --out_dir, or move that file away.")
 
 
-def check_replaceable(out_dir, resume, run):
+def check_replaceable(out_dir, resume, run, config=None):
     """A UserError unless a new run (run: its identity, as in run_to_continue) may save its checkpoints
     (CHECKPOINT_NAMES) in out_dir: none there, or an earlier run's that resume=False replaces (one too corrupt
     to read counts as another run's). A file nanotrain did not write is never replaced. Without resume=False
     (so without a ckpt.pt) another run's best.pt or merged.pt (a folder cleaned to keep its best model) is
     refused; this run's own is replaced, as a relaunch after a kill between its first two saves (best.pt,
-    then ckpt.pt) must."""
+    then ckpt.pt) must: the same identity and the same config (the same command: two runs from scratch of one
+    script share an identity, not their data or shape)."""
     found, others = [], []
     log_path = os.path.join(out_dir, 'log.jsonl')
     if os.path.isfile(log_path):  # a new run empties it: only a run's log, whose lines are events with a step
@@ -201,8 +203,9 @@ def check_replaceable(out_dir, resume, run):
             continue
         if not (isinstance(ckpt, dict) and 'kind' in ckpt):
             raise UserError(foreign(path))
-        saved = ckpt.get('run', {})
-        if any(saved[k] != run.get(k) for k in saved) or not saved:
+        saved, settings = ckpt.get('run', {}), ckpt.get('config') or {}
+        if any(saved[k] != run.get(k) for k in saved) or not saved or any(
+                k in (config or {}) and settings[k] != config[k] for k in settings):
             others.append(name)
     if others and resume:
         raise UserError(f"{out_dir} holds {' and '.join(others)} of another run (or unreadable) but no ckpt.pt to "
@@ -227,7 +230,7 @@ def open_run(config, run, master):
     run: as in run_to_continue."""
     out_dir = config['out_dir']
     lock = claim_out_dir(out_dir) if master else None
-    ckpt = run_to_continue(out_dir, config['resume'], run, config['eval_only'])
+    ckpt = run_to_continue(out_dir, config['resume'], run, config['eval_only'], config)
     return OpenRun(lock, os.path.join(out_dir, 'ckpt.pt'), ckpt)
 
 

@@ -189,8 +189,11 @@ def test_a_new_run_replaces_only_checkpoints_of_its_own_or_on_request(tmp_path, 
     assert run_to_continue(str(out), False, this, eval_only=False) is None
     assert 'resume=False: a new run starts in' in capsys.readouterr().out
     assert run_to_continue(str(out), True, this, eval_only=True) is None  # eval_only saves nothing
-    save_checkpoint(out / 'best.pt', {'kind': 'gpt', 'run': this})
-    assert run_to_continue(str(out), True, this, eval_only=False) is None
+    save_checkpoint(out / 'best.pt', {'kind': 'gpt', 'run': this, 'config': {'data_dir': 'data/a', 'n_layer': 2}})
+    # another run from scratch of the same script, copied in: its settings tell it apart (it was replaced)
+    with pytest.raises(UserError, match=r"holds best.pt of another run"):
+        run_to_continue(str(out), True, this, eval_only=False, config={'data_dir': 'data/b', 'n_layer': 2})
+    assert run_to_continue(str(out), True, this, eval_only=False, config={'data_dir': 'data/a', 'n_layer': 2}) is None
     assert 'its saves replace the best.pt there' in capsys.readouterr().out
     (out / 'merged.pt').write_text('my notes')  # unreadable as a checkpoint: replaced on request only
     with pytest.raises(UserError, match='holds merged.pt of another run'):

@@ -1156,3 +1156,16 @@ def test_training_samples_replace_no_file_of_the_users(tmp_path, corpus):
     assert (samples / f'{held[0]}.wav').read_bytes() == b'my recording'
     assert 'as it is: a file this script did not write' in p.stdout + p.stderr
     assert wav_software(str(samples / f'{held[1]}.wav')) == 'nanotrain train_tts.py'
+
+
+def test_another_runs_best_pt_alone_is_replaced_only_on_request(tmp_path, corpus, straight_run):
+    """A best.pt of another run from scratch copied into a folder (its ckpt.pt left behind): both runs share the
+    identity (train_tts.py, from scratch), not their settings; it was replaced silently, now only with
+    --resume=False (docs/checkpoints.md)."""
+    folder = tmp_path / 'kept'
+    folder.mkdir()
+    shutil.copy(straight_run[0] / 'best.pt', folder / 'best.pt')
+    kept = (folder / 'best.pt').read_bytes()
+    p = train(folder, corpus, '--max_iters=1', '--eval_interval=1', '--audio_samples=0', check=False)
+    assert_user_error(p, 'holds best.pt of another run', '--resume=False')
+    assert (folder / 'best.pt').read_bytes() == kept

@@ -583,6 +583,8 @@ def test_train_smoke_faults_and_synthesis(tmp_path, straight_run):
     assert rate == SR and len(back) == len(audio) == (log_mel.shape[1] - 1) * 256 and back.abs().max() > 0
     with pytest.raises(UserError, match='nothing to say'):
         synthesize(model, '123')  # digits are not in this corpus' vocabulary
+    with pytest.raises(UserError, match="nothing to say in 'Привет мир': none of its characters but spaces"):
+        synthesize(model, 'Привет мир')  # the space alone was spoken, 0.08 s
 
 
 @pytest.mark.slow

@@ -544,14 +544,15 @@ def synthesize(model, text, n_timesteps=10, temperature=0.667, length_scale=1.0,
     the model's vocabulary are skipped (with a note on stderr)."""
     config = model.config
     index = speaker_index(config, speaker) if voice is None else None
+    given = text
     if (config.text_frontend == 'phonemes' or reads_phonemes(config.symbols)) and not IPA_MARKS & set(text):
         text = phonemize(text)
     ids, unknown = encode_text(text, config.symbols, config.add_blank)
     if unknown:
         print(f"note: skipped characters the model was not trained on: {''.join(unknown)!r}", file=sys.stderr)
-    if all(i == BLANK_ID for i in ids):
-        raise UserError(f"nothing to say in {text!r}: none of its characters are in the model's vocabulary "
-                        f"{model.config.symbols!r}")
+    if not ''.join(config.symbols[i - 2] for i in ids if i != BLANK_ID).strip():  # spaces alone say nothing
+        raise UserError(f"nothing to say in {given!r}" + (f" (its phonemes: {text!r})" if text != given else '')
+                        + f": none of its characters but spaces are in the model's vocabulary {config.symbols!r}")
     device = model.mel_mean.device
     x = torch.tensor([ids], device=device)
     generator = torch.Generator(device=device).manual_seed(seed)

@@ -25,7 +25,6 @@ import shutil
 import zipfile
 
 import torch
-from safetensors import SafetensorError
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
@@ -35,6 +34,7 @@ from hf.tokenizer_json import save_tokenizer
 from lm.nf4 import BLOCK, DYNAMIC_LEVELS, NF4_LEVELS, SCALE_BLOCK, NF4Weight
 from lm.tokenizer import CHAT_SPECIAL_TOKENS, CHAT_TEMPLATE_JINJA
 from model import GPT, ROPE_SCALING_KEYS, GPTConfig, mlp_hidden_size
+from run.checkpoint import unpickling_detail
 from run.runtime import log
 
 ARCHITECTURES = ('LlamaForCausalLM', 'MistralForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM', 'ArceeForCausalLM',
@@ -452,9 +452,9 @@ def read_weights(path):
             return read_safetensors(path)
         # torch.save's format before torch 1.6 (an older model's .bin) is not a zip, which mmap needs
         weights = torch.load(path, map_location='cpu', weights_only=True, mmap=zipfile.is_zipfile(path))
-    except pickle.UnpicklingError as e:  # weights_only's refusal; torch's text advises weights_only=False
-        detail = str(e).partition('WeightsUnpickler error:')[2].strip().split('\n')[0][:200]
-        raise UserError(f"could not read {path} ({detail or 'not a weights file'}): it is corrupt, or holds objects "
+    except pickle.UnpicklingError as e:  # weights_only's refusal
+        detail = unpickling_detail(e) or 'not a weights file'
+        raise UserError(f"could not read {path} ({detail}): it is corrupt, or holds objects "
                         f"other than tensors, which nanotrain does not load (loading them can run code). Download it "
                         f"again, or use the model's safetensors release.") from None
     except Exception as e:  # a corrupt pickle fails anywhere in the unpickler (an IndexError, a KeyError, ...)

@@ -196,6 +196,17 @@ RUN_FIX = "point --init_from at another checkpoint"  # what a training script ca
 RESUME_FIX = "start a new run (another --out_dir, or --resume=False to replace the run there)"
 
 
+def unpickling_detail(e):
+    """What weights_only's refusal (a pickle.UnpicklingError) says of a file, without torch's advice to load it with
+    weights_only=False, which would run the file's code."""
+    return str(e).partition('WeightsUnpickler error:')[2].strip().split('\n')[0].split('. ')[0][:200]
+
+
+class NotACheckpoint(UserError):
+    """A file torch.load reads that holds no checkpoint (a dict): nanotrain never wrote it, so a run folder never
+    replaces it (run/run_folder.py), unlike a checkpoint too corrupt to read."""
+
+
 def load_checkpoint(path, whole=True, fix=RUN_FIX):
     """A checkpoint file, its tensors memory-mapped. A sharded one's folder is read whole, as if it were one
     file; not whole, its weights are placeholders on the meta device (restore_training_state reads each rank's
@@ -220,8 +231,8 @@ def load_checkpoint(path, whole=True, fix=RUN_FIX):
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     # torch's own text advises weights_only=False, i.e. running the file's code
     except pickle.UnpicklingError as e:
-        detail = str(e).partition('WeightsUnpickler error:')[2].strip().split('\n')[0].split('. ')[0][:200]
-        raise UserError(f"checkpoint {path} could not be read ({detail or 'not a checkpoint'}): it is corrupt, or it "
+        detail = unpickling_detail(e) or 'not a checkpoint'
+        raise UserError(f"checkpoint {path} could not be read ({detail}): it is corrupt, or it "
                         f"holds objects other than tensors and plain values, which nanotrain never writes and does not "
                         f"load because loading them can run code. Restore it from a backup, or point at a nanotrain "
                         f"checkpoint.") from None
@@ -231,8 +242,8 @@ def load_checkpoint(path, whole=True, fix=RUN_FIX):
                         f"The file is corrupt or was not written by nanotrain; restore it from a backup, or "
                         f"{fix}.") from None
     if not isinstance(ckpt, dict):
-        raise UserError(f"checkpoint {path} holds a {type(ckpt).__name__}, not a checkpoint (a run's state, a dict). "
-                        f"Check the path, or {fix}.")
+        raise NotACheckpoint(f"checkpoint {path} holds a {type(ckpt).__name__}, not a checkpoint (a run's state, a "
+                             f"dict). Check the path, or {fix}.")
     if 'shards' in ckpt:
         from run.sharded_checkpoint import placeholders
         ckpt = placeholders(ckpt, path, fix)

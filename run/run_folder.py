@@ -22,7 +22,7 @@ import shutil
 from typing import NamedTuple
 
 from configurator import UserError, on_refusal, require_writable_folder
-from run.checkpoint import RESUME_FIX, file_sha256, load_checkpoint, save_checkpoint, shard_folders
+from run.checkpoint import RESUME_FIX, NotACheckpoint, file_sha256, load_checkpoint, save_checkpoint, shard_folders
 from run.runtime import log
 
 
@@ -153,8 +153,11 @@ def run_to_continue(out_dir, resume, run, eval_only, config=None):
         if not eval_only:  # a new run: what it will save over must be an earlier run's, replaced on request
             check_replaceable(out_dir, resume, run, config)
         return None
-    ckpt = load_checkpoint(path, whole=False, fix=resume_fix(out_dir))
-    if not (isinstance(ckpt, dict) and 'kind' in ckpt):
+    try:
+        ckpt = load_checkpoint(path, whole=False, fix=resume_fix(out_dir))
+    except NotACheckpoint:  # its advice (copy best.pt over it) would replace a file nanotrain never wrote
+        raise UserError(foreign(path)) from None
+    if 'kind' not in ckpt:
         raise UserError(foreign(path))
     saved = ckpt.get('run', {})  # older checkpoints do not say: continue them
     # init_from may differ to evaluate, or where the model the run began from has moved (gone from
@@ -198,10 +201,12 @@ def check_replaceable(out_dir, resume, run, config=None):
         found.append(name)
         try:
             ckpt = load_checkpoint(path, whole=False)
+        except NotACheckpoint:
+            raise UserError(foreign(path)) from None
         except UserError:  # corrupt, cut short, or its shards gone: whose, none can say
             others.append(name)
             continue
-        if not (isinstance(ckpt, dict) and 'kind' in ckpt):
+        if 'kind' not in ckpt:
             raise UserError(foreign(path))
         saved, settings = ckpt.get('run', {}), ckpt.get('config') or {}
         if any(saved[k] != run.get(k) for k in saved) or not saved or any(

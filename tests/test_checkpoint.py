@@ -172,10 +172,18 @@ def test_a_new_run_replaces_only_checkpoints_of_its_own_or_on_request(tmp_path, 
     this = dict(script='train.py', training_type='from_scratch', init_from='scratch')
     out = tmp_path / 'out'
     out.mkdir()
-    torch.save({'w': torch.zeros(2)}, out / 'ckpt.pt')  # someone's own weights
+    for own in ({'w': torch.zeros(2)}, torch.zeros(2)):  # someone's own weights: a dict, or no dict at all
+        torch.save(own, out / 'ckpt.pt')
+        for resume in (True, False):
+            with pytest.raises(UserError, match=r"ckpt.pt is not a checkpoint nanotrain wrote .* never replaced"):
+                run_to_continue(str(out), resume, this, eval_only=False)
+    os.remove(out / 'ckpt.pt')
+    torch.save(torch.zeros(2), out / 'best.pt')  # nor beside no ckpt.pt, where a corrupt one is replaced on request
     for resume in (True, False):
-        with pytest.raises(UserError, match=r"ckpt.pt is not a checkpoint nanotrain wrote .* never replaced"):
+        with pytest.raises(UserError, match=r"best.pt is not a checkpoint nanotrain wrote .* never replaced"):
             run_to_continue(str(out), resume, this, eval_only=False)
+    os.remove(out / 'best.pt')
+    torch.save({'w': torch.zeros(2)}, out / 'ckpt.pt')
     os.remove(out / 'ckpt.pt')
     (out / 'log.jsonl').write_text('my own log\n')  # a new run empties a run's log, never another file
     with pytest.raises(UserError, match=r"log.jsonl is not a run's log .* never replaced"):

@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from configurator import UserError
-from run.checkpoint import atomic_file, file_kind
+from run.checkpoint import atomic_file, file_kind, unpickling_detail
 from tts.data import MEL_SETTINGS, MelExtractor
 
 LRELU_SLOPE = 0.1
@@ -185,11 +185,10 @@ def load_hifigan(path, device='cpu', key='vocoder'):
                         f"models/hifigan/generator_universal.pth.tar, config.json beside it){griffin_lim}.")
     try:
         ckpt = torch.load(path, map_location='cpu', weights_only=True)
-    # torch's own text advises weights_only=False, i.e. running the file's code (run/checkpoint.py says the same)
-    except pickle.UnpicklingError as e:
-        detail = str(e).partition('WeightsUnpickler error:')[2].strip().split('\n')[0].split('. ')[0][:200]
-        raise UserError(f"{key}={path}: not a readable PyTorch checkpoint ({detail or 'not a checkpoint'}): it is "
-                        f"corrupt, or it holds objects other than tensors and plain values, which are not loaded "
+    except pickle.UnpicklingError as e:  # weights_only's refusal, as run/checkpoint.py words it
+        detail = unpickling_detail(e) or 'not a checkpoint'
+        raise UserError(f"{key}={path}: not a readable PyTorch checkpoint ({detail}): "
+                        f"it is corrupt, or it holds objects other than tensors and plain values, which are not loaded "
                         f"because loading them can run code. Download it again{griffin_lim}.") from None
     except Exception as e:  # torch raises several kinds for a file that is not its own
         raise UserError(f"{key}={path}: not a readable PyTorch checkpoint ({type(e).__name__}: "

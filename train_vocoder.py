@@ -133,8 +133,9 @@ def aligned_mels(ids):
     words = dict(rows)
     features_dir = os.path.join(out_dir, 'mel_cache')
     texts = phonemize_corpus(words, features_dir) if tts.config.text_frontend == 'phonemes' else words
-    unknown = {i: encode_text(texts[i], tts.config.symbols)[1] for i in ids}
-    lost = [i for i in ids if not encode_text(texts[i], tts.config.symbols, add_blank=False)[0]]
+    encoded = {i: encode_text(texts[i], tts.config.symbols, add_blank=False) for i in ids}  # (ids, unknown)
+    lost = [i for i in ids if not encoded[i][0]]
+    unknown = {i: characters for i, (_, characters) in encoded.items()}
     if lost:  # the model would read nothing of it: no mel of this recording to learn from
         raise UserError(f"utterance {lost[0]!r} of {corpus} ({len(lost)} such) holds no character the TTS model "
                         f"knows ({texts[lost[0]][:40]!r}): its corpus is in another alphabet. Use the corpus the "
@@ -236,8 +237,8 @@ def save(path, iter_num, best_val_loss):
     state = dict(kind='vocoder', run=this_run, config=config, iter_num=iter_num, best_val_loss=best_val_loss,
                  generator=generator.state_dict(), generator_config=dataclasses.asdict(generator.config),
                  mpd=mpd.state_dict(), msd=msd.state_dict(), optimizer_g=optimizer_g.state_dict(),
-                 optimizer_d=optimizer_d.state_dict(), batch_splits=batch_splits, rng=rng_state(), corpus_hash=corpus_digest,
-                 wandb_run_id=tracker and tracker.id)
+                 optimizer_d=optimizer_d.state_dict(), batch_splits=batch_splits, rng=rng_state(),
+                 corpus_hash=corpus_digest, wandb_run_id=tracker and tracker.id)
     write_checkpoint(path, state, False, True)
     save_hifigan(generator, os.path.join(out_dir, 'generator.pth.tar'))
 

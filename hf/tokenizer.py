@@ -17,6 +17,7 @@ from datetime import datetime
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
@@ -220,10 +221,11 @@ class HFTokenizer:
         self.tool_chat_template, self.tool_template_source = read_chat_template(folder, tokenizer_config, 'tool_use')
         self.tool_template = (None if self.tool_chat_template is None else
                               compile_chat_template(self.tool_chat_template, self.tool_template_source))
-        unread = set(template_variables or {}) - self.template_reads()
+        reads = self.template_reads() if template_variables else set()  # parsed only where there are some
+        unread = set(template_variables or {}) - reads
         if unread:  # a misspelt name (enable_thinkng) would render as if it were not given
-            given = self.template_reads() - {'messages', 'tools', 'documents', 'add_generation_prompt',
-                                             *self.special_tokens, *RENDER_GLOBALS}
+            given = reads - {'messages', 'tools', 'documents', 'add_generation_prompt', *self.special_tokens,
+                             *RENDER_GLOBALS}
             raise UserError(f"chat_template_variables {sorted(unread)}: " + (
                 f"the chat template of {folder} reads no such variable (it reads "
                 f"{', '.join(sorted(given)) or 'none besides the conversation'}); leave them out or spell them so."
@@ -292,7 +294,6 @@ class HFTokenizer:
 
     def template_reads(self):
         """The names the chat templates (the plain and the tools one) read that they do not set themselves."""
-        import jinja2.meta
         return {name for template, text in ((self.template, self.chat_template),
                                             (self.tool_template, self.tool_chat_template)) if template is not None
                 for name in jinja2.meta.find_undeclared_variables(template.environment.parse(text))}

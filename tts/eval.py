@@ -170,10 +170,12 @@ def evaluate_synthesis(model, val_set, train_set, ids, setup):
         scores['model_audio'].append(mel_cepstral_distortion(extractor(audio), reference))
         scores['reference_audio'].append(mel_cepstral_distortion(extractor(setup.vocode(reference)), reference))
         scores['baseline'].append(mel_cepstral_distortion(mean_frame[:, None].expand_as(reference), reference))
+        if n >= setup.audio_samples:
+            continue
         path = os.path.join(samples_dir, f'{utt_id}.wav')
-        if n < setup.audio_samples and os.path.lexists(path) and wav_software(path) != SAMPLE_SOFTWARE:
+        if os.path.lexists(path) and wav_software(path) != SAMPLE_SOFTWARE:
             tqdm.write(f"left {path} as it is: a file this script did not write (move it to see the sample)")
-        elif n < setup.audio_samples:
+        else:
             write_wav(path, audio, sample_rate, software=SAMPLE_SOFTWARE)
     model.train()
     result = {f'mcd_{k}': sum(v) / len(v) for k, v in scores.items()}

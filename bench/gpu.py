@@ -3,8 +3,8 @@ One command for a GPU: what nanotrain measures on one, part after part on the sa
 in its own process under its own time limit. A part that fails or runs out of time is recorded as such and the
 next one starts; the JSON is written after every part, so a run that is killed keeps what it measured, and a
 rerun with --parts=... fills in the parts it names (the rest of the same day's JSON is kept). Run it first
-whenever a GPU is at hand. Its budget is 8 minutes; how long compiling the 8B body takes is not measured yet, so
-its compiled parts may not fit in the first call: `--parts=` then runs what was skipped.
+whenever a GPU is at hand. Its budget is 8 minutes, which on the first H200 (2026-11-30) reached lora8b_nf4; a
+second call with `--parts=` runs what was skipped (there: 207 s for rl1b, rl1b_compiled_decoding, lora8b_pack).
 
     cp -r ../shared/peers/nanogpt bench/results/nanogpt          # nanoGPT, unchanged, in an ignored folder
     mkdir -p models/smollm2-tokenizer && cp models/smollm2-135m-instruct/{tokenizer.json,tokenizer_config.json,special_tokens_map.json} models/smollm2-tokenizer/
@@ -127,17 +127,21 @@ def tests(limit):
     """pytest on the tests marked cuda (skipped without CUDA: in the dry run all of them are)."""
     files = sorted(os.path.relpath(f, ROOT) for f in glob.glob(os.path.join(ROOT, 'tests', 'test_*.py'))
                    if 'mark.cuda' in open(f).read())  # only these: collecting the whole suite takes a while
-    code, output = launch([sys.executable, '-m', 'pytest', '-m', 'cuda', '-n', '0', '-q', '-p', 'no:cacheprovider',
-                           *files], limit)
+    # a worker a test on the GPU's machine (each compiles on its own; one after another took over 90 s on an H200),
+    # the slowest named in the log
+    workers = '0' if dry_run else '8'
+    code, output = launch([sys.executable, '-m', 'pytest', '-m', 'cuda', '-n', workers, '--durations=5', '-q', '-p',
+                           'no:cacheprovider', *files], limit)
     summary = output.strip().splitlines()[-1] if output.strip() else ''
     counts = {kind.rstrip('s'): int(n) for n, kind in re.findall(r'(\d+) (passed|failed|skipped|errors?)', summary)}
     if code is None:
         raise PartFailed('timed out', f"still running after its {limit:.0f} s")
     if not counts:  # pytest itself failed (a test file that does not import, say)
         raise PartFailed('failed', f"exit {code}: {output.strip()[-500:]}")
+    slowest = [f'{s}s {name}' for s, name in re.findall(r'^([\d.]+)s call\s+(\S+)', output, re.M)]
     if code:
-        return dict(counts, status='failed', note=summary, failures=output[-3000:])
-    return dict(counts, summary=summary)
+        return dict(counts, status='failed', note=summary, failures=output[-3000:], slowest=slowest)
+    return dict(counts, summary=summary, slowest=slowest)
 
 
 def gpt(batch_size, limit, profile=False):
@@ -297,7 +301,7 @@ def compiled_decoding(limit):
 
 
 PARTS = {  # name: (what, its time limit in seconds, the function that runs it)
-    'tests': ('the tests that need CUDA', 90, tests),
+    'tests': ('the tests that need CUDA', 150, tests),
     'gpt_b16': ('GPT-2 124M shape, batch 16 x 1024, compiled: bench/bench_gpt.py', 100, lambda s: gpt(16, s)),
     'nanogpt_b16': ("the same in nanoGPT's bench.py", 100, lambda s: nanogpt(16, s)),
     'gpt_b32': ('GPT-2 124M shape, batch 32 x 1024, compiled: bench/bench_gpt.py', 100, lambda s: gpt(32, s, True)),

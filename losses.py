@@ -149,8 +149,12 @@ class LinearCrossEntropy(torch.autograd.Function):
                     h_grads[1].append(d @ w)
                 if grads[1]:
                     weight_grads[1].append(d.t() @ (hc * (2 * bc * lse)[:, None]).to(dtype))
-            # P - onehot(target) (times the slope at the target), in place of P
-            p.scatter_add_(1, tc, -(slope.gather(1, tc) if softcap else torch.ones_like(tc, dtype=p.dtype)))
+            # P - onehot(target) (times the slope at the target)
+            if torch.compiler.is_compiling():  # one expression, fused into the pass that writes d: no float32 P
+                at_target = torch.arange(p.size(1), device=p.device) == tc
+                p = torch.where(at_target, p - (slope if softcap else 1.0), p)
+            else:  # in place of P
+                p.scatter_add_(1, tc, -(slope.gather(1, tc) if softcap else torch.ones_like(tc, dtype=p.dtype)))
             d = p.to(dtype)
             if grads[0]:
                 h_grads[0].append(d @ w)

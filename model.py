@@ -182,6 +182,52 @@ def document_mask(doc_ids):
     return ((doc_ids[:, :, None] == doc_ids[:, None, :]) & causal)[:, None]
 
 
+class DocumentRows:
+    """Attention of rows packed with documents (doc_ids, B x T; -1: padding), one document at a time: each
+    document's tokens placed in a row of its own (n documents x the longest, L), plain causal attention over
+    those rows (the fused kernel, no mask: a row's padding comes after its tokens), and put back. Rows of short
+    documents then cost their documents' attention, n * L^2, where document_mask's costs the whole T^2 square,
+    which no masked kernel skips. A layout (GPT.hidden_states); packed_attention chooses it where it is cheaper."""
+
+    def __init__(self, doc_ids, positions):
+        starts = torch.ones_like(doc_ids, dtype=torch.bool)
+        starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+        starts &= doc_ids >= 0
+        document = starts.flatten().cumsum(0) - 1  # each token's document in the batch
+        n, L = int(document[-1]) + 1, int(positions.masked_fill(doc_ids < 0, 0).max()) + 1
+        # each token's slot of the (n, L) rows; padding's one slot past them, which nothing reads
+        self.slot = torch.where(doc_ids.flatten() >= 0, document * L + positions.flatten(), n * L)
+        self.rows = doc_ids.new_empty(n, L, 0)  # the rows' shape, as a tensor's (compiled: a dynamic size)
+
+    def attend(self, q, k, v, dropout_p=0.0, window=0):
+        """q (B, H, T, D), k and v (B, Hkv, T, D) -> (B, H, T, D); padding's output is 0."""
+        B, H, T, D = q.shape
+        n, L = self.rows.shape[:2]
+
+        def to_rows(x):  # (B, h, T, D) -> (n, h, L, D), zeros after each document
+            tokens = x.transpose(1, 2).reshape(B * T, x.size(1), D)
+            rows = tokens.new_zeros(n * L + 1, x.size(1), D).index_copy(0, self.slot, tokens)
+            return rows[:-1].view(n, L, x.size(1), D).transpose(1, 2)
+        steps = torch.arange(L, device=q.device)
+        band = window_mask(steps, steps, window) if window and L > window else None
+        y = attend(to_rows(q), to_rows(k), to_rows(v), dropout_p, True, band).transpose(1, 2).reshape(n * L, H, D)
+        y = torch.cat([y, y.new_zeros(1, H, D)]).index_select(0, self.slot)
+        return y.view(B, T, H, D).transpose(1, 2)
+
+
+PACKED_ROWS_SHARE = 1.0  # DocumentRows where its n * L^2 is at most this share of the masked B * T^2
+
+
+def packed_attention(doc_ids, positions):
+    """What attends within each document of packed rows: DocumentRows where its rows' n * L^2 is at most the
+    masked square's B * T^2 (its causal kernel skips half of that, which pays for its copies: bench/README.md),
+    else document_mask's (B, 1, T, T) mask."""
+    rows = DocumentRows(doc_ids, positions)
+    n, L = rows.rows.shape[:2]
+    B, T = doc_ids.shape
+    return rows if n * L * L <= PACKED_ROWS_SHARE * B * T * T else document_mask(doc_ids)
+
+
 def window_mask(q_pos, k_pos, window):
     """True where a query at position q_pos may attend to a key at k_pos, (..., Tq, Tk): causal, and the key at most
     window - 1 positions back, so a query sees window keys counting itself (transformers' sliding_window)."""
@@ -373,6 +419,7 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.activation_checkpointing = False  # runtime switch, not part of the config
+        self.compiled = None  # compile_blocks' (blocks, loss): training's forward through torch.compile
         device = torch.empty(0).device  # the caller's default device
         # built on the meta device, then drawn once: no layer's default init drawn and overwritten (an
         # Embedding's default init on the meta device would import torch._dynamo: 1.3 CPU-s a launch)
@@ -494,7 +541,8 @@ class GPT(nn.Module):
         B, T = idx.shape
         start = caches[0].len if caches else 0
         if doc_ids is not None:
-            positions, mask = document_positions(doc_ids), document_mask(doc_ids)
+            positions = document_positions(doc_ids)
+            mask = packed_attention(doc_ids, positions)
         if positions is None and start + T > self.config.block_size:
             raise ValueError(f"model.py: got {start + T} tokens but block_size is {self.config.block_size}; "
                              f"crop the input to its last {self.config.block_size} tokens.")
@@ -521,7 +569,9 @@ class GPT(nn.Module):
                 mask = band if mask is None else mask & band
         x = self.transformer.drop(x)
         recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
-        for i, block in enumerate(self.transformer.h):
+        # decoding with caches runs eagerly (lm/generate.py compiles its own static-shape step)
+        blocks = self.compiled[0] if self.compiled and not caches else self.transformer.h
+        for i, block in enumerate(blocks):
             if recompute:
                 # keep only block inputs; rerun the block in
                 # backward (RNG state is replayed for dropout)
@@ -570,9 +620,17 @@ class GPT(nn.Module):
             terms = {'ce': keep / keep.sum()}
         else:
             terms = {name: w.reshape(-1) for name, w in weights.items()}
-        terms = losses.head_loss_terms(h, targets, terms, self.logits, self.config.vocab_size, self.head_weight(),
-                                       self.config.logit_softcap)
+        head_loss_terms = self.compiled[1] if self.compiled else losses.head_loss_terms
+        terms = head_loss_terms(h, targets, terms, self.logits, self.config.vocab_size, self.head_weight(),
+                                self.config.logit_softcap)
         return None, (terms['ce'][0] if weights is None else terms)
+
+    def compile_blocks(self, mode=None, backend='inductor'):
+        """torch.compile each block on its own, and the output layer's loss; forward uses them (but not to decode
+        with caches). The blocks are alike, so one compile serves them all: a 32-layer LoRA model reached its first
+        step in 49 s on a CPU, against 366 s compiled whole, at the same speed (bench/README.md)."""
+        self.compiled = ([torch.compile(block, mode=mode, backend=backend) for block in self.transformer.h],
+                         torch.compile(losses.head_loss_terms, mode=mode, backend=backend))
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
         """AdamW with weight decay on the matmul weights only: norms, biases and embeddings

@@ -67,7 +67,8 @@ if sdpa_backend != 'auto':
     backend = dict(flash=SDPBackend.FLASH_ATTENTION, cudnn=SDPBackend.CUDNN_ATTENTION,
                    efficient=SDPBackend.EFFICIENT_ATTENTION)[sdpa_backend]
     sdpa_kernel(backend).__enter__()  # for the whole run
-step_model = torch.compile(model, mode=compile_mode) if compile else model
+if compile:  # as train.py compiles: block by block, and the loss
+    model.compile_blocks(compile_mode)
 x = torch.randint(vocab_size, (batch_size, block_size), device=device)
 y = torch.randint(vocab_size, (batch_size, block_size), device=device)
 
@@ -79,7 +80,7 @@ def sync():
 
 def train_step():
     with autocast_context(device, ptdtype):
-        _, loss = step_model(x, y)
+        _, loss = model(x, y)
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

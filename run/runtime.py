@@ -89,10 +89,11 @@ def prepare_once(prepare, compute, **kwargs):
 
 
 def wrap_model(model, compile_model, ddp, local_rank, device_type):
-    """The model the training loop calls: compiled (compile_model) and DDP-wrapped (ddp; False under FSDP, which
-    shards the model in place). Checkpoints and samples use the model itself."""
+    """The model the training loop calls: compiled block by block in place (compile_model: GPT.compile_blocks)
+    and DDP-wrapped (ddp; False under FSDP, which shards the model in place). Checkpoints and samples use the
+    model itself."""
     if compile_model:
-        model = torch.compile(model)
+        model.compile_blocks()
     if ddp:
         model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None)
     return model

@@ -226,6 +226,35 @@ def test_linear_cross_entropy_matches_cross_entropy_in_values_and_gradients(soft
 
 
 @pytest.mark.comparison
+@pytest.mark.parametrize('softcap', [0.0, 2.0])
+def test_compiled_linear_cross_entropy_writes_its_gradient_without_a_scatter_and_equals_eager(softcap):
+    """Compiled, P - onehot(target) is one torch.where (fused into the pass that writes the 16-bit gradient, where
+    the eager in-place scatter_add_ made the compiler keep a float32 P: bench/README.md); it adds the same -1 (or
+    -slope) at the same places, so values and gradients are eager's bit for bit, z-loss and chunks included."""
+    g = torch.Generator().manual_seed(1)
+    N, C, V = 37, 8, 23
+    h, weight = torch.randn(N, C, generator=g), torch.randn(V, C, generator=g)
+    targets = torch.randint(V, (N,), generator=g)
+    targets[[0, 5]] = -100
+    ce_weights, z_weights = torch.rand(N, generator=g), torch.rand(N, generator=g)
+    ops = []
+
+    def recording(gm, inputs):  # the autograd.Function's forward is a subgraph of its own
+        ops.extend(str(node.target) for m in gm.modules() if isinstance(m, torch.fx.GraphModule)
+                   for node in m.graph.nodes)
+        return gm.forward
+
+    def terms(*a):
+        return losses.linear_cross_entropy(*a, softcap=softcap, chunk_logits=100)
+    eager = terms_and_grads(terms, h, weight, targets, ce_weights, z_weights)
+    torch._dynamo.reset()
+    compiled = terms_and_grads(torch.compile(terms, backend=recording), h, weight, targets, ce_weights, z_weights)
+    assert any('where' in op for op in ops) and not any('scatter' in op for op in ops)
+    for got, want in zip(compiled, eager):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.comparison
 @pytest.mark.parametrize('tie', [True, False])
 def test_model_loss_is_train_pys_weighted_cross_entropy_and_z_loss_of_its_logits(tie, monkeypatch):
     """forward(targets, logits_at, weights) against weighted_cross_entropy and z_loss of forward's logits (train.py's

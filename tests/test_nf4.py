@@ -3,6 +3,7 @@ the quantization against a brute-force nearest level, the matmul and its gradien
 weight's, LoRA on it (what is stored how, merged.pt, the reference with adapters off), the settings refused,
 and train.py / train_dpo.py / train_rl.py on a 4-bit base: resume, a SIGKILL relaunch, export."""
 
+import copy
 import json
 import os
 import shutil
@@ -259,33 +260,34 @@ def test_lora_on_a_4_bit_base():
         model.transformer.h[0].attn.q.merge()
 
 
-@pytest.mark.slow  # ~10 s of CPU: dynamo traces the whole model
+@pytest.mark.slow  # ~10 s of CPU: dynamo traces a block and the loss
 @pytest.mark.comparison
 def test_the_scripts_compiled_4_bit_model_computes_what_it_does_eagerly():
-    """train.py, train_dpo.py and train_rl.py with --compile=True call torch.compile(model) on the 4-bit LoRA GPT
-    (run/runtime.wrap_model), train.py with activation checkpointing too: the compiled branch of nf4_linear (its
-    checkpointed region and absmax op) nested in a block's checkpoint, traced whole, gives eager's loss and
+    """train.py, train_dpo.py and train_rl.py with --compile=True compile the 4-bit LoRA GPT block by block
+    (run/runtime.wrap_model: GPT.compile_blocks), train.py with activation checkpointing too: the compiled
+    branch of nf4_linear (its checkpointed region and absmax op) nested in a block's checkpoint gives eager's loss and
     adapter gradients, called as DPO and RL call it (positions, mask, logits_at) and with targets as train.py.
     aot_eager runs what dynamo and AOTAutograd trace (the part that sees those regions) as aten ops, in seconds;
     inductor's code for the dequantization is the layer test's above."""
     model = lora_on(tiny_gpt(), 'nf4')
     model.activation_checkpointing = True
-    trained = [p for p in model.parameters() if p.requires_grad]
     g = torch.Generator().manual_seed(3)
     x, y = torch.randint(20, (2, 8), generator=g), torch.randint(20, (2, 8), generator=g)
     positions, mask = torch.arange(8).expand(2, 8), torch.ones(2, 1, 8, 8, dtype=torch.bool).tril()
     at = (torch.tensor([0, 1, 1]), torch.tensor([5, 6, 7]))
 
-    def loss_and_grads(f):
+    def loss_and_grads(m):
+        trained = [p for p in m.parameters() if p.requires_grad]
         for p in trained:
             p.grad = None
-        loss = f(x, y, positions=positions, mask=mask, logits_at=at)[1]
+        loss = m(x, y, positions=positions, mask=mask, logits_at=at)[1]
         loss.backward()
         return [loss.detach()] + [p.grad for p in trained]
 
-    compiled = torch.compile(model, backend='aot_eager')
+    eager = copy.deepcopy(model)
+    model.compile_blocks(backend='aot_eager')
     # the same float32 ops, at most reassociated within a sum of 32 products (tolerance as test_lora_on_a_4_bit_base)
-    for e, c in zip(loss_and_grads(model), loss_and_grads(compiled)):
+    for e, c in zip(loss_and_grads(eager), loss_and_grads(model)):
         torch.testing.assert_close(c, e, rtol=0, atol=1e-5)
 
 

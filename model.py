@@ -220,12 +220,14 @@ PACKED_ROWS_SHARE = 1.0  # DocumentRows where its n * L^2 is at most this share 
 
 def packed_attention(doc_ids, positions):
     """What attends within each document of packed rows: DocumentRows where its rows' n * L^2 is at most the
-    masked square's B * T^2 (its causal kernel skips half of that, which pays for its copies: bench/README.md),
-    else document_mask's (B, 1, T, T) mask."""
+    masked square's B * T^2 (its causal kernel skips half of that, which pays for its copies: bench/README.md)
+    and its n * L slots at most twice the B * T tokens (one long document among many short ones would pad them
+    all to its length), else document_mask's (B, 1, T, T) mask."""
     rows = DocumentRows(doc_ids, positions)
     n, L = rows.rows.shape[:2]
     B, T = doc_ids.shape
-    return rows if n * L * L <= PACKED_ROWS_SHARE * B * T * T else document_mask(doc_ids)
+    cheaper = n * L * L <= PACKED_ROWS_SHARE * B * T * T and n * L <= 2 * B * T
+    return rows if cheaper else document_mask(doc_ids)
 
 
 def window_mask(q_pos, k_pos, window):

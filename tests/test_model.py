@@ -384,6 +384,9 @@ def test_packed_rows_attended_one_document_at_a_time_match_the_document_mask(mon
     assert isinstance(packed_attention(doc_ids, document_positions(doc_ids)), DocumentRows)
     long = torch.tensor([[0] * 30 + [1] * 2])
     assert packed_attention(long, document_positions(long)).shape == (1, 1, 32, 32)
+    # 28 one-token documents and a 4-token one: 29 x 16 <= 32^2, but 116 slots for 32 tokens
+    spread = torch.tensor([list(range(28)) + [28] * 4])
+    assert packed_attention(spread, document_positions(spread)).shape == (1, 1, 32, 32)
 
 
 @pytest.mark.comparison

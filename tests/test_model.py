@@ -638,6 +638,8 @@ def test_blocks_compiled_one_by_one_are_compiled_once_and_compute_what_eager_doe
         model.eval()
         before = len(graphs)
         with torch.no_grad():
-            assert torch.equal(model.generate(x[:1, :3], 4, temperature=0.0), eager.generate(x[:1, :3], 4, temperature=0.0))
+            prompt = x[:1, :3]
+            assert torch.equal(model.generate(prompt, 4, temperature=0.0), eager.generate(prompt, 4, temperature=0.0))
         assert len(graphs) == before  # the cached decode never went through the compiled blocks
-    assert counts[0] == counts[1] and 2 <= counts[0] <= 4, counts  # the blocks' graphs and the loss's, not one per block
+    # the blocks' graphs and the loss's, not one per block
+    assert counts[0] == counts[1] and 2 <= counts[0] <= 4, counts

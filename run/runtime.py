@@ -95,7 +95,10 @@ def wrap_model(model, compile_model, ddp, local_rank, device_type):
     if compile_model:
         model.compile_blocks()
     if ddp:
-        model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None)
+        # the models' buffers are constants (RoPE tables, a 4-bit base's weights, TTS's mel statistics): broadcast
+        # from rank 0 at the forwards (DDP's default) they cost an 8B NF4 base at least 3.6 GB a step, and a
+        # collective that a rank with no eval batch never joins (it waits in the eval's all-reduce: both hang)
+        model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None, broadcast_buffers=False)
     return model
 
 

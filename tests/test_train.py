@@ -181,6 +181,12 @@ def test_ddp_matches_single_process_with_double_accumulation(tmp_path, data_dir)
     p = train(ddp, data_dir, *common, '--max_iters=6', '--gradient_accumulation_steps=1')
     assert 'global batch of 8 is kept on 1 process instead of 2' in p.stdout, p.stdout  # not halved
     assert 'written by 2 processes, now 1' in p.stdout and load(ddp / 'ckpt.pt')['gradient_accumulation_steps'] == 2
+    # one val window: an eval batch on rank 0 and none on rank 1, whose DDP forward broadcast the RoPE buffers from
+    # rank 0 (DDP's default) while rank 1 waited in the eval's all-reduce: hung until killed
+    uneven = tmp_path / 'uneven'
+    train(uneven, data_dir, '--max_iters=1', '--eval_interval=1', '--batch_size=1', '--eval_iters=1', ranks=2,
+          timeout=120)
+    assert sorted(logged(uneven, 'val_loss')) == [0, 1]
 
 
 @pytest.mark.slow
